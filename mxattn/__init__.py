@@ -1,0 +1,23 @@
+"""mxattn: end-to-end MXFP8 attention for PyTorch (fast on Hopper, with a Blackwell path)."""
+
+from mxattn._version import __version__
+from mxattn.formats import (
+    MXTensor,
+    RowScaledFP8,
+    ScaleMode,
+    dequantize_mxfp8,
+    quantize_mxfp8,
+    row_scaled_from_float,
+    to_row_scaled,
+)
+
+__all__ = [
+    "__version__",
+    "MXTensor",
+    "RowScaledFP8",
+    "ScaleMode",
+    "dequantize_mxfp8",
+    "quantize_mxfp8",
+    "row_scaled_from_float",
+    "to_row_scaled",
+]
