@@ -1,0 +1,1 @@
+"""The measuring instrument: speed and accuracy benchmarks behind `mxattn bench` and `mxattn accuracy`."""

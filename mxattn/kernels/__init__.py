@@ -1,0 +1,1 @@
+"""Triton kernels (Hopper FP8 path and Blackwell block-scaled path), one op family per file."""
