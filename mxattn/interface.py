@@ -1,0 +1,206 @@
+"""Public attention functions: input checks, CPU/GPU dispatch, autograd.
+
+Every check runs before any kernel launch and raises ``TypeError`` (wrong type/dtype) or ``ValueError``
+(wrong shape, device, orientation, head dim, value) naming the argument.
+
+Layouts: (B, S, H, D) tensors, as ``flash_attn_func``.  Orientations of MXFP8 inputs (DESIGN §1):
+``q`` and ``k`` blocked along the head dim (``MXTensor.dim == 3``), ``v`` blocked along the sequence
+(``dim == 1``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+
+from mxattn import formats
+from mxattn.formats import MXTensor, RowScaledFP8
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+K_EXP_GROUP = 128
+
+Operand = Union[torch.Tensor, MXTensor]
+
+
+# ----------------------------------------------------------------------------------------------
+# Input checks
+# ----------------------------------------------------------------------------------------------
+
+
+def _shape_of(name: str, t: Operand) -> torch.Size:
+    if isinstance(t, MXTensor):
+        return t.shape
+    if isinstance(t, torch.Tensor):
+        return t.shape
+    raise TypeError(f"{name} must be a torch.Tensor or an MXTensor, got {type(t).__name__}")
+
+
+def _check_attention_inputs(q: Operand, k: Operand, v: Operand, softmax_scale) -> tuple[bool, torch.device]:
+    """Validate (q, k, v) for dense (B, S, H, D) attention; returns (inputs_are_mx, device)."""
+    shapes = {n: _shape_of(n, t) for n, t in (("q", q), ("k", k), ("v", v))}
+    kinds = {n: isinstance(t, MXTensor) for n, t in (("q", q), ("k", k), ("v", v))}
+    if len(set(kinds.values())) != 1:
+        raise TypeError(
+            "q, k and v must all be MXTensors or all be float tensors; got "
+            + ", ".join(f"{n}={'MXTensor' if m else 'Tensor'}" for n, m in kinds.items())
+        )
+    is_mx = kinds["q"]
+    for n, t in (("q", q), ("k", k), ("v", v)):
+        if not is_mx and t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{n} must be bfloat16, float16 or float32 (or an MXTensor), got {t.dtype}")
+        if len(shapes[n]) != 4:
+            raise ValueError(f"{n} must have shape (batch, seqlen, nheads, headdim), got {tuple(shapes[n])}")
+    if not is_mx and not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if is_mx:
+        for n, t, want, what in (("q", q, 3, "head dim"), ("k", k, 3, "head dim"), ("v", v, 1, "sequence")):
+            if t.dim != want:
+                raise ValueError(f"{n} must be MXFP8-blocked along the {what} (MXTensor.dim={want}), got dim={t.dim}")
+    devices = {n: t.device for n, t in (("q", q), ("k", k), ("v", v))}
+    if len(set(devices.values())) != 1:
+        raise ValueError("q, k, v must be on one device, got " + ", ".join(f"{n}: {d}" for n, d in devices.items()))
+    (B, Sq, Hq, D), (Bk, Sk, Hkv, Dk), vs = shapes["q"], shapes["k"], shapes["v"]
+    if tuple(vs) != (Bk, Sk, Hkv, Dk):
+        raise ValueError(f"v must have k's shape {tuple(shapes['k'])}, got {tuple(vs)}")
+    if Bk != B:
+        raise ValueError(f"k has batch {Bk} but q has batch {B}")
+    if Dk != D:
+        raise ValueError(f"k has head dim {Dk} but q has head dim {D}")
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim {D} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"the number of query heads ({Hq}) must be a multiple of the number of kv heads ({Hkv})")
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
+        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+            raise ValueError(f"softmax_scale must be finite and positive, got {softmax_scale}")
+    return is_mx, devices["q"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Operand preparation (Hopper operand format)
+# ----------------------------------------------------------------------------------------------
+
+
+def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale_mode: str = "rceil"):
+    """MXFP8 q, k (blocked along the head dim) and v (blocked along the sequence): the forward's orientations."""
+    return (
+        formats.quantize_mxfp8(q, dim=3, scale_mode=scale_mode),
+        formats.quantize_mxfp8(k, dim=3, scale_mode=scale_mode),
+        formats.quantize_mxfp8(v, dim=1, scale_mode=scale_mode),
+    )
+
+
+def hopper_operands(qm: MXTensor, km: MXTensor, vm: MXTensor) -> tuple[RowScaledFP8, RowScaledFP8, RowScaledFP8]:
+    """Re-express MX operands for the Hopper kernel: Q per (token, head), K per 128 keys, V per channel
+    with channel-major data (DESIGN §3, formats.RowScaledFP8)."""
+    qr = formats.to_row_scaled(qm)
+    kr = formats.to_row_scaled(km, group_dim=1, group=K_EXP_GROUP)
+    vr = formats.to_row_scaled(vm)
+    vr = RowScaledFP8(formats.channel_major(vr.data), vr.exp, vr.dim)
+    return qr, kr, vr
+
+
+def _default_scale(D: int, softmax_scale) -> float:
+    return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D)
+
+
+def _forward_impl(qm: MXTensor, km: MXTensor, vm: MXTensor, causal: bool, scale: float, out_dtype):
+    if qm.device.type == "cuda":
+        from mxattn.kernels.attn_fwd import attn_fwd_hopper
+
+        qr, kr, vr = hopper_operands(qm, km, vm)
+        return attn_fwd_hopper(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
+    from mxattn import reference
+
+    out, lse = reference.attention_forward(
+        qm, km, vm, causal=causal, softmax_scale=scale, quantize_p=True, dtype=torch.float32
+    )
+    return out.to(out_dtype), lse.to(torch.float32)
+
+
+def has_fast_backward(device) -> bool:
+    """Whether a GPU backward kernel exists for this device (the backward otherwise runs the reference)."""
+    return False
+
+
+class _MXFP8Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, scale_mode, qkv_mx):
+        if qkv_mx is None:
+            qm, km, vm = quantize_qkv(q, k, v, scale_mode)
+            out_dtype = q.dtype
+        else:
+            qm, km, vm = qkv_mx
+            out_dtype = torch.bfloat16
+        out, lse = _forward_impl(qm, km, vm, causal, scale, out_dtype)
+        ctx.mx = (qm, km, vm)
+        ctx.raw = (q, k, v) if qkv_mx is None else None
+        ctx.causal, ctx.scale, ctx.scale_mode = causal, scale, scale_mode
+        ctx.save_for_backward(out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        from mxattn import reference
+
+        out, _ = ctx.saved_tensors
+        qm, km, vm = ctx.mx
+        extra = {}
+        if ctx.raw is not None:
+            q, k, v = ctx.raw
+            extra = dict(
+                q_seq=formats.quantize_mxfp8(q, dim=1, scale_mode=ctx.scale_mode),
+                k_seq=formats.quantize_mxfp8(k, dim=1, scale_mode=ctx.scale_mode),
+                v_hdim=formats.quantize_mxfp8(v, dim=3, scale_mode=ctx.scale_mode),
+            )
+        dq, dk, dv = reference.attention_backward(
+            qm, km, vm, out, dout, causal=ctx.causal, softmax_scale=ctx.scale,
+            quantize_p=True, quantize_ds=True, quantize_do=True, dtype=torch.float32, **extra,
+        )
+        gdt = ctx.raw[0].dtype if ctx.raw is not None else torch.bfloat16
+        return dq.to(gdt), dk.to(gdt), dv.to(gdt), None, None, None, None
+
+
+def mxfp8_attn_func(
+    q: Operand,
+    k: Operand,
+    v: Operand,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    return_lse: bool = False,
+    scale_mode: str = "rceil",
+):
+    """MXFP8 attention, ``flash_attn_func`` conventions.
+
+    Args:
+        q: (B, Sq, Hq, D) bfloat16/float16/float32, or an ``MXTensor`` blocked along the head dim (dim 3).
+        k: (B, Sk, Hkv, D), same kind as q; MXTensor blocked along the head dim (dim 3).
+        v: (B, Sk, Hkv, D), same kind as q; MXTensor blocked along the sequence (dim 1).
+        causal: mask aligned to the bottom-right corner when Sq != Sk (query i sees key j iff j <= i + Sk - Sq).
+        softmax_scale: defaults to 1/sqrt(D).
+        return_lse: also return the log-sum-exp, (B, Hq, Sq) float32 (natural log; -inf for empty rows).
+        scale_mode: MX scale rule for float inputs, "rceil" (default) or "floor".
+
+    Float inputs are quantized to MXFP8 on the way in (q, k along D, v along S); MXTensor inputs are the
+    end-to-end path.  Hq must be a multiple of Hkv (GQA/MQA); D in {64, 128}.  Returns the output in q's
+    dtype (bfloat16 for MXTensor inputs).  CUDA tensors run the Hopper FP8 kernel; CPU tensors run the
+    reference with the same semantics (P quantized to e4m3 with the constant scale 2^-8).
+    Gradients flow to float q, k, v through ``loss.backward()``.
+    """
+    is_mx, _ = _check_attention_inputs(q, k, v, softmax_scale)
+    formats.ScaleMode.parse(scale_mode)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    D = q.shape[3]
+    scale = _default_scale(D, softmax_scale)
+    if is_mx:
+        out, lse = _MXFP8Attention.apply(None, None, None, causal, scale, scale_mode, (q, k, v))
+    else:
+        out, lse = _MXFP8Attention.apply(q, k, v, causal, scale, scale_mode, None)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,208 @@
+"""MXFP8 attention forward for Hopper in Triton ``tl``: plain FP8 tensor-core products, MX scales folded.
+
+Operands come in the Hopper operand format (``formats.RowScaledFP8``, DESIGN §3):
+  Q  e4m3 (B, Sq, Hq, D), one exponent per (token, head)              -> folded into the row's softmax scale
+  K  e4m3 (B, Sk, Hkv, D), one exponent per 128 keys and head         -> folded into the tile's softmax scale
+  V  e4m3 (B, Sk, Hkv, D) view of a channel-major (B, Hkv, D, S_pad) buffer, one exponent per channel
+                                                                       -> folded into the epilogue
+so ``S = Q Kᵀ`` and ``O = P V`` are plain ``tl.dot`` on e4m3 at full FP8 rate (wgmma needs both operands
+K-major: Kᵀ's contraction dim D is contiguous in K; V's contraction dim (keys) is contiguous in the
+channel-major buffer).
+
+P is quantized online with the constant scale 2^-8: ``p = exp2(s - (m - 8))`` is at most 256 so it fits e4m3
+without saturating, whatever the running max ``m`` does later (earlier tiles are rescaled in fp32 through the
+accumulator, never re-quantized).  The row sum ``l`` adds the e4m3 values that entered ``P V``, so the output
+is the exact weighted mean of what the tensor cores saw; the 256 cancels in ``acc / l``.
+
+Causal masks are aligned bottom-right (query i sees key j iff j <= i + Sk - Sq), as in FlashAttention.
+A row with nothing to attend gives out = 0 and lse = -inf.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+K_EXP_GROUP = 128  # keys sharing one K exponent (formats.RowScaledFP8 K layout); a multiple of every BLOCK_N
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_config(head_dim: int, causal: bool) -> FwdConfig:
+    """Tile choice measured on the H200 (triton 3.6); see docs/perf-notes-attn.md.
+
+    BM128/BN64/4 warps keeps the fp32 S tile at 64 registers a thread and the accumulator at 128 (d=128),
+    which leaves room for 3 stages of K/V in flight; causal prefers BM64/BN128 (shorter diagonal work).
+    """
+    if head_dim <= 64:
+        return FwdConfig(128, 64, 4, 4) if not causal else FwdConfig(128, 64, 4, 4)
+    if head_dim <= 128:
+        return FwdConfig(128, 64, 4, 3) if not causal else FwdConfig(64, 128, 4, 3)
+    return FwdConfig(64, 64, 4, 2)
+
+
+INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _round_e4m3_nonneg(x):
+    """Round non-negative fp32 (<= 448) to the e4m3 grid, nearest even, so the cast that follows is exact.
+
+    Only used under TRITON_INTERPRET=1, whose fp32->e4m3 cast mis-rounds values that round up across a power
+    of two (DESIGN §5); on the GPU the cvt.rn.satfinite instruction does this itself."""
+    bits = x.to(tl.int32, bitcast=True)
+    normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # keep 3 mantissa bits, RNE
+    sub = (x * 512.0 + 12582912.0) - 12582912.0  # RNE to a multiple of 2^-9 (1.5 * 2^23 trick)
+    return tl.where(x >= 0.015625, normal.to(tl.float32, bitcast=True), sub * 0.001953125)
+
+
+@triton.jit
+def _attn_tile(
+    acc, l_i, m_i, q, qscale, k_ptrs, v_ptrs, ke_ptr, offs_m, offs_n_base, start_n, Sk, causal_off,
+    stride_kn, stride_vn, stride_ke_tile,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, EXPLICIT_ROUND: tl.constexpr,
+):
+    """One K/V tile of the online softmax.  ``MASKED`` tiles check key bounds and the causal diagonal."""
+    offs_n = start_n + offs_n_base
+    if MASKED:
+        kt = tl.load(k_ptrs + start_n * stride_kn, mask=offs_n[None, :] < Sk, other=0.0)
+        vt = tl.load(v_ptrs + start_n * stride_vn, mask=offs_n[:, None] < Sk, other=0.0)
+    else:
+        kt = tl.load(k_ptrs + start_n * stride_kn)
+        vt = tl.load(v_ptrs + start_n * stride_vn)
+    ke = tl.load(ke_ptr + (start_n // 128) * stride_ke_tile)
+    qk = tl.dot(q, kt)  # fp8 x fp8 -> fp32, (BM, BN)
+    s = qk * (qscale * tl.exp2(ke.to(tl.float32)))[:, None]  # log2 units
+    if MASKED:
+        keep = offs_n[None, :] < Sk
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None] + causal_off)
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED:
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - (m_new - 8.0)[:, None])  # <= 256: fits e4m3 with the constant scale 2^-8
+    if EXPLICIT_ROUND:
+        p = _round_e4m3_nonneg(p)
+    p8 = p.to(tl.float8e4nv)
+    l_i = l_i * alpha + tl.sum(p8.to(tl.float32), 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p8, vt, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, QE, KE, VE, O, LSE,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_qeb, stride_qem, stride_qeh,
+    stride_keb, stride_ket, stride_keh,
+    stride_veb, stride_veh, stride_ved,
+    stride_ob, stride_om, stride_oh, stride_od,
+    stride_lb, stride_lh, stride_lm,
+    Hq, Sq, Sk, group_size, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    EXPLICIT_ROUND: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    hk = h // group_size
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    b64 = b.to(tl.int64)
+
+    q_ptrs = Q + b64 * stride_qb + h * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=offs_m[:, None] < Sq, other=0.0)
+    qe = tl.load(QE + b64 * stride_qeb + h * stride_qeh + offs_m * stride_qem, mask=offs_m < Sq, other=0)
+    qscale = tl.exp2(qe.to(tl.float32)) * qk_scale  # softmax_scale * log2(e) * 2^qe, per row
+
+    # K loaded as (D, BN) = Kᵀ; V as (BN, D) from the channel-major buffer (keys contiguous).
+    k_ptrs = K + b64 * stride_kb + hk * stride_kh + offs_d[:, None] * stride_kd + offs_n[None, :].to(tl.int64) * stride_kn
+    v_ptrs = V + b64 * stride_vb + hk * stride_vh + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd
+    ke_ptr = KE + b64 * stride_keb + hk * stride_keh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    causal_off = Sk - Sq
+    if CAUSAL:
+        hi = tl.minimum(Sk, tl.maximum(start_m + BLOCK_M + causal_off, 0))
+        full_end = tl.minimum((Sk // BLOCK_N) * BLOCK_N, (tl.maximum(start_m + causal_off + 1, 0) // BLOCK_N) * BLOCK_N)
+    else:
+        hi = Sk
+        full_end = (Sk // BLOCK_N) * BLOCK_N
+    for start_n in range(0, full_end, BLOCK_N):
+        acc, l_i, m_i = _attn_tile(
+            acc, l_i, m_i, q, qscale, k_ptrs, v_ptrs, ke_ptr, offs_m, offs_n, start_n, Sk, causal_off,
+            stride_kn, stride_vn, stride_ket, BLOCK_N, False, CAUSAL, EXPLICIT_ROUND,
+        )
+    for start_n in range(full_end, hi, BLOCK_N):
+        acc, l_i, m_i = _attn_tile(
+            acc, l_i, m_i, q, qscale, k_ptrs, v_ptrs, ke_ptr, offs_m, offs_n, start_n, Sk, causal_off,
+            stride_kn, stride_vn, stride_ket, BLOCK_N, True, CAUSAL, EXPLICIT_ROUND,
+        )
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    ve = tl.load(VE + b64 * stride_veb + hk * stride_veh + offs_d * stride_ved)
+    out = acc * (1.0 / l_safe)[:, None] * tl.exp2(ve.to(tl.float32))[None, :]
+    o_ptrs = O + b64 * stride_ob + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=offs_m[:, None] < Sq)
+    lse = tl.where(empty, float("-inf"), (m_i - 8.0 + tl.log2(l_safe)) * 0.6931471805599453)
+    tl.store(LSE + b64 * stride_lb + h * stride_lh + offs_m * stride_lm, lse, mask=offs_m < Sq)
+
+
+def attn_fwd_hopper(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
+                    out_dtype: torch.dtype = torch.bfloat16, config: FwdConfig | None = None):
+    """Launch the forward on row-scaled FP8 operands (``formats.RowScaledFP8``).
+
+    q: Q layout (exp (B, Sq, Hq, 1)); k: K layout (exp (B, ceil(Sk/128), Hkv, 1), group 128 along dim 1);
+    v: V layout (dim 1, exp (B, 1, Hkv, D)).  Shapes are validated by the caller (``interface``).
+    Returns out (B, Sq, Hq, D) in ``out_dtype`` and lse (B, Hq, Sq) fp32 (natural log).
+    """
+    B, Sq, Hq, D = q.data.shape
+    Sk, Hkv = k.data.shape[1], k.data.shape[2]
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(D)
+    cfg = config or default_config(D, causal)
+    out = torch.empty(B, Sq, Hq, D, dtype=out_dtype, device=q.data.device)
+    lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.data.device)
+    if out.numel() == 0:
+        lse.fill_(float("-inf"))
+        return out, lse
+    qd, kd, vd = q.data, k.data, v.data
+    qe, ke, ve = q.exp, k.exp, v.exp
+    grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
+    _attn_fwd_kernel[grid](
+        qd, kd, vd, qe, ke, ve, out, lse,
+        *qd.stride(), *kd.stride(), *vd.stride(),
+        qe.stride(0), qe.stride(1), qe.stride(2),
+        ke.stride(0), ke.stride(1), ke.stride(2),
+        ve.stride(0), ve.stride(2), ve.stride(3),
+        *out.stride(), *lse.stride(),
+        Hq, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E,
+        HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, EXPLICIT_ROUND=INTERPRETER,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse
