@@ -1,0 +1,803 @@
+"""MXFP8 quantize / dequantize kernels and the Hopper operand producers, in Triton ``tl``.
+
+Every kernel is bit-exact with ``mxattn.formats`` (data bytes, scale bytes, exponents), for RCEIL and
+FLOOR, including zero blocks, NaN/Inf blocks, subnormal results and the 2^-127 clamp.
+
+Public functions (inputs (B, S, H, D), or packed (T, H, D) with ``seq_dim=0``; D <= 256, any S):
+
+``quantize_mxfp8_triton(x, orientations="hdim"|"seq"|"both", scale_mode="rceil", seq_dim=None)``
+    One read of ``x`` (bf16/fp16/fp32) gives
+    * ``hdim``: ``MXTensor`` blocked along D (dim=-1): data (B, S, H, D) contiguous, scale (B, S, H, ceil(D/32));
+    * ``seq``:  ``MXTensor`` blocked along S (dim=seq_dim): data is the (B, S, H, D) view of a channel-major
+      (B, H, D, S_pad) buffer, S_pad = S rounded up to 16 with zero padding (the layout of
+      ``formats.channel_major``), scale (B, ceil(S/32), H, D) plain layout;
+    * ``both``: the tuple (hdim, seq).
+``dequantize_mxfp8_triton(t, dtype=torch.bfloat16)``
+    Any ``MXTensor`` of rank 1-4 (any strides, any block dim) to a contiguous tensor of ``dtype``.
+``row_scaled_triton(x, role, scale_mode="rceil", seq_dim=None, k_group=128)``
+    The Hopper operand format (``RowScaledFP8``) equal to ``to_row_scaled(quantize_mxfp8(x, dim), ...)``,
+    from a float tensor in one pass (two reads for V), or from an ``MXTensor`` (``to_row_scaled(mx, ...)``):
+    * ``q``: dim=-1, one exponent per token and head, exp (B, S, H, 1), data (B, S, H, D) contiguous;
+    * ``k``: dim=-1, one exponent per ``k_group`` tokens and head, exp (B, ceil(S/k_group), H, 1);
+    * ``v``: dim=seq, one exponent per channel over the whole sequence, exp (B, 1, H, D), data channel-major
+      like the ``seq`` MXTensor above.
+
+How the numbers are made exactly (the same code runs under ``TRITON_INTERPRET=1`` and on the GPU):
+* Block exponents come from the bits of the block's |x| maximum (an integer max of the magnitude bits, so
+  NaN and Inf are seen): ``e = k - 8 + (mantissa > 1.75)`` (RCEIL) or ``k - 8`` (FLOOR), clamped to
+  [-127, 127]; fp32 subnormal maxima have k = -127 from the bits, which the clamp makes right.
+* ``x * 2^-e`` is one fp32 multiply by an exact power of two (normal for every reachable e); it is exact,
+  or lands below 2^-126 where every later rounding gives zero anyway.
+* Rounding to e4m3 (RNE, saturating at 448): on the GPU the ``cvt.rn.satfinite`` the cast compiles to;
+  under the interpreter (whose fp32->fp8 cast mis-rounds, DESIGN §5) ``_round_to_e4m3_grid`` first rounds
+  in fp32 with the add-a-power-of-two trick, and the cast of an on-grid value is exact.  ``SOFT_ROUND_ON_GPU``
+  switches the GPU to the explicit rounding too (the GPU tests run both).
+* NaN/Inf never reach the fast path: a program whose tile holds a non-finite block patches its NaN bytes
+  (0x7F with the input's sign, as ``torch`` makes them) in a branch that finite tiles skip.
+
+Layout of a program's work: one (b, h) pair and ``BLOCK_S`` tokens, all D channels, held as a 4-D tile
+(BLOCK_S/32, 32, D/32, 32) so that the D blocks (axis 3) and the S blocks (axis 1) are both plain
+reductions of the same registers; tile sizes are in ``_tile`` with the reasons.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import triton
+import triton.language as tl
+
+from mxattn.formats import E8M0_NAN, MXTensor, RowScaledFP8, ScaleMode
+
+__all__ = [
+    "quantize_mxfp8_triton",
+    "dequantize_mxfp8_triton",
+    "row_scaled_triton",
+    "ROLES",
+    "SOFT_ROUND_ON_GPU",
+]
+
+ROLES = ("q", "k", "v")
+MAX_HEAD_DIM = 256
+SEQ_ALIGN = 16  # channel-major buffers pad S to this (formats.channel_major's default)
+# Explicit fp32 rounding before the e4m3 cast on the GPU as well (the interpreter always uses it).
+SOFT_ROUND_ON_GPU = os.environ.get("MXATTN_SOFT_ROUND", "0") == "1"
+_NO_EXP_HOST = -(1 << 20)  # "no nonzero block yet" in exponent maxima (formats.to_row_scaled's sentinel)
+_NO_EXP = tl.constexpr(_NO_EXP_HOST)
+_SCALE_NAN = tl.constexpr(E8M0_NAN)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tile choices (one spot).  Every kernel is memory bound: ~3 bytes per element against ~16 fp32/int
+# instructions per element (per orientation), so the aim is enough bytes in flight per SM and
+# full-line, 16-byte accesses, not ALU tricks.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tile:
+    block_s: int  # tokens per program (a multiple of 32: whole seq blocks)
+    num_warps: int
+
+
+def _tile(kind: str, d_pad: int, group: int = 0) -> Tile:
+    """Tile for a kernel family at padded head dim ``d_pad`` (a power of two times 32).
+
+    * ``quant`` (hdim / seq / both / Q / V): 8192 elements per program (16 KB of bf16 read, 64 B to 256 B
+      contiguous per channel in the channel-major output): enough bytes in flight with ~4 programs per SM,
+      and the grid is B*H*S/64 programs at D=128 (thousands, many waves on 132 SMs).  8 warps keep the fp32
+      tile at 32 values per thread for two orientations without spills.
+    * ``k``: the program must own whole exponent groups, so BLOCK_S = the group (128 by default).
+    * ``seqexp`` (V pass 1): reads only, loops over a chunk of S (see ``_seq_chunk``).
+    * ``dequant``: the same 8192-element tile.
+    """
+    if kind == "k":
+        bs = group
+    else:
+        bs = max(32, 8192 // d_pad)
+    elems = bs * d_pad
+    warps = 4 if elems <= 4096 else (8 if elems <= 16384 else 16)
+    return Tile(bs, warps)
+
+
+def _seq_chunk(n_rows: int, S: int, block_s: int, min_programs: int = 1024) -> int:
+    """Tiles of S per program in the V exponent pass: as long as possible (fewer atomics) while the grid
+    still has ``min_programs`` programs (several waves of 132 SMs)."""
+    n_tiles = triton.cdiv(S, block_s)
+    per = max(1, (n_tiles * n_rows) // min_programs)
+    return min(per, n_tiles, 32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Device helpers
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _pow2(e):
+    """Exact fp32 2^e for an int32 tensor e in [-126, 127]."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mx_exponent(amax_bits, RCEIL: tl.constexpr):
+    """Shared exponent of blocks whose |x| maximum has fp32 bits ``amax_bits`` (int32, >= 0).
+
+    e = k - 8 (+1 for RCEIL when the mantissa exceeds 1.75), clamped to [-127, 127]; 0 for zero blocks and
+    for non-finite blocks (whose data is x / 1).  fp32 subnormal maxima read k = -127: clamped the same."""
+    e = (amax_bits >> 23) - (127 + 8)
+    if RCEIL:
+        e += ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    e = tl.minimum(tl.maximum(e, -127), 127)
+    return tl.where((amax_bits == 0) | (amax_bits >= 0x7F800000), 0, e)
+
+
+@triton.jit
+def _round_to_e4m3_grid(y):
+    """Saturate fp32 ``y`` to +-448 and round it to the e4m3 grid (nearest even); finite inputs only.
+
+    The grid spacing near |y| is 2^(max(E, -6) - 3); adding c = 2^(max(E, -6) + 20) puts the fp32 ulp
+    exactly there, so ``(|y| + c) - c`` is the rounded magnitude (subnormals included).  Sign restored last
+    so that -tiny gives -0 like the reference."""
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    bits = y.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    c = (tl.maximum(mag & 0x7F800000, 121 << 23) + (20 << 23)).to(tl.float32, bitcast=True)
+    r = (mag.to(tl.float32, bitcast=True) + c) - c
+    return (r.to(tl.int32, bitcast=True) | (bits ^ mag)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_value(y, SOFT: tl.constexpr):
+    """``y`` rounded to e4m3 (RNE, saturated), still in fp32."""
+    if SOFT:
+        r = _round_to_e4m3_grid(y)
+    else:
+        r = y.to(tl.float8e4nv).to(tl.float32)
+    return r
+
+
+@triton.jit
+def _e4m3_bytes(y, SOFT: tl.constexpr):
+    """The e4m3 bytes (uint8) of ``y`` rounded to nearest even and saturated to +-448."""
+    if SOFT:
+        y = _round_to_e4m3_grid(y)
+    return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def _to_f32(xr):
+    """Exact fp32 of a bf16/fp16/fp32 tile; bf16 goes through its bits (the interpreter's bf16 cast drops
+    subnormals; on the GPU this is the same shift the cast compiles to)."""
+    if xr.dtype == tl.bfloat16:
+        f = (xr.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        f = xr.to(tl.float32)
+    return f
+
+
+@triton.jit
+def _nan_bytes(xr):
+    """0x7F, or 0xFF where the raw input ``xr`` has its sign bit set (what torch makes of -NaN)."""
+    if xr.dtype.primitive_bitwidth == 16:
+        neg = xr.to(tl.int16, bitcast=True) < 0
+    else:
+        neg = xr.to(tl.int32, bitcast=True) < 0
+    return tl.where(neg, 255, 127).to(tl.uint8)
+
+
+@triton.jit
+def _tile_coords(s0, BLOCK_S: tl.constexpr, NDP: tl.constexpr, IDX64: tl.constexpr):
+    """Local token index (BLOCK_S/32, 32, 1, 1) and channel index (1, 1, NDP, 32) of the 4-D tile."""
+    sb = tl.arange(0, BLOCK_S // 32)[:, None, None, None]
+    si = tl.arange(0, 32)[None, :, None, None]
+    db = tl.arange(0, NDP)[None, None, :, None]
+    dj = tl.arange(0, 32)[None, None, None, :]
+    sl = sb * 32 + si
+    d = db * 32 + dj
+    if IDX64:
+        sl = sl.to(tl.int64)
+        d = d.to(tl.int64)
+    return sl, d
+
+
+@triton.jit
+def _pid_bsh(n_s_tiles, H):
+    """Program -> (b, s tile, h), heads fastest so that neighbouring programs read one token row."""
+    pid = tl.program_id(0)
+    h = pid % H
+    t = pid // H
+    return t // n_s_tiles, t % n_s_tiles, h
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, S, H, sxb, sxs, sxh,  # input (B, S, H, D), unit stride along D
+    hd_ptr, he_ptr,  # hdim data (B, S, H, D) u8; hdim scales u8 (B, S, H, ND) or exponents i32 (Q/K)
+    cd_ptr, ce_ptr,  # seq data: channel-major (B, H, D, S_pad) u8; seq scales u8 (B, NSB, H, D) or V exps i32
+    S_pad, NSB, n_s_tiles, n_groups,
+    D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr,
+    HDIM: tl.constexpr, SEQ: tl.constexpr,
+    HDIM_GROUP: tl.constexpr,  # 0: MX scales; 1: Q (exponent per row); >1: K (exponent per tile = group)
+    SEQ_RS: tl.constexpr,  # False: MX scales; True: V, re-expressed to the per-channel exponents in ce_ptr
+    RCEIL: tl.constexpr, SOFT: tl.constexpr, IDX64: tl.constexpr,
+):
+    b, st, h = _pid_bsh(n_s_tiles, H)
+    s0 = st * BLOCK_S
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    sl, d = _tile_coords(s0, BLOCK_S, NDP, IDX64)
+    s = s0 + sl
+    in_s = s < S
+    if D == NDP * 32:
+        in_d = d < NDP * 32  # all true, folded
+    else:
+        in_d = d < D
+    ND: tl.constexpr = (D + 31) // 32
+
+    xp = x_ptr + b64 * sxb + s0.to(tl.int64) * sxs + h64 * sxh
+    xr = tl.load(xp + sl * sxs + d, mask=in_s & in_d, other=0.0)
+    xf = _to_f32(xr)
+    mag = xf.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+    if HDIM:
+        amax = tl.max(mag, axis=3, keep_dims=True)  # (BS/32, 32, NDP, 1)
+        fin = amax < 0x7F800000
+        e = _mx_exponent(amax, RCEIL)
+        y = xf * _pow2(-e)
+        hrow = (b64 * S + s0) * H + h64  # row index of (b, s0, h) in (B, S, H)
+        hd = hd_ptr + hrow * D
+        if HDIM_GROUP == 0:
+            out = _e4m3_bytes(y, SOFT)
+            if tl.max(amax) >= 0x7F800000:
+                out = tl.where(mag > 0x7F800000, _nan_bytes(xr), out)
+            sc = tl.where(fin, e + 127, 255).to(tl.uint8)
+            db = tl.arange(0, NDP)[None, None, :, None]
+            tl.store(he_ptr + hrow * ND + sl * (H * ND) + db, sc, mask=in_s & (db < ND))
+        else:
+            q = _e4m3_value(y, SOFT)
+            # a block holds a nonzero element iff its maximum quantizes to nonzero
+            nz = fin & (_round_to_e4m3_grid(amax.to(tl.float32, bitcast=True) * _pow2(-e)) != 0.0)
+            eb = tl.where(nz, e, _NO_EXP)
+            if HDIM_GROUP == 1:
+                E = tl.max(eb, axis=2, keep_dims=True)  # (BS/32, 32, 1, 1): per row
+            else:
+                E = tl.max(eb)  # the tile is the group
+            E = tl.where(E == _NO_EXP, 0, E)
+            shift = tl.minimum(tl.maximum(e - E, -31), 0)  # <= -19 already rounds everything to 0
+            out = _e4m3_bytes(q * _pow2(shift), SOFT)
+            if tl.max(amax) >= 0x7F800000:
+                out = tl.where(fin, out, 127).to(tl.uint8)
+            if HDIM_GROUP == 1:
+                tl.store(he_ptr + hrow + sl * H, E, mask=in_s)
+            else:
+                tl.store(he_ptr + (b64 * n_groups + st) * H + h64, E)
+        tl.store(hd + sl * (H * D) + d, out, mask=in_s & in_d)
+
+    if SEQ:
+        amax = tl.max(mag, axis=1, keep_dims=True)  # (BS/32, 1, NDP, 32)
+        fin = amax < 0x7F800000
+        e = _mx_exponent(amax, RCEIL)
+        y = xf * _pow2(-e)
+        dcol = d  # (1, 1, NDP, 32)
+        if SEQ_RS:
+            ep = ce_ptr + (b64 * H + h64) * D + dcol
+            E = tl.load(ep, mask=in_d, other=0)
+            E = tl.where(E == _NO_EXP, 0, E)
+            if st == 0:
+                tl.store(ep, E, mask=in_d)  # the sentinel becomes 0 (readers map both the same way)
+            shift = tl.minimum(tl.maximum(e - E, -31), 0)
+            out = _e4m3_bytes(_e4m3_value(y, SOFT) * _pow2(shift), SOFT)
+            if tl.max(amax) >= 0x7F800000:
+                out = tl.where(fin | (s >= S), out, 127).to(tl.uint8)  # NaN blocks; the padding stays 0
+        else:
+            out = _e4m3_bytes(y, SOFT)
+            if tl.max(amax) >= 0x7F800000:
+                out = tl.where(mag > 0x7F800000, _nan_bytes(xr), out)
+            sc = tl.where(fin, e + 127, 255).to(tl.uint8)
+            sbk = tl.arange(0, BLOCK_S // 32)[:, None, None, None]
+            sbase = ce_ptr + ((b64 * NSB + st * (BLOCK_S // 32)) * H + h64) * D
+            tl.store(sbase + sbk * (H * D) + dcol, sc, mask=(st * (BLOCK_S // 32) + sbk < NSB) & in_d)
+        cbase = cd_ptr + (b64 * H + h64) * D * S_pad + s0
+        tl.store(cbase + dcol * S_pad + sl, out, mask=(s < S_pad) & in_d)
+
+
+@triton.jit
+def _seq_exponent_kernel(
+    x_ptr, S, H, sxb, sxs, sxh, sxd,  # float input, or MX data bytes (any strides) when FROM_MX
+    sc_ptr, scb, scs, sch, scd,  # MX scale bytes (B, NSB, H, D) when FROM_MX
+    exp_ptr,  # int32 (B, 1, H, D), pre-filled with _NO_EXP; receives the max exponent of nonzero blocks
+    n_s_tiles, tiles_per_prog,
+    D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr,
+    FROM_MX: tl.constexpr, RCEIL: tl.constexpr, IDX64: tl.constexpr,
+):
+    """Pass 1 of V: per channel, the largest exponent among the seq blocks that hold a nonzero element."""
+    n_chunks = tl.cdiv(n_s_tiles, tiles_per_prog)
+    b, ch, h = _pid_bsh(n_chunks, H)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    sl, d = _tile_coords(0, BLOCK_S, NDP, IDX64)
+    in_d = d < D
+    acc = tl.full((1, 1, NDP, 32), _NO_EXP, tl.int32)
+    t0 = ch * tiles_per_prog
+    t1 = tl.minimum(t0 + tiles_per_prog, n_s_tiles)
+    for t in range(t0, t1):
+        s0 = t * BLOCK_S
+        in_s = s0 + sl < S
+        xp = x_ptr + b64 * sxb + s0.to(tl.int64) * sxs + h64 * sxh
+        if FROM_MX:
+            qb = tl.load(xp + sl * sxs + d * sxd, mask=in_s & in_d, other=0)
+            anyq = tl.max(qb & 0x7F, axis=1, keep_dims=True) != 0
+            sbk = tl.arange(0, BLOCK_S // 32)[:, None, None, None]
+            sp = sc_ptr + b64 * scb + (s0 // 32).to(tl.int64) * scs + h64 * sch
+            sbyte = tl.load(sp + sbk * scs + d * scd, mask=(s0 + sbk * 32 < S) & in_d, other=_SCALE_NAN)
+            sbyte = sbyte.to(tl.int32)
+            eb = tl.where(anyq & (sbyte != 255), sbyte - 127, _NO_EXP)
+        else:
+            xf = _to_f32(tl.load(xp + sl * sxs + d, mask=in_s & in_d, other=0.0))
+            amax = tl.max(xf.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1, keep_dims=True)
+            e = _mx_exponent(amax, RCEIL)
+            nz = (amax < 0x7F800000) & (_round_to_e4m3_grid(amax.to(tl.float32, bitcast=True) * _pow2(-e)) != 0.0)
+            eb = tl.where(nz, e, _NO_EXP)
+        acc = tl.maximum(acc, tl.max(eb, axis=0, keep_dims=True))
+    tl.atomic_max(exp_ptr + (b64 * H + h64) * D + d, acc, mask=in_d, sem="relaxed")
+
+
+@triton.jit
+def _rescale_mx_kernel(
+    q_ptr, sqb, sqs, sqh, sqd,  # MX data bytes, logical (B, S, H, D), any strides
+    sc_ptr, scb, scs, sch, scd,  # MX scale bytes in plain layout
+    out_ptr, exp_ptr,  # data (contiguous (B,S,H,D) for Q/K; channel-major (B,H,D,S_pad) for V), exponents
+    S, H, S_pad, n_s_tiles, n_groups,
+    D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr,
+    SEQ: tl.constexpr,  # False: hdim MXTensor -> Q/K; True: seq MXTensor -> V (exponents from pass 1)
+    GROUP: tl.constexpr,  # Q: 1, K: BLOCK_S (hdim only)
+    SOFT: tl.constexpr, IDX64: tl.constexpr,
+):
+    """``to_row_scaled`` of an MXTensor: re-express every block to its row's (group's) largest exponent."""
+    b, st, h = _pid_bsh(n_s_tiles, H)
+    s0 = st * BLOCK_S
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    sl, d = _tile_coords(s0, BLOCK_S, NDP, IDX64)
+    s = s0 + sl
+    in_s = s < S
+    in_d = d < D
+    qp = q_ptr + b64 * sqb + s0.to(tl.int64) * sqs + h64 * sqh
+    qb = tl.load(qp + sl * sqs + d * sqd, mask=in_s & in_d, other=0)
+    q = qb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    nanq = (qb & 0x7F) == 0x7F
+    if SEQ:
+        sbk = tl.arange(0, BLOCK_S // 32)[:, None, None, None]
+        sp = sc_ptr + b64 * scb + (s0 // 32).to(tl.int64) * scs + h64 * sch
+        sbyte = tl.load(sp + sbk * scs + d * scd, mask=(s0 + sbk * 32 < S) & in_d, other=127).to(tl.int32)
+        ep = exp_ptr + (b64 * H + h64) * D + d
+        E = tl.load(ep, mask=in_d, other=0)
+        E = tl.where(E == _NO_EXP, 0, E)
+        if st == 0:
+            tl.store(ep, E, mask=in_d)
+    else:
+        db = tl.arange(0, NDP)[None, None, :, None]
+        sp = sc_ptr + b64 * scb + s0.to(tl.int64) * scs + h64 * sch
+        sbyte = tl.load(sp + sl * scs + db * scd, mask=in_s & (db * 32 < D), other=127).to(tl.int32)
+        anyq = tl.max(qb & 0x7F, axis=3, keep_dims=True) != 0
+        eb = tl.where(anyq & (sbyte != 255), sbyte - 127, _NO_EXP)
+        if GROUP == 1:
+            E = tl.max(eb, axis=2, keep_dims=True)
+        else:
+            E = tl.max(eb)
+        E = tl.where(E == _NO_EXP, 0, E)
+        row = (b64 * S + s0) * H + h64
+        if GROUP == 1:
+            tl.store(exp_ptr + row + sl * H, E, mask=in_s)
+        else:
+            tl.store(exp_ptr + (b64 * n_groups + st) * H + h64, E)
+    isnan_blk = sbyte == 255
+    shift = tl.minimum(tl.maximum(sbyte - 127 - E, -31), 0)
+    out = _e4m3_bytes(q * _pow2(shift), SOFT)
+    if tl.max(tl.where(nanq, 1, 0)) + tl.max(tl.where(isnan_blk, 1, 0)) > 0:
+        # NaN data keeps its sign (torch); NaN blocks become +NaN (formats.to_row_scaled)
+        out = tl.where(nanq, qb | 0x7F, out)
+        out = tl.where(isnan_blk & in_s, 127, out).to(tl.uint8)
+    if SEQ:
+        cbase = out_ptr + (b64 * H + h64) * D * S_pad + s0
+        tl.store(cbase + d * S_pad + sl, out, mask=(s < S_pad) & in_d)
+    else:
+        row = (b64 * S + s0) * H + h64
+        tl.store(out_ptr + row * D + sl * (H * D) + d, out, mask=in_s & in_d)
+
+
+@triton.jit
+def _dequantize_kernel(
+    q_ptr, sqb, sqs, sqh, sqd,  # data bytes, canonical 4-D (B, S, H, D) view, any strides
+    sc_ptr, scb, scs, sch, scd,  # scale bytes (plain layout, same canonical axes)
+    out_ptr,  # contiguous (B, S, H, D) of the output dtype
+    S, H, D, n_s_tiles, n_d_tiles,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BDIM: tl.constexpr,  # canonical block dim: 0 (B), 1 (S), 2 (H), 3 (D)
+    OUT_BF16: tl.constexpr, IDX64: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    dt = pid % n_d_tiles
+    t = pid // n_d_tiles
+    h = t % H
+    t = t // H
+    st = t % n_s_tiles
+    b = t // n_s_tiles
+    s0 = st * BLOCK_S
+    d0 = dt * BLOCK_D
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    sl, dl = _tile_coords(s0, BLOCK_S, BLOCK_D // 32, IDX64)
+    s = s0 + sl
+    d = d0 + dl
+    m = (s < S) & (d < D)
+    qb = tl.load(q_ptr + b64 * sqb + s0.to(tl.int64) * sqs + h64 * sqh + d0.to(tl.int64) * sqd
+                 + sl * sqs + dl * sqd, mask=m, other=0)
+    q = qb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    # scale bytes: index along the block dim divided by 32
+    if BDIM == 0:
+        sp = sc_ptr + (b64 // 32) * scb + h64 * sch
+    elif BDIM == 2:
+        sp = sc_ptr + b64 * scb + (h64 // 32) * sch
+    else:
+        sp = sc_ptr + b64 * scb + h64 * sch
+    if BDIM == 1:
+        sbk = tl.arange(0, BLOCK_S // 32)[:, None, None, None]
+        sp = sp + (s0 // 32).to(tl.int64) * scs + sbk * scs
+        ms = s0 + sbk * 32 < S
+    else:
+        sp = sp + s0.to(tl.int64) * scs + sl * scs
+        ms = s < S
+    if BDIM == 3:
+        dbk = tl.arange(0, BLOCK_D // 32)[None, None, :, None]
+        sp = sp + (d0 // 32).to(tl.int64) * scd + dbk * scd
+        md = d0 + dbk * 32 < D
+    else:
+        sp = sp + d0.to(tl.int64) * scd + dl * scd
+        md = d < D
+    sbyte = tl.load(sp, mask=ms & md, other=127).to(tl.int32)
+    # 2^(byte-127): byte 0 is the fp32 subnormal 2^-127 (bits 0x400000), byte 255 is NaN
+    # (NaN data is made NaN here too: the interpreter decodes e4m3 NaN as 480)
+    sf = tl.where(sbyte == 0, 0x400000, sbyte << 23)
+    sf = tl.where((sbyte == 255) | ((qb & 0x7F) == 0x7F), 0x7FC00000, sf).to(tl.float32, bitcast=True)
+    y = q * sf
+    if OUT_BF16:
+        # round to bf16 in the bits (nearest even; NaN stays NaN) and keep the high half: exact everywhere
+        # (the interpreter's fp32->bf16 cast truncates and drops subnormals)
+        yb = y.to(tl.int32, bitcast=True)
+        yb = tl.where(y != y, 0x7FC00000, yb + 0x7FFF + ((yb >> 16) & 1))
+        out = (yb >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        out = y.to(out_ptr.dtype.element_ty)
+    ob = ((b64 * S + s0) * H + h64) * D + d0
+    tl.store(out_ptr + ob + sl * (H * D) + dl, out, mask=m)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+_FLOAT_IN = (torch.bfloat16, torch.float16, torch.float32)
+_FLOAT_OUT = (torch.bfloat16, torch.float16, torch.float32)
+_I32_SAFE = 2**31 - 1
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _soft(device: torch.device) -> bool:
+    return device.type != "cuda" or SOFT_ROUND_ON_GPU
+
+
+def _check_device(t: torch.Tensor, name: str) -> None:
+    if t.device.type == "cuda":
+        return
+    if t.device.type == "cpu" and _interpreting():
+        return
+    raise ValueError(f"{name} must be a CUDA tensor (or a CPU tensor with TRITON_INTERPRET=1), got {t.device}")
+
+
+def _canon_bshd(x: torch.Tensor, name: str, seq_dim: Optional[int]) -> tuple[torch.Tensor, bool]:
+    """(B, S, H, D) view of ``x`` and whether it was packed (T, H, D)."""
+    if x.ndim == 4:
+        if seq_dim not in (None, 1, -3):
+            raise ValueError(f"{name} is (B, S, H, D): seq_dim must be 1, got {seq_dim}")
+        return x, False
+    if x.ndim == 3:
+        if seq_dim not in (None, 0, -3):
+            raise ValueError(f"{name} is packed (T, H, D): seq_dim must be 0, got {seq_dim}")
+        return x.unsqueeze(0), True
+    raise ValueError(f"{name} must be (B, S, H, D) or packed (T, H, D), got shape {tuple(x.shape)}")
+
+
+def _check_float_input(x, name: str, seq_dim) -> tuple[torch.Tensor, bool]:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_IN:
+        raise TypeError(f"{name} must be bfloat16, float16 or float32, got {x.dtype}")
+    x4, packed = _canon_bshd(x, name, seq_dim)
+    D = x4.shape[3]
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"{name}: head dim D={D} is out of range [1, {MAX_HEAD_DIM}]")
+    _check_device(x, name)
+    if x4.stride(3) != 1:
+        x4 = x4.contiguous()
+    return x4, packed
+
+
+def _d_pad(D: int) -> int:
+    return 32 * triton.next_power_of_2(triton.cdiv(D, 32))
+
+
+def _needs_i64(*extents: int) -> bool:
+    """Whether tile-local offsets (sums of block extent x stride) may pass int32."""
+    return sum(abs(int(e)) for e in extents) > _I32_SAFE
+
+
+def _channel_major_buffer(B: int, H: int, D: int, S: int, device) -> tuple[torch.Tensor, int]:
+    s_pad = triton.cdiv(max(S, 1), SEQ_ALIGN) * SEQ_ALIGN
+    return torch.empty(B, H, D, s_pad, dtype=torch.uint8, device=device), s_pad
+
+
+def _seq_view(buf: torch.Tensor, S: int, packed: bool) -> torch.Tensor:
+    v = buf[..., :S].permute(0, 3, 1, 2).view(torch.float8_e4m3fn)
+    return v[0] if packed else v
+
+
+def _unpack(t: torch.Tensor, packed: bool) -> torch.Tensor:
+    return t[0] if packed else t
+
+
+def quantize_mxfp8_triton(
+    x: torch.Tensor,
+    orientations: str = "hdim",
+    scale_mode: Union[str, ScaleMode] = "rceil",
+    seq_dim: Optional[int] = None,
+) -> Union[MXTensor, tuple[MXTensor, MXTensor]]:
+    """MXFP8-quantize ``x`` along D (``hdim``), along S (``seq``) or both from one read.
+
+    ``x``: bf16/fp16/fp32, (B, S, H, D) (``seq_dim`` 1 or None) or packed (T, H, D) (``seq_dim`` 0 or
+    None); 1 <= D <= 256, any S, any strides (D is made unit-stride).  Returns the ``MXTensor`` of the
+    orientation asked for, or ``(hdim, seq)`` for ``"both"``; bit-exact with
+    ``formats.quantize_mxfp8(x, dim=-1 / seq_dim, scale_mode)``.  Layouts: module docstring.
+    """
+    if orientations not in ("hdim", "seq", "both"):
+        raise ValueError(f"orientations must be 'hdim', 'seq' or 'both', got {orientations!r}")
+    mode = ScaleMode.parse(scale_mode)
+    x4, packed = _check_float_input(x, "x", seq_dim)
+    B, S, H, D = x4.shape
+    dev = x4.device
+    want_h = orientations in ("hdim", "both")
+    want_s = orientations in ("seq", "both")
+    ND, NSB = triton.cdiv(D, 32), triton.cdiv(S, 32)
+    hd = he = cd = ce = None
+    s_pad = SEQ_ALIGN
+    if want_h:
+        hd = torch.empty(B, S, H, D, dtype=torch.uint8, device=dev)
+        he = torch.empty(B, S, H, ND, dtype=torch.uint8, device=dev)
+    if want_s:
+        cd, s_pad = _channel_major_buffer(B, H, D, S, dev)
+        ce = torch.empty(B, NSB, H, D, dtype=torch.uint8, device=dev)
+    if x4.numel() > 0 or (want_s and B * H * D > 0):
+        _launch_quantize(x4, hd, he, cd, ce, s_pad, HDIM=want_h, SEQ=want_s, HDIM_GROUP=0, SEQ_RS=False,
+                         rceil=mode is ScaleMode.RCEIL, group=0)
+    res = []
+    sd = 0 if packed else 1
+    if want_h:
+        res.append(MXTensor(_unpack(hd, packed).view(torch.float8_e4m3fn), _unpack(he, packed), x.ndim - 1))
+    if want_s:
+        res.append(MXTensor(_seq_view(cd, S, packed), _unpack(ce, packed), sd))
+    return res[0] if len(res) == 1 else tuple(res)
+
+
+def _launch_quantize(x4, hd, he, cd, ce, s_pad, *, HDIM, SEQ, HDIM_GROUP, SEQ_RS, rceil, group):
+    B, S, H, D = x4.shape
+    if B * H == 0:
+        return
+    dp = _d_pad(D)
+    tile = _tile("k" if HDIM_GROUP > 1 else "quant", dp, group)
+    bs = tile.block_s
+    # seq outputs cover the zero padding up to s_pad, so tiles run over max(S, s_pad) when SEQ
+    s_cover = max(S, s_pad) if SEQ else S
+    if s_cover == 0:
+        return
+    n_s_tiles = triton.cdiv(s_cover, bs)
+    n_groups = triton.cdiv(S, group) if group else 1
+    sxb, sxs, sxh, _ = x4.stride()
+    idx64 = _needs_i64(bs * sxs, dp) or _needs_i64(bs * H * D, dp) or _needs_i64(dp * s_pad, bs)
+    dummy = x4.new_empty(1, dtype=torch.uint8)
+    grid = (B * n_s_tiles * H,)
+    _quantize_kernel[grid](
+        x4, S, H, sxb, sxs, sxh,
+        hd if hd is not None else dummy, he if he is not None else dummy,
+        cd if cd is not None else dummy, ce if ce is not None else dummy,
+        s_pad, triton.cdiv(S, 32), n_s_tiles, n_groups,
+        D=D, NDP=dp // 32, BLOCK_S=bs, HDIM=HDIM, SEQ=SEQ, HDIM_GROUP=HDIM_GROUP, SEQ_RS=SEQ_RS,
+        RCEIL=rceil, SOFT=_soft(x4.device), IDX64=idx64, num_warps=tile.num_warps,
+    )
+
+
+def _v_exponents(src4, sc4, *, from_mx: bool, rceil: bool) -> torch.Tensor:
+    """Pass 1 of V: int32 (B, 1, H, D) per-channel maxima over S (``_NO_EXP`` where none is nonzero)."""
+    B, S, H, D = src4.shape
+    exp = torch.full((B, 1, H, D), _NO_EXP_HOST, dtype=torch.int32, device=src4.device)
+    if B * H * S == 0:
+        return exp
+    dp = _d_pad(D)
+    bs = _tile("quant", dp).block_s
+    n_s_tiles = triton.cdiv(S, bs)
+    per = _seq_chunk(B * H, S, bs)
+    n_chunks = triton.cdiv(n_s_tiles, per)
+    st = src4.stride()
+    scs = sc4.stride() if sc4 is not None else (0, 0, 0, 0)
+    idx64 = _needs_i64(bs * abs(st[1]), dp * abs(st[3]))
+    _seq_exponent_kernel[(B * n_chunks * H,)](
+        src4, S, H, st[0], st[1], st[2], st[3],
+        sc4 if sc4 is not None else exp, *scs,
+        exp, n_s_tiles, per,
+        D=D, NDP=dp // 32, BLOCK_S=bs, FROM_MX=from_mx, RCEIL=rceil, IDX64=idx64,
+        num_warps=_tile("quant", dp).num_warps,
+    )
+    return exp
+
+
+def _check_group(k_group: int) -> int:
+    if not isinstance(k_group, int) or k_group not in (32, 64, 128, 256):
+        raise ValueError(f"k_group must be 32, 64, 128 or 256, got {k_group!r}")
+    return k_group
+
+
+def row_scaled_triton(
+    x: Union[torch.Tensor, MXTensor],
+    role: str,
+    scale_mode: Union[str, ScaleMode] = "rceil",
+    seq_dim: Optional[int] = None,
+    k_group: int = 128,
+) -> RowScaledFP8:
+    """The Hopper attention operand (``RowScaledFP8``) for ``role`` ``"q"``, ``"k"`` or ``"v"``.
+
+    ``x``: a bf16/fp16/fp32 tensor (B, S, H, D) / packed (T, H, D) — equal to
+    ``formats.row_scaled_from_float(x, dim, group_dim, group, scale_mode)`` — or an ``MXTensor`` of that
+    shape blocked along D (q, k) or along S (v) — equal to ``formats.to_row_scaled(x, group_dim, group)``
+    (``scale_mode`` is then unused).  Layouts:
+      q: dim=-1, exp (B, S, H, 1); k: dim=-1, group_dim=seq, group=k_group, exp (B, ceil(S/k_group), H, 1);
+      v: dim=seq, exp (B, 1, H, D), data the (B, S, H, D) view of a channel-major (B, H, D, S_pad) buffer.
+    q and k data are contiguous (B, S, H, D).  V takes two passes (exponents, then data).
+    """
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    group = _check_group(k_group) if role == "k" else 1
+    if isinstance(x, MXTensor):
+        return _row_scaled_from_mx(x, role, seq_dim, group)
+    mode = ScaleMode.parse(scale_mode)
+    x4, packed = _check_float_input(x, "x", seq_dim)
+    B, S, H, D = x4.shape
+    dev = x4.device
+    rceil = mode is ScaleMode.RCEIL
+    sd = 0 if packed else 1
+    if role == "v":
+        exp = _v_exponents(x4, None, from_mx=False, rceil=rceil)
+        cd, s_pad = _channel_major_buffer(B, H, D, S, dev)
+        _launch_quantize(x4, None, None, cd, exp, s_pad, HDIM=False, SEQ=True, HDIM_GROUP=0, SEQ_RS=True,
+                         rceil=rceil, group=0)
+        if S == 0:
+            exp.fill_(0)
+        return RowScaledFP8(_seq_view(cd, S, packed), _unpack(exp, packed), sd)
+    hd = torch.empty(B, S, H, D, dtype=torch.uint8, device=dev)
+    if role == "q":
+        exp = torch.empty(B, S, H, 1, dtype=torch.int32, device=dev)
+    else:
+        exp = torch.empty(B, triton.cdiv(S, group), H, 1, dtype=torch.int32, device=dev)
+    _launch_quantize(x4, hd, exp, None, None, SEQ_ALIGN, HDIM=True, SEQ=False,
+                     HDIM_GROUP=group if role == "k" else 1, SEQ_RS=False, rceil=rceil, group=group if role == "k" else 0)
+    data = _unpack(hd, packed).view(torch.float8_e4m3fn)
+    if role == "q":
+        return RowScaledFP8(data, _unpack(exp, packed), x.ndim - 1)
+    return RowScaledFP8(data, _unpack(exp, packed), x.ndim - 1, group_dim=sd, group=group)
+
+
+def _row_scaled_from_mx(mx: MXTensor, role: str, seq_dim: Optional[int], group: int) -> RowScaledFP8:
+    q4, packed = _canon_bshd(mx.data, "x.data", seq_dim)
+    sc4 = mx.scale_bytes.unsqueeze(0) if packed else mx.scale_bytes
+    B, S, H, D = q4.shape
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"x.data: head dim D={D} is out of range [1, {MAX_HEAD_DIM}]")
+    _check_device(mx.data, "x.data")
+    bdim = mx.dim + (1 if packed else 0)
+    want = 1 if role == "v" else 3
+    if bdim != want:
+        orient = "seq (dim=seq_dim)" if role == "v" else "hdim (dim=-1)"
+        raise ValueError(f"role {role!r} needs an MXTensor blocked along {orient}, got dim={mx.dim}")
+    dev = q4.device
+    q8 = q4.view(torch.uint8)
+    dp = _d_pad(D)
+    sd = 0 if packed else 1
+    soft = _soft(dev)
+    if role == "v":
+        exp = _v_exponents(q8, sc4, from_mx=True, rceil=True)
+        cd, s_pad = _channel_major_buffer(B, H, D, S, dev)
+        tile = _tile("quant", dp)
+        n_s_tiles = triton.cdiv(max(S, s_pad), tile.block_s)
+        if B * H > 0:
+            idx = _needs_i64(tile.block_s * abs(q8.stride(1)), dp * abs(q8.stride(3))) or _needs_i64(dp * s_pad, tile.block_s)
+            _rescale_mx_kernel[(B * n_s_tiles * H,)](
+                q8, *q8.stride(), sc4, *sc4.stride(), cd, exp, S, H, s_pad, n_s_tiles, 1,
+                D=D, NDP=dp // 32, BLOCK_S=tile.block_s, SEQ=True, GROUP=1, SOFT=soft, IDX64=idx,
+                num_warps=tile.num_warps,
+            )
+        if S == 0:
+            exp.fill_(0)
+        return RowScaledFP8(_seq_view(cd, S, packed), _unpack(exp, packed), sd)
+    tile = _tile("k" if role == "k" else "quant", dp, group)
+    hd = torch.empty(B, S, H, D, dtype=torch.uint8, device=dev)
+    n_groups = triton.cdiv(S, group)
+    if role == "q":
+        exp = torch.empty(B, S, H, 1, dtype=torch.int32, device=dev)
+    else:
+        exp = torch.empty(B, n_groups, H, 1, dtype=torch.int32, device=dev)
+    n_s_tiles = triton.cdiv(S, tile.block_s)
+    if B * H * S > 0:
+        idx = _needs_i64(tile.block_s * abs(q8.stride(1)), dp * abs(q8.stride(3))) or _needs_i64(tile.block_s * H * D, dp)
+        _rescale_mx_kernel[(B * n_s_tiles * H,)](
+            q8, *q8.stride(), sc4, *sc4.stride(), hd, exp, S, H, SEQ_ALIGN, n_s_tiles, n_groups,
+            D=D, NDP=dp // 32, BLOCK_S=tile.block_s, SEQ=False, GROUP=group if role == "k" else 1,
+            SOFT=soft, IDX64=idx, num_warps=tile.num_warps,
+        )
+    data = _unpack(hd, packed).view(torch.float8_e4m3fn)
+    if role == "q":
+        return RowScaledFP8(data, _unpack(exp, packed), mx.ndim - 1)
+    return RowScaledFP8(data, _unpack(exp, packed), mx.ndim - 1, group_dim=sd, group=group)
+
+
+def dequantize_mxfp8_triton(t: MXTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``t.data * 2^(scale - 127)`` (NaN for scale byte 255) as a contiguous tensor of ``dtype``.
+
+    ``t``: any ``MXTensor`` of rank 1 to 4, any strides (channel-major data included), blocked along any
+    dim.  ``dtype``: bfloat16, float16 or float32.  Bit-exact with ``formats.dequantize_mxfp8(t, dtype)``
+    (NaN positions equal; NaN payloads are not compared)."""
+    if not isinstance(t, MXTensor):
+        raise TypeError(f"t must be an MXTensor, got {type(t).__name__}")
+    if dtype not in _FLOAT_OUT:
+        raise TypeError(f"dtype must be bfloat16, float16 or float32, got {dtype}")
+    if not 1 <= t.ndim <= 4:
+        raise ValueError(f"t must have rank 1 to 4, got shape {tuple(t.shape)}")
+    _check_device(t.data, "t.data")
+    pad = 4 - t.ndim
+    # canonical (B, S, H, D): rank 3 (a, b, c) -> (1, a, b, c); rank 2 (a, b) -> (1, a, 1, b); rank 1 -> (1, 1, 1, a)
+    if t.ndim == 4:
+        q4, s4, bdim = t.data, t.scale_bytes, t.dim
+    elif t.ndim == 3:
+        q4, s4, bdim = t.data.unsqueeze(0), t.scale_bytes.unsqueeze(0), t.dim + 1
+    elif t.ndim == 2:
+        q4, s4 = t.data.unsqueeze(0).unsqueeze(2), t.scale_bytes.unsqueeze(0).unsqueeze(2)
+        bdim = 1 if t.dim == 0 else 3
+    else:
+        q4, s4, bdim = t.data.reshape(1, 1, 1, -1), t.scale_bytes.reshape(1, 1, 1, -1), 3
+    del pad
+    B, S, H, D = q4.shape
+    out = torch.empty(B, S, H, D, dtype=dtype, device=q4.device)
+    if out.numel() == 0:
+        return out.reshape(t.shape)
+    q8 = q4.view(torch.uint8)
+    bd = min(128, 32 * triton.next_power_of_2(triton.cdiv(D, 32)))
+    bs = max(32, 8192 // bd)
+    n_s_tiles, n_d_tiles = triton.cdiv(S, bs), triton.cdiv(D, bd)
+    qs, ss = q8.stride(), s4.stride()
+    idx = _needs_i64(bs * abs(qs[1]), bd * abs(qs[3])) or _needs_i64(bs * abs(ss[1]), bd * abs(ss[3]))
+    idx = idx or _needs_i64(bs * H * D, bd)
+    _dequantize_kernel[(B * n_s_tiles * H * n_d_tiles,)](
+        q8, *qs, s4, *ss, out, S, H, D, n_s_tiles, n_d_tiles,
+        BLOCK_S=bs, BLOCK_D=bd, BDIM=bdim, OUT_BF16=dtype == torch.bfloat16, IDX64=idx,
+        num_warps=8,
+    )
+    return out.reshape(t.shape)

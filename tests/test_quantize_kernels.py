@@ -1,0 +1,475 @@
+"""The Triton quantize / dequantize / Hopper-operand kernels against ``mxattn.formats``, byte for byte.
+
+Without CUDA the kernels run under ``TRITON_INTERPRET=1`` (set here, before the kernels are imported) on
+tiny shapes; with CUDA every test runs compiled on the GPU, and the tests marked ``gpu`` add larger shapes,
+both GPU rounding paths (hardware cvt and the explicit fp32 rounding) and a tensor past 2^31 elements.
+The reference always runs on the CPU, so NaN signs follow one definition.  Seeds: ``conftest.seed``.
+
+    PYTHONPATH=. python -m pytest tests/test_quantize_kernels.py            # CPU: interpreter
+    PYTHONPATH=. python -m pytest -m gpu tests/test_quantize_kernels.py    # H200
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import mxattn.kernels.quantize as kq  # noqa: E402  (after TRITON_INTERPRET)
+from mxattn import formats as F  # noqa: E402
+
+if not torch.cuda.is_available() and type(kq._quantize_kernel).__name__ != "InterpretedFunction":
+    kq = importlib.reload(kq)  # imported earlier without the interpreter
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MODES = ("rceil", "floor")
+U8 = torch.uint8
+
+
+# ----------------------------------------------------------------------------------------------
+# comparison helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().view(U8) if t.dtype != U8 else t.detach().cpu().contiguous()
+
+
+def assert_same_bytes(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert tuple(got.shape) == tuple(want.shape), f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    g, w = _u8(got), _u8(want)
+    bad = g != w
+    if bad.any():
+        idx = bad.nonzero()[0].tolist()
+        n = int(bad.sum())
+        raise AssertionError(
+            f"{what}: {n} of {bad.numel()} bytes differ; first at {idx}: got {g[tuple(idx)].item():#04x}, "
+            f"want {w[tuple(idx)].item():#04x}"
+        )
+
+
+def assert_same_int(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    got, want = got.cpu(), want.cpu()
+    assert tuple(got.shape) == tuple(want.shape), f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    bad = got != want
+    if bad.any():
+        idx = bad.nonzero()[0].tolist()
+        raise AssertionError(f"{what}: {int(bad.sum())} differ; first at {idx}: got {got[tuple(idx)].item()}, "
+                             f"want {want[tuple(idx)].item()}")
+
+
+def assert_same_mx(got: F.MXTensor, want: F.MXTensor, what: str) -> None:
+    assert got.dim == want.dim, f"{what}: dim {got.dim} != {want.dim}"
+    assert_same_bytes(got.data, want.data, f"{what} data")
+    assert_same_bytes(got.scale, want.scale, f"{what} scale")
+
+
+def assert_same_rs(got: F.RowScaledFP8, want: F.RowScaledFP8, what: str) -> None:
+    assert (got.dim, got.group_dim, got.group) == (want.dim, want.group_dim, want.group), what
+    assert_same_int(got.exp, want.exp, f"{what} exp")
+    assert_same_bytes(got.data, want.data, f"{what} data")
+
+
+def assert_same_float(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Equal bits where finite or infinite, NaN at the same places (payloads are not compared)."""
+    got, want = got.cpu(), want.cpu()
+    assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype}{tuple(got.shape)}"
+    gn, wn = torch.isnan(got), torch.isnan(want)
+    assert torch.equal(gn, wn), f"{what}: NaN positions differ ({int((gn != wn).sum())} places)"
+    iv = {2: torch.int16, 4: torch.int32}[got.element_size()]
+    bad = (got.view(iv) != want.view(iv)) & ~wn
+    if bad.any():
+        idx = bad.nonzero()[0].tolist()
+        raise AssertionError(f"{what}: {int(bad.sum())} values differ; first at {idx}: got {got[tuple(idx)].item()!r}, "
+                             f"want {want[tuple(idx)].item()!r}")
+
+
+def assert_channel_major(data: torch.Tensor, packed: bool = False) -> None:
+    """``data`` is the (B, S, H, D) view of a zero-padded (B, H, D, S_pad) buffer, S_pad % 16 == 0."""
+    d4 = data.unsqueeze(0) if packed else data
+    B, S, H, D = d4.shape
+    assert d4.stride(1) == 1 or S <= 1, f"seq data must be channel-major, strides {d4.stride()}"
+    s_pad = d4.stride(3)
+    assert s_pad % 16 == 0 and s_pad >= S and s_pad - S < 16, f"S_pad {s_pad} for S={S}"
+    assert d4.stride(2) == D * s_pad and (B == 1 or d4.stride(0) == H * D * s_pad), d4.stride()
+    buf = torch.as_strided(d4, (B, H, D, s_pad), (H * D * s_pad, D * s_pad, s_pad, 1))
+    assert not _u8(buf[..., S:]).any(), "channel-major padding must be zeros"
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs
+# ----------------------------------------------------------------------------------------------
+
+
+def _bits_f32(v: int) -> float:
+    return torch.tensor([v], dtype=torch.int64).to(torch.int32).view(torch.float32).item()
+
+
+def make_input(shape, dtype, kind: str, gen: torch.Generator) -> torch.Tensor:
+    """Float test tensors (made on the CPU).  ``kind``:
+    random: gaussian with per-element magnitudes over ~2^±8; outliers: a few channels x 2^10;
+    adversarial: zero blocks, -0, ties of the e4m3 grid, e4m3-subnormal results, fp32/bf16 subnormals,
+    the 2^-127 clamp, values near the dtype's max, and NaN/+-Inf of both signs in a few blocks."""
+    x = torch.randn(shape, generator=gen) * torch.exp2(torch.randint(-8, 9, shape, generator=gen).float())
+    if kind == "random":
+        return x.to(dtype)
+    D = shape[-1]
+    if kind == "outliers":
+        ch = torch.randint(0, D, (max(1, D // 16),), generator=gen)
+        x[..., ch] *= 1024.0
+        return x.to(dtype)
+    assert kind == "adversarial"
+    flat = x.view(-1, D)  # rows = (token, head) pairs in order
+    n = flat.shape[0]
+    r = lambda k, hi: torch.randint(0, hi, (k,), generator=gen)  # noqa: E731
+    # ties: grid points of e4m3 and their midpoints, scaled by a common power of two per row
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (grid[1:] + grid[:-1]) / 2
+    pool = torch.cat([grid, mids, -grid, -mids])
+    rows = r(max(1, n // 4), n)
+    flat[rows] = pool[r(rows.numel() * D, pool.numel())].view(-1, D) * torch.exp2(
+        torch.randint(-20, 21, (rows.numel(), 1), generator=gen).float())
+    # subnormal e4m3 results: a big element and small ones in one block
+    rows = r(max(1, n // 8), n)
+    flat[rows] = torch.randn(rows.numel(), D, generator=gen) * 2.0**-10
+    flat[rows, 0] = 300.0
+    # zero blocks and -0
+    flat[r(max(1, n // 8), n)] = 0.0
+    flat[r(max(1, n // 8), n), : min(32, D)] = -0.0
+    limit = {torch.bfloat16: 2.0**127 * 1.5, torch.float16: 60000.0, torch.float32: 2.0**127 * 1.9}[dtype]
+    tiny = {torch.bfloat16: 2.0**-130, torch.float16: 2.0**-24, torch.float32: 2.0**-145}[dtype]
+    # huge and tiny scales (2^-127 clamp with fp32/bf16 subnormals)
+    rows = r(max(1, n // 8), n)
+    flat[rows] = torch.randn(rows.numel(), D, generator=gen).clamp(-1.3, 1.3) * limit / 1.3
+    rows = r(max(1, n // 8), n)
+    flat[rows] = torch.randint(-8, 9, (rows.numel(), D), generator=gen).float() * tiny
+    rows = r(max(1, n // 8), n)
+    flat[rows] = torch.randn(rows.numel(), D, generator=gen) * 2.0**-118
+    x = flat.view(shape).to(dtype)
+    # NaN of both signs and +-Inf, written as bits so that the sign survives the dtype
+    xf = x.view(-1)
+    k = max(1, xf.numel() // 500)
+    if dtype == torch.float32:
+        specials = torch.tensor([0x7FC00000, 0xFFC00000 - 2**32, 0x7F800001, 0x7F800000, 0xFF800000 - 2**32],
+                                dtype=torch.int32).view(torch.float32)
+    elif dtype == torch.bfloat16:
+        specials = torch.tensor([0x7FC0, 0xFFC0 - 2**16, 0x7F81, 0x7F80, 0xFF80 - 2**16], dtype=torch.int16
+                                ).view(torch.bfloat16)
+    else:
+        specials = torch.tensor([0x7E00, 0xFE00 - 2**16, 0x7C01, 0x7C00, 0xFC00 - 2**16], dtype=torch.int16
+                                ).view(torch.float16)
+    pos = r(k, xf.numel())
+    xf[pos] = specials[r(k, specials.numel())]
+    return x
+
+
+def ref_rs(x: torch.Tensor, role: str, group: int = 128, seq_dim: int = 1) -> F.RowScaledFP8:
+    if role == "q":
+        return F.to_row_scaled(F.quantize_mxfp8(x, -1))
+    if role == "k":
+        return F.to_row_scaled(F.quantize_mxfp8(x, -1), seq_dim, group)
+    return F.to_row_scaled(F.quantize_mxfp8(x, seq_dim))
+
+
+def ref_rs_mode(x, role, mode, group=128, seq_dim=1):
+    dim = seq_dim if role == "v" else -1
+    mx = F.quantize_mxfp8(x, dim, mode)
+    return F.to_row_scaled(mx, seq_dim if role == "k" else None, group if role == "k" else 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# checks shared by the CPU (interpreter) and GPU tests
+# ----------------------------------------------------------------------------------------------
+
+
+def check_quantize(shape, dtype, mode, kind, gen, orientations="both"):
+    x = make_input(shape, dtype, kind, gen)
+    packed = len(shape) == 3
+    sd = 0 if packed else 1
+    out = kq.quantize_mxfp8_triton(x.to(DEVICE), orientations, mode, seq_dim=sd)
+    outs = out if isinstance(out, tuple) else (out,)
+    names = {"both": ("hdim", "seq"), "hdim": ("hdim",), "seq": ("seq",)}[orientations]
+    for name, got in zip(names, outs):
+        want = F.quantize_mxfp8(x, -1 if name == "hdim" else sd, mode)
+        assert_same_mx(got, want, f"{name} {dtype} {mode} {kind} {shape}")
+        if name == "hdim":
+            assert got.data.is_contiguous() and got.scale.is_contiguous()
+        else:
+            assert_channel_major(got.data, packed)
+    return outs
+
+
+def check_row_scaled(shape, dtype, mode, kind, role, gen, group=128):
+    x = make_input(shape, dtype, kind, gen)
+    packed = len(shape) == 3
+    sd = 0 if packed else 1
+    want = ref_rs_mode(x, role, mode, group, sd)
+    got = kq.row_scaled_triton(x.to(DEVICE), role, mode, seq_dim=sd, k_group=group)
+    assert_same_rs(got, want, f"{role} from float {dtype} {mode} {kind} {shape}")
+    if role == "v":
+        assert_channel_major(got.data, packed)
+    else:
+        assert got.data.is_contiguous()
+    # from an MXTensor made by the kernel (channel-major for V) and by formats (contiguous)
+    mx_k = kq.quantize_mxfp8_triton(x.to(DEVICE), "seq" if role == "v" else "hdim", mode, seq_dim=sd)
+    mx_f = F.quantize_mxfp8(x, sd if role == "v" else -1, mode).to(DEVICE)
+    for src, mx in (("kernel MX", mx_k), ("formats MX", mx_f)):
+        got = kq.row_scaled_triton(mx, role, seq_dim=sd, k_group=group)
+        assert_same_rs(got, want, f"{role} from {src} {dtype} {mode} {kind} {shape}")
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU-sized tests (interpreter on CPU; compiled when CUDA is present)
+# ----------------------------------------------------------------------------------------------
+
+SMALL = [(1, 1, 1, 64), (1, 31, 2, 64), (2, 33, 1, 128), (1, 100, 1, 96)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", SMALL, ids=str)
+def test_quantize_both_adversarial(shape, dtype, mode, gen):
+    check_quantize(shape, dtype, mode, "adversarial", gen)
+
+
+@pytest.mark.parametrize("orientations", ["hdim", "seq"])
+@pytest.mark.parametrize("kind", ["random", "outliers"])
+def test_quantize_one_orientation(orientations, kind, gen):
+    check_quantize((2, 45, 2, 64), torch.bfloat16, "rceil", kind, gen, orientations)
+
+
+@pytest.mark.parametrize("D", [32, 48, 256])
+def test_quantize_head_dims(D, gen):
+    check_quantize((1, 40, 1, D), torch.float32, "rceil", "adversarial", gen)
+
+
+def test_quantize_packed(gen):
+    check_quantize((70, 2, 64), torch.bfloat16, "rceil", "adversarial", gen)
+
+
+def test_quantize_strided_input(gen):
+    # q of a fused (B, S, 3, H, D) projection, and a D-transposed view (copied to unit stride)
+    qkv = make_input((2, 37, 3, 2, 64), torch.bfloat16, "random", gen)
+    x = qkv[:, :, 0]
+    h, s = kq.quantize_mxfp8_triton(x.to(DEVICE), "both")
+    assert_same_mx(h, F.quantize_mxfp8(x, -1), "hdim of strided q")
+    assert_same_mx(s, F.quantize_mxfp8(x, 1), "seq of strided q")
+    xt = make_input((1, 33, 1, 64), torch.float32, "random", gen).transpose(1, 3).contiguous().transpose(1, 3)
+    assert_same_mx(kq.quantize_mxfp8_triton(xt.to(DEVICE), "hdim"), F.quantize_mxfp8(xt, -1), "hdim of D-strided")
+
+
+def test_quantize_pinned_bytes():
+    """A table of semantic cases, bytes written out (scale byte, first data byte) for RCEIL and FLOOR."""
+    cases = [  # (block amax placed at element 0, other elements 0) -> (rceil scale, rceil byte, floor scale, floor byte)
+        (448.0, 127, 0x7E, 127, 0x7E),
+        (449.0, 128, 0x76, 127, 0x7E),  # RCEIL: 224.5 -> 224; FLOOR saturates
+        (1.0, 119, 0x78, 119, 0x78),
+        (1.75 * 2.0**-130, 0, 0x26, 0, 0x26),  # fp32 subnormal: 2^-127 clamp, data 1.75*2^-3
+        (0.0, 127, 0x00, 127, 0x00),
+        (-0.0, 127, 0x80, 127, 0x80),
+        (float("inf"), 255, 0x7E, 255, 0x7E),
+        (float("nan"), 255, 0x7F, 255, 0x7F),
+        (_bits_f32(0x7F7FFFFF), 247, 0x78, 246, 0x7E),  # fp32 max: e = 120 (RCEIL, data 256), 119 (FLOOR)
+    ]
+    x = torch.zeros(len(cases), 1, 1, 32)
+    for i, c in enumerate(cases):
+        x[i, 0, 0, 0] = c[0]
+    for j, mode in enumerate(MODES):
+        got = kq.quantize_mxfp8_triton(x.to(DEVICE), "hdim", mode)
+        for i, c in enumerate(cases):
+            sc, byte = c[1 + 2 * j], c[2 + 2 * j]
+            assert _u8(got.scale)[i, 0, 0, 0].item() == sc, f"{mode} amax {c[0]}: scale"
+            assert _u8(got.data)[i, 0, 0, 0].item() == byte, f"{mode} amax {c[0]}: data"
+        assert_same_mx(got, F.quantize_mxfp8(x, -1, mode), f"pinned table {mode}")
+
+
+@pytest.mark.parametrize("role", ["q", "k", "v"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", [(1, 33, 2, 64), (2, 130, 1, 96)], ids=str)
+def test_row_scaled_adversarial(shape, mode, role, gen):
+    check_row_scaled(shape, torch.bfloat16, mode, "adversarial", role, gen)
+
+
+@pytest.mark.parametrize("role", ["q", "k", "v"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_row_scaled_dtypes(dtype, role, gen):
+    check_row_scaled((1, 31, 1, 64), dtype, "rceil", "adversarial", role, gen)
+
+
+@pytest.mark.parametrize("role", ["k", "v"])
+def test_row_scaled_outliers_packed(role, gen):
+    check_row_scaled((100, 2, 64), torch.bfloat16, "rceil", "outliers", role, gen)
+
+
+@pytest.mark.parametrize("group", [32, 64, 256])
+def test_row_scaled_k_groups(group, gen):
+    check_row_scaled((1, 100, 1, 64), torch.bfloat16, "rceil", "adversarial", "k", gen, group)
+
+
+def test_row_scaled_zero_rows_and_tiny(gen):
+    """Rows that are all zero (E = 0) and blocks whose elements all quantize to 0 at the 2^-127 clamp."""
+    x = torch.zeros(1, 40, 2, 64)
+    x[0, 3, 0, 5] = 2.0**-149  # e = -127, q = 2^-22 -> 0: the block holds no nonzero element
+    x[0, 3, 0, 40] = 1.0
+    x[0, 7, 1, :] = 2.0**-140
+    x[0, 9, 1, 33] = 3.0 * 2.0**-138  # nonzero e4m3 subnormal at e = -127
+    for role in "qkv":
+        got = kq.row_scaled_triton(x.to(DEVICE), role)
+        assert_same_rs(got, ref_rs(x, role), f"{role} zero/tiny")
+
+
+def test_row_scaled_nan_data_in_finite_block():
+    """An MXTensor with NaN data bytes under a finite scale (not made by quantize, but a legal MXTensor)."""
+    mx = F.quantize_mxfp8(torch.randn(1, 64, 1, 64), -1)
+    d = mx.data.view(U8).clone()
+    d[0, 3, 0, 7] = 0xFF
+    d[0, 5, 0, 40] = 0x7F
+    mx = F.MXTensor(d.view(torch.float8_e4m3fn), mx.scale, -1)
+    for role in "qk":
+        want = F.to_row_scaled(mx, 1 if role == "k" else None, 128 if role == "k" else 1)
+        assert_same_rs(kq.row_scaled_triton(mx.to(DEVICE), role), want, f"{role} NaN data")
+
+
+def random_mx(shape, dim, gen, extremes=True) -> F.MXTensor:
+    """An MXTensor of random bytes (every e4m3 code incl. NaN, every scale byte incl. 0, 254, 255)."""
+    data = torch.randint(0, 256, shape, generator=gen, dtype=torch.int32).to(U8)
+    sshape = list(shape)
+    sshape[dim] = -(-sshape[dim] // 32)
+    lo, hi = (0, 256) if extremes else (110, 145)
+    scale = torch.randint(lo, hi, sshape, generator=gen, dtype=torch.int32).to(U8)
+    return F.MXTensor(data.view(torch.float8_e4m3fn), scale, dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape,dim", [((1, 40, 2, 64), 3), ((1, 40, 2, 64), 1), ((2, 3, 40, 32), 2),
+                                       ((40, 3, 8, 2), 0), ((70, 3, 96), 0), ((5, 200), 1), ((300,), 0)], ids=str)
+def test_dequantize_random_bytes(shape, dim, dtype, gen):
+    mx = random_mx(shape, dim, gen)
+    got = kq.dequantize_mxfp8_triton(mx.to(DEVICE), dtype)
+    assert_same_float(got, F.dequantize_mxfp8(mx, dtype), f"dequantize {shape} dim={dim} {dtype}")
+
+
+def test_dequantize_channel_major(gen):
+    x = make_input((2, 45, 2, 64), torch.bfloat16, "adversarial", gen)
+    h, s = kq.quantize_mxfp8_triton(x.to(DEVICE), "both")
+    for t, name in ((h, "hdim"), (s, "seq")):
+        assert_same_float(kq.dequantize_mxfp8_triton(t), F.dequantize_mxfp8(t.to("cpu"), torch.bfloat16), name)
+
+
+# ----------------------------------------------------------------------------------------------
+# input validation (raised before any launch)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_validation():
+    x = torch.randn(1, 8, 1, 64, device=DEVICE)
+    with pytest.raises(TypeError, match="x must be"):
+        kq.quantize_mxfp8_triton(x.to(torch.int32))
+    with pytest.raises(TypeError, match="x must be"):
+        kq.quantize_mxfp8_triton(x.double())
+    with pytest.raises(TypeError, match="x must be"):
+        kq.quantize_mxfp8_triton(x.numpy() if DEVICE == "cpu" else [1.0])
+    with pytest.raises(ValueError, match="x must be"):
+        kq.quantize_mxfp8_triton(x[0, 0])
+    with pytest.raises(ValueError, match="x must be"):
+        kq.quantize_mxfp8_triton(x[None])
+    with pytest.raises(ValueError, match="head dim"):
+        kq.quantize_mxfp8_triton(torch.randn(1, 4, 1, 512, device=DEVICE))
+    with pytest.raises(ValueError, match="orientations"):
+        kq.quantize_mxfp8_triton(x, "rows")
+    with pytest.raises(ValueError, match="scale_mode"):
+        kq.quantize_mxfp8_triton(x, "hdim", "up")
+    with pytest.raises(ValueError, match="seq_dim"):
+        kq.quantize_mxfp8_triton(x, "seq", seq_dim=2)
+    with pytest.raises(ValueError, match="seq_dim"):
+        kq.quantize_mxfp8_triton(x[0], "seq", seq_dim=1)
+    with pytest.raises(ValueError, match="role"):
+        kq.row_scaled_triton(x, "o")
+    with pytest.raises(ValueError, match="k_group"):
+        kq.row_scaled_triton(x, "k", k_group=100)
+    mx = kq.quantize_mxfp8_triton(x, "hdim")
+    with pytest.raises(ValueError, match="blocked along seq"):
+        kq.row_scaled_triton(mx, "v")
+    with pytest.raises(TypeError, match="MXTensor"):
+        kq.dequantize_mxfp8_triton(x)
+    with pytest.raises(TypeError, match="dtype"):
+        kq.dequantize_mxfp8_triton(mx, torch.int8)
+    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    with pytest.raises(ValueError, match="CUDA"):
+        kq.quantize_mxfp8_triton(x.cpu())
+
+
+def test_empty():
+    x = torch.zeros(2, 0, 3, 64, device=DEVICE)
+    h, s = kq.quantize_mxfp8_triton(x, "both")
+    assert h.data.shape == (2, 0, 3, 64) and s.scale.shape == (2, 0, 3, 64)
+    v = kq.row_scaled_triton(x, "v")
+    assert v.exp.shape == (2, 1, 3, 64) and not v.exp.any()
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: larger shapes, both rounding paths, >2^31 elements
+# ----------------------------------------------------------------------------------------------
+
+GPU_SHAPES = [(2, 1000, 4, 128), (1, 4097, 8, 64), (3, 513, 2, 256), (1, 2048, 16, 96), (5000, 4, 128)]
+
+
+@pytest.fixture(params=[False, True], ids=["hw_cvt", "soft_round"])
+def gpu_rounding(request, monkeypatch):
+    monkeypatch.setattr(kq, "SOFT_ROUND_ON_GPU", request.param)
+    return request.param
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+def test_gpu_quantize(shape, dtype, mode, gpu_rounding, gen):
+    check_quantize(shape, dtype, mode, "adversarial", gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("role", ["q", "k", "v"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", ["adversarial", "outliers"])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+def test_gpu_row_scaled(shape, kind, mode, role, gpu_rounding, gen):
+    check_row_scaled(shape, torch.bfloat16, mode, kind, role, gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,dim", [((2, 1000, 4, 128), 3), ((2, 1000, 4, 128), 1), ((3, 4000, 96), 0),
+                                       ((777, 4096), 1)], ids=str)
+def test_gpu_dequantize(shape, dim, dtype, gen):
+    mx = random_mx(shape, dim, gen)
+    assert_same_float(kq.dequantize_mxfp8_triton(mx.to(DEVICE), dtype), F.dequantize_mxfp8(mx, dtype), "dequantize")
+
+
+@pytest.mark.gpu
+def test_gpu_beyond_int32_offsets(gen):
+    """A (B, S, H, D) tensor of more than 2^31 elements: the last batch entry must still be right
+    (blocks are local, so the reference runs on that slice)."""
+    B, S, H, D = 131, 8192, 16, 128  # 2.2e9 elements, 4.4 GB of bf16
+    assert B * S * H * D > 2**31
+    x = torch.empty(B, S, H, D, dtype=torch.bfloat16, device="cuda")
+    tail = make_input((1, S, H, D), torch.bfloat16, "adversarial", gen)
+    x[-1:].copy_(tail)
+    h, s = kq.quantize_mxfp8_triton(x, "both")
+    assert_same_mx(F.MXTensor(h.data[-1:], h.scale[-1:], 3), F.quantize_mxfp8(tail, -1), "hdim tail")
+    assert_same_mx(F.MXTensor(s.data[-1:], s.scale[-1:], 1), F.quantize_mxfp8(tail, 1), "seq tail")
+    del h
+    v = kq.row_scaled_triton(x, "v")
+    want = ref_rs(tail, "v")
+    assert_same_int(v.exp[-1:], want.exp, "v exp tail")
+    assert_same_bytes(v.data[-1:], want.data, "v data tail")
+    del v
+    deq = kq.dequantize_mxfp8_triton(s)
+    assert_same_float(deq[-1:], F.dequantize_mxfp8(F.quantize_mxfp8(tail, 1), torch.bfloat16), "dequant tail")
