@@ -89,7 +89,7 @@ def main():
         print(f"S={S} D={D} causal={causal}: default {res['mxattn_default']:.0f} best {best[1]:.0f} ({best[0]}) "
               f"e2e {res['mxattn_e2e_from_bf16']:.0f} cudnn {res['sdpa_cudnn_bf16']} flash {res['sdpa_flash_bf16']}", flush=True)
     try:
-        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+        commit = os.environ.get("MXATTN_COMMIT") or subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
     except Exception:  # noqa: BLE001
         commit = "unknown"
     out = dict(what="attn_fwd_tune", gpu=dev, torch=torch.__version__, triton=triton.__version__, commit=commit,
