@@ -205,6 +205,8 @@ def quantize_mxfp8(
     Any rank, any dim, any length along ``dim``: the last block may be partial (missing elements
     count as zero for the amax and do not exist in the output).  Returns ``MXTensor`` with ``data``
     of ``x``'s shape (contiguous) and ``scale`` in plain layout.  Semantics: module docstring.
+    The work is done on ``x.float()``: fp64 inputs are rounded to fp32 first (finite values beyond
+    the fp32 range become +-Inf, so their block is NaN), and the exponent never reaches the +127 clamp.
     """
     if not x.dtype.is_floating_point or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise TypeError(f"quantize_mxfp8 expects a float32/float16/bfloat16/float64 tensor, got {x.dtype}")
@@ -230,10 +232,19 @@ def _expand_scales(scale_bytes: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     return s.repeat_interleave(BLOCK_SIZE, dim=dim).narrow(dim, 0, n)
 
 
+def _scaled(data: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``data * s`` in ``dtype``, exact: the product is formed in fp64 when fp64 is asked for, because
+    an e4m3 value times 2^e can exceed the fp32 range (256 * 2^120 = 2^128) and would become Inf."""
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    return (data.to(wide) * s.to(wide)).to(dtype)
+
+
 def dequantize_mxfp8(t: MXTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``data * 2^(scale - 127)``, NaN where the block's scale byte is 255."""
+    """``data * 2^(scale - 127)``, NaN where the block's scale byte is 255.
+
+    Exact in fp64; in fp32 the only loss is overflow to Inf of values at or above 2^128."""
     s = _expand_scales(t.scale_bytes, t.dim, t.data.shape[t.dim])
-    return (t.data.to(torch.float32) * s).to(dtype)
+    return _scaled(t.data, s, dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,7 +309,7 @@ class RowScaledFP8:
         return e
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.data.to(torch.float32) * _pow2(self.expanded_exp())).to(dtype)
+        return _scaled(self.data, _pow2(self.expanded_exp()), dtype)
 
 
 def channel_major(data: torch.Tensor, seq_dim: int = 1, align: int = 16) -> torch.Tensor:
