@@ -10,6 +10,7 @@ from mxattn.formats import (
     row_scaled_from_float,
     to_row_scaled,
 )
+from mxattn.interface import mxfp8_attn_func
 
 __all__ = [
     "__version__",
@@ -17,6 +18,7 @@ __all__ = [
     "RowScaledFP8",
     "ScaleMode",
     "dequantize_mxfp8",
+    "mxfp8_attn_func",
     "quantize_mxfp8",
     "row_scaled_from_float",
     "to_row_scaled",

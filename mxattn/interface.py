@@ -109,16 +109,26 @@ def _default_scale(D: int, softmax_scale) -> float:
     return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D)
 
 
-def _forward_impl(qm: MXTensor, km: MXTensor, vm: MXTensor, causal: bool, scale: float, out_dtype):
-    if qm.device.type == "cuda":
-        from mxattn.kernels.attn_fwd import attn_fwd_hopper
+def _forward_cuda(q: Operand, k: Operand, v: Operand, causal: bool, scale: float, scale_mode: str, out_dtype):
+    """GPU: float or MX inputs -> Hopper operand format (one Triton pass each) -> FP8 attention kernel."""
+    from mxattn.kernels.attn_fwd import attn_fwd_hopper
+    from mxattn.kernels.quantize import row_scaled_triton
 
-        qr, kr, vr = hopper_operands(qm, km, vm)
-        return attn_fwd_hopper(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
+    qr = row_scaled_triton(q, "q", scale_mode=scale_mode)
+    kr = row_scaled_triton(k, "k", scale_mode=scale_mode, k_group=K_EXP_GROUP)
+    vr = row_scaled_triton(v, "v", scale_mode=scale_mode)
+    return attn_fwd_hopper(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
+
+
+def _forward_impl(q: Operand, k: Operand, v: Operand, causal: bool, scale: float, scale_mode: str, out_dtype):
+    if q.device.type == "cuda":
+        return _forward_cuda(q, k, v, causal, scale, scale_mode, out_dtype)
     from mxattn import reference
 
+    if not isinstance(q, MXTensor):
+        q, k, v = quantize_qkv(q, k, v, scale_mode)
     out, lse = reference.attention_forward(
-        qm, km, vm, causal=causal, softmax_scale=scale, quantize_p=True, dtype=torch.float32
+        q, k, v, causal=causal, softmax_scale=scale, quantize_p=True, dtype=torch.float32
     )
     return out.to(out_dtype), lse.to(torch.float32)
 
@@ -132,14 +142,11 @@ class _MXFP8Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, scale_mode, qkv_mx):
         if qkv_mx is None:
-            qm, km, vm = quantize_qkv(q, k, v, scale_mode)
-            out_dtype = q.dtype
+            inputs, out_dtype = (q, k, v), q.dtype
         else:
-            qm, km, vm = qkv_mx
-            out_dtype = torch.bfloat16
-        out, lse = _forward_impl(qm, km, vm, causal, scale, out_dtype)
-        ctx.mx = (qm, km, vm)
-        ctx.raw = (q, k, v) if qkv_mx is None else None
+            inputs, out_dtype = qkv_mx, torch.bfloat16
+        out, lse = _forward_impl(*inputs, causal, scale, scale_mode, out_dtype)
+        ctx.inputs, ctx.is_mx = inputs, qkv_mx is not None
         ctx.causal, ctx.scale, ctx.scale_mode = causal, scale, scale_mode
         ctx.save_for_backward(out, lse)
         ctx.mark_non_differentiable(lse)
@@ -150,20 +157,21 @@ class _MXFP8Attention(torch.autograd.Function):
         from mxattn import reference
 
         out, _ = ctx.saved_tensors
-        qm, km, vm = ctx.mx
-        extra = {}
-        if ctx.raw is not None:
-            q, k, v = ctx.raw
-            extra = dict(
+        if ctx.is_mx:
+            (qm, km, vm), extra, gdt = ctx.inputs, {}, torch.bfloat16
+        else:
+            q, k, v = ctx.inputs
+            qm, km, vm = quantize_qkv(q, k, v, ctx.scale_mode)
+            extra = dict(  # the backward's own orientations (DESIGN §1 table)
                 q_seq=formats.quantize_mxfp8(q, dim=1, scale_mode=ctx.scale_mode),
                 k_seq=formats.quantize_mxfp8(k, dim=1, scale_mode=ctx.scale_mode),
                 v_hdim=formats.quantize_mxfp8(v, dim=3, scale_mode=ctx.scale_mode),
             )
+            gdt = q.dtype
         dq, dk, dv = reference.attention_backward(
             qm, km, vm, out, dout, causal=ctx.causal, softmax_scale=ctx.scale,
             quantize_p=True, quantize_ds=True, quantize_do=True, dtype=torch.float32, **extra,
         )
-        gdt = ctx.raw[0].dtype if ctx.raw is not None else torch.bfloat16
         return dq.to(gdt), dk.to(gdt), dv.to(gdt), None, None, None, None
 
 

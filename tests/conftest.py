@@ -1,7 +1,11 @@
 """Shared test fixtures.
 
+Without CUDA, ``TRITON_INTERPRET=1`` is set here, before any test module imports a kernel, so the
+``tl`` kernels run on the CPU interpreter at tiny shapes.
+
 ``seed``: a per-test seed derived from the test id (each parametrisation draws different inputs),
-shifted by ``MXATTN_SEED`` (default 0) for fresh inputs on demand; torch's global RNG is seeded
+shifted by ``MXATTN_SEED``: drawn fresh for every session unless set (the header prints it, so
+``MXATTN_SEED=N pytest ...`` reproduces a run); torch's global RNG is seeded
 with it and it is attached to the report.  ``gen``: a CPU ``torch.Generator`` seeded the same way.
 Tests marked ``gpu`` are skipped when CUDA is unavailable.
 """
@@ -12,6 +16,15 @@ import zlib
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+SESSION_SEED = os.environ.get("MXATTN_SEED") or str(int.from_bytes(os.urandom(3), "little"))
+
+
+def pytest_report_header(config):
+    return f"mxattn: MXATTN_SEED={SESSION_SEED} (fresh inputs each session; set it to reproduce)"
+
 
 def stable_seed(*parts) -> int:
     """A 31-bit seed from strings (stable across runs and processes, unlike ``hash``)."""
@@ -20,9 +33,9 @@ def stable_seed(*parts) -> int:
 
 @pytest.fixture
 def seed(request) -> int:
-    s = stable_seed(request.node.nodeid, os.environ.get("MXATTN_SEED", "0"))
+    s = stable_seed(request.node.nodeid, SESSION_SEED)
     torch.manual_seed(s)
-    request.node.add_report_section("call", "seed", f"seed={s} (MXATTN_SEED={os.environ.get('MXATTN_SEED', '0')})")
+    request.node.add_report_section("call", "seed", f"seed={s} (MXATTN_SEED={SESSION_SEED})")
     return s
 
 
