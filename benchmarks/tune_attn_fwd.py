@@ -50,8 +50,8 @@ def main():
     shapes = [(2, 16, 16, 4096, 128), (2, 16, 16, 8192, 128), (2, 16, 16, 4096, 64), (2, 16, 16, 2048, 128)]
     if args.quick:
         shapes = shapes[:2]
-    cfgs = [FwdConfig(*c) for c in ((128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2),
-                                    (128, 128, 8, 3), (64, 128, 4, 3), (64, 128, 4, 4), (64, 64, 4, 3))]
+    cfgs = [FwdConfig(*c, exp16=e) for c in ((64, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 2),
+                                             (128, 64, 4, 3)) for e in (False, True)]
     rows = []
     dev = torch.cuda.get_device_name()
     for (B, Hq, Hkv, S, D), causal in tqdm(list(itertools.product(shapes, (False, True))), desc="shapes"):
@@ -60,9 +60,10 @@ def main():
         v = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16)
         flops = 4 * B * Hq * S * S * D * (0.5 if causal else 1.0)
         tf = lambda ms: flops / ms / 1e9
-        qm, km, vm = interface.quantize_qkv(q, k, v)
-        qr, kr, vr = interface.hopper_operands(qm, km, vm)
-        res = {}
+        from mxattn.kernels.quantize import row_scaled_triton
+
+        qr, kr, vr = (row_scaled_triton(t, r) for t, r in ((q, "q"), (k, "k"), (v, "v")))
+        res = {"prepare_qkv_ms": _time(lambda: [row_scaled_triton(t, r) for t, r in ((q, "q"), (k, "k"), (v, "v"))])}
         for name, be in (("sdpa_cudnn_bf16", "cudnn"), ("sdpa_flash_bf16", "flash")):
             try:
                 res[name] = tf(_time(_sdpa(q, k, v, causal, be)))
@@ -75,7 +76,7 @@ def main():
                 ms = _time(lambda: attn_fwd_hopper(qr, kr, vr, causal=causal, config=cfg))
             except Exception as e:  # noqa: BLE001 - out of resources for this tile; skip it
                 continue
-            per_cfg[f"{cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"] = tf(ms)
+            per_cfg[f"{cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}{'e16' if cfg.exp16 else ''}"] = tf(ms)
             if best is None or tf(ms) > best[1]:
                 best = (cfg, tf(ms))
         dcfg = default_config(D, causal)
@@ -87,6 +88,7 @@ def main():
                    ratio_vs_sdpa_cudnn_bf16=(res["mxattn_default"] / res["sdpa_cudnn_bf16"]) if res["sdpa_cudnn_bf16"] else None)
         rows.append(row)
         print(f"S={S} D={D} causal={causal}: default {res['mxattn_default']:.0f} best {best[1]:.0f} ({best[0]}) "
+              f"prep {res['prepare_qkv_ms']:.3f} ms "
               f"e2e {res['mxattn_e2e_from_bf16']:.0f} cudnn {res['sdpa_cudnn_bf16']} flash {res['sdpa_flash_bf16']}", flush=True)
     try:
         commit = os.environ.get("MXATTN_COMMIT") or subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()

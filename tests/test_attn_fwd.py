@@ -26,12 +26,12 @@ def _inputs(B, Sq, Sk, Hq, Hkv, D, device, seed):
     return mk(Sq, Hq), mk(Sk, Hkv), mk(Sk, Hkv)
 
 
-def _check_against_reference(q, k, v, causal, softmax_scale=None):
+def _check_against_reference(q, k, v, causal, softmax_scale=None, config=None):
     qm, km, vm = interface.quantize_qkv(q, k, v)
     qr, kr, vr = interface.hopper_operands(qm, km, vm)
     from mxattn.kernels.attn_fwd import attn_fwd_hopper
 
-    out, lse = attn_fwd_hopper(qr, kr, vr, causal=causal, softmax_scale=softmax_scale)
+    out, lse = attn_fwd_hopper(qr, kr, vr, causal=causal, softmax_scale=softmax_scale, config=config)
     truth, truth_lse = reference.attention_forward(qm, km, vm, causal=causal, softmax_scale=softmax_scale)
     emul, _ = reference.attention_forward(qm, km, vm, causal=causal, softmax_scale=softmax_scale, quantize_p=True)
     truth, truth_lse, emul = truth.cpu(), truth_lse.cpu(), emul.cpu()
@@ -156,3 +156,16 @@ def test_nan_propagates_per_block_gpu(seed):
     k[0, 5, 0, 3] = float("nan")
     out = interface.mxfp8_attn_func(q, k, v)
     assert torch.isnan(out).all(), "a NaN key block makes every row that sees it NaN"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("exp16", [False, True])
+@pytest.mark.parametrize("tile", [(64, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)])
+def test_attn_fwd_gpu_every_tile(tile, exp16, seed):
+    """Every tile in the tuning table is correct, with exp2 in fp32 and in packed f16x2."""
+    from mxattn.kernels.attn_fwd import FwdConfig
+
+    for D in (64, 128):
+        q, k, v = _inputs(1, 700, 1200, 4, 2, D, "cuda", seed + D)
+        for causal in (False, True):
+            _check_against_reference(q, k, v, causal, config=FwdConfig(*tile, exp16=exp16))

@@ -40,6 +40,7 @@ class FwdConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    exp16: bool = False  # exp2 as ex2.approx.f16x2 (two per MUFU op); ignored under the interpreter
 
 
 def default_config(head_dim: int, causal: bool) -> FwdConfig:
@@ -73,7 +74,7 @@ def _round_e4m3_nonneg(x):
 def _attn_tile(
     acc, l_i, m_i, q, qscale, k_ptrs, v_ptrs, ke_ptr, offs_m, offs_n_base, start_n, Sk, causal_off,
     stride_kn, stride_vn, stride_ke_tile,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, EXPLICIT_ROUND: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, EXPLICIT_ROUND: tl.constexpr, EXP16: tl.constexpr,
 ):
     """One K/V tile of the online softmax.  ``MASKED`` tiles check key bounds and the causal diagonal."""
     offs_n = start_n + offs_n_base
@@ -85,23 +86,35 @@ def _attn_tile(
         vt = tl.load(v_ptrs + start_n * stride_vn)
     ke = tl.load(ke_ptr + (start_n // 128) * stride_ke_tile)
     qk = tl.dot(q, kt)  # fp8 x fp8 -> fp32, (BM, BN)
-    s = qk * (qscale * tl.exp2(ke.to(tl.float32)))[:, None]  # log2 units
+    rs = qscale * tl.exp2(ke.to(tl.float32))  # per-row factor to log2 units: 2^(qe + ke) * scale * log2(e) > 0
     if MASKED:
         keep = offs_n[None, :] < Sk
         if CAUSAL:
             keep = keep & (offs_n[None, :] <= offs_m[:, None] + causal_off)
-        s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    if MASKED:
+        s = tl.where(keep, qk * rs[:, None], float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        x = s - (m_new - 8.0)[:, None]
+    else:
+        # rs > 0, so the row max of qk * rs is rs * max(qk): one FMA per element below instead of MUL + ADD
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * rs)
+        x = qk * rs[:, None] - (m_new - 8.0)[:, None]
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - (m_new - 8.0)[:, None])  # <= 256: fits e4m3 with the constant scale 2^-8
-    if EXPLICIT_ROUND:
-        p = _round_e4m3_nonneg(p)
-    p8 = p.to(tl.float8e4nv)
-    # l adds the fp32 p: p <= 256 never saturates, so e4m3 rounding is unbiased noise on P (see notes;
-    # summing p8.to(fp32) instead gave NaNs on triton 3.6 / sm90, a layout-conversion bug, and costs a cvt).
-    l_i = l_i * alpha + tl.sum(p, 1)
+    # p = 2^x <= 256: fits e4m3 with the constant scale 2^-8.  l adds the unrounded p: P never saturates,
+    # so e4m3 rounding is unbiased noise (summing p8.to(fp32) instead gave NaNs on triton 3.6 / sm90).
+    if EXP16:
+        # two exp2 per MUFU op (ex2.approx.f16x2): P needs 3 mantissa bits, f16 gives 10
+        p16 = tl.inline_asm_elementwise(
+            "ex2.approx.f16x2 $0, $1;", "=r,r", [x.to(tl.float16)], dtype=tl.float16, is_pure=True, pack=2
+        )
+        p8 = p16.to(tl.float8e4nv)
+        l_i = l_i * alpha + tl.sum(p16.to(tl.float32), 1)
+    else:
+        p = tl.exp2(x)
+        if EXPLICIT_ROUND:
+            p = _round_e4m3_nonneg(p)
+        p8 = p.to(tl.float8e4nv)
+        l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p8, vt, acc)
     return acc, l_i, m_new
@@ -120,7 +133,7 @@ def _attn_fwd_kernel(
     stride_lb, stride_lh, stride_lm,
     Hq, Sq, Sk, group_size, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    EXPLICIT_ROUND: tl.constexpr,
+    EXPLICIT_ROUND: tl.constexpr, EXP16: tl.constexpr,
 ):
     # heaviest query blocks first when causal (they see the most keys): shorter tail at the end of the grid
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
@@ -158,12 +171,12 @@ def _attn_fwd_kernel(
     for start_n in range(0, full_end, BLOCK_N):
         acc, l_i, m_i = _attn_tile(
             acc, l_i, m_i, q, qscale, k_ptrs, v_ptrs, ke_ptr, offs_m, offs_n, start_n, Sk, causal_off,
-            stride_kn, stride_vn, stride_ket, BLOCK_N, False, CAUSAL, EXPLICIT_ROUND,
+            stride_kn, stride_vn, stride_ket, BLOCK_N, False, CAUSAL, EXPLICIT_ROUND, EXP16,
         )
     for start_n in range(full_end, hi, BLOCK_N):
         acc, l_i, m_i = _attn_tile(
             acc, l_i, m_i, q, qscale, k_ptrs, v_ptrs, ke_ptr, offs_m, offs_n, start_n, Sk, causal_off,
-            stride_kn, stride_vn, stride_ket, BLOCK_N, True, CAUSAL, EXPLICIT_ROUND,
+            stride_kn, stride_vn, stride_ket, BLOCK_N, True, CAUSAL, EXPLICIT_ROUND, EXP16,
         )
 
     empty = l_i == 0.0
@@ -205,7 +218,7 @@ def attn_fwd_hopper(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         ve.stride(0), ve.stride(2), ve.stride(3),
         *out.stride(), *lse.stride(),
         Hq, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E,
-        HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, EXPLICIT_ROUND=INTERPRETER,
+        HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, EXPLICIT_ROUND=INTERPRETER, EXP16=cfg.exp16 and not INTERPRETER,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
