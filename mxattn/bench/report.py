@@ -132,7 +132,7 @@ def render_results(results_dir: Union[str, Path] = DEFAULT_RESULTS, root: Option
 def update_readme(readme: Union[str, Path], results_dir: Union[str, Path] = DEFAULT_RESULTS, check: bool = False) -> bool:
     """Rewrite the generated section of ``readme``; returns whether it changed (with ``check``: would change)."""
     readme = Path(readme)
-    text = readme.read_text()
+    text = readme.read_text(encoding="utf-8")
     if BEGIN not in text or END not in text:
         raise ValueError(f"{readme} has no generated results section (lines {BEGIN!r} ... {END!r})")
     head, rest = text.split(BEGIN, 1)
@@ -140,5 +140,5 @@ def update_readme(readme: Union[str, Path], results_dir: Union[str, Path] = DEFA
     new = f"{head}{BEGIN}\n{render_results(results_dir, readme.parent)}\n{END}{tail}"
     changed = new != text
     if changed and not check:
-        readme.write_text(new)
+        readme.write_text(new, encoding="utf-8")
     return changed

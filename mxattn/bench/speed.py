@@ -24,6 +24,7 @@ A method that fails for a shape records ``None`` (and the error in ``errors``) a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
 import sys
@@ -138,6 +139,7 @@ def _sdpa(backend_name: Optional[str]) -> Attn:
     return attn
 
 
+@functools.lru_cache(maxsize=1)
 def _cudnn_frontend():
     """The cuDNN frontend module, or None when it is not installed (the method is then left out)."""
     try:
@@ -199,10 +201,11 @@ class _CudnnFP8:
         tq, tk, tv = self._fp8(g, "q", q8), self._fp8(g, "k", k8), self._fp8(g, "v", v8)
         names = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
         sc = {n: self._scalar(g, n) for n in names}
-        o, stats, amax_s, amax_o = g.sdpa_fp8(
-            q=tq, k=tk, v=tv, **sc, is_inference=not training, attn_scale=self.scale,
-            use_causal_mask=s.causal, name="sdpa_fp8",
-        )
+        kw = dict(q=tq, k=tk, v=tv, **sc, attn_scale=self.scale, use_causal_mask=s.causal, name="sdpa_fp8")
+        try:  # newer frontends name the switch generate_stats, older ones is_inference
+            o, stats, amax_s, amax_o = g.sdpa_fp8(**kw, generate_stats=training)
+        except TypeError:
+            o, stats, amax_s, amax_o = g.sdpa_fp8(**kw, is_inference=not training)
         out = torch.empty_like(q8)
         o.set_output(True).set_dim(list(out.transpose(1, 2).shape)).set_stride(list(out.transpose(1, 2).stride()))
         lse = torch.empty(s.B, s.Hq, s.Sq, 1, dtype=torch.float32, device="cuda")
