@@ -6,8 +6,8 @@ input families (``FAMILIES``):
     outlier_channels  3% of the head-dim channels (at least one) of q, k, v scaled ×30; q and k are then
                       rescaled to unit RMS so that the logits stay a trained model's size rather than one-hot.
     heavy_tailed      every token row scaled by a lognormal factor: exp(N(0, 1)) for v, exp(N(0, 0.5²)) for q and
-                      k (their product sets the logits: σ=1 on both makes the softmax ill-conditioned, so
-                      that even BF16 loses 10 dB on dK).
+                      k (their product scales the logits: σ=1 on both makes the softmax so peaky that the
+                      gradients measure the problem's conditioning more than the number format).
     attention_sink    queries share a direction u (q += 2u, |u| = 1); key 0 is 5·sqrt(D)·u, so its logit is
                       ~10 for every query, and its value is scaled ×0.1 (trained models' sinks carry little).
     long_causal       causal attention over 4× the sequence (1 batch, a quarter of the heads): long rows.

@@ -25,8 +25,8 @@ __all__ = ["run_demo", "demo_speed_shapes"]
 DEMO_TENSORS = ("out", "dq", "dk", "dv")
 LABELS = {
     "mxfp8_kernel": "MXFP8 (GPU kernel)",
-    "mxfp8_ref": "MXFP8 (reference)",
-    "fp8_per_tensor": "FP8 per-tensor",
+    "mxfp8_ref": "MXFP8 (reference emul.)",
+    "fp8_per_tensor": "FP8 per-tensor (emul.)",
     "bf16": "BF16 (torch SDPA)",
 }
 

@@ -479,9 +479,9 @@ def _time_method(name: str, shape: Shape, x: _Inputs, device: torch.device, with
                 inputs = x.expanded(shape.Hq // shape.Hkv)
                 res["notes"].append("k, v expanded to Hq heads (GQA refused)")
             if method.attn is None:
-                fwd, bwd, fb = _cudnn_fp8_runners(shape, inputs, with_bwd)
+                fwd, _, _ = _cudnn_fp8_runners(shape, inputs, False)
             else:
-                fwd, bwd, fb = _autograd_runners(method.attn, inputs, shape.causal, native, False)
+                fwd, _, _ = _autograd_runners(method.attn, inputs, shape.causal, native, False)
             res["fwd"] = time_ms(fwd, len(inputs.q), device)
             break
         except Exception as e:  # any failure of a method for a shape is recorded, never fatal
