@@ -585,17 +585,22 @@ def _fmt_tflops(v: Optional[float]) -> str:
 
 
 def format_speed_table(rows: Sequence[dict], title: Optional[str], key: str = "tflops") -> str:
-    """Plain-text table: one line per shape, TFLOP/s per method ("-" where a method did not run)."""
+    """Plain-text table: one line per shape, TFLOP/s per method ("-" where a method did not run), and
+    mxattn's ratio to SDPA cuDNN BF16 for the ``tflops`` key."""
     if not rows:
         return ""
     methods = list(rows[0][key])
+    ratio = key == "tflops" and "mxattn" in methods and "sdpa_cudnn_bf16" in methods
     lines = []
     if title is not None:
         lines.append(f"{title} TFLOP/s")
-        lines.append(f"{'shape':<30}" + "".join(f"{m:>17}" for m in methods))
+        lines.append(f"{'shape':<30}" + "".join(f"{m:>17}" for m in methods) + (f"{'mxattn/cuDNN':>14}" if ratio else ""))
     for r in rows:
         s = Shape(*(r[f] for f in ("B", "Hq", "Hkv", "Sq", "Sk", "D", "causal")))
         cells = "".join(f"{_fmt_tflops(r[key][m]):>17}" for m in methods)
+        if ratio:
+            x = r.get("ratio_vs_sdpa_cudnn_bf16")
+            cells += f"{'-' if x is None else format(x, '.2f') + 'x':>14}"
         lines.append(f"{str(s):<30}{cells}")
     return "\n".join(lines)
 
