@@ -1,0 +1,175 @@
+"""Bandwidth of the quantize / dequantize / Hopper-operand kernels against a device copy of the same bytes.
+
+    python -c "from mxattn.bench.quantize_bench import run_quantize_bench, format_quantize_table; \
+               print(format_quantize_table(run_quantize_bench()))"
+
+Every row times one kernel with ``triton.testing.do_bench`` (median, L2 flushed between runs) on an input of
+at least 256 MB, and a ``torch`` device-to-device copy of the input in the same run.  GB/s counts bytes read +
+bytes written; ``bytes_moved`` is what the kernel really moves (V from a float tensor reads its input twice),
+``bytes_min`` what one read and one write of the operands take.  ``pct_of_copy`` compares ``bytes_moved``
+rates, ``pct_of_copy_min`` the ``bytes_min`` rate (the end-to-end figure).  Importable without CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+
+__all__ = ["DEFAULT_SIZES", "QUICK_SIZES", "KERNELS", "run_quantize_bench", "format_quantize_table"]
+
+# (B, S, H, D): 268 MB of bf16 each (B*S*H*D = 2^27)
+DEFAULT_SIZES = ((8, 8192, 16, 128), (16, 8192, 16, 64))
+QUICK_SIZES = ((8, 8192, 16, 128),)
+KERNELS = (
+    "quant_hdim", "quant_seq", "quant_both", "quant_both_fp32",
+    "rs_q", "rs_k", "rs_v", "rs_q_from_mx", "rs_k_from_mx", "rs_v_from_mx",
+    "dequant_hdim", "dequant_seq",
+)
+
+
+def _bytes(kernel: str, B: int, S: int, H: int, D: int) -> tuple[int, int, int]:
+    """(bytes read, bytes written, bytes moved) of one call; read+written is the minimum traffic."""
+    n = B * S * H * D
+    nb = -(-D // 32) * B * S * H  # hdim scale bytes
+    sb = -(-S // 32) * B * H * D  # seq scale bytes
+    s_pad = -(-S // 16) * 16
+    cm = B * H * D * s_pad  # channel-major data bytes
+    if kernel == "quant_hdim":
+        r, w = 2 * n, n + nb
+    elif kernel == "quant_seq":
+        r, w = 2 * n, cm + sb
+    elif kernel == "quant_both":
+        r, w = 2 * n, n + nb + cm + sb
+    elif kernel == "quant_both_fp32":
+        r, w = 4 * n, n + nb + cm + sb
+    elif kernel == "rs_q":
+        r, w = 2 * n, n + 4 * B * S * H
+    elif kernel == "rs_k":
+        r, w = 2 * n, n + 4 * B * -(-S // 128) * H
+    elif kernel == "rs_v":
+        r, w = 2 * n, cm + 4 * B * H * D
+        return r, w, r + w + 2 * n  # the exponent pass reads the input once more
+    elif kernel == "rs_q_from_mx":
+        r, w = n + nb, n + 4 * B * S * H
+    elif kernel == "rs_k_from_mx":
+        r, w = n + nb, n + 4 * B * -(-S // 128) * H
+    elif kernel == "rs_v_from_mx":
+        r, w = cm + sb, cm + 4 * B * H * D
+        return r, w, r + w + cm + sb
+    elif kernel == "dequant_hdim":
+        r, w = n + nb, 2 * n
+    elif kernel == "dequant_seq":
+        r, w = cm + sb, 2 * n
+    else:
+        raise ValueError(f"unknown kernel {kernel!r}; choose from {KERNELS}")
+    return r, w, r + w
+
+
+def _make_call(kernel: str, x: torch.Tensor):
+    from mxattn.kernels import quantize as kq
+
+    if kernel == "quant_hdim":
+        return lambda: kq.quantize_mxfp8_triton(x, "hdim")
+    if kernel == "quant_seq":
+        return lambda: kq.quantize_mxfp8_triton(x, "seq")
+    if kernel == "quant_both":
+        return lambda: kq.quantize_mxfp8_triton(x, "both")
+    if kernel == "quant_both_fp32":
+        xf = x.float()
+        return lambda: kq.quantize_mxfp8_triton(xf, "both")
+    if kernel in ("rs_q", "rs_k", "rs_v"):
+        role = kernel[-1]
+        return lambda: kq.row_scaled_triton(x, role)
+    if kernel in ("rs_q_from_mx", "rs_k_from_mx"):
+        mx = kq.quantize_mxfp8_triton(x, "hdim")
+        role = kernel[3]
+        return lambda: kq.row_scaled_triton(mx, role)
+    if kernel == "rs_v_from_mx":
+        mx = kq.quantize_mxfp8_triton(x, "seq")
+        return lambda: kq.row_scaled_triton(mx, "v")
+    if kernel == "dequant_hdim":
+        mx = kq.quantize_mxfp8_triton(x, "hdim")
+        return lambda: kq.dequantize_mxfp8_triton(mx, torch.bfloat16)
+    if kernel == "dequant_seq":
+        mx = kq.quantize_mxfp8_triton(x, "seq")
+        return lambda: kq.dequantize_mxfp8_triton(mx, torch.bfloat16)
+    raise ValueError(f"unknown kernel {kernel!r}; choose from {KERNELS}")
+
+
+def _median_ms(fn, rep_ms: int) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=max(10, rep_ms // 4), rep=rep_ms, return_mode="median"))
+
+
+def run_quantize_bench(
+    sizes: Optional[Iterable[tuple[int, int, int, int]]] = None,
+    progress: bool = True,
+    quick: bool = False,
+    device: str = "cuda",
+    kernels: Iterable[str] = KERNELS,
+    soft_round: Iterable[bool] = (False,),
+    rep_ms: int = 200,
+) -> list[dict]:
+    """Time each kernel on bf16 (B, S, H, D) inputs of ``sizes`` (>= 256 MB each by default) on CUDA.
+
+    Rows: ``kernel``, ``B, S, H, D``, ``soft_round`` (explicit fp32 rounding instead of the hardware cvt),
+    ``ms``, ``bytes_read``, ``bytes_written``, ``bytes_moved``, ``gbps`` (bytes_moved / time),
+    ``gbps_min`` ((read + written) / time), ``copy_gbps`` (device copy of the input, same run),
+    ``pct_of_copy``, ``pct_of_copy_min``.  ``quick`` takes one size and a shorter repetition."""
+    if device != "cuda" or not torch.cuda.is_available():
+        raise RuntimeError("run_quantize_bench needs a CUDA device")
+    from mxattn.kernels import quantize as kq
+
+    sizes = tuple(sizes) if sizes is not None else (QUICK_SIZES if quick else DEFAULT_SIZES)
+    rep = max(50, rep_ms // 2) if quick else rep_ms
+    kernels = tuple(kernels)
+    for k in kernels:
+        if k not in KERNELS:
+            raise ValueError(f"unknown kernel {k!r}; choose from {KERNELS}")
+    rows = []
+    saved = kq.SOFT_ROUND_ON_GPU
+    try:
+        for B, S, H, D in sizes:
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            x = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+            dst = torch.empty_like(x)
+            copy_ms = _median_ms(lambda: dst.copy_(x), rep)
+            copy_gbps = 2 * x.numel() * x.element_size() / copy_ms / 1e6
+            del dst
+            for soft in soft_round:
+                kq.SOFT_ROUND_ON_GPU = bool(soft)
+                for k in kernels:
+                    fn = _make_call(k, x)
+                    fn()  # compile
+                    ms = _median_ms(fn, rep)
+                    r, w, moved = _bytes(k, B, S, H, D)
+                    row = {
+                        "kernel": k, "B": B, "S": S, "H": H, "D": D, "dtype": "float32" if k.endswith("fp32") else "bfloat16",
+                        "soft_round": bool(soft), "ms": ms, "bytes_read": r, "bytes_written": w, "bytes_moved": moved,
+                        "gbps": moved / ms / 1e6, "gbps_min": (r + w) / ms / 1e6, "copy_gbps": copy_gbps,
+                    }
+                    row["pct_of_copy"] = 100.0 * row["gbps"] / copy_gbps
+                    row["pct_of_copy_min"] = 100.0 * row["gbps_min"] / copy_gbps
+                    rows.append(row)
+                    if progress:
+                        print(f"  {k:<16} B{B} S{S} H{H} D{D} soft={int(bool(soft))}: {ms:7.3f} ms "
+                              f"{row['gbps']:7.0f} GB/s = {row['pct_of_copy']:5.1f}% of copy ({copy_gbps:.0f} GB/s)",
+                              flush=True)
+                    del fn
+                    torch.cuda.empty_cache()
+            del x
+    finally:
+        kq.SOFT_ROUND_ON_GPU = saved
+    return rows
+
+
+def format_quantize_table(rows: list[dict]) -> str:
+    head = f"{'kernel':<16}{'shape':>22}{'soft':>5}{'ms':>9}{'GB/s':>8}{'% copy':>8}{'% copy (min bytes)':>20}"
+    lines = [head]
+    for r in rows:
+        shape = f"{r['B']}x{r['S']}x{r['H']}x{r['D']}"
+        lines.append(f"{r['kernel']:<16}{shape:>22}{int(r['soft_round']):>5}{r['ms']:>9.3f}{r['gbps']:>8.0f}"
+                     f"{r['pct_of_copy']:>8.1f}{r['pct_of_copy_min']:>20.1f}")
+    return "\n".join(lines)
