@@ -16,7 +16,7 @@ from typing import Iterable, Optional
 
 import torch
 
-__all__ = ["DEFAULT_SIZES", "QUICK_SIZES", "KERNELS", "run_quantize_bench", "format_quantize_table"]
+__all__ = ["DEFAULT_SIZES", "QUICK_SIZES", "KERNELS", "run_quantize_bench", "run_tile_sweep", "format_quantize_table"]
 
 # (B, S, H, D): 268 MB of bf16 each (B*S*H*D = 2^27)
 DEFAULT_SIZES = ((8, 8192, 16, 128), (16, 8192, 16, 64))
@@ -173,3 +173,43 @@ def format_quantize_table(rows: list[dict]) -> str:
         lines.append(f"{r['kernel']:<16}{shape:>22}{int(r['soft_round']):>5}{r['ms']:>9.3f}{r['gbps']:>8.0f}"
                      f"{r['pct_of_copy']:>8.1f}{r['pct_of_copy_min']:>20.1f}")
     return "\n".join(lines)
+
+
+SWEEP_KERNELS = {
+    "quant": ("quant_hdim", "quant_seq", "quant_both", "rs_q"),
+    "seqexp": ("rs_v",),
+    "rescale": ("rs_q_from_mx", "rs_v_from_mx"),
+    "dequant": ("dequant_hdim", "dequant_seq"),
+}
+SWEEP_TILES = ((32, 4), (64, 4), (64, 8), (128, 8), (128, 16))
+
+
+def run_tile_sweep(
+    size: tuple[int, int, int, int] = (8, 8192, 16, 128),
+    kinds: Optional[dict] = None,
+    tiles: Iterable[tuple[int, int]] = SWEEP_TILES,
+    progress: bool = True,
+    rep_ms: int = 100,
+) -> list[dict]:
+    """Rows of ``run_quantize_bench`` for every (block_s, num_warps) in ``tiles`` per tile kind of
+    ``mxattn.kernels.quantize._tile`` (each row gets ``tile_kind``, ``block_s``, ``num_warps``)."""
+    from mxattn.kernels import quantize as kq
+
+    kinds = kinds if kinds is not None else SWEEP_KERNELS
+    rows = []
+    saved = dict(kq.TILE_OVERRIDES)
+    try:
+        for kind, kernels in kinds.items():
+            for bs, nw in tiles:
+                kq.TILE_OVERRIDES.clear()
+                kq.TILE_OVERRIDES[kind] = kq.Tile(bs, nw)
+                for r in run_quantize_bench([size], progress=False, kernels=kernels, rep_ms=rep_ms):
+                    r.update(tile_kind=kind, block_s=bs, num_warps=nw)
+                    rows.append(r)
+                    if progress:
+                        print(f"  {kind:<8} BS{bs:<4} w{nw:<3} {r['kernel']:<16} {r['ms']:7.3f} ms "
+                              f"{r['pct_of_copy']:5.1f}% of copy", flush=True)
+    finally:
+        kq.TILE_OVERRIDES.clear()
+        kq.TILE_OVERRIDES.update(saved)
+    return rows

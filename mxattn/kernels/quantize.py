@@ -94,6 +94,8 @@ def _tile(kind: str, d_pad: int, group: int = 0) -> Tile:
     * ``seqexp`` (V pass 1): reads only, loops over a chunk of S (see ``_seq_chunk``).
     * ``dequant``: the same 8192-element tile.
     """
+    if kind in TILE_OVERRIDES:
+        return TILE_OVERRIDES[kind]
     if kind == "k":
         bs = group
     else:
@@ -101,6 +103,11 @@ def _tile(kind: str, d_pad: int, group: int = 0) -> Tile:
     elems = bs * d_pad
     warps = 4 if elems <= 4096 else (8 if elems <= 16384 else 16)
     return Tile(bs, warps)
+
+
+# Tile per kind for experiments (the benchmark's sweeps): {"quant": Tile(128, 8), ...}; K's block_s must
+# stay its group.
+TILE_OVERRIDES: dict = {}
 
 
 def _seq_chunk(n_rows: int, S: int, block_s: int, min_programs: int = 1024) -> int:
@@ -205,6 +212,31 @@ def _tile_coords(s0, BLOCK_S: tl.constexpr, NDP: tl.constexpr, IDX64: tl.constex
 
 
 @triton.jit
+def _offs(rows, cols, s_rows, s_cols, UNIT: tl.constexpr):
+    """rows * s_rows + cols * s_cols, with the unit stride written as a literal so that the compiler sees
+    contiguity (UNIT 1: s_cols == 1, 2: s_rows == 1, 0: neither)."""
+    if UNIT == 1:
+        o = rows * s_rows + cols
+    elif UNIT == 2:
+        o = rows + cols * s_cols
+    else:
+        o = rows * s_rows + cols * s_cols
+    return o
+
+
+@triton.jit
+def _load_bytes(ptr, s, S, S_ld, in_d, QU: tl.constexpr):
+    """Data bytes at ``ptr`` for tokens ``s``; zero past S.  When S is the unit-stride axis (QU == 2) the
+    load runs to S_ld (S rounded up to 16, inside the row padding) so that it vectorizes."""
+    if QU == 2:
+        qb = tl.load(ptr, mask=(s < S_ld) & in_d, other=0)
+        qb = tl.where(s < S, qb, 0).to(tl.uint8)
+    else:
+        qb = tl.load(ptr, mask=(s < S) & in_d, other=0)
+    return qb
+
+
+@triton.jit
 def _pid_bsh(n_s_tiles, H):
     """Program -> (b, s tile, h), heads fastest so that neighbouring programs read one token row."""
     pid = tl.program_id(0)
@@ -219,10 +251,66 @@ def _pid_bsh(n_s_tiles, H):
 
 
 @triton.jit
+def _load_rows(xp, sxs, q4, k: tl.constexpr, s0, S, d, in_d):
+    """Rows s0 + q4 + k of the tile (q4 = 4 * word index): raw values, fp32, magnitude bits."""
+    xr = tl.load(xp + (q4 + k) * sxs + d, mask=(s0 + q4 + k < S) & in_d, other=0.0)
+    xf = _to_f32(xr)
+    return xr, xf, xf.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _hdim_mx(xr, xf, mag, bad, RCEIL: tl.constexpr, SOFT: tl.constexpr):
+    """MX bytes and scale bytes of rows blocked along D (axis 3)."""
+    amax = tl.max(mag, axis=3, keep_dims=True)
+    e = _mx_exponent(amax, RCEIL)
+    out = _e4m3_bytes(xf * _pow2(-e), SOFT)
+    if bad:
+        out = tl.where(mag > 0x7F800000, _nan_bytes(xr), out)
+    sc = tl.where(amax < 0x7F800000, e + 127, 255).to(tl.uint8)
+    return out, sc
+
+
+@triton.jit
+def _hdim_rows(xf, mag, RCEIL: tl.constexpr, SOFT: tl.constexpr):
+    """Blocks along D: quantized values q (fp32), exponents e, finiteness, and e where the block is nonzero."""
+    amax = tl.max(mag, axis=3, keep_dims=True)
+    fin = amax < 0x7F800000
+    e = _mx_exponent(amax, RCEIL)
+    q = _e4m3_value(xf * _pow2(-e), SOFT)
+    # a block holds a nonzero element iff its maximum quantizes to nonzero
+    nz = fin & (_round_to_e4m3_grid(amax.to(tl.float32, bitcast=True) * _pow2(-e)) != 0.0)
+    return q, e, fin, tl.where(nz, e, _NO_EXP)
+
+
+@triton.jit
+def _reexpress(q, e, E, fin, bad, SOFT: tl.constexpr):
+    """Bytes of q * 2^(e - E) (e <= E for nonzero blocks; shifts <= -19 round everything to 0)."""
+    out = _e4m3_bytes(q * _pow2(tl.minimum(tl.maximum(e - E, -31), 0)), SOFT)
+    if bad:
+        out = tl.where(fin, out, 127).to(tl.uint8)  # NaN blocks
+    return out
+
+
+@triton.jit
+def _seq_bytes(xr, xf, mag, e, E, fin, keep, bad, SEQ_RS: tl.constexpr, SOFT: tl.constexpr):
+    """Bytes (int32 0..255) of rows blocked along S: MX (``SEQ_RS`` False) or re-expressed to E."""
+    y = xf * _pow2(-e)
+    if SEQ_RS:
+        out = _e4m3_bytes(_e4m3_value(y, SOFT) * _pow2(tl.minimum(tl.maximum(e - E, -31), 0)), SOFT)
+        if bad:
+            out = tl.where(fin | keep, out, 127).to(tl.uint8)  # NaN blocks; `keep` = padding stays 0
+    else:
+        out = _e4m3_bytes(y, SOFT)
+        if bad:
+            out = tl.where(mag > 0x7F800000, _nan_bytes(xr), out)
+    return out.to(tl.int32)
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr, S, H, sxb, sxs, sxh,  # input (B, S, H, D), unit stride along D
     hd_ptr, he_ptr,  # hdim data (B, S, H, D) u8; hdim scales u8 (B, S, H, ND) or exponents i32 (Q/K)
-    cd_ptr, ce_ptr,  # seq data: channel-major (B, H, D, S_pad) u8; seq scales u8 (B, NSB, H, D) or V exps i32
+    cw_ptr, ce_ptr,  # seq data: channel-major (B, H, D, S_pad) as int32 words; seq scales u8 (B, NSB, H, D) or V exps
     S_pad, NSB, n_s_tiles, n_groups,
     D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr,
     HDIM: tl.constexpr, SEQ: tl.constexpr,
@@ -230,84 +318,108 @@ def _quantize_kernel(
     SEQ_RS: tl.constexpr,  # False: MX scales; True: V, re-expressed to the per-channel exponents in ce_ptr
     RCEIL: tl.constexpr, SOFT: tl.constexpr, IDX64: tl.constexpr,
 ):
+    """Quantize BLOCK_S tokens x D channels of one (b, h).
+
+    The tile is read as four row sets, rows s0 + 4w + k for k = 0..3 (w = word index, shape
+    (BLOCK_S/32, 8, NDP/.., ..)): the same thread then holds 4 consecutive tokens of a channel, so the four
+    seq-orientation bytes pack into one int32 word of the channel-major row before the transposing store
+    (a 4-byte transpose instead of a byte transpose)."""
     b, st, h = _pid_bsh(n_s_tiles, H)
     s0 = st * BLOCK_S
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
-    sl, d = _tile_coords(s0, BLOCK_S, NDP, IDX64)
-    s = s0 + sl
-    in_s = s < S
-    if D == NDP * 32:
-        in_d = d < NDP * 32  # all true, folded
-    else:
-        in_d = d < D
+    w = tl.arange(0, BLOCK_S // 32)[:, None, None, None] * 8 + tl.arange(0, 8)[None, :, None, None]
+    d = tl.arange(0, NDP)[None, None, :, None] * 32 + tl.arange(0, 32)[None, None, None, :]
+    if IDX64:
+        w = w.to(tl.int64)
+        d = d.to(tl.int64)
+    q4 = w * 4
+    in_d = d < D
     ND: tl.constexpr = (D + 31) // 32
 
     xp = x_ptr + b64 * sxb + s0.to(tl.int64) * sxs + h64 * sxh
-    xr = tl.load(xp + sl * sxs + d, mask=in_s & in_d, other=0.0)
-    xf = _to_f32(xr)
-    mag = xf.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    x0r, x0, m0 = _load_rows(xp, sxs, q4, 0, s0, S, d, in_d)
+    x1r, x1, m1 = _load_rows(xp, sxs, q4, 1, s0, S, d, in_d)
+    x2r, x2, m2 = _load_rows(xp, sxs, q4, 2, s0, S, d, in_d)
+    x3r, x3, m3 = _load_rows(xp, sxs, q4, 3, s0, S, d, in_d)
+    mall = tl.maximum(tl.maximum(m0, m1), tl.maximum(m2, m3))
+    bad = tl.max(mall) >= 0x7F800000  # the tile holds NaN/Inf: take the patching branches
 
     if HDIM:
-        amax = tl.max(mag, axis=3, keep_dims=True)  # (BS/32, 32, NDP, 1)
-        fin = amax < 0x7F800000
-        e = _mx_exponent(amax, RCEIL)
-        y = xf * _pow2(-e)
-        hrow = (b64 * S + s0) * H + h64  # row index of (b, s0, h) in (B, S, H)
-        hd = hd_ptr + hrow * D
+        hrow = (b64 * S + s0) * H + h64  # row of (b, s0, h) in (B, S, H)
+        hd = hd_ptr + hrow * D + d
+        rs = q4 * (H * D)
         if HDIM_GROUP == 0:
-            out = _e4m3_bytes(y, SOFT)
-            if tl.max(amax) >= 0x7F800000:
-                out = tl.where(mag > 0x7F800000, _nan_bytes(xr), out)
-            sc = tl.where(fin, e + 127, 255).to(tl.uint8)
             db = tl.arange(0, NDP)[None, None, :, None]
-            tl.store(he_ptr + hrow * ND + sl * (H * ND) + db, sc, mask=in_s & (db < ND))
+            hs = he_ptr + hrow * ND + db
+            rsc = q4 * (H * ND)
+            msc = db < ND
+            o, sc = _hdim_mx(x0r, x0, m0, bad, RCEIL, SOFT)
+            tl.store(hd + rs, o, mask=(s0 + q4 < S) & in_d)
+            tl.store(hs + rsc, sc, mask=(s0 + q4 < S) & msc)
+            o, sc = _hdim_mx(x1r, x1, m1, bad, RCEIL, SOFT)
+            tl.store(hd + rs + H * D, o, mask=(s0 + q4 + 1 < S) & in_d)
+            tl.store(hs + rsc + H * ND, sc, mask=(s0 + q4 + 1 < S) & msc)
+            o, sc = _hdim_mx(x2r, x2, m2, bad, RCEIL, SOFT)
+            tl.store(hd + rs + 2 * H * D, o, mask=(s0 + q4 + 2 < S) & in_d)
+            tl.store(hs + rsc + 2 * H * ND, sc, mask=(s0 + q4 + 2 < S) & msc)
+            o, sc = _hdim_mx(x3r, x3, m3, bad, RCEIL, SOFT)
+            tl.store(hd + rs + 3 * H * D, o, mask=(s0 + q4 + 3 < S) & in_d)
+            tl.store(hs + rsc + 3 * H * ND, sc, mask=(s0 + q4 + 3 < S) & msc)
         else:
-            q = _e4m3_value(y, SOFT)
-            # a block holds a nonzero element iff its maximum quantizes to nonzero
-            nz = fin & (_round_to_e4m3_grid(amax.to(tl.float32, bitcast=True) * _pow2(-e)) != 0.0)
-            eb = tl.where(nz, e, _NO_EXP)
-            if HDIM_GROUP == 1:
-                E = tl.max(eb, axis=2, keep_dims=True)  # (BS/32, 32, 1, 1): per row
-            else:
-                E = tl.max(eb)  # the tile is the group
-            E = tl.where(E == _NO_EXP, 0, E)
-            shift = tl.minimum(tl.maximum(e - E, -31), 0)  # <= -19 already rounds everything to 0
-            out = _e4m3_bytes(q * _pow2(shift), SOFT)
-            if tl.max(amax) >= 0x7F800000:
-                out = tl.where(fin, out, 127).to(tl.uint8)
-            if HDIM_GROUP == 1:
-                tl.store(he_ptr + hrow + sl * H, E, mask=in_s)
-            else:
-                tl.store(he_ptr + (b64 * n_groups + st) * H + h64, E)
-        tl.store(hd + sl * (H * D) + d, out, mask=in_s & in_d)
+            q0, e0, f0, n0 = _hdim_rows(x0, m0, RCEIL, SOFT)
+            q1, e1, f1, n1 = _hdim_rows(x1, m1, RCEIL, SOFT)
+            q2, e2, f2, n2 = _hdim_rows(x2, m2, RCEIL, SOFT)
+            q3, e3, f3, n3 = _hdim_rows(x3, m3, RCEIL, SOFT)
+            if HDIM_GROUP == 1:  # Q: one exponent per row
+                E0 = tl.max(n0, axis=2, keep_dims=True)
+                E1 = tl.max(n1, axis=2, keep_dims=True)
+                E2 = tl.max(n2, axis=2, keep_dims=True)
+                E3 = tl.max(n3, axis=2, keep_dims=True)
+                E0 = tl.where(E0 == _NO_EXP, 0, E0)
+                E1 = tl.where(E1 == _NO_EXP, 0, E1)
+                E2 = tl.where(E2 == _NO_EXP, 0, E2)
+                E3 = tl.where(E3 == _NO_EXP, 0, E3)
+                he = he_ptr + hrow + q4 * H
+                tl.store(he, E0, mask=s0 + q4 < S)
+                tl.store(he + H, E1, mask=s0 + q4 + 1 < S)
+                tl.store(he + 2 * H, E2, mask=s0 + q4 + 2 < S)
+                tl.store(he + 3 * H, E3, mask=s0 + q4 + 3 < S)
+            else:  # K: the tile is the group
+                E0 = tl.maximum(tl.maximum(tl.max(n0), tl.max(n1)), tl.maximum(tl.max(n2), tl.max(n3)))
+                E0 = tl.where(E0 == _NO_EXP, 0, E0)
+                E1 = E0
+                E2 = E0
+                E3 = E0
+                tl.store(he_ptr + (b64 * n_groups + st) * H + h64, E0)
+            tl.store(hd + rs, _reexpress(q0, e0, E0, f0, bad, SOFT), mask=(s0 + q4 < S) & in_d)
+            tl.store(hd + rs + H * D, _reexpress(q1, e1, E1, f1, bad, SOFT), mask=(s0 + q4 + 1 < S) & in_d)
+            tl.store(hd + rs + 2 * H * D, _reexpress(q2, e2, E2, f2, bad, SOFT), mask=(s0 + q4 + 2 < S) & in_d)
+            tl.store(hd + rs + 3 * H * D, _reexpress(q3, e3, E3, f3, bad, SOFT), mask=(s0 + q4 + 3 < S) & in_d)
 
     if SEQ:
-        amax = tl.max(mag, axis=1, keep_dims=True)  # (BS/32, 1, NDP, 32)
+        amax = tl.max(mall, axis=1, keep_dims=True)  # (BS/32, 1, NDP, 32): one per 32 tokens and channel
         fin = amax < 0x7F800000
         e = _mx_exponent(amax, RCEIL)
-        y = xf * _pow2(-e)
-        dcol = d  # (1, 1, NDP, 32)
         if SEQ_RS:
-            ep = ce_ptr + (b64 * H + h64) * D + dcol
+            ep = ce_ptr + (b64 * H + h64) * D + d
             E = tl.load(ep, mask=in_d, other=0)
             E = tl.where(E == _NO_EXP, 0, E)
             if st == 0:
                 tl.store(ep, E, mask=in_d)  # the sentinel becomes 0 (readers map both the same way)
-            shift = tl.minimum(tl.maximum(e - E, -31), 0)
-            out = _e4m3_bytes(_e4m3_value(y, SOFT) * _pow2(shift), SOFT)
-            if tl.max(amax) >= 0x7F800000:
-                out = tl.where(fin | (s >= S), out, 127).to(tl.uint8)  # NaN blocks; the padding stays 0
         else:
-            out = _e4m3_bytes(y, SOFT)
-            if tl.max(amax) >= 0x7F800000:
-                out = tl.where(mag > 0x7F800000, _nan_bytes(xr), out)
-            sc = tl.where(fin, e + 127, 255).to(tl.uint8)
+            E = e
             sbk = tl.arange(0, BLOCK_S // 32)[:, None, None, None]
             sbase = ce_ptr + ((b64 * NSB + st * (BLOCK_S // 32)) * H + h64) * D
-            tl.store(sbase + sbk * (H * D) + dcol, sc, mask=(st * (BLOCK_S // 32) + sbk < NSB) & in_d)
-        cbase = cd_ptr + (b64 * H + h64) * D * S_pad + s0
-        tl.store(cbase + dcol * S_pad + sl, out, mask=(s < S_pad) & in_d)
+            sc = tl.where(fin, e + 127, 255).to(tl.uint8)
+            tl.store(sbase + sbk * (H * D) + d, sc, mask=(st * (BLOCK_S // 32) + sbk < NSB) & in_d)
+        wd = _seq_bytes(x0r, x0, m0, e, E, fin, s0 + q4 >= S, bad, SEQ_RS, SOFT)
+        wd |= _seq_bytes(x1r, x1, m1, e, E, fin, s0 + q4 + 1 >= S, bad, SEQ_RS, SOFT) << 8
+        wd |= _seq_bytes(x2r, x2, m2, e, E, fin, s0 + q4 + 2 >= S, bad, SEQ_RS, SOFT) << 16
+        wd |= _seq_bytes(x3r, x3, m3, e, E, fin, s0 + q4 + 3 >= S, bad, SEQ_RS, SOFT) << 24
+        row_w = S_pad // 4  # int32 words per channel-major row
+        cbase = cw_ptr + (b64 * H + h64) * D * row_w + st * (BLOCK_S // 4)
+        tl.store(cbase + d * row_w + w, wd, mask=(st * (BLOCK_S // 4) + w < row_w) & in_d)  # word mask: 16 B stores
 
 
 @triton.jit
@@ -315,9 +427,9 @@ def _seq_exponent_kernel(
     x_ptr, S, H, sxb, sxs, sxh, sxd,  # float input, or MX data bytes (any strides) when FROM_MX
     sc_ptr, scb, scs, sch, scd,  # MX scale bytes (B, NSB, H, D) when FROM_MX
     exp_ptr,  # int32 (B, 1, H, D), pre-filled with _NO_EXP; receives the max exponent of nonzero blocks
-    n_s_tiles, tiles_per_prog,
+    n_s_tiles, tiles_per_prog, S_ld,
     D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr,
-    FROM_MX: tl.constexpr, RCEIL: tl.constexpr, IDX64: tl.constexpr,
+    FROM_MX: tl.constexpr, RCEIL: tl.constexpr, IDX64: tl.constexpr, QU: tl.constexpr, SU: tl.constexpr,
 ):
     """Pass 1 of V: per channel, the largest exponent among the seq blocks that hold a nonzero element."""
     n_chunks = tl.cdiv(n_s_tiles, tiles_per_prog)
@@ -334,11 +446,11 @@ def _seq_exponent_kernel(
         in_s = s0 + sl < S
         xp = x_ptr + b64 * sxb + s0.to(tl.int64) * sxs + h64 * sxh
         if FROM_MX:
-            qb = tl.load(xp + sl * sxs + d * sxd, mask=in_s & in_d, other=0)
+            qb = _load_bytes(xp + _offs(sl, d, sxs, sxd, QU), s0 + sl, S, S_ld, in_d, QU)
             anyq = tl.max(qb & 0x7F, axis=1, keep_dims=True) != 0
             sbk = tl.arange(0, BLOCK_S // 32)[:, None, None, None]
             sp = sc_ptr + b64 * scb + (s0 // 32).to(tl.int64) * scs + h64 * sch
-            sbyte = tl.load(sp + sbk * scs + d * scd, mask=(s0 + sbk * 32 < S) & in_d, other=_SCALE_NAN)
+            sbyte = tl.load(sp + _offs(sbk, d, scs, scd, SU), mask=(s0 + sbk * 32 < S) & in_d, other=_SCALE_NAN)
             sbyte = sbyte.to(tl.int32)
             eb = tl.where(anyq & (sbyte != 255), sbyte - 127, _NO_EXP)
         else:
@@ -356,11 +468,11 @@ def _rescale_mx_kernel(
     q_ptr, sqb, sqs, sqh, sqd,  # MX data bytes, logical (B, S, H, D), any strides
     sc_ptr, scb, scs, sch, scd,  # MX scale bytes in plain layout
     out_ptr, exp_ptr,  # data (contiguous (B,S,H,D) for Q/K; channel-major (B,H,D,S_pad) for V), exponents
-    S, H, S_pad, n_s_tiles, n_groups,
+    S, H, S_pad, n_s_tiles, n_groups, S_ld,
     D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr,
     SEQ: tl.constexpr,  # False: hdim MXTensor -> Q/K; True: seq MXTensor -> V (exponents from pass 1)
     GROUP: tl.constexpr,  # Q: 1, K: BLOCK_S (hdim only)
-    SOFT: tl.constexpr, IDX64: tl.constexpr,
+    SOFT: tl.constexpr, IDX64: tl.constexpr, QU: tl.constexpr, SU: tl.constexpr,
 ):
     """``to_row_scaled`` of an MXTensor: re-express every block to its row's (group's) largest exponent."""
     b, st, h = _pid_bsh(n_s_tiles, H)
@@ -372,13 +484,13 @@ def _rescale_mx_kernel(
     in_s = s < S
     in_d = d < D
     qp = q_ptr + b64 * sqb + s0.to(tl.int64) * sqs + h64 * sqh
-    qb = tl.load(qp + sl * sqs + d * sqd, mask=in_s & in_d, other=0)
+    qb = _load_bytes(qp + _offs(sl, d, sqs, sqd, QU), s, S, S_ld, in_d, QU)
     q = qb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     nanq = (qb & 0x7F) == 0x7F
     if SEQ:
         sbk = tl.arange(0, BLOCK_S // 32)[:, None, None, None]
         sp = sc_ptr + b64 * scb + (s0 // 32).to(tl.int64) * scs + h64 * sch
-        sbyte = tl.load(sp + sbk * scs + d * scd, mask=(s0 + sbk * 32 < S) & in_d, other=127).to(tl.int32)
+        sbyte = tl.load(sp + _offs(sbk, d, scs, scd, SU), mask=(s0 + sbk * 32 < S) & in_d, other=127).to(tl.int32)
         ep = exp_ptr + (b64 * H + h64) * D + d
         E = tl.load(ep, mask=in_d, other=0)
         E = tl.where(E == _NO_EXP, 0, E)
@@ -387,7 +499,7 @@ def _rescale_mx_kernel(
     else:
         db = tl.arange(0, NDP)[None, None, :, None]
         sp = sc_ptr + b64 * scb + s0.to(tl.int64) * scs + h64 * sch
-        sbyte = tl.load(sp + sl * scs + db * scd, mask=in_s & (db * 32 < D), other=127).to(tl.int32)
+        sbyte = tl.load(sp + _offs(sl, db, scs, scd, SU), mask=in_s & (db * 32 < D), other=127).to(tl.int32)
         anyq = tl.max(qb & 0x7F, axis=3, keep_dims=True) != 0
         eb = tl.where(anyq & (sbyte != 255), sbyte - 127, _NO_EXP)
         if GROUP == 1:
@@ -420,10 +532,10 @@ def _dequantize_kernel(
     q_ptr, sqb, sqs, sqh, sqd,  # data bytes, canonical 4-D (B, S, H, D) view, any strides
     sc_ptr, scb, scs, sch, scd,  # scale bytes (plain layout, same canonical axes)
     out_ptr,  # contiguous (B, S, H, D) of the output dtype
-    S, H, D, n_s_tiles, n_d_tiles,
+    S, H, D, n_s_tiles, n_d_tiles, S_ld,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     BDIM: tl.constexpr,  # canonical block dim: 0 (B), 1 (S), 2 (H), 3 (D)
-    OUT_BF16: tl.constexpr, IDX64: tl.constexpr,
+    OUT_BF16: tl.constexpr, IDX64: tl.constexpr, QU: tl.constexpr,
 ):
     pid = tl.program_id(0)
     dt = pid % n_d_tiles
@@ -440,8 +552,8 @@ def _dequantize_kernel(
     s = s0 + sl
     d = d0 + dl
     m = (s < S) & (d < D)
-    qb = tl.load(q_ptr + b64 * sqb + s0.to(tl.int64) * sqs + h64 * sqh + d0.to(tl.int64) * sqd
-                 + sl * sqs + dl * sqd, mask=m, other=0)
+    qb = _load_bytes(q_ptr + b64 * sqb + s0.to(tl.int64) * sqs + h64 * sqh + d0.to(tl.int64) * sqd
+                     + _offs(sl, dl, sqs, sqd, QU), s, S, S_ld, d < D, QU)
     q = qb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     # scale bytes: index along the block dim divided by 32
     if BDIM == 0:
@@ -535,6 +647,28 @@ def _check_float_input(x, name: str, seq_dim) -> tuple[torch.Tensor, bool]:
     return x4, packed
 
 
+def _unit(t: torch.Tensor) -> int:
+    """Which of a canonical (B, S, H, D) tensor's tile axes has unit stride: 1 (D), 2 (S) or 0."""
+    if t.shape[3] == 1 or t.stride(3) == 1:
+        return 1
+    if t.shape[1] == 1 or t.stride(1) == 1:
+        return 2
+    return 0
+
+
+def _s_load_bound(t4: torch.Tensor) -> int:
+    """How far loads along S may run in a canonical tensor whose S axis has unit stride: S rounded up to
+    16 when every row has that much padding inside the storage (channel-major buffers do), else S."""
+    B, S, H, D = t4.shape
+    s_al = -(-S // 16) * 16
+    if _unit(t4) != 2 or s_al == S or t4.numel() == 0:
+        return S
+    row = min((abs(t4.stride(i)) for i in (0, 2, 3) if t4.shape[i] > 1), default=s_al)
+    last = t4.storage_offset() + sum((n - 1) * st for n, st in zip(t4.shape, t4.stride()))
+    fits = last + (s_al - S) < t4.untyped_storage().nbytes() // t4.element_size()
+    return s_al if row >= s_al and fits and min(t4.stride()) >= 0 else S
+
+
 def _d_pad(D: int) -> int:
     return 32 * triton.next_power_of_2(triton.cdiv(D, 32))
 
@@ -615,12 +749,12 @@ def _launch_quantize(x4, hd, he, cd, ce, s_pad, *, HDIM, SEQ, HDIM_GROUP, SEQ_RS
     n_groups = triton.cdiv(S, group) if group else 1
     sxb, sxs, sxh, _ = x4.stride()
     idx64 = _needs_i64(bs * sxs, dp) or _needs_i64(bs * H * D, dp) or _needs_i64(dp * s_pad, bs)
-    dummy = x4.new_empty(1, dtype=torch.uint8)
+    dummy = x4.new_empty(4, dtype=torch.uint8)
     grid = (B * n_s_tiles * H,)
     _quantize_kernel[grid](
         x4, S, H, sxb, sxs, sxh,
         hd if hd is not None else dummy, he if he is not None else dummy,
-        cd if cd is not None else dummy, ce if ce is not None else dummy,
+        cd.view(torch.int32) if cd is not None else dummy, ce if ce is not None else dummy,
         s_pad, triton.cdiv(S, 32), n_s_tiles, n_groups,
         D=D, NDP=dp // 32, BLOCK_S=bs, HDIM=HDIM, SEQ=SEQ, HDIM_GROUP=HDIM_GROUP, SEQ_RS=SEQ_RS,
         RCEIL=rceil, SOFT=_soft(x4.device), IDX64=idx64, num_warps=tile.num_warps,
@@ -634,7 +768,8 @@ def _v_exponents(src4, sc4, *, from_mx: bool, rceil: bool) -> torch.Tensor:
     if B * H * S == 0:
         return exp
     dp = _d_pad(D)
-    bs = _tile("quant", dp).block_s
+    tile = _tile("seqexp", dp)
+    bs = tile.block_s
     n_s_tiles = triton.cdiv(S, bs)
     per = _seq_chunk(B * H, S, bs)
     n_chunks = triton.cdiv(n_s_tiles, per)
@@ -644,9 +779,10 @@ def _v_exponents(src4, sc4, *, from_mx: bool, rceil: bool) -> torch.Tensor:
     _seq_exponent_kernel[(B * n_chunks * H,)](
         src4, S, H, st[0], st[1], st[2], st[3],
         sc4 if sc4 is not None else exp, *scs,
-        exp, n_s_tiles, per,
+        exp, n_s_tiles, per, _s_load_bound(src4) if from_mx else S,
         D=D, NDP=dp // 32, BLOCK_S=bs, FROM_MX=from_mx, RCEIL=rceil, IDX64=idx64,
-        num_warps=_tile("quant", dp).num_warps,
+        QU=_unit(src4), SU=_unit(sc4) if sc4 is not None else 0,
+        num_warps=tile.num_warps,
     )
     return exp
 
@@ -726,19 +862,20 @@ def _row_scaled_from_mx(mx: MXTensor, role: str, seq_dim: Optional[int], group: 
     if role == "v":
         exp = _v_exponents(q8, sc4, from_mx=True, rceil=True)
         cd, s_pad = _channel_major_buffer(B, H, D, S, dev)
-        tile = _tile("quant", dp)
+        tile = _tile("rescale", dp)
         n_s_tiles = triton.cdiv(max(S, s_pad), tile.block_s)
         if B * H > 0:
             idx = _needs_i64(tile.block_s * abs(q8.stride(1)), dp * abs(q8.stride(3))) or _needs_i64(dp * s_pad, tile.block_s)
             _rescale_mx_kernel[(B * n_s_tiles * H,)](
-                q8, *q8.stride(), sc4, *sc4.stride(), cd, exp, S, H, s_pad, n_s_tiles, 1,
+                q8, *q8.stride(), sc4, *sc4.stride(), cd, exp, S, H, s_pad, n_s_tiles, 1, _s_load_bound(q8),
                 D=D, NDP=dp // 32, BLOCK_S=tile.block_s, SEQ=True, GROUP=1, SOFT=soft, IDX64=idx,
+                QU=_unit(q8), SU=_unit(sc4),
                 num_warps=tile.num_warps,
             )
         if S == 0:
             exp.fill_(0)
         return RowScaledFP8(_seq_view(cd, S, packed), _unpack(exp, packed), sd)
-    tile = _tile("k" if role == "k" else "quant", dp, group)
+    tile = _tile("k" if role == "k" else "rescale", dp, group)
     hd = torch.empty(B, S, H, D, dtype=torch.uint8, device=dev)
     n_groups = triton.cdiv(S, group)
     if role == "q":
@@ -749,9 +886,9 @@ def _row_scaled_from_mx(mx: MXTensor, role: str, seq_dim: Optional[int], group: 
     if B * H * S > 0:
         idx = _needs_i64(tile.block_s * abs(q8.stride(1)), dp * abs(q8.stride(3))) or _needs_i64(tile.block_s * H * D, dp)
         _rescale_mx_kernel[(B * n_s_tiles * H,)](
-            q8, *q8.stride(), sc4, *sc4.stride(), hd, exp, S, H, SEQ_ALIGN, n_s_tiles, n_groups,
+            q8, *q8.stride(), sc4, *sc4.stride(), hd, exp, S, H, SEQ_ALIGN, n_s_tiles, n_groups, _s_load_bound(q8),
             D=D, NDP=dp // 32, BLOCK_S=tile.block_s, SEQ=False, GROUP=group if role == "k" else 1,
-            SOFT=soft, IDX64=idx, num_warps=tile.num_warps,
+            SOFT=soft, IDX64=idx, QU=_unit(q8), SU=_unit(sc4), num_warps=tile.num_warps,
         )
     data = _unpack(hd, packed).view(torch.float8_e4m3fn)
     if role == "q":
@@ -790,14 +927,15 @@ def dequantize_mxfp8_triton(t: MXTensor, dtype: torch.dtype = torch.bfloat16) ->
         return out.reshape(t.shape)
     q8 = q4.view(torch.uint8)
     bd = min(128, 32 * triton.next_power_of_2(triton.cdiv(D, 32)))
-    bs = max(32, 8192 // bd)
+    tile = _tile("dequant", bd)
+    bs = tile.block_s
     n_s_tiles, n_d_tiles = triton.cdiv(S, bs), triton.cdiv(D, bd)
     qs, ss = q8.stride(), s4.stride()
     idx = _needs_i64(bs * abs(qs[1]), bd * abs(qs[3])) or _needs_i64(bs * abs(ss[1]), bd * abs(ss[3]))
     idx = idx or _needs_i64(bs * H * D, bd)
     _dequantize_kernel[(B * n_s_tiles * H * n_d_tiles,)](
-        q8, *qs, s4, *ss, out, S, H, D, n_s_tiles, n_d_tiles,
-        BLOCK_S=bs, BLOCK_D=bd, BDIM=bdim, OUT_BF16=dtype == torch.bfloat16, IDX64=idx,
-        num_warps=8,
+        q8, *qs, s4, *ss, out, S, H, D, n_s_tiles, n_d_tiles, _s_load_bound(q8),
+        BLOCK_S=bs, BLOCK_D=bd, BDIM=bdim, OUT_BF16=dtype == torch.bfloat16, IDX64=idx, QU=_unit(q8),
+        num_warps=tile.num_warps,
     )
     return out.reshape(t.shape)
