@@ -1,0 +1,690 @@
+"""MXFP8 attention backward for Hopper in Triton ``tl``: the five products in plain FP8, MX scales folded.
+
+Operands (``formats.RowScaledFP8``, DESIGN §1 table and §3), all (B, S, H, D) logical shape:
+
+  product          operands (orientation)           exponents and where they go
+  S  = Q Kᵀ        q (hdim), k (hdim)               q per (token, head), k per 128 keys -> the row's softmax scale
+  dV = Pᵀ dO       P e4m3 x 2^-8, dout_seq (seq)    dO per (head, channel) -> dV's epilogue
+  dP = dO Vᵀ       dout_hdim (hdim), v_hdim (hdim)  dO per (token, head), V per 128 keys -> dP's row scale
+  dK = dSᵀ Q       dS e4m3 (see below), q_seq (seq) dS per (key, q tile) -> dK rows, Q per (head, channel) -> epilogue
+  dQ = dS K        dS e4m3 (see below), k_seq (seq) dS per (query, kv tile) -> dQ rows, K per channel -> epilogue
+
+seq operands are channel-major (the (B, S, H, D) view of a (B, H, D, S_pad) buffer), so that the contraction
+dim (the sequence) is contiguous, as FP8 wgmma needs for its shared-memory operands.
+
+Structure (FlashAttention-2): a preprocess computes ``delta = rowsum(dO ∘ O)`` from the hdim-quantized dO (the
+dO of dP, so that each row of dS sums to zero as the gradient of that dO does) and quantizes dO both ways.
+The main kernel runs one program per BLOCK_N keys of one (b, kv head); it loops over the query heads of the GQA
+group and over query tiles, recomputes ``Sᵀ = K Qᵀ`` (keys on rows, so Pᵀ and dSᵀ are ready as the register
+A operand of dV and dK), P = exp2(S·log2e·scale − lse·log2e) times 256, and accumulates dV and dK in registers.
+dQ is either added per (kv tile, q tile) with fp32 atomics from the same program (default), or, with
+``deterministic=True``, computed by a second kernel that loops over the kv tiles of one query tile (S, P, dP
+and dS recomputed: 8 products instead of 5, no float atomics, bit-identical over runs).
+
+dS quantization (docs/perf-notes-attn-bwd.md has the measurements): a power-of-two scale per key and query tile
+for dK (the row amax of the dSᵀ tile, a quad-shuffle reduction) and per query and kv tile for dQ.  The dK
+accumulator is rescaled by 2^(e_prev − e) (exact) whenever a key's exponent changes from one q tile to the next,
+like the online softmax rescales O.  The dQ tile's scale is applied before its atomic add (or, in the
+deterministic kernel, by the same rescaling of the dQ accumulator).  Because e4m3 rounding is relative, the block
+size of a power-of-two scale only matters for elements that fall to subnormals; this scheme and the reference's
+MX blocks of 32 agree to ~100 dB (measured), i.e. the same dS.  ``DS_TILE_SCALE`` switches both to one scale per
+tile (one cast instead of two) for speed experiments.
+
+P·256 is at most 256 (P <= 1): e4m3 without saturation, the constant 2^-8 folds into dV's epilogue.  dS is also
+computed from the fp32 P·256 (as the reference, which keeps P unrounded for dS); its 256 folds into dK and dQ.
+
+Causal masks are aligned bottom-right (query i sees key j iff j <= i + Sk − Sq).  Rows that see nothing
+(lse = −inf) get P = 0: the additive term of the exponent is set to −inf there, never −inf − (−inf).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from mxattn.formats import RowScaledFP8
+from mxattn.kernels.quantize import _round_to_e4m3_grid, row_scaled_triton
+
+__all__ = ["BwdConfig", "default_config", "attn_bwd_hopper", "attn_bwd_preprocess", "bench_attn_bwd"]
+
+LOG2E = 1.4426950408889634
+P_SCALE_LOG2 = 8  # P enters dV as e4m3(P * 2^8)
+EXP_GROUP = 128  # keys sharing one exponent in k and v_hdim (formats.RowScaledFP8 K layout)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tile choices (one spot)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Tiles of the dK/dV kernel (``block_m`` queries x ``block_n`` keys per step) and of the deterministic dQ
+    kernel (``dq_block_m`` x ``dq_block_n``).  block_n and dq_block_n must divide 128 (the exponent group of K
+    and V)."""
+
+    block_m: int = 64
+    block_n: int = 128
+    num_warps: int = 8
+    num_stages: int = 2
+    dq_block_m: int = 64
+    dq_block_n: int = 128
+    dq_num_warps: int = 8
+    dq_num_stages: int = 2
+    ds_tile_scale: bool = False  # one dS scale per tile instead of per key / per query (module docstring)
+
+
+def default_config(head_dim: int, causal: bool) -> BwdConfig:
+    """FlashAttention-2's backward shape: 128 keys per program so that the two (BN, D) fp32 accumulators
+    (dK, dV: 128 registers a thread at D=128 with 8 warps) stay in registers, 64 queries per step (the Sᵀ, dPᵀ,
+    dSᵀ tiles are 32 registers each), two stages of the four (BM, D) fp8 query-side tiles (q, q_seq, dO,
+    dO_seq: 32 KB a stage at D=128).  The dQ kernel mirrors the forward's shape (BM 64, BN 128)."""
+    del causal
+    if head_dim <= 64:
+        return BwdConfig(64, 128, 8, 2, 64, 128, 4, 2)
+    return BwdConfig(64, 128, 8, 2, 64, 128, 8, 2)
+
+
+INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ----------------------------------------------------------------------------------------------
+# Device helpers
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _pow2(e):
+    """Exact fp32 2^e for int32 e, clamped to [-126, 127]."""
+    e = tl.minimum(tl.maximum(e, -126), 127)
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rceil_exp(amax, keep):
+    """Smallest e with amax * 2^-e <= 448 (RCEIL, as formats.mx_block_exponents), clamped to [-126, 126];
+    ``keep`` where amax is 0 (nothing to scale: the previous exponent stays and no rescale happens)."""
+    bits = amax.to(tl.int32, bitcast=True)
+    e = (bits >> 23) - (127 + 8) + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    e = tl.minimum(tl.maximum(e, -126), 126)
+    return tl.where(amax > 0.0, e, keep)
+
+
+@triton.jit
+def _to_e4m3(x, EXPLICIT_ROUND: tl.constexpr):
+    """fp32 (|x| <= 448) to e4m3, nearest even.  The interpreter's cast mis-rounds (DESIGN §5), so it rounds
+    in fp32 first; on the GPU the cast is one cvt.rn.satfinite."""
+    if EXPLICIT_ROUND:
+        x = _round_to_e4m3_grid(x)
+    return x.to(tl.float8e4nv)
+
+
+# ----------------------------------------------------------------------------------------------
+# Preprocess: delta = rowsum(dO * O)
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _delta_kernel(
+    DO, DOE, O, DELTA,
+    s_dob, s_dos, s_doh, s_dod,
+    s_deb, s_des, s_deh,
+    s_ob, s_os, s_oh, s_od,
+    s_lb, s_lh, s_ls,
+    Sq, Hq, n_rows,
+    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """One program per BLOCK_R rows of the flattened (B, Sq, Hq): delta = 2^e_row * sum_d dO8 * O (fp32)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = r < n_rows
+    h = r % Hq
+    s = (r // Hq) % Sq
+    b = (r // (Hq * Sq)).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    do = tl.load(DO + (b * s_dob + s * s_dos + h * s_doh)[:, None] + d[None, :] * s_dod, mask=ok[:, None], other=0.0)
+    o = tl.load(O + (b * s_ob + s * s_os + h * s_oh)[:, None] + d[None, :] * s_od, mask=ok[:, None], other=0.0)
+    e = tl.load(DOE + b * s_deb + s * s_des + h * s_deh, mask=ok, other=0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1) * _pow2(e)
+    tl.store(DELTA + b * s_lb + h * s_lh + s * s_ls, delta, mask=ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# dK / dV (and atomic dQ): one program per BLOCK_N keys of one (b, kv head)
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _kv_step(
+    dk, dv, dk_e, k8, vh8, ks8, ke, ve, offs_n, start_m, h, b64, Sq, Sk, causal_off, qk_scale, dq_colscale,
+    Q, QE, QS, DOH, DOE, DOS, LSE, DELTA, DQ,
+    s_qb, s_qm, s_qh, s_qd, s_qeb, s_qem, s_qeh,
+    s_qsb, s_qsm, s_qsh, s_qsd,
+    s_dob, s_dom, s_doh, s_dod, s_deb, s_dem, s_deh,
+    s_dsb, s_dsm, s_dsh, s_dsd,
+    s_lb, s_lh, s_lm,
+    s_dqb, s_dqm, s_dqh, s_dqd,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, DS_TILE_SCALE: tl.constexpr,
+    EXPLICIT_ROUND: tl.constexpr,
+):
+    """One query tile against the program's keys: dV += Pᵀ dO, dK += dSᵀ Q (dK rescaled to the new dS
+    exponents), and dQ += dS K by atomics when ATOMIC_DQ.  ``ke``, ``ve``: the tile's K and V exponents."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < Sq
+    om64 = offs_m.to(tl.int64)
+    # query-side tiles: Qᵀ and dOᵀ (D, BM) from hdim rows (D contiguous); Q and dO seq (BM, D) channel-major
+    qT = tl.load(Q + b64 * s_qb + h * s_qh + offs_d[:, None] * s_qd + om64[None, :] * s_qm,
+                 mask=row_ok[None, :], other=0.0)
+    qe = tl.load(QE + b64 * s_qeb + h * s_qeh + om64 * s_qem, mask=row_ok, other=0)
+    lse = tl.load(LSE + b64 * s_lb + h * s_lh + om64 * s_lm, mask=row_ok, other=float("-inf"))
+    # exponent of p*256: s*log2e*scale - lse*log2e + 8; rows that see nothing (lse = -inf) and rows past Sq get -inf
+    a_row = qk_scale * _pow2(qe + ke)
+    b_row = tl.where(lse == float("-inf"), float("-inf"), 8.0 - lse * 1.4426950408889634)
+    sT = tl.dot(k8, qT)  # (BN, BM) fp32
+    sT = sT * a_row[None, :] + b_row[None, :]
+    if MASKED:
+        keep = offs_n[:, None] < Sk
+        if CAUSAL:
+            keep = keep & (offs_n[:, None] <= offs_m[None, :] + causal_off)
+        sT = tl.where(keep, sT, float("-inf"))
+    pT = tl.exp2(sT)  # P * 256 <= 256 (up to the forward's lse rounding), 0 where masked
+    p8 = _to_e4m3(pT, EXPLICIT_ROUND)
+    dos = tl.load(DOS + b64 * s_dsb + h * s_dsh + om64[:, None] * s_dsm + offs_d[None, :] * s_dsd,
+                  mask=row_ok[:, None], other=0.0)
+    dv = tl.dot(p8, dos, dv)
+    doT = tl.load(DOH + b64 * s_dob + h * s_doh + offs_d[:, None] * s_dod + om64[None, :] * s_dom,
+                  mask=row_ok[None, :], other=0.0)
+    doe = tl.load(DOE + b64 * s_deb + h * s_deh + om64 * s_dem, mask=row_ok, other=0)
+    delta = tl.load(DELTA + b64 * s_lb + h * s_lh + om64 * s_lm, mask=row_ok, other=0.0)
+    dpT = tl.dot(vh8, doT)  # (BN, BM) fp32, in units 2^-(doe + ve)
+    dsT = pT * (dpT * _pow2(doe + ve)[None, :] - delta[None, :])  # 256 * dS
+
+    qs = tl.load(QS + b64 * s_qsb + h * s_qsh + om64[:, None] * s_qsm + offs_d[None, :] * s_qsd,
+                 mask=row_ok[:, None], other=0.0)
+    absds = tl.abs(dsT)
+    if DS_TILE_SCALE:
+        e_new = _rceil_exp(tl.max(tl.max(absds, 1), 0), dk_e)
+        dsk8 = _to_e4m3(dsT * _pow2(-e_new), EXPLICIT_ROUND)
+        dk = dk * _pow2(dk_e - e_new)
+        dk = tl.dot(dsk8, qs, dk)
+        dk_e = e_new
+        if ATOMIC_DQ:
+            dq = tl.dot(tl.trans(dsk8), ks8)  # (BM, D)
+            dq = dq * (dq_colscale * _pow2(e_new))[None, :]
+    else:
+        e_new = _rceil_exp(tl.max(absds, 1), dk_e)  # per key (BN)
+        dsk8 = _to_e4m3(dsT * _pow2(-e_new)[:, None], EXPLICIT_ROUND)
+        dk = dk * _pow2(dk_e - e_new)[:, None]
+        dk = tl.dot(dsk8, qs, dk)
+        dk_e = e_new
+        if ATOMIC_DQ:
+            e_q = _rceil_exp(tl.max(absds, 0), 0)  # per query (BM)
+            dsq8 = _to_e4m3(dsT * _pow2(-e_q)[None, :], EXPLICIT_ROUND)
+            dq = tl.dot(tl.trans(dsq8), ks8)  # (BM, D)
+            dq = dq * _pow2(e_q)[:, None] * dq_colscale[None, :]
+    if ATOMIC_DQ:
+        dq_ptrs = DQ + b64 * s_dqb + h * s_dqh + om64[:, None] * s_dqm + offs_d[None, :] * s_dqd
+        tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None], sem="relaxed")
+    return dk, dv, dk_e
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, QE, K, KE, VH, VE, QS, QSE, KS, KSE, DOH, DOE, DOS, DOSE, LSE, DELTA, DQ, DK, DV,
+    s_qb, s_qm, s_qh, s_qd, s_qeb, s_qem, s_qeh,
+    s_kb, s_kn, s_kh, s_kd, s_keb, s_ket, s_keh,
+    s_vb, s_vn, s_vh, s_vd, s_veb, s_vet, s_veh,
+    s_qsb, s_qsm, s_qsh, s_qsd, s_qseb, s_qseh, s_qsed,
+    s_ksb, s_ksn, s_ksh, s_ksd, s_kseb, s_kseh, s_ksed,
+    s_dob, s_dom, s_doh, s_dod, s_deb, s_dem, s_deh,
+    s_dsb, s_dsm, s_dsh, s_dsd, s_dseb, s_dseh, s_dsed,
+    s_lb, s_lh, s_lm,
+    s_dqb, s_dqm, s_dqh, s_dqd,
+    s_dkb, s_dkn, s_dkh, s_dkd,
+    s_dvb, s_dvn, s_dvh, s_dvd,
+    Hkv, Sq, Sk, group_size, qk_scale, grad_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, DS_TILE_SCALE: tl.constexpr, EXPLICIT_ROUND: tl.constexpr,
+):
+    # program order: kv tiles fastest within one (b, kv head), so the heaviest causal tiles (first keys) start
+    # first and neighbouring programs stream the same query-side tiles through L2
+    start_n = tl.program_id(0) * BLOCK_N
+    pid_bh = tl.program_id(1)
+    b = pid_bh // Hkv
+    hk = pid_bh % Hkv
+    b64 = b.to(tl.int64)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    on64 = offs_n.to(tl.int64)
+    key_ok = offs_n < Sk
+
+    k8 = tl.load(K + b64 * s_kb + hk * s_kh + on64[:, None] * s_kn + offs_d[None, :] * s_kd,
+                 mask=key_ok[:, None], other=0.0)
+    vh8 = tl.load(VH + b64 * s_vb + hk * s_vh + on64[:, None] * s_vn + offs_d[None, :] * s_vd,
+                  mask=key_ok[:, None], other=0.0)
+    ke = tl.load(KE + b64 * s_keb + hk * s_keh + (start_n // 128) * s_ket)
+    ve = tl.load(VE + b64 * s_veb + hk * s_veh + (start_n // 128) * s_vet)
+    if ATOMIC_DQ:
+        ks8 = tl.load(KS + b64 * s_ksb + hk * s_ksh + on64[:, None] * s_ksn + offs_d[None, :] * s_ksd,
+                      mask=key_ok[:, None], other=0.0)
+        kse = tl.load(KSE + b64 * s_kseb + hk * s_kseh + offs_d * s_ksed)
+        dq_colscale = _pow2(kse) * grad_scale
+    else:
+        ks8 = k8  # unused
+        dq_colscale = tl.zeros([HEAD_DIM], tl.float32)
+
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    if DS_TILE_SCALE:
+        dk_e = 0
+    else:
+        dk_e = tl.zeros([BLOCK_N], tl.int32)
+
+    causal_off = Sk - Sq
+    m_end = tl.cdiv(Sq, BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        lo = (tl.maximum(start_n - causal_off, 0) // BLOCK_M) * BLOCK_M
+        # from mid on, every row of a q tile sees all BLOCK_N keys
+        mid = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - causal_off, 0), BLOCK_M) * BLOCK_M
+    else:
+        lo = 0
+        mid = 0
+    if start_n + BLOCK_N > Sk:
+        mid = m_end  # a partial kv tile masks its missing keys everywhere
+    lo = tl.minimum(lo, m_end)
+    mid = tl.minimum(tl.maximum(mid, lo), m_end)
+
+    # the exponents of the seq operands are per (query head, channel): dK and dV are kept in units of the current
+    # head's exponents and rescaled (exactly, by powers of two) when the head changes
+    h0 = hk * group_size
+    qse_prev = tl.load(QSE + b64 * s_qseb + h0 * s_qseh + offs_d * s_qsed)
+    dose_prev = tl.load(DOSE + b64 * s_dseb + h0 * s_dseh + offs_d * s_dsed)
+    for h in range(h0, h0 + group_size):
+        qse = tl.load(QSE + b64 * s_qseb + h * s_qseh + offs_d * s_qsed)
+        dose = tl.load(DOSE + b64 * s_dseb + h * s_dseh + offs_d * s_dsed)
+        dk = dk * _pow2(qse_prev - qse)[None, :]
+        dv = dv * _pow2(dose_prev - dose)[None, :]
+        qse_prev = qse
+        dose_prev = dose
+        for start_m in range(lo, mid, BLOCK_M):
+            dk, dv, dk_e = _kv_step(
+                dk, dv, dk_e, k8, vh8, ks8, ke, ve, offs_n, start_m, h, b64, Sq, Sk, causal_off, qk_scale,
+                dq_colscale, Q, QE, QS, DOH, DOE, DOS, LSE, DELTA, DQ,
+                s_qb, s_qm, s_qh, s_qd, s_qeb, s_qem, s_qeh, s_qsb, s_qsm, s_qsh, s_qsd,
+                s_dob, s_dom, s_doh, s_dod, s_deb, s_dem, s_deh, s_dsb, s_dsm, s_dsh, s_dsd,
+                s_lb, s_lh, s_lm, s_dqb, s_dqm, s_dqh, s_dqd,
+                HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL, ATOMIC_DQ, DS_TILE_SCALE, EXPLICIT_ROUND,
+            )
+        for start_m in range(mid, m_end, BLOCK_M):
+            dk, dv, dk_e = _kv_step(
+                dk, dv, dk_e, k8, vh8, ks8, ke, ve, offs_n, start_m, h, b64, Sq, Sk, causal_off, qk_scale,
+                dq_colscale, Q, QE, QS, DOH, DOE, DOS, LSE, DELTA, DQ,
+                s_qb, s_qm, s_qh, s_qd, s_qeb, s_qem, s_qeh, s_qsb, s_qsm, s_qsh, s_qsd,
+                s_dob, s_dom, s_doh, s_dod, s_deb, s_dem, s_deh, s_dsb, s_dsm, s_dsh, s_dsd,
+                s_lb, s_lh, s_lm, s_dqb, s_dqm, s_dqh, s_dqd,
+                HEAD_DIM, BLOCK_M, BLOCK_N, False, CAUSAL, ATOMIC_DQ, DS_TILE_SCALE, EXPLICIT_ROUND,
+            )
+
+    if DS_TILE_SCALE:
+        dk = dk * (_pow2(qse_prev) * (grad_scale * _pow2(dk_e)))[None, :]
+    else:
+        dk = dk * _pow2(dk_e)[:, None] * (_pow2(qse_prev) * grad_scale)[None, :]
+    dv = dv * (_pow2(dose_prev) * 0.00390625)[None, :]  # 2^-8: P entered as P * 256
+    tl.store(DK + b64 * s_dkb + hk * s_dkh + on64[:, None] * s_dkn + offs_d[None, :] * s_dkd,
+             dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
+    tl.store(DV + b64 * s_dvb + hk * s_dvh + on64[:, None] * s_dvn + offs_d[None, :] * s_dvd,
+             dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# Deterministic dQ: one program per BLOCK_M queries of one (b, query head), looping over kv tiles
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dq_step(
+    acc, acc_e, q8, do8, a_row, b_row, dscale_row, delta, offs_m, start_n, hk, b64, Sk, causal_off,
+    K, KE, VH, VE, KS,
+    s_kb, s_kn, s_kh, s_kd, s_keb, s_ket, s_keh,
+    s_vb, s_vn, s_vh, s_vd, s_veb, s_vet, s_veh,
+    s_ksb, s_ksn, s_ksh, s_ksd,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    DS_TILE_SCALE: tl.constexpr, EXPLICIT_ROUND: tl.constexpr,
+):
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    on64 = offs_n.to(tl.int64)
+    if MASKED:
+        key_ok = offs_n < Sk
+        kT = tl.load(K + b64 * s_kb + hk * s_kh + offs_d[:, None] * s_kd + on64[None, :] * s_kn,
+                     mask=key_ok[None, :], other=0.0)
+        vT = tl.load(VH + b64 * s_vb + hk * s_vh + offs_d[:, None] * s_vd + on64[None, :] * s_vn,
+                     mask=key_ok[None, :], other=0.0)
+        ks8 = tl.load(KS + b64 * s_ksb + hk * s_ksh + on64[:, None] * s_ksn + offs_d[None, :] * s_ksd,
+                      mask=key_ok[:, None], other=0.0)
+    else:
+        kT = tl.load(K + b64 * s_kb + hk * s_kh + offs_d[:, None] * s_kd + on64[None, :] * s_kn)
+        vT = tl.load(VH + b64 * s_vb + hk * s_vh + offs_d[:, None] * s_vd + on64[None, :] * s_vn)
+        ks8 = tl.load(KS + b64 * s_ksb + hk * s_ksh + on64[:, None] * s_ksn + offs_d[None, :] * s_ksd)
+    ke = tl.load(KE + b64 * s_keb + hk * s_keh + (start_n // 128) * s_ket)
+    ve = tl.load(VE + b64 * s_veb + hk * s_veh + (start_n // 128) * s_vet)
+    s = tl.dot(q8, kT)  # (BM, BN)
+    s = s * (a_row * _pow2(ke))[:, None] + b_row[:, None]
+    if MASKED:
+        keep = offs_n[None, :] < Sk
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None] + causal_off)
+        s = tl.where(keep, s, float("-inf"))
+    p = tl.exp2(s)  # P * 256
+    dp = tl.dot(do8, vT)
+    ds = p * (dp * (dscale_row * _pow2(ve))[:, None] - delta[:, None])  # 256 * dS
+    absds = tl.abs(ds)
+    if DS_TILE_SCALE:
+        e_new = _rceil_exp(tl.max(tl.max(absds, 1), 0), acc_e)
+        ds8 = _to_e4m3(ds * _pow2(-e_new), EXPLICIT_ROUND)
+        acc = acc * _pow2(acc_e - e_new)
+    else:
+        e_new = _rceil_exp(tl.max(absds, 1), acc_e)
+        ds8 = _to_e4m3(ds * _pow2(-e_new)[:, None], EXPLICIT_ROUND)
+        acc = acc * _pow2(acc_e - e_new)[:, None]
+    acc = tl.dot(ds8, ks8, acc)
+    return acc, e_new
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, QE, K, KE, VH, VE, KS, KSE, DOH, DOE, LSE, DELTA, DQ,
+    s_qb, s_qm, s_qh, s_qd, s_qeb, s_qem, s_qeh,
+    s_kb, s_kn, s_kh, s_kd, s_keb, s_ket, s_keh,
+    s_vb, s_vn, s_vh, s_vd, s_veb, s_vet, s_veh,
+    s_ksb, s_ksn, s_ksh, s_ksd, s_kseb, s_kseh, s_ksed,
+    s_dob, s_dom, s_doh, s_dod, s_deb, s_dem, s_deh,
+    s_lb, s_lh, s_lm,
+    s_dqb, s_dqm, s_dqh, s_dqd,
+    Hq, Sq, Sk, group_size, qk_scale, grad_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    DS_TILE_SCALE: tl.constexpr, EXPLICIT_ROUND: tl.constexpr,
+):
+    # heaviest causal query tiles (the last ones) first
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    hk = h // group_size
+    b64 = b.to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    om64 = offs_m.to(tl.int64)
+    row_ok = offs_m < Sq
+
+    q8 = tl.load(Q + b64 * s_qb + h * s_qh + om64[:, None] * s_qm + offs_d[None, :] * s_qd,
+                 mask=row_ok[:, None], other=0.0)
+    do8 = tl.load(DOH + b64 * s_dob + h * s_doh + om64[:, None] * s_dom + offs_d[None, :] * s_dod,
+                  mask=row_ok[:, None], other=0.0)
+    qe = tl.load(QE + b64 * s_qeb + h * s_qeh + om64 * s_qem, mask=row_ok, other=0)
+    doe = tl.load(DOE + b64 * s_deb + h * s_deh + om64 * s_dem, mask=row_ok, other=0)
+    lse = tl.load(LSE + b64 * s_lb + h * s_lh + om64 * s_lm, mask=row_ok, other=float("-inf"))
+    delta = tl.load(DELTA + b64 * s_lb + h * s_lh + om64 * s_lm, mask=row_ok, other=0.0)
+    a_row = qk_scale * _pow2(qe)
+    b_row = tl.where(lse == float("-inf"), float("-inf"), 8.0 - lse * 1.4426950408889634)
+    dscale_row = _pow2(doe)
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if DS_TILE_SCALE:
+        acc_e = 0
+    else:
+        acc_e = tl.zeros([BLOCK_M], tl.int32)
+    causal_off = Sk - Sq
+    if CAUSAL:
+        hi = tl.minimum(Sk, tl.maximum(start_m + BLOCK_M + causal_off, 0))
+        full_end = tl.minimum((Sk // BLOCK_N) * BLOCK_N,
+                              (tl.maximum(start_m + causal_off + 1, 0) // BLOCK_N) * BLOCK_N)
+    else:
+        hi = Sk
+        full_end = (Sk // BLOCK_N) * BLOCK_N
+    for start_n in range(0, full_end, BLOCK_N):
+        acc, acc_e = _dq_step(
+            acc, acc_e, q8, do8, a_row, b_row, dscale_row, delta, offs_m, start_n, hk, b64, Sk, causal_off,
+            K, KE, VH, VE, KS, s_kb, s_kn, s_kh, s_kd, s_keb, s_ket, s_keh, s_vb, s_vn, s_vh, s_vd,
+            s_veb, s_vet, s_veh, s_ksb, s_ksn, s_ksh, s_ksd,
+            HEAD_DIM, BLOCK_N, False, CAUSAL, DS_TILE_SCALE, EXPLICIT_ROUND,
+        )
+    for start_n in range(full_end, hi, BLOCK_N):
+        acc, acc_e = _dq_step(
+            acc, acc_e, q8, do8, a_row, b_row, dscale_row, delta, offs_m, start_n, hk, b64, Sk, causal_off,
+            K, KE, VH, VE, KS, s_kb, s_kn, s_kh, s_kd, s_keb, s_ket, s_keh, s_vb, s_vn, s_vh, s_vd,
+            s_veb, s_vet, s_veh, s_ksb, s_ksn, s_ksh, s_ksd,
+            HEAD_DIM, BLOCK_N, True, CAUSAL, DS_TILE_SCALE, EXPLICIT_ROUND,
+        )
+    kse = tl.load(KSE + b64 * s_kseb + hk * s_kseh + offs_d * s_ksed)
+    colscale = _pow2(kse) * grad_scale
+    if DS_TILE_SCALE:
+        dq = acc * (colscale * _pow2(acc_e))[None, :]
+    else:
+        dq = acc * _pow2(acc_e)[:, None] * colscale[None, :]
+    tl.store(DQ + b64 * s_dqb + h * s_dqh + om64[:, None] * s_dqm + offs_d[None, :] * s_dqd,
+             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def _exp_strides3(e: torch.Tensor, dims: tuple[int, int, int]) -> tuple[int, int, int]:
+    st = e.stride()
+    return st[dims[0]], st[dims[1]], st[dims[2]]
+
+
+def attn_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, dout_hdim: Optional[RowScaledFP8] = None,
+                        dout_seq: Optional[RowScaledFP8] = None):
+    """dO in both orientations and ``delta = rowsum(dO_hdim ∘ O)`` (B, Hq, Sq) fp32.
+
+    ``dout_hdim``: the Q layout (``row_scaled_triton(dout, "q")``); ``dout_seq``: the V layout
+    (``row_scaled_triton(dout, "v")``, channel-major).  Either may be given (e.g. by a fused producer); the
+    missing ones are made from ``dout`` here.  Returns (dout_hdim, dout_seq, delta)."""
+    if dout_hdim is None:
+        dout_hdim = row_scaled_triton(dout, "q")
+    if dout_seq is None:
+        dout_seq = row_scaled_triton(dout, "v")
+    B, Sq, Hq, D = out.shape
+    delta = torch.empty(B, Hq, Sq, dtype=torch.float32, device=out.device)
+    n_rows = B * Sq * Hq
+    if n_rows:
+        block_r = max(1, min(128, 8192 // D))
+        dd, de = dout_hdim.data, dout_hdim.exp
+        _delta_kernel[(triton.cdiv(n_rows, block_r),)](
+            dd, de, out, delta, *dd.stride(), de.stride(0), de.stride(1), de.stride(2), *out.stride(),
+            *delta.stride(), Sq, Hq, n_rows, HEAD_DIM=D, BLOCK_R=block_r, num_warps=4,
+        )
+    return dout_hdim, dout_seq, delta
+
+
+def _check_operands(q, k, v_hdim, q_seq, k_seq, out, dout, lse, cfg: BwdConfig):
+    B, Sq, Hq, D = q.data.shape
+    Sk, Hkv = k.data.shape[1], k.data.shape[2]
+    ng = triton.cdiv(Sk, EXP_GROUP)
+    want = {
+        "q": (q, (B, Sq, Hq, D), (B, Sq, Hq, 1)),
+        "k": (k, (B, Sk, Hkv, D), (B, ng, Hkv, 1)),
+        "v_hdim": (v_hdim, (B, Sk, Hkv, D), (B, ng, Hkv, 1)),
+        "q_seq": (q_seq, (B, Sq, Hq, D), (B, 1, Hq, D)),
+        "k_seq": (k_seq, (B, Sk, Hkv, D), (B, 1, Hkv, D)),
+    }
+    for name, (t, ds, es) in want.items():
+        if not isinstance(t, RowScaledFP8):
+            raise TypeError(f"{name} must be a RowScaledFP8, got {type(t).__name__}")
+        if tuple(t.data.shape) != ds or tuple(t.exp.shape) != es:
+            raise ValueError(f"{name}: data {tuple(t.data.shape)} / exp {tuple(t.exp.shape)}, expected {ds} / {es}")
+    if tuple(out.shape) != (B, Sq, Hq, D) or tuple(dout.shape) != (B, Sq, Hq, D):
+        raise ValueError(f"out {tuple(out.shape)} and dout {tuple(dout.shape)} must be {(B, Sq, Hq, D)}")
+    if tuple(lse.shape) != (B, Hq, Sq) or lse.dtype != torch.float32:
+        raise ValueError(f"lse must be float32 {(B, Hq, Sq)}, got {lse.dtype} {tuple(lse.shape)}")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
+    if D not in (16, 32, 64, 128, 256):
+        raise ValueError(f"head dim {D} must be a power of two in [16, 256]")
+    for bn in (cfg.block_n, cfg.dq_block_n):
+        if EXP_GROUP % bn:
+            raise ValueError(f"block_n={bn} must divide the exponent group {EXP_GROUP}")
+
+
+def attn_bwd_hopper(
+    q: RowScaledFP8,
+    k: RowScaledFP8,
+    v_hdim: RowScaledFP8,
+    q_seq: RowScaledFP8,
+    k_seq: RowScaledFP8,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    deterministic: bool = False,
+    grad_dtype: torch.dtype = torch.bfloat16,
+    dout_hdim: Optional[RowScaledFP8] = None,
+    dout_seq: Optional[RowScaledFP8] = None,
+    config: Optional[BwdConfig] = None,
+):
+    """Gradients (dq, dk, dv) of MXFP8 attention on row-scaled FP8 operands (``formats.RowScaledFP8``).
+
+    q:      Q layout, the forward's operand: ``row_scaled_triton(q, "q")``, data (B, Sq, Hq, D), exp (B, Sq, Hq, 1).
+    k:      K layout, the forward's operand: ``row_scaled_triton(k, "k")``, exp (B, ceil(Sk/128), Hkv, 1).
+    v_hdim: V blocked along the head dim, K layout: ``row_scaled_triton(v, "k")`` (one exponent per 128 keys).
+    q_seq:  Q blocked along the sequence, V layout: ``row_scaled_triton(q, "v")``, exp (B, 1, Hq, D), data the
+            (B, Sq, Hq, D) view of a channel-major (B, Hq, D, S_pad) buffer.
+    k_seq:  K blocked along the sequence, V layout: ``row_scaled_triton(k, "v")``, exp (B, 1, Hkv, D), channel-major.
+    out:    the forward output (B, Sq, Hq, D), bf16/fp16/fp32, any strides.
+    dout:   its gradient, same shape; quantized here (``attn_bwd_preprocess``) unless ``dout_hdim`` (Q layout) and
+            ``dout_seq`` (V layout, channel-major) are given.
+    lse:    the forward's (B, Hq, Sq) float32 natural-log sum of exp (-inf for rows that see nothing).
+    Data strides are free, but the kernels are fast only with the layouts above (D contiguous for hdim, S for seq).
+    deterministic: dQ from a second kernel instead of fp32 atomics (bit-identical over runs, ~1.3x the work).
+    Returns dq (B, Sq, Hq, D), dk, dv (B, Sk, Hkv, D) in ``grad_dtype``, contiguous.  dK and dV are summed over
+    the query heads of each kv head's group.  Semantics: ``reference.attention_backward`` with quantize_p,
+    quantize_ds and quantize_do on, up to the dS/dO scale granularity described in the module docstring.
+    """
+    B, Sq, Hq, D = q.data.shape
+    Sk, Hkv = k.data.shape[1], k.data.shape[2]
+    cfg = config or default_config(D, causal)
+    _check_operands(q, k, v_hdim, q_seq, k_seq, out, dout, lse, cfg)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(D)
+    dev = q.data.device
+    dk = torch.empty(B, Sk, Hkv, D, dtype=grad_dtype, device=dev)
+    dv = torch.empty(B, Sk, Hkv, D, dtype=grad_dtype, device=dev)
+    if Sq == 0 or Sk == 0 or B * Hq == 0:
+        dk.zero_()
+        dv.zero_()
+        return torch.zeros(B, Sq, Hq, D, dtype=grad_dtype, device=dev), dk, dv
+    doh, dos, delta = attn_bwd_preprocess(out, dout, dout_hdim, dout_seq)
+    group = Hq // Hkv
+    grad_scale = softmax_scale * 2.0**-P_SCALE_LOG2  # dS entered the products as 256 * dS
+    qk_scale = softmax_scale * LOG2E
+    if deterministic:
+        dq = torch.empty(B, Sq, Hq, D, dtype=grad_dtype, device=dev)
+        dq_acc = dq  # unused by the dK/dV kernel
+    else:
+        dq_acc = torch.zeros(B, Sq, Hq, D, dtype=torch.float32, device=dev)
+
+    qd, qe, kd, ke, vd, ve = q.data, q.exp, k.data, k.exp, v_hdim.data, v_hdim.exp
+    qsd, qse, ksd, kse = q_seq.data, q_seq.exp, k_seq.data, k_seq.exp
+    dhd, dhe, dsd, dse = doh.data, doh.exp, dos.data, dos.exp
+    row_e = lambda e: _exp_strides3(e, (0, 1, 2))  # (B, S or groups, H)
+    chan_e = lambda e: _exp_strides3(e, (0, 2, 3))  # (B, H, D)
+    common = dict(HEAD_DIM=D, CAUSAL=causal, DS_TILE_SCALE=cfg.ds_tile_scale, EXPLICIT_ROUND=INTERPRETER)
+    _bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
+        qd, qe, kd, ke, vd, ve, qsd, qse, ksd, kse, dhd, dhe, dsd, dse, lse, delta, dq_acc, dk, dv,
+        *qd.stride(), *row_e(qe), *kd.stride(), *row_e(ke), *vd.stride(), *row_e(ve),
+        *qsd.stride(), *chan_e(qse), *ksd.stride(), *chan_e(kse),
+        *dhd.stride(), *row_e(dhe), *dsd.stride(), *chan_e(dse),
+        *lse.stride(), *dq_acc.stride(), *dk.stride(), *dv.stride(),
+        Hkv, Sq, Sk, group, qk_scale, grad_scale,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ATOMIC_DQ=not deterministic, **common,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if deterministic:
+        _bwd_dq_kernel[(triton.cdiv(Sq, cfg.dq_block_m), B * Hq)](
+            qd, qe, kd, ke, vd, ve, ksd, kse, dhd, dhe, lse, delta, dq,
+            *qd.stride(), *row_e(qe), *kd.stride(), *row_e(ke), *vd.stride(), *row_e(ve),
+            *ksd.stride(), *chan_e(kse), *dhd.stride(), *row_e(dhe), *lse.stride(), *dq.stride(),
+            Hq, Sq, Sk, group, qk_scale, grad_scale,
+            BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, **common,
+            num_warps=cfg.dq_num_warps, num_stages=cfg.dq_num_stages,
+        )
+    else:
+        dq = dq_acc.to(grad_dtype)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------
+# Benchmark entry
+# ----------------------------------------------------------------------------------------------
+
+
+def bench_attn_bwd(shapes: Sequence[tuple], *, configs: Optional[Sequence[Optional[BwdConfig]]] = None,
+                   deterministic: bool = False, with_sdpa: bool = True, rep_ms: int = 200) -> list[dict]:
+    """Time the backward on the GPU: ``shapes`` are (B, Hq, Hkv, S, D, causal) tuples.
+
+    For each shape: the kernels alone on prepared operands (``bwd_ms``: preprocess + dK/dV (+ dQ) kernels, i.e.
+    dO quantization and delta included, operand preparation of q/k/v excluded), the operand preparation
+    (``prep_ms``: q_seq, k_seq, v_hdim from bf16), and SDPA cuDNN / flash BF16 backward in the same run.
+    TFLOP/s count 2.5 * 4 * B * Hq * S^2 * D (half when causal).  Returns one dict per (shape, config)."""
+    from mxattn.kernels.attn_fwd import attn_fwd_hopper
+
+    rows = []
+    for B, Hq, Hkv, S, D, causal in shapes:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        mk = lambda H: torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        q, k, v, dout = mk(Hq), mk(Hkv), mk(Hkv), mk(Hq)
+        qr, kr, vr = row_scaled_triton(q, "q"), row_scaled_triton(k, "k"), row_scaled_triton(v, "v")
+        out, lse = attn_fwd_hopper(qr, kr, vr, causal=causal)
+        prep = lambda: (row_scaled_triton(v, "k"), row_scaled_triton(q, "v"), row_scaled_triton(k, "v"))
+        vh, qs, ks = prep()
+        flops = 2.5 * 4 * B * Hq * S * S * D * (0.5 if causal else 1.0)
+        tf = lambda ms: None if ms is None else flops / ms / 1e9
+        base = {"B": B, "Hq": Hq, "Hkv": Hkv, "Sq": S, "Sk": S, "D": D, "causal": causal,
+                "deterministic": deterministic}
+        peers = {}
+        if with_sdpa:
+            for name, be in (("sdpa_cudnn_bf16", "CUDNN_ATTENTION"), ("sdpa_flash_bf16", "FLASH_ATTENTION")):
+                peers[name] = tf(_time_sdpa_bwd(q, k, v, dout, causal, be, rep_ms))
+        prep_ms = triton.testing.do_bench(prep, warmup=10, rep=rep_ms, return_mode="median")
+        for cfg in configs or [None]:
+            try:
+                ms = triton.testing.do_bench(
+                    lambda: attn_bwd_hopper(qr, kr, vh, qs, ks, out, dout, lse, causal=causal,
+                                            deterministic=deterministic, config=cfg),
+                    warmup=10, rep=rep_ms, return_mode="median")
+            except Exception as e:  # noqa: BLE001 - a tile that does not fit is recorded, the sweep goes on
+                rows.append({**base, "config": repr(cfg), "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                continue
+            tflops = {"mxattn": tf(ms), **peers}
+            cu = peers.get("sdpa_cudnn_bf16")
+            rows.append({**base, "config": repr(cfg or default_config(D, causal)), "bwd_ms": ms, "prep_ms": prep_ms,
+                         "tflops": tflops, "ratio_vs_sdpa_cudnn_bf16": (tf(ms) / cu) if cu else None})
+    return rows
+
+
+def _time_sdpa_bwd(q, k, v, dout, causal, backend, rep_ms):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+    gqa = qt.shape[1] != kt.shape[1]
+    try:
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+            o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=gqa)
+            do = dout.transpose(1, 2)
+            fn = lambda: torch.autograd.grad(o, (qt, kt, vt), do, retain_graph=True)
+            return triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
+    except Exception:  # noqa: BLE001 - a backend that refuses the shape is recorded as None
+        return None
