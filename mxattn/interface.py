@@ -109,20 +109,30 @@ def _default_scale(D: int, softmax_scale) -> float:
     return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D)
 
 
-def _forward_cuda(q: Operand, k: Operand, v: Operand, causal: bool, scale: float, scale_mode: str, out_dtype):
-    """GPU: float or MX inputs -> Hopper operand format (one Triton pass each) -> FP8 attention kernel."""
-    from mxattn.kernels.attn_fwd import attn_fwd_hopper
+def _hopper_forward_operands(q: Operand, k: Operand, v: Operand, scale_mode: str):
+    """Float or MX inputs -> the forward's Hopper operands (one Triton pass each): Q, K hdim; V seq."""
     from mxattn.kernels.quantize import row_scaled_triton
 
-    qr = row_scaled_triton(q, "q", scale_mode=scale_mode)
-    kr = row_scaled_triton(k, "k", scale_mode=scale_mode, k_group=K_EXP_GROUP)
-    vr = row_scaled_triton(v, "v", scale_mode=scale_mode)
-    return attn_fwd_hopper(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
+    return (
+        row_scaled_triton(q, "q", scale_mode=scale_mode),
+        row_scaled_triton(k, "k", scale_mode=scale_mode, k_group=K_EXP_GROUP),
+        row_scaled_triton(v, "v", scale_mode=scale_mode),
+    )
 
 
-def _forward_impl(q: Operand, k: Operand, v: Operand, causal: bool, scale: float, scale_mode: str, out_dtype):
-    if q.device.type == "cuda":
-        return _forward_cuda(q, k, v, causal, scale, scale_mode, out_dtype)
+def _hopper_backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale_mode: str):
+    """The backward's other orientations (DESIGN §1 table): Q and K blocked along the sequence (channel-major,
+    for dK = dSᵀ Q and dQ = dS K) and V along the head dim (for dP = dO Vᵀ)."""
+    from mxattn.kernels.quantize import row_scaled_triton
+
+    return (
+        row_scaled_triton(q, "v", scale_mode=scale_mode),
+        row_scaled_triton(k, "v", scale_mode=scale_mode),
+        row_scaled_triton(v, "k", scale_mode=scale_mode, k_group=K_EXP_GROUP),
+    )
+
+
+def _reference_forward(q: Operand, k: Operand, v: Operand, causal: bool, scale: float, scale_mode: str, out_dtype):
     from mxattn import reference
 
     if not isinstance(q, MXTensor):
@@ -134,45 +144,58 @@ def _forward_impl(q: Operand, k: Operand, v: Operand, causal: bool, scale: float
 
 
 def has_fast_backward(device) -> bool:
-    """Whether a GPU backward kernel exists for this device (the backward otherwise runs the reference)."""
-    return False
+    """Whether the backward runs a GPU kernel on this device (CPU tensors run the reference)."""
+    return torch.device(device).type == "cuda"
 
 
 class _MXFP8Attention(torch.autograd.Function):
+    """Forward and backward of MXFP8 attention.  Saved for the backward on the GPU (FP8, ~5 bytes per element of
+    q/k/v plus the BF16 output, against 8 for a BF16 FlashAttention): Q and K in both orientations, V along
+    the head dim, the output and the lse."""
+
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, scale_mode, qkv_mx):
-        if qkv_mx is None:
-            inputs, out_dtype = (q, k, v), q.dtype
+    def forward(ctx, q, k, v, causal, scale, scale_mode, deterministic, qkv_mx):
+        inputs, out_dtype = ((q, k, v), q.dtype) if qkv_mx is None else (qkv_mx, torch.bfloat16)
+        ctx.causal, ctx.scale, ctx.scale_mode, ctx.deterministic = causal, scale, scale_mode, deterministic
+        ctx.is_mx, ctx.cuda = qkv_mx is not None, inputs[0].device.type == "cuda"
+        if ctx.cuda:
+            from mxattn.kernels.attn_fwd import attn_fwd_hopper
+
+            qr, kr, vr = _hopper_forward_operands(*inputs, scale_mode)
+            out, lse = attn_fwd_hopper(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
+            if qkv_mx is None and any(ctx.needs_input_grad[:3]):
+                ctx.operands = (qr, kr) + _hopper_backward_operands(q, k, v, scale_mode)
         else:
-            inputs, out_dtype = qkv_mx, torch.bfloat16
-        out, lse = _forward_impl(*inputs, causal, scale, scale_mode, out_dtype)
-        ctx.inputs, ctx.is_mx = inputs, qkv_mx is not None
-        ctx.causal, ctx.scale, ctx.scale_mode = causal, scale, scale_mode
+            out, lse = _reference_forward(*inputs, causal, scale, scale_mode, out_dtype)
+            ctx.inputs = inputs
         ctx.save_for_backward(out, lse)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        out, lse = ctx.saved_tensors
+        if ctx.cuda:
+            from mxattn.kernels.attn_bwd import attn_bwd_hopper
+
+            qr, kr, q_seq, k_seq, v_hdim = ctx.operands
+            dq, dk, dv = attn_bwd_hopper(
+                qr, kr, v_hdim, q_seq, k_seq, out, dout.contiguous(), lse, causal=ctx.causal,
+                softmax_scale=ctx.scale, deterministic=ctx.deterministic, grad_dtype=out.dtype,
+            )
+            return dq, dk, dv, None, None, None, None, None
         from mxattn import reference
 
-        out, _ = ctx.saved_tensors
-        if ctx.is_mx:
-            (qm, km, vm), extra, gdt = ctx.inputs, {}, torch.bfloat16
-        else:
-            q, k, v = ctx.inputs
-            qm, km, vm = quantize_qkv(q, k, v, ctx.scale_mode)
-            extra = dict(  # the backward's own orientations (DESIGN §1 table)
-                q_seq=formats.quantize_mxfp8(q, dim=1, scale_mode=ctx.scale_mode),
-                k_seq=formats.quantize_mxfp8(k, dim=1, scale_mode=ctx.scale_mode),
-                v_hdim=formats.quantize_mxfp8(v, dim=3, scale_mode=ctx.scale_mode),
-            )
-            gdt = q.dtype
+        q, k, v = ctx.inputs
+        qm, km, vm = quantize_qkv(q, k, v, ctx.scale_mode)
         dq, dk, dv = reference.attention_backward(
             qm, km, vm, out, dout, causal=ctx.causal, softmax_scale=ctx.scale,
-            quantize_p=True, quantize_ds=True, quantize_do=True, dtype=torch.float32, **extra,
+            quantize_p=True, quantize_ds=True, quantize_do=True, dtype=torch.float32,
+            q_seq=formats.quantize_mxfp8(q, dim=1, scale_mode=ctx.scale_mode),
+            k_seq=formats.quantize_mxfp8(k, dim=1, scale_mode=ctx.scale_mode),
+            v_hdim=formats.quantize_mxfp8(v, dim=3, scale_mode=ctx.scale_mode),
         )
-        return dq.to(gdt), dk.to(gdt), dv.to(gdt), None, None, None, None
+        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), None, None, None, None, None
 
 
 def mxfp8_attn_func(
@@ -183,6 +206,7 @@ def mxfp8_attn_func(
     softmax_scale: Optional[float] = None,
     return_lse: bool = False,
     scale_mode: str = "rceil",
+    deterministic: bool = False,
 ):
     """MXFP8 attention, ``flash_attn_func`` conventions.
 
@@ -194,21 +218,24 @@ def mxfp8_attn_func(
         softmax_scale: defaults to 1/sqrt(D).
         return_lse: also return the log-sum-exp, (B, Hq, Sq) float32 (natural log; -inf for empty rows).
         scale_mode: MX scale rule for float inputs, "rceil" (default) or "floor".
+        deterministic: backward without float atomics (bit-identical gradients over runs, a little slower).
 
     Float inputs are quantized to MXFP8 on the way in (q, k along D, v along S); MXTensor inputs are the
     end-to-end path.  Hq must be a multiple of Hkv (GQA/MQA); D in {64, 128}.  Returns the output in q's
     dtype (bfloat16 for MXTensor inputs).  CUDA tensors run the Hopper FP8 kernel; CPU tensors run the
     reference with the same semantics (P quantized to e4m3 with the constant scale 2^-8).
-    Gradients flow to float q, k, v through ``loss.backward()``.
+    Gradients flow to float q, k, v through ``loss.backward()`` (FP8 backward kernel on CUDA; all five
+    products in FP8, dO and dS quantized, DESIGN §1 table).  MXTensor inputs are forward-only.
     """
     is_mx, _ = _check_attention_inputs(q, k, v, softmax_scale)
     formats.ScaleMode.parse(scale_mode)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    for name, flag in (("causal", causal), ("return_lse", return_lse), ("deterministic", deterministic)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     D = q.shape[3]
     scale = _default_scale(D, softmax_scale)
     if is_mx:
-        out, lse = _MXFP8Attention.apply(None, None, None, causal, scale, scale_mode, (q, k, v))
+        out, lse = _MXFP8Attention.apply(None, None, None, causal, scale, scale_mode, deterministic, (q, k, v))
     else:
-        out, lse = _MXFP8Attention.apply(q, k, v, causal, scale, scale_mode, None)
+        out, lse = _MXFP8Attention.apply(q, k, v, causal, scale, scale_mode, deterministic, None)
     return (out, lse) if return_lse else out
