@@ -264,6 +264,19 @@ def test_quantize_strided_input(gen):
     assert_same_mx(kq.quantize_mxfp8_triton(xt.to(DEVICE), "hdim"), F.quantize_mxfp8(xt, -1), "hdim of D-strided")
 
 
+def test_int64_tile_offsets(gen, monkeypatch):
+    """The IDX64 variants (tile-local offsets in int64, chosen for huge strides) give the same bytes."""
+    monkeypatch.setattr(kq, "_needs_i64", lambda *a: True)
+    x = make_input((1, 45, 2, 64), torch.bfloat16, "adversarial", gen)
+    h, s = kq.quantize_mxfp8_triton(x.to(DEVICE), "both")
+    assert_same_mx(h, F.quantize_mxfp8(x, -1), "hdim IDX64")
+    assert_same_mx(s, F.quantize_mxfp8(x, 1), "seq IDX64")
+    for role in "qkv":
+        assert_same_rs(kq.row_scaled_triton(x.to(DEVICE), role), ref_rs(x, role), f"{role} IDX64")
+        assert_same_rs(kq.row_scaled_triton(s if role == "v" else h, role), ref_rs(x, role), f"{role} from MX IDX64")
+    assert_same_float(kq.dequantize_mxfp8_triton(s), F.dequantize_mxfp8(s.to("cpu"), torch.bfloat16), "dequant IDX64")
+
+
 def test_quantize_pinned_bytes():
     """A table of semantic cases, bytes written out (scale byte, first data byte) for RCEIL and FLOOR."""
     cases = [  # (block amax placed at element 0, other elements 0) -> (rceil scale, rceil byte, floor scale, floor byte)

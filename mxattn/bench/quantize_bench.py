@@ -181,7 +181,8 @@ SWEEP_KERNELS = {
     "rescale": ("rs_q_from_mx", "rs_v_from_mx"),
     "dequant": ("dequant_hdim", "dequant_seq"),
 }
-SWEEP_TILES = ((32, 4), (64, 4), (64, 8), (128, 8), (128, 16))
+SWEEP_TILES = ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8))
+SWEEP_SEQEXP_PROGRAMS = (1024, 4096, 16384)
 
 
 def run_tile_sweep(
@@ -190,9 +191,11 @@ def run_tile_sweep(
     tiles: Iterable[tuple[int, int]] = SWEEP_TILES,
     progress: bool = True,
     rep_ms: int = 100,
+    seqexp_programs: Iterable[int] = SWEEP_SEQEXP_PROGRAMS,
 ) -> list[dict]:
     """Rows of ``run_quantize_bench`` for every (block_s, num_warps) in ``tiles`` per tile kind of
-    ``mxattn.kernels.quantize._tile`` (each row gets ``tile_kind``, ``block_s``, ``num_warps``)."""
+    ``mxattn.kernels.quantize._tile`` (each row gets ``tile_kind``, ``block_s``, ``num_warps``), then the
+    V operand for each ``SEQEXP_MIN_PROGRAMS`` in ``seqexp_programs`` (rows get ``seqexp_min_programs``)."""
     from mxattn.kernels import quantize as kq
 
     kinds = kinds if kinds is not None else SWEEP_KERNELS
@@ -209,6 +212,20 @@ def run_tile_sweep(
                     if progress:
                         print(f"  {kind:<8} BS{bs:<4} w{nw:<3} {r['kernel']:<16} {r['ms']:7.3f} ms "
                               f"{r['pct_of_copy']:5.1f}% of copy", flush=True)
+        kq.TILE_OVERRIDES.clear()
+        kq.TILE_OVERRIDES.update(saved)
+        saved_mp = kq.SEQEXP_MIN_PROGRAMS
+        try:
+            for mp in seqexp_programs:
+                kq.SEQEXP_MIN_PROGRAMS = mp
+                for r in run_quantize_bench([size], progress=False, kernels=("rs_v", "rs_v_from_mx"), rep_ms=rep_ms):
+                    r.update(tile_kind="seqexp", seqexp_min_programs=mp)
+                    rows.append(r)
+                    if progress:
+                        print(f"  seqexp min_programs={mp:<6} {r['kernel']:<16} {r['ms']:7.3f} ms "
+                              f"{r['pct_of_copy']:5.1f}% of copy", flush=True)
+        finally:
+            kq.SEQEXP_MIN_PROGRAMS = saved_mp
     finally:
         kq.TILE_OVERRIDES.clear()
         kq.TILE_OVERRIDES.update(saved)

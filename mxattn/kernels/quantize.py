@@ -86,22 +86,29 @@ class Tile:
 def _tile(kind: str, d_pad: int, group: int = 0) -> Tile:
     """Tile for a kernel family at padded head dim ``d_pad`` (a power of two times 32).
 
-    * ``quant`` (hdim / seq / both / Q / V): 8192 elements per program (16 KB of bf16 read, 64 B to 256 B
-      contiguous per channel in the channel-major output): enough bytes in flight with ~4 programs per SM,
-      and the grid is B*H*S/64 programs at D=128 (thousands, many waves on 132 SMs).  8 warps keep the fp32
-      tile at 32 values per thread for two orientations without spills.
-    * ``k``: the program must own whole exponent groups, so BLOCK_S = the group (128 by default).
-    * ``seqexp`` (V pass 1): reads only, loops over a chunk of S (see ``_seq_chunk``).
-    * ``dequant``: the same 8192-element tile.
+    Measured on the H200 (docs/perf-notes-quantize.md, B8 S8192 H16 D128 bf16, tiles swept over
+    BLOCK_S 32-128 x 4-16 warps): small programs win, because each program's load -> reduce -> store chain
+    is serial and only many resident programs overlap it.
+    * ``quant`` (hdim / seq / both / Q / V pass 2), ``rescale`` (from MX), ``dequant``: 4096 elements per
+      program, 4 warps (32 per thread); at D=128 BLOCK_S=32: hdim 69%, seq 70%, both 57% of copy, against
+      61/54/49% at 8192 elements and 8 warps and 46/26/34% at 16384.  The grid is B*H*S/32 programs.
+    * ``k``: the program must own whole exponent groups, so BLOCK_S = the group (128 by default), 8 warps.
+    * ``seqexp`` (V pass 1, read only): 8192 elements, 4 warps (best of the sweep: 0.38 ms for the whole V
+      operand against 0.52-0.90 ms), several tiles per program (``_seq_chunk``).
     """
     if kind in TILE_OVERRIDES:
         return TILE_OVERRIDES[kind]
     if kind == "k":
         bs = group
-    else:
+    elif kind == "seqexp":
         bs = max(32, 8192 // d_pad)
+    else:
+        bs = max(32, 4096 // d_pad)
     elems = bs * d_pad
-    warps = 4 if elems <= 4096 else (8 if elems <= 16384 else 16)
+    if kind == "seqexp":
+        warps = 4 if elems <= 8192 else 8
+    else:
+        warps = 4 if elems <= 4096 else (8 if elems <= 16384 else 16)
     return Tile(bs, warps)
 
 
@@ -110,11 +117,16 @@ def _tile(kind: str, d_pad: int, group: int = 0) -> Tile:
 TILE_OVERRIDES: dict = {}
 
 
-def _seq_chunk(n_rows: int, S: int, block_s: int, min_programs: int = 1024) -> int:
-    """Tiles of S per program in the V exponent pass: as long as possible (fewer atomics) while the grid
-    still has ``min_programs`` programs (several waves of 132 SMs)."""
+# V pass 1: at least this many programs (each then loops over several S tiles and issues one atomic per
+# channel); the benchmark's sweep varies it.
+SEQEXP_MIN_PROGRAMS = 1024
+
+
+def _seq_chunk(n_rows: int, S: int, block_s: int) -> int:
+    """Tiles of S per program in the V exponent pass: as many as possible (fewer atomics) while the grid
+    keeps ``SEQEXP_MIN_PROGRAMS`` programs, and at most 32."""
     n_tiles = triton.cdiv(S, block_s)
-    per = max(1, (n_tiles * n_rows) // min_programs)
+    per = max(1, (n_tiles * n_rows) // SEQEXP_MIN_PROGRAMS)
     return min(per, n_tiles, 32)
 
 
