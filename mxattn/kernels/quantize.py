@@ -35,9 +35,11 @@ How the numbers are made exactly (the same code runs under ``TRITON_INTERPRET=1`
 * NaN/Inf never reach the fast path: a program whose tile holds a non-finite block patches its NaN bytes
   (0x7F with the input's sign, as ``torch`` makes them) in a branch that finite tiles skip.
 
-Layout of a program's work: one (b, h) pair and ``BLOCK_S`` tokens, all D channels, held as a 4-D tile
-(BLOCK_S/32, 32, D/32, 32) so that the D blocks (axis 3) and the S blocks (axis 1) are both plain
-reductions of the same registers; tile sizes are in ``_tile`` with the reasons.
+Layout of a program's work: one (b, h) pair and ``BLOCK_S`` tokens, all D channels, read as four row sets
+(rows s0 + 4w + k), each a 4-D tile (BLOCK_S/32, 8, D/32, 32): the D blocks are reductions over axis 3, the
+S blocks over axis 1 of the four sets' maximum, and the four seq-orientation bytes of a channel pack into one
+int32 before the channel-major store.  Tile sizes are in ``_tile`` with the measurements behind them
+(docs/perf-notes-quantize.md).
 """
 
 from __future__ import annotations
@@ -332,10 +334,10 @@ def _quantize_kernel(
 ):
     """Quantize BLOCK_S tokens x D channels of one (b, h).
 
-    The tile is read as four row sets, rows s0 + 4w + k for k = 0..3 (w = word index, shape
-    (BLOCK_S/32, 8, NDP/.., ..)): the same thread then holds 4 consecutive tokens of a channel, so the four
-    seq-orientation bytes pack into one int32 word of the channel-major row before the transposing store
-    (a 4-byte transpose instead of a byte transpose)."""
+    The tile is read as four row sets, rows s0 + 4w + k for k = 0..3 (w = word index in the tile, shape
+    (BLOCK_S/32, 8, 1, 1); channels d, shape (1, 1, NDP, 32)): the same thread then holds 4 consecutive tokens
+    of a channel, so the four seq-orientation bytes pack into one int32 word of the channel-major row before
+    the transposing store (a 4-byte transpose instead of a byte transpose)."""
     b, st, h = _pid_bsh(n_s_tiles, H)
     s0 = st * BLOCK_S
     b64 = b.to(tl.int64)
@@ -921,7 +923,6 @@ def dequantize_mxfp8_triton(t: MXTensor, dtype: torch.dtype = torch.bfloat16) ->
     if not 1 <= t.ndim <= 4:
         raise ValueError(f"t must have rank 1 to 4, got shape {tuple(t.shape)}")
     _check_device(t.data, "t.data")
-    pad = 4 - t.ndim
     # canonical (B, S, H, D): rank 3 (a, b, c) -> (1, a, b, c); rank 2 (a, b) -> (1, a, 1, b); rank 1 -> (1, 1, 1, a)
     if t.ndim == 4:
         q4, s4, bdim = t.data, t.scale_bytes, t.dim
@@ -932,7 +933,6 @@ def dequantize_mxfp8_triton(t: MXTensor, dtype: torch.dtype = torch.bfloat16) ->
         bdim = 1 if t.dim == 0 else 3
     else:
         q4, s4, bdim = t.data.reshape(1, 1, 1, -1), t.scale_bytes.reshape(1, 1, 1, -1), 3
-    del pad
     B, S, H, D = q4.shape
     out = torch.empty(B, S, H, D, dtype=dtype, device=q4.device)
     if out.numel() == 0:
