@@ -69,12 +69,17 @@ def _speed_table(doc: dict) -> list[str]:
     rows = doc["rows"]
     methods = list(dict.fromkeys(m for r in rows for m in r.get("tflops", {})))
     extra = any(r.get("tflops_fwd_bwd") for r in rows)
-    header = ["shape"] + methods + ["mxattn / cuDNN BF16"] + ([f"{m} fwd+bwd" for m in methods] if extra else [])
+    kernel = "mxattn_fp8_operands" if any(r["tflops"].get("mxattn_fp8_operands") for r in rows) else None
+    header = (["shape"] + methods + ["mxattn / cuDNN BF16"] + (["kernel on FP8 operands / cuDNN BF16"] if kernel else [])
+              + ([f"{m} fwd+bwd" for m in methods] if extra else []))
     body = []
     for r in rows:
         line = [_shape(r)] + [_num(r["tflops"].get(m)) for m in methods]
         ratio = r.get("ratio_vs_sdpa_cudnn_bf16")
         line.append("–" if ratio is None else f"{to_float(ratio):.2f}×")
+        if kernel:
+            a, b = r["tflops"].get(kernel), r["tflops"].get("sdpa_cudnn_bf16")
+            line.append(f"{to_float(a) / to_float(b):.2f}×" if a and b else "–")
         if extra:
             line += [_num(r.get("tflops_fwd_bwd", {}).get(m)) for m in methods]
         body.append(line)
@@ -127,6 +132,10 @@ def render_results(results_dir: Union[str, Path] = DEFAULT_RESULTS, root: Option
         else:
             parts += _generic_table(doc)
         parts.append("")
+    for png in sorted(results_dir.glob("*.png")):
+        png, base = png.resolve(), Path(root or ".").resolve()
+        rel = png.relative_to(base) if png.is_relative_to(base) else png
+        parts += [f"![{png.stem}]({rel.as_posix()})", ""]
     return "\n".join(parts).rstrip()
 
 
