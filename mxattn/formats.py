@@ -163,11 +163,11 @@ def _blocked(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
     pad = (-n) % BLOCK_SIZE
     if pad:
         x = torch.nn.functional.pad(x, (0, pad))
-    return x.reshape(*x.shape[:-1], -1, BLOCK_SIZE), n
+    return x.reshape(*x.shape[:-1], (n + pad) // BLOCK_SIZE, BLOCK_SIZE), n
 
 
 def _unblocked(xb: torch.Tensor, n: int, dim: int) -> torch.Tensor:
-    x = xb.reshape(*xb.shape[:-2], -1)[..., :n]
+    x = xb.reshape(*xb.shape[:-2], xb.shape[-2] * xb.shape[-1])[..., :n]
     return x.movedim(-1, dim)
 
 
@@ -351,7 +351,7 @@ def to_row_scaled(
         er = e_row.movedim(gd_moved, -1)
         if pad:
             er = torch.nn.functional.pad(er, (0, pad), value=-(1 << 20))
-        er = er.reshape(*er.shape[:-1], -1, group).amax(dim=-1)
+        er = er.reshape(*er.shape[:-1], er.shape[-1] // group, group).amax(dim=-1)
         e_grp = er.movedim(-1, gd_moved)
         e_row = e_grp.repeat_interleave(group, dim=gd_moved).narrow(gd_moved, 0, size)
     else:

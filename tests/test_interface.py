@@ -122,3 +122,18 @@ def test_gpu_deterministic_backward_is_bit_identical(seed):
     for g in grads[1:]:
         for a, b in zip(grads[0], g):
             assert torch.equal(a, b)
+
+
+EMPTY = [(0, 10, 12, 64), (1, 0, 12, 64), (1, 10, 0, 64)]  # B, Sq, Sk, D
+
+
+@pytest.mark.parametrize("B,Sq,Sk,D", EMPTY)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_empty_inputs_give_the_well_defined_result(B, Sq, Sk, D, device):
+    """B = 0 or Sq = 0: empty outputs; Sk = 0: nothing to attend, so zeros and lse = -inf (FlashAttention)."""
+    q, k, v = _qkv(B=B, Sq=Sq, Sk=Sk, Hq=2, Hkv=2, D=D, device=device, requires_grad=True)
+    out, lse = mxfp8_attn_func(q, k, v, causal=True, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (B, 2, Sq)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    out.float().sum().backward()
+    assert q.grad.shape == q.shape and (q.grad == 0).all() and (k.grad == 0).all() and (v.grad == 0).all()
