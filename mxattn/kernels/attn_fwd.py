@@ -17,6 +17,11 @@ denominator; the 256 cancels in ``acc / l``.
 
 Causal masks are aligned bottom-right (query i sees key j iff j <= i + Sk - Sq), as in FlashAttention.
 A row with nothing to attend gives out = 0 and lse = -inf.
+
+Jagged batches (``VARLEN``, launcher ``attn_fwd_hopper_varlen``) run the same kernel: each program reads its
+sequence's offsets (``CU_Q``, ``CU_K``, ``CU_KG``, ``CU_V``), moves the base pointers there and sets the sequence
+lengths, after which the code is the dense code (operand layouts: ``kernels/varlen.py``).  The dense launch passes
+None for those four (constexpr), so the dense path compiles to the same PTX as before varlen existed.
 """
 
 from __future__ import annotations
@@ -71,15 +76,19 @@ def _round_e4m3_nonneg(x):
 
 @triton.jit
 def _attn_tile(
-    acc, l_i, m_i, q, qscale, k_ptrs, v_ptrs, ke_ptr, offs_m, offs_n_base, start_n, Sk, causal_off,
+    acc, l_i, m_i, q, qscale, k_ptrs, v_ptrs, ke_ptr, offs_m, offs_n_base, start_n, Sk, Sv, causal_off,
     stride_kn, stride_vn, stride_ke_tile,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, EXPLICIT_ROUND: tl.constexpr,
 ):
-    """One K/V tile of the online softmax.  ``MASKED`` tiles check key bounds and the causal diagonal."""
+    """One K/V tile of the online softmax.  ``MASKED`` tiles check key bounds and the causal diagonal.
+
+    ``Sv`` bounds the V rows loaded (keys past ``Sk`` get p = 0): ``Sk`` when dense; ``Sk`` rounded up to 16
+    when varlen, whose V rows are zero-padded to 16, so that the mask is constant over 16 keys and the
+    (key-contiguous) V load stays 16-byte vectorized."""
     offs_n = start_n + offs_n_base
     if MASKED:
         kt = tl.load(k_ptrs + start_n * stride_kn, mask=offs_n[None, :] < Sk, other=0.0)
-        vt = tl.load(v_ptrs + start_n * stride_vn, mask=offs_n[:, None] < Sk, other=0.0)
+        vt = tl.load(v_ptrs + start_n * stride_vn, mask=offs_n[:, None] < Sv, other=0.0)
     else:
         kt = tl.load(k_ptrs + start_n * stride_kn)
         vt = tl.load(v_ptrs + start_n * stride_vn)
@@ -123,8 +132,9 @@ def _attn_fwd_kernel(
     stride_ob, stride_om, stride_oh, stride_od,
     stride_lb, stride_lh, stride_lm,
     Hq, Sq, Sk, group_size, qk_scale,
+    CU_Q, CU_K, CU_KG, CU_V,  # varlen: (B + 1) int32 offsets of q rows, k rows, K exponent groups, V columns
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    EXPLICIT_ROUND: tl.constexpr,
+    EXPLICIT_ROUND: tl.constexpr, VARLEN: tl.constexpr = False,
 ):
     # heaviest query blocks first when causal (they see the most keys): shorter tail at the end of the grid
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
@@ -137,6 +147,26 @@ def _attn_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     b64 = b.to(tl.int64)
+    if VARLEN:
+        # sequence b: q rows CU_Q[b]:CU_Q[b+1] of the packed (Tq, Hq, D) tensors, keys CU_K[b]:CU_K[b+1], K exponent
+        # groups from CU_KG[b], V columns from CU_V[b] (16-aligned) of the channel-major (Hkv, D, Tv) buffer,
+        # V exponents row b.  The base pointers move to the sequence; the batch terms below then vanish.
+        q_start = tl.load(CU_Q + b)
+        Sq = tl.load(CU_Q + b + 1) - q_start
+        if start_m >= Sq:
+            return
+        k_start = tl.load(CU_K + b)
+        Sk = tl.load(CU_K + b + 1) - k_start
+        q_start = q_start.to(tl.int64)
+        Q += q_start * stride_qm
+        QE += q_start * stride_qem
+        O += q_start * stride_om
+        LSE += q_start * stride_lm
+        K += k_start.to(tl.int64) * stride_kn
+        KE += tl.load(CU_KG + b).to(tl.int64) * stride_ket
+        V += tl.multiple_of(tl.load(CU_V + b), 16).to(tl.int64) * stride_vn
+        VE += b64 * stride_veb
+        b64 = 0
 
     q_ptrs = Q + b64 * stride_qb + h * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=offs_m[:, None] < Sq, other=0.0)
@@ -153,6 +183,10 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
     causal_off = Sk - Sq
+    if VARLEN:
+        Sv = (Sk + 15) // 16 * 16  # V columns of a sequence are zero-padded to 16 (kernels/varlen.py)
+    else:
+        Sv = Sk
     if CAUSAL:
         hi = tl.minimum(Sk, tl.maximum(start_m + BLOCK_M + causal_off, 0))
         full_end = tl.minimum((Sk // BLOCK_N) * BLOCK_N, (tl.maximum(start_m + causal_off + 1, 0) // BLOCK_N) * BLOCK_N)
@@ -161,12 +195,12 @@ def _attn_fwd_kernel(
         full_end = (Sk // BLOCK_N) * BLOCK_N
     for start_n in range(0, full_end, BLOCK_N):
         acc, l_i, m_i = _attn_tile(
-            acc, l_i, m_i, q, qscale, k_ptrs, v_ptrs, ke_ptr, offs_m, offs_n, start_n, Sk, causal_off,
+            acc, l_i, m_i, q, qscale, k_ptrs, v_ptrs, ke_ptr, offs_m, offs_n, start_n, Sk, Sv, causal_off,
             stride_kn, stride_vn, stride_ket, BLOCK_N, False, CAUSAL, EXPLICIT_ROUND,
         )
     for start_n in range(full_end, hi, BLOCK_N):
         acc, l_i, m_i = _attn_tile(
-            acc, l_i, m_i, q, qscale, k_ptrs, v_ptrs, ke_ptr, offs_m, offs_n, start_n, Sk, causal_off,
+            acc, l_i, m_i, q, qscale, k_ptrs, v_ptrs, ke_ptr, offs_m, offs_n, start_n, Sk, Sv, causal_off,
             stride_kn, stride_vn, stride_ket, BLOCK_N, True, CAUSAL, EXPLICIT_ROUND,
         )
 
@@ -209,7 +243,51 @@ def attn_fwd_hopper(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         ve.stride(0), ve.stride(2), ve.stride(3),
         *out.stride(), *lse.stride(),
         Hq, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E,
+        None, None, None, None,
         HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, EXPLICIT_ROUND=INTERPRETER,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse
+
+
+def attn_fwd_hopper_varlen(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
+                           out_dtype: torch.dtype = torch.bfloat16, config: FwdConfig | None = None):
+    """Launch the forward on a jagged batch (``kernels.varlen.VarlenFP8`` operands, layouts in that module).
+
+    q: role "q" (data (Tq, Hq, D), exp (Tq, Hq, 1)); k: role "k" (data (Tk, Hkv, D), exp (G, Hkv, 1) with group
+    offsets ``k.cu_exp``); v: role "v" (data channel-major (Hkv, D, Tv) with 16-aligned sequence starts
+    ``v.cu_data``, exp (B, Hkv, D)).  Grid: (cdiv(q.max_seqlen, BLOCK_M), B * Hq); programs past their sequence's
+    end return at once.  Causal masks are bottom-right per sequence.  Shapes and offsets are validated by the caller
+    (``interface``).  Returns out (Tq, Hq, D) in ``out_dtype`` and lse (Hq, Tq) fp32 (natural log).
+    """
+    Tq, Hq, D = q.data.shape
+    Hkv = k.data.shape[1]
+    B = q.cu_data.numel() - 1
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(D)
+    cfg = config or default_config(D, causal)
+    out = torch.empty(Tq, Hq, D, dtype=out_dtype, device=q.data.device)
+    lse = torch.empty(Hq, Tq, dtype=torch.float32, device=q.data.device)
+    n_m = triton.cdiv(q.max_seqlen, cfg.block_m)
+    if out.numel() == 0 or B * n_m == 0:
+        return out, lse
+    if B * Hq > 65535:
+        raise ValueError(f"batch * query heads = {B * Hq} exceeds the grid limit 65535")
+    qd, kd, vd = q.data, k.data, v.data
+    qe, ke, ve = q.exp, k.exp, v.exp
+    _attn_fwd_kernel[(n_m, B * Hq)](
+        qd, kd, vd, qe, ke, ve, out, lse,
+        0, qd.stride(0), qd.stride(1), qd.stride(2),
+        0, kd.stride(0), kd.stride(1), kd.stride(2),
+        0, vd.stride(2), vd.stride(0), vd.stride(1),
+        0, qe.stride(0), qe.stride(1),
+        0, ke.stride(0), ke.stride(1),
+        ve.stride(0), ve.stride(1), ve.stride(2),
+        0, out.stride(0), out.stride(1), out.stride(2),
+        0, lse.stride(0), lse.stride(1),
+        Hq, q.max_seqlen, k.max_seqlen, Hq // Hkv, softmax_scale * LOG2E,
+        q.cu_data, k.cu_data, k.cu_exp, v.cu_data,
+        HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, EXPLICIT_ROUND=INTERPRETER,
+        VARLEN=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse

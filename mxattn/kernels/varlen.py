@@ -1,0 +1,522 @@
+"""Jagged (variable-length) batches for the Hopper forward: operand layouts, producers, and their PyTorch twins.
+
+A jagged batch is packed: q (Tq, Hq, D), k and v (Tk, Hkv, D), with ``cu_seqlens_q`` / ``cu_seqlens_k`` (int32,
+batch + 1 entries, starting at 0, non-decreasing, ending at Tq / Tk); sequence b is rows ``cu[b]:cu[b+1]`` and attends
+only to itself (``reference.attention_forward`` with cu_seqlens defines the semantics).  The FP8 data stays at its
+packed offsets: nothing is padded to ``max_seqlen`` and nothing is gathered.  Only the exponents are laid out per
+sequence, plus V's 16-column alignment (below).
+
+Layouts (``VarlenFP8``; B sequences, ``cu_data`` / ``cu_exp`` are (B + 1) int32 on the data's device)
+  q  data (Tq, Hq, D) e4m3, contiguous, rows as in the input.
+     exp  (Tq, Hq, 1) int32: one exponent per token and head (Q's exponents do not depend on the sequences, so this
+     is exactly the dense producer on the packed tensor).  cu_data = cu_exp = cu_seqlens_q.
+  k  data (Tk, Hkv, D) e4m3, contiguous, rows as in the input.
+     exp  (G, Hkv, 1) int32: one exponent per 128 keys *counted from each sequence's first key* (a group never spans
+     two sequences), groups of sequence b at rows ``cu_exp[b] + j``, ``cu_exp`` = exclusive prefix sum of
+     ceil(len_b / 128) ("cu_groups_k").  cu_data = cu_seqlens_k.
+  v  data channel-major (Hkv, D, Tv) e4m3: sequence b's keys are columns ``cu_data[b] + j``, where ``cu_data`` is the
+     exclusive prefix sum of len_b rounded up to 16 ("cu_seqlens_v"), and the up-to-15 columns after a sequence are
+     zero.  MX blocks along the sequence start at each sequence's first key (a block never spans two sequences; the
+     last block of a sequence may be partial).
+     exp  (B, Hkv, D) int32: one exponent per channel over the whole sequence.  cu_exp is None (row b).
+  Sizes do not need a host sync: G = floor((Tk + 127 B) / 128) and Tv = Tk + 15 B rounded up to 16 are upper
+  bounds of the rows / columns used (at least 1 / 16); rows and columns past the last sequence are never read
+  (K's unused exponent rows are zero, V's unused columns are left unwritten).
+
+Why V's sequences start at multiples of 16 columns.  V is the one operand whose contiguous axis is the key axis
+(FP8 wgmma wants P V's contraction dim contiguous).  With a sequence starting at an arbitrary column the compiler
+cannot prove any alignment of the tile's base address, so the (BN, D) load of V falls to 1-byte accesses, and
+Triton's pipeliner only turns loads of at least 4 bytes into asynchronous copies: V would be loaded synchronously
+in every iteration of the key loop.  With 16-aligned starts (``tl.multiple_of``) and a zero-padded tail the V tile
+is loaded like the dense one (16-byte vectors, cp.async pipelined) and its masked last tile can read to
+len rounded up to 16 (mask constant over 16 keys).  Cost: at most 15 columns per sequence.  Q and K have D
+contiguous, so any row offset keeps their loads aligned: they stay exactly at their packed offsets.
+
+Producers (Triton; one launch each for q and k, two for v as in the dense case: per-channel maxima, then data)
+  ``varlen_q_operand(q, cu_seqlens_q, max_seqlen_q)``, ``varlen_k_operand(k, cu_seqlens_k, max_seqlen_k)``,
+  ``varlen_v_operand(v, cu_seqlens_k, max_seqlen_k)``, all three: ``varlen_operands(...)``.
+  Inputs bf16/fp16/fp32 (T, H, D), 1 <= D <= 256; ``max_seqlen`` must be at least the longest sequence (it sizes the
+  grid: programs (sequence, tile of ``BLOCK_S`` tokens, head), those past their sequence's end return at once).
+  Built from the building blocks of ``kernels/quantize.py`` and bit-exact with the PyTorch twins
+  ``varlen_{q,k,v}_operand_torch``, which apply ``formats.row_scaled_from_float`` to each sequence alone.  So every
+  sequence's operands equal the dense producers' on that sequence by itself (``VarlenFP8.sequence(b)``).
+
+The attention kernel: ``attn_fwd.attn_fwd_hopper_varlen`` (the dense kernel with ``VARLEN=True``).
+Speed helper: ``bench_varlen`` (GPU).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import triton
+import triton.language as tl
+
+from mxattn.formats import RowScaledFP8, ScaleMode, quantize_mxfp8, row_scaled_from_float
+from mxattn.kernels.quantize import (
+    _NO_EXP,
+    _NO_EXP_HOST,
+    _check_float_input,
+    _d_pad,
+    _hdim_rows,
+    _load_rows,
+    _mx_exponent,
+    _needs_i64,
+    _pid_bsh,
+    _pow2,
+    _reexpress,
+    _round_to_e4m3_grid,
+    _seq_bytes,
+    _seq_chunk,
+    _soft,
+    _tile,
+    _tile_coords,
+    _to_f32,
+    row_scaled_triton,
+)
+
+__all__ = [
+    "K_GROUP",
+    "V_ALIGN",
+    "VarlenFP8",
+    "cu_blocks",
+    "varlen_q_operand",
+    "varlen_k_operand",
+    "varlen_v_operand",
+    "varlen_operands",
+    "varlen_q_operand_torch",
+    "varlen_k_operand_torch",
+    "varlen_v_operand_torch",
+    "seq_mx_dequantized",
+    "bench_varlen",
+]
+
+K_GROUP = 128  # keys per K exponent, counted from each sequence's start (attn_fwd.K_EXP_GROUP)
+V_ALIGN = 16  # V columns of each sequence start at a multiple of this (module docstring)
+
+
+@dataclass
+class VarlenFP8:
+    """One operand of a jagged batch in the Hopper format (layouts: module docstring).
+
+    ``role`` "q", "k" or "v"; ``data`` e4m3 ((T, H, D), or channel-major (H, D, Tv) for v); ``exp`` int32;
+    ``cu_seqlens`` the sequences' token offsets in the packed input; ``cu_data`` where sequence b starts along the
+    data's token axis; ``cu_exp`` where its exponents start along ``exp``'s first dim (None for v: row b);
+    ``max_seqlen`` at least the longest sequence."""
+
+    role: str
+    data: torch.Tensor
+    exp: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_data: torch.Tensor
+    cu_exp: Optional[torch.Tensor]
+    max_seqlen: int
+
+    @property
+    def batch(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    def sequence(self, b: int) -> RowScaledFP8:
+        """Sequence ``b`` as a dense ``RowScaledFP8`` of batch 1, in the dense producers' layout (views, no copy
+        except the exponent reshape): q exp (1, S, H, 1); k exp (1, ceil(S/128), H, 1); v data the (1, S, H, D)
+        view of its channel-major columns, exp (1, 1, H, D)."""
+        cu = self.cu_seqlens.tolist()
+        t0, t1 = cu[b], cu[b + 1]
+        S = t1 - t0
+        if self.role == "v":
+            c0 = int(self.cu_data[b])
+            data = self.data[:, :, c0 : c0 + S].permute(2, 0, 1).unsqueeze(0)
+            return RowScaledFP8(data, self.exp[b].unsqueeze(0).unsqueeze(0), 1)
+        data = self.data[t0:t1].unsqueeze(0)
+        if self.role == "q":
+            return RowScaledFP8(data, self.exp[t0:t1].unsqueeze(0), 3)
+        g0 = int(self.cu_exp[b])
+        n = triton.cdiv(S, K_GROUP)
+        return RowScaledFP8(data, self.exp[g0 : g0 + n].unsqueeze(0), 3, group_dim=1, group=K_GROUP)
+
+    def dequantize(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """The packed (T, H, D) values ``data * 2^exp`` (per sequence)."""
+        T = int(self.cu_seqlens[-1])
+        H, D = (self.data.shape[0], self.data.shape[1]) if self.role == "v" else self.data.shape[1:]
+        out = torch.zeros(T, H, D, dtype=dtype, device=self.data.device)
+        cu = self.cu_seqlens.tolist()
+        for b in range(self.batch):
+            if cu[b + 1] > cu[b]:
+                out[cu[b] : cu[b + 1]] = self.sequence(b).dequantize(dtype)[0]
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout helpers (device ops only: no host sync)
+# ----------------------------------------------------------------------------------------------
+
+
+def cu_blocks(cu_seqlens: torch.Tensor, block: int) -> torch.Tensor:
+    """Exclusive prefix sum of ceil(len_b / block): (B + 1) int32 on cu_seqlens' device.
+
+    ``cu_blocks(cu_k, 128)`` is K's group offsets; ``V_ALIGN * cu_blocks(cu_k, V_ALIGN)`` V's column offsets."""
+    n = (cu_seqlens[1:] - cu_seqlens[:-1] + (block - 1)) // block
+    out = torch.zeros_like(cu_seqlens)
+    torch.cumsum(n, 0, dtype=torch.int32, out=out[1:])
+    return out
+
+
+def _k_groups_bound(T: int, B: int) -> int:
+    return max(1, (T + (K_GROUP - 1) * B) // K_GROUP)
+
+
+def _v_columns_bound(T: int, B: int) -> int:
+    return max(V_ALIGN, triton.cdiv(T + (V_ALIGN - 1) * B, V_ALIGN) * V_ALIGN)
+
+
+def _packed_input(x: torch.Tensor, name: str) -> torch.Tensor:
+    """(1, T, H, D) view of a packed float input (D made unit-stride), after the producers' checks."""
+    if not isinstance(x, torch.Tensor) or x.ndim != 3:
+        raise ValueError(f"{name} must be a packed (T, H, D) tensor, got {getattr(x, 'shape', type(x).__name__)}")
+    x4, _ = _check_float_input(x, name, 0)
+    return x4
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _k_varlen_kernel(
+    x_ptr, sxs, sxh,  # packed (T, H, D) input, unit stride along D
+    cu_ptr, cug_ptr,  # token offsets; group offsets (exclusive prefix sum of ceil(len / GROUP))
+    out_ptr, exp_ptr,  # data (T, H, D) u8 contiguous; exponents (G, H) i32
+    H, n_tiles,
+    D: tl.constexpr, NDP: tl.constexpr, GROUP: tl.constexpr,
+    RCEIL: tl.constexpr, SOFT: tl.constexpr, IDX64: tl.constexpr,
+):
+    """One exponent group (GROUP keys of one sequence from its start, one head): exponent = the largest block
+    exponent of its nonzero blocks, data re-expressed to it.  The tile is read as one (GROUP/32, 32, NDP, 32)
+    block: hdim blocks are reductions over axis 3."""
+    b, j, h = _pid_bsh(n_tiles, H)
+    t0 = tl.load(cu_ptr + b)
+    S = tl.load(cu_ptr + b + 1) - t0
+    s0 = j * GROUP
+    if s0 >= S:
+        return
+    h64 = h.to(tl.int64)
+    sl, d = _tile_coords(0, GROUP, NDP, IDX64)
+    m = (s0 + sl < S) & (d < D)
+    row = (t0 + s0).to(tl.int64)
+    xr = tl.load(x_ptr + row * sxs + h64 * sxh + sl * sxs + d, mask=m, other=0.0)
+    xf = _to_f32(xr)
+    mag = xf.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    bad = tl.max(mag) >= 0x7F800000
+    q, e, fin, nz_e = _hdim_rows(xf, mag, RCEIL, SOFT)
+    E = tl.max(nz_e)
+    E = tl.where(E == _NO_EXP, 0, E)
+    tl.store(exp_ptr + (tl.load(cug_ptr + b).to(tl.int64) + j) * H + h64, E)
+    tl.store(out_ptr + (row * H + h64) * D + sl * (H * D) + d, _reexpress(q, e, E, fin, bad, SOFT), mask=m)
+
+
+@triton.jit
+def _v_exp_varlen_kernel(
+    x_ptr, sxs, sxh,  # packed (T, H, D) input, unit stride along D
+    cu_ptr,  # token offsets
+    exp_ptr,  # int32 (B, H, D), pre-filled with _NO_EXP; receives the max exponent of nonzero blocks
+    H, n_chunks, tiles_per_prog,
+    D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr, RCEIL: tl.constexpr, IDX64: tl.constexpr,
+):
+    """V pass 1: per channel, the largest exponent among the sequence's seq blocks (32 keys from the sequence's
+    start) that hold a nonzero element.  A program covers ``tiles_per_prog`` tiles of one sequence and head."""
+    b, ch, h = _pid_bsh(n_chunks, H)
+    t0 = tl.load(cu_ptr + b)
+    S = tl.load(cu_ptr + b + 1) - t0
+    first = ch * tiles_per_prog
+    if first * BLOCK_S >= S:
+        return
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    sl, d = _tile_coords(0, BLOCK_S, NDP, IDX64)
+    in_d = d < D
+    acc = tl.full((1, 1, NDP, 32), _NO_EXP, tl.int32)
+    last = tl.minimum(first + tiles_per_prog, tl.cdiv(S, BLOCK_S))
+    for t in range(first, last):
+        s0 = t * BLOCK_S
+        xp = x_ptr + (t0 + s0).to(tl.int64) * sxs + h64 * sxh
+        xf = _to_f32(tl.load(xp + sl * sxs + d, mask=(s0 + sl < S) & in_d, other=0.0))
+        amax = tl.max(xf.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1, keep_dims=True)
+        e = _mx_exponent(amax, RCEIL)
+        nz = (amax < 0x7F800000) & (_round_to_e4m3_grid(amax.to(tl.float32, bitcast=True) * _pow2(-e)) != 0.0)
+        acc = tl.maximum(acc, tl.max(tl.where(nz, e, _NO_EXP), axis=0, keep_dims=True))
+    tl.atomic_max(exp_ptr + (b64 * H + h64) * D + d, acc, mask=in_d, sem="relaxed")
+
+
+@triton.jit
+def _v_data_varlen_kernel(
+    x_ptr, sxs, sxh,  # packed (T, H, D) input, unit stride along D
+    cu_ptr, cuv_ptr,  # token offsets; 16-aligned column offsets
+    exp_ptr,  # int32 (B, H, D) from pass 1; the "none" sentinel is rewritten as 0
+    cw_ptr,  # channel-major (H, D, Tv) buffer as int32 words
+    H, row_w, n_s_tiles,
+    D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr,
+    RCEIL: tl.constexpr, SOFT: tl.constexpr, IDX64: tl.constexpr,
+):
+    """V pass 2: BLOCK_S keys of one sequence and head, blocked along the sequence from its start, re-expressed to
+    the per-channel exponents and stored channel-major, zeros up to the sequence's 16-aligned end.
+
+    As in ``quantize._quantize_kernel``: four row sets (rows s0 + 4w + k), so that a thread holds 4 consecutive
+    keys of a channel and stores them as one int32 word (sequences start at multiples of 16 columns, so words stay
+    aligned)."""
+    b, st, h = _pid_bsh(n_s_tiles, H)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    w = tl.arange(0, BLOCK_S // 32)[:, None, None, None] * 8 + tl.arange(0, 8)[None, :, None, None]
+    d = tl.arange(0, NDP)[None, None, :, None] * 32 + tl.arange(0, 32)[None, None, None, :]
+    if IDX64:
+        w = w.to(tl.int64)
+        d = d.to(tl.int64)
+    in_d = d < D
+    ep = exp_ptr + (b64 * H + h64) * D + d
+    E = tl.load(ep, mask=in_d, other=0)
+    E = tl.where(E == _NO_EXP, 0, E)
+    if st == 0:
+        tl.store(ep, E, mask=in_d)  # also for empty sequences (readers map the sentinel and 0 the same way)
+    t0 = tl.load(cu_ptr + b)
+    S = tl.load(cu_ptr + b + 1) - t0
+    S_pad = (S + 15) // 16 * 16
+    s0 = st * BLOCK_S
+    if s0 >= S_pad:
+        return
+    q4 = w * 4
+    xp = x_ptr + (t0 + s0).to(tl.int64) * sxs + h64 * sxh
+    x0r, x0, m0 = _load_rows(xp, sxs, q4, 0, s0, S, d, in_d)
+    x1r, x1, m1 = _load_rows(xp, sxs, q4, 1, s0, S, d, in_d)
+    x2r, x2, m2 = _load_rows(xp, sxs, q4, 2, s0, S, d, in_d)
+    x3r, x3, m3 = _load_rows(xp, sxs, q4, 3, s0, S, d, in_d)
+    mall = tl.maximum(tl.maximum(m0, m1), tl.maximum(m2, m3))
+    bad = tl.max(mall) >= 0x7F800000
+    amax = tl.max(mall, axis=1, keep_dims=True)  # one per 32 keys and channel
+    fin = amax < 0x7F800000
+    e = _mx_exponent(amax, RCEIL)
+    wd = _seq_bytes(x0r, x0, m0, e, E, fin, s0 + q4 >= S, bad, True, SOFT)
+    wd |= _seq_bytes(x1r, x1, m1, e, E, fin, s0 + q4 + 1 >= S, bad, True, SOFT) << 8
+    wd |= _seq_bytes(x2r, x2, m2, e, E, fin, s0 + q4 + 2 >= S, bad, True, SOFT) << 16
+    wd |= _seq_bytes(x3r, x3, m3, e, E, fin, s0 + q4 + 3 >= S, bad, True, SOFT) << 24
+    c0 = tl.multiple_of(tl.load(cuv_ptr + b), 16)
+    cbase = cw_ptr + h64 * D * row_w + ((c0 + s0) // 4).to(tl.int64)
+    tl.store(cbase + d * row_w + w, wd, mask=(s0 // 4 + w < S_pad // 4) & in_d)
+
+
+# ----------------------------------------------------------------------------------------------
+# Producers
+# ----------------------------------------------------------------------------------------------
+
+
+def varlen_q_operand(q: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
+                     scale_mode: Union[str, ScaleMode] = "rceil") -> VarlenFP8:
+    """Q of a jagged batch (layout: module docstring): the dense producer on the packed tensor, one pass."""
+    x4 = _packed_input(q, "q")
+    rs = row_scaled_triton(x4[0], "q", scale_mode=scale_mode, seq_dim=0)
+    return VarlenFP8("q", rs.data, rs.exp, cu_seqlens_q, cu_seqlens_q, cu_seqlens_q, max_seqlen_q)
+
+
+def varlen_k_operand(k: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: int,
+                     scale_mode: Union[str, ScaleMode] = "rceil") -> VarlenFP8:
+    """K of a jagged batch (layout: module docstring): one pass, one program per (sequence, 128 keys, head)."""
+    rceil = ScaleMode.parse(scale_mode) is ScaleMode.RCEIL
+    x4 = _packed_input(k, "k")
+    _, T, H, D = x4.shape
+    B = cu_seqlens_k.numel() - 1
+    dev = x4.device
+    cu_g = cu_blocks(cu_seqlens_k, K_GROUP)
+    data = torch.empty(T, H, D, dtype=torch.uint8, device=dev)
+    exp = torch.zeros(_k_groups_bound(T, B), H, 1, dtype=torch.int32, device=dev)
+    n_tiles = triton.cdiv(max_seqlen_k, K_GROUP)
+    if B * n_tiles * H * T > 0:
+        dp = _d_pad(D)
+        tile = _tile("k", dp, K_GROUP)
+        sxs, sxh = x4.stride(1), x4.stride(2)
+        idx64 = _needs_i64(K_GROUP * sxs, dp) or _needs_i64(K_GROUP * H * D, dp)
+        _k_varlen_kernel[(B * n_tiles * H,)](
+            x4, sxs, sxh, cu_seqlens_k, cu_g, data, exp, H, n_tiles,
+            D=D, NDP=dp // 32, GROUP=K_GROUP, RCEIL=rceil, SOFT=_soft(dev), IDX64=idx64,
+            num_warps=tile.num_warps,
+        )
+    return VarlenFP8("k", data.view(torch.float8_e4m3fn), exp, cu_seqlens_k, cu_seqlens_k, cu_g, max_seqlen_k)
+
+
+def varlen_v_operand(v: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: int,
+                     scale_mode: Union[str, ScaleMode] = "rceil") -> VarlenFP8:
+    """V of a jagged batch (layout: module docstring): pass 1 the per-(sequence, head, channel) exponents, pass 2
+    the channel-major data with 16-aligned sequence starts."""
+    rceil = ScaleMode.parse(scale_mode) is ScaleMode.RCEIL
+    x4 = _packed_input(v, "v")
+    _, T, H, D = x4.shape
+    B = cu_seqlens_k.numel() - 1
+    dev = x4.device
+    cu_v = V_ALIGN * cu_blocks(cu_seqlens_k, V_ALIGN)
+    Tv = _v_columns_bound(T, B)
+    buf = torch.empty(H, D, Tv, dtype=torch.uint8, device=dev)
+    exp = torch.full((B, H, D), _NO_EXP_HOST, dtype=torch.int32, device=dev)
+    if B * H > 0:
+        dp = _d_pad(D)
+        sxs, sxh = x4.stride(1), x4.stride(2)
+        t1 = _tile("seqexp", dp)
+        n_s1 = triton.cdiv(max_seqlen_k, t1.block_s)
+        per = _seq_chunk(B * H, max_seqlen_k, t1.block_s)
+        n_chunks = triton.cdiv(n_s1, per)
+        if n_chunks > 0:
+            _v_exp_varlen_kernel[(B * n_chunks * H,)](
+                x4, sxs, sxh, cu_seqlens_k, exp, H, n_chunks, per,
+                D=D, NDP=dp // 32, BLOCK_S=t1.block_s, RCEIL=rceil,
+                IDX64=_needs_i64(t1.block_s * sxs, dp), num_warps=t1.num_warps,
+            )
+        t2 = _tile("quant", dp)
+        n_s2 = max(1, triton.cdiv(triton.cdiv(max_seqlen_k, V_ALIGN) * V_ALIGN, t2.block_s))
+        idx64 = _needs_i64(t2.block_s * sxs, dp) or _needs_i64(dp * Tv, t2.block_s)
+        _v_data_varlen_kernel[(B * n_s2 * H,)](
+            x4, sxs, sxh, cu_seqlens_k, cu_v, exp, buf.view(torch.int32), H, Tv // 4, n_s2,
+            D=D, NDP=dp // 32, BLOCK_S=t2.block_s, RCEIL=rceil, SOFT=_soft(dev), IDX64=idx64,
+            num_warps=t2.num_warps,
+        )
+    return VarlenFP8("v", buf.view(torch.float8_e4m3fn), exp, cu_seqlens_k, cu_v, None, max_seqlen_k)
+
+
+def varlen_operands(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                    scale_mode: Union[str, ScaleMode] = "rceil") -> tuple[VarlenFP8, VarlenFP8, VarlenFP8]:
+    """The forward's three operands of a jagged batch from packed float q, k, v (four launches in all)."""
+    return (
+        varlen_q_operand(q, cu_seqlens_q, max_seqlen_q, scale_mode),
+        varlen_k_operand(k, cu_seqlens_k, max_seqlen_k, scale_mode),
+        varlen_v_operand(v, cu_seqlens_k, max_seqlen_k, scale_mode),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# PyTorch twins (the semantics: each sequence on its own through formats.row_scaled_from_float)
+# ----------------------------------------------------------------------------------------------
+
+
+def _bounds(cu: torch.Tensor) -> list[tuple[int, int]]:
+    c = cu.tolist()
+    return list(zip(c[:-1], c[1:]))
+
+
+def varlen_q_operand_torch(q, cu_seqlens_q, max_seqlen_q: int, scale_mode="rceil") -> VarlenFP8:
+    """PyTorch twin of ``varlen_q_operand``."""
+    rs = row_scaled_from_float(q, dim=-1, scale_mode=scale_mode)
+    return VarlenFP8("q", rs.data, rs.exp, cu_seqlens_q, cu_seqlens_q, cu_seqlens_q, max_seqlen_q)
+
+
+def varlen_k_operand_torch(k, cu_seqlens_k, max_seqlen_k: int, scale_mode="rceil") -> VarlenFP8:
+    """PyTorch twin of ``varlen_k_operand``: groups of 128 keys from each sequence's start."""
+    T, H, D = k.shape
+    B = cu_seqlens_k.numel() - 1
+    cu_g = cu_blocks(cu_seqlens_k, K_GROUP)
+    data = torch.empty(T, H, D, dtype=torch.float8_e4m3fn, device=k.device)
+    exp = torch.zeros(_k_groups_bound(T, B), H, 1, dtype=torch.int32, device=k.device)
+    for (t0, t1), g0 in zip(_bounds(cu_seqlens_k), cu_g.tolist()):
+        if t1 > t0:
+            rs = row_scaled_from_float(k[t0:t1], dim=-1, group_dim=0, group=K_GROUP, scale_mode=scale_mode)
+            data[t0:t1] = rs.data
+            exp[g0 : g0 + rs.exp.shape[0]] = rs.exp
+    return VarlenFP8("k", data, exp, cu_seqlens_k, cu_seqlens_k, cu_g, max_seqlen_k)
+
+
+def varlen_v_operand_torch(v, cu_seqlens_k, max_seqlen_k: int, scale_mode="rceil") -> VarlenFP8:
+    """PyTorch twin of ``varlen_v_operand``: blocks along each sequence from its start, one exponent per channel
+    and sequence; unused columns (past the last sequence) are zero here."""
+    T, H, D = v.shape
+    B = cu_seqlens_k.numel() - 1
+    cu_v = V_ALIGN * cu_blocks(cu_seqlens_k, V_ALIGN)
+    buf = torch.zeros(H, D, _v_columns_bound(T, B), dtype=torch.float8_e4m3fn, device=v.device)
+    exp = torch.zeros(B, H, D, dtype=torch.int32, device=v.device)
+    for b, ((t0, t1), c0) in enumerate(zip(_bounds(cu_seqlens_k), cu_v.tolist())):
+        if t1 > t0:
+            rs = row_scaled_from_float(v[t0:t1], dim=0, scale_mode=scale_mode)
+            buf[:, :, c0 : c0 + t1 - t0] = rs.data.permute(1, 2, 0)
+            exp[b] = rs.exp[0]
+    return VarlenFP8("v", buf, exp, cu_seqlens_k, cu_v, None, max_seqlen_k)
+
+
+def seq_mx_dequantized(x: torch.Tensor, cu_seqlens: torch.Tensor, scale_mode="rceil",
+                       dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Packed (T, H, D) ``x`` MXFP8-quantized along the sequence, blocks starting at each sequence's first token
+    (``formats.quantize_mxfp8`` on every sequence alone), dequantized to ``dtype``: the V (and backward Q/K seq)
+    values that the jagged forward's reference sees."""
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    for t0, t1 in _bounds(cu_seqlens):
+        out[t0:t1] = quantize_mxfp8(x[t0:t1], dim=0, scale_mode=scale_mode).dequantize(dtype)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Speed (GPU)
+# ----------------------------------------------------------------------------------------------
+
+
+def jagged_lengths(batch: int, mean: int, seed: int = 0) -> list[int]:
+    """``batch`` lengths uniform in [1, 2 mean - 1] (mean ``mean``; a batch padded to its longest sequence is then
+    about half real tokens)."""
+    rng = random.Random(seed)
+    return [rng.randint(1, max(1, 2 * mean - 1)) for _ in range(batch)]
+
+
+def bench_varlen(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, heads_kv: int = 16, head_dim: int = 128,
+                 causal: bool = False, seed: int = 0, lengths: Optional[list[int]] = None) -> dict:
+    """Time the jagged forward on a ~50%-fill batch against the dense kernel (CUDA).
+
+    Lengths uniform in [1, 2 mean_len - 1] (or ``lengths``).  Timed, kernel only (operands made once): the varlen
+    kernel; the dense kernel on the batch padded to its longest sequence; the dense kernel on a dense batch of
+    (batch, mean_len), i.e. about as many real tokens.  FLOPs are counted on real tokens only:
+    sum_b 4 Hq len_b^2 D (half when causal).  Returns a row for ``benchmarks/results`` (what="varlen_fwd"):
+    times in ms, TFLOP/s on real FLOPs, ``speedup_vs_padded`` (padded dense time / varlen time) and
+    ``rate_vs_dense`` (varlen TFLOP/s / dense TFLOP/s at (batch, mean_len)).  Also the producers' time.
+    """
+    from triton.testing import do_bench
+
+    from mxattn.kernels.attn_fwd import attn_fwd_hopper, attn_fwd_hopper_varlen
+
+    lens = list(lengths) if lengths is not None else jagged_lengths(batch, mean_len, seed)
+    B, D = len(lens), head_dim
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(seed)
+    T = sum(lens)
+    cu = torch.tensor([0] + list(_cumsum(lens)), dtype=torch.int32, device=dev)
+    q = torch.randn(T, heads_q, D, device=dev, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(T, heads_kv, D, device=dev, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(T, heads_kv, D, device=dev, dtype=torch.bfloat16, generator=g)
+    smax = max(lens)
+    ops = varlen_operands(q, k, v, cu, cu, smax, smax)
+    t_prod = do_bench(lambda: varlen_operands(q, k, v, cu, cu, smax, smax))
+    t_var = do_bench(lambda: attn_fwd_hopper_varlen(*ops, causal=causal))
+
+    def dense_ms(S: int) -> float:
+        shape = lambda h: (B, S, h, D)
+        qd = torch.randn(*shape(heads_q), device=dev, dtype=torch.bfloat16, generator=g)
+        kd = torch.randn(*shape(heads_kv), device=dev, dtype=torch.bfloat16, generator=g)
+        vd = torch.randn(*shape(heads_kv), device=dev, dtype=torch.bfloat16, generator=g)
+        dops = (row_scaled_triton(qd, "q"), row_scaled_triton(kd, "k"), row_scaled_triton(vd, "v"))
+        return do_bench(lambda: attn_fwd_hopper(*dops, causal=causal))
+
+    t_pad = dense_ms(smax)
+    t_mean = dense_ms(mean_len)
+    half = 0.5 if causal else 1.0
+    real = sum(4.0 * heads_q * n * n * D for n in lens) * half
+    dense_flops = 4.0 * B * heads_q * mean_len * mean_len * D * half
+    tf = lambda flops, ms: flops / (ms * 1e-3) / 1e12
+    return {
+        "B": B, "Hq": heads_q, "Hkv": heads_kv, "D": D, "causal": causal, "mean_len": mean_len, "max_len": smax,
+        "tokens": T, "fill": T / (B * smax),
+        "ms": {"varlen": t_var, "dense_padded": t_pad, "dense_mean": t_mean, "producers": t_prod},
+        "tflops": {"varlen": tf(real, t_var), "dense_padded_real": tf(real, t_pad), "dense_mean": tf(dense_flops, t_mean)},
+        "speedup_vs_padded": t_pad / t_var,
+        "rate_vs_dense": tf(real, t_var) / tf(dense_flops, t_mean),
+    }
+
+
+def _cumsum(xs):
+    s = 0
+    for x in xs:
+        s += x
+        yield s
