@@ -239,3 +239,185 @@ def mxfp8_attn_func(
     else:
         out, lse = _MXFP8Attention.apply(q, k, v, causal, scale, scale_mode, deterministic, None)
     return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------------------------
+# Jagged batches (packed (T, H, D) with cu_seqlens), flash_attn_varlen_func conventions
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_softmax_scale(softmax_scale) -> None:
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
+        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+            raise ValueError(f"softmax_scale must be finite and positive, got {softmax_scale}")
+
+
+def _check_cu_seqlens(cu, name: str, total: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """``cu`` on ``device`` and its values on the host (one device-to-host copy: the only sync of the call)."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {cu.dtype}")
+    if cu.ndim != 1 or cu.numel() == 0:
+        raise ValueError(f"{name} must be 1-D with batch + 1 entries, got shape {tuple(cu.shape)}")
+    if cu.device.type not in ("cpu", device.type):
+        raise ValueError(f"{name} is on {cu.device} but q is on {device}")
+    c = cu.tolist()
+    if c[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {c[0]}")
+    bad = next((i for i in range(len(c) - 1) if c[i + 1] < c[i]), None)
+    if bad is not None:
+        raise ValueError(f"{name} must not decrease, got {c[bad]} then {c[bad + 1]} at entries {bad}, {bad + 1}")
+    if c[-1] != total:
+        raise ValueError(f"{name} must end at the number of packed tokens {total}, got {c[-1]}")
+    return cu.to(device).contiguous(), c
+
+
+def _check_max_seqlen(m, name: str, cu: list[int], cu_name: str) -> None:
+    if isinstance(m, bool) or not isinstance(m, int):
+        raise TypeError(f"{name} must be an int, got {type(m).__name__}")
+    longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
+    if m < longest:
+        raise ValueError(f"{name}={m} is less than the longest sequence in {cu_name} ({longest})")
+
+
+def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
+    """Validate a jagged call; returns cu_seqlens_q and cu_seqlens_k on q's device."""
+    for n, t in (("q", q), ("k", k), ("v", v)):
+        if isinstance(t, MXTensor):
+            raise TypeError(f"{n}: mxfp8_attn_varlen_func takes float tensors (MXTensor inputs are not supported for "
+                            "jagged batches yet)")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{n} must be bfloat16, float16 or float32, got {t.dtype}")
+        if t.ndim != 3:
+            raise ValueError(f"{n} must have shape (total_tokens, nheads, headdim), got {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    devices = {n: t.device for n, t in (("q", q), ("k", k), ("v", v))}
+    if len(set(devices.values())) != 1:
+        raise ValueError("q, k, v must be on one device, got " + ", ".join(f"{n}: {d}" for n, d in devices.items()))
+    (Tq, Hq, D), (Tk, Hkv, Dk) = q.shape, k.shape
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if Dk != D:
+        raise ValueError(f"k has head dim {Dk} but q has head dim {D}")
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim {D} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"the number of query heads ({Hq}) must be a multiple of the number of kv heads ({Hkv})")
+    _check_softmax_scale(softmax_scale)
+    cu_q, cq = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", Tq, q.device)
+    cu_k, ck = _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", Tk, q.device)
+    if len(cq) != len(ck):
+        raise ValueError(f"cu_seqlens_q has {len(cq) - 1} sequences but cu_seqlens_k has {len(ck) - 1}")
+    _check_max_seqlen(max_seqlen_q, "max_seqlen_q", cq, "cu_seqlens_q")
+    _check_max_seqlen(max_seqlen_k, "max_seqlen_k", ck, "cu_seqlens_k")
+    return cu_q, cu_k
+
+
+def _varlen_mx_values(q, k, v, cu_k, scale_mode: str):
+    """What the jagged forward computes on: q, k MXFP8 along the head dim; v along each sequence (blocks from its
+    first key, values dequantized)."""
+    from mxattn.kernels.varlen import seq_mx_dequantized
+
+    return (
+        formats.quantize_mxfp8(q, dim=2, scale_mode=scale_mode),
+        formats.quantize_mxfp8(k, dim=2, scale_mode=scale_mode),
+        seq_mx_dequantized(v, cu_k, scale_mode),
+    )
+
+
+class _MXFP8VarlenAttention(torch.autograd.Function):
+    """Forward and backward of jagged MXFP8 attention.  Forward: the Hopper kernel on CUDA, the reference on CPU.
+    Backward: the reference (FP8 emulation of P, dS, dO in fp32) on the inputs' device: exact semantics of the FP8
+    backward, but slow on the GPU (a loop over sequences and heads in PyTorch) until a varlen backward kernel exists."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, scale_mode):
+        ctx.causal, ctx.scale, ctx.scale_mode = causal, scale, scale_mode
+        if q.device.type == "cuda":
+            from mxattn.kernels.attn_fwd import attn_fwd_hopper_varlen
+            from mxattn.kernels.varlen import varlen_operands
+
+            ops = varlen_operands(q, k, v, cu_q, cu_k, max_q, max_k, scale_mode)
+            out, lse = attn_fwd_hopper_varlen(*ops, causal=causal, softmax_scale=scale, out_dtype=q.dtype)
+        else:
+            from mxattn import reference
+
+            out, lse = reference.attention_forward(
+                *_varlen_mx_values(q, k, v, cu_k, scale_mode), causal=causal, softmax_scale=scale,
+                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, quantize_p=True, dtype=torch.float32,
+            )
+            out, lse = out.to(q.dtype), lse.to(torch.float32)
+        ctx.save_for_backward(q, k, v, cu_q, cu_k, out)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        from mxattn import reference
+        from mxattn.kernels.varlen import seq_mx_dequantized
+
+        q, k, v, cu_q, cu_k, out = ctx.saved_tensors
+        mode = ctx.scale_mode
+        qm, km, vd = _varlen_mx_values(q, k, v, cu_k, mode)
+        dq, dk, dv = reference.attention_backward(
+            qm, km, vd, out, dout, causal=ctx.causal, softmax_scale=ctx.scale,
+            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, quantize_p=True, quantize_ds=True, quantize_do=True,
+            q_seq=seq_mx_dequantized(q, cu_q, mode), k_seq=seq_mx_dequantized(k, cu_k, mode),
+            v_hdim=formats.quantize_mxfp8(v, dim=2, scale_mode=mode), dtype=torch.float32,
+        )
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+
+
+def mxfp8_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    return_lse: bool = False,
+    scale_mode: str = "rceil",
+):
+    """MXFP8 attention on a jagged (packed) batch, ``flash_attn_varlen_func`` conventions.
+
+    Args:
+        q: (total_q, Hq, D) bfloat16/float16/float32, the sequences' tokens one after the other.
+        k, v: (total_k, Hkv, D), same dtype and device.
+        cu_seqlens_q, cu_seqlens_k: int32, batch + 1 entries: sequence b is q rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``
+            and k/v rows ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``; start at 0, non-decreasing (empty sequences are fine),
+            end at total_q / total_k.  On q's device or the CPU.
+        max_seqlen_q, max_seqlen_k: ints at least the longest q / k sequence (they size the kernel's grid).
+        causal: per sequence, aligned to the bottom-right corner (query i sees key j iff j <= i + len_k - len_q).
+        softmax_scale: defaults to 1/sqrt(D).
+        return_lse: also return the log-sum-exp, (Hq, total_q) float32 (natural log; -inf for rows that see no key).
+        scale_mode: MX scale rule, "rceil" (default) or "floor".
+
+    q and k are MXFP8-quantized along D, v along the sequence with blocks starting at each sequence's first key
+    (a block never spans two sequences).  Returns the output (total_q, Hq, D) in q's dtype.  Hq must be a multiple
+    of Hkv; D in {64, 128}.  Every argument is checked before any launch (TypeError / ValueError naming it); the
+    check reads cu_seqlens on the host (one device sync).
+
+    CUDA: the Hopper FP8 kernel on FP8 data kept at its packed offsets (layouts: ``mxattn/kernels/varlen.py``).
+    CPU: the reference with the same semantics (P in e4m3 with the constant scale 2^-8).  Gradients flow to q, k, v
+    through ``loss.backward()`` via the reference backward (FP8 emulation of P, dS, dO) on the inputs' device:
+    correct everywhere, but slow on the GPU, where no varlen backward kernel exists yet.
+    """
+    cu_q, cu_k = _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
+    mode = formats.ScaleMode.parse(scale_mode).value
+    for name, flag in (("causal", causal), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    scale = _default_scale(q.shape[2], softmax_scale)
+    out, lse = _MXFP8VarlenAttention.apply(
+        q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale, mode
+    )
+    return (out, lse) if return_lse else out
