@@ -36,8 +36,9 @@ def _bwd():
 # ---------------------------------------------------------------- operands and expectations
 
 
-def _operands(q, k, v, on_gpu: bool):
-    """Forward MX tensors, the reference's backward orientations, and the kernel's row-scaled operands."""
+def _operands(q, k, v, on_gpu: bool, q_rows: int = 64):
+    """Forward MX tensors, the reference's backward orientations, and the kernel's row-scaled operands (q with one
+    exponent per ``q_rows`` rows: 64 is the fast layout, 1 the forward's)."""
     mx = dict(
         q=formats.quantize_mxfp8(q, 3), k=formats.quantize_mxfp8(k, 3), v=formats.quantize_mxfp8(v, 1),
         q_seq=formats.quantize_mxfp8(q, 1), k_seq=formats.quantize_mxfp8(k, 1), v_hdim=formats.quantize_mxfp8(v, 3),
@@ -45,11 +46,12 @@ def _operands(q, k, v, on_gpu: bool):
     if on_gpu:
         from mxattn.kernels.quantize import row_scaled_triton as rs
 
-        ops = dict(q=rs(q, "q"), k=rs(k, "k"), v_hdim=rs(v, "k"), q_seq=rs(q, "v"), k_seq=rs(k, "v"))
+        qr = rs(q, "q") if q_rows == 1 else rs(q, "k", k_group=q_rows)
+        ops = dict(q=qr, k=rs(k, "k"), v_hdim=rs(v, "k"), q_seq=rs(q, "v"), k_seq=rs(k, "v"))
     else:  # the torch twins (bit-exact with the Triton producers, tests/test_quantize_kernels.py): faster here
         seq = lambda x: _channel_major_rs(formats.row_scaled_from_float(x, 1))
         ops = dict(
-            q=formats.row_scaled_from_float(q, -1),
+            q=formats.row_scaled_from_float(q, -1, **({} if q_rows == 1 else dict(group_dim=1, group=q_rows))),
             k=formats.row_scaled_from_float(k, -1, group_dim=1, group=128),
             v_hdim=formats.row_scaled_from_float(v, -1, group_dim=1, group=128),
             q_seq=seq(q), k_seq=seq(k),
@@ -71,31 +73,53 @@ def _block_quant(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     return qv.reshape(*x.shape[:-1], -1)[..., :L].movedim(-1, dim)
 
 
-def _tile_quant(x: torch.Tensor, bm: int, bn: int) -> torch.Tensor:
-    """e4m3 with one RCEIL power of two per (bm, bn) tile of a 2-D tensor."""
+def _tile_exps(x: torch.Tensor, bm: int, bn: int) -> torch.Tensor:
+    """RCEIL exponent of each (bm, bn) tile of a 2-D tensor (int64; a huge negative sentinel for zero tiles)."""
     Sq, Sk = x.shape
     xp = torch.nn.functional.pad(x, (0, (-Sk) % bn, 0, (-Sq) % bm))
-    t = xp.reshape(xp.shape[0] // bm, bm, xp.shape[1] // bn, bn)
-    e = mx_block_exponents(t.abs().amax((1, 3), keepdim=True).float()).to(x.dtype)
-    qv = round_to_e4m3(t * torch.exp2(-e)).to(x.dtype) * torch.exp2(e)
-    return qv.reshape(xp.shape)[:Sq, :Sk]
+    amax = xp.reshape(xp.shape[0] // bm, bm, xp.shape[1] // bn, bn).abs().amax((1, 3))
+    e = mx_block_exponents(amax.float()).long()
+    return torch.where(amax > 0, e, torch.full_like(e, _ZERO_TILE))
+
+
+_ZERO_TILE = -(1 << 40)
+
+
+def _sticky(e_tile: int, e_prev: int, hyst: int) -> int:
+    """attn_bwd._sticky_exp: keep the running exponent unless the tile needs more or is hyst binades smaller."""
+    if e_tile == _ZERO_TILE or e_prev - hyst <= e_tile <= e_prev:
+        return e_prev
+    return e_tile
+
+
+def _quant_tiles(x: torch.Tensor, e: torch.Tensor, bm: int, bn: int) -> torch.Tensor:
+    """e4m3 of x with the given exponent per (bm, bn) tile."""
+    Sq, Sk = x.shape
+    ee = e.repeat_interleave(bm, 0)[:Sq].repeat_interleave(bn, 1)[:, :Sk].to(x.dtype)
+    return round_to_e4m3(x * torch.exp2(-ee)).to(x.dtype) * torch.exp2(ee)
 
 
 def _emulate(ops, dout, out, lse, causal, scale, cfg, deterministic):
     """The kernel's arithmetic in fp64 on its own operands: P from the given lse, P·256 in e4m3 for dV, dO
-    re-expressed per row (hdim) / per channel (seq), dS quantized per key over a q tile (dK) and per query over
-    a kv tile (dQ), or per tile when ``cfg.ds_tile_scale``."""
+    re-expressed per 64 rows (hdim) / per channel (seq), dS quantized with one power of two per tile, kept with
+    hysteresis along the loop that accumulates it (attn_bwd._sticky_exp): the q tiles (all heads of the group)
+    of a kv tile for dK and, in the atomic path, dQ; the kv tiles of a q tile in the deterministic dQ kernel.
+    ``cfg.ds_tile_scale=False``: dK per key over a q tile, dQ per tile without hysteresis."""
+    bwd = _bwd()
     f64 = lambda t: t.dequantize(torch.float64).cpu()
     q, k, vh, qs, ks = (f64(ops[n]) for n in ("q", "k", "v_hdim", "q_seq", "k_seq"))
-    doh = f64(formats.row_scaled_from_float(dout.cpu(), -1))
+    doh = f64(formats.row_scaled_from_float(dout.cpu(), -1, group_dim=1, group=bwd.DO_EXP_GROUP))
     dos = f64(formats.row_scaled_from_float(dout.cpu(), 1))
     out, lse = out.cpu().double(), lse.cpu().double()
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     grp = Hq // Hkv
-    bm, bn = (cfg.dq_block_m, cfg.dq_block_n) if deterministic else (cfg.block_m, cfg.block_n)
+    bm, bn = cfg.block_m, cfg.block_n
+    hyst = bwd.DS_HYSTERESIS
+    e0 = -bwd.P_SCALE_LOG2  # the kernels start at exponent 0 for 256 * dS
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(k)
     for b in range(B):
+        ds_all = []
         for h in range(Hq):
             kv = h // grp
             s = q[b, :, h] @ k[b, :, kv].T * scale
@@ -108,23 +132,50 @@ def _emulate(ops, dout, out, lse, causal, scale, cfg, deterministic):
             p = torch.where(fin, torch.exp(s - torch.where(fin, l, torch.zeros_like(l))), torch.zeros_like(s))
             dv[b, :, kv] += (round_to_e4m3(p * 256).double() / 256).T @ dos[b, :, h]
             dp = doh[b, :, h] @ vh[b, :, kv].T
-            ds = p * (dp - (doh[b, :, h] * out[b, :, h]).sum(-1, keepdim=True))
-            if cfg.ds_tile_scale:
-                ds_q = _tile_quant(ds, bm, bn)
-                ds_k = _tile_quant(ds, cfg.block_m, cfg.block_n)
+            ds_all.append(p * (dp - (doh[b, :, h] * out[b, :, h]).sum(-1, keepdim=True)))
+        for kv in range(Hkv):
+            heads = range(kv * grp, (kv + 1) * grp)
+            if cfg.ds_tile_scale:  # dK (and atomic dQ): the exponent runs along (head, q tile) per kv tile
+                et = [_tile_exps(ds_all[h], bm, bn) for h in heads]
+                chosen = [torch.empty_like(e) for e in et]
+                for j in range(et[0].shape[1]):
+                    state = e0
+                    for e, c in zip(et, chosen):
+                        for i in range(e.shape[0]):
+                            state = _sticky(int(e[i, j]), state, hyst)
+                            c[i, j] = state
+                ds_k = [_quant_tiles(ds_all[h], c, bm, bn) for h, c in zip(heads, chosen)]
+                ds_q = ds_k
             else:
-                ds_q = _block_quant(ds, 1, bn)
-                ds_k = _block_quant(ds, 0, cfg.block_m)
-            dq[b, :, h] = ds_q @ ks[b, :, kv] * scale
-            dk[b, :, kv] += ds_k.T @ qs[b, :, h] * scale
+                ds_k = [_block_quant(ds_all[h], 0, bm) for h in heads]
+                ds_q = []
+                for h in heads:
+                    e = _tile_exps(ds_all[h], bm, bn)
+                    ds_q.append(_quant_tiles(ds_all[h], torch.where(e == _ZERO_TILE, 0, e), bm, bn))
+            if deterministic:  # the dQ kernel: along the kv tiles of each query tile
+                dbm, dbn = cfg.dq_block_m, cfg.dq_block_n
+                ds_q = []
+                for h in heads:
+                    e = _tile_exps(ds_all[h], dbm, dbn)
+                    c = torch.empty_like(e)
+                    for i in range(e.shape[0]):
+                        state = e0
+                        for j in range(e.shape[1]):
+                            state = _sticky(int(e[i, j]), state, hyst)
+                            c[i, j] = state
+                    ds_q.append(_quant_tiles(ds_all[h], c, dbm, dbn))
+            for h, dsk, dsq in zip(heads, ds_k, ds_q):
+                dq[b, :, h] = dsq @ ks[b, :, kv] * scale
+                dk[b, :, kv] += dsk.T @ qs[b, :, h] * scale
     return dq, dk, dv
 
 
-def _check(q, k, v, dout, causal, *, deterministic=False, softmax_scale=None, config=None, fwd="reference"):
+def _check(q, k, v, dout, causal, *, deterministic=False, softmax_scale=None, config=None, fwd="reference",
+           q_rows=64):
     """Run the kernel and check it against the calibrated bound and its emulation; returns the SQNRs."""
     bwd = _bwd()
     on_gpu = q.is_cuda
-    mx, ops = _operands(q, k, v, on_gpu)
+    mx, ops = _operands(q, k, v, on_gpu, q_rows)
     D = q.shape[-1]
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
     out_exact, lse = reference.attention_forward(mx["q"], mx["k"], mx["v"], causal=causal, softmax_scale=scale)
@@ -132,7 +183,8 @@ def _check(q, k, v, dout, causal, *, deterministic=False, softmax_scale=None, co
         from mxattn.kernels.attn_fwd import attn_fwd_hopper
         from mxattn.kernels.quantize import row_scaled_triton
 
-        out, lse = attn_fwd_hopper(ops["q"], ops["k"], row_scaled_triton(v, "v"), causal=causal, softmax_scale=scale)
+        out, lse = attn_fwd_hopper(row_scaled_triton(q, "q"), ops["k"], row_scaled_triton(v, "v"), causal=causal,
+                                   softmax_scale=scale)
     else:
         out_p, _ = reference.attention_forward(mx["q"], mx["k"], mx["v"], causal=causal, softmax_scale=scale,
                                                quantize_p=True)
@@ -215,14 +267,27 @@ def test_attn_bwd_interpreter(case, seed):
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["atomic", "deterministic"])
-def test_attn_bwd_interpreter_tile_scale(det, seed):
-    """The one-scale-per-tile dS variant (``BwdConfig.ds_tile_scale``) meets the same bound."""
+def test_attn_bwd_interpreter_per_key_scale(det, seed):
+    """The per-key dS scale for dK (``BwdConfig(ds_tile_scale=False)``) meets the same bound."""
     _need_kernels()
     bwd = _bwd()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     q, k, v, do = _inputs(1, 100, 140, 2, 1, 64, dev, seed)
-    cfg = bwd.BwdConfig(64, 128, 8, 2, 64, 128, 4, 2, ds_tile_scale=True)
+    cfg = bwd.BwdConfig(ds_tile_scale=False)
     _check(q, k, v, do, True, deterministic=det, config=cfg)
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["atomic", "deterministic"])
+def test_attn_bwd_interpreter_ds_exponent_moves(det, seed):
+    """dS magnitudes jump by 2^8 between query tiles and by 2^5 between key tiles, so the dS exponents leave the
+    hysteresis window and the dK / dQ accumulators are rescaled (up and down) mid-loop."""
+    _need_kernels()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v, do = _inputs(1, 200, 200, 2, 1, 64, dev, seed)
+    do[:, 64:128] *= 2.0**8
+    do[:, 128:] *= 2.0**-8
+    v[:, 64:] *= 2.0**5
+    _check(q, k, v, do, False, deterministic=det)
 
 
 def test_attn_bwd_interpreter_scale_and_smaller_tiles(seed):
@@ -236,15 +301,24 @@ def test_attn_bwd_interpreter_scale_and_smaller_tiles(seed):
     _check(q, k, v, do, False, softmax_scale=0.3, config=cfg, deterministic=True)
 
 
+@pytest.mark.parametrize("det", [False, True], ids=["atomic", "deterministic"])
+def test_attn_bwd_interpreter_per_row_q(det, seed):
+    """The forward's Q operand (one exponent per row: per-query vectors in the kernels) gives the same numbers."""
+    _need_kernels()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v, do = _inputs(1, 80, 100, 2, 1, 64, dev, seed)
+    _check(q, k, v, do, True, deterministic=det, q_rows=1)
+
+
 def test_attn_bwd_preprocess_delta(seed):
-    """delta = rowsum(dO_hdim ∘ O) with dO the hdim-quantized gradient (the dO that dP uses)."""
+    """delta = rowsum(dO_hdim ∘ O) with dO the hdim-quantized gradient (the dO that dP uses); dO's two layouts."""
     _need_kernels()
     bwd = _bwd()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     _, _, _, do = _inputs(2, 45, 1, 3, 1, 64, dev, seed)
     out = torch.randn(2, 45, 3, 64, device=dev).to(torch.bfloat16)
     doh, dos, delta = bwd.attn_bwd_preprocess(out, do)
-    want_h = formats.row_scaled_from_float(do.cpu(), -1)
+    want_h = formats.row_scaled_from_float(do.cpu(), -1, group_dim=1, group=bwd.DO_EXP_GROUP)
     want_s = formats.row_scaled_from_float(do.cpu(), 1)
     assert torch.equal(doh.data.cpu().view(torch.uint8), want_h.data.view(torch.uint8))
     assert torch.equal(doh.exp.cpu(), want_h.exp)
@@ -305,7 +379,7 @@ def test_attn_bwd_gpu_deterministic_bitwise(causal, seed):
     from mxattn.kernels.attn_fwd import attn_fwd_hopper
     from mxattn.kernels.quantize import row_scaled_triton
 
-    out, lse = attn_fwd_hopper(ops["q"], ops["k"], row_scaled_triton(v, "v"), causal=causal)
+    out, lse = attn_fwd_hopper(row_scaled_triton(q, "q"), ops["k"], row_scaled_triton(v, "v"), causal=causal)
     run = lambda: bwd.attn_bwd_hopper(ops["q"], ops["k"], ops["v_hdim"], ops["q_seq"], ops["k_seq"], out, do, lse,
                                       causal=causal, deterministic=True)
     first = run()

@@ -51,11 +51,13 @@ import triton.language as tl
 from mxattn.formats import RowScaledFP8
 from mxattn.kernels.quantize import _round_to_e4m3_grid, row_scaled_triton
 
-__all__ = ["BwdConfig", "default_config", "attn_bwd_hopper", "attn_bwd_preprocess", "bench_attn_bwd"]
+__all__ = ["BwdConfig", "default_config", "DO_EXP_GROUP", "attn_bwd_hopper", "attn_bwd_preprocess", "bench_attn_bwd"]
 
 LOG2E = 1.4426950408889634
 P_SCALE_LOG2 = 8  # P enters dV as e4m3(P * 2^8)
+DS_HYSTERESIS = 2  # binades a dS tile may sit below its accumulator's exponent before the exponent follows it
 EXP_GROUP = 128  # keys sharing one exponent in k and v_hdim (formats.RowScaledFP8 K layout)
+DO_EXP_GROUP = 128  # query rows sharing one exponent in the hdim dO made here (a multiple of every BLOCK_M)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -67,28 +69,33 @@ EXP_GROUP = 128  # keys sharing one exponent in k and v_hdim (formats.RowScaledF
 class BwdConfig:
     """Tiles of the dK/dV kernel (``block_m`` queries x ``block_n`` keys per step) and of the deterministic dQ
     kernel (``dq_block_m`` x ``dq_block_n``).  block_n and dq_block_n must divide 128 (the exponent group of K
-    and V)."""
+    and V); block_m and dq_block_m should divide the row group of q and dO (128), else per-row exponents are
+    used (correct, slower)."""
 
     block_m: int = 64
     block_n: int = 128
     num_warps: int = 8
     num_stages: int = 2
-    dq_block_m: int = 64
-    dq_block_n: int = 128
+    dq_block_m: int = 128
+    dq_block_n: int = 64
     dq_num_warps: int = 8
     dq_num_stages: int = 2
-    ds_tile_scale: bool = False  # one dS scale per tile instead of per key / per query (module docstring)
+    ds_tile_scale: bool = True  # one dS scale per tile; False: per key for dK (module docstring)
 
 
 def default_config(head_dim: int, causal: bool) -> BwdConfig:
-    """FlashAttention-2's backward shape: 128 keys per program so that the two (BN, D) fp32 accumulators
-    (dK, dV: 128 registers a thread at D=128 with 8 warps) stay in registers, 64 queries per step (the Sᵀ, dPᵀ,
-    dSᵀ tiles are 32 registers each), two stages of the four (BM, D) fp8 query-side tiles (q, q_seq, dO,
-    dO_seq: 32 KB a stage at D=128).  The dQ kernel mirrors the forward's shape (BM 64, BN 128)."""
-    del causal
-    if head_dim <= 64:
-        return BwdConfig(64, 128, 8, 2, 64, 128, 4, 2)
-    return BwdConfig(64, 128, 8, 2, 64, 128, 8, 2)
+    """Tiles chosen from ptxas register reports of the sm_90a build with triton 3.6 (docs/perf-notes-attn-bwd.md),
+    to be confirmed by GPU sweeps (``bench_attn_bwd``):
+
+    * dK/dV: 128 keys x 64 queries, 8 warps.  Sᵀ = K Qᵀ puts the keys on the MMA's M dim, so the two warpgroups
+      split 128 rows (no duplicated work) and Pᵀ, dSᵀ are the register A operand of dV, dK with no transpose.
+      The dK, dV fp32 accumulators take 128 registers a thread at D=128; BM=64 keeps Sᵀ, dPᵀ, dSᵀ at 32 each.
+      BM=32 spills less but issues ~1.5x the instructions per score; 4 warps x 64 keys spills more.
+    * dQ (deterministic): 128 queries x 64 keys, 8 warps, like the forward: 201 registers, no spills.  64 rows
+      with 8 warps would make Triton give both warpgroups the same 64 rows (twice the exp2 and MMA work).
+    """
+    del head_dim, causal
+    return BwdConfig()
 
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -117,6 +124,28 @@ def _rceil_exp(amax, keep):
 
 
 @triton.jit
+def _row_exp(E, b64, h, s_eb, s_et, s_eh, start_m, offs_m, row_ok, GROUP: tl.constexpr):
+    """Exponents of query rows: a vector (one per row, GROUP == 1) or the tile's scalar (its rows share one
+    exponent group of GROUP >= BLOCK_M rows: the backward's Q and dO layouts, which need no per-query vector
+    in registers)."""
+    if GROUP == 1:
+        e = tl.load(E + b64 * s_eb + h * s_eh + offs_m.to(tl.int64) * s_et, mask=row_ok, other=0)
+    else:
+        e = tl.load(E + b64 * s_eb + h * s_eh + (start_m // GROUP) * s_et)
+    return e
+
+
+@triton.jit
+def _sticky_exp(e_tile, e_prev):
+    """The exponent a tile is quantized with, given the tile's own RCEIL exponent and the one the accumulator
+    is in: keep ``e_prev`` unless the tile needs more (would saturate) or is DS_HYSTERESIS binades smaller.  The
+    accumulator then rarely needs rescaling; the cost is at most DS_HYSTERESIS binades of e4m3's 17 (normal and
+    subnormal) at the bottom of the tile's range."""
+    keep = (e_tile <= e_prev) & (e_tile >= e_prev - 2)
+    return tl.where(keep, e_prev, e_tile)
+
+
+@triton.jit
 def _to_e4m3(x, EXPLICIT_ROUND: tl.constexpr):
     """fp32 (|x| <= 448) to e4m3, nearest even.  The interpreter's cast mis-rounds (DESIGN §5), so it rounds
     in fp32 first; on the GPU the cast is one cvt.rn.satfinite."""
@@ -138,9 +167,10 @@ def _delta_kernel(
     s_ob, s_os, s_oh, s_od,
     s_lb, s_lh, s_ls,
     Sq, Hq, n_rows,
-    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, DO_GROUP: tl.constexpr,
 ):
-    """One program per BLOCK_R rows of the flattened (B, Sq, Hq): delta = 2^e_row * sum_d dO8 * O (fp32)."""
+    """One program per BLOCK_R rows of the flattened (B, Sq, Hq): delta = 2^e * sum_d dO8 * O (fp32), e the
+    exponent of the row's group of DO_GROUP rows."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = r < n_rows
     h = r % Hq
@@ -149,7 +179,7 @@ def _delta_kernel(
     d = tl.arange(0, HEAD_DIM)
     do = tl.load(DO + (b * s_dob + s * s_dos + h * s_doh)[:, None] + d[None, :] * s_dod, mask=ok[:, None], other=0.0)
     o = tl.load(O + (b * s_ob + s * s_os + h * s_oh)[:, None] + d[None, :] * s_od, mask=ok[:, None], other=0.0)
-    e = tl.load(DOE + b * s_deb + s * s_des + h * s_deh, mask=ok, other=0)
+    e = tl.load(DOE + b * s_deb + (s // DO_GROUP) * s_des + h * s_deh, mask=ok, other=0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1) * _pow2(e)
     tl.store(DELTA + b * s_lb + h * s_lh + s * s_ls, delta, mask=ok)
 
@@ -162,7 +192,7 @@ def _delta_kernel(
 @triton.jit
 def _kv_step(
     dk, dv, dk_e, k8, vh8, ks8, ke, ve, offs_n, start_m, h, b64, Sq, Sk, causal_off, qk_scale, dq_colscale,
-    Q, QE, QS, DOH, DOE, DOS, LSE, DELTA, DQ,
+    lim_qs, lim_dos, Q, QE, QS, DOH, DOE, DOS, LSE, DELTA, DQ,
     s_qb, s_qm, s_qh, s_qd, s_qeb, s_qem, s_qeh,
     s_qsb, s_qsm, s_qsh, s_qsd,
     s_dob, s_dom, s_doh, s_dod, s_deb, s_dem, s_deh,
@@ -171,7 +201,7 @@ def _kv_step(
     s_dqb, s_dqm, s_dqh, s_dqd,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, DS_TILE_SCALE: tl.constexpr,
-    EXPLICIT_ROUND: tl.constexpr,
+    Q_GROUP: tl.constexpr, DO_GROUP: tl.constexpr, EXPLICIT_ROUND: tl.constexpr,
 ):
     """One query tile against the program's keys: dV += Pᵀ dO, dK += dSᵀ Q (dK rescaled to the new dS
     exponents), and dQ += dS K by atomics when ATOMIC_DQ.  ``ke``, ``ve``: the tile's K and V exponents."""
@@ -182,13 +212,16 @@ def _kv_step(
     # query-side tiles: Qᵀ and dOᵀ (D, BM) from hdim rows (D contiguous); Q and dO seq (BM, D) channel-major
     qT = tl.load(Q + b64 * s_qb + h * s_qh + offs_d[:, None] * s_qd + om64[None, :] * s_qm,
                  mask=row_ok[None, :], other=0.0)
-    qe = tl.load(QE + b64 * s_qeb + h * s_qeh + om64 * s_qem, mask=row_ok, other=0)
+    qe = _row_exp(QE, b64, h, s_qeb, s_qem, s_qeh, start_m, offs_m, row_ok, Q_GROUP)
     lse = tl.load(LSE + b64 * s_lb + h * s_lh + om64 * s_lm, mask=row_ok, other=float("-inf"))
     # exponent of p*256: s*log2e*scale - lse*log2e + 8; rows that see nothing (lse = -inf) and rows past Sq get -inf
-    a_row = qk_scale * _pow2(qe + ke)
+    a_q = qk_scale * _pow2(qe + ke)
     b_row = tl.where(lse == float("-inf"), float("-inf"), 8.0 - lse * 1.4426950408889634)
     sT = tl.dot(k8, qT)  # (BN, BM) fp32
-    sT = sT * a_row[None, :] + b_row[None, :]
+    if Q_GROUP == 1:
+        sT = sT * a_q[None, :] + b_row[None, :]
+    else:
+        sT = sT * a_q + b_row[None, :]
     if MASKED:
         keep = offs_n[:, None] < Sk
         if CAUSAL:
@@ -197,38 +230,42 @@ def _kv_step(
     pT = tl.exp2(sT)  # P * 256 <= 256 (up to the forward's lse rounding), 0 where masked
     p8 = _to_e4m3(pT, EXPLICIT_ROUND)
     dos = tl.load(DOS + b64 * s_dsb + h * s_dsh + om64[:, None] * s_dsm + offs_d[None, :] * s_dsd,
-                  mask=row_ok[:, None], other=0.0)
+                  mask=(offs_m < lim_dos)[:, None], other=0.0)
     dv = tl.dot(p8, dos, dv)
     doT = tl.load(DOH + b64 * s_dob + h * s_doh + offs_d[:, None] * s_dod + om64[None, :] * s_dom,
                   mask=row_ok[None, :], other=0.0)
-    doe = tl.load(DOE + b64 * s_deb + h * s_deh + om64 * s_dem, mask=row_ok, other=0)
+    doe = _row_exp(DOE, b64, h, s_deb, s_dem, s_deh, start_m, offs_m, row_ok, DO_GROUP)
     delta = tl.load(DELTA + b64 * s_lb + h * s_lh + om64 * s_lm, mask=row_ok, other=0.0)
     dpT = tl.dot(vh8, doT)  # (BN, BM) fp32, in units 2^-(doe + ve)
-    dsT = pT * (dpT * _pow2(doe + ve)[None, :] - delta[None, :])  # 256 * dS
+    if DO_GROUP == 1:
+        dsT = pT * (dpT * _pow2(doe + ve)[None, :] - delta[None, :])  # 256 * dS
+    else:
+        dsT = pT * (dpT * _pow2(doe + ve) - delta[None, :])
 
     qs = tl.load(QS + b64 * s_qsb + h * s_qsh + om64[:, None] * s_qsm + offs_d[None, :] * s_qsd,
-                 mask=row_ok[:, None], other=0.0)
+                 mask=(offs_m < lim_qs)[:, None], other=0.0)
     absds = tl.abs(dsT)
-    if DS_TILE_SCALE:
-        e_new = _rceil_exp(tl.max(tl.max(absds, 1), 0), dk_e)
-        dsk8 = _to_e4m3(dsT * _pow2(-e_new), EXPLICIT_ROUND)
-        dk = dk * _pow2(dk_e - e_new)
+    if DS_TILE_SCALE:  # one scale for the tile (with hysteresis), one cast for both products
+        e_k = _sticky_exp(_rceil_exp(tl.max(tl.max(absds, 1), 0), dk_e), dk_e)
+        dsk8 = _to_e4m3(dsT * _pow2(-e_k), EXPLICIT_ROUND)
+        if e_k != dk_e:  # rare: dK is rescaled only when the tile's exponent leaves the hysteresis window
+            dk = dk * _pow2(dk_e - e_k)
         dk = tl.dot(dsk8, qs, dk)
-        dk_e = e_new
         if ATOMIC_DQ:
             dq = tl.dot(tl.trans(dsk8), ks8)  # (BM, D)
-            dq = dq * (dq_colscale * _pow2(e_new))[None, :]
-    else:
-        e_new = _rceil_exp(tl.max(absds, 1), dk_e)  # per key (BN)
-        dsk8 = _to_e4m3(dsT * _pow2(-e_new)[:, None], EXPLICIT_ROUND)
-        dk = dk * _pow2(dk_e - e_new)[:, None]
+            dq = dq * (dq_colscale * _pow2(e_k))[None, :]
+    else:  # dK: one scale per key (rows of dSᵀ: a quad-shuffle reduction); dQ: one per tile
+        amax_k = tl.max(absds, 1)
+        e_k = _rceil_exp(amax_k, dk_e)
+        dsk8 = _to_e4m3(dsT * _pow2(-e_k)[:, None], EXPLICIT_ROUND)
+        dk = dk * _pow2(dk_e - e_k)[:, None]
         dk = tl.dot(dsk8, qs, dk)
-        dk_e = e_new
         if ATOMIC_DQ:
-            e_q = _rceil_exp(tl.max(absds, 0), 0)  # per query (BM)
-            dsq8 = _to_e4m3(dsT * _pow2(-e_q)[None, :], EXPLICIT_ROUND)
+            e_q = _rceil_exp(tl.max(amax_k, 0), 0)
+            dsq8 = _to_e4m3(dsT * _pow2(-e_q), EXPLICIT_ROUND)
             dq = tl.dot(tl.trans(dsq8), ks8)  # (BM, D)
-            dq = dq * _pow2(e_q)[:, None] * dq_colscale[None, :]
+            dq = dq * (dq_colscale * _pow2(e_q))[None, :]
+    dk_e = e_k
     if ATOMIC_DQ:
         dq_ptrs = DQ + b64 * s_dqb + h * s_dqh + om64[:, None] * s_dqm + offs_d[None, :] * s_dqd
         tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None], sem="relaxed")
@@ -249,9 +286,10 @@ def _bwd_dkdv_kernel(
     s_dqb, s_dqm, s_dqh, s_dqd,
     s_dkb, s_dkn, s_dkh, s_dkd,
     s_dvb, s_dvn, s_dvh, s_dvd,
-    Hkv, Sq, Sk, group_size, qk_scale, grad_scale,
+    Hkv, Sq, Sk, group_size, qk_scale, grad_scale, lim_qs, lim_dos,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, DS_TILE_SCALE: tl.constexpr, EXPLICIT_ROUND: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, DS_TILE_SCALE: tl.constexpr, Q_GROUP: tl.constexpr, DO_GROUP: tl.constexpr,
+    EXPLICIT_ROUND: tl.constexpr,
 ):
     # program order: kv tiles fastest within one (b, kv head), so the heaviest causal tiles (first keys) start
     # first and neighbouring programs stream the same query-side tiles through L2
@@ -316,20 +354,22 @@ def _bwd_dkdv_kernel(
         for start_m in range(lo, mid, BLOCK_M):
             dk, dv, dk_e = _kv_step(
                 dk, dv, dk_e, k8, vh8, ks8, ke, ve, offs_n, start_m, h, b64, Sq, Sk, causal_off, qk_scale,
-                dq_colscale, Q, QE, QS, DOH, DOE, DOS, LSE, DELTA, DQ,
+                dq_colscale, lim_qs, lim_dos, Q, QE, QS, DOH, DOE, DOS, LSE, DELTA, DQ,
                 s_qb, s_qm, s_qh, s_qd, s_qeb, s_qem, s_qeh, s_qsb, s_qsm, s_qsh, s_qsd,
                 s_dob, s_dom, s_doh, s_dod, s_deb, s_dem, s_deh, s_dsb, s_dsm, s_dsh, s_dsd,
                 s_lb, s_lh, s_lm, s_dqb, s_dqm, s_dqh, s_dqd,
-                HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL, ATOMIC_DQ, DS_TILE_SCALE, EXPLICIT_ROUND,
+                HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL, ATOMIC_DQ, DS_TILE_SCALE, Q_GROUP, DO_GROUP,
+                EXPLICIT_ROUND,
             )
         for start_m in range(mid, m_end, BLOCK_M):
             dk, dv, dk_e = _kv_step(
                 dk, dv, dk_e, k8, vh8, ks8, ke, ve, offs_n, start_m, h, b64, Sq, Sk, causal_off, qk_scale,
-                dq_colscale, Q, QE, QS, DOH, DOE, DOS, LSE, DELTA, DQ,
+                dq_colscale, lim_qs, lim_dos, Q, QE, QS, DOH, DOE, DOS, LSE, DELTA, DQ,
                 s_qb, s_qm, s_qh, s_qd, s_qeb, s_qem, s_qeh, s_qsb, s_qsm, s_qsh, s_qsd,
                 s_dob, s_dom, s_doh, s_dod, s_deb, s_dem, s_deh, s_dsb, s_dsm, s_dsh, s_dsd,
                 s_lb, s_lh, s_lm, s_dqb, s_dqm, s_dqh, s_dqd,
-                HEAD_DIM, BLOCK_M, BLOCK_N, False, CAUSAL, ATOMIC_DQ, DS_TILE_SCALE, EXPLICIT_ROUND,
+                HEAD_DIM, BLOCK_M, BLOCK_N, False, CAUSAL, ATOMIC_DQ, DS_TILE_SCALE, Q_GROUP, DO_GROUP,
+                EXPLICIT_ROUND,
             )
 
     if DS_TILE_SCALE:
@@ -350,13 +390,13 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_step(
-    acc, acc_e, q8, do8, a_row, b_row, dscale_row, delta, offs_m, start_n, hk, b64, Sk, causal_off,
+    acc, acc_e, q8, do8, a_row, b_row, dscale_row, delta, offs_m, start_n, hk, b64, Sk, causal_off, lim_ks,
     K, KE, VH, VE, KS,
     s_kb, s_kn, s_kh, s_kd, s_keb, s_ket, s_keh,
     s_vb, s_vn, s_vh, s_vd, s_veb, s_vet, s_veh,
     s_ksb, s_ksn, s_ksh, s_ksd,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    DS_TILE_SCALE: tl.constexpr, EXPLICIT_ROUND: tl.constexpr,
+    Q_GROUP: tl.constexpr, DO_GROUP: tl.constexpr, EXPLICIT_ROUND: tl.constexpr,
 ):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -368,7 +408,7 @@ def _dq_step(
         vT = tl.load(VH + b64 * s_vb + hk * s_vh + offs_d[:, None] * s_vd + on64[None, :] * s_vn,
                      mask=key_ok[None, :], other=0.0)
         ks8 = tl.load(KS + b64 * s_ksb + hk * s_ksh + on64[:, None] * s_ksn + offs_d[None, :] * s_ksd,
-                      mask=key_ok[:, None], other=0.0)
+                      mask=(offs_n < lim_ks)[:, None], other=0.0)
     else:
         kT = tl.load(K + b64 * s_kb + hk * s_kh + offs_d[:, None] * s_kd + on64[None, :] * s_kn)
         vT = tl.load(VH + b64 * s_vb + hk * s_vh + offs_d[:, None] * s_vd + on64[None, :] * s_vn)
@@ -376,7 +416,10 @@ def _dq_step(
     ke = tl.load(KE + b64 * s_keb + hk * s_keh + (start_n // 128) * s_ket)
     ve = tl.load(VE + b64 * s_veb + hk * s_veh + (start_n // 128) * s_vet)
     s = tl.dot(q8, kT)  # (BM, BN)
-    s = s * (a_row * _pow2(ke))[:, None] + b_row[:, None]
+    if Q_GROUP == 1:
+        s = s * (a_row * _pow2(ke))[:, None] + b_row[:, None]
+    else:
+        s = s * (a_row * _pow2(ke)) + b_row[:, None]
     if MASKED:
         keep = offs_n[None, :] < Sk
         if CAUSAL:
@@ -384,16 +427,15 @@ def _dq_step(
         s = tl.where(keep, s, float("-inf"))
     p = tl.exp2(s)  # P * 256
     dp = tl.dot(do8, vT)
-    ds = p * (dp * (dscale_row * _pow2(ve))[:, None] - delta[:, None])  # 256 * dS
-    absds = tl.abs(ds)
-    if DS_TILE_SCALE:
-        e_new = _rceil_exp(tl.max(tl.max(absds, 1), 0), acc_e)
-        ds8 = _to_e4m3(ds * _pow2(-e_new), EXPLICIT_ROUND)
-        acc = acc * _pow2(acc_e - e_new)
+    if DO_GROUP == 1:
+        ds = p * (dp * (dscale_row * _pow2(ve))[:, None] - delta[:, None])  # 256 * dS
     else:
-        e_new = _rceil_exp(tl.max(absds, 1), acc_e)
-        ds8 = _to_e4m3(ds * _pow2(-e_new)[:, None], EXPLICIT_ROUND)
-        acc = acc * _pow2(acc_e - e_new)[:, None]
+        ds = p * (dp * (dscale_row * _pow2(ve)) - delta[:, None])
+    # one scale per tile with hysteresis (the atomic path's scheme, here along the kv tiles of one query tile)
+    e_new = _sticky_exp(_rceil_exp(tl.max(tl.max(tl.abs(ds), 1), 0), acc_e), acc_e)
+    ds8 = _to_e4m3(ds * _pow2(-e_new), EXPLICIT_ROUND)
+    if e_new != acc_e:
+        acc = acc * _pow2(acc_e - e_new)
     acc = tl.dot(ds8, ks8, acc)
     return acc, e_new
 
@@ -408,9 +450,9 @@ def _bwd_dq_kernel(
     s_dob, s_dom, s_doh, s_dod, s_deb, s_dem, s_deh,
     s_lb, s_lh, s_lm,
     s_dqb, s_dqm, s_dqh, s_dqd,
-    Hq, Sq, Sk, group_size, qk_scale, grad_scale,
+    Hq, Sq, Sk, group_size, qk_scale, grad_scale, lim_ks,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    DS_TILE_SCALE: tl.constexpr, EXPLICIT_ROUND: tl.constexpr,
+    Q_GROUP: tl.constexpr, DO_GROUP: tl.constexpr, EXPLICIT_ROUND: tl.constexpr,
 ):
     # heaviest causal query tiles (the last ones) first
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
@@ -429,19 +471,16 @@ def _bwd_dq_kernel(
                  mask=row_ok[:, None], other=0.0)
     do8 = tl.load(DOH + b64 * s_dob + h * s_doh + om64[:, None] * s_dom + offs_d[None, :] * s_dod,
                   mask=row_ok[:, None], other=0.0)
-    qe = tl.load(QE + b64 * s_qeb + h * s_qeh + om64 * s_qem, mask=row_ok, other=0)
-    doe = tl.load(DOE + b64 * s_deb + h * s_deh + om64 * s_dem, mask=row_ok, other=0)
+    qe = _row_exp(QE, b64, h, s_qeb, s_qem, s_qeh, start_m, offs_m, row_ok, Q_GROUP)
+    doe = _row_exp(DOE, b64, h, s_deb, s_dem, s_deh, start_m, offs_m, row_ok, DO_GROUP)
     lse = tl.load(LSE + b64 * s_lb + h * s_lh + om64 * s_lm, mask=row_ok, other=float("-inf"))
     delta = tl.load(DELTA + b64 * s_lb + h * s_lh + om64 * s_lm, mask=row_ok, other=0.0)
-    a_row = qk_scale * _pow2(qe)
+    a_row = qk_scale * _pow2(qe)  # (BM) or scalar
     b_row = tl.where(lse == float("-inf"), float("-inf"), 8.0 - lse * 1.4426950408889634)
-    dscale_row = _pow2(doe)
+    dscale_row = _pow2(doe)  # (BM) or scalar
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    if DS_TILE_SCALE:
-        acc_e = 0
-    else:
-        acc_e = tl.zeros([BLOCK_M], tl.int32)
+    acc_e = 0
     causal_off = Sk - Sq
     if CAUSAL:
         hi = tl.minimum(Sk, tl.maximum(start_m + BLOCK_M + causal_off, 0))
@@ -452,24 +491,21 @@ def _bwd_dq_kernel(
         full_end = (Sk // BLOCK_N) * BLOCK_N
     for start_n in range(0, full_end, BLOCK_N):
         acc, acc_e = _dq_step(
-            acc, acc_e, q8, do8, a_row, b_row, dscale_row, delta, offs_m, start_n, hk, b64, Sk, causal_off,
+            acc, acc_e, q8, do8, a_row, b_row, dscale_row, delta, offs_m, start_n, hk, b64, Sk, causal_off, lim_ks,
             K, KE, VH, VE, KS, s_kb, s_kn, s_kh, s_kd, s_keb, s_ket, s_keh, s_vb, s_vn, s_vh, s_vd,
             s_veb, s_vet, s_veh, s_ksb, s_ksn, s_ksh, s_ksd,
-            HEAD_DIM, BLOCK_N, False, CAUSAL, DS_TILE_SCALE, EXPLICIT_ROUND,
+            HEAD_DIM, BLOCK_N, False, CAUSAL, Q_GROUP, DO_GROUP, EXPLICIT_ROUND,
         )
     for start_n in range(full_end, hi, BLOCK_N):
         acc, acc_e = _dq_step(
-            acc, acc_e, q8, do8, a_row, b_row, dscale_row, delta, offs_m, start_n, hk, b64, Sk, causal_off,
+            acc, acc_e, q8, do8, a_row, b_row, dscale_row, delta, offs_m, start_n, hk, b64, Sk, causal_off, lim_ks,
             K, KE, VH, VE, KS, s_kb, s_kn, s_kh, s_kd, s_keb, s_ket, s_keh, s_vb, s_vn, s_vh, s_vd,
             s_veb, s_vet, s_veh, s_ksb, s_ksn, s_ksh, s_ksd,
-            HEAD_DIM, BLOCK_N, True, CAUSAL, DS_TILE_SCALE, EXPLICIT_ROUND,
+            HEAD_DIM, BLOCK_N, True, CAUSAL, Q_GROUP, DO_GROUP, EXPLICIT_ROUND,
         )
     kse = tl.load(KSE + b64 * s_kseb + hk * s_kseh + offs_d * s_ksed)
     colscale = _pow2(kse) * grad_scale
-    if DS_TILE_SCALE:
-        dq = acc * (colscale * _pow2(acc_e))[None, :]
-    else:
-        dq = acc * _pow2(acc_e)[:, None] * colscale[None, :]
+    dq = acc * (colscale * _pow2(acc_e))[None, :]
     tl.store(DQ + b64 * s_dqb + h * s_dqh + om64[:, None] * s_dqm + offs_d[None, :] * s_dqd,
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
@@ -479,22 +515,52 @@ def _bwd_dq_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
+def _seq_load_bound(data: torch.Tensor) -> int:
+    """How far along S a seq operand may be read: to S_pad for a channel-major view (its padding is zeros, as
+    ``formats.channel_major`` and the quantize kernels write it), so that the load mask is constant over 16
+    bytes along the contiguous dim and the loads pipeline as 16-byte cp.async; else S."""
+    S = data.shape[1]
+    pad = data.stride(3)
+    if data.stride(1) == 1 and pad >= S and pad % 16 == 0:
+        return pad
+    return S
+
+
 def _exp_strides3(e: torch.Tensor, dims: tuple[int, int, int]) -> tuple[int, int, int]:
     st = e.stride()
     return st[dims[0]], st[dims[1]], st[dims[2]]
+
+
+def _row_group(t: RowScaledFP8, name: str) -> int:
+    """Rows per exponent of an hdim operand whose exponents run along the sequence: 1 (one per row, the Q
+    layout) or the group of a grouped layout (the K layout: ``group_dim`` 1)."""
+    B, S, H, _ = t.data.shape
+    if t.group_dim is None or t.group == 1:
+        want = (B, S, H, 1)
+        g = 1
+    else:
+        if t.group_dim != 1:
+            raise ValueError(f"{name}: exponents must be grouped along the sequence (group_dim=1), got {t.group_dim}")
+        g = t.group
+        want = (B, triton.cdiv(S, g), H, 1)
+    if t.dim != 3 or tuple(t.exp.shape) != want:
+        raise ValueError(f"{name}: exp {tuple(t.exp.shape)} (dim={t.dim}), expected {want} blocked along the head dim")
+    return g
 
 
 def attn_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, dout_hdim: Optional[RowScaledFP8] = None,
                         dout_seq: Optional[RowScaledFP8] = None):
     """dO in both orientations and ``delta = rowsum(dO_hdim ∘ O)`` (B, Hq, Sq) fp32.
 
-    ``dout_hdim``: the Q layout (``row_scaled_triton(dout, "q")``); ``dout_seq``: the V layout
-    (``row_scaled_triton(dout, "v")``, channel-major).  Either may be given (e.g. by a fused producer); the
-    missing ones are made from ``dout`` here.  Returns (dout_hdim, dout_seq, delta)."""
+    ``dout_hdim``: blocked along the head dim, one exponent per ``DO_EXP_GROUP`` rows by default
+    (``row_scaled_triton(dout, "k", k_group=64)``; the per-row Q layout works too, slower);
+    ``dout_seq``: the V layout (``row_scaled_triton(dout, "v")``, channel-major).  Either may be given (e.g. by a
+    fused producer); the missing ones are made from ``dout`` here.  Returns (dout_hdim, dout_seq, delta)."""
     if dout_hdim is None:
-        dout_hdim = row_scaled_triton(dout, "q")
+        dout_hdim = row_scaled_triton(dout, "k", k_group=DO_EXP_GROUP)
     if dout_seq is None:
         dout_seq = row_scaled_triton(dout, "v")
+    g = _row_group(dout_hdim, "dout_hdim")
     B, Sq, Hq, D = out.shape
     delta = torch.empty(B, Hq, Sq, dtype=torch.float32, device=out.device)
     n_rows = B * Sq * Hq
@@ -503,27 +569,32 @@ def attn_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, dout_hdim: Option
         dd, de = dout_hdim.data, dout_hdim.exp
         _delta_kernel[(triton.cdiv(n_rows, block_r),)](
             dd, de, out, delta, *dd.stride(), de.stride(0), de.stride(1), de.stride(2), *out.stride(),
-            *delta.stride(), Sq, Hq, n_rows, HEAD_DIM=D, BLOCK_R=block_r, num_warps=4,
+            *delta.stride(), Sq, Hq, n_rows, HEAD_DIM=D, BLOCK_R=block_r, DO_GROUP=g, num_warps=4,
         )
     return dout_hdim, dout_seq, delta
 
 
-def _check_operands(q, k, v_hdim, q_seq, k_seq, out, dout, lse, cfg: BwdConfig):
-    B, Sq, Hq, D = q.data.shape
-    Sk, Hkv = k.data.shape[1], k.data.shape[2]
-    ng = triton.cdiv(Sk, EXP_GROUP)
-    want = {
-        "q": (q, (B, Sq, Hq, D), (B, Sq, Hq, 1)),
-        "k": (k, (B, Sk, Hkv, D), (B, ng, Hkv, 1)),
-        "v_hdim": (v_hdim, (B, Sk, Hkv, D), (B, ng, Hkv, 1)),
-        "q_seq": (q_seq, (B, Sq, Hq, D), (B, 1, Hq, D)),
-        "k_seq": (k_seq, (B, Sk, Hkv, D), (B, 1, Hkv, D)),
-    }
-    for name, (t, ds, es) in want.items():
+def _check_operands(q, k, v_hdim, q_seq, k_seq, out, dout, lse, cfg: BwdConfig) -> int:
+    """Validate shapes and layouts; returns Q's rows per exponent."""
+    for name, t in (("q", q), ("k", k), ("v_hdim", v_hdim), ("q_seq", q_seq), ("k_seq", k_seq)):
         if not isinstance(t, RowScaledFP8):
             raise TypeError(f"{name} must be a RowScaledFP8, got {type(t).__name__}")
-        if tuple(t.data.shape) != ds or tuple(t.exp.shape) != es:
-            raise ValueError(f"{name}: data {tuple(t.data.shape)} / exp {tuple(t.exp.shape)}, expected {ds} / {es}")
+    B, Sq, Hq, D = q.data.shape
+    Sk, Hkv = k.data.shape[1], k.data.shape[2]
+    for name, t, ds in (("k", k, (B, Sk, Hkv, D)), ("v_hdim", v_hdim, (B, Sk, Hkv, D)),
+                        ("q_seq", q_seq, (B, Sq, Hq, D)), ("k_seq", k_seq, (B, Sk, Hkv, D))):
+        if tuple(t.data.shape) != ds:
+            raise ValueError(f"{name}: data {tuple(t.data.shape)}, expected {ds}")
+    qg = _row_group(q, "q")
+    for name, t in (("k", k), ("v_hdim", v_hdim)):
+        if _row_group(t, name) != EXP_GROUP:
+            raise ValueError(f"{name}: needs one exponent per {EXP_GROUP} keys (the K layout), got exp "
+                             f"{tuple(t.exp.shape)}")
+    for name, t in (("q_seq", q_seq), ("k_seq", k_seq)):
+        want = (B, 1, t.data.shape[2], D)
+        if t.dim != 1 or tuple(t.exp.shape) != want:
+            raise ValueError(f"{name}: exp {tuple(t.exp.shape)} (dim={t.dim}), expected {want}: one exponent per "
+                             f"channel, blocked along the sequence (the V layout)")
     if tuple(out.shape) != (B, Sq, Hq, D) or tuple(dout.shape) != (B, Sq, Hq, D):
         raise ValueError(f"out {tuple(out.shape)} and dout {tuple(dout.shape)} must be {(B, Sq, Hq, D)}")
     if tuple(lse.shape) != (B, Hq, Sq) or lse.dtype != torch.float32:
@@ -535,6 +606,20 @@ def _check_operands(q, k, v_hdim, q_seq, k_seq, out, dout, lse, cfg: BwdConfig):
     for bn in (cfg.block_n, cfg.dq_block_n):
         if EXP_GROUP % bn:
             raise ValueError(f"block_n={bn} must divide the exponent group {EXP_GROUP}")
+    return qg
+
+
+def _tile_group(g: int, cfg: BwdConfig) -> int:
+    """The kernels' GROUP constexpr for query-row exponents with ``g`` rows per exponent: ``g`` when every query
+    tile lies inside one group (a scalar per tile), else 1 (the per-row path; a grouped tensor is expanded)."""
+    if g > 1 and g % cfg.block_m == 0 and g % cfg.dq_block_m == 0:
+        return g
+    return 1
+
+
+def _expand_rows(t: RowScaledFP8) -> torch.Tensor:
+    """Per-row int32 exponents (B, S, H, 1) of a grouped hdim operand."""
+    return t.exp.repeat_interleave(t.group, dim=1)[:, : t.data.shape[1]].contiguous()
 
 
 def attn_bwd_hopper(
@@ -557,18 +642,22 @@ def attn_bwd_hopper(
 ):
     """Gradients (dq, dk, dv) of MXFP8 attention on row-scaled FP8 operands (``formats.RowScaledFP8``).
 
-    q:      Q layout, the forward's operand: ``row_scaled_triton(q, "q")``, data (B, Sq, Hq, D), exp (B, Sq, Hq, 1).
-    k:      K layout, the forward's operand: ``row_scaled_triton(k, "k")``, exp (B, ceil(Sk/128), Hkv, 1).
+    q:      Q blocked along the head dim, data (B, Sq, Hq, D) D-contiguous.  Fastest with one exponent per 64 rows:
+            ``row_scaled_triton(q, "k", k_group=64)`` (exp (B, ceil(Sq/64), Hq, 1)), so that a query tile's scale
+            is one number; the forward's per-row operand (``row_scaled_triton(q, "q")``) works too, slower
+            (64 more registers a thread for per-query vectors).
+    k:      the forward's K operand: ``row_scaled_triton(k, "k")``, exp (B, ceil(Sk/128), Hkv, 1).
     v_hdim: V blocked along the head dim, K layout: ``row_scaled_triton(v, "k")`` (one exponent per 128 keys).
     q_seq:  Q blocked along the sequence, V layout: ``row_scaled_triton(q, "v")``, exp (B, 1, Hq, D), data the
-            (B, Sq, Hq, D) view of a channel-major (B, Hq, D, S_pad) buffer.
+            (B, Sq, Hq, D) view of a channel-major (B, Hq, D, S_pad) buffer whose padding is zero.
     k_seq:  K blocked along the sequence, V layout: ``row_scaled_triton(k, "v")``, exp (B, 1, Hkv, D), channel-major.
     out:    the forward output (B, Sq, Hq, D), bf16/fp16/fp32, any strides.
-    dout:   its gradient, same shape; quantized here (``attn_bwd_preprocess``) unless ``dout_hdim`` (Q layout) and
-            ``dout_seq`` (V layout, channel-major) are given.
+    dout:   its gradient, same shape; quantized here (``attn_bwd_preprocess``) unless ``dout_hdim`` (hdim, grouped
+            like q) and ``dout_seq`` (V layout, channel-major) are given.
     lse:    the forward's (B, Hq, Sq) float32 natural-log sum of exp (-inf for rows that see nothing).
     Data strides are free, but the kernels are fast only with the layouts above (D contiguous for hdim, S for seq).
-    deterministic: dQ from a second kernel instead of fp32 atomics (bit-identical over runs, ~1.3x the work).
+    deterministic: dQ from a second kernel instead of fp32 atomics (bit-identical over runs, 8 products per tile
+    pair instead of 5).
     Returns dq (B, Sq, Hq, D), dk, dv (B, Sk, Hkv, D) in ``grad_dtype``, contiguous.  dK and dV are summed over
     the query heads of each kv head's group.  Semantics: ``reference.attention_backward`` with quantize_p,
     quantize_ds and quantize_do on, up to the dS/dO scale granularity described in the module docstring.
@@ -576,7 +665,7 @@ def attn_bwd_hopper(
     B, Sq, Hq, D = q.data.shape
     Sk, Hkv = k.data.shape[1], k.data.shape[2]
     cfg = config or default_config(D, causal)
-    _check_operands(q, k, v_hdim, q_seq, k_seq, out, dout, lse, cfg)
+    qg = _check_operands(q, k, v_hdim, q_seq, k_seq, out, dout, lse, cfg)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     dev = q.data.device
@@ -587,6 +676,11 @@ def attn_bwd_hopper(
         dv.zero_()
         return torch.zeros(B, Sq, Hq, D, dtype=grad_dtype, device=dev), dk, dv
     doh, dos, delta = attn_bwd_preprocess(out, dout, dout_hdim, dout_seq)
+    q_group = _tile_group(qg, cfg)
+    qe = q.exp if q_group > 1 or qg == 1 else _expand_rows(q)
+    dg = _row_group(doh, "dout_hdim")
+    do_group = _tile_group(dg, cfg)
+    dhe = doh.exp if do_group > 1 or dg == 1 else _expand_rows(doh)
     group = Hq // Hkv
     grad_scale = softmax_scale * 2.0**-P_SCALE_LOG2  # dS entered the products as 256 * dS
     qk_scale = softmax_scale * LOG2E
@@ -596,28 +690,28 @@ def attn_bwd_hopper(
     else:
         dq_acc = torch.zeros(B, Sq, Hq, D, dtype=torch.float32, device=dev)
 
-    qd, qe, kd, ke, vd, ve = q.data, q.exp, k.data, k.exp, v_hdim.data, v_hdim.exp
+    qd, kd, ke, vd, ve = q.data, k.data, k.exp, v_hdim.data, v_hdim.exp
     qsd, qse, ksd, kse = q_seq.data, q_seq.exp, k_seq.data, k_seq.exp
-    dhd, dhe, dsd, dse = doh.data, doh.exp, dos.data, dos.exp
+    dhd, dsd, dse = doh.data, dos.data, dos.exp
     row_e = lambda e: _exp_strides3(e, (0, 1, 2))  # (B, S or groups, H)
     chan_e = lambda e: _exp_strides3(e, (0, 2, 3))  # (B, H, D)
-    common = dict(HEAD_DIM=D, CAUSAL=causal, DS_TILE_SCALE=cfg.ds_tile_scale, EXPLICIT_ROUND=INTERPRETER)
+    common = dict(HEAD_DIM=D, CAUSAL=causal, Q_GROUP=q_group, DO_GROUP=do_group, EXPLICIT_ROUND=INTERPRETER)
     _bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
         qd, qe, kd, ke, vd, ve, qsd, qse, ksd, kse, dhd, dhe, dsd, dse, lse, delta, dq_acc, dk, dv,
         *qd.stride(), *row_e(qe), *kd.stride(), *row_e(ke), *vd.stride(), *row_e(ve),
         *qsd.stride(), *chan_e(qse), *ksd.stride(), *chan_e(kse),
         *dhd.stride(), *row_e(dhe), *dsd.stride(), *chan_e(dse),
         *lse.stride(), *dq_acc.stride(), *dk.stride(), *dv.stride(),
-        Hkv, Sq, Sk, group, qk_scale, grad_scale,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ATOMIC_DQ=not deterministic, **common,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        Hkv, Sq, Sk, group, qk_scale, grad_scale, _seq_load_bound(qsd), _seq_load_bound(dsd),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ATOMIC_DQ=not deterministic, DS_TILE_SCALE=cfg.ds_tile_scale,
+        **common, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if deterministic:
         _bwd_dq_kernel[(triton.cdiv(Sq, cfg.dq_block_m), B * Hq)](
             qd, qe, kd, ke, vd, ve, ksd, kse, dhd, dhe, lse, delta, dq,
             *qd.stride(), *row_e(qe), *kd.stride(), *row_e(ke), *vd.stride(), *row_e(ve),
             *ksd.stride(), *chan_e(kse), *dhd.stride(), *row_e(dhe), *lse.stride(), *dq.stride(),
-            Hq, Sq, Sk, group, qk_scale, grad_scale,
+            Hq, Sq, Sk, group, qk_scale, grad_scale, _seq_load_bound(ksd),
             BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, **common,
             num_warps=cfg.dq_num_warps, num_stages=cfg.dq_num_stages,
         )
@@ -637,7 +731,7 @@ def bench_attn_bwd(shapes: Sequence[tuple], *, configs: Optional[Sequence[Option
 
     For each shape: the kernels alone on prepared operands (``bwd_ms``: preprocess + dK/dV (+ dQ) kernels, i.e.
     dO quantization and delta included, operand preparation of q/k/v excluded), the operand preparation
-    (``prep_ms``: q_seq, k_seq, v_hdim from bf16), and SDPA cuDNN / flash BF16 backward in the same run.
+    (``prep_ms``: q grouped by 64 rows, q_seq, k_seq, v_hdim from bf16), and SDPA cuDNN / flash BF16 backward in the same run.
     TFLOP/s count 2.5 * 4 * B * Hq * S^2 * D (half when causal).  Returns one dict per (shape, config)."""
     from mxattn.kernels.attn_fwd import attn_fwd_hopper
 
@@ -648,8 +742,9 @@ def bench_attn_bwd(shapes: Sequence[tuple], *, configs: Optional[Sequence[Option
         q, k, v, dout = mk(Hq), mk(Hkv), mk(Hkv), mk(Hq)
         qr, kr, vr = row_scaled_triton(q, "q"), row_scaled_triton(k, "k"), row_scaled_triton(v, "v")
         out, lse = attn_fwd_hopper(qr, kr, vr, causal=causal)
-        prep = lambda: (row_scaled_triton(v, "k"), row_scaled_triton(q, "v"), row_scaled_triton(k, "v"))
-        vh, qs, ks = prep()
+        prep = lambda: (row_scaled_triton(q, "k", k_group=64), row_scaled_triton(v, "k"), row_scaled_triton(q, "v"),
+                        row_scaled_triton(k, "v"))
+        qb, vh, qs, ks = prep()
         flops = 2.5 * 4 * B * Hq * S * S * D * (0.5 if causal else 1.0)
         tf = lambda ms: None if ms is None else flops / ms / 1e9
         base = {"B": B, "Hq": Hq, "Hkv": Hkv, "Sq": S, "Sk": S, "D": D, "causal": causal,
@@ -662,7 +757,7 @@ def bench_attn_bwd(shapes: Sequence[tuple], *, configs: Optional[Sequence[Option
         for cfg in configs or [None]:
             try:
                 ms = triton.testing.do_bench(
-                    lambda: attn_bwd_hopper(qr, kr, vh, qs, ks, out, dout, lse, causal=causal,
+                    lambda: attn_bwd_hopper(qb, kr, vh, qs, ks, out, dout, lse, causal=causal,
                                             deterministic=deterministic, config=cfg),
                     warmup=10, rep=rep_ms, return_mode="median")
             except Exception as e:  # noqa: BLE001 - a tile that does not fit is recorded, the sweep goes on
