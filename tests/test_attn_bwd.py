@@ -36,9 +36,9 @@ def _bwd():
 # ---------------------------------------------------------------- operands and expectations
 
 
-def _operands(q, k, v, on_gpu: bool, q_rows: int = 64):
+def _operands(q, k, v, on_gpu: bool, q_rows: int = 128):
     """Forward MX tensors, the reference's backward orientations, and the kernel's row-scaled operands (q with one
-    exponent per ``q_rows`` rows: 64 is the fast layout, 1 the forward's)."""
+    exponent per ``q_rows`` rows: 128 is the fast layout, 1 the forward's)."""
     mx = dict(
         q=formats.quantize_mxfp8(q, 3), k=formats.quantize_mxfp8(k, 3), v=formats.quantize_mxfp8(v, 1),
         q_seq=formats.quantize_mxfp8(q, 1), k_seq=formats.quantize_mxfp8(k, 1), v_hdim=formats.quantize_mxfp8(v, 3),
@@ -171,7 +171,7 @@ def _emulate(ops, dout, out, lse, causal, scale, cfg, deterministic):
 
 
 def _check(q, k, v, dout, causal, *, deterministic=False, softmax_scale=None, config=None, fwd="reference",
-           q_rows=64):
+           q_rows=128):
     """Run the kernel and check it against the calibrated bound and its emulation; returns the SQNRs."""
     bwd = _bwd()
     on_gpu = q.is_cuda

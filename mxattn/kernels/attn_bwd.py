@@ -51,13 +51,17 @@ import triton.language as tl
 from mxattn.formats import RowScaledFP8
 from mxattn.kernels.quantize import _round_to_e4m3_grid, row_scaled_triton
 
-__all__ = ["BwdConfig", "default_config", "DO_EXP_GROUP", "attn_bwd_hopper", "attn_bwd_preprocess", "bench_attn_bwd"]
+__all__ = [
+    "BwdConfig", "default_config", "DO_EXP_GROUP", "Q_EXP_GROUP", "attn_bwd_hopper", "attn_bwd_preprocess",
+    "bench_attn_bwd",
+]
 
 LOG2E = 1.4426950408889634
 P_SCALE_LOG2 = 8  # P enters dV as e4m3(P * 2^8)
 DS_HYSTERESIS = 2  # binades a dS tile may sit below its accumulator's exponent before the exponent follows it
 EXP_GROUP = 128  # keys sharing one exponent in k and v_hdim (formats.RowScaledFP8 K layout)
 DO_EXP_GROUP = 128  # query rows sharing one exponent in the hdim dO made here (a multiple of every BLOCK_M)
+Q_EXP_GROUP = 128  # the same for the q operand the caller should pass (row_scaled_triton(q, "k", k_group=128))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -553,7 +557,7 @@ def attn_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, dout_hdim: Option
     """dO in both orientations and ``delta = rowsum(dO_hdim ∘ O)`` (B, Hq, Sq) fp32.
 
     ``dout_hdim``: blocked along the head dim, one exponent per ``DO_EXP_GROUP`` rows by default
-    (``row_scaled_triton(dout, "k", k_group=64)``; the per-row Q layout works too, slower);
+    (``row_scaled_triton(dout, "k", k_group=128)``; the per-row Q layout works too, slower);
     ``dout_seq``: the V layout (``row_scaled_triton(dout, "v")``, channel-major).  Either may be given (e.g. by a
     fused producer); the missing ones are made from ``dout`` here.  Returns (dout_hdim, dout_seq, delta)."""
     if dout_hdim is None:
@@ -642,10 +646,10 @@ def attn_bwd_hopper(
 ):
     """Gradients (dq, dk, dv) of MXFP8 attention on row-scaled FP8 operands (``formats.RowScaledFP8``).
 
-    q:      Q blocked along the head dim, data (B, Sq, Hq, D) D-contiguous.  Fastest with one exponent per 64 rows:
-            ``row_scaled_triton(q, "k", k_group=64)`` (exp (B, ceil(Sq/64), Hq, 1)), so that a query tile's scale
-            is one number; the forward's per-row operand (``row_scaled_triton(q, "q")``) works too, slower
-            (64 more registers a thread for per-query vectors).
+    q:      Q blocked along the head dim, data (B, Sq, Hq, D) D-contiguous.  Fastest with one exponent per 128 rows
+            (``Q_EXP_GROUP``): ``row_scaled_triton(q, "k", k_group=128)``, exp (B, ceil(Sq/128), Hq, 1), so that a
+            query tile's scale is one number; the forward's per-row operand (``row_scaled_triton(q, "q")``) works
+            too, slower (per-query vectors cost 16 registers each in the dK/dV kernel's transposed tiles).
     k:      the forward's K operand: ``row_scaled_triton(k, "k")``, exp (B, ceil(Sk/128), Hkv, 1).
     v_hdim: V blocked along the head dim, K layout: ``row_scaled_triton(v, "k")`` (one exponent per 128 keys).
     q_seq:  Q blocked along the sequence, V layout: ``row_scaled_triton(q, "v")``, exp (B, 1, Hq, D), data the
@@ -726,13 +730,15 @@ def attn_bwd_hopper(
 
 
 def bench_attn_bwd(shapes: Sequence[tuple], *, configs: Optional[Sequence[Optional[BwdConfig]]] = None,
-                   deterministic: bool = False, with_sdpa: bool = True, rep_ms: int = 200) -> list[dict]:
-    """Time the backward on the GPU: ``shapes`` are (B, Hq, Hkv, S, D, causal) tuples.
+                   modes: Sequence[bool] = (False, True), with_sdpa: bool = True, rep_ms: int = 200) -> list[dict]:
+    """Time the backward on the GPU: ``shapes`` are (B, Hq, Hkv, S, D, causal) tuples, ``modes`` the values of
+    ``deterministic`` to time.
 
     For each shape: the kernels alone on prepared operands (``bwd_ms``: preprocess + dK/dV (+ dQ) kernels, i.e.
     dO quantization and delta included, operand preparation of q/k/v excluded), the operand preparation
-    (``prep_ms``: q grouped by 64 rows, q_seq, k_seq, v_hdim from bf16), and SDPA cuDNN / flash BF16 backward in the same run.
-    TFLOP/s count 2.5 * 4 * B * Hq * S^2 * D (half when causal).  Returns one dict per (shape, config)."""
+    (``prep_ms``: q grouped by 128 rows, q_seq, k_seq, v_hdim from bf16), and SDPA cuDNN / flash BF16 backward in
+    the same run.
+    TFLOP/s count 2.5 * 4 * B * Hq * S^2 * D (half when causal).  Returns one dict per (shape, mode, config)."""
     from mxattn.kernels.attn_fwd import attn_fwd_hopper
 
     rows = []
@@ -742,31 +748,32 @@ def bench_attn_bwd(shapes: Sequence[tuple], *, configs: Optional[Sequence[Option
         q, k, v, dout = mk(Hq), mk(Hkv), mk(Hkv), mk(Hq)
         qr, kr, vr = row_scaled_triton(q, "q"), row_scaled_triton(k, "k"), row_scaled_triton(v, "v")
         out, lse = attn_fwd_hopper(qr, kr, vr, causal=causal)
-        prep = lambda: (row_scaled_triton(q, "k", k_group=64), row_scaled_triton(v, "k"), row_scaled_triton(q, "v"),
-                        row_scaled_triton(k, "v"))
+        prep = lambda: (row_scaled_triton(q, "k", k_group=Q_EXP_GROUP), row_scaled_triton(v, "k"),
+                        row_scaled_triton(q, "v"), row_scaled_triton(k, "v"))
         qb, vh, qs, ks = prep()
         flops = 2.5 * 4 * B * Hq * S * S * D * (0.5 if causal else 1.0)
         tf = lambda ms: None if ms is None else flops / ms / 1e9
-        base = {"B": B, "Hq": Hq, "Hkv": Hkv, "Sq": S, "Sk": S, "D": D, "causal": causal,
-                "deterministic": deterministic}
+        base = {"B": B, "Hq": Hq, "Hkv": Hkv, "Sq": S, "Sk": S, "D": D, "causal": causal}
         peers = {}
         if with_sdpa:
             for name, be in (("sdpa_cudnn_bf16", "CUDNN_ATTENTION"), ("sdpa_flash_bf16", "FLASH_ATTENTION")):
                 peers[name] = tf(_time_sdpa_bwd(q, k, v, dout, causal, be, rep_ms))
         prep_ms = triton.testing.do_bench(prep, warmup=10, rep=rep_ms, return_mode="median")
-        for cfg in configs or [None]:
+        for det, cfg in [(d, c) for d in modes for c in (configs or [None])]:
+            row = {**base, "deterministic": det, "config": repr(cfg or default_config(D, causal))}
             try:
                 ms = triton.testing.do_bench(
                     lambda: attn_bwd_hopper(qb, kr, vh, qs, ks, out, dout, lse, causal=causal,
-                                            deterministic=deterministic, config=cfg),
+                                            deterministic=det, config=cfg),
                     warmup=10, rep=rep_ms, return_mode="median")
             except Exception as e:  # noqa: BLE001 - a tile that does not fit is recorded, the sweep goes on
-                rows.append({**base, "config": repr(cfg), "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                rows.append({**row, "error": f"{type(e).__name__}: {str(e)[:300]}"})
                 continue
             tflops = {"mxattn": tf(ms), **peers}
             cu = peers.get("sdpa_cudnn_bf16")
-            rows.append({**base, "config": repr(cfg or default_config(D, causal)), "bwd_ms": ms, "prep_ms": prep_ms,
-                         "tflops": tflops, "ratio_vs_sdpa_cudnn_bf16": (tf(ms) / cu) if cu else None})
+            rows.append({**row, "bwd_ms": ms, "prep_ms": prep_ms, "tflops": tflops,
+                         "tflops_with_prep": tf(ms + prep_ms),
+                         "ratio_vs_sdpa_cudnn_bf16": (tf(ms) / cu) if cu else None})
     return rows
 
 
@@ -783,3 +790,43 @@ def _time_sdpa_bwd(q, k, v, dout, causal, backend, rep_ms):
             return triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
     except Exception:  # noqa: BLE001 - a backend that refuses the shape is recorded as None
         return None
+
+
+SWEEP_CONFIGS = (
+    BwdConfig(),
+    BwdConfig(ds_tile_scale=False),
+    BwdConfig(num_stages=3),
+    BwdConfig(32, 128, 8, 3),
+    BwdConfig(64, 64, 4, 2),
+    BwdConfig(dq_block_m=64, dq_block_n=64, dq_num_warps=4, dq_num_stages=3),
+)
+
+
+def _main(argv: Optional[Sequence[str]] = None) -> None:
+    """``python -m mxattn.kernels.attn_bwd --out DIR [--sweep]``: time the backward (both dQ modes) against SDPA
+    and write ``attn_bwd-<gpu>-<date>.json``; ``--sweep`` times ``SWEEP_CONFIGS`` on two shapes instead."""
+    import argparse
+
+    from mxattn.bench.results import write_result
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--sweep", action="store_true")
+    args = ap.parse_args(argv)
+    if args.sweep:
+        shapes = [(2, 16, 16, 8192, 128, False), (2, 16, 16, 8192, 128, True)]
+        rows = bench_attn_bwd(shapes, configs=SWEEP_CONFIGS, rep_ms=100)
+        what_note = "tile sweep"
+    else:
+        shapes = [(2, 16, 16, 8192, 128, False), (2, 16, 16, 8192, 128, True), (2, 16, 16, 4096, 128, False),
+                  (8, 16, 16, 2048, 64, False), (2, 16, 2, 8192, 128, True)]
+        rows = bench_attn_bwd(shapes)
+        what_note = "kernels on prepared FP8 operands; bwd_ms includes dO quantization and delta"
+    for r in rows:
+        print({k: r.get(k) for k in ("Sq", "D", "causal", "Hkv", "deterministic", "config", "tflops",
+                                      "ratio_vs_sdpa_cudnn_bf16", "error")}, flush=True)
+    print(write_result("attn_bwd", rows, args.out, extra={"notes": what_note}))
+
+
+if __name__ == "__main__":
+    _main()
