@@ -271,6 +271,8 @@ def attn_fwd_hopper_varlen(q, k, v, *, causal: bool = False, softmax_scale: floa
     n_m = triton.cdiv(q.max_seqlen, cfg.block_m)
     if out.numel() == 0 or B * n_m == 0:
         return out, lse
+    if k.data.shape[0] == 0:  # no keys at all: every row sees nothing
+        return out.zero_(), lse.fill_(float("-inf"))
     if B * Hq > 65535:
         raise ValueError(f"batch * query heads = {B * Hq} exceeds the grid limit 65535")
     qd, kd, vd = q.data, k.data, v.data

@@ -363,9 +363,9 @@ def varlen_v_operand(v: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: 
         sxs, sxh = x4.stride(1), x4.stride(2)
         t1 = _tile("seqexp", dp)
         n_s1 = triton.cdiv(max_seqlen_k, t1.block_s)
-        per = _seq_chunk(B * H, max_seqlen_k, t1.block_s)
-        n_chunks = triton.cdiv(n_s1, per)
-        if n_chunks > 0:
+        if n_s1 > 0:
+            per = _seq_chunk(B * H, max_seqlen_k, t1.block_s)
+            n_chunks = triton.cdiv(n_s1, per)
             _v_exp_varlen_kernel[(B * n_chunks * H,)](
                 x4, sxs, sxh, cu_seqlens_k, exp, H, n_chunks, per,
                 D=D, NDP=dp // 32, BLOCK_S=t1.block_s, RCEIL=rceil,

@@ -1,0 +1,565 @@
+"""Jagged batches (issue 8, forward): producers, the varlen kernel, the public function.
+
+* Producers (``kernels/varlen.py``) against their PyTorch twins, byte for byte, and against the dense producers on each
+  sequence alone.
+* The kernel against a per-sequence dense reference with the calibrated bound of tests/test_attn_fwd.py (DESIGN §2):
+  error vs fp64 on the MX-dequantized inputs <= the reference's P-emulation error x 10^(0.5/20) + 2^-8 ||truth||,
+  checked for the whole batch and for every sequence; and bit for bit against the dense kernel run on each sequence.
+* ``mxfp8_attn_varlen_func``: CPU semantics (= the dense function on every sequence), autograd, input checks.
+CPU: kernels under TRITON_INTERPRET=1 at tiny shapes.  GPU (marker ``gpu``): long sequences, both GPU rounding paths,
+and ``bench_varlen`` (a 50%-fill batch against the dense kernel; ``MXATTN_RESULTS_DIR`` set: results file written).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from mxattn import formats, interface, reference
+from mxattn.interface import mxfp8_attn_func, mxfp8_attn_varlen_func
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+MARGIN_DB = 0.5
+BF16_FLOOR = 2.0**-8
+U8 = torch.uint8
+
+
+def _interp_or_gpu():
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs TRITON_INTERPRET=1 on a machine without a GPU (conftest sets it)")
+
+
+def _cu(lens, device=DEV) -> torch.Tensor:
+    c = [0]
+    for n in lens:
+        c.append(c[-1] + n)
+    return torch.tensor(c, dtype=torch.int32, device=device)
+
+
+def _packed(lens, H, D, seed, device=DEV, dtype=torch.bfloat16, spread=0):
+    """(T, H, D) gaussian tokens; with ``spread`` every sequence gets its own scale 2^U(-spread, spread), so that an
+    exponent read from the wrong sequence shows as a large error."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(lens), H, D, generator=g)
+    if spread:
+        for (t0, t1) in zip(_cu(lens, "cpu")[:-1].tolist(), _cu(lens, "cpu")[1:].tolist()):
+            x[t0:t1] *= 2.0 ** float(torch.randint(-spread, spread + 1, (), generator=g))
+    return x.to(device=device, dtype=dtype)
+
+
+def _seq_slices(cu: torch.Tensor) -> list[slice]:
+    c = cu.tolist()
+    return [slice(a, b) for a, b in zip(c[:-1], c[1:])]
+
+
+# ----------------------------------------------------------------------------------------------
+# producers
+# ----------------------------------------------------------------------------------------------
+
+
+def _same_bytes(got, want, what):
+    g, w = got.detach().cpu().contiguous().view(U8), want.detach().cpu().contiguous().view(U8)
+    assert g.shape == w.shape, f"{what}: shape {tuple(g.shape)} != {tuple(w.shape)}"
+    bad = g != w
+    if bad.any():
+        i = bad.nonzero()[0].tolist()
+        raise AssertionError(f"{what}: {int(bad.sum())} bytes differ; first at {i}: {int(g[tuple(i)])} vs {int(w[tuple(i)])}")
+
+
+def _same_int(got, want, what):
+    got, want = got.cpu(), want.cpu()
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    bad = got != want
+    if bad.any():
+        i = bad.nonzero()[0].tolist()
+        raise AssertionError(f"{what}: {int(bad.sum())} differ; first at {i}: {int(got[tuple(i)])} vs {int(want[tuple(i)])}")
+
+
+def _assert_same_operand(got, want, role):
+    """Equal exponents and equal data bytes wherever the layout defines them (V: up to the last sequence's padding)."""
+    _same_int(got.cu_data, want.cu_data, f"{role} cu_data")
+    _same_int(got.exp, want.exp, f"{role} exp")
+    if role == "v":
+        used = int(want.cu_data[-1])
+        assert got.data.shape == want.data.shape
+        _same_bytes(got.data[:, :, :used], want.data[:, :, :used], f"{role} data (zero padding included)")
+    else:
+        _same_bytes(got.data, want.data, f"{role} data")
+
+
+def _adversarial(lens, H, D, seed, dtype):
+    x = _packed(lens, H, D, seed, device="cpu", dtype=torch.float32, spread=20)
+    T = x.shape[0]
+    if T > 40:
+        x[3:40, 1] = 0.0  # zero rows, a whole group / channel stretch
+        x[:, 0, 5] = 0.0  # a zero channel
+        x[10, 0, :] *= 2.0**40  # an outlier row
+        x[35:37, 1, 7] = 2.0**-133  # values far below the block maxima (fp32 subnormals)
+    return x.to(dtype)
+
+
+LENS = [0, 1, 31, 33, 127, 129, 0, 5]
+
+
+@pytest.mark.parametrize("role", ["q", "k", "v"])
+@pytest.mark.parametrize("dtype,mode", [(torch.bfloat16, "rceil"), (torch.float32, "floor")])
+def test_producers_match_torch_twins(role, dtype, mode, seed):
+    _interp_or_gpu()
+    from mxattn.kernels import varlen as V
+
+    x = _adversarial(LENS, 2, 64, seed, dtype)
+    cu = _cu(LENS, "cpu")
+    make = getattr(V, f"varlen_{role}_operand")
+    twin = getattr(V, f"varlen_{role}_operand_torch")
+    got = make(x.to(DEV), cu.to(DEV), max(LENS), mode)
+    want = twin(x, cu, max(LENS), mode)
+    _assert_same_operand(got, want, role)
+
+
+def test_producers_nan_inf_stay_in_their_sequence(seed):
+    _interp_or_gpu()
+    from mxattn.kernels import varlen as V
+
+    lens = [33, 40, 5]
+    x = _packed(lens, 2, 64, seed, device="cpu", dtype=torch.float32)
+    x[35, 1, 3] = float("nan")  # sequence 1
+    x[70, 0, 9] = float("inf")  # sequence 1
+    cu = _cu(lens, "cpu")
+    for role in "qkv":
+        got = getattr(V, f"varlen_{role}_operand")(x.to(DEV), cu.to(DEV), 40)
+        want = getattr(V, f"varlen_{role}_operand_torch")(x, cu, 40)
+        _assert_same_operand(got, want, role)
+        for b in (0, 2):  # the other sequences hold no NaN
+            assert not torch.isnan(got.sequence(b).dequantize()).any(), f"{role}: NaN leaked into sequence {b}"
+
+
+def test_producers_equal_dense_producers_per_sequence(seed):
+    """Each sequence's operands are the dense producers' operands of that sequence alone."""
+    _interp_or_gpu()
+    from mxattn.kernels import varlen as V
+    from mxattn.kernels.quantize import row_scaled_triton
+
+    lens = [129, 0, 33, 1]
+    x = _packed(lens, 1, 128, seed, spread=8, dtype=torch.float16)
+    cu = _cu(lens)
+    for role in "qkv":
+        op = getattr(V, f"varlen_{role}_operand")(x, cu, max(lens))
+        for b, s in enumerate(_seq_slices(cu)):
+            if s.stop == s.start:
+                continue
+            got, want = op.sequence(b), row_scaled_triton(x[s].unsqueeze(0), role)
+            _same_int(got.exp, want.exp, f"{role} exp of sequence {b}")
+            _same_bytes(got.data, want.data, f"{role} data of sequence {b}")
+
+
+def test_layout_offsets():
+    from mxattn.kernels import varlen as V
+
+    cu = _cu([0, 1, 128, 129, 16, 17], "cpu")
+    assert V.cu_blocks(cu, 128).tolist() == [0, 0, 1, 2, 4, 5, 6]
+    assert (V.V_ALIGN * V.cu_blocks(cu, V.V_ALIGN)).tolist() == [0, 0, 16, 144, 288, 304, 336]
+    T, B = 291, 6
+    assert V._k_groups_bound(T, B) >= 6 and V._v_columns_bound(T, B) >= 336
+
+
+# ----------------------------------------------------------------------------------------------
+# the kernel against a per-sequence dense reference
+# ----------------------------------------------------------------------------------------------
+
+
+def _dense_reference(q, k, v, cu_q, cu_k, causal, softmax_scale):
+    """Per sequence, dense (1, S, H, D) MX inputs (q, k along D, v along S): fp64 truth and the P emulation,
+    packed back.  Independent of the packed reference path and of the varlen producers."""
+    Tq, Hq, D = q.shape
+    truth = torch.zeros(Tq, Hq, D, dtype=torch.float64)
+    emul = torch.zeros_like(truth)
+    lse = torch.full((Hq, Tq), float("-inf"), dtype=torch.float64)
+    for sq, sk in zip(_seq_slices(cu_q), _seq_slices(cu_k)):
+        if sq.stop == sq.start:
+            continue
+        qm = formats.quantize_mxfp8(q[sq].unsqueeze(0).cpu(), 3)
+        km = formats.quantize_mxfp8(k[sk].unsqueeze(0).cpu(), 3)
+        vm = formats.quantize_mxfp8(v[sk].unsqueeze(0).cpu(), 1)
+        t, l = reference.attention_forward(qm, km, vm, causal=causal, softmax_scale=softmax_scale)
+        e, _ = reference.attention_forward(qm, km, vm, causal=causal, softmax_scale=softmax_scale, quantize_p=True)
+        truth[sq], emul[sq], lse[:, sq] = t[0], e[0], l[0]
+    return truth, emul, lse
+
+
+def _within_bound(out, truth, emul, what):
+    err_k = (out - truth).norm().item()
+    err_e = (emul - truth).norm().item()
+    bound = err_e * 10 ** (MARGIN_DB / 20) + BF16_FLOOR * truth.norm().item()
+    if err_k > bound:
+        i = (out - truth).abs().argmax().item()
+        raise AssertionError(
+            f"{what}: kernel SQNR {reference.sqnr_db(out, truth):.2f} dB vs emulation {reference.sqnr_db(emul, truth):.2f} "
+            f"dB; error norm {err_k:.3g} > bound {bound:.3g}; max abs err {(out - truth).abs().max().item():.3g} at flat "
+            f"index {i}"
+        )
+
+
+def _check_varlen(q, k, v, cu_q, cu_k, causal, softmax_scale=None, max_q=None, max_k=None, config=None):
+    from mxattn.kernels.attn_fwd import attn_fwd_hopper_varlen
+    from mxattn.kernels.varlen import varlen_operands
+
+    lq = (cu_q[1:] - cu_q[:-1]).tolist()
+    lk = (cu_k[1:] - cu_k[:-1]).tolist()
+    ops = varlen_operands(q, k, v, cu_q, cu_k, max_q or max(lq, default=0), max_k or max(lk, default=0))
+    out, lse = attn_fwd_hopper_varlen(*ops, causal=causal, softmax_scale=softmax_scale, config=config)
+    assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
+    truth, emul, truth_lse = _dense_reference(q, k, v, cu_q, cu_k, causal, softmax_scale)
+    out, lse = out.double().cpu(), lse.double().cpu()
+    assert not torch.isnan(out).any(), "kernel output has NaN where the truth is finite"
+    _within_bound(out, truth, emul, "whole batch")
+    for b, s in enumerate(_seq_slices(cu_q)):
+        if s.stop > s.start:
+            _within_bound(out[s], truth[s], emul[s], f"sequence {b} (len_q {s.stop - s.start}, len_k {lk[b]})")
+    finite = torch.isfinite(truth_lse)
+    assert torch.equal(torch.isinf(lse), ~finite), "lse must be -inf exactly on rows with nothing to attend"
+    if finite.any():
+        assert (lse[finite] - truth_lse[finite]).abs().max().item() <= math.log1p(2.0**-4)
+    empty = ~finite.T  # (Tq, Hq)
+    if empty.any():
+        assert out[empty].abs().max().item() == 0.0
+    return out, lse
+
+
+INTERP_CASES = [
+    # lens_q, lens_k (None: same), Hq, Hkv, D, causal
+    ([0, 1, 31, 33, 127, 129], None, 2, 2, 64, False),
+    ([0, 1, 31, 33, 127, 129], None, 2, 2, 64, True),
+    ([5, 0, 33, 70, 1, 2], [9, 4, 0, 40, 129, 1], 4, 2, 64, True),  # GQA, Sq != Sk, keyless sequence, Sq > Sk rows
+    ([65, 3], [130, 0], 2, 1, 128, False),  # MQA, d128
+]
+
+
+@pytest.mark.parametrize("case", INTERP_CASES, ids=lambda c: f"{len(c[0])}seq-h{c[2]}/{c[3]}-d{c[4]}" + ("-c" if c[5] else ""))
+def test_varlen_kernel_interpreter(case, seed):
+    _interp_or_gpu()
+    lq, lk, Hq, Hkv, D, causal = case
+    lk = lk or lq
+    q = _packed(lq, Hq, D, seed)
+    k, v = _packed(lk, Hkv, D, seed + 1, spread=6), _packed(lk, Hkv, D, seed + 2, spread=6)
+    _check_varlen(q, k, v, _cu(lq), _cu(lk), causal)
+
+
+def test_varlen_kernel_equals_dense_kernel_per_sequence(seed):
+    """Same kernel, same tiles: every sequence's rows equal the dense kernel on that sequence alone, bit for bit."""
+    _interp_or_gpu()
+    from mxattn.kernels.attn_fwd import attn_fwd_hopper, attn_fwd_hopper_varlen
+    from mxattn.kernels.quantize import row_scaled_triton
+    from mxattn.kernels.varlen import varlen_operands
+
+    lq, lk = [70, 1], [129, 5]
+    q, k, v = _packed(lq, 2, 64, seed), _packed(lk, 1, 64, seed + 1, spread=4), _packed(lk, 1, 64, seed + 2, spread=4)
+    cu_q, cu_k = _cu(lq), _cu(lk)
+    for causal in (False, True):
+        out, lse = attn_fwd_hopper_varlen(*varlen_operands(q, k, v, cu_q, cu_k, 70, 129), causal=causal)
+        for sq, sk in zip(_seq_slices(cu_q), _seq_slices(cu_k)):
+            dense = [row_scaled_triton(t.unsqueeze(0), r) for t, r in ((q[sq], "q"), (k[sk], "k"), (v[sk], "v"))]
+            od, ld = attn_fwd_hopper(*dense, causal=causal)
+            assert torch.equal(out[sq], od[0]), f"out of rows {sq} differs from the dense kernel (causal={causal})"
+            assert torch.equal(lse[:, sq], ld[0]), f"lse of rows {sq} differs from the dense kernel (causal={causal})"
+
+
+def _unpad(x: torch.Tensor, mask: torch.Tensor):
+    """Padded (B, S, H, D) and a (B, S) bool mask of real tokens -> packed (T, H, D), cu_seqlens, max_seqlen."""
+    lens = mask.sum(1).tolist()
+    return x[mask], _cu(lens, x.device), max(lens, default=0)
+
+
+def _pad(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    out = x.new_zeros(mask.shape + x.shape[1:])
+    out[mask] = x
+    return out
+
+
+def test_random_padding_masks(seed):
+    """Random padding masks (any pattern, all-real and all-padding rows included) turned into cu_seqlens: each row's
+    real tokens attend to each other only, as a dense call on that row's real tokens would."""
+    _interp_or_gpu()
+    g = torch.Generator().manual_seed(seed)
+    B, S, Hq, Hkv, D = 4, 70, 2, 1, 64
+    fill = torch.tensor([0.0, 1.0, 0.5, 0.2])
+    mask = torch.rand(B, S, generator=g) < fill[:, None]
+    q = torch.randn(B, S, Hq, D, generator=g).to(DEV, torch.bfloat16)
+    k = torch.randn(B, S, Hkv, D, generator=g).to(DEV, torch.bfloat16)
+    v = torch.randn(B, S, Hkv, D, generator=g).to(DEV, torch.bfloat16)
+    m = mask.to(DEV)
+    qp, cu, smax = _unpad(q, m)
+    kp, _, _ = _unpad(k, m)
+    vp, _, _ = _unpad(v, m)
+    _check_varlen(qp, kp, vp, cu, cu, causal=True)
+    # the public CPU function, row by row, against the dense function on the row's real tokens
+    out_api = _pad(mxfp8_attn_varlen_func(qp.cpu(), kp.cpu(), vp.cpu(), cu.cpu(), cu.cpu(), smax, smax, causal=True), mask)
+    for b in range(B):
+        n = int(mask[b].sum())
+        if n:
+            row = mask[b]
+            dense = mxfp8_attn_func(q[b, row].unsqueeze(0).cpu(), k[b, row].unsqueeze(0).cpu(),
+                                    v[b, row].unsqueeze(0).cpu(), causal=True)
+            torch.testing.assert_close(out_api[b, row], dense[0], rtol=0, atol=0)
+
+
+def test_kernel_empty_batches(seed):
+    _interp_or_gpu()
+    from mxattn.kernels.attn_fwd import attn_fwd_hopper_varlen
+    from mxattn.kernels.varlen import varlen_operands
+
+    for lq, lk in (([], []), ([0, 0], [0, 3]), ([4, 2], [0, 0])):
+        q, k, v = _packed(lq, 2, 64, seed), _packed(lk, 2, 64, seed + 1), _packed(lk, 2, 64, seed + 2)
+        ops = varlen_operands(q, k, v, _cu(lq), _cu(lk), max(lq, default=0), max(lk, default=0))
+        out, lse = attn_fwd_hopper_varlen(*ops)
+        assert out.shape == q.shape and lse.shape == (2, q.shape[0])
+        assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# public function (CPU: the reference)
+# ----------------------------------------------------------------------------------------------
+
+
+def _api_inputs(lq, lk, Hq=4, Hkv=2, D=64, dtype=torch.float32, device="cpu", requires_grad=False):
+    q = torch.randn(sum(lq), Hq, D, dtype=dtype, device=device, requires_grad=requires_grad)
+    k = torch.randn(sum(lk), Hkv, D, dtype=dtype, device=device, requires_grad=requires_grad)
+    v = torch.randn(sum(lk), Hkv, D, dtype=dtype, device=device, requires_grad=requires_grad)
+    return q, k, v, _cu(lq, device), _cu(lk, device)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cpu_function_is_the_dense_function_per_sequence(causal, seed):
+    lq, lk = [7, 0, 40, 33], [12, 3, 40, 0]
+    q, k, v, cu_q, cu_k = _api_inputs(lq, lk, dtype=torch.bfloat16)
+    out, lse = mxfp8_attn_varlen_func(q, k, v, cu_q, cu_k, 40, 40, causal=causal, return_lse=True)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == (4, sum(lq)) and lse.dtype == torch.float32
+    for sq, sk in zip(_seq_slices(cu_q), _seq_slices(cu_k)):
+        if sq.stop == sq.start:
+            continue
+        if sk.stop == sk.start:
+            assert (out[sq] == 0).all() and torch.isneginf(lse[:, sq]).all()
+            continue
+        od, ld = mxfp8_attn_func(q[sq].unsqueeze(0), k[sk].unsqueeze(0), v[sk].unsqueeze(0), causal=causal,
+                                 return_lse=True)
+        torch.testing.assert_close(out[sq], od[0], rtol=0, atol=0)
+        torch.testing.assert_close(lse[:, sq], ld[0], rtol=0, atol=0)
+
+
+def test_cpu_autograd_is_the_dense_autograd_per_sequence(seed):
+    lq, lk = [20, 9, 0], [36, 9, 4]
+    q, k, v, cu_q, cu_k = _api_inputs(lq, lk, requires_grad=True)
+    out = mxfp8_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 36, causal=True)
+    w = torch.randn_like(out)
+    (out * w).sum().backward()
+    for sq, sk in zip(_seq_slices(cu_q), _seq_slices(cu_k)):
+        if sq.stop == sq.start:
+            assert (k.grad[sk] == 0).all() and (v.grad[sk] == 0).all()
+            continue
+        qs, ks, vs = (t.detach()[s].unsqueeze(0).requires_grad_() for t, s in ((q, sq), (k, sk), (v, sk)))
+        od = mxfp8_attn_func(qs, ks, vs, causal=True)
+        (od * w[sq].unsqueeze(0)).sum().backward()
+        for name, got, want in (("dq", q.grad[sq], qs.grad[0]), ("dk", k.grad[sk], ks.grad[0]), ("dv", v.grad[sk], vs.grad[0])):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _good_args() -> dict:
+    q, k, v, cu_q, cu_k = _api_inputs([5, 0, 9], [6, 2, 9])
+    return {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": 9, "max_seqlen_k": 9}
+
+
+def _bad_cases():
+    def setk(key, value):
+        return lambda a: a.__setitem__(key, value(a) if callable(value) else value)
+
+    return [
+        ("cu float", setk("cu_seqlens_q", lambda a: a["cu_seqlens_q"].float()), TypeError, "cu_seqlens_q must be int32"),
+        ("cu int64", setk("cu_seqlens_k", lambda a: a["cu_seqlens_k"].long()), TypeError, "cu_seqlens_k must be int32"),
+        ("cu list", setk("cu_seqlens_q", [0, 5, 5, 14]), TypeError, "cu_seqlens_q must be a torch.Tensor"),
+        ("cu 2-D", setk("cu_seqlens_q", lambda a: a["cu_seqlens_q"][None]), ValueError, "cu_seqlens_q must be 1-D"),
+        ("cu empty", setk("cu_seqlens_k", lambda a: a["cu_seqlens_k"][:0]), ValueError, "cu_seqlens_k must be 1-D"),
+        ("cu start", setk("cu_seqlens_q", _cu([5, 0, 9], "cpu") + 1), ValueError, "cu_seqlens_q must start at 0"),
+        ("cu decreasing", setk("cu_seqlens_k", torch.tensor([0, 6, 4, 17], dtype=torch.int32)), ValueError,
+         "cu_seqlens_k must not decrease"),
+        ("cu end", setk("cu_seqlens_q", torch.tensor([0, 5, 5, 13], dtype=torch.int32)), ValueError,
+         "cu_seqlens_q must end at the number of packed tokens 14"),
+        ("batch mismatch", setk("cu_seqlens_k", torch.tensor([0, 8, 17], dtype=torch.int32)), ValueError,
+         "3 sequences but cu_seqlens_k has 2"),
+        ("max_seqlen_q small", setk("max_seqlen_q", 8), ValueError, "max_seqlen_q=8 is less than the longest"),
+        ("max_seqlen_k float", setk("max_seqlen_k", 9.0), TypeError, "max_seqlen_k must be an int"),
+        ("max_seqlen_k tensor", setk("max_seqlen_k", torch.tensor(9)), TypeError, "max_seqlen_k must be an int"),
+        ("q rank 4", setk("q", lambda a: a["q"][None]), ValueError, r"q must have shape \(total_tokens"),
+        ("v shape", setk("v", lambda a: a["v"][:, :1]), ValueError, "v must have k's shape"),
+        ("mixed dtypes", setk("k", lambda a: a["k"].bfloat16()), TypeError, "one dtype"),
+        ("int q", setk("q", lambda a: a["q"].int()), TypeError, "q must be bfloat16"),
+        ("MX q", setk("q", lambda a: formats.quantize_mxfp8(a["q"], 2)), TypeError, "MXTensor inputs are not supported"),
+        ("head dim 32", lambda a: [a.__setitem__(n, a[n][..., :32]) for n in "qkv"], ValueError, "head dim 32"),
+        ("GQA 3:2", setk("q", lambda a: a["q"][:, :3]), ValueError, "multiple of the number of kv heads"),
+    ]
+
+
+BAD = _bad_cases()
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_input_is_refused_before_any_work(case, monkeypatch):
+    _, mutate, exc, words = case
+    import mxattn.kernels.attn_fwd as af
+    import mxattn.kernels.varlen as kv
+
+    def boom(*a, **k):
+        raise AssertionError("work started before the inputs were checked")
+
+    for mod, name in ((kv, "varlen_operands"), (kv, "seq_mx_dequantized"), (af, "attn_fwd_hopper_varlen"),
+                      (reference, "attention_forward")):
+        monkeypatch.setattr(mod, name, boom)
+    args = _good_args()
+    mutate(args)
+    with pytest.raises(exc, match=words):
+        mxfp8_attn_varlen_func(**args)
+
+
+@pytest.mark.parametrize("kw,exc,words", [
+    ({"causal": 1}, TypeError, "causal must be a bool"),
+    ({"return_lse": None}, TypeError, "return_lse must be a bool"),
+    ({"softmax_scale": -1.0}, ValueError, "softmax_scale"),
+    ({"softmax_scale": "0.1"}, TypeError, "softmax_scale"),
+    ({"scale_mode": "round"}, ValueError, "scale_mode"),
+])
+def test_bad_options_are_refused(kw, exc, words):
+    q, k, v, cu_q, cu_k = _api_inputs([5, 9], [6, 9])
+    with pytest.raises(exc, match=words):
+        mxfp8_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 9, **kw)
+
+
+def test_cpu_function_empty_and_generous_max_seqlen(seed):
+    for lq, lk in (([], []), ([0, 0], [0, 0]), ([3, 0], [0, 5])):
+        q, k, v, cu_q, cu_k = _api_inputs(lq, lk)
+        out, lse = mxfp8_attn_varlen_func(q, k, v, cu_q, cu_k, 100, 100, return_lse=True)
+        assert out.shape == q.shape and lse.shape == (4, q.shape[0])
+        assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------------------------
+
+GPU_CASES = [
+    # lens_q, lens_k (None: same), Hq, Hkv, D, causal
+    ([4095, 1, 0, 129, 2048, 33, 127, 31], None, 8, 2, 128, False),
+    ([4095, 1, 0, 129, 2048, 33, 127, 31], None, 8, 2, 128, True),
+    ([4095, 4096, 1], None, 4, 4, 64, False),
+    ([4095, 4096, 1], None, 4, 4, 64, True),
+    ([100, 3000, 1, 700], [4000, 50, 0, 700], 16, 2, 128, True),  # Sq < Sk, Sq > Sk (empty rows), no keys
+    ([1000] * 3, [1500] * 3, 4, 1, 64, True),  # MQA
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{len(c[0])}seq-max{max(c[0])}-h{c[2]}/{c[3]}-d{c[4]}" + ("-c" if c[5] else ""))
+def test_varlen_kernel_gpu(case, seed):
+    lq, lk, Hq, Hkv, D, causal = case
+    lk = lk or lq
+    q = _packed(lq, Hq, D, seed)
+    k, v = _packed(lk, Hkv, D, seed + 1, spread=6), _packed(lk, Hkv, D, seed + 2, spread=6)
+    _check_varlen(q, k, v, _cu(lq), _cu(lk), causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [(64, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)])
+def test_varlen_kernel_gpu_every_tile(tile, seed):
+    from mxattn.kernels.attn_fwd import FwdConfig
+
+    lens = [700, 1, 129, 1200, 0, 64]
+    for D in (64, 128):
+        q, k, v = _packed(lens, 4, D, seed + D), _packed(lens, 2, D, seed + 1), _packed(lens, 2, D, seed + 2)
+        for causal in (False, True):
+            _check_varlen(q, k, v, _cu(lens), _cu(lens), causal, config=FwdConfig(*tile))
+
+
+@pytest.mark.gpu
+def test_varlen_kernel_gpu_generous_max_seqlen(seed):
+    lens = [300, 17, 129]
+    q, k, v = _packed(lens, 2, 128, seed), _packed(lens, 2, 128, seed + 1), _packed(lens, 2, 128, seed + 2)
+    _check_varlen(q, k, v, _cu(lens), _cu(lens), True, max_q=5000, max_k=5000)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gpu_rounding", ["hardware", "soft"])
+def test_producers_gpu(gpu_rounding, seed, monkeypatch):
+    import mxattn.kernels.quantize as kq
+    from mxattn.kernels import varlen as V
+
+    monkeypatch.setattr(kq, "SOFT_ROUND_ON_GPU", gpu_rounding == "soft")
+    lens = [4095, 0, 1, 31, 33, 127, 129, 2000, 4096]
+    for dtype, mode in ((torch.bfloat16, "rceil"), (torch.float32, "floor")):
+        x = _adversarial(lens, 4, 128, seed, dtype)
+        cu = _cu(lens, "cpu")
+        for role in "qkv":
+            got = getattr(V, f"varlen_{role}_operand")(x.cuda(), cu.cuda(), max(lens), mode)
+            want = getattr(V, f"varlen_{role}_operand_torch")(x, cu, max(lens), mode)
+            _assert_same_operand(got, want, role)
+
+
+@pytest.mark.gpu
+def test_varlen_gpu_equals_dense_kernel_per_sequence(seed):
+    from mxattn.kernels.attn_fwd import attn_fwd_hopper, attn_fwd_hopper_varlen
+    from mxattn.kernels.quantize import row_scaled_triton
+    from mxattn.kernels.varlen import varlen_operands
+
+    lens = [4095, 1, 129, 1000, 33]
+    q, k, v = _packed(lens, 8, 128, seed), _packed(lens, 2, 128, seed + 1), _packed(lens, 2, 128, seed + 2)
+    cu = _cu(lens)
+    for causal in (False, True):
+        out, lse = attn_fwd_hopper_varlen(*varlen_operands(q, k, v, cu, cu, 4095, 4095), causal=causal)
+        for s in _seq_slices(cu):
+            dense = [row_scaled_triton(t.unsqueeze(0), r) for t, r in ((q[s], "q"), (k[s], "k"), (v[s], "v"))]
+            od, ld = attn_fwd_hopper(*dense, causal=causal)
+            assert torch.equal(out[s], od[0]) and torch.equal(lse[:, s], ld[0]), f"rows {s}, causal={causal}"
+
+
+@pytest.mark.gpu
+def test_public_function_gpu_matches_cpu(seed):
+    lq, lk = [200, 0, 1, 333], [300, 5, 1, 100]
+    q, k, v, cu_q, cu_k = _api_inputs(lq, lk, dtype=torch.bfloat16)
+    out_c, lse_c = mxfp8_attn_varlen_func(q, k, v, cu_q, cu_k, 333, 300, causal=True, return_lse=True)
+    out_g, lse_g = mxfp8_attn_varlen_func(q.cuda(), k.cuda(), v.cuda(), cu_q.cuda(), cu_k, 333, 300, causal=True,
+                                          return_lse=True)
+    assert reference.sqnr_db(out_g.double().cpu(), out_c.double()) > 25
+    fin = torch.isfinite(lse_c)
+    assert torch.equal(fin, torch.isfinite(lse_g.cpu()))
+    assert (lse_g.cpu()[fin] - lse_c[fin]).abs().max() < 0.1
+
+
+@pytest.mark.gpu
+def test_gpu_backward_is_the_reference_backward(seed):
+    lq, lk = [50, 0, 70], [64, 3, 70]
+    q, k, v, cu_q, cu_k = _api_inputs(lq, lk, requires_grad=True)
+    qg, kg, vg = (t.detach().cuda().requires_grad_() for t in (q, k, v))
+    w = torch.randn(q.shape)
+    mxfp8_attn_varlen_func(q, k, v, cu_q, cu_k, 70, 70, causal=True).mul(w).sum().backward()
+    mxfp8_attn_varlen_func(qg, kg, vg, cu_q.cuda(), cu_k.cuda(), 70, 70, causal=True).mul(w.cuda()).sum().backward()
+    for name, a, b in (("dq", qg.grad, q.grad), ("dk", kg.grad, k.grad), ("dv", vg.grad, v.grad)):
+        assert reference.sqnr_db(a.double().cpu(), b.double()) > 20, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_bench_varlen_gpu(causal):
+    """Speed of a 50%-fill jagged batch (lengths uniform in [1, 2 mean - 1]) against the dense kernel."""
+    from mxattn.kernels.varlen import bench_varlen
+
+    rows = [bench_varlen(batch=16, mean_len=m, heads_q=16, heads_kv=16, head_dim=128, causal=causal, seed=1)
+            for m in (512, 2048)]
+    rows += [bench_varlen(batch=16, mean_len=2048, heads_q=16, heads_kv=16, head_dim=64, causal=causal, seed=2)]
+    for r in rows:
+        print({k: r[k] for k in ("B", "D", "causal", "mean_len", "max_len", "fill", "speedup_vs_padded", "rate_vs_dense")},
+              r["ms"], r["tflops"])
+        assert r["speedup_vs_padded"] > 1.2, r
+    outdir = os.environ.get("MXATTN_RESULTS_DIR")
+    if outdir:
+        from mxattn.bench.results import write_result
+
+        write_result("varlen_fwd", rows, outdir, extra={"lengths": "uniform [1, 2 mean - 1]", "causal": causal})
