@@ -3,11 +3,11 @@
 Operands (``formats.RowScaledFP8``, DESIGN §1 table and §3), all (B, S, H, D) logical shape:
 
   product          operands (orientation)           exponents and where they go
-  S  = Q Kᵀ        q (hdim), k (hdim)               q per (token, head), k per 128 keys -> the row's softmax scale
+  S  = Q Kᵀ        q (hdim), k (hdim)               q per 128 queries (or per row), k per 128 keys -> S's scale
   dV = Pᵀ dO       P e4m3 x 2^-8, dout_seq (seq)    dO per (head, channel) -> dV's epilogue
-  dP = dO Vᵀ       dout_hdim (hdim), v_hdim (hdim)  dO per (token, head), V per 128 keys -> dP's row scale
-  dK = dSᵀ Q       dS e4m3 (see below), q_seq (seq) dS per (key, q tile) -> dK rows, Q per (head, channel) -> epilogue
-  dQ = dS K        dS e4m3 (see below), k_seq (seq) dS per (query, kv tile) -> dQ rows, K per channel -> epilogue
+  dP = dO Vᵀ       dout_hdim (hdim), v_hdim (hdim)  dO per 128 queries, V per 128 keys -> dP's scale
+  dK = dSᵀ Q       dS e4m3 (see below), q_seq (seq) dS per tile -> dK accumulator, Q per (head, channel) -> epilogue
+  dQ = dS K        dS e4m3 (see below), k_seq (seq) dS per tile -> dQ tile, K per channel -> epilogue
 
 seq operands are channel-major (the (B, S, H, D) view of a (B, H, D, S_pad) buffer), so that the contraction
 dim (the sequence) is contiguous, as FP8 wgmma needs for its shared-memory operands.
@@ -21,14 +21,14 @@ dQ is either added per (kv tile, q tile) with fp32 atomics from the same program
 ``deterministic=True``, computed by a second kernel that loops over the kv tiles of one query tile (S, P, dP
 and dS recomputed: 8 products instead of 5, no float atomics, bit-identical over runs).
 
-dS quantization (docs/perf-notes-attn-bwd.md has the measurements): a power-of-two scale per key and query tile
-for dK (the row amax of the dSᵀ tile, a quad-shuffle reduction) and per query and kv tile for dQ.  The dK
-accumulator is rescaled by 2^(e_prev − e) (exact) whenever a key's exponent changes from one q tile to the next,
-like the online softmax rescales O.  The dQ tile's scale is applied before its atomic add (or, in the
-deterministic kernel, by the same rescaling of the dQ accumulator).  Because e4m3 rounding is relative, the block
-size of a power-of-two scale only matters for elements that fall to subnormals; this scheme and the reference's
-MX blocks of 32 agree to ~100 dB (measured), i.e. the same dS.  ``DS_TILE_SCALE`` switches both to one scale per
-tile (one cast instead of two) for speed experiments.
+dS quantization (docs/perf-notes-attn-bwd.md has the measurements): one RCEIL power of two per (keys x queries)
+tile, one e4m3 cast for both products.  The dK accumulator is kept in units of the current exponent and rescaled by
+2^(e_old − e_new) (exact) when it changes, like the online softmax rescales O; with hysteresis (``_sticky_exp``)
+that is a skipped branch on most tiles.  The atomic dQ tile is multiplied by 2^e before its add; the deterministic
+dQ kernel keeps its accumulator like dK, along the kv tiles.  Because e4m3 rounding is relative, the block size of
+a power-of-two scale only matters for elements that fall to subnormals: this scheme and the reference's MX blocks
+of 32 give gradients that agree to ~100 dB, i.e. the same dS.  ``BwdConfig(ds_tile_scale=False)`` uses one scale
+per key (a quad-shuffle row reduction of the dSᵀ tile) for dK instead, and a separate per-tile cast for dQ.
 
 P·256 is at most 256 (P <= 1): e4m3 without saturation, the constant 2^-8 folds into dV's epilogue.  dS is also
 computed from the fp32 P·256 (as the reference, which keeps P unrounded for dS); its 256 folds into dK and dQ.
