@@ -257,7 +257,7 @@ def _v_data_varlen_kernel(
     cu_ptr, cuv_ptr,  # token offsets; 16-aligned column offsets
     exp_ptr,  # int32 (B, H, D) from pass 1; the "none" sentinel is rewritten as 0
     cw_ptr,  # channel-major (H, D, Tv) buffer as int32 words
-    H, row_w, n_s_tiles,
+    H, Tv, n_s_tiles,
     D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr,
     RCEIL: tl.constexpr, SOFT: tl.constexpr, IDX64: tl.constexpr,
 ):
@@ -303,6 +303,7 @@ def _v_data_varlen_kernel(
     wd |= _seq_bytes(x2r, x2, m2, e, E, fin, s0 + q4 + 2 >= S, bad, True, SOFT) << 16
     wd |= _seq_bytes(x3r, x3, m3, e, E, fin, s0 + q4 + 3 >= S, bad, True, SOFT) << 24
     c0 = tl.multiple_of(tl.load(cuv_ptr + b), 16)
+    row_w = Tv // 4  # int32 words per channel row (Tv is a multiple of 16: 16-byte aligned rows)
     cbase = cw_ptr + h64 * D * row_w + ((c0 + s0) // 4).to(tl.int64)
     tl.store(cbase + d * row_w + w, wd, mask=(s0 // 4 + w < S_pad // 4) & in_d)
 
@@ -375,7 +376,7 @@ def varlen_v_operand(v: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: 
         n_s2 = max(1, triton.cdiv(triton.cdiv(max_seqlen_k, V_ALIGN) * V_ALIGN, t2.block_s))
         idx64 = _needs_i64(t2.block_s * sxs, dp) or _needs_i64(dp * Tv, t2.block_s)
         _v_data_varlen_kernel[(B * n_s2 * H,)](
-            x4, sxs, sxh, cu_seqlens_k, cu_v, exp, buf.view(torch.int32), H, Tv // 4, n_s2,
+            x4, sxs, sxh, cu_seqlens_k, cu_v, exp, buf.view(torch.int32), H, Tv, n_s2,
             D=D, NDP=dp // 32, BLOCK_S=t2.block_s, RCEIL=rceil, SOFT=_soft(dev), IDX64=idx64,
             num_warps=t2.num_warps,
         )
