@@ -563,3 +563,79 @@ def test_bench_varlen_gpu(causal):
         from mxattn.bench.results import write_result
 
         write_result("varlen_fwd", rows, outdir, extra={"lengths": "uniform [1, 2 mean - 1]", "causal": causal})
+
+
+# ----------------------------------------------------------------------------------------------
+# compiled code (CPU: compile for sm90 without a GPU, in a subprocess without the interpreter)
+# ----------------------------------------------------------------------------------------------
+
+
+def _sm90_memory_ops() -> dict:
+    """Global memory instructions of the forward kernel compiled for sm90 (d128, BM64/BN128, 4 warps, 3 stages), dense
+    and varlen, with the specializations a real launch gets (16-byte aligned pointers, strides divisible by 16, unit
+    strides constant)."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import mxattn.kernels.attn_fwd as af
+
+    types = {"Q": "*fp8e4nv", "K": "*fp8e4nv", "V": "*fp8e4nv", "QE": "*i32", "KE": "*i32", "VE": "*i32", "O": "*bf16",
+             "LSE": "*fp32", "qk_scale": "fp32", "CU_Q": "*i32", "CU_K": "*i32", "CU_KG": "*i32", "CU_V": "*i32"}
+    div16 = {"stride_qb", "stride_qm", "stride_qh", "stride_kb", "stride_kn", "stride_kh", "stride_vb", "stride_vh",
+             "stride_vd", "stride_qeb", "stride_qem", "stride_keb", "stride_ket", "stride_veb", "stride_veh", "stride_ob",
+             "stride_om", "stride_oh", "stride_lb", "stride_lh", "Hq", "Sq", "Sk"}
+    res = {}
+    for varlen in (False, True):
+        consts = {"HEAD_DIM": 128, "BLOCK_M": 64, "BLOCK_N": 128, "CAUSAL": False, "EXPLICIT_ROUND": False,
+                  "VARLEN": varlen, "stride_qd": 1, "stride_kd": 1, "stride_vn": 1, "stride_od": 1, "stride_lm": 1,
+                  "stride_ved": 1}
+        if not varlen:
+            consts.update({"CU_Q": None, "CU_K": None, "CU_KG": None, "CU_V": None})
+        sig, attrs = {}, {}
+        for i, n in enumerate(af._attn_fwd_kernel.arg_names):
+            sig[n] = "constexpr" if n in consts else types.get(n, "i32")
+            if n not in consts and (sig[n].startswith("*") or n in div16):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        k = triton.compile(ASTSource(af._attn_fwd_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 128),
+                           options={"num_warps": 4, "num_stages": 3})
+        ops = {}
+        for m in re.findall(r"(?:cp\.async\.\w+\.shared\.global|ld\.global\S*|st\.global\S*|wgmma\.mma_async\S*)",
+                            k.asm["ptx"]):
+            ops[m] = ops.get(m, 0) + 1
+        res["varlen" if varlen else "dense"] = ops
+    return res
+
+
+def test_varlen_compiles_to_the_dense_memory_pattern():
+    """Compiled for sm90: the varlen kernel loads K and V exactly as the dense one (16-byte cp.async, pipelined), the
+    only extra loads being the sequence offsets.  Without V's 16-aligned starts or its 16-rounded mask the V loads
+    fall to single bytes (docs/perf-notes-varlen.md)."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--sm90-memory-ops"], env=env, cwd=root,
+                       capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        pytest.skip(f"cannot compile for sm90 here: {r.stderr.strip().splitlines()[-1:]}")
+    ops = json.loads(r.stdout.strip().splitlines()[-1])
+    dense, varlen = ops["dense"], ops["varlen"]
+    assert not any(".b8" in k or ".u8" in k for k in varlen), varlen
+    for k, n in dense.items():
+        if not k.startswith("ld.global.b32"):
+            assert varlen.get(k) == n, f"{k}: dense {n}, varlen {varlen.get(k)}"
+    assert varlen.get("ld.global.b32", 0) - dense.get("ld.global.b32", 0) == 6  # cu_seqlens q (2), k (2), groups, V
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    if sys.argv[1:] == ["--sm90-memory-ops"]:
+        print(json.dumps(_sm90_memory_ops()))
