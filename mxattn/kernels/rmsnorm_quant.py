@@ -1,0 +1,520 @@
+"""Fused RMSNorm + MXFP8 quantization (forward) and the fused RMSNorm backward, in Triton ``tl``.
+
+The forward reads ``x`` once and writes only FP8 data, E8M0 scales (or int32 row exponents) and the fp32
+``rstd`` of each row: the normalized ``y`` never exists in memory.  Semantics (bit for bit, both on the GPU
+and under ``TRITON_INTERPRET=1``): ``mxattn.producers.rmsnorm_reference`` followed by
+``formats.quantize_mxfp8`` (or ``formats.to_row_scaled`` of it).  The fp32 operations and their order:
+
+    xf   = float32(x)                       exact
+    sq   = xf * xf                          one rounding per element
+    ss   = pairwise_sum(sq)                 the row padded with zeros to a power of two, then adjacent pairs
+                                            added level by level (a fixed binary tree; zeros change nothing)
+    ms   = ss / N                           correctly rounded division (``tl.div_rn``)
+    rstd = 1 / sqrt(ms + eps)               add, correctly rounded sqrt (``tl.sqrt_rn``), division (``div_rn``)
+    y    = (xf * rstd) * float32(weight)    two roundings, in that order
+    MX quantization of y (fp32, not rounded to the input dtype first)
+
+Kernels are launched with ``enable_fp_fusion=False`` so that no multiply and add are contracted into an FMA
+(which would round once instead of twice and break the equality).  Every sum whose order matters is a
+sequence of reductions over an axis of size 2 (``tl.sum`` of two values is one addition, whatever layout the
+compiler picks), so the tree above is the one the hardware evaluates.
+
+Launchers (all checks on shapes and dtypes are done by ``mxattn.producers``; these take canonical views):
+
+``rmsnorm_quant_fwd(x3, weight, eps, hdim, seq, row_scaled, rceil)``
+    ``x3``: (B, S, N), unit stride along N.  Emits
+    * hdim (``row_scaled`` False): data (B, S, N) u8, scales (B, S, ceil(N/32)) u8;
+    * hdim (``row_scaled`` True): data (B, S, N) u8 re-expressed to one int32 exponent per row, exp (B, S, 1);
+    * seq: data in a channel-major (B, N, S_pad) u8 buffer (S_pad = S rounded up to 16, zero padding, the
+      layout of ``kernels.quantize``), scales (B, ceil(S/32), N) u8 (blocks of 32 tokens within a batch);
+    * rstd (B, S) fp32.
+``rmsnorm_bwd(dy, x2, weight, rstd, dy_scale=None)``
+    dx (M, N) in x's dtype and dweight (N,) in weight's dtype, from dy (M, N) float, or from MX bytes ``dy``
+    (u8 (M, N)) with ``dy_scale`` (u8 (M, ceil(N/32))) dequantized on load.  dweight is reduced over rows
+    in two stages with a fixed order (``BwdPlan``), so it is deterministic and equal to
+    ``producers.rmsnorm_backward_reference(..., plan=...)`` bit for bit.
+
+Work split.  Forward, hdim only: a program owns ``block_m`` whole rows (N <= 8192: one chunk, x stays in
+registers).  With a seq orientation a program owns 32 tokens of one batch (one seq block) and walks N in
+chunks of ``block_n``: pass 1 sums squares chunk by chunk (each chunk a subtree of the pairwise tree, the
+chunk sums placed in a small vector that is tree-reduced at the end), pass 2 (only for row-scaled hdim output
+in chunked mode) finds the row exponents, the last pass re-reads the chunks **in reverse order** (the most
+recently read chunks are the likeliest to still be in L2) and quantizes.  Tiles: ``fwd_tile``/``bwd_plan``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from mxattn.kernels.quantize import (
+    SEQ_ALIGN,
+    _e4m3_bytes,
+    _hdim_mx,
+    _hdim_rows,
+    _mx_exponent,
+    _nan_bytes,
+    _pow2,
+    _reexpress,
+    _soft,
+    _to_f32,
+)
+
+__all__ = [
+    "FwdTile",
+    "BwdPlan",
+    "fwd_tile",
+    "bwd_plan",
+    "rmsnorm_quant_fwd",
+    "rmsnorm_bwd",
+    "MAX_N_BWD",
+    "TILE_OVERRIDES",
+]
+
+_NO_EXP = tl.constexpr(-(1 << 20))  # "no nonzero block" sentinel of exponent maxima (quantize.py's)
+MAX_N_BWD = 16384  # the backward keeps one whole row of x, dy, weight and the dweight partial in registers
+_SINGLE_CHUNK_MAX = 8192  # hdim-only forward: whole rows in registers up to this (padded) width
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiles (one spot).  Both kernels are memory bound (bf16 forward, hdim: 2 B read + ~1 B written per element;
+# backward: 4 B read + 2 B written); the aim is ~8K elements per program (quantize.py's sweep found small
+# programs with many resident per SM best) and 16-byte accesses.  Defaults are predictions for the H200,
+# to be replaced by the sweep in ``bench_producers`` (docs/perf-notes-producers.md).
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FwdTile:
+    block_m: int  # rows per program: a power of two; a multiple of 32 when a seq orientation is emitted
+    block_n: int  # columns per chunk: a power of two >= 32
+    num_warps: int
+
+
+@dataclass(frozen=True)
+class BwdPlan:
+    """How the backward splits rows: program p owns rows [p * rows_per_prog, (p + 1) * rows_per_prog),
+    walked in tiles of ``block_m`` rows; its dweight partial is (0 + T_0) + T_1 + ... where T_i is the
+    pairwise sum of tile i's rows; the partials are then summed in program order (0 + P_0) + P_1 + ..."""
+
+    block_m: int
+    rows_per_prog: int
+    num_warps: int
+
+
+# {"fwd": FwdTile(...), "bwd_block_m": int, "bwd_programs": int} for experiments and CPU tests
+TILE_OVERRIDES: dict = {}
+
+
+def _np2(n: int) -> int:
+    return max(32, triton.next_power_of_2(n))
+
+
+def _warps(elems: int) -> int:
+    return 4 if elems <= 4096 else (8 if elems <= 8192 else 16)
+
+
+def fwd_tile(N: int, seq: bool) -> FwdTile:
+    """Forward tile for rows of N elements.  hdim only: whole rows (one chunk) up to N = 8192, ``block_m`` rows
+    so that a program holds ~4K elements; wider rows go through chunks of 8192.  With a seq orientation:
+    32 tokens x chunks of at most 256 columns (8K elements)."""
+    if "fwd" in TILE_OVERRIDES:
+        return TILE_OVERRIDES["fwd"]
+    np2 = _np2(N)
+    if seq:
+        bn = min(np2, 256)
+        return FwdTile(32, bn, _warps(32 * bn))
+    bn = min(np2, _SINGLE_CHUNK_MAX)
+    bm = max(1, 4096 // bn)
+    return FwdTile(bm, bn, _warps(bm * bn))
+
+
+def bwd_plan(M: int, N: int, device: torch.device) -> BwdPlan:
+    """Backward split: tiles of ~4K elements (whole rows), and about 4 programs per SM (132 SMs on the H200;
+    4 programs under the interpreter so that CPU tests cover several partials)."""
+    np2 = _np2(N)
+    bm = TILE_OVERRIDES.get("bwd_block_m", max(1, 4096 // np2))
+    if device.type == "cuda":
+        n_prog = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        n_prog = 4
+    n_prog = TILE_OVERRIDES.get("bwd_programs", n_prog)
+    tiles = max(1, triton.cdiv(M, bm))
+    rpp = triton.cdiv(tiles, max(1, min(n_prog, tiles))) * bm
+    return BwdPlan(bm, rpp, _warps(bm * np2 * 2))
+
+
+# ----------------------------------------------------------------------------------------------
+# Device helpers (the shared MX tile emitter is also used by linear_quant's epilogue)
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _pairwise_rows(v, R: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr):
+    """Pairwise sum along axis 1 of an (R, C) fp32 tile, C = 2^LOG_C: level i adds columns 2j and 2j + 1.
+    Returns (R,)."""
+    for i in tl.static_range(LOG_C):
+        v = tl.sum(tl.reshape(v, (R, C >> (i + 1), 2)), axis=2)
+    return tl.reshape(v, (R,))
+
+
+@triton.jit
+def _pairwise_cols(v, R: tl.constexpr, C: tl.constexpr, LOG_R: tl.constexpr):
+    """Pairwise sum along axis 0 of an (R, C) fp32 tile, R = 2^LOG_R (rows 2j and 2j + 1 first).  Returns (C,)."""
+    for i in tl.static_range(LOG_R):
+        v = tl.sum(tl.reshape(v, (R >> (i + 1), 2, C)), axis=1)
+    return tl.reshape(v, (C,))
+
+
+@triton.jit
+def _bf16_rne(y):
+    """fp32 -> bf16, round to nearest even in the bits (NaN stays NaN); exact on the GPU and under the
+    interpreter (whose fp32 -> bf16 cast truncates)."""
+    yb = y.to(tl.int32, bitcast=True)
+    yb = tl.where(y != y, 0x7FC00000, yb + 0x7FFF + ((yb >> 16) & 1))
+    return (yb >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _cast_out(y, OUT_BF16: tl.constexpr, out_ty: tl.constexpr):
+    if OUT_BF16:
+        r = _bf16_rne(y)
+    else:
+        r = y.to(out_ty)
+    return r
+
+
+@triton.jit
+def _row_exponent(y, RCEIL: tl.constexpr, SOFT: tl.constexpr):
+    """Largest block exponent among the hdim blocks (axis 3) of each row of the 4-D tile that quantize to
+    something nonzero (``_NO_EXP`` where none does): ``formats.to_row_scaled``'s E, before the sentinel -> 0."""
+    mag = y.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    _q, _e, _f, nz = _hdim_rows(y, mag, RCEIL, SOFT)
+    return tl.max(nz, axis=2, keep_dims=True)
+
+
+@triton.jit
+def _pack4(bytes_, MB: tl.constexpr, MI: tl.constexpr, NB: tl.constexpr):
+    """(MB, MI, NB, 32) bytes (token-major) -> (MB * MI / 4, NB * 32) int32 words, word = 4 consecutive tokens
+    of one channel, little-endian: the channel-major store then moves 4-byte words (quantize.py measured
+    3.6x over byte stores)."""
+    BM: tl.constexpr = MB * MI
+    BN: tl.constexpr = NB * 32
+    t = tl.reshape(bytes_.to(tl.int32), (BM // 4, 4, BN))
+    t = tl.reshape(tl.permute(t, (0, 2, 1)), (BM // 4, BN, 2, 2))
+    a, b = tl.split(t)  # k = 0, 2 and k = 1, 3
+    k0, k2 = tl.split(a)
+    k1, k3 = tl.split(b)
+    return k0 | (k1 << 8) | (k2 << 16) | (k3 << 24)
+
+
+@triton.jit
+def _emit_mx(
+    y,  # (MB, MI, NB, 32) fp32, zero outside the valid rows and columns
+    s0, n0, b64, S, N, S_pad,  # first token (within batch b) and channel of the tile; sizes
+    hd_ptr, hs_ptr, cd_ptr, cs_ptr,  # hdim data / scales (or row exponents), seq channel-major words / scales
+    E,  # (MB, MI, 1, 1) int32 row exponents (row-scaled hdim output), else unused
+    MB: tl.constexpr, MI: tl.constexpr, NB: tl.constexpr,
+    HDIM: tl.constexpr, SEQ: tl.constexpr, ROWSCALED: tl.constexpr, RCEIL: tl.constexpr, SOFT: tl.constexpr,
+):
+    """Quantize and store one tile of y in the orientations asked for.  Rows are tokens s0 + mb * MI + mi of
+    batch b (MI = 32 when SEQ: one seq block per mb), columns are channels n0 + nb * 32 + j.
+
+    hdim: data at ((b S + s) N + n), scales at ((b S + s) ceil(N/32) + n / 32), or (ROWSCALED) bytes
+    re-expressed to E; seq: 32-bit words of the channel-major (B, N, S_pad) buffer at
+    ((b N + n) S_pad + s) / 4, scales at ((b ceil(S/32) + s / 32) N + n).  Tokens in [S, S_pad) are stored as
+    zero bytes (the buffer's padding)."""
+    mb = tl.arange(0, MB)[:, None, None, None]
+    mi = tl.arange(0, MI)[None, :, None, None]
+    nb = tl.arange(0, NB)[None, None, :, None]
+    nj = tl.arange(0, 32)[None, None, None, :]
+    sl = mb * MI + mi  # local token (MB, MI, 1, 1)
+    nl = nb * 32 + nj  # local channel (1, 1, NB, 32)
+    s = s0 + sl
+    n = n0 + nl
+    mag = y.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    bad = tl.max(mag) >= 0x7F800000  # the tile holds NaN/Inf: take the patching branches
+    if HDIM:
+        row = b64 * S + s0  # int64 scalar
+        hd = hd_ptr + row * N + n0
+        ok = (s < S) & (n < N)
+        if ROWSCALED:
+            q, e, fin, _nz = _hdim_rows(y, mag, RCEIL, SOFT)
+            tl.store(hd + sl * N + nl, _reexpress(q, e, E, fin, bad, SOFT), mask=ok)
+        else:
+            out, sc = _hdim_mx(y, y, mag, bad, RCEIL, SOFT)
+            tl.store(hd + sl * N + nl, out, mask=ok)
+            NBH = (N + 31) // 32
+            hs = hs_ptr + row * NBH + n0 // 32
+            tl.store(hs + sl * NBH + nb, sc, mask=(s < S) & (n0 // 32 + nb < NBH))
+    if SEQ:
+        amax = tl.max(mag, axis=1, keep_dims=True)  # (MB, 1, NB, 32): one per 32 tokens and channel
+        e = _mx_exponent(amax, RCEIL)
+        out = _e4m3_bytes(y * _pow2(-e), SOFT)
+        if bad:
+            out = tl.where(mag > 0x7F800000, _nan_bytes(y), out)
+        NSB = (S + 31) // 32
+        sb = s0 // 32 + mb  # (MB, 1, 1, 1)
+        sc = tl.where(amax < 0x7F800000, e + 127, 255).to(tl.uint8)
+        tl.store(cs_ptr + (b64 * NSB + sb) * N + n, sc, mask=(sb < NSB) & (n < N))
+        words = _pack4(out, MB, MI, NB)  # (MB * MI / 4, NB * 32)
+        wl = tl.arange(0, MB * MI // 4)[:, None]
+        cl = tl.arange(0, NB * 32)[None, :]
+        row_w = S_pad // 4
+        cbase = cd_ptr + (b64 * N + n0) * row_w + s0 // 4
+        tl.store(cbase + cl.to(tl.int64) * row_w + wl, words, mask=(s0 // 4 + wl < row_w) & (n0 + cl < N))
+
+
+@triton.jit
+def _load_chunk(xp, sxs, w_ptr, sl, nl, n0, S_rem, N):
+    """x (raw and fp32) and weight (fp32) of one chunk; zero outside rows < S_rem, columns < N."""
+    n = n0 + nl
+    okn = n < N
+    xr = tl.load(xp + sl * sxs + n, mask=(sl < S_rem) & okn, other=0.0)
+    wf = _to_f32(tl.load(w_ptr + n, mask=okn, other=0.0))
+    return xr, _to_f32(xr), wf
+
+
+@triton.jit
+def _normalize(xf, rstd, wf, ok):
+    return tl.where(ok, (xf * rstd) * wf, 0.0)
+
+
+@triton.jit
+def _rmsnorm_quant_fwd_kernel(
+    x_ptr, sxb, sxs,  # x (B, S, N), unit stride along N
+    w_ptr, rstd_ptr,  # weight (N,); rstd fp32 (B, S)
+    scr_ptr,  # fp32 scratch (programs, BM, NPC) for the chunk sums (chunked mode only)
+    hd_ptr, hs_ptr, cd_ptr, cs_ptr,  # outputs (see _emit_mx); hs is int32 (B, S) row exponents when ROWSCALED
+    S, N, S_pad, n_s_tiles, eps, n_f,  # n_f: float(N) (an int argument equal to 1 would be a constexpr)
+    MB: tl.constexpr, MI: tl.constexpr, BLOCK_N: tl.constexpr, LOG_BN: tl.constexpr,
+    NCHUNK: tl.constexpr, NPC: tl.constexpr, LOG_NPC: tl.constexpr,
+    HDIM: tl.constexpr, SEQ: tl.constexpr, ROWSCALED: tl.constexpr, RCEIL: tl.constexpr, SOFT: tl.constexpr,
+):
+    BM: tl.constexpr = MB * MI
+    NB: tl.constexpr = BLOCK_N // 32
+    pid = tl.program_id(0)
+    b = pid // n_s_tiles
+    s0 = (pid % n_s_tiles) * BM
+    b64 = b.to(tl.int64)
+    xp = x_ptr + b64 * sxb + s0.to(tl.int64) * sxs
+    sl = tl.arange(0, MB)[:, None, None, None] * MI + tl.arange(0, MI)[None, :, None, None]
+    nl = tl.arange(0, NB)[None, None, :, None] * 32 + tl.arange(0, 32)[None, None, None, :]
+    S_rem = S - s0
+    row_ok = sl < S_rem
+
+    # pass 1: sum of squares, one pairwise tree per row
+    if NCHUNK == 1:
+        xr, xf, wf = _load_chunk(xp, sxs, w_ptr, sl, nl, 0, S_rem, N)
+        ss = _pairwise_rows(tl.reshape(xf * xf, (BM, BLOCK_N)), BM, BLOCK_N, LOG_BN)
+    else:
+        # chunk sums go through a small scratch row (BM x NPC fp32 per program, L2-resident) and are
+        # tree-reduced once all are in: an in-register (BM, NPC) matrix filled by `where` gets a replicated
+        # layout and spills (seen in the sm_90 compile)
+        rl = tl.arange(0, BM)
+        scr = scr_ptr + pid.to(tl.int64) * (BM * NPC)
+        for c in range(NCHUNK):
+            _r, xf_c, _w = _load_chunk(xp, sxs, w_ptr, sl, nl, c * BLOCK_N, S_rem, N)
+            sc = _pairwise_rows(tl.reshape(xf_c * xf_c, (BM, BLOCK_N)), BM, BLOCK_N, LOG_BN)
+            tl.store(scr + rl * NPC + c, sc)
+        tl.debug_barrier()  # the chunk sums written by some threads are read by others
+        col = tl.arange(0, NPC)[None, :]
+        part = tl.load(scr + rl[:, None] * NPC + col, mask=col < NCHUNK, other=0.0)
+        ss = _pairwise_rows(part, BM, NPC, LOG_NPC)
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, n_f) + eps))  # (BM,)
+    rl = tl.arange(0, BM)
+    tl.store(rstd_ptr + b64 * S + s0 + rl, rstd, mask=rl < S_rem)
+    rstd4 = tl.reshape(rstd, (MB, MI, 1, 1))
+
+    # row exponents of the re-expressed hdim output
+    E = tl.zeros((MB, MI, 1, 1), tl.int32)
+    if ROWSCALED:
+        if NCHUNK == 1:
+            E = _row_exponent(_normalize(xf, rstd4, wf, row_ok & (nl < N)), RCEIL, SOFT)
+        else:
+            E = tl.full((MB, MI, 1, 1), _NO_EXP, tl.int32)
+            for c in range(NCHUNK):
+                _r, xf_c, wf_c = _load_chunk(xp, sxs, w_ptr, sl, nl, c * BLOCK_N, S_rem, N)
+                y = _normalize(xf_c, rstd4, wf_c, row_ok & (c * BLOCK_N + nl < N))
+                E = tl.maximum(E, _row_exponent(y, RCEIL, SOFT))
+        E = tl.where(E == _NO_EXP, 0, E)
+        tl.store(hs_ptr + b64 * S + s0 + sl, E, mask=row_ok)
+
+    # last pass: normalize, quantize, store
+    if NCHUNK == 1:
+        y = _normalize(xf, rstd4, wf, row_ok & (nl < N))
+        _emit_mx(y, s0, 0, b64, S, N, S_pad, hd_ptr, hs_ptr, cd_ptr, cs_ptr, E,
+                 MB, MI, NB, HDIM, SEQ, ROWSCALED, RCEIL, SOFT)
+    else:
+        for c in range(NCHUNK):
+            n0 = (NCHUNK - 1 - c) * BLOCK_N  # reverse order: the last chunks read are the likeliest in L2
+            _r, xf_c, wf_c = _load_chunk(xp, sxs, w_ptr, sl, nl, n0, S_rem, N)
+            y = _normalize(xf_c, rstd4, wf_c, row_ok & (n0 + nl < N))
+            _emit_mx(y, s0, n0, b64, S, N, S_pad, hd_ptr, hs_ptr, cd_ptr, cs_ptr, E,
+                     MB, MI, NB, HDIM, SEQ, ROWSCALED, RCEIL, SOFT)
+
+
+@triton.jit
+def _rmsnorm_bwd_kernel(
+    x_ptr, sxm, dy_ptr, sdym, dys_ptr, sdysm,  # x (M, N); dy (M, N) float or MX bytes; dy scales (M, ceil(N/32))
+    w_ptr, rstd_ptr, dx_ptr, part_ptr,  # weight (N,); rstd (M,); dx (M, N) contiguous; partials fp32 (P, N)
+    M, N, rows_per_prog, n_f,
+    BLOCK_M: tl.constexpr, LOG_BM: tl.constexpr, BLOCK_N: tl.constexpr, LOG_BN: tl.constexpr,
+    DY_MX: tl.constexpr, OUT_BF16: tl.constexpr,
+):
+    """dx = ((g - xhat * c) * rstd) with xhat = x * rstd, g = dy * w, c = pairwise_sum(g * xhat) / N;
+    the program's dweight partial = (0 + T_0) + T_1 + ..., T_i = pairwise sum over the rows of tile i of
+    dy * xhat."""
+    pid = tl.program_id(0)
+    r0 = pid * rows_per_prog
+    rl = tl.arange(0, BLOCK_M)[:, None]
+    nl = tl.arange(0, BLOCK_N)[None, :]
+    okn = nl < N
+    wf = _to_f32(tl.load(w_ptr + nl, mask=okn, other=0.0))
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    r_end = tl.minimum(r0 + rows_per_prog, M)
+    for t in range(r0, r_end, BLOCK_M):
+        r = t + rl
+        ok = (r < r_end) & okn
+        r64 = r.to(tl.int64)
+        xf = _to_f32(tl.load(x_ptr + r64 * sxm + nl, mask=ok, other=0.0))
+        if DY_MX:
+            qb = tl.load(dy_ptr + r64 * sdym + nl, mask=ok, other=0)
+            sb = tl.load(dys_ptr + r64 * sdysm + nl // 32, mask=ok, other=127).to(tl.int32)
+            q = qb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            # 2^(byte - 127) (byte 0: the fp32 subnormal 2^-127); NaN for scale 255 and NaN data (the
+            # interpreter decodes e4m3 NaN as 480)
+            sf = tl.where(sb == 0, 0x400000, sb << 23)
+            sf = tl.where((sb == 255) | ((qb & 0x7F) == 0x7F), 0x7FC00000, sf).to(tl.float32, bitcast=True)
+            dyf = q * sf
+        else:
+            dyf = _to_f32(tl.load(dy_ptr + r64 * sdym + nl, mask=ok, other=0.0))
+        rstd = tl.load(rstd_ptr + r, mask=r < r_end, other=0.0)  # (BLOCK_M, 1)
+        xhat = xf * rstd
+        g = dyf * wf
+        c = tl.div_rn(_pairwise_rows(g * xhat, BLOCK_M, BLOCK_N, LOG_BN), n_f)
+        dx = (g - xhat * c[:, None]) * rstd
+        tl.store(dx_ptr + r64 * N + nl, _cast_out(dx, OUT_BF16, dx_ptr.dtype.element_ty), mask=ok)
+        acc = acc + _pairwise_cols(tl.where(ok, dyf * xhat, 0.0), BLOCK_M, BLOCK_N, LOG_BM)
+    n1 = tl.arange(0, BLOCK_N)
+    tl.store(part_ptr + pid.to(tl.int64) * N + n1, acc, mask=n1 < N)
+
+
+@triton.jit
+def _sum_partials_kernel(part_ptr, out_ptr, P, N, BLOCK_N: tl.constexpr, OUT_BF16: tl.constexpr):
+    """out[n] = (0 + part[0, n]) + part[1, n] + ... in program order."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = n < N
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for p in range(P):
+        acc = acc + tl.load(part_ptr + p * N + n, mask=ok, other=0.0)
+    tl.store(out_ptr + n, _cast_out(acc, OUT_BF16, out_ptr.dtype.element_ty), mask=ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def _log2(n: int) -> int:
+    return int(n).bit_length() - 1
+
+
+def rmsnorm_quant_fwd(
+    x3: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    hdim: bool,
+    seq: bool,
+    row_scaled: bool,
+    rceil: bool,
+    tile: Optional[FwdTile] = None,
+) -> dict:
+    """Run the forward kernel on canonical (B, S, N) ``x3`` (unit stride along N).  Returns a dict with
+    ``rstd`` (B, S) fp32 and, as asked, ``hd`` (B, S, N) u8 with ``hs`` (B, S, ceil(N/32)) u8 or ``he``
+    (B, S, 1) int32 (row-scaled), ``cd`` (B, N, S_pad) u8 channel-major with ``cs`` (B, ceil(S/32), N) u8."""
+    B, S, N = x3.shape
+    dev = x3.device
+    tile = tile or fwd_tile(N, seq)
+    if seq and tile.block_m % 32:
+        raise ValueError(f"a seq orientation needs block_m to be a multiple of 32, got {tile.block_m}")
+    out = {"rstd": torch.empty(B, S, dtype=torch.float32, device=dev)}
+    dummy = torch.empty(16, dtype=torch.uint8, device=dev)
+    hd = hs = cd = cs = dummy
+    s_pad = SEQ_ALIGN
+    if hdim:
+        hd = out["hd"] = torch.empty(B, S, N, dtype=torch.uint8, device=dev)
+        if row_scaled:
+            hs = out["he"] = torch.empty(B, S, 1, dtype=torch.int32, device=dev)
+        else:
+            hs = out["hs"] = torch.empty(B, S, triton.cdiv(N, 32), dtype=torch.uint8, device=dev)
+    if seq:
+        s_pad = triton.cdiv(max(S, 1), SEQ_ALIGN) * SEQ_ALIGN
+        cd = out["cd"] = torch.empty(B, N, s_pad, dtype=torch.uint8, device=dev)
+        cs = out["cs"] = torch.empty(B, triton.cdiv(S, 32), N, dtype=torch.uint8, device=dev)
+    # seq outputs cover the zero padding up to s_pad, so tiles then run over max(S, s_pad)
+    s_cover = max(S, s_pad) if seq else S
+    if B == 0 or s_cover == 0 or N == 0:
+        if seq and B * N:
+            cd.zero_()
+        return out
+    bm, bn = tile.block_m, tile.block_n
+    mi = 32 if seq else bm
+    nchunk = triton.cdiv(N, bn)
+    npc = triton.next_power_of_2(nchunk)
+    n_s_tiles = triton.cdiv(s_cover, bm)
+    scr = torch.empty(B * n_s_tiles * bm * npc if nchunk > 1 else 1, dtype=torch.float32, device=dev)
+    _rmsnorm_quant_fwd_kernel[(B * n_s_tiles,)](
+        x3, x3.stride(0), x3.stride(1), weight, out["rstd"], scr,
+        hd, hs, cd.view(torch.int32) if seq else dummy, cs,
+        S, N, s_pad, n_s_tiles, float(eps), float(N),
+        MB=bm // mi, MI=mi, BLOCK_N=bn, LOG_BN=_log2(bn), NCHUNK=nchunk, NPC=npc, LOG_NPC=_log2(npc),
+        HDIM=hdim, SEQ=seq, ROWSCALED=row_scaled, RCEIL=rceil, SOFT=_soft(dev),
+        num_warps=tile.num_warps, enable_fp_fusion=False,
+    )
+    return out
+
+
+def rmsnorm_bwd(
+    dy: torch.Tensor,
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    dy_scale: Optional[torch.Tensor] = None,
+    plan: Optional[BwdPlan] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """dx (M, N) in ``x2.dtype`` and dweight (N,) in ``weight.dtype``.  ``x2``, ``dy``: (M, N) with unit stride
+    along N; ``dy`` float, or u8 MX data with ``dy_scale`` u8 (M, ceil(N/32)) (unit stride along its last dim);
+    ``rstd`` (M,) fp32 contiguous."""
+    M, N = x2.shape
+    dev = x2.device
+    if N > MAX_N_BWD:
+        raise ValueError(f"the fused backward keeps whole rows in registers: N must be <= {MAX_N_BWD}, got {N}")
+    dx = torch.empty(M, N, dtype=x2.dtype, device=dev)
+    plan = plan or bwd_plan(M, N, dev)
+    n_prog = max(1, triton.cdiv(M, plan.rows_per_prog))
+    part = torch.zeros(n_prog, N, dtype=torch.float32, device=dev)
+    dw = torch.empty(N, dtype=weight.dtype, device=dev)
+    if N == 0:
+        return dx, dw
+    if M > 0:
+        np2 = _np2(N)
+        _rmsnorm_bwd_kernel[(n_prog,)](
+            x2, x2.stride(0), dy, dy.stride(0), dy_scale if dy_scale is not None else dy,
+            dy_scale.stride(0) if dy_scale is not None else 0,
+            weight, rstd, dx, part, M, N, plan.rows_per_prog, float(N),
+            BLOCK_M=plan.block_m, LOG_BM=_log2(plan.block_m), BLOCK_N=np2, LOG_BN=_log2(np2),
+            DY_MX=dy_scale is not None, OUT_BF16=x2.dtype == torch.bfloat16,
+            num_warps=plan.num_warps, enable_fp_fusion=False,
+        )
+    bn = 1024
+    _sum_partials_kernel[(triton.cdiv(N, bn),)](
+        part, dw, n_prog, N, BLOCK_N=bn, OUT_BF16=weight.dtype == torch.bfloat16, num_warps=4,
+        enable_fp_fusion=False,
+    )
+    return dx, dw
