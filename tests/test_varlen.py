@@ -180,12 +180,12 @@ def _dense_reference(q, k, v, cu_q, cu_k, causal, softmax_scale):
     for sq, sk in zip(_seq_slices(cu_q), _seq_slices(cu_k)):
         if sq.stop == sq.start:
             continue
-        qm = formats.quantize_mxfp8(q[sq].unsqueeze(0).cpu(), 3)
-        km = formats.quantize_mxfp8(k[sk].unsqueeze(0).cpu(), 3)
-        vm = formats.quantize_mxfp8(v[sk].unsqueeze(0).cpu(), 1)
+        qm = formats.quantize_mxfp8(q[sq].unsqueeze(0), 3)  # on the inputs' device (fp64 on the GPU when there)
+        km = formats.quantize_mxfp8(k[sk].unsqueeze(0), 3)
+        vm = formats.quantize_mxfp8(v[sk].unsqueeze(0), 1)
         t, l = reference.attention_forward(qm, km, vm, causal=causal, softmax_scale=softmax_scale)
         e, _ = reference.attention_forward(qm, km, vm, causal=causal, softmax_scale=softmax_scale, quantize_p=True)
-        truth[sq], emul[sq], lse[:, sq] = t[0], e[0], l[0]
+        truth[sq], emul[sq], lse[:, sq] = t[0].cpu(), e[0].cpu(), l[0].cpu()
     return truth, emul, lse
 
 
@@ -518,6 +518,27 @@ def test_varlen_gpu_equals_dense_kernel_per_sequence(seed):
             dense = [row_scaled_triton(t.unsqueeze(0), r) for t, r in ((q[s], "q"), (k[s], "k"), (v[s], "v"))]
             od, ld = attn_fwd_hopper(*dense, causal=causal)
             assert torch.equal(out[s], od[0]) and torch.equal(lse[:, s], ld[0]), f"rows {s}, causal={causal}"
+
+
+@pytest.mark.gpu
+def test_varlen_gpu_beyond_int32_head_offsets(seed):
+    """Tk ~ 2.46M tokens, Hkv 8, d128: V's head offset hk * D * Tv passes 2^31 (64-bit offsets in the varlen
+    prologue).  The last sequences (the largest offsets) equal the dense kernel on them alone."""
+    from mxattn.kernels.attn_fwd import attn_fwd_hopper, attn_fwd_hopper_varlen
+    from mxattn.kernels.quantize import row_scaled_triton
+    from mxattn.kernels.varlen import varlen_operands
+
+    lens = [2048] * 1200 + [777]
+    H, D = 8, 128
+    q, k, v = (torch.randn(sum(lens), H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    cu = _cu(lens)
+    ops = varlen_operands(q, k, v, cu, cu, 2048, 2048)
+    assert H * D * ops[2].data.shape[2] > 2**31
+    out, lse = attn_fwd_hopper_varlen(*ops, causal=True)
+    for s in _seq_slices(cu)[-2:]:
+        dense = [row_scaled_triton(t.unsqueeze(0), r) for t, r in ((q[s], "q"), (k[s], "k"), (v[s], "v"))]
+        od, ld = attn_fwd_hopper(*dense, causal=True)
+        assert torch.equal(out[s], od[0]) and torch.equal(lse[:, s], ld[0]), f"rows {s}"
 
 
 @pytest.mark.gpu

@@ -161,12 +161,15 @@ def _attn_fwd_kernel(
         Q += q_start * stride_qm
         QE += q_start * stride_qem
         O += q_start * stride_om
-        LSE += q_start * stride_lm
         K += k_start.to(tl.int64) * stride_kn
         KE += tl.load(CU_KG + b).to(tl.int64) * stride_ket
-        V += tl.multiple_of(tl.load(CU_V + b), 16).to(tl.int64) * stride_vn
         VE += b64 * stride_veb
         b64 = 0
+        # the head strides of V (D * Tv) and LSE (Tq) grow with the whole batch: their head offsets go in 64 bits
+        V += tl.multiple_of(tl.load(CU_V + b), 16).to(tl.int64) * stride_vn + hk.to(tl.int64) * stride_vh
+        LSE += q_start * stride_lm + h.to(tl.int64) * stride_lh
+        stride_vh = 0
+        stride_lh = 0
 
     q_ptrs = Q + b64 * stride_qb + h * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=offs_m[:, None] < Sq, other=0.0)
