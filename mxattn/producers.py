@@ -114,6 +114,11 @@ def pairwise_sum(v: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return v[..., 0]
 
 
+def _nrows(shape) -> int:
+    """Rows of a (..., K) shape (explicit, so that empty tensors reshape unambiguously)."""
+    return math.prod(tuple(shape)[:-1])
+
+
 def _div_rn(a: torch.Tensor, b: float) -> torch.Tensor:
     """fp32 a / b correctly rounded: formed in fp64 and rounded once (exact for fp32 operands, since
     53 >= 2 * 24 + 2; torch's fp32 CPU kernels are not all correctly rounded, the GPU's div.rn is)."""
@@ -162,9 +167,10 @@ def rmsnorm_backward_reference(
     order — per program ``(0 + T_0) + T_1 + ...`` over tiles of ``block_m`` rows, T_i the pairwise sum of the
     tile's rows, then ``(0 + P_0) + P_1 + ...`` over programs; without it one pairwise sum over all rows."""
     n = x.shape[-1]
-    xf = x.reshape(-1, n).to(torch.float32)
-    dyf = (dy.dequantize(torch.float32) if isinstance(dy, MXTensor) else dy.to(torch.float32)).reshape(-1, n)
-    r = rstd.reshape(-1, 1).to(torch.float32)
+    m = _nrows(x.shape)
+    xf = x.reshape(m, n).to(torch.float32)
+    dyf = (dy.dequantize(torch.float32) if isinstance(dy, MXTensor) else dy.to(torch.float32)).reshape(m, n)
+    r = rstd.reshape(m, 1).to(torch.float32)
     wf = weight.to(torch.float32)
     xhat = xf * r
     g = dyf * wf
@@ -230,10 +236,12 @@ def _quantize_out(y: torch.Tensor, orientations: str, scale_mode) -> Union[MXTen
 def _flatten_rows(t, K: int):
     """(..., K) operand -> (rows, K) operand of the same kind."""
     if isinstance(t, torch.Tensor):
-        return t.reshape(-1, K)
+        return t.reshape(_nrows(t.shape), K)
     if isinstance(t, MXTensor):
-        return MXTensor(t.data.reshape(-1, K), t.scale.reshape(-1, t.scale.shape[-1]), 1)
-    return RowScaledFP8(t.data.reshape(-1, K), t.expanded_exp().reshape(-1, 1), 1)
+        m = _nrows(t.shape)
+        return MXTensor(t.data.reshape(m, K), t.scale.reshape(m, t.scale.shape[-1]), 1)
+    m = _nrows(t.shape)
+    return RowScaledFP8(t.data.reshape(m, K), t.expanded_exp().reshape(m, 1), 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -387,7 +395,7 @@ def _rmsnorm_quant_impl(x, weight, eps, orient, mode, row_scaled) -> tuple[list,
     if want_s:
         x3 = x if x.ndim == 3 else x.unsqueeze(0)
     else:
-        x3 = x.reshape(1, -1, N)
+        x3 = x.reshape(1, _nrows(x.shape), N)
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
     r = rmsnorm_quant_fwd(x3, weight, eps, hdim=want_h, seq=want_s, row_scaled=row_scaled,
@@ -399,7 +407,7 @@ def _rmsnorm_quant_impl(x, weight, eps, orient, mode, row_scaled) -> tuple[list,
         if row_scaled:
             outs.append(RowScaledFP8(data, r["he"].reshape(*lead, 1), x.ndim - 1))
         else:
-            outs.append(MXTensor(data, r["hs"].reshape(*lead, -1), x.ndim - 1))
+            outs.append(MXTensor(data, r["hs"].reshape(*lead, -(-N // 32)), x.ndim - 1))
     if want_s:
         B, S, _ = x3.shape
         data = r["cd"][..., :S].permute(0, 2, 1).view(torch.float8_e4m3fn)
@@ -417,21 +425,22 @@ def _rmsnorm_backward_impl(dy, x, weight, rstd) -> tuple[torch.Tensor, torch.Ten
         return dx.to(x.dtype), dw.to(weight.dtype)
     from mxattn.kernels.rmsnorm_quant import rmsnorm_bwd
 
-    x2 = x.reshape(-1, N)
+    m = _nrows(x.shape)
+    x2 = x.reshape(m, N)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if isinstance(dy, MXTensor):
-        dyd = dy.data.reshape(-1, N).view(torch.uint8)
-        dys = dy.scale_bytes.reshape(-1, dy.scale.shape[-1])
+        dyd = dy.data.reshape(m, N).view(torch.uint8)
+        dys = dy.scale_bytes.reshape(m, dy.scale.shape[-1])
         if dyd.stride(-1) != 1:
             dyd = dyd.contiguous()
         if dys.stride(-1) != 1:
             dys = dys.contiguous()
     else:
-        dyd, dys = dy.reshape(-1, N), None
+        dyd, dys = dy.reshape(m, N), None
         if dyd.stride(-1) != 1:
             dyd = dyd.contiguous()
-    dx, dw = rmsnorm_bwd(dyd, x2, weight, rstd.reshape(-1).contiguous(), dys)
+    dx, dw = rmsnorm_bwd(dyd, x2, weight, rstd.reshape(m).contiguous(), dys)
     return dx.reshape(x.shape), dw
 
 
@@ -608,7 +617,7 @@ def _linear_quant_impl(x, weight, bias, orient, mode, kx, kw):
     outs = []
     if want_h:
         outs.append(MXTensor(r["hd"].view(torch.float8_e4m3fn).reshape(*lead, N),
-                             r["hs"].reshape(*lead, -1), len(lead)))
+                             r["hs"].reshape(*lead, -(-N // 32)), len(lead)))
     if want_s:
         data = r["cd"][..., :S].permute(0, 2, 1).view(torch.float8_e4m3fn)
         sc = r["cs"]
@@ -645,7 +654,7 @@ class _LinearQuantFn(torch.autograd.Function):
             return None, None, None, None, None
         N = dy.shape[-1]
         dt = dy.dtype if dy.device.type == "cuda" else torch.float32
-        dy2 = dy.reshape(-1, N).to(dt)
+        dy2 = dy.reshape(_nrows(dy.shape), N).to(dt)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = (dy2 @ _dequantize_rows(ctx.wr, dt)).reshape(ctx.x_shape).to(ctx.xg_dtype)

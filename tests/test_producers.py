@@ -468,6 +468,22 @@ def test_linear_quant_bias_grad_and_cpu_path(gen):
     torch.testing.assert_close(x.grad, torch.ones(8, 16) @ wr)
 
 
+@pytest.mark.parametrize("use_kernels", [False, True])
+def test_empty_inputs(monkeypatch, use_kernels):
+    monkeypatch.setattr(P, "_KERNELS_ON_CPU", use_kernels)
+    monkeypatch.setattr(kl, "TILE_OVERRIDE", kl.LinearTile(32, 32, 32, 2, 4, 2, True))
+    w = torch.randn(64, device=DEVICE)
+    r = P.rmsnorm_quant(torch.randn(0, 64, device=DEVICE), w)
+    assert r.out.data.shape == (0, 64) and r.out.scale.shape == (0, 2) and r.rstd.shape == (0,)
+    (h, s), rstd = P.rmsnorm_quant(torch.randn(2, 0, 64, device=DEVICE), w, orientations="both")
+    assert h.data.shape == s.data.shape == (2, 0, 64) and s.scale.shape == (2, 0, 64) and rstd.shape == (2, 0)
+    dx, dw = P.rmsnorm_quant_backward(torch.randn(0, 64, device=DEVICE), torch.randn(0, 64, device=DEVICE), w,
+                                      torch.randn(0, device=DEVICE))
+    assert dx.shape == (0, 64) and torch.equal(dw.cpu(), torch.zeros(64))
+    o = P.linear_quant(torch.randn(2, 0, 32, device=DEVICE), torch.randn(16, 32, device=DEVICE), orientations="both")
+    assert o[0].data.shape == o[1].data.shape == (2, 0, 16) and o[1].scale.shape == (2, 0, 16)
+
+
 # ----------------------------------------------------------------------------------------------
 # input checks (before any launch)
 # ----------------------------------------------------------------------------------------------

@@ -282,8 +282,8 @@ def linear_quant_fwd(
         xd = xd.contiguous()
     if wd.stride(-1) != 1:
         wd = wd.contiguous()
-    xe = xr.expanded_exp().reshape(-1).contiguous()
-    we = wr.expanded_exp().reshape(-1).contiguous()
+    xe = xr.expanded_exp().reshape(xd.shape[0]).contiguous()
+    we = wr.expanded_exp().reshape(wd.shape[0]).contiguous()
     M, K = xd.shape
     N = wd.shape[0]
     assert M == B * S, (M, B, S)
