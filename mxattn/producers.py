@@ -491,6 +491,8 @@ def rmsnorm_quant(
     orient, mode = _check_rmsnorm(x, weight, eps, orientations, scale_mode)
     if not isinstance(row_scaled, bool):
         raise TypeError(f"row_scaled must be a bool, got {type(row_scaled).__name__}")
+    if row_scaled and orient == "seq":
+        raise ValueError("row_scaled=True changes the hdim output: use orientations 'hdim' or 'both'")
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         box: list = []
         res = _RMSNormQuantFn.apply(x, weight, float(eps), orient, mode, row_scaled, box)

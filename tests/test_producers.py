@@ -522,6 +522,8 @@ def test_rmsnorm_quant_input_checks(no_launch):
         P.rmsnorm_quant(torch.randn(2, P.MAX_N + 32), torch.randn(P.MAX_N + 32))
     with pytest.raises(TypeError, match="row_scaled"):
         P.rmsnorm_quant(x, w, row_scaled=1)
+    with pytest.raises(ValueError, match="row_scaled=True changes the hdim output"):
+        P.rmsnorm_quant(x, w, orientations="seq", row_scaled=True)
     with pytest.raises(ValueError, match="dy must have"):
         P.rmsnorm_quant_backward(torch.randn(4, 32), x, w, torch.ones(4))
     with pytest.raises(ValueError, match="dy must be an MXTensor blocked along N"):
@@ -607,6 +609,12 @@ def test_gpu_linear_quant_against_reference(gen, monkeypatch, precise, M, K, N, 
         stats = assert_mx_close(g, wt, f"gpu linear {M}x{K}x{N} {orient} precise={precise}",
                                 min_equal=0.999 if precise else 0.99)
         print(f"linear {M}x{K}x{N} {orient} dim={wt.dim} precise={precise}: {stats}")
+
+
+@pytest.mark.skipif(CUDA, reason="checks the CPU refusal")
+def test_bench_producers_needs_cuda():
+    with pytest.raises(RuntimeError, match="CUDA"):
+        P.bench_producers()
 
 
 @pytest.mark.gpu

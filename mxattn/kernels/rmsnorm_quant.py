@@ -180,11 +180,13 @@ def _bf16_rne(y):
 
 
 @triton.jit
-def _cast_out(y, OUT_BF16: tl.constexpr, out_ty: tl.constexpr):
+def _cast_out(y, OUT_BF16: tl.constexpr, out_ptr):
+    """fp32 ``y`` in the element type of ``out_ptr`` (bf16 through ``_bf16_rne``; fp16/fp32 casts round
+    to nearest even on the GPU and under the interpreter)."""
     if OUT_BF16:
         r = _bf16_rne(y)
     else:
-        r = y.to(out_ty)
+        r = y.to(out_ptr.dtype.element_ty)
     return r
 
 
@@ -398,7 +400,7 @@ def _rmsnorm_bwd_kernel(
         g = dyf * wf
         c = tl.div_rn(_pairwise_rows(g * xhat, BLOCK_M, BLOCK_N, LOG_BN), n_f)
         dx = (g - xhat * c[:, None]) * rstd
-        tl.store(dx_ptr + r64 * N + nl, _cast_out(dx, OUT_BF16, dx_ptr.dtype.element_ty), mask=ok)
+        tl.store(dx_ptr + r64 * N + nl, _cast_out(dx, OUT_BF16, dx_ptr), mask=ok)
         acc = acc + _pairwise_cols(tl.where(ok, dyf * xhat, 0.0), BLOCK_M, BLOCK_N, LOG_BM)
     n1 = tl.arange(0, BLOCK_N)
     tl.store(part_ptr + pid.to(tl.int64) * N + n1, acc, mask=n1 < N)
@@ -412,7 +414,7 @@ def _sum_partials_kernel(part_ptr, out_ptr, P, N, BLOCK_N: tl.constexpr, OUT_BF1
     acc = tl.zeros((BLOCK_N,), tl.float32)
     for p in range(P):
         acc = acc + tl.load(part_ptr + p * N + n, mask=ok, other=0.0)
-    tl.store(out_ptr + n, _cast_out(acc, OUT_BF16, out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + n, _cast_out(acc, OUT_BF16, out_ptr), mask=ok)
 
 
 # ----------------------------------------------------------------------------------------------
