@@ -1,0 +1,396 @@
+"""MXFP8 attention forward for Hopper in Gluon: warp-specialized, FA3 structure (DESIGN §3).
+
+Same operands and contract as ``attn_fwd.attn_fwd_hopper`` (the ``tl`` kernel), so the interface can switch
+between them by a flag:
+  Q  e4m3 (B, Sq, Hq, D), one exponent per (token, head)         -> folded into the row's softmax factor
+  K  e4m3 (B, Sk, Hkv, D), one exponent per 128 keys and head    -> the tile's factor times the row's factor
+  V  e4m3 (B, Sk, Hkv, D) view of a channel-major (B, Hkv, D, S_pad) buffer, one exponent per channel
+                                                                  -> folded into the epilogue
+P = exp2(qk * rs - (m - 8)) <= 256 enters P V as e4m3 (constant scale 2^-8); the row sum adds the fp32 p.
+
+One CTA per (128 query rows, batch * head), three partitions:
+  producer    1 warp, 24 registers: TMA loads of Q (once) and of the K / V tiles (BLOCK_N keys) into a ring of
+              STAGES buffers, one ready and one empty mbarrier per buffer and operand (K and V apart, so QKᵀ of
+              a tile can start before its V lands).
+  consumer 0  the default partition (4 warps = one warpgroup): query rows 0..63 of the block.
+  consumer 1  a 4-warp worker partition: query rows 64..127.
+Each consumer runs the FA3 intra-warpgroup pipeline: it issues S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} as async
+wgmma, waits for S_j only, does the softmax of tile j while P_{j-1} V_{j-1} runs, then waits for it and
+rescales O.  With ``PINGPONG`` the two consumers also take turns issuing their wgmma (two mbarriers passed back
+and forth), so one warpgroup's softmax runs while the other's products occupy the tensor cores.
+
+TMA views (2-D, 16-byte aligned row strides): Q as (B*Sq, Hq*D), K as (B*Sk, Hkv*D), V as (B*Hkv*D, Sk) over
+the channel-major buffer (row stride S_pad).  Q rows and K keys past a sequence's end read the next sequence
+(or TMA zero fill past the tensor): such query rows are never stored, such keys are masked in the last tile.
+V columns past Sk are zero-filled by TMA.  Only the last (and, causal, the diagonal) tiles are masked.
+
+Notes, budget and what to measure: docs/perf-notes-attn-fwd-gluon.md.  Compile check without a GPU:
+``python scripts/compile_check_gluon.py`` (triton 3.6).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+LOG2E = 1.4426950408889634
+K_EXP_GROUP = gl.constexpr(128)  # keys sharing one K exponent (formats.RowScaledFP8 K layout); BLOCK_N divides it
+WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
+BLOCK_M = gl.constexpr(128)  # query rows per CTA: two consumer warpgroups
+
+
+@dataclass(frozen=True)
+class GluonFwdConfig:
+    """Tile and partition choice.  Defaults are the FA3 ones for d=128 (not yet tuned on the H200)."""
+
+    block_n: int = 128  # keys per K/V tile; wgmma N of Q Kᵀ and K of P V
+    stages: int = 3  # K/V ring depth
+    pingpong: bool = True  # consumers take turns issuing wgmma (FA3 warp-scheduler barrier)
+    maxnreg: int = 168  # 12 warps * 32 * 168 = 64512 <= 65536 registers: consumers 240, producer 24
+    consumer_regs: int = 240  # registers per thread requested for consumer 1 (a worker partition)
+    producer_regs: int = 24
+
+
+def default_config(head_dim: int, causal: bool) -> GluonFwdConfig:
+    # d=128: 16 KB Q + 3 x (16 + 16) KB K/V stages = 112 KB shared memory (one CTA per SM anyway: the 12 warps
+    # take the whole register file).  Not tuned on the GPU yet (docs/perf-notes-attn-fwd-gluon.md: sweep to run).
+    return GluonFwdConfig(stages=3)
+
+
+# ------------------------------------------------------------------------------------------------- layouts
+@gluon.constexpr_function
+def _mma_layout(n):
+    # one warpgroup, wgmma m64nNk32 (k = 256 bits / 8-bit operands)
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 32])
+
+
+# ------------------------------------------------------------------------------------------------- producer
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+              q_row, q_col, k_row, k_col, v_row, n_tiles,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    # Q: both warpgroups' 64-row tiles on one barrier
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [q_row + WG_ROWS, q_col], q_bar, q_smem.index(1))
+    for i in range(n_tiles):
+        s = i % STAGES
+        # a fresh mbarrier counts as having completed the phase before phase 0: the first pass does not wait
+        ph = ((i // STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(s), ph)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_row + i * BLOCK_N, k_col], k_ready.index(s), k_smem.index(s))
+        mbarrier.wait(v_empty.index(s), ph)
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [v_row, i * BLOCK_N], v_ready.index(s), v_smem.index(s))
+
+
+# ------------------------------------------------------------------------------------------------- consumer
+@gluon.jit
+def _scores(qk, m_i, rs, offs_m, n0, Sk, causal_off,
+            BLOCK_N: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+    """Scores of one S tile in log2 units, shifted so that 2^x <= 256: (x, new row max).  rs > 0 per row.
+
+    Kept apart from the exp2 / e4m3 part so that the masked / unmasked branch only joins fp32 values (a branch
+    that yields the e4m3 P made LLVM move it as 64 separate bytes and repack them: ~130 extra PRMT per tile)."""
+    rs2 = gl.expand_dims(rs, 1)
+    if MASKED:
+        # local key index against scalar bounds: one compare per element for Sk and one for the diagonal
+        cols = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk.type.layout)), 0)
+        keep = cols < Sk - n0
+        if CAUSAL:
+            keep = keep & (cols <= gl.expand_dims(offs_m + (causal_off - n0), 1))
+        m_new = gl.maximum(m_i, gl.max(gl.where(keep, qk * rs2, float("-inf")), 1))
+        m_new = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+        x = gl.where(keep, gl.fma(qk, rs2, gl.expand_dims(8.0 - m_new, 1)), float("-inf"))
+    else:
+        # rs > 0: max(qk * rs) = max(qk) * rs, and scale and shift are one FMA per element.  Explicit fma in both
+        # branches: with a plain mul + sub LLVM sank the common sub below the branch join and the FMA was lost.
+        m_new = gl.maximum(m_i, gl.max(qk, 1) * rs)
+        x = gl.fma(qk, rs2, gl.expand_dims(8.0 - m_new, 1))
+    return x, m_new
+
+
+@gluon.jit
+def _softmax_tile(qk, m_i, l_i, rs, offs_m, n0, masked, Sk, causal_off,
+                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Online softmax of one S tile (fp32, wgmma accumulator layout) -> (p = 2^x <= 256 in fp32, new row max,
+    alpha = 2^(m_old - m_new), new row sum).  ``masked`` (runtime) selects the bounds / causal path."""
+    if masked:
+        x, m_new = _scores(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N, True, CAUSAL)
+    else:
+        x, m_new = _scores(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N, False, CAUSAL)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(x)  # <= 256: fits e4m3 with the constant scale 2^-8
+    l_i = l_i * alpha + gl.sum(p, 1)  # from the fp32 p (summing p8 back in fp32 gave NaNs on triton 3.6)
+    return p, m_new, alpha, l_i
+
+
+@gluon.jit
+def _to_operand(p, p_layout: gl.constexpr):
+    """P (fp32) -> e4m3 in the register layout of wgmma's A operand (quad shuffles + byte permutes)."""
+    return gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+
+
+@gluon.jit
+def _turn_wait(turn_bars, WG: gl.constexpr, k, PINGPONG: gl.constexpr):
+    """Ping-pong: before its k-th issue block (k = 0, 1, ...) warpgroup WG waits until the other one has
+    finished k (WG 0) or k + 1 (WG 1) issue blocks.  Parity of ``c`` completions: wait(bar, (c & 1) ^ 1)."""
+    if PINGPONG:
+        if WG == 0:
+            mbarrier.wait(turn_bars.index(0), (k & 1) ^ 1)
+        else:
+            mbarrier.wait(turn_bars.index(1), ((k + 1) & 1) ^ 1)
+
+
+@gluon.jit
+def _turn_pass(turn_bars, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turn_bars.index(1 - WG), count=1)
+
+
+@gluon.jit
+def _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bars, KE, stride_ket,
+            acc, l_i, m_i, qscale, offs_m, Sk, causal_off, n_tiles, n_full,
+            WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+            PINGPONG: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr):
+    """The KV loop of one warpgroup (n_tiles >= 1), FA3 intra-warpgroup overlap (issue block k = 0 .. n_tiles).
+
+    Iteration j: issue S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} (async, S first), wait for S_j only, softmax of tile
+    j under the P V product, wait for it, rescale O by alpha_j.  Every wgmma is waited in the iteration that
+    issued it: with S_{j+1} or P_j V_j in flight across the loop edge ptxas serialized all wgmma (C7514 / C7512).
+    P crosses the loop edge in fp32 and becomes e4m3 just before its wgmma: carried as e4m3, LLVM moved the tensor
+    as 64 loose bytes and repacked it every iteration (~100 LOP3/PRMT per tile)."""
+    s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    # issue block 0: S_0 alone
+    mbarrier.wait(k_ready.index(0), 0)
+    _turn_wait(turn_bars, WG, 0, PINGPONG)
+    qk = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    _turn_pass(turn_bars, WG, PINGPONG)
+    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+    mbarrier.arrive(k_empty.index(0), count=1)
+    rs = qscale * gl.exp2(gl.load(KE).to(gl.float32))
+    p, m_i, alpha, l_i = _softmax_tile(qk, m_i, l_i, rs, offs_m, 0, n_full == 0, Sk, causal_off, BLOCK_N, CAUSAL)
+    for j in range(1, n_tiles):
+        s = j % STAGES
+        sv = (j - 1) % STAGES
+        p8 = _to_operand(p, p_layout)
+        mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+        mbarrier.wait(v_ready.index(sv), ((j - 1) // STAGES) & 1)
+        _turn_wait(turn_bars, WG, j, PINGPONG)
+        qk = warpgroup_mma(q_tile, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        acc = warpgroup_mma(p8, v_smem.index(sv).permute((1, 0)), acc, is_async=True)
+        _turn_pass(turn_bars, WG, PINGPONG)
+        n0 = j * BLOCK_N
+        rs = qscale * gl.exp2(gl.load(KE + (n0 // K_EXP_GROUP) * stride_ket).to(gl.float32))
+        qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))  # S_j; P_{j-1} V_{j-1} runs on
+        mbarrier.arrive(k_empty.index(s), count=1)
+        p, m_new, alpha, l_i = _softmax_tile(qk, m_i, l_i, rs, offs_m, n0, j >= n_full, Sk, causal_off,
+                                             BLOCK_N, CAUSAL)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(sv), count=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        m_i = m_new
+    # issue block n_tiles: O += P_{n-1} V_{n-1}
+    sv = (n_tiles - 1) % STAGES
+    p8 = _to_operand(p, p_layout)
+    mbarrier.wait(v_ready.index(sv), ((n_tiles - 1) // STAGES) & 1)
+    _turn_wait(turn_bars, WG, n_tiles, PINGPONG)
+    acc = warpgroup_mma(p8, v_smem.index(sv).permute((1, 0)), acc, is_async=True)
+    _turn_pass(turn_bars, WG, PINGPONG)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(v_empty.index(sv), count=1)
+    return acc, l_i, m_i
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_bars,
+              QE, KE, VE, O, LSE,
+              stride_qem, stride_ket, stride_ved, stride_om, stride_od, stride_lm,
+              row0, Sq, Sk, causal_off, n_tiles, n_full, qk_scale,
+              WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    """One warpgroup: query rows row0 .. row0 + 63 of the sequence (pointers already moved to (b, h))."""
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    q_tile = q_smem.index(WG)
+    offs_m = row0 + gl.arange(0, WG_ROWS, layout=row_s)
+    qe = gl.load(QE + offs_m * stride_qem, mask=offs_m < Sq, other=0)
+    qscale = gl.exp2(qe.to(gl.float32)) * qk_scale  # softmax_scale * log2(e) * 2^qe, per row
+
+    m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([WG_ROWS], gl.float32, layout=row_s)
+    acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+
+    mbarrier.wait(q_bar, 0)
+    if n_tiles > 0:
+        acc, l_i, m_i = _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bars, KE,
+                                stride_ket, acc, l_i, m_i, qscale, offs_m, Sk, causal_off, n_tiles, n_full,
+                                WG, BLOCK_N, STAGES, CAUSAL, PINGPONG, s_layout, p_layout, row_o)
+
+    # ---- output: out = acc / l * 2^ve, lse = (m - 8 + log2 l) ln 2; rows that saw nothing: 0 and -inf
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("-inf"), (m_i - 8.0 + gl.log2(l_safe)) * 0.6931471805599453)
+    gl.store(LSE + offs_m * stride_lm, lse, mask=offs_m < Sq)
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    ve = gl.load(VE + offs_d * stride_ved)
+    inv_l = gl.convert_layout(1.0 / l_safe, row_o)
+    out = acc * gl.expand_dims(inv_l, 1) * gl.expand_dims(gl.exp2(ve.to(gl.float32)), 0)
+    offs_mo = row0 + gl.arange(0, WG_ROWS, layout=row_o)
+    o_ptrs = O + gl.expand_dims(offs_mo.to(gl.int64) * stride_om, 1) + gl.expand_dims(offs_d * stride_od, 0)
+    gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=gl.expand_dims(offs_mo < Sq, 1))
+
+
+# ------------------------------------------------------------------------------------------------- kernel
+@gluon.jit
+def _attn_fwd_ws_kernel(
+    q_desc, k_desc, v_desc, QE, KE, VE, O, LSE,
+    stride_qeb, stride_qem, stride_qeh,
+    stride_keb, stride_ket, stride_keh,
+    stride_veb, stride_veh, stride_ved,
+    stride_ob, stride_om, stride_oh, stride_od,
+    stride_lb, stride_lh, stride_lm,
+    Hq, Hkv, Sq, Sk, group_size, qk_scale,
+    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    # heaviest query blocks first when causal (they see the most keys): shorter tail at the end of the grid
+    pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    hk = h // group_size
+    start_m = pid_m * BLOCK_M
+
+    causal_off = Sk - Sq
+    if CAUSAL:
+        hi = gl.minimum(Sk, gl.maximum(start_m + BLOCK_M + causal_off, 0))
+        full_end = gl.minimum((Sk // BLOCK_N) * BLOCK_N, (gl.maximum(start_m + causal_off + 1, 0) // BLOCK_N) * BLOCK_N)
+    else:
+        hi = Sk
+        full_end = (Sk // BLOCK_N) * BLOCK_N
+    n_tiles = gl.cdiv(hi, BLOCK_N)
+    n_full = full_end // BLOCK_N
+
+    # shared memory: Q (2 x 64 rows), K and V rings, barriers
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=2)
+    mbarrier.init(turn_bars.index(0), count=1)
+    mbarrier.init(turn_bars.index(1), count=1)
+
+    b64 = b.to(gl.int64)
+    QE_bh = QE + b64 * stride_qeb + h * stride_qeh
+    KE_bh = KE + b64 * stride_keb + hk * stride_keh
+    VE_bh = VE + b64 * stride_veb + hk * stride_veh
+    O_bh = O + b64 * stride_ob + h * stride_oh
+    LSE_bh = LSE + b64 * stride_lb + h * stride_lh
+    # worker partitions take no distributed tensors: scalars, pointers, descriptors, shared memory, constexprs
+    gl.warp_specialize([
+        (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_bars,
+                     QE_bh, KE_bh, VE_bh, O_bh, LSE_bh, stride_qem, stride_ket, stride_ved, stride_om, stride_od,
+                     stride_lm, start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale,
+                     0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
+        (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_bars,
+                     QE_bh, KE_bh, VE_bh, O_bh, LSE_bh, stride_qem, stride_ket, stride_ved, stride_om, stride_od,
+                     stride_lm, start_m + WG_ROWS, Sq, Sk, causal_off, n_tiles, n_full, qk_scale,
+                     1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                     b * Sq + start_m, h * HEAD_DIM, b * Sk, hk * HEAD_DIM, (b * Hkv + hk) * HEAD_DIM, n_tiles,
+                     BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ------------------------------------------------------------------------------------------------- launcher
+def _descriptors(q, k, v, block_n: int):
+    """TMA descriptors over 2-D views of the operands (module docstring)."""
+    qd, kd, vd = q.data, k.data, v.data
+    B, Sq, Hq, D = qd.shape
+    Sk, Hkv = kd.shape[1], kd.shape[2]
+    if qd.stride(3) != 1 or qd.stride(2) != D or qd.stride(0) != Sq * qd.stride(1) or qd.stride(1) % 16:
+        qd = qd.contiguous()
+    if kd.stride(3) != 1 or kd.stride(2) != D or kd.stride(0) != Sk * kd.stride(1) or kd.stride(1) % 16:
+        kd = kd.contiguous()
+    s_pad = vd.stride(3)
+    if vd.stride(1) != 1 or vd.stride(2) != D * s_pad or vd.stride(0) != Hkv * D * s_pad or s_pad % 16 or s_pad < Sk:
+        raise ValueError("V data must be the (B, S, H, D) view of a channel-major (B, H, D, S_pad) buffer, "
+                         "S_pad a multiple of 16 (formats.channel_major)")
+    f8 = gl.float8e4nv
+    wg = WG_ROWS.value
+    q_layout = gl.NVMMASharedLayout.get_default_for([wg, D], f8)
+    k_layout = gl.NVMMASharedLayout.get_default_for([block_n, D], f8)
+    v_layout = gl.NVMMASharedLayout.get_default_for([D, block_n], f8)
+    q_desc = TensorDescriptor(qd, [B * Sq, qd.stride(1)], [qd.stride(1), 1], [wg, D], q_layout)
+    k_desc = TensorDescriptor(kd, [B * Sk, kd.stride(1)], [kd.stride(1), 1], [block_n, D], k_layout)
+    v_desc = TensorDescriptor(vd, [B * Hkv * D, Sk], [s_pad, 1], [D, block_n], v_layout)
+    return q_desc, k_desc, v_desc
+
+
+def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
+                   out_dtype: torch.dtype = torch.bfloat16, config: GluonFwdConfig | None = None):
+    """Launch the warp-specialized forward on row-scaled FP8 operands (``formats.RowScaledFP8``).
+
+    q: Q layout (data (B, Sq, Hq, D) e4m3, exp (B, Sq, Hq, 1)); k: K layout (data (B, Sk, Hkv, D), exp
+    (B, ceil(Sk/128), Hkv, 1)); v: V layout (data the (B, Sk, Hkv, D) view of a channel-major (B, Hkv, D, S_pad)
+    buffer, exp (B, 1, Hkv, D)).  D is 64 or 128; Hq a multiple of Hkv.  Shapes are validated by the caller
+    (``interface``).  Returns out (B, Sq, Hq, D) in ``out_dtype`` and lse (B, Hq, Sq) fp32 (natural log),
+    like ``attn_fwd.attn_fwd_hopper``.  Needs an sm_90 GPU and triton 3.6's Gluon.
+    """
+    B, Sq, Hq, D = q.data.shape
+    Sk, Hkv = k.data.shape[1], k.data.shape[2]
+    if D not in (64, 128):
+        raise ValueError(f"head dim {D} not supported by the Gluon forward (64 or 128)")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(D)
+    cfg = config or default_config(D, causal)
+    if K_EXP_GROUP.value % cfg.block_n:
+        raise ValueError(f"block_n {cfg.block_n} must divide the K exponent group {K_EXP_GROUP}")
+    out = torch.empty(B, Sq, Hq, D, dtype=out_dtype, device=q.data.device)
+    lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.data.device)
+    if out.numel() == 0:
+        lse.fill_(float("-inf"))
+        return out, lse
+    q_desc, k_desc, v_desc = _descriptors(q, k, v, cfg.block_n)
+    qe, ke, ve = q.exp, k.exp, v.exp
+    grid = (triton.cdiv(Sq, BLOCK_M.value), B * Hq)
+    _attn_fwd_ws_kernel[grid](
+        q_desc, k_desc, v_desc, qe, ke, ve, out, lse,
+        qe.stride(0), qe.stride(1), qe.stride(2),
+        ke.stride(0), ke.stride(1), ke.stride(2),
+        ve.stride(0), ve.stride(2), ve.stride(3),
+        *out.stride(), *lse.stride(),
+        Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E,
+        HEAD_DIM=D, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal, PINGPONG=cfg.pingpong,
+        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+        num_warps=4, maxnreg=cfg.maxnreg,
+    )
+    return out, lse

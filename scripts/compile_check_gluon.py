@@ -1,0 +1,226 @@
+"""Compile the Gluon attention forward for sm_90a without a GPU and check what came out.
+
+    python scripts/compile_check_gluon.py [--dump DIR] [--only d128,causal]
+
+Needs triton 3.6 (the GPU machine's version; Gluon's API moves between releases).  No CUDA device is touched:
+the kernel goes through ``triton.compile`` with an explicit ``GPUTarget("cuda", 90, 32)``, and the cubin through
+the ``ptxas`` / ``cuobjdump`` that ship inside the triton wheel.  For each variant (head dim x causal x ping-pong)
+it prints registers (launch budget and the highest register the SASS touches), spill bytes, shared memory, the
+``setmaxnreg`` values, the wgmma instructions, the SASS of the consumers' KV loop (instruction mix, wgmma waits), and
+fails on what must not be there: spills, local memory, wgmma other than m64nNk32 e4m3, ptxas serializing the wgmma
+pipeline (C7514 / C7512), more than two ``WARPGROUP.DEPBAR`` per loop iteration.  Exit status 1 when a
+check fails.  ``--dump DIR`` writes the TTGIR, PTX and SASS of each variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+
+def _bin(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def _desc_sig(block_shape, layout) -> str:
+    return f"tensordesc<fp8e4nv[{', '.join(map(str, block_shape))}],{layout!r}>"
+
+
+def compile_variant(head_dim: int, causal: bool, pingpong: bool, block_n: int = 128, stages: int | None = None,
+                    module=None):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    if module is None:
+        from mxattn.kernels import attn_fwd_gluon as module
+    m = module
+
+    cfg = m.default_config(head_dim, causal)
+    stages = stages or cfg.stages
+    f8 = gl.float8e4nv
+    descs = {
+        "q_desc": ([m.WG_ROWS.value, head_dim], gl.NVMMASharedLayout.get_default_for([m.WG_ROWS.value, head_dim], f8)),
+        "k_desc": ([block_n, head_dim], gl.NVMMASharedLayout.get_default_for([block_n, head_dim], f8)),
+        "v_desc": ([head_dim, block_n], gl.NVMMASharedLayout.get_default_for([head_dim, block_n], f8)),
+    }
+    ptrs = {"QE": "*i32", "KE": "*i32", "VE": "*i32", "O": "*bf16", "LSE": "*fp32"}
+    consts = dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
+                  CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+    fn = m._attn_fwd_ws_kernel
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in descs:
+            sig[name] = _desc_sig(*descs[name])
+        elif name in ptrs:
+            sig[name] = ptrs[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name == "qk_scale":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    src = GluonASTSource(fn, sig, consts, attrs)
+    opts = {"num_warps": 4, "maxnreg": cfg.maxnreg}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        out = subprocess.run([_bin("cuobjdump"), "--dump-resource-usage", path], capture_output=True, text=True,
+                             check=True).stdout
+        sass = subprocess.run([_bin("cuobjdump"), "-sass", path], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(path)
+    res = {}
+    for key, pat in (("regs", r"REG:(\d+)"), ("stack", r"STACK:(\d+)"), ("shared", r"SHARED:(\d+)"),
+                     ("local", r"LOCAL:(\d+)")):
+        mm = re.search(pat, out)
+        res[key] = int(mm.group(1)) if mm else None
+    return res | {"sass": sass, "raw": out.strip()}
+
+
+def _ptxas_verbose(ptx: str) -> str:
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "k.ptx")
+        with open(p, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([_bin("ptxas"), "-arch=sm_90a", "-v", p, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True)
+        return (r.stdout + r.stderr).strip()
+
+
+def _sass_instrs(sass: str) -> list[tuple[int, str]]:
+    out = []
+    for line in sass.splitlines():
+        mm = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if mm:
+            out.append((int(mm.group(1), 16), mm.group(2)))
+    return out
+
+
+def _opcode(text: str) -> str:
+    return re.sub(r"^@!?U?P[T0-9]+\s+", "", text).split()[0].split(".")[0]
+
+
+def steady_loops(sass: str) -> list[dict]:
+    """The consumers' KV loops: backward branches whose body holds wgmma with a register A operand (P V).
+    Per loop: instructions in the body (both softmax paths, masked and not), opcode counts, and the
+    ``WARPGROUP.DEPBAR`` count (2 per iteration when the wgmma pipeline is intact; one per QGMMA when ptxas
+    serialized it)."""
+    ins = _sass_instrs(sass)
+    pos = {a: i for i, (a, _) in enumerate(ins)}
+    loops = []
+    for a, t in ins:
+        if _opcode(t) != "BRA":
+            continue
+        mm = re.search(r"BRA[^0-9]*(0x[0-9a-f]+)", t)
+        if not mm or int(mm.group(1), 16) >= a:
+            continue
+        body = ins[pos[int(mm.group(1), 16)]: pos[a] + 1]
+        # one KV iteration issues both products (Q Kᵀ: A from shared memory, P V: A from registers); the warp
+        # dispatch loop of the warp-specialized region (USETMAXREG) is not a KV loop
+        if not (any(re.search(r"GMMA\S*\s+R\d+,\s*R\d+,", x) for _, x in body)
+                and any(re.search(r"GMMA\S*\s+R\d+,\s*gdesc", x) for _, x in body)) \
+                or any("USETMAXREG" in x for _, x in body):
+            continue
+        counts = collections.Counter(_opcode(x) for _, x in body)
+        depbar = sum(1 for _, x in body if "WARPGROUP.DEPBAR" in x)
+        loops.append({"start": body[0][0], "end": a, "instrs": len(body), "depbar": depbar, "counts": counts})
+    # for each P V wgmma, the smallest range around it: the out-of-line retry paths of mbarrier waits branch
+    # back into the loop from far below and make larger spurious ranges
+    pv = [a for a, t in ins if re.search(r"GMMA\S*\s+R\d+,\s*R\d+,", t)]
+    inner = []
+    for a in pv:
+        around = [lp for lp in loops if lp["start"] <= a <= lp["end"]]
+        if around:
+            best = min(around, key=lambda lp: lp["instrs"])
+            if best not in inner:
+                inner.append(best)
+    return [lp | {"start": hex(lp["start"])} for lp in inner]
+
+
+def check(k, name: str, dump: str | None) -> bool:
+    ptx = k.asm["ptx"]
+    usage = _resource_usage(k.asm["cubin"])
+    ptxas = _ptxas_verbose(ptx)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)
+    spill_bytes = sum(int(a) + int(b) for a, b in spills)
+    setmaxnreg = collections.Counter(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))
+    wgmma = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+?)\s", ptx))
+    local = len(re.findall(r"\b(?:ld|st)\.local", ptx))
+    serialized = [ln.strip() for ln in ptxas.splitlines() if "Potential Performance Loss" in ln]
+    loops = steady_loops(usage["sass"])
+    max_reg = max((int(r) for _, t in _sass_instrs(usage["sass"]) for r in re.findall(r"\bR(\d+)\b", t)),
+                  default=-1)
+    bad_wgmma = [w for w in wgmma if not re.fullmatch(r"m64n\d+k32\.f32\.e4m3\.e4m3", w)]
+    ok = (spill_bytes == 0 and local == 0 and bool(setmaxnreg) and bool(wgmma) and not bad_wgmma
+          and not serialized and bool(loops) and all(lp["depbar"] <= 2 for lp in loops))
+    print(f"== {name}: {'OK' if ok else 'FAIL'}")
+    print(f"   registers: launch {usage['regs']}/thread (maxnreg), highest register used in SASS R{max_reg}; "
+          f"stack {usage['stack']}, local {usage['local']}")
+    print(f"   spills (ptxas -v): {spill_bytes} bytes; ld/st.local in PTX: {local}")
+    print(f"   shared memory: {k.metadata.shared} bytes")
+    print(f"   setmaxnreg (kind, regs): {dict(setmaxnreg)}")
+    print(f"   wgmma: {dict(wgmma)}" + (f"  NOT e4m3 k32: {bad_wgmma}" if bad_wgmma else ""))
+    print(f"   ptxas wgmma serialization: {serialized or 'none'}")
+    for lp in loops:
+        top = ", ".join(f"{op} {c}" for op, c in lp["counts"].most_common(12))
+        print(f"   consumer loop at {lp['start']}: {lp['instrs']} SASS instrs (masked + unmasked paths), "
+              f"WARPGROUP.DEPBAR {lp['depbar']}; {top}")
+    counts = {label: len(re.findall(pat, ptx)) for label, pat in (
+        ("ex2", r"ex2\.approx"), ("tma", r"cp\.async\.bulk\.tensor"), ("mbar_wait", r"mbarrier\.try_wait"),
+        ("mbar_arrive", r"mbarrier\.arrive"), ("bar_sync", r"\bbar\.sync|barrier\.sync"), ("shfl", r"shfl\.sync"),
+        ("st_shared", r"st\.shared"), ("ld_shared", r"ld\.shared"), ("prmt", r"\bprmt"))}
+    print("   PTX counts (whole kernel): " + ", ".join(f"{a}={c}" for a, c in counts.items()))
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        for ext, text in (("ttgir", k.asm["ttgir"]), ("ptx", ptx), ("sass", usage["sass"]), ("ptxas.txt", ptxas)):
+            with open(os.path.join(dump, f"{name}.{ext}"), "w") as f:
+                f.write(text)
+    return ok
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dump", help="write TTGIR / PTX / SASS per variant here")
+    ap.add_argument("--only", help="comma list of variant names to compile (default: all)")
+    args = ap.parse_args(argv)
+    if not triton.__version__.startswith("3.6"):
+        print(f"warning: triton {triton.__version__}; this check targets triton 3.6 (the GPU machine's version)")
+    variants = []
+    for d in (128, 64):
+        for causal in (False, True):
+            for pp in (True, False):
+                variants.append((f"d{d}{'_causal' if causal else ''}{'' if pp else '_nopingpong'}", d, causal, pp))
+    if args.only:
+        keep = set(args.only.split(","))
+        variants = [v for v in variants if v[0] in keep]
+    ok = True
+    for name, d, causal, pp in variants:
+        try:
+            k = compile_variant(d, causal, pp)
+        except Exception as e:  # noqa: BLE001 - report every variant
+            print(f"== {name}: COMPILE ERROR\n{type(e).__name__}: {e}")
+            ok = False
+            continue
+        ok = check(k, name, args.dump) and ok
+    print("all variants OK" if ok else "some variants FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

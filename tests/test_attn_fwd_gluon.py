@@ -1,0 +1,405 @@
+"""The warp-specialized Gluon forward (``mxattn/kernels/attn_fwd_gluon.py``).
+
+CPU: the module imports (under triton 3.6, the GPU machine's version, it must; under another triton it may fail,
+Gluon's API moves between releases, and the test then skips), and a pure-Python model of the kernel's mbarrier
+protocol (producer ring + two ping-ponging consumers, same parity formulas as the kernel) runs under random
+interleavings without deadlock, never overwrites a buffer a wgmma still reads, and alternates the issue blocks.
+The sm_90a compile check is ``scripts/compile_check_gluon.py`` (needs triton 3.6, no GPU).
+
+GPU (marker ``gpu``): the kernel against the reference with the calibrated bound of ``test_attn_fwd``
+(``_check_against_reference``, reused with the Gluon launcher in place of the ``tl`` one), and against the ``tl``
+kernel.  ``bench_gluon_vs_tl(shapes)`` times the Gluon kernel, the ``tl`` kernel (both on prepared FP8 operands)
+and SDPA cuDNN BF16 in one run; ``python tests/test_attn_fwd_gluon.py [--quick] [--out FILE]`` prints the table
+(and writes the rows to a JSON file).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_attn_fwd import _check_against_reference, _inputs  # noqa: E402
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+
+        return triton.__version__
+    except ImportError:
+        return ""
+
+
+def _gluon():
+    """The module, or a skip when this triton's Gluon cannot even load it (only allowed off triton 3.6)."""
+    pytest.importorskip("triton")
+    try:
+        from mxattn.kernels import attn_fwd_gluon
+    except Exception as e:  # noqa: BLE001
+        if _triton_version().startswith("3.6"):
+            raise
+        pytest.skip(f"attn_fwd_gluon targets triton 3.6's Gluon; triton {_triton_version()} cannot load it: {e}")
+    return attn_fwd_gluon
+
+
+# ---------------------------------------------------------------------------------------------------- CPU
+def test_module_imports():
+    m = _gluon()
+    assert callable(m.attn_fwd_gluon)
+    assert m.default_config(128, False).block_n == 128
+
+
+class _Barrier:
+    """An mbarrier: arrival count, transaction bytes, completed phases.  ``wait(P)`` passes iff the phase with
+    parity P has completed, i.e. iff ``phases & 1 != P`` (a fresh barrier passes ``wait(1)``)."""
+
+    def __init__(self, count):
+        self.count, self.pending, self.tx, self.phases = count, count, 0, 0
+
+    def ready(self, parity):
+        return (self.phases & 1) != parity
+
+    def _maybe_complete(self):
+        if self.pending == 0 and self.tx == 0:
+            self.phases += 1
+            self.pending = self.count
+
+    def arrive(self):
+        assert self.pending > 0
+        self.pending -= 1
+        self._maybe_complete()
+
+    def expect_arrive(self, nbytes):
+        self.tx += nbytes
+        self.arrive()
+
+    def complete_tx(self, nbytes):
+        self.tx -= nbytes
+        assert self.tx >= 0
+        self._maybe_complete()
+
+
+def _protocol_model(n_tiles: int, stages: int, pingpong: bool, rng: random.Random) -> list:
+    """Run producer + consumers 0/1 as generators under a random scheduler; TMA loads land at random later
+    times.  Mirrors ``_producer``, ``_attend`` and ``_turn_wait`` / ``_turn_pass``.  Returns the issue order."""
+    S = stages
+    q_bar = _Barrier(1)
+    k_ready = [_Barrier(1) for _ in range(S)]
+    v_ready = [_Barrier(1) for _ in range(S)]
+    k_empty = [_Barrier(2) for _ in range(S)]
+    v_empty = [_Barrier(2) for _ in range(S)]
+    turn = [_Barrier(1), _Barrier(1)]
+    k_buf, v_buf = [None] * S, [None] * S  # tile id that landed in each buffer
+    readers = collections.defaultdict(set)  # ("k"|"v", stage) -> WGs whose wgmma may still read it
+    inflight = []  # pending TMA completions: (bar, nbytes, action)
+    issues = []
+
+    def tma(bar, kind, s, tile):
+        key = (kind, s)
+        assert not readers[key], f"TMA overwrites {key} while WG {readers[key]} may still read it"
+
+        def land():
+            (k_buf if kind == "k" else v_buf)[s] = tile
+
+        inflight.append((bar, 1, land))
+
+    def producer():
+        q_bar.expect_arrive(2)
+        inflight.append((q_bar, 1, lambda: None))
+        inflight.append((q_bar, 1, lambda: None))
+        for i in range(n_tiles):
+            s, ph = i % S, ((i // S) & 1) ^ 1
+            yield lambda: k_empty[s].ready(ph)
+            k_ready[s].expect_arrive(1)
+            tma(k_ready[s], "k", s, i)
+            yield lambda: v_empty[s].ready(ph)
+            v_ready[s].expect_arrive(1)
+            tma(v_ready[s], "v", s, i)
+
+    def turn_wait(wg, k):
+        if not pingpong:
+            return lambda: True
+        if wg == 0:
+            return lambda: turn[0].ready((k & 1) ^ 1)
+        return lambda: turn[1].ready(((k + 1) & 1) ^ 1)
+
+    def turn_pass(wg):
+        if pingpong:
+            turn[1 - wg].arrive()
+
+    def read(kind, s, tile, wg):
+        buf = k_buf if kind == "k" else v_buf
+        assert buf[s] == tile, f"WG{wg} reads {kind}[{s}] = tile {buf[s]}, wants {tile}"
+        readers[(kind, s)].add(wg)
+
+    def release(bar, kind, s, wg):
+        readers[(kind, s)].discard(wg)
+        bar.arrive()
+
+    def consumer(wg):
+        yield lambda: q_bar.ready(0)
+        if n_tiles == 0:
+            return
+        yield lambda: k_ready[0].ready(0)
+        yield turn_wait(wg, 0)
+        read("k", 0, 0, wg)
+        issues.append((wg, 0))
+        turn_pass(wg)
+        yield lambda: True  # wgmma wait
+        release(k_empty[0], "k", 0, wg)
+        for j in range(1, n_tiles):
+            s, sv = j % S, (j - 1) % S
+            yield lambda: k_ready[s].ready((j // S) & 1)
+            yield lambda: v_ready[sv].ready(((j - 1) // S) & 1)
+            yield turn_wait(wg, j)
+            read("k", s, j, wg)
+            read("v", sv, j - 1, wg)
+            issues.append((wg, j))
+            turn_pass(wg)
+            yield lambda: True  # softmax under the P V product
+            release(k_empty[s], "k", s, wg)
+            yield lambda: True
+            release(v_empty[sv], "v", sv, wg)
+        sv = (n_tiles - 1) % S
+        yield lambda: v_ready[sv].ready(((n_tiles - 1) // S) & 1)
+        yield turn_wait(wg, n_tiles)
+        read("v", sv, n_tiles - 1, wg)
+        issues.append((wg, n_tiles))
+        turn_pass(wg)
+        yield lambda: True
+        release(v_empty[sv], "v", sv, wg)
+
+    agents = {"producer": producer(), "wg0": consumer(0), "wg1": consumer(1)}
+    waiting = {name: (lambda: True) for name in agents}
+    for _ in range(100000):
+        if not agents and not inflight:
+            return issues
+        choices = [n for n in agents if waiting[n]()] + (["tma"] if inflight else [])
+        assert choices, f"deadlock: agents {list(agents)} all blocked, no TMA in flight"
+        pick = rng.choice(choices)
+        if pick == "tma":
+            bar, nb, land = inflight.pop(rng.randrange(len(inflight)))
+            land()
+            bar.complete_tx(nb)
+            continue
+        try:
+            waiting[pick] = next(agents[pick])
+        except StopIteration:
+            del agents[pick]
+            del waiting[pick]
+    raise AssertionError("model did not finish")
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("pingpong", [True, False])
+def test_barrier_protocol_model(stages, pingpong, seed):
+    rng = random.Random(seed)
+    for n_tiles in [0, 1, 2, 3, 4, 7, 17]:
+        for _ in range(20):
+            issues = _protocol_model(n_tiles, stages, pingpong, rng)
+            blocks = n_tiles + 1 if n_tiles else 0
+            assert sorted(issues) == sorted((wg, k) for wg in (0, 1) for k in range(blocks))
+            if pingpong:  # issue blocks strictly alternate, WG0 first
+                assert issues == [(wg, k) for k in range(blocks) for wg in (0, 1)]
+
+
+# ---------------------------------------------------------------------------------------------------- GPU
+def _use_gluon(monkeypatch, config=None):
+    """Route ``_check_against_reference`` (which calls ``attn_fwd.attn_fwd_hopper``) to the Gluon launcher."""
+    from mxattn.kernels import attn_fwd
+
+    m = _gluon()
+
+    def launch(q, k, v, *, causal=False, softmax_scale=None, out_dtype=torch.bfloat16, config=None):
+        return m.attn_fwd_gluon(q, k, v, causal=causal, softmax_scale=softmax_scale, out_dtype=out_dtype,
+                                config=gluon_config)
+
+    gluon_config = config
+    monkeypatch.setattr(attn_fwd, "attn_fwd_hopper", launch)
+
+
+def _is_hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+GPU_CASES = [
+    # B, Sq, Sk, Hq, Hkv, D, causal
+    (1, 1, 1, 2, 2, 128, False),
+    (1, 1, 1, 2, 2, 64, True),
+    (2, 113, 203, 4, 4, 128, False),
+    (2, 113, 203, 4, 4, 64, True),
+    (1, 1023, 1024, 4, 4, 128, True),
+    (1, 1023, 1024, 4, 4, 64, False),
+    (1, 4224, 4224, 2, 2, 128, False),
+    (1, 4224, 4224, 2, 2, 128, True),
+    (1, 4224, 4224, 2, 2, 64, True),
+    (2, 1000, 1000, 16, 2, 128, True),  # GQA 8:1
+    (2, 1000, 1000, 16, 2, 64, False),  # GQA 8:1
+    (1, 2048, 2048, 8, 1, 64, False),  # MQA
+    (1, 300, 5000, 2, 2, 128, True),  # Sq < Sk, bottom-right
+    (1, 5000, 300, 2, 2, 128, True),  # Sq > Sk: empty rows
+    (3, 129, 257, 2, 2, 128, False),  # 128-row block boundaries, Q/K TMA rows read into the next sequence
+]
+
+
+def _case_id(c):
+    return "x".join(map(str, c[:6])) + ("c" if c[6] else "")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
+def test_attn_fwd_gluon_gpu(case, seed, monkeypatch):
+    if not _is_hopper():
+        pytest.skip("the Gluon forward needs an sm_90 GPU")
+    B, Sq, Sk, Hq, Hkv, D, causal = case
+    _use_gluon(monkeypatch)
+    q, k, v = _inputs(B, Sq, Sk, Hq, Hkv, D, "cuda", seed)
+    _check_against_reference(q, k, v, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [dict(pingpong=False), dict(stages=2), dict(stages=4)], ids=str)
+def test_attn_fwd_gluon_gpu_configs(variant, seed, monkeypatch):
+    if not _is_hopper():
+        pytest.skip("the Gluon forward needs an sm_90 GPU")
+    import dataclasses
+
+    m = _gluon()
+    for D in (64, 128):
+        cfg = dataclasses.replace(m.default_config(D, False), **variant)
+        _use_gluon(monkeypatch, cfg)
+        q, k, v = _inputs(1, 700, 1200, 4, 2, D, "cuda", seed + D)
+        for causal in (False, True):
+            _check_against_reference(q, k, v, causal)
+
+
+@pytest.mark.gpu
+def test_attn_fwd_gluon_gpu_late_max(seed, monkeypatch):
+    """The dominant key comes last: earlier tiles' P was quantized under a smaller running max."""
+    if not _is_hopper():
+        pytest.skip("the Gluon forward needs an sm_90 GPU")
+    _use_gluon(monkeypatch)
+    q, k, v = _inputs(1, 256, 4096, 2, 2, 128, "cuda", seed)
+    direction = torch.randn(1, 1, 2, 128, device="cuda", dtype=torch.bfloat16)
+    q = 0.3 * q + direction
+    k[:, -1:] = 3 * direction
+    _check_against_reference(q, k, v, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_attn_fwd_gluon_matches_tl(causal, seed):
+    """Same tiles of 128 keys, same running max and e4m3 P as the ``tl`` kernel: outputs agree closely."""
+    if not _is_hopper():
+        pytest.skip("the Gluon forward needs an sm_90 GPU")
+    from mxattn import reference
+    from mxattn.kernels.attn_fwd import attn_fwd_hopper
+    from mxattn.kernels.quantize import row_scaled_triton
+
+    m = _gluon()
+    q, k, v = _inputs(2, 1500, 1700, 8, 2, 128, "cuda", seed)
+    ops = row_scaled_triton(q, "q"), row_scaled_triton(k, "k"), row_scaled_triton(v, "v")
+    out_g, lse_g = m.attn_fwd_gluon(*ops, causal=causal)
+    out_t, lse_t = attn_fwd_hopper(*ops, causal=causal)
+    assert reference.sqnr_db(out_g.double(), out_t.double()) > 35
+    fin = torch.isfinite(lse_t)
+    assert torch.equal(fin, torch.isfinite(lse_g))
+    assert (lse_g[fin] - lse_t[fin]).abs().max().item() < 1e-2
+
+
+# ---------------------------------------------------------------------------------------------------- speed
+def bench_gluon_vs_tl(shapes, seed: int = 0, progress: bool = True) -> list[dict]:
+    """TFLOP/s of the Gluon kernel, the ``tl`` kernel (both on FP8 operands prepared once, untimed) and SDPA
+    cuDNN BF16, measured in one run per shape (``mxattn.bench.speed.time_ms``: median of CUDA-event timings,
+    inputs rotated over enough copies to defeat L2).  ``shapes``: ``mxattn.bench.speed.Shape`` objects.
+    Returns rows shaped like DESIGN §6 with ``tflops`` per method and the ratios to cuDNN."""
+    from mxattn.bench.speed import _sdpa, n_copies, time_ms
+    from mxattn.kernels.attn_fwd import attn_fwd_hopper
+    from mxattn.kernels.quantize import row_scaled_triton
+
+    m = _gluon()
+    dev = torch.device("cuda")
+    sdpa = _sdpa("CUDNN_ATTENTION")
+    rows = []
+    for sh in shapes:
+        g = torch.Generator(device=dev).manual_seed(seed)
+        elems = sh.B * sh.D * (sh.Sq * sh.Hq + 2 * sh.Sk * sh.Hkv)
+        n = n_copies(2 * elems, dev)
+        mk = lambda S, H: torch.randn(sh.B, S, H, sh.D, generator=g, device=dev).to(torch.bfloat16)  # noqa: E731
+        xs = [(mk(sh.Sq, sh.Hq), mk(sh.Sk, sh.Hkv), mk(sh.Sk, sh.Hkv)) for _ in range(n)]
+        ops = [(row_scaled_triton(q, "q"), row_scaled_triton(k, "k"), row_scaled_triton(v, "v")) for q, k, v in xs]
+        gqa = sh.Hkv != sh.Hq
+        runs = {
+            "mxattn_gluon": lambda i: m.attn_fwd_gluon(*ops[i], causal=sh.causal),
+            "mxattn_tl": lambda i: attn_fwd_hopper(*ops[i], causal=sh.causal),
+            "sdpa_cudnn_bf16": lambda i: sdpa(*xs[i], sh.causal, gqa),
+        }
+        tflops, errors = {}, {}
+        for name, fn in runs.items():
+            try:
+                ms = time_ms(fn, n, dev)
+                tflops[name] = sh.fwd_flops() / (ms * 1e-3) / 1e12
+            except Exception as e:  # noqa: BLE001 - a failing method must not stop the run
+                tflops[name] = None
+                errors[name] = f"{type(e).__name__}: {str(e)[:200]}"
+        cudnn = tflops.get("sdpa_cudnn_bf16")
+        ratio = {k: (v / cudnn if v and cudnn else None) for k, v in tflops.items() if k != "sdpa_cudnn_bf16"}
+        row = sh.as_row() | {
+            "tflops": tflops,
+            "ratio_vs_sdpa_cudnn_bf16": ratio["mxattn_gluon"],
+            "ratio_tl_vs_sdpa_cudnn_bf16": ratio["mxattn_tl"],
+        }
+        if errors:
+            row["errors"] = errors
+        rows.append(row)
+        if progress:
+            cells = "  ".join(f"{k} {v:7.1f}" + (f" ({ratio[k]:.2f}x)" if ratio.get(k) else "") if v else f"{k} failed"
+                              for k, v in tflops.items())
+            print(f"{str(sh):32s} {cells}", flush=True)
+        runs = xs = ops = None  # free this shape's copies before the next one
+        torch.cuda.empty_cache()
+    return rows
+
+
+def default_bench_shapes(quick: bool = False):
+    from mxattn.bench.speed import Shape, grid_shapes
+
+    if quick:
+        return grid_shapes(2, 16, None, (128,), (4096, 8192), (False, True))
+    return grid_shapes(2, 16, None, (128, 64), (2048, 4096, 8192, 16384)) + [Shape(2, 64, 8, 8192, 8192, 128, c)
+                                                                            for c in (False, True)]
+
+
+@pytest.mark.gpu
+def test_bench_gluon_vs_tl_smoke():
+    if not _is_hopper():
+        pytest.skip("the Gluon forward needs an sm_90 GPU")
+    from mxattn.bench.speed import Shape
+
+    rows = bench_gluon_vs_tl([Shape(1, 4, 4, 1024, 1024, 128, False)], progress=False)
+    assert rows[0]["tflops"]["mxattn_gluon"] and rows[0]["tflops"]["mxattn_gluon"] > 0
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description="Gluon vs tl vs SDPA cuDNN BF16 forward speed (one run)")
+    ap.add_argument("--quick", action="store_true", help="d128 at S 4k and 8k only")
+    ap.add_argument("--out", help="write the rows and the environment to this JSON file")
+    args = ap.parse_args()
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    result_rows = bench_gluon_vs_tl(default_bench_shapes(args.quick))
+    if args.out:
+        from mxattn.bench.results import env_info
+
+        doc = {"what": "attn_fwd_gluon_vs_tl", **env_info(), "rows": result_rows}
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(args.out)
