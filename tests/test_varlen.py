@@ -457,8 +457,12 @@ GPU_CASES = [
 ]
 
 
+def _gpu_id(c) -> str:
+    return f"{len(c[0])}seq-max{max(c[0])}-h{c[2]}/{c[3]}-d{c[4]}" + ("-c" if c[5] else "")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{len(c[0])}seq-max{max(c[0])}-h{c[2]}/{c[3]}-d{c[4]}" + ("-c" if c[5] else ""))
+@pytest.mark.parametrize("case", GPU_CASES, ids=_gpu_id)
 def test_varlen_kernel_gpu(case, seed):
     lq, lk, Hq, Hkv, D, causal = case
     lk = lk or lq
@@ -539,6 +543,31 @@ def test_varlen_gpu_beyond_int32_head_offsets(seed):
         dense = [row_scaled_triton(t.unsqueeze(0), r) for t, r in ((q[s], "q"), (k[s], "k"), (v[s], "v"))]
         od, ld = attn_fwd_hopper(*dense, causal=True)
         assert torch.equal(out[s], od[0]) and torch.equal(lse[:, s], ld[0]), f"rows {s}"
+
+
+@pytest.mark.gpu
+def test_varlen_gpu_many_short_sequences(seed):
+    """5000 sequences x 16 heads: batch * heads passes 65535 (the kernel's grid is 1-D)."""
+    from mxattn.kernels.attn_fwd import attn_fwd_hopper, attn_fwd_hopper_varlen
+    from mxattn.kernels.quantize import row_scaled_triton
+    from mxattn.kernels.varlen import varlen_operands
+
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, 65, (5000,), generator=g).tolist()
+    lens[-1] = 64
+    q = _packed(lens, 16, 64, seed)
+    k, v = _packed(lens, 2, 64, seed + 1), _packed(lens, 2, 64, seed + 2)
+    cu = _cu(lens)
+    out, lse = attn_fwd_hopper_varlen(*varlen_operands(q, k, v, cu, cu, 64, 64), causal=True)
+    assert not torch.isnan(out).any()
+    slices = _seq_slices(cu)
+    for i in (0, 1, 2500, 4999):
+        s = slices[i]
+        if s.stop == s.start:
+            continue
+        dense = [row_scaled_triton(t.unsqueeze(0), r) for t, r in ((q[s], "q"), (k[s], "k"), (v[s], "v"))]
+        od, ld = attn_fwd_hopper(*dense, causal=True)
+        assert torch.equal(out[s], od[0]) and torch.equal(lse[:, s], ld[0]), f"sequence {i}"
 
 
 @pytest.mark.gpu

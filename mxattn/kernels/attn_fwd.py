@@ -137,8 +137,15 @@ def _attn_fwd_kernel(
     EXPLICIT_ROUND: tl.constexpr, VARLEN: tl.constexpr = False,
 ):
     # heaviest query blocks first when causal (they see the most keys): shorter tail at the end of the grid
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    if VARLEN:
+        # 1-D grid, q-blocks fastest (cdiv(max_seqlen_q, BLOCK_M) of them, Sq = max_seqlen_q here): as the dense
+        # order, without the 65535 limit of grid dim 1 on batch * heads
+        n_m = tl.cdiv(Sq, BLOCK_M)
+        pid_m = n_m - 1 - tl.program_id(0) % n_m if CAUSAL else tl.program_id(0) % n_m
+        pid_bh = tl.program_id(0) // n_m
+    else:
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
+        pid_bh = tl.program_id(1)
     b = pid_bh // Hq
     h = pid_bh % Hq
     hk = h // group_size
@@ -259,9 +266,10 @@ def attn_fwd_hopper_varlen(q, k, v, *, causal: bool = False, softmax_scale: floa
 
     q: role "q" (data (Tq, Hq, D), exp (Tq, Hq, 1)); k: role "k" (data (Tk, Hkv, D), exp (G, Hkv, 1) with group
     offsets ``k.cu_exp``); v: role "v" (data channel-major (Hkv, D, Tv) with 16-aligned sequence starts
-    ``v.cu_data``, exp (B, Hkv, D)).  Grid: (cdiv(q.max_seqlen, BLOCK_M), B * Hq); programs past their sequence's
-    end return at once.  Causal masks are bottom-right per sequence.  Shapes and offsets are validated by the caller
-    (``interface``).  Returns out (Tq, Hq, D) in ``out_dtype`` and lse (Hq, Tq) fp32 (natural log).
+    ``v.cu_data``, exp (B, Hkv, D)).  Grid: cdiv(q.max_seqlen, BLOCK_M) * B * Hq programs, q-blocks fastest;
+    programs past their sequence's end return at once.  Causal masks are bottom-right per sequence.  Shapes and
+    offsets are validated by the caller (``interface``).
+    Returns out (Tq, Hq, D) in ``out_dtype`` and lse (Hq, Tq) fp32 (natural log).
     """
     Tq, Hq, D = q.data.shape
     Hkv = k.data.shape[1]
@@ -276,11 +284,9 @@ def attn_fwd_hopper_varlen(q, k, v, *, causal: bool = False, softmax_scale: floa
         return out, lse
     if k.data.shape[0] == 0:  # no keys at all: every row sees nothing
         return out.zero_(), lse.fill_(float("-inf"))
-    if B * Hq > 65535:
-        raise ValueError(f"batch * query heads = {B * Hq} exceeds the grid limit 65535")
     qd, kd, vd = q.data, k.data, v.data
     qe, ke, ve = q.exp, k.exp, v.exp
-    _attn_fwd_kernel[(n_m, B * Hq)](
+    _attn_fwd_kernel[(n_m * B * Hq,)](
         qd, kd, vd, qe, ke, ve, out, lse,
         0, qd.stride(0), qd.stride(1), qd.stride(2),
         0, kd.stride(0), kd.stride(1), kd.stride(2),
