@@ -30,9 +30,11 @@ Triton's pipeliner only turns loads of at least 4 bytes into asynchronous copies
 in every iteration of the key loop.  With 16-aligned starts (``tl.multiple_of``) and a zero-padded tail the V tile
 is loaded like the dense one (16-byte vectors, cp.async pipelined) and its masked last tile can read to
 len rounded up to 16 (mask constant over 16 keys).  Cost: at most 15 columns per sequence.  Q and K have D
-contiguous, so any row offset keeps their loads aligned: they stay exactly at their packed offsets.
+contiguous, so any row offset keeps their loads aligned: they stay exactly at their packed offsets.  (Checked on the
+PTX compiled for sm90: docs/perf-notes-varlen.md, and a test in tests/test_varlen.py.)
 
-Producers (Triton; one launch each for q and k, two for v as in the dense case: per-channel maxima, then data)
+Producers (Triton: one kernel each for q and k, two for v as in the dense case (per-channel maxima, then data), plus
+a few tiny torch ops for the offset arrays)
   ``varlen_q_operand(q, cu_seqlens_q, max_seqlen_q)``, ``varlen_k_operand(k, cu_seqlens_k, max_seqlen_k)``,
   ``varlen_v_operand(v, cu_seqlens_k, max_seqlen_k)``, all three: ``varlen_operands(...)``.
   Inputs bf16/fp16/fp32 (T, H, D), 1 <= D <= 256; ``max_seqlen`` must be at least the longest sequence (it sizes the
@@ -40,6 +42,9 @@ Producers (Triton; one launch each for q and k, two for v as in the dense case: 
   Built from the building blocks of ``kernels/quantize.py`` and bit-exact with the PyTorch twins
   ``varlen_{q,k,v}_operand_torch``, which apply ``formats.row_scaled_from_float`` to each sequence alone.  So every
   sequence's operands equal the dense producers' on that sequence by itself (``VarlenFP8.sequence(b)``).
+
+Not here yet: MXTensor inputs (a jagged V blocked along each sequence needs a per-sequence scale layout that
+``MXTensor``'s plain layout cannot express), a varlen backward kernel.
 
 The attention kernel: ``attn_fwd.attn_fwd_hopper_varlen`` (the dense kernel with ``VARLEN=True``).
 Speed helper: ``bench_varlen`` (GPU).
@@ -91,6 +96,7 @@ __all__ = [
     "varlen_k_operand_torch",
     "varlen_v_operand_torch",
     "seq_mx_dequantized",
+    "jagged_lengths",
     "bench_varlen",
 ]
 
