@@ -1,6 +1,6 @@
 """Compile the Gluon attention forward for sm_90a without a GPU and check what came out.
 
-    python scripts/compile_check_gluon.py [--dump DIR] [--only d128,causal]
+    python scripts/compile_check_gluon.py [--dump DIR] [--only d128,d128_causal] [--stages N]
 
 Needs triton 3.6 (the GPU machine's version; Gluon's API moves between releases).  No CUDA device is touched:
 the kernel goes through ``triton.compile`` with an explicit ``GPUTarget("cuda", 90, 32)``, and the cubin through
@@ -198,6 +198,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dump", help="write TTGIR / PTX / SASS per variant here")
     ap.add_argument("--only", help="comma list of variant names to compile (default: all)")
+    ap.add_argument("--stages", type=int, help="K/V ring depth (default: the launcher's default_config)")
     args = ap.parse_args(argv)
     if not triton.__version__.startswith("3.6"):
         print(f"warning: triton {triton.__version__}; this check targets triton 3.6 (the GPU machine's version)")
@@ -212,7 +213,7 @@ def main(argv=None) -> int:
     ok = True
     for name, d, causal, pp in variants:
         try:
-            k = compile_variant(d, causal, pp)
+            k = compile_variant(d, causal, pp, stages=args.stages)
         except Exception as e:  # noqa: BLE001 - report every variant
             print(f"== {name}: COMPILE ERROR\n{type(e).__name__}: {e}")
             ok = False

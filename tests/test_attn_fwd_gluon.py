@@ -314,10 +314,11 @@ def test_attn_fwd_gluon_matches_tl(causal, seed):
 
 
 # ---------------------------------------------------------------------------------------------------- speed
-def bench_gluon_vs_tl(shapes, seed: int = 0, progress: bool = True) -> list[dict]:
+def bench_gluon_vs_tl(shapes, seed: int = 0, progress: bool = True, configs: dict | None = None) -> list[dict]:
     """TFLOP/s of the Gluon kernel, the ``tl`` kernel (both on FP8 operands prepared once, untimed) and SDPA
     cuDNN BF16, measured in one run per shape (``mxattn.bench.speed.time_ms``: median of CUDA-event timings,
     inputs rotated over enough copies to defeat L2).  ``shapes``: ``mxattn.bench.speed.Shape`` objects.
+    ``configs``: extra Gluon variants to time, name -> ``GluonFwdConfig`` (methods ``mxattn_gluon[name]``).
     Returns rows shaped like DESIGN §6 with ``tflops`` per method and the ratios to cuDNN."""
     from mxattn.bench.speed import _sdpa, n_copies, time_ms
     from mxattn.kernels.attn_fwd import attn_fwd_hopper
@@ -340,6 +341,9 @@ def bench_gluon_vs_tl(shapes, seed: int = 0, progress: bool = True) -> list[dict
             "mxattn_tl": lambda i: attn_fwd_hopper(*ops[i], causal=sh.causal),
             "sdpa_cudnn_bf16": lambda i: sdpa(*xs[i], sh.causal, gqa),
         }
+        for cname, cfg in (configs or {}).items():
+            runs[f"mxattn_gluon[{cname}]"] = (lambda c: lambda i: m.attn_fwd_gluon(*ops[i], causal=sh.causal,
+                                                                                 config=c))(cfg)
         tflops, errors = {}, {}
         for name, fn in runs.items():
             try:
@@ -393,9 +397,21 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="Gluon vs tl vs SDPA cuDNN BF16 forward speed (one run)")
     ap.add_argument("--quick", action="store_true", help="d128 at S 4k and 8k only")
     ap.add_argument("--out", help="write the rows and the environment to this JSON file")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time stages 2/4 and ping-pong off (d128 S8k, both causal flags, unless --quick)")
     args = ap.parse_args()
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    result_rows = bench_gluon_vs_tl(default_bench_shapes(args.quick))
+    bench_configs = None
+    bench_shapes = default_bench_shapes(args.quick)
+    if args.sweep:
+        from mxattn.bench.speed import grid_shapes
+        from mxattn.kernels.attn_fwd_gluon import GluonFwdConfig
+
+        bench_configs = {"stages2": GluonFwdConfig(stages=2), "stages4": GluonFwdConfig(stages=4),
+                         "no_pingpong": GluonFwdConfig(pingpong=False)}
+        if not args.quick:
+            bench_shapes = grid_shapes(2, 16, None, (128, 64), (8192,))
+    result_rows = bench_gluon_vs_tl(bench_shapes, configs=bench_configs)
     if args.out:
         from mxattn.bench.results import env_info
 
