@@ -379,8 +379,9 @@ def _rmsnorm_bwd_kernel(
     wf = _to_f32(tl.load(w_ptr + nl, mask=okn, other=0.0))
     acc = tl.zeros((BLOCK_N,), tl.float32)
     r_end = tl.minimum(r0 + rows_per_prog, M)
-    for t in range(r0, r_end, BLOCK_M):
-        r = t + rl
+    # fixed trip count (the last program's tiles past M are fully masked and add +0: the value is unchanged)
+    for t in range(0, rows_per_prog, BLOCK_M):
+        r = r0 + t + rl
         ok = (r < r_end) & okn
         r64 = r.to(tl.int64)
         xf = _to_f32(tl.load(x_ptr + r64 * sxm + nl, mask=ok, other=0.0))
