@@ -1,7 +1,8 @@
 """The warp-specialized Gluon forward (``mxattn/kernels/attn_fwd_gluon.py``).
 
 CPU: the module imports (under triton 3.6, the GPU machine's version, it must; under another triton it may fail,
-Gluon's API moves between releases, and the test then skips), and a pure-Python model of the kernel's mbarrier
+Gluon's API moves between releases, and the test then skips); under triton 3.6 the d128 causal kernel compiles for
+sm_90a and passes the compile check's rules; and a pure-Python model of the kernel's mbarrier
 protocol (producer ring + two ping-ponging consumers, same parity formulas as the kernel) runs under random
 interleavings without deadlock, never overwrites a buffer a wgmma still reads, and alternates the issue blocks.
 The sm_90a compile check is ``scripts/compile_check_gluon.py`` (needs triton 3.6, no GPU).
@@ -53,6 +54,20 @@ def test_module_imports():
     m = _gluon()
     assert callable(m.attn_fwd_gluon)
     assert m.default_config(128, False).block_n == 128
+
+
+@pytest.mark.slow
+def test_compiles_for_sm90_without_gpu(capsys):
+    """Where triton 3.6 is installed (the GPU machine), the d128 kernel compiles for sm_90a with the checks of
+    ``scripts/compile_check_gluon.py`` (no spills, e4m3 wgmma, no ptxas wgmma serialization); ~15 s."""
+    if not _triton_version().startswith("3.6"):
+        pytest.skip(f"compile check targets triton 3.6 (installed: {_triton_version() or 'none'})")
+    _gluon()
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+    import compile_check_gluon as cc
+
+    kernel = cc.compile_variant(128, True, True)
+    assert cc.check(kernel, "d128_causal", None), capsys.readouterr().out
 
 
 class _Barrier:
