@@ -24,7 +24,10 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)  # test_attn_fwd (pytest puts it there too)
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(_HERE))  # mxattn, when run as a script from anywhere
 from test_attn_fwd import _check_against_reference, _inputs  # noqa: E402
 
 
@@ -63,7 +66,7 @@ def test_compiles_for_sm90_without_gpu(capsys):
     if not _triton_version().startswith("3.6"):
         pytest.skip(f"compile check targets triton 3.6 (installed: {_triton_version() or 'none'})")
     _gluon()
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+    sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "scripts"))
     import compile_check_gluon as cc
 
     kernel = cc.compile_variant(128, True, True)
@@ -415,7 +418,6 @@ if __name__ == "__main__":
     ap.add_argument("--sweep", action="store_true",
                     help="also time stages 2/4 and ping-pong off (d128 S8k, both causal flags, unless --quick)")
     args = ap.parse_args()
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     bench_configs = None
     bench_shapes = default_bench_shapes(args.quick)
     if args.sweep:
