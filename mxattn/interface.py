@@ -3,7 +3,8 @@
 Every check runs before any kernel launch and raises ``TypeError`` (wrong type/dtype) or ``ValueError``
 (wrong shape, device, orientation, head dim, value) naming the argument.
 
-Layouts: (B, S, H, D) tensors, as ``flash_attn_func``.  Orientations of MXFP8 inputs (DESIGN §1):
+Layouts: (B, S, H, D) tensors, as ``flash_attn_func``; ``mxfp8_attn_varlen_func``: packed (T, H, D) tensors with
+``cu_seqlens_q`` / ``cu_seqlens_k``, as ``flash_attn_varlen_func``.  Orientations of MXFP8 inputs (DESIGN §1):
 ``q`` and ``k`` blocked along the head dim (``MXTensor.dim == 3``), ``v`` blocked along the sequence
 (``dim == 1``).
 """
