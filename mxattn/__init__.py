@@ -10,7 +10,8 @@ from mxattn.formats import (
     row_scaled_from_float,
     to_row_scaled,
 )
-from mxattn.interface import mxfp8_attn_func
+from mxattn.interface import mxfp8_attn_func, mxfp8_attn_varlen_func
+from mxattn.producers import linear_quant, rmsnorm_quant
 
 __all__ = [
     "__version__",
@@ -19,6 +20,9 @@ __all__ = [
     "ScaleMode",
     "dequantize_mxfp8",
     "mxfp8_attn_func",
+    "mxfp8_attn_varlen_func",
+    "rmsnorm_quant",
+    "linear_quant",
     "quantize_mxfp8",
     "row_scaled_from_float",
     "to_row_scaled",
