@@ -39,6 +39,21 @@ def _shape_of(name: str, t: Operand) -> torch.Size:
     raise TypeError(f"{name} must be a torch.Tensor or an MXTensor, got {type(t).__name__}")
 
 
+def _check_heads(q_shape, k_shape, v_shape) -> None:
+    """Checks shared by the dense and the varlen functions (shapes end in (..., heads, head_dim)): v has k's
+    shape, q and k share a supported head dim, and the query heads are a multiple of the kv heads."""
+    Hq, D = q_shape[-2], q_shape[-1]
+    Hkv, Dk = k_shape[-2], k_shape[-1]
+    if tuple(v_shape) != tuple(k_shape):
+        raise ValueError(f"v must have k's shape {tuple(k_shape)}, got {tuple(v_shape)}")
+    if Dk != D:
+        raise ValueError(f"k has head dim {Dk} but q has head dim {D}")
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim {D} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"the number of query heads ({Hq}) must be a multiple of the number of kv heads ({Hkv})")
+
+
 def _check_attention_inputs(q: Operand, k: Operand, v: Operand, softmax_scale) -> tuple[bool, torch.device]:
     """Validate (q, k, v) for dense (B, S, H, D) attention; returns (inputs_are_mx, device)."""
     shapes = {n: _shape_of(n, t) for n, t in (("q", q), ("k", k), ("v", v))}
@@ -63,17 +78,9 @@ def _check_attention_inputs(q: Operand, k: Operand, v: Operand, softmax_scale) -
     devices = {n: t.device for n, t in (("q", q), ("k", k), ("v", v))}
     if len(set(devices.values())) != 1:
         raise ValueError("q, k, v must be on one device, got " + ", ".join(f"{n}: {d}" for n, d in devices.items()))
-    (B, Sq, Hq, D), (Bk, Sk, Hkv, Dk), vs = shapes["q"], shapes["k"], shapes["v"]
-    if tuple(vs) != (Bk, Sk, Hkv, Dk):
-        raise ValueError(f"v must have k's shape {tuple(shapes['k'])}, got {tuple(vs)}")
-    if Bk != B:
-        raise ValueError(f"k has batch {Bk} but q has batch {B}")
-    if Dk != D:
-        raise ValueError(f"k has head dim {Dk} but q has head dim {D}")
-    if D not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dim {D} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
-    if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(f"the number of query heads ({Hq}) must be a multiple of the number of kv heads ({Hkv})")
+    _check_heads(shapes["q"], shapes["k"], shapes["v"])
+    if shapes["k"][0] != shapes["q"][0]:
+        raise ValueError(f"k has batch {shapes['k'][0]} but q has batch {shapes['q'][0]}")
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
             raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
@@ -302,14 +309,7 @@ def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     if len(set(devices.values())) != 1:
         raise ValueError("q, k, v must be on one device, got " + ", ".join(f"{n}: {d}" for n, d in devices.items()))
     (Tq, Hq, D), (Tk, Hkv, Dk) = q.shape, k.shape
-    if tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
-    if Dk != D:
-        raise ValueError(f"k has head dim {Dk} but q has head dim {D}")
-    if D not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dim {D} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
-    if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(f"the number of query heads ({Hq}) must be a multiple of the number of kv heads ({Hkv})")
+    _check_heads(q.shape, k.shape, v.shape)
     _check_softmax_scale(softmax_scale)
     cu_q, cq = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", Tq, q.device)
     cu_k, ck = _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", Tk, q.device)
