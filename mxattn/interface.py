@@ -308,7 +308,7 @@ def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     devices = {n: t.device for n, t in (("q", q), ("k", k), ("v", v))}
     if len(set(devices.values())) != 1:
         raise ValueError("q, k, v must be on one device, got " + ", ".join(f"{n}: {d}" for n, d in devices.items()))
-    (Tq, Hq, D), (Tk, Hkv, Dk) = q.shape, k.shape
+    Tq, Tk = q.shape[0], k.shape[0]
     _check_heads(q.shape, k.shape, v.shape)
     _check_softmax_scale(softmax_scale)
     cu_q, cq = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", Tq, q.device)
