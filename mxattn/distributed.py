@@ -1,0 +1,614 @@
+"""Context-parallel (ring) MXFP8 attention over a ``torch.distributed`` process group.
+
+Layout
+    Every rank of ``group`` (world size W) holds a shard of the sequence of q, k, v: (B, S_local, H, D).
+    ``zigzag=True`` (default, balances causal work): the global sequence is cut into 2W equal chunks of
+    c = S / (2W) tokens and rank r holds chunks r and 2W-1-r, concatenated (``zigzag_shard``,
+    ``zigzag_unshard``).  ``zigzag=False``: rank r holds the contiguous chunk r of W (c = S / W).
+    Constraint: S divisible by 2W (zigzag) or W; every rank has the same S_local.
+
+What travels (forward): K blocked along the head dim and V blocked along the sequence, as MXFP8 bytes
+    (e4m3 data + E8M0 scales) packed in one flat uint8 buffer per rank.  V's sequence blocks of 32 start at
+    each *chunk*'s first token (the last block of a chunk is partial when c % 32 != 0).  When c is a multiple
+    of 32 this is bit-identical to quantizing the whole gathered sequence, so the ring computes on exactly
+    the operands of single-process ``mxfp8_attn_func``.  Bytes per rank and step: 2N (1 + 1/32) against 4N
+    for a BF16 ring, N = B * S_local * Hkv * D: 0.516x (``ring_step_bytes``).
+    The buffer goes to rank r+1 with ``batch_isend_irecv`` while rank r computes on the block it holds.
+
+Per step and per (q chunk, k chunk) pair: ``full`` (the q chunk is later in the sequence than the k chunk, or
+    not causal), ``diag`` (the same chunk: square causal block) or skipped.  Each computed pair gives a partial
+    (out, lse) from a *block function* (``ReferenceBlock`` on the CPU, ``KernelBlock`` with the Hopper kernels
+    on CUDA) and partials are merged by log-sum-exp in fp32 (rows that saw nothing have lse = -inf).
+    The P quantization of each block uses that block's row max (as a kernel with a running max does), so the
+    forward agrees with single-process attention statistically, at the same error level, not bit for bit.
+
+Backward (``torch.autograd.Function``): K (head dim and sequence blocked) and V (head dim blocked) circulate
+    again as MXFP8, and the dK/dV partial sums of the visiting shard (fp32, or bf16 with ``grad_comm_dtype``)
+    travel with them: after W hops each shard's sums arrive back at its owner.  Each block's gradients use the
+    global ``out`` and the global lse (``lse_bwd``: the exact lse on the CPU reference path, which is what the
+    single-process reference backward recomputes; the forward lse on the kernel path, which is what the kernel
+    backward takes), so they are the block's exact share of the merged softmax's gradients: the result equals
+    the single-process backward on the same ``out`` up to accumulation order (c % 32 == 0).
+
+Nothing here is CUDA-specific: on GPUs use the nccl backend (launcher: ``python -m mxattn.distributed``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from mxattn import formats, reference
+from mxattn.formats import MXTensor
+
+__all__ = [
+    "ring_mxfp8_attn_func",
+    "zigzag_shard",
+    "zigzag_unshard",
+    "ReferenceBlock",
+    "KernelBlock",
+    "RingStats",
+    "last_ring_stats",
+    "ring_step_bytes",
+    "bench_ring",
+]
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+_TAG_KV, _TAG_GRAD = 0, 1
+_FULL, _DIAG, _SKIP = "full", "diag", "skip"
+
+
+# ----------------------------------------------------------------------------------------------
+# Sequence layout
+# ----------------------------------------------------------------------------------------------
+
+
+def zigzag_shard(x: torch.Tensor, rank: int, world: int, dim: int = 1) -> torch.Tensor:
+    """Rank ``rank``'s zig-zag shard of ``x`` along ``dim``: chunks ``rank`` and ``2*world-1-rank`` of 2*world.
+
+    ``x.shape[dim]`` must be divisible by 2*world.  Returns a new tensor (the two chunks concatenated)."""
+    n = x.shape[dim]
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in a world of {world}")
+    if n % (2 * world):
+        raise ValueError(f"zig-zag sharding needs the length along dim {dim} ({n}) divisible by 2*world={2 * world}")
+    chunks = x.chunk(2 * world, dim)
+    return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim)
+
+
+def zigzag_unshard(shards: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """Inverse of ``zigzag_shard``: the full tensor from the shards of ranks 0..W-1 (in rank order).
+
+    Use ``dim=1`` for (B, S, H, D) tensors and ``dim=2`` for lse (B, H, S)."""
+    world = len(shards)
+    halves = []
+    for s in shards:
+        if s.shape[dim] % 2:
+            raise ValueError(f"a zig-zag shard has an even length along dim {dim}, got {s.shape[dim]}")
+        halves.append(s.chunk(2, dim))
+    order = [halves[r][0] for r in range(world)] + [halves[r][1] for r in reversed(range(world))]
+    return torch.cat(order, dim)
+
+
+def _chunk_ids(rank: int, world: int, zigzag: bool) -> tuple[int, ...]:
+    """Global chunk indices a rank holds, in local order."""
+    return (rank, 2 * world - 1 - rank) if zigzag else (rank,)
+
+
+def _block_kind(q_chunk: int, k_chunk: int, causal: bool) -> str:
+    if not causal or q_chunk > k_chunk:
+        return _FULL
+    return _DIAG if q_chunk == k_chunk else _SKIP
+
+
+# ----------------------------------------------------------------------------------------------
+# MXFP8 tensors on the wire
+# ----------------------------------------------------------------------------------------------
+
+
+def _pack(tensors: Sequence[MXTensor]) -> tuple[torch.Tensor, list]:
+    """One flat uint8 buffer with each tensor's e4m3 data bytes then its E8M0 scale bytes, and the spec to
+    rebuild views of it (``_unpack``)."""
+    parts, spec = [], []
+    for t in tensors:
+        parts.append(t.data.contiguous().view(torch.uint8).reshape(-1))
+        parts.append(t.scale_bytes.contiguous().reshape(-1))
+        spec.append((tuple(t.data.shape), tuple(t.scale.shape), t.dim))
+    return torch.cat(parts), spec
+
+
+def _unpack(buf: torch.Tensor, spec: list) -> list[MXTensor]:
+    """MXTensors viewing ``buf`` (no copy)."""
+    out, off = [], 0
+    for dshape, sshape, dim in spec:
+        nd, ns = math.prod(dshape), math.prod(sshape)
+        data = buf[off : off + nd].view(torch.float8_e4m3fn).view(dshape)
+        off += nd
+        scale = buf[off : off + ns].view(sshape)
+        off += ns
+        out.append(MXTensor(data, scale, dim))
+    return out
+
+
+@dataclass
+class RingStats:
+    """Bytes this rank sent per ring step in the last call (``last_ring_stats``)."""
+
+    fwd_kv_bytes: list = field(default_factory=list)
+    bwd_kv_bytes: list = field(default_factory=list)
+    bwd_grad_bytes: list = field(default_factory=list)
+
+
+_LAST_STATS = RingStats()
+
+
+def last_ring_stats() -> RingStats:
+    """What the last ``ring_mxfp8_attn_func`` forward (and its backward, once run) sent from this process."""
+    return RingStats(list(_LAST_STATS.fwd_kv_bytes), list(_LAST_STATS.bwd_kv_bytes), list(_LAST_STATS.bwd_grad_bytes))
+
+
+class _Pending:
+    def __init__(self, recv: torch.Tensor, works: list):
+        self.recv, self.works = recv, works
+
+    def wait(self) -> torch.Tensor:
+        for w in self.works:
+            w.wait()
+        return self.recv
+
+
+class _Ring:
+    """Neighbours of this rank in ``group``: sends go to rank+1, receives come from rank-1."""
+
+    def __init__(self, group):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        glob = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+        self.next = glob((self.rank + 1) % self.world)
+        self.prev = glob((self.rank - 1) % self.world)
+
+    def exchange(self, send: torch.Tensor, tag: int, log: list) -> _Pending:
+        """Start sending ``send`` to the next rank and receiving a tensor like it from the previous one."""
+        log.append(send.numel() * send.element_size())
+        if self.world == 1:
+            return _Pending(send, [])
+        recv = torch.empty_like(send)
+        ops = [
+            dist.P2POp(dist.isend, send, self.next, self.group, tag),
+            dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
+        ]
+        return _Pending(recv, dist.batch_isend_irecv(ops))
+
+
+def ring_step_bytes(batch: int, seqlen_local: int, kv_heads: int, head_dim: int, zigzag: bool = True) -> dict:
+    """Bytes one rank sends per ring step, MXFP8 against a BF16 ring (shapes of one rank's k/v shard).
+
+    fwd: K (head-dim blocks) + V (sequence blocks per chunk).  bwd_kv: K in both orientations + V (head dim).
+    Gradient partial sums (dK, dV) add 8 bytes per element pair in fp32 (4 in bf16) to either backward."""
+    chunks = 2 if zigzag else 1
+    c = seqlen_local // chunks
+    n = batch * seqlen_local * kv_heads * head_dim
+    hdim_scales = batch * seqlen_local * kv_heads * -(-head_dim // 32)
+    seq_scales = chunks * batch * -(-c // 32) * kv_heads * head_dim
+    fwd = 2 * n + hdim_scales + seq_scales
+    bwd_kv = 3 * n + 2 * hdim_scales + seq_scales
+    return {
+        "fwd_mxfp8": fwd,
+        "fwd_bf16": 4 * n,
+        "fwd_ratio": fwd / (4 * n),
+        "bwd_kv_mxfp8": bwd_kv,
+        "bwd_kv_bf16": 4 * n,
+        "bwd_grad_fp32": 8 * n,
+        "bwd_grad_bf16": 4 * n,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Block functions: one (q chunk, k chunk) pair on this rank
+# ----------------------------------------------------------------------------------------------
+
+
+def _roundtrip(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return formats.quantize_mxfp8(x, dim).dequantize(x.dtype)
+
+
+class ReferenceBlock:
+    """Block function on the reference (plain PyTorch, any device; the CPU path).
+
+    ``forward(q, k, v, causal, scale)``: q float (B, c, Hq, D), k MXTensor (head dim), v MXTensor (sequence)
+    -> out (B, c, Hq, D) fp32, lse (B, Hq, c), lse_bwd (B, Hq, c).  ``causal`` means the square diagonal block.
+    ``backward(q, k, k_seq, v_hdim, out, dout, lse_bwd, causal, scale)`` -> dq, dk, dv fp32 of this block,
+    with P = exp(S - lse_bwd) for the *global* lse: ``reference.attention_backward``'s formulas and switches,
+    restricted to one block (the reference recomputes the lse of whole rows, which one block cannot).
+
+    ``emulate_fp8=True`` (default) emulates the kernels' low-precision steps as ``mxfp8_attn_func`` does on the
+    CPU (P in e4m3 in the forward; P, dS, dO in the backward); ``False`` gives exact attention of the MXFP8
+    inputs, which lets a test check the ring and the merge to fp32 rounding.
+    """
+
+    def __init__(self, emulate_fp8: bool = True):
+        self.emulate_fp8 = emulate_fp8
+
+    @staticmethod
+    def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+        """(B, Hq, Sq, Sk) scaled scores, -inf above the diagonal when ``causal`` (square block)."""
+        k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+        if causal:
+            keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+            s = s.masked_fill(~keep, float("-inf"))
+        return s
+
+    def forward(self, q, k: MXTensor, v: MXTensor, causal: bool, scale: float):
+        qm = formats.quantize_mxfp8(q, dim=3)
+        out, lse = reference.attention_forward(
+            qm, k, v, causal=causal, softmax_scale=scale, quantize_p=self.emulate_fp8, dtype=torch.float32
+        )
+        if not self.emulate_fp8:
+            return out, lse, lse
+        s = self._scores(qm.dequantize(), k.dequantize(), causal, scale)
+        return out, lse, torch.logsumexp(s, dim=-1)
+
+    def backward(self, q, k: MXTensor, k_seq: MXTensor, v_hdim: MXTensor, out, dout, lse, causal: bool, scale: float):
+        f32, e = torch.float32, self.emulate_fp8
+        B, _, Hq, _ = q.shape
+        Hkv = k.shape[2]
+        group = Hq // Hkv
+        qh = formats.quantize_mxfp8(q, dim=3).dequantize(f32)
+        qs = formats.quantize_mxfp8(q, dim=1).dequantize(f32)
+        ks = k_seq.dequantize(f32).repeat_interleave(group, dim=2)
+        vh = v_hdim.dequantize(f32).repeat_interleave(group, dim=2)
+        out, dout = out.to(f32), dout.to(f32)
+        do_h = _roundtrip(dout, 3) if e else dout  # for dP and D
+        do_s = _roundtrip(dout, 1) if e else dout  # for dV, blocks along q
+        delta = (do_h * out).sum(-1).transpose(1, 2).unsqueeze(-1)  # (B, Hq, Sq, 1)
+        s = self._scores(qh, k.dequantize(f32), causal, scale)
+        lse = lse.to(f32).unsqueeze(-1)
+        p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)))
+        p_v = formats.round_to_e4m3(p * 256.0).to(f32) / 256.0 if e else p
+        dp = torch.einsum("bqhd,bkhd->bhqk", do_h, vh)
+        ds = p * (dp - delta)
+        ds_kv = _roundtrip(ds, -1) if e else ds
+        ds_q = _roundtrip(ds, -2) if e else ds
+        dq = torch.einsum("bhqk,bkhd->bqhd", ds_kv, ks) * scale
+        dk = torch.einsum("bhqk,bqhd->bkhd", ds_q, qs) * scale
+        dv = torch.einsum("bhqk,bqhd->bkhd", p_v, do_s)
+        Sk = dk.shape[1]
+        dk = dk.reshape(B, Sk, Hkv, group, -1).sum(3)
+        dv = dv.reshape(B, Sk, Hkv, group, -1).sum(3)
+        return dq, dk, dv
+
+
+class KernelBlock:
+    """Block function on the Hopper FP8 kernels (CUDA): MX operands re-expressed per row
+    (``row_scaled_triton``), ``attn_fwd_hopper`` / ``attn_bwd_hopper`` with the global out and lse.
+    Not run in this repository's CPU tests (see docs/distributed.md)."""
+
+    def forward(self, q, k: MXTensor, v: MXTensor, causal: bool, scale: float):
+        from mxattn.kernels.attn_fwd import attn_fwd_hopper
+        from mxattn.kernels.quantize import row_scaled_triton
+
+        out, lse = attn_fwd_hopper(
+            row_scaled_triton(q, "q"), row_scaled_triton(k, "k"), row_scaled_triton(v, "v"),
+            causal=causal, softmax_scale=scale, out_dtype=torch.float32,
+        )
+        return out, lse, lse
+
+    def backward(self, q, k: MXTensor, k_seq: MXTensor, v_hdim: MXTensor, out, dout, lse, causal: bool, scale: float):
+        from mxattn.kernels.attn_bwd import attn_bwd_hopper
+        from mxattn.kernels.quantize import row_scaled_triton
+
+        return attn_bwd_hopper(
+            row_scaled_triton(q, "k"), row_scaled_triton(k, "k"), row_scaled_triton(v_hdim, "k"),
+            row_scaled_triton(q, "v"), row_scaled_triton(k_seq, "v"), out, dout.contiguous(), lse.contiguous(),
+            causal=causal, softmax_scale=scale, grad_dtype=torch.float32,
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Ring forward and backward
+# ----------------------------------------------------------------------------------------------
+
+
+def _merge(state, o, lse, lse_bwd):
+    """Log-sum-exp merge of a block's partial (out, lse) into the running one; lse_bwd merges alongside."""
+    o, lse, lse_bwd = o.float(), lse.float(), lse_bwd.float()
+    if state is None:
+        return [o, lse, lse_bwd]
+    acc, acc_lse, acc_bwd = state
+    new = torch.logaddexp(acc_lse, lse)
+
+    def weight(x):  # (B, H, S) -> (B, S, H, 1), 0 where a side saw nothing
+        w = torch.where(torch.isneginf(x), torch.zeros_like(x), torch.exp(x - new))
+        return w.transpose(1, 2).unsqueeze(-1)
+
+    return [acc * weight(acc_lse) + o * weight(lse), new, torch.logaddexp(acc_bwd, lse_bwd)]
+
+
+def _chunks(x: torch.Tensor, n: int, dim: int) -> list[torch.Tensor]:
+    return list(x.chunk(n, dim)) if n > 1 else [x]
+
+
+def _ring_forward(q, k, v, ring: _Ring, causal, scale, zigzag, block):
+    W, r = ring.world, ring.rank
+    n = 2 if zigzag else 1
+    qc, kc, vc = (_chunks(t, n, 1) for t in (q, k, v))
+    mine = _chunk_ids(r, W, zigzag)
+    mx = []
+    for kj, vj in zip(kc, vc):
+        mx += [formats.quantize_mxfp8(kj, dim=3), formats.quantize_mxfp8(vj, dim=1)]
+    buf, spec = _pack(mx)
+    states = [None] * n
+    for step in range(W):
+        pending = ring.exchange(buf, _TAG_KV, _LAST_STATS.fwd_kv_bytes) if step + 1 < W else None
+        visiting = _unpack(buf, spec)
+        theirs = _chunk_ids((r - step) % W, W, zigzag)
+        for i, qi in enumerate(mine):
+            for j, kj in enumerate(theirs):
+                kind = _block_kind(qi, kj, causal)
+                if kind == _SKIP:
+                    continue
+                o, lse, lse_bwd = block.forward(qc[i], visiting[2 * j], visiting[2 * j + 1], kind == _DIAG, scale)
+                states[i] = _merge(states[i], o, lse, lse_bwd)
+        if pending is not None:
+            buf = pending.wait()
+    for i, st in enumerate(states):
+        if st is None:  # a q chunk that sees no key (not possible in self-attention, kept for safety)
+            B, c, H, _ = qc[i].shape
+            empty = q.new_full((B, H, c), float("-inf"), dtype=torch.float32)
+            states[i] = [q.new_zeros(qc[i].shape[:-1] + (v.shape[-1],), dtype=torch.float32), empty, empty]
+    out = torch.cat([s[0] for s in states], 1)
+    lse = torch.cat([s[1] for s in states], 2)
+    lse_bwd = torch.cat([s[2] for s in states], 2)
+    return out, lse, lse_bwd
+
+
+def _ring_backward(q, k, v, out, dout, lse_bwd, ring: _Ring, causal, scale, zigzag, block, grad_comm_dtype):
+    W, r = ring.world, ring.rank
+    n = 2 if zigzag else 1
+    qc, kc, vc, oc, dc = (_chunks(t, n, 1) for t in (q, k, v, out, dout))
+    lc = _chunks(lse_bwd, n, 2)
+    c = kc[0].shape[1]
+    mine = _chunk_ids(r, W, zigzag)
+    mx = []
+    for kj, vj in zip(kc, vc):
+        mx += [formats.quantize_mxfp8(kj, dim=3), formats.quantize_mxfp8(kj, dim=1), formats.quantize_mxfp8(vj, dim=3)]
+    buf, spec = _pack(mx)
+    dq = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in qc]
+    grad_pending = None
+    for step in range(W):
+        kv_pending = ring.exchange(buf, _TAG_KV, _LAST_STATS.bwd_kv_bytes) if step + 1 < W else None
+        visiting = _unpack(buf, spec)
+        theirs = _chunk_ids((r - step) % W, W, zigzag)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        for i, qi in enumerate(mine):
+            for j, kj in enumerate(theirs):
+                kind = _block_kind(qi, kj, causal)
+                if kind == _SKIP:
+                    continue
+                bq, bk, bv = block.backward(
+                    qc[i], visiting[3 * j], visiting[3 * j + 1], visiting[3 * j + 2], oc[i], dc[i], lc[i],
+                    kind == _DIAG, scale,
+                )
+                dq[i] += bq
+                dk[:, j * c : (j + 1) * c] += bk
+                dv[:, j * c : (j + 1) * c] += bv
+        acc = torch.cat([dk.reshape(-1), dv.reshape(-1)])
+        if grad_pending is not None:  # partial sums of this shard from the ranks it visited before
+            acc += grad_pending.wait().float()
+        grad_pending = ring.exchange(acc.to(grad_comm_dtype), _TAG_GRAD, _LAST_STATS.bwd_grad_bytes)
+        if kv_pending is not None:
+            buf = kv_pending.wait()
+    acc = grad_pending.wait().float()  # after W hops: this rank's own shard, summed over every rank
+    dk, dv = acc.split([k.numel(), v.numel()])
+    return torch.cat(dq, 1), dk.view(k.shape), dv.view(v.shape)
+
+
+class _RingMXFP8Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring, causal, scale, zigzag, block, grad_comm_dtype):
+        _LAST_STATS.fwd_kv_bytes.clear()
+        out, lse, lse_bwd = _ring_forward(q, k, v, ring, causal, scale, zigzag, block)
+        out = out.to(q.dtype)
+        ctx.ring, ctx.causal, ctx.scale, ctx.zigzag, ctx.block = ring, causal, scale, zigzag, block
+        ctx.grad_comm_dtype = grad_comm_dtype
+        ctx.save_for_backward(q, k, v, out, lse_bwd)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse_bwd = ctx.saved_tensors
+        _LAST_STATS.bwd_kv_bytes.clear()
+        _LAST_STATS.bwd_grad_bytes.clear()
+        dq, dk, dv = _ring_backward(
+            q, k, v, out, dout, lse_bwd, ctx.ring, ctx.causal, ctx.scale, ctx.zigzag, ctx.block, ctx.grad_comm_dtype
+        )
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+
+
+def _check_inputs(q, k, v, zigzag, world, softmax_scale, grad_comm_dtype):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor (a local shard), got {type(t).__name__}")
+        if t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"{name} must be bfloat16, float16 or float32, got {t.dtype}")
+        if t.ndim != 4:
+            raise ValueError(f"{name} must have shape (batch, seqlen_local, nheads, headdim), got {tuple(t.shape)}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must share batch, local length and head dim")
+    if q.shape[3] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim {q.shape[3]} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
+        raise ValueError(f"the number of query heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})")
+    if zigzag and q.shape[1] % 2:
+        raise ValueError(f"a zig-zag shard holds two equal chunks: seqlen_local must be even, got {q.shape[1]}")
+    if softmax_scale is not None and (not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool)
+                                      or not math.isfinite(softmax_scale) or softmax_scale <= 0):
+        raise ValueError(f"softmax_scale must be a finite positive float, got {softmax_scale!r}")
+    if grad_comm_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"grad_comm_dtype must be torch.float32 or torch.bfloat16, got {grad_comm_dtype}")
+
+
+def ring_mxfp8_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group=None,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    zigzag: bool = True,
+    return_lse: bool = False,
+    *,
+    grad_comm_dtype: torch.dtype = torch.float32,
+    block=None,
+):
+    """Context-parallel MXFP8 attention: each rank of ``group`` passes its sequence shard.
+
+    Args:
+        q: (B, S_local, Hq, D) bfloat16/float16/float32, this rank's shard (``zigzag_shard`` layout when
+            ``zigzag``, else the contiguous chunk ``rank`` of W).
+        k, v: (B, S_local, Hkv, D), same dtype and device; Hq a multiple of Hkv; D in {64, 128}.
+        group: a ``torch.distributed`` process group (default: the world).  Every rank calls with the same
+            shapes and arguments.
+        causal: causal over the *global* sequence (query i sees key j <= i).
+        softmax_scale: defaults to 1/sqrt(D).
+        zigzag: the layout of the shards (module docstring); True balances causal work over ranks.
+        return_lse: also return this shard's lse, (B, Hq, S_local) float32, natural log.
+        grad_comm_dtype: dtype of the dK/dV partial sums sent around the ring in the backward (float32 or
+            bfloat16; accumulation is fp32 on each rank either way).
+        block: the per-block function (``ReferenceBlock``, ``KernelBlock`` or anything with their methods);
+            default: ``KernelBlock`` for CUDA tensors, ``ReferenceBlock()`` otherwise.
+
+    Returns this rank's shard of the output (B, S_local, Hq, D) in q's dtype (and the lse).  Gradients flow to
+    q, k, v through ``loss.backward()`` (a second ring pass; module docstring).  MXFP8 blocks along the
+    sequence (V forward, K backward, Q/dO/dS backward) start at each chunk's first token: with chunks of a
+    multiple of 32 tokens the operands are those of single-process ``mxfp8_attn_func`` on the gathered tensors.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("ring_mxfp8_attn_func needs an initialised torch.distributed process group")
+    for name, flag in (("causal", causal), ("zigzag", zigzag), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    ring = _Ring(group)
+    _check_inputs(q, k, v, zigzag, ring.world, softmax_scale, grad_comm_dtype)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
+    if block is None:
+        block = KernelBlock() if q.device.type == "cuda" else ReferenceBlock()
+    out, lse = _RingMXFP8Attention.apply(q, k, v, ring, causal, scale, zigzag, block, grad_comm_dtype)
+    return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU benchmark (not run here: needs 2-8 GPUs)
+# ----------------------------------------------------------------------------------------------
+
+
+def bench_ring(
+    seqlens: Sequence[int] = (65536, 131072, 262144),
+    batch: int = 1,
+    heads: int = 16,
+    kv_heads: int = 16,
+    head_dim: int = 128,
+    causal: bool = True,
+    iters: int = 5,
+    outdir: Optional[str] = "benchmarks/results",
+) -> list[dict]:
+    """Time ring MXFP8 attention forward and forward+backward on the initialised (nccl) process group.
+
+    Launch (one process per GPU; multicast off, DESIGN/KINDS notes)::
+
+        NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node 8 -m mxattn.distributed \\
+            --seqlen 65536 131072 262144 --heads 16 --head-dim 128 --causal
+
+    ``seqlens`` are global (all ranks together) and divisible by 2*W*32 (zig-zag chunks of a multiple of 32).
+    Rows: per-GPU TFLOP/s (4·B·H·S²·D, half when causal, ×2.5 for the backward, divided by W), milliseconds,
+    and wire bytes per step against a BF16 ring.  Rank 0 writes ``ring_attn-<gpu>-<date>.json`` to ``outdir``.
+    """
+    W, rank = dist.get_world_size(), dist.get_rank()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    rows = []
+    for S in seqlens:
+        if S % (2 * W * 32):
+            raise ValueError(f"seqlen {S} must be divisible by 2*world*32 = {2 * W * 32}")
+        sl = S // W
+        gen = torch.Generator(device=dev).manual_seed(1234 + rank)
+        q, k, v = (
+            torch.randn(batch, sl, h, head_dim, device=dev, dtype=torch.bfloat16, generator=gen).requires_grad_()
+            for h in (heads, kv_heads, kv_heads)
+        )
+        dout = torch.randn(batch, sl, heads, head_dim, device=dev, dtype=torch.bfloat16, generator=gen)
+
+        def timed(fn):
+            fn()
+            torch.cuda.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            torch.cuda.synchronize()
+            return (time.perf_counter() - t0) / iters
+
+        t_fwd = timed(lambda: ring_mxfp8_attn_func(q, k, v, causal=causal))
+        t_all = timed(lambda: ring_mxfp8_attn_func(q, k, v, causal=causal).backward(dout))
+        flops = 4 * batch * heads * S * S * head_dim * (0.5 if causal else 1.0)
+        wire = ring_step_bytes(batch, sl, kv_heads, head_dim)
+        rows.append({
+            "B": batch, "Hq": heads, "Hkv": kv_heads, "S": S, "D": head_dim, "causal": causal, "world": W,
+            "ms": {"fwd": t_fwd * 1e3, "fwd_bwd": t_all * 1e3},
+            "tflops_per_gpu": {"fwd": flops / W / t_fwd / 1e12, "fwd_bwd": 3.5 * flops / W / t_all / 1e12},
+            "wire_bytes_per_step": wire,
+        })
+    if rank == 0 and outdir:
+        from mxattn.bench.results import env_info, gpu_slug
+
+        env = env_info(dev)
+        path = os.path.join(outdir, f"ring_attn-{gpu_slug(str(env['gpu']))}-x{W}-{env['date']}.json")
+        os.makedirs(outdir, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"what": "ring_attn", **env, "rows": rows}, f, indent=1)
+    return rows
+
+
+def _main(argv=None) -> None:
+    import argparse
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off
+    p = argparse.ArgumentParser(description="ring MXFP8 attention benchmark (run under torchrun, one GPU per rank)")
+    p.add_argument("--seqlen", type=int, nargs="+", default=[65536, 131072, 262144])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--outdir", default="benchmarks/results")
+    a = p.parse_args(argv)
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl")
+    try:
+        rows = bench_ring(a.seqlen, a.batch, a.heads, a.kv_heads or a.heads, a.head_dim, a.causal, a.iters, a.outdir)
+        if dist.get_rank() == 0:
+            for row in rows:
+                print(json.dumps(row))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _main()
