@@ -155,8 +155,10 @@ def last_ring_stats() -> RingStats:
 
 
 class _Pending:
-    def __init__(self, recv: torch.Tensor, works: list):
-        self.recv, self.works = recv, works
+    """A started exchange; holds the send buffer until ``wait`` so that it outlives the transfer."""
+
+    def __init__(self, send: torch.Tensor, recv: torch.Tensor, works: list):
+        self.send, self.recv, self.works = send, recv, works
 
     def wait(self) -> torch.Tensor:
         for w in self.works:
@@ -179,13 +181,13 @@ class _Ring:
         """Start sending ``send`` to the next rank and receiving a tensor like it from the previous one."""
         log.append(send.numel() * send.element_size())
         if self.world == 1:
-            return _Pending(send, [])
+            return _Pending(send, send, [])
         recv = torch.empty_like(send)
         ops = [
             dist.P2POp(dist.isend, send, self.next, self.group, tag),
             dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
         ]
-        return _Pending(recv, dist.batch_isend_irecv(ops))
+        return _Pending(send, recv, dist.batch_isend_irecv(ops))
 
 
 def ring_step_bytes(batch: int, seqlen_local: int, kv_heads: int, head_dim: int, zigzag: bool = True) -> dict:
@@ -296,6 +298,7 @@ class KernelBlock:
         from mxattn.kernels.attn_fwd import attn_fwd_hopper
         from mxattn.kernels.quantize import row_scaled_triton
 
+        q = q.contiguous()
         out, lse = attn_fwd_hopper(
             row_scaled_triton(q, "q"), row_scaled_triton(k, "k"), row_scaled_triton(v, "v"),
             causal=causal, softmax_scale=scale, out_dtype=torch.float32,
@@ -306,9 +309,11 @@ class KernelBlock:
         from mxattn.kernels.attn_bwd import attn_bwd_hopper
         from mxattn.kernels.quantize import row_scaled_triton
 
+        q = q.contiguous()
         return attn_bwd_hopper(
             row_scaled_triton(q, "k"), row_scaled_triton(k, "k"), row_scaled_triton(v_hdim, "k"),
-            row_scaled_triton(q, "v"), row_scaled_triton(k_seq, "v"), out, dout.contiguous(), lse.contiguous(),
+            row_scaled_triton(q, "v"), row_scaled_triton(k_seq, "v"),
+            out.contiguous(), dout.contiguous(), lse.contiguous(),
             causal=causal, softmax_scale=scale, grad_dtype=torch.float32,
         )
 

@@ -194,3 +194,10 @@ def test_wire_bytes_ratio():
     b = ring_step_bytes(1, 8192, 8, 128)
     assert b["fwd_mxfp8"] == 2 * 8192 * 8 * 128 + 8192 * 8 * 4 + 2 * 128 * 8 * 128
     assert math.isclose(b["fwd_ratio"], 33 / 64)
+
+
+def test_needs_process_group():
+    x = torch.randn(1, 64, 2, D)
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="process group"):
+            ring_mxfp8_attn_func(x, x, x)
