@@ -7,6 +7,9 @@ Layouts: (B, S, H, D) tensors, as ``flash_attn_func``; ``mxfp8_attn_varlen_func`
 ``cu_seqlens_q`` / ``cu_seqlens_k``, as ``flash_attn_varlen_func``.  Orientations of MXFP8 inputs (DESIGN §1):
 ``q`` and ``k`` blocked along the head dim (``MXTensor.dim == 3``), ``v`` blocked along the sequence
 (``dim == 1``).
+
+torch.compile sees float-input attention as two ``torch.library`` custom ops, ``mxattn::attn_fwd`` and
+``mxattn::attn_bwd`` (schemas and what the backward keeps: the comment above them).
 """
 
 from __future__ import annotations
@@ -156,54 +159,134 @@ def has_fast_backward(device) -> bool:
     return torch.device(device).type == "cuda"
 
 
+# ----------------------------------------------------------------------------------------------
+# torch.library custom ops (what torch.compile sees): float tensors in, float tensors out
+# ----------------------------------------------------------------------------------------------
+#
+# ``mxattn::attn_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale, str scale_mode, bool deterministic)
+#     -> (Tensor out, Tensor lse)``
+# ``mxattn::attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, float scale,
+#     str scale_mode, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)``
+#
+# q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D), one float dtype; out (B, Sq, Hq, D) in q's dtype, lse (B, Hq, Sq)
+# float32, dq/dk/dv in q's dtype, all contiguous.  The FP8 operands (``RowScaledFP8``: data + int32 exponents)
+# are made inside each op: dataclasses cannot cross the op boundary, and returning their tensors as extra outputs
+# would make the schema depend on the layouts (channel-major padded buffers, grouped exponents).
+# What the backward keeps: q, k, v (their float dtype), out and lse.  The backward op re-quantizes q, k, v in the
+# five orientations it needs (Q, K, V along the head dim; Q, K along the sequence).  Trade-off against saving the
+# FP8 operands made in the forward (the autograd.Function this replaced): memory 2 + 2 + 2 bytes per q/k/v
+# element (bf16) against 1 + 1 + 1 + 1 + 1 (Q, K in two orientations, V along the head dim), i.e. +20% of the
+# saved q/k/v bytes (the output, saved by both, is extra); time: five O(S) quantize passes in the backward
+# instead of three extra ones in the forward (the forward's Q and K passes run twice), a few percent of an O(S^2)
+# backward at S >= 4k, and nothing at all in a forward that needs no gradient (inference), which the op cannot
+# know.  Recomputing also lets the backward take Q with one exponent per 128 rows (``Q_EXP_GROUP``, its fast
+# layout) instead of the forward's per-row Q.  ``deterministic`` only affects the backward; the forward op takes
+# it so that its autograd formula can pass it on.
+# MXTensor inputs do not go through the ops: they stay on the eager, forward-only ``_MXFP8Attention`` below
+# (torch.compile graph-breaks on the dataclass).
+
+
+def _fwd_impl(q, k, v, causal: bool, scale: float, scale_mode: str):
+    if q.device.type == "cuda":
+        from mxattn.kernels.attn_fwd import attn_fwd_hopper
+
+        qr, kr, vr = _hopper_forward_operands(q, k, v, scale_mode)
+        return attn_fwd_hopper(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=q.dtype)
+    out, lse = _reference_forward(q, k, v, causal, scale, scale_mode, q.dtype)
+    return out.contiguous(), lse.contiguous()
+
+
+@torch.library.custom_op("mxattn::attn_fwd", mutates_args=())
+def attn_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, scale_mode: str,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 attention forward on float (B, S, H, D) tensors: out (B, Sq, Hq, D) in q's dtype, lse (B, Hq, Sq) fp32.
+    Unchecked: ``mxfp8_attn_func`` validates the arguments before calling it."""
+    return _fwd_impl(q, k, v, causal, scale, scale_mode)
+
+
+@attn_fwd_op.register_fake
+def _attn_fwd_fake(q, k, v, causal, scale, scale_mode, deterministic):
+    B, Sq, Hq, D = q.shape
+    return q.new_empty(B, Sq, Hq, D), q.new_empty(B, Hq, Sq, dtype=torch.float32)
+
+
+def _bwd_impl(dout, q, k, v, out, lse, causal: bool, scale: float, scale_mode: str, deterministic: bool):
+    if q.device.type == "cuda":
+        from mxattn.kernels.attn_bwd import Q_EXP_GROUP, attn_bwd_hopper
+        from mxattn.kernels.quantize import row_scaled_triton
+
+        qr = row_scaled_triton(q, "k", scale_mode=scale_mode, k_group=Q_EXP_GROUP)
+        kr = row_scaled_triton(k, "k", scale_mode=scale_mode, k_group=K_EXP_GROUP)
+        q_seq, k_seq, v_hdim = _hopper_backward_operands(q, k, v, scale_mode)
+        return attn_bwd_hopper(
+            qr, kr, v_hdim, q_seq, k_seq, out, dout.contiguous(), lse, causal=causal, softmax_scale=scale,
+            deterministic=deterministic, grad_dtype=q.dtype,
+        )
+    from mxattn import reference
+
+    qm, km, vm = quantize_qkv(q, k, v, scale_mode)
+    grads = reference.attention_backward(
+        qm, km, vm, out, dout, causal=causal, softmax_scale=scale,
+        quantize_p=True, quantize_ds=True, quantize_do=True, dtype=torch.float32,
+        q_seq=formats.quantize_mxfp8(q, dim=1, scale_mode=scale_mode),
+        k_seq=formats.quantize_mxfp8(k, dim=1, scale_mode=scale_mode),
+        v_hdim=formats.quantize_mxfp8(v, dim=3, scale_mode=scale_mode),
+    )
+    return tuple(g.to(q.dtype).contiguous() for g in grads)
+
+
+@torch.library.custom_op("mxattn::attn_bwd", mutates_args=())
+def attn_bwd_op(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    causal: bool, scale: float, scale_mode: str, deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) of ``attn_fwd`` in q's dtype (dk, dv summed over each kv head's query heads)."""
+    return _bwd_impl(dout, q, k, v, out, lse, causal, scale, scale_mode, deterministic)
+
+
+@attn_bwd_op.register_fake
+def _attn_bwd_fake(dout, q, k, v, out, lse, causal, scale, scale_mode, deterministic):
+    return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape)
+
+
+def _attn_fwd_setup_context(ctx, inputs, output):
+    q, k, v, causal, scale, scale_mode, deterministic = inputs
+    out, lse = output
+    ctx.causal, ctx.scale, ctx.scale_mode, ctx.deterministic = causal, scale, scale_mode, deterministic
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.mark_non_differentiable(lse)
+
+
+def _attn_fwd_backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = attn_bwd_op(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.scale_mode, ctx.deterministic)
+    return dq, dk, dv, None, None, None, None
+
+
+attn_fwd_op.register_autograd(_attn_fwd_backward, setup_context=_attn_fwd_setup_context)
+
+
 class _MXFP8Attention(torch.autograd.Function):
-    """Forward and backward of MXFP8 attention.  Saved for the backward on the GPU (FP8, ~5 bytes per element of
-    q/k/v plus the BF16 output, against 8 for a BF16 FlashAttention): Q and K in both orientations, V along
-    the head dim, the output and the lse."""
+    """Forward of MXFP8 attention on MXTensor inputs (the eager path; float inputs go through ``attn_fwd_op``).
+    Forward-only: no gradient flows to an MXTensor (``producers`` attaches its own straight-through carriers)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, scale_mode, deterministic, qkv_mx):
-        inputs, out_dtype = ((q, k, v), q.dtype) if qkv_mx is None else (qkv_mx, torch.bfloat16)
-        ctx.causal, ctx.scale, ctx.scale_mode, ctx.deterministic = causal, scale, scale_mode, deterministic
-        ctx.is_mx, ctx.cuda = qkv_mx is not None, inputs[0].device.type == "cuda"
-        if ctx.cuda:
+    def forward(ctx, causal, scale, scale_mode, qkv_mx):
+        if qkv_mx[0].device.type == "cuda":
             from mxattn.kernels.attn_fwd import attn_fwd_hopper
 
-            qr, kr, vr = _hopper_forward_operands(*inputs, scale_mode)
-            out, lse = attn_fwd_hopper(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
-            if qkv_mx is None and any(ctx.needs_input_grad[:3]):
-                ctx.operands = (qr, kr) + _hopper_backward_operands(q, k, v, scale_mode)
+            qr, kr, vr = _hopper_forward_operands(*qkv_mx, scale_mode)
+            out, lse = attn_fwd_hopper(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=torch.bfloat16)
         else:
-            out, lse = _reference_forward(*inputs, causal, scale, scale_mode, out_dtype)
-            ctx.inputs = inputs
-        ctx.save_for_backward(out, lse)
-        ctx.mark_non_differentiable(lse)
+            out, lse = _reference_forward(*qkv_mx, causal, scale, scale_mode, torch.bfloat16)
+        ctx.mark_non_differentiable(out, lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        out, lse = ctx.saved_tensors
-        if ctx.cuda:
-            from mxattn.kernels.attn_bwd import attn_bwd_hopper
-
-            qr, kr, q_seq, k_seq, v_hdim = ctx.operands
-            dq, dk, dv = attn_bwd_hopper(
-                qr, kr, v_hdim, q_seq, k_seq, out, dout.contiguous(), lse, causal=ctx.causal,
-                softmax_scale=ctx.scale, deterministic=ctx.deterministic, grad_dtype=out.dtype,
-            )
-            return dq, dk, dv, None, None, None, None, None
-        from mxattn import reference
-
-        q, k, v = ctx.inputs
-        qm, km, vm = quantize_qkv(q, k, v, ctx.scale_mode)
-        dq, dk, dv = reference.attention_backward(
-            qm, km, vm, out, dout, causal=ctx.causal, softmax_scale=ctx.scale,
-            quantize_p=True, quantize_ds=True, quantize_do=True, dtype=torch.float32,
-            q_seq=formats.quantize_mxfp8(q, dim=1, scale_mode=ctx.scale_mode),
-            k_seq=formats.quantize_mxfp8(k, dim=1, scale_mode=ctx.scale_mode),
-            v_hdim=formats.quantize_mxfp8(v, dim=3, scale_mode=ctx.scale_mode),
-        )
-        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), None, None, None, None, None
+        return None, None, None, None
 
 
 def mxfp8_attn_func(
@@ -234,18 +317,22 @@ def mxfp8_attn_func(
     reference with the same semantics (P quantized to e4m3 with the constant scale 2^-8).
     Gradients flow to float q, k, v through ``loss.backward()`` (FP8 backward kernel on CUDA; all five
     products in FP8, dO and dS quantized, DESIGN §1 table).  MXTensor inputs are forward-only.
+
+    ``torch.compile(fullgraph=True)`` traces float inputs: the checks run at trace time and the attention is the
+    custom op ``mxattn::attn_fwd`` (backward ``mxattn::attn_bwd``, which re-quantizes the saved q, k, v).  MXTensor
+    inputs run eagerly (the dataclass cannot cross an op boundary; under torch.compile they break the graph).
     """
     is_mx, _ = _check_attention_inputs(q, k, v, softmax_scale)
-    formats.ScaleMode.parse(scale_mode)
+    mode = formats.ScaleMode.parse(scale_mode).value
     for name, flag in (("causal", causal), ("return_lse", return_lse), ("deterministic", deterministic)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     D = q.shape[3]
     scale = _default_scale(D, softmax_scale)
     if is_mx:
-        out, lse = _MXFP8Attention.apply(None, None, None, causal, scale, scale_mode, deterministic, (q, k, v))
+        out, lse = _MXFP8Attention.apply(causal, scale, scale_mode, (q, k, v))
     else:
-        out, lse = _MXFP8Attention.apply(q, k, v, causal, scale, scale_mode, deterministic, None)
+        out, lse = attn_fwd_op(q, k, v, causal, scale, mode, deterministic)
     return (out, lse) if return_lse else out
 
 
