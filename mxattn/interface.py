@@ -182,8 +182,8 @@ def has_fast_backward(device) -> bool:
 # know.  Recomputing also lets the backward take Q with one exponent per 128 rows (``Q_EXP_GROUP``, its fast
 # layout) instead of the forward's per-row Q.  ``deterministic`` only affects the backward; the forward op takes
 # it so that its autograd formula can pass it on.
-# MXTensor inputs do not go through the ops: they stay on the eager, forward-only ``_MXFP8Attention`` below
-# (torch.compile graph-breaks on the dataclass).
+# MXTensor inputs do not go through the ops: they stay on the eager, forward-only ``_MXFP8Attention`` below,
+# which torch.compile traces like any Python code.
 
 
 def _fwd_impl(q, k, v, causal: bool, scale: float, scale_mode: str):
@@ -320,7 +320,8 @@ def mxfp8_attn_func(
 
     ``torch.compile(fullgraph=True)`` traces float inputs: the checks run at trace time and the attention is the
     custom op ``mxattn::attn_fwd`` (backward ``mxattn::attn_bwd``, which re-quantizes the saved q, k, v).  MXTensor
-    inputs run eagerly (the dataclass cannot cross an op boundary; under torch.compile they break the graph).
+    inputs do not use the ops (the dataclass cannot cross an op boundary): torch.compile traces the eager code
+    inside instead (checked on the CPU reference, fullgraph too; not checked on CUDA, where it meets Triton launches).
     """
     is_mx, _ = _check_attention_inputs(q, k, v, softmax_scale)
     mode = formats.ScaleMode.parse(scale_mode).value
