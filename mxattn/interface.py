@@ -176,11 +176,12 @@ def has_fast_backward(device) -> bool:
 # five orientations it needs (Q, K, V along the head dim; Q, K along the sequence).  Trade-off against saving the
 # FP8 operands made in the forward (the autograd.Function this replaced): memory 2 + 2 + 2 bytes per q/k/v
 # element (bf16) against 1 + 1 + 1 + 1 + 1 (Q, K in two orientations, V along the head dim), i.e. +20% of the
-# saved q/k/v bytes (the output, saved by both, is extra); time: five O(S) quantize passes in the backward
-# instead of three extra ones in the forward (the forward's Q and K passes run twice), a few percent of an O(S^2)
-# backward at S >= 4k, and nothing at all in a forward that needs no gradient (inference), which the op cannot
-# know.  Recomputing also lets the backward take Q with one exponent per 128 rows (``Q_EXP_GROUP``, its fast
-# layout) instead of the forward's per-row Q.  ``deterministic`` only affects the backward; the forward op takes
+# saved q/k/v bytes (the output and lse are saved by both); time: a training step runs eight O(S) quantize passes
+# instead of six (the forward makes Q, K, V; the backward all five, so Q and K along the head dim twice), each a
+# memory-bound read of one input, estimated at a few percent of an O(S^2) backward at S >= 4k (not measured).  An
+# op returning the backward's operands could not tell whether a gradient will be asked for, so inference would
+# pay for them; here the forward makes only what it uses.  Recomputing also lets the backward take Q with one
+# exponent per 128 rows (``Q_EXP_GROUP``, the kernel's fast layout) instead of the forward's per-row Q.  ``deterministic`` only affects the backward; the forward op takes
 # it so that its autograd formula can pass it on.
 # MXTensor inputs do not go through the ops: they stay on the eager, forward-only ``_MXFP8Attention`` below,
 # which torch.compile traces like any Python code.

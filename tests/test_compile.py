@@ -155,11 +155,28 @@ def test_block_compiles_once_for_every_sequence_length(seed):
 
 
 @pytest.mark.gpu
+def test_gpu_compiled_function_is_bit_identical(seed):
+    """The op is opaque to inductor: on equal inputs the compiled call runs the same kernels (deterministic backward)."""
+    q, k, v = _qkv(2, 333, 517, 8, 2, 128, torch.bfloat16, "cuda", requires_grad=True)
+    dout = torch.randn_like(q)
+    f = lambda q, k, v: mxfp8_attn_func(q, k, v, causal=True, deterministic=True)
+    torch._dynamo.reset()
+    outs = [fn(q, k, v) for fn in (f, torch.compile(f, fullgraph=True))]
+    grads = [torch.autograd.grad(o, (q, k, v), dout) for o in outs]
+    assert torch.equal(outs[0], outs[1])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n_kv_heads", [4, 2])
 def test_gpu_compiled_block_matches_eager(n_kv_heads, seed):
+    """bf16: inductor rounds the fused norm/rotary once where eager rounds per op, so q/k/v differ in last bits and
+    some e4m3 roundings flip.  Two runs of a ~24 dB pipeline on such inputs: 20 dB says "the same computation"
+    (record the measured margin on the first GPU run)."""
     block = MXFP8TransformerBlock(512, 4, n_kv_heads, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(2, 333, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    _compare(block, x, "inductor", 25.0)
+    _compare(block, x, "inductor", 20.0)
 
 
 @pytest.mark.gpu
