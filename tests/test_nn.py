@@ -10,14 +10,18 @@ from mxattn.nn import MXFP8Attention, MXFP8TransformerBlock, RotaryEmbedding
 
 
 def _sqnr(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return reference.sqnr_db(actual.detach().double(), expected.detach().double())
+    return reference.sqnr_db(actual.detach().double().cpu(), expected.detach().double().cpu())
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n_kv_heads", [None, 1])
-def test_block_forward_and_backward_shapes(dtype, n_kv_heads, seed):
-    block = MXFP8TransformerBlock(128, 2, n_kv_heads, dtype=dtype)
-    x = torch.randn(2, 40, 128, dtype=dtype, requires_grad=True)
+def test_block_forward_and_backward_shapes(dtype, n_kv_heads, device, seed):
+    block = MXFP8TransformerBlock(128, 2, n_kv_heads, dtype=dtype, device=device)
+    x = torch.randn(2, 40, 128, dtype=dtype, device=device, requires_grad=True)
     y = block(x)
     assert y.shape == x.shape and y.dtype == dtype and torch.isfinite(y).all()
     y.float().square().mean().backward()
@@ -42,16 +46,17 @@ def _pair(dim, n_heads, n_kv_heads, **kw):
     return a, b
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dim,n_heads,n_kv_heads,causal", [(128, 2, None, True), (256, 4, 2, True),
                                                            (256, 2, 1, False)])
-def test_sdpa_and_mxfp8_attention_agree(dim, n_heads, n_kv_heads, causal, seed):
+def test_sdpa_and_mxfp8_attention_agree(dim, n_heads, n_kv_heads, causal, device, seed):
     """Same weights, the attention swapped: the attention layer's output and its input gradient are close (SQNR
     > 20 dB; DESIGN §2 puts MXFP8 attention at ~23 dB against fp64 on gaussian inputs, SDPA fp32 is near exact).
     The input is scaled by 2 so that the softmax is not near uniform.  Measured (4 seeds per case): output 25-27 dB,
     input gradient 24-25 dB; with the input scaled by 4 (peakier softmax, P's quantization matters more): 21-24 and
     17-18 dB."""
-    a, b = _pair(dim, n_heads, n_kv_heads, causal=causal)
-    x = (2 * torch.randn(2, 64, dim)).requires_grad_()
+    a, b = _pair(dim, n_heads, n_kv_heads, causal=causal, device=device)
+    x = (2 * torch.randn(2, 64, dim, device=device)).requires_grad_()
     ya, yb = a.attn(x), b.attn(x)
     assert _sqnr(ya, yb) > 20.0, f"attention output: {_sqnr(ya, yb):.1f} dB"
     dy = torch.randn_like(ya)
