@@ -11,6 +11,7 @@
 #   quant      quantization kernels vs device copy
 #   producers  rmsnorm_quant / linear_quant vs unfused and cuBLAS FP8
 #   varlen     jagged forward vs the dense kernel at 50 % fill
+#   sanitize   compute-sanitizer memcheck/racecheck/synccheck on tiny shapes (scripts/sanitize.sh; slow: run alone)
 # Needs no network: the machine's python3 (torch >= 2.11, triton >= 3.6). Each stage runs under a timeout
 # (MXATTN_STAGE_TIMEOUT seconds, default 420) so that one hang cannot eat the whole lease. The GPU machine has
 # no .git: set MXATTN_COMMIT so results name the commit they measured.
@@ -65,6 +66,8 @@ rows = [bench_varlen(causal=c) for c in (False, True)]
 print(json.dumps(rows, indent=1))
 print(write_result('varlen_fwd', rows, sys.argv[1]))
 " "$OUT" ;;
+    sanitize)
+      MXATTN_SANITIZE_JOBS=${MXATTN_SANITIZE_JOBS:-6} run bash scripts/sanitize.sh "$OUT/sanitize" ${SANITIZE_CASES:-fwd bwd varlen} ;;
     *) echo "unknown stage $st"; status=1 ;;
   esac
 done
