@@ -181,9 +181,9 @@ def has_fast_backward(device) -> bool:
 # memory-bound read of one input, estimated at a few percent of an O(S^2) backward at S >= 4k (not measured).  An
 # op returning the backward's operands could not tell whether a gradient will be asked for, so inference would
 # pay for them; here the forward makes only what it uses.  Recomputing also lets the backward take Q with one
-# exponent per 128 rows (``Q_EXP_GROUP``, the kernel's fast layout) instead of the forward's per-row Q.  ``deterministic`` only affects the backward; the forward op takes
-# it so that its autograd formula can pass it on.
-# MXTensor inputs do not go through the ops: they stay on the eager, forward-only ``_MXFP8Attention`` below,
+# exponent per 128 rows (``Q_EXP_GROUP``, the kernel's fast layout) instead of the forward's per-row Q.
+# ``deterministic`` only affects the backward; the forward op takes it so that its autograd formula can pass it on.
+# MXTensor inputs do not go through the ops: they stay on the eager, forward-only ``_mx_forward`` below,
 # which torch.compile traces like any Python code.
 
 
@@ -269,25 +269,15 @@ def _attn_fwd_backward(ctx, dout, _dlse):
 attn_fwd_op.register_autograd(_attn_fwd_backward, setup_context=_attn_fwd_setup_context)
 
 
-class _MXFP8Attention(torch.autograd.Function):
+def _mx_forward(qkv_mx: tuple[MXTensor, MXTensor, MXTensor], causal: bool, scale: float, scale_mode: str):
     """Forward of MXFP8 attention on MXTensor inputs (the eager path; float inputs go through ``attn_fwd_op``).
-    Forward-only: no gradient flows to an MXTensor (``producers`` attaches its own straight-through carriers)."""
+    Forward-only: an MXTensor carries no gradient (``producers`` attaches its own straight-through carriers)."""
+    if qkv_mx[0].device.type == "cuda":
+        from mxattn.kernels.attn_fwd import attn_fwd_hopper
 
-    @staticmethod
-    def forward(ctx, causal, scale, scale_mode, qkv_mx):
-        if qkv_mx[0].device.type == "cuda":
-            from mxattn.kernels.attn_fwd import attn_fwd_hopper
-
-            qr, kr, vr = _hopper_forward_operands(*qkv_mx, scale_mode)
-            out, lse = attn_fwd_hopper(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=torch.bfloat16)
-        else:
-            out, lse = _reference_forward(*qkv_mx, causal, scale, scale_mode, torch.bfloat16)
-        ctx.mark_non_differentiable(out, lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        return None, None, None, None
+        qr, kr, vr = _hopper_forward_operands(*qkv_mx, scale_mode)
+        return attn_fwd_hopper(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=torch.bfloat16)
+    return _reference_forward(*qkv_mx, causal, scale, scale_mode, torch.bfloat16)
 
 
 def mxfp8_attn_func(
@@ -332,7 +322,7 @@ def mxfp8_attn_func(
     D = q.shape[3]
     scale = _default_scale(D, softmax_scale)
     if is_mx:
-        out, lse = _MXFP8Attention.apply(causal, scale, scale_mode, (q, k, v))
+        out, lse = _mx_forward((q, k, v), causal, scale, scale_mode)
     else:
         out, lse = attn_fwd_op(q, k, v, causal, scale, mode, deterministic)
     return (out, lse) if return_lse else out
