@@ -190,6 +190,18 @@ def _e4m3_bytes(y, SOFT: tl.constexpr):
 
 
 @triton.jit
+def _row_set_coords(BLOCK_S: tl.constexpr, NDP: tl.constexpr, IDX64: tl.constexpr):
+    """Coordinates of a row-set tile: word index w, shape (BLOCK_S/32, 8, 1, 1) (rows s0 + 4w + k, k = 0..3, so
+    that one thread holds 4 consecutive tokens of a channel), and channel d, shape (1, 1, NDP, 32)."""
+    w = tl.arange(0, BLOCK_S // 32)[:, None, None, None] * 8 + tl.arange(0, 8)[None, :, None, None]
+    d = tl.arange(0, NDP)[None, None, :, None] * 32 + tl.arange(0, 32)[None, None, None, :]
+    if IDX64:
+        w = w.to(tl.int64)
+        d = d.to(tl.int64)
+    return w, d
+
+
+@triton.jit
 def _to_f32(xr):
     """Exact fp32 of a bf16/fp16/fp32 tile; bf16 goes through its bits (the interpreter's bf16 cast drops
     subnormals; on the GPU this is the same shift the cast compiles to)."""
@@ -342,11 +354,7 @@ def _quantize_kernel(
     s0 = st * BLOCK_S
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
-    w = tl.arange(0, BLOCK_S // 32)[:, None, None, None] * 8 + tl.arange(0, 8)[None, :, None, None]
-    d = tl.arange(0, NDP)[None, None, :, None] * 32 + tl.arange(0, 32)[None, None, None, :]
-    if IDX64:
-        w = w.to(tl.int64)
-        d = d.to(tl.int64)
+    w, d = _row_set_coords(BLOCK_S, NDP, IDX64)
     q4 = w * 4
     in_d = d < D
     ND: tl.constexpr = (D + 31) // 32

@@ -74,6 +74,7 @@ from mxattn.kernels.quantize import (
     _pow2,
     _reexpress,
     _round_to_e4m3_grid,
+    _row_set_coords,
     _seq_bytes,
     _seq_chunk,
     _soft,
@@ -276,11 +277,7 @@ def _v_data_varlen_kernel(
     b, st, h = _pid_bsh(n_s_tiles, H)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
-    w = tl.arange(0, BLOCK_S // 32)[:, None, None, None] * 8 + tl.arange(0, 8)[None, :, None, None]
-    d = tl.arange(0, NDP)[None, None, :, None] * 32 + tl.arange(0, 32)[None, None, None, :]
-    if IDX64:
-        w = w.to(tl.int64)
-        d = d.to(tl.int64)
+    w, d = _row_set_coords(BLOCK_S, NDP, IDX64)
     in_d = d < D
     ep = exp_ptr + (b64 * H + h64) * D + d
     E = tl.load(ep, mask=in_d, other=0)
