@@ -224,6 +224,17 @@ def _attn_fwd_kernel(
     tl.store(LSE + b64 * stride_lb + h * stride_lh + offs_m * stride_lm, lse, mask=offs_m < Sq)
 
 
+def alloc_fwd_outputs(q_data: torch.Tensor, out_dtype: torch.dtype):
+    """out (B, Sq, Hq, D) in ``out_dtype`` and lse (B, Hq, Sq) fp32 for a (B, Sq, Hq, D) query, shared by the
+    forward launchers.  When out is empty there is nothing to launch: lse is then already -inf."""
+    B, Sq, Hq, D = q_data.shape
+    out = torch.empty(B, Sq, Hq, D, dtype=out_dtype, device=q_data.device)
+    lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q_data.device)
+    if out.numel() == 0:
+        lse.fill_(float("-inf"))
+    return out, lse
+
+
 def attn_fwd_hopper(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                     out_dtype: torch.dtype = torch.bfloat16, config: FwdConfig | None = None):
     """Launch the forward on row-scaled FP8 operands (``formats.RowScaledFP8``).
@@ -234,13 +245,10 @@ def attn_fwd_hopper(q, k, v, *, causal: bool = False, softmax_scale: float | Non
     """
     B, Sq, Hq, D = q.data.shape
     Sk, Hkv = k.data.shape[1], k.data.shape[2]
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(D)
+    softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
     cfg = config or default_config(D, causal)
-    out = torch.empty(B, Sq, Hq, D, dtype=out_dtype, device=q.data.device)
-    lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.data.device)
+    out, lse = alloc_fwd_outputs(q.data, out_dtype)
     if out.numel() == 0:
-        lse.fill_(float("-inf"))
         return out, lse
     qd, kd, vd = q.data, k.data, v.data
     qe, ke, ve = q.exp, k.exp, v.exp

@@ -45,6 +45,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from mxattn.kernels.attn_fwd import alloc_fwd_outputs
+
 LOG2E = 1.4426950408889634
 K_EXP_GROUP = gl.constexpr(128)  # keys sharing one K exponent (formats.RowScaledFP8 K layout); BLOCK_N divides it
 WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
@@ -369,15 +371,12 @@ def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None
     Sk, Hkv = k.data.shape[1], k.data.shape[2]
     if D not in (64, 128):
         raise ValueError(f"head dim {D} not supported by the Gluon forward (64 or 128)")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(D)
+    softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
     cfg = config or default_config(D, causal)
     if K_EXP_GROUP.value % cfg.block_n:
         raise ValueError(f"block_n {cfg.block_n} must divide the K exponent group {K_EXP_GROUP}")
-    out = torch.empty(B, Sq, Hq, D, dtype=out_dtype, device=q.data.device)
-    lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.data.device)
+    out, lse = alloc_fwd_outputs(q.data, out_dtype)
     if out.numel() == 0:
-        lse.fill_(float("-inf"))
         return out, lse
     q_desc, k_desc, v_desc = _descriptors(q, k, v, cfg.block_n)
     qe, ke, ve = q.exp, k.exp, v.exp
