@@ -282,7 +282,7 @@ def test_attn_fwd_gluon_gpu(case, seed, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [dict(pingpong=False), dict(stages=2), dict(stages=4)], ids=str)
+@pytest.mark.parametrize("variant", [dict(pingpong=True), dict(stages=2), dict(stages=4)], ids=str)
 def test_attn_fwd_gluon_gpu_configs(variant, seed, monkeypatch):
     if not _is_hopper():
         pytest.skip("the Gluon forward needs an sm_90 GPU")
@@ -425,7 +425,7 @@ if __name__ == "__main__":
         from mxattn.kernels.attn_fwd_gluon import GluonFwdConfig
 
         bench_configs = {"stages2": GluonFwdConfig(stages=2), "stages4": GluonFwdConfig(stages=4),
-                         "no_pingpong": GluonFwdConfig(pingpong=False)}
+                         "pingpong": GluonFwdConfig(pingpong=True)}
         if not args.quick:
             bench_shapes = grid_shapes(2, 16, None, (128, 64), (8192,))
     result_rows = bench_gluon_vs_tl(bench_shapes, configs=bench_configs)

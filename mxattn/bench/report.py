@@ -69,15 +69,18 @@ def _speed_table(doc: dict) -> list[str]:
     rows = doc["rows"]
     methods = list(dict.fromkeys(m for r in rows for m in r.get("tflops", {})))
     extra = any(r.get("tflops_fwd_bwd") for r in rows)
-    kernel = "mxattn_fp8_operands" if any(r["tflops"].get("mxattn_fp8_operands") for r in rows) else None
-    header = (["shape"] + methods + ["mxattn / cuDNN BF16"] + (["kernel on FP8 operands / cuDNN BF16"] if kernel else [])
+    kernels = [m for m in ("mxattn_fp8_operands", "mxattn_gluon_fp8_operands")
+               if any(r["tflops"].get(m) for r in rows)]
+    label = {"mxattn_fp8_operands": "kernel on FP8 operands / cuDNN BF16",
+             "mxattn_gluon_fp8_operands": "Gluon kernel on FP8 operands / cuDNN BF16"}
+    header = (["shape"] + methods + ["mxattn / cuDNN BF16"] + [label[m] for m in kernels]
               + ([f"{m} fwd+bwd" for m in methods] if extra else []))
     body = []
     for r in rows:
         line = [_shape(r)] + [_num(r["tflops"].get(m)) for m in methods]
         ratio = r.get("ratio_vs_sdpa_cudnn_bf16")
         line.append("–" if ratio is None else f"{to_float(ratio):.2f}×")
-        if kernel:
+        for kernel in kernels:
             a, b = r["tflops"].get(kernel), r["tflops"].get("sdpa_cudnn_bf16")
             line.append(f"{to_float(a) / to_float(b):.2f}×" if a and b else "–")
         if extra:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import math
 import statistics
 import sys
@@ -135,6 +136,29 @@ def _mxattn_fp8_operands(q, k, v, causal, gqa):
     if key not in _PREPARED:
         _PREPARED[key] = tuple(row_scaled_triton(t, r) for t, r in ((q, "q"), (k, "k"), (v, "v")))
     return attn_fwd_hopper(*_PREPARED[key], causal=causal)[0]
+
+
+def _mxattn_gluon_fp8_operands(q, k, v, causal, gqa):
+    """The warp-specialized Gluon forward (``kernels.attn_fwd_gluon``) on the same prepared FP8 operands."""
+    from mxattn.kernels.attn_fwd_gluon import attn_fwd_gluon
+    from mxattn.kernels.quantize import row_scaled_triton
+
+    key = tuple((t.data_ptr(), tuple(t.shape)) for t in (q, k, v))
+    if key not in _PREPARED:
+        _PREPARED[key] = tuple(row_scaled_triton(t, r) for t, r in ((q, "q"), (k, "k"), (v, "v")))
+    return attn_fwd_gluon(*_PREPARED[key], causal=causal)[0]
+
+
+@functools.lru_cache(maxsize=1)
+def _gluon_unavailable() -> Optional[str]:
+    """Why the Gluon forward cannot run here (None when it can): it needs an sm_90 GPU and triton's Gluon."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return "needs an sm_90 (Hopper) GPU"
+    try:
+        importlib.import_module("mxattn.kernels.attn_fwd_gluon")
+    except Exception as e:  # an older triton without gluon, or an API change
+        return f"Gluon forward not importable: {type(e).__name__}: {e}"[:200]
+    return None
 
 
 def _sdpa(backend_name: Optional[str]) -> Attn:
@@ -296,6 +320,8 @@ class Method:
         """None when the method can run here, else why not."""
         if self.name == "cudnn_fp8" and _cudnn_frontend() is None:
             return "cudnn frontend not installed (pip package nvidia-cudnn-frontend)"
+        if self.name == "mxattn_gluon_fp8_operands":
+            return _gluon_unavailable()
         return None
 
 
@@ -304,6 +330,8 @@ METHODS = {
     for m in (
         Method("mxattn", _mxattn, ("cuda", "cpu"), "mxattn MXFP8"),
         Method("mxattn_fp8_operands", _mxattn_fp8_operands, ("cuda",), "mxattn kernel on FP8 operands"),
+        Method("mxattn_gluon_fp8_operands", _mxattn_gluon_fp8_operands, ("cuda",),
+               "mxattn Gluon (warp-specialized) kernel on FP8 operands"),
         Method("sdpa_cudnn_bf16", _sdpa("CUDNN_ATTENTION"), ("cuda",), "SDPA cuDNN BF16"),
         Method("sdpa_flash_bf16", _sdpa("FLASH_ATTENTION"), ("cuda",), "SDPA flash BF16"),
         Method("sdpa_bf16", _sdpa(None), ("cuda", "cpu"), "SDPA BF16 (torch's choice)"),
@@ -315,7 +343,8 @@ METHODS = {
 def default_methods(device: str) -> list[str]:
     if device == "cpu":
         return ["mxattn", "sdpa_bf16"]
-    names = ["mxattn", "mxattn_fp8_operands", "sdpa_cudnn_bf16", "sdpa_flash_bf16", "cudnn_fp8"]
+    names = ["mxattn", "mxattn_fp8_operands", "mxattn_gluon_fp8_operands", "sdpa_cudnn_bf16", "sdpa_flash_bf16",
+             "cudnn_fp8"]
     return [n for n in names if METHODS[n].available() is None]
 
 
@@ -487,7 +516,7 @@ def _time_method(name: str, shape: Shape, x: _Inputs, device: torch.device, with
 
         if not has_fast_backward(device):
             with_bwd, bwd_reason = False, "no fast backward kernel on this device yet"
-    if name == "mxattn_fp8_operands":
+    if name in ("mxattn_fp8_operands", "mxattn_gluon_fp8_operands"):
         with_bwd, bwd_reason = False, "forward kernel only"
     gqa = shape.Hkv != shape.Hq
     attempts = [(x, gqa)] + ([(None, False)] if gqa and method.attn is not None else [])

@@ -59,7 +59,10 @@ class GluonFwdConfig:
 
     block_n: int = 128  # keys per K/V tile; wgmma N of Q Kᵀ and K of P V
     stages: int = 3  # K/V ring depth
-    pingpong: bool = True  # consumers take turns issuing wgmma (FA3 warp-scheduler barrier)
+    # consumers take turns issuing wgmma (FA3 warp-scheduler barrier).  Off by default: on the H200 (triton 3.6,
+    # B2 H16 d128) it measured 6-9 % slower than free-running consumers at S 4k/8k, causal or not
+    # (docs/perf-notes-attn-fwd-gluon.md)
+    pingpong: bool = False
     maxnreg: int = 168  # 12 warps * 32 * 168 = 64512 <= 65536 registers: consumers 240, producer 24
     consumer_regs: int = 240  # registers per thread requested for consumer 1 (a worker partition)
     producer_regs: int = 24
@@ -68,7 +71,7 @@ class GluonFwdConfig:
 def default_config(head_dim: int, causal: bool) -> GluonFwdConfig:
     # d=128: 16 KB Q + 3 x (16 + 16) KB K/V stages = 112 KB shared memory (one CTA per SM anyway: the 12 warps
     # take the whole register file).  Not tuned on the GPU yet (docs/perf-notes-attn-fwd-gluon.md: sweep to run).
-    return GluonFwdConfig(stages=3)
+    return GluonFwdConfig(stages=3, pingpong=False)
 
 
 # ------------------------------------------------------------------------------------------------- layouts
