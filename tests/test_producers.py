@@ -616,7 +616,8 @@ def test_gpu_linear_quant_against_reference(gen, monkeypatch, precise, M, K, N, 
     want = want if isinstance(want, tuple) else (want,)
     # |x| @ |W|^T from the row-scaled operands the kernel multiplies: the bound on the FP8 MMA's accumulation
     xr2, wr2 = P._as_row_scaled(P._flatten_rows(_to_cpu(xr), K), "rceil"), P._as_row_scaled(w.cpu(), "rceil")
-    acc_abs = ACC_REL * (xr2.dequantize(torch.float64).abs() @ wr2.dequantize(torch.float64).abs().T)
+    # without promotion (precise=False) the partial sums of all of K stay in the wgmma's ~14-bit adder: 2x more
+    acc_abs = ACC_REL * (1 if precise else 2) * (xr2.dequantize(torch.float64).abs() @ wr2.dequantize(torch.float64).abs().T)
     acc_abs = acc_abs.reshape(*shape[:-1], N)  # both orientations dequantize to this layout
     for g, wt in zip(got, want):
         stats = assert_mx_close(g, wt, f"gpu linear {M}x{K}x{N} {orient} precise={precise}",

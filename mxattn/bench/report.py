@@ -128,7 +128,7 @@ def render_results(results_dir: Union[str, Path] = DEFAULT_RESULTS, root: Option
         parts.append("")
         parts.append(_provenance(doc, root))
         parts.append("")
-        if what in ("attn_fwd", "attn_bwd", "varlen_fwd", "varlen_bwd", "attn_fwd_tune") and all("tflops" in r for r in doc["rows"]):
+        if what in ("attn_fwd", "attn_bwd", "varlen_fwd", "varlen_bwd", "attn_fwd_tune") and all("tflops" in r and "Sq" in r for r in doc["rows"]):
             parts += _speed_table(doc)
         elif what == "accuracy" and all("sqnr_db" in r for r in doc["rows"]):
             parts += _accuracy_table(doc)
