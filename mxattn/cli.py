@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", type=_names, help="comma-separated, from: mxattn, sdpa_cudnn_bf16, sdpa_flash_bf16, "
                    "sdpa_bf16, cudnn_fp8 (default: all that run here)")
     p.add_argument("--no-backward", action="store_true", help="forward only")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="forward only, timed as CUDA-graph replays (GPU work without host launch overhead); "
+                        "JSON what=attn_fwd_cuda_graph")
     p.add_argument("--quantize", action="store_true", help="also run mxattn.bench.quantize_bench when it exists "
                    "(what=quantize; scripts/gpu_check.sh runs it as its own stage)")
 
@@ -152,9 +155,15 @@ def _cmd_bench(args) -> int:
     why_not = speed.METHODS["cudnn_fp8"].available()
     if device == "cuda" and not args.methods and why_not:
         print(f"mxattn bench: leaving out cudnn_fp8: {why_not} (README: 'cuDNN FP8 baseline')")
-    fwd, bwd = speed.run_speed(shapes, methods, device, not args.no_backward, args.seed, not args.no_progress)
-    print(speed.format_speed_table(fwd, "forward"))
-    files = [write_result("attn_fwd", fwd, args.out, {"methods": methods})]
+    if args.cuda_graph:
+        if device != "cuda":
+            raise SystemExit("mxattn bench: --cuda-graph needs a CUDA device")
+        args.no_backward = True
+    fwd, bwd = speed.run_speed(shapes, methods, device, not args.no_backward, args.seed, not args.no_progress,
+                               cuda_graph=args.cuda_graph)
+    print(speed.format_speed_table(fwd, "forward" + (" (CUDA-graph replays)" if args.cuda_graph else "")))
+    files = [write_result("attn_fwd_cuda_graph" if args.cuda_graph else "attn_fwd", fwd, args.out,
+                          {"methods": methods, "timing": "cuda_graph_replay" if args.cuda_graph else "eager"})]
     if not args.no_backward:
         print(speed.format_speed_table(bwd, "backward"))
         print(speed.format_speed_table(bwd, "forward+backward", key="tflops_fwd_bwd"))

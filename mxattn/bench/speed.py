@@ -506,9 +506,41 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _time_method(name: str, shape: Shape, x: _Inputs, device: torch.device, with_bwd: bool) -> dict:
-    """ms for fwd / bwd / fwd_bwd (None where not run) and the errors met."""
+def cuda_graphed(fn: Callable[[int], object], n_inputs: int, device: torch.device) -> Callable[[int], object]:
+    """``fn(i)`` captured once per input copy into a CUDA graph; the returned callable replays graph i.
+
+    Timing replays measures the GPU work alone: the Python and launch overhead that an eager call pays on the
+    host (tens of microseconds per Triton launch or custom op, comparable to a whole small attention call) is
+    gone, as it is for a user who captures the step (``torch.compile(mode="reduce-overhead")``,
+    ``torch.cuda.make_graphed_callables``).  Warm-up (compilation, allocation) runs on a side stream first."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for i in range(n_inputs):
+            fn(i)
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    graphs, outs = [], []
+    for i in range(n_inputs):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs.append(fn(i))  # kept alive: the graph's output memory
+        graphs.append(g)
+
+    def replay(i):
+        graphs[i].replay()
+        return outs[i]
+
+    return replay
+
+
+def _time_method(name: str, shape: Shape, x: _Inputs, device: torch.device, with_bwd: bool,
+                 cuda_graph: bool = False) -> dict:
+    """ms for fwd / bwd / fwd_bwd (None where not run) and the errors met.  ``cuda_graph``: the forward is
+    timed as CUDA-graph replays (``cuda_graphed``; backward is then not timed)."""
     res: dict = {"fwd": None, "bwd": None, "fwd_bwd": None, "errors": {}, "notes": []}
+    if cuda_graph:
+        with_bwd = False
     method = METHODS[name]
     bwd_reason = None
     if name == "mxattn" and with_bwd:
@@ -530,7 +562,10 @@ def _time_method(name: str, shape: Shape, x: _Inputs, device: torch.device, with
                 fwd, _, _ = _cudnn_fp8_runners(shape, inputs, False)
             else:
                 fwd, _, _ = _autograd_runners(method.attn, inputs, shape.causal, native, False)
+            if cuda_graph:
+                fwd = cuda_graphed(fwd, len(inputs.q), device)
             res["fwd"] = time_ms(fwd, len(inputs.q), device)
+            del fwd
             break
         except Exception as e:  # any failure of a method for a shape is recorded, never fatal
             res["errors"]["fwd"] = _short(e)
@@ -567,12 +602,14 @@ def run_speed(
     backward: bool = True,
     seed: int = 0,
     progress: bool = True,
+    cuda_graph: bool = False,
 ) -> tuple[list[dict], list[dict]]:
     """Time every method on every shape; returns (forward rows, backward rows) in the DESIGN §6 shape.
 
     Forward row: the shape's fields, ``tflops`` and ``ms`` per method, ``ratio_vs_sdpa_cudnn_bf16`` (mxattn's),
     ``ratios_vs_sdpa_cudnn_bf16`` (every method's), ``errors`` and ``notes`` per method where there were any.
     Backward row: the same for the backward, plus ``tflops_fwd_bwd`` / ``ms_fwd_bwd``.
+    ``cuda_graph`` (CUDA only): forward timed as CUDA-graph replays, no backward (``cuda_graphed``).
     """
     from tqdm import tqdm
 
@@ -600,7 +637,7 @@ def run_speed(
             res = (
                 {"fwd": None, "bwd": None, "fwd_bwd": None, "errors": {"fwd": why_not}, "notes": []}
                 if why_not is not None
-                else _time_method(name, shape, x, dev, backward)
+                else _time_method(name, shape, x, dev, backward, cuda_graph)
             )
             fr["ms"][name], fr["tflops"][name] = res["fwd"], _tflops(shape.fwd_flops(), res["fwd"])
             br["ms"][name], br["tflops"][name] = res["bwd"], _tflops(shape.bwd_flops(), res["bwd"])
