@@ -14,7 +14,10 @@ torch.compile sees float-input attention as two ``torch.library`` custom ops, ``
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
+import os
 from typing import Optional, Union
 
 import torch
@@ -187,12 +190,50 @@ def has_fast_backward(device) -> bool:
 # which torch.compile traces like any Python code.
 
 
+# The warp-specialized Gluon forward (kernels/attn_fwd_gluon.py) measured faster than the `tl` kernel on the H200 at
+# d=128 from S = 8k (1.19-1.29x vs 1.13-1.20x cuDNN BF16, same run) and slower at d=64 and S <= 4k
+# (docs/perf-notes-attn-fwd-gluon.md), so it takes those shapes only.  MXATTN_FWD_KERNEL=tl|gluon|auto overrides.
+GLUON_MIN_SEQ = 8192
+
+
+def forward_kernel_for(q_shape, k_shape, device) -> str:
+    """"gluon" or "tl": which forward kernel a CUDA call with these (B, S, H, D) shapes runs."""
+    choice = os.environ.get("MXATTN_FWD_KERNEL", "auto")
+    if choice not in ("auto", "tl", "gluon"):
+        raise ValueError(f"MXATTN_FWD_KERNEL must be auto, tl or gluon, got {choice!r}")
+    if choice != "auto":
+        return choice
+    if torch.device(device).type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return "tl"
+    if q_shape[3] == 128 and min(q_shape[1], k_shape[1]) >= GLUON_MIN_SEQ and _gluon_importable():
+        return "gluon"
+    return "tl"
+
+
+@functools.lru_cache(maxsize=1)
+def _gluon_importable() -> bool:
+    try:
+        importlib.import_module("mxattn.kernels.attn_fwd_gluon")
+    except Exception:  # a triton without Gluon, or a Gluon API change: the tl kernel covers every shape
+        return False
+    return True
+
+
+def _hopper_forward(q: Operand, k: Operand, v: Operand, causal: bool, scale: float, scale_mode: str, out_dtype):
+    """CUDA forward: the Hopper operands (one Triton pass each), then the kernel ``forward_kernel_for`` picks."""
+    qr, kr, vr = _hopper_forward_operands(q, k, v, scale_mode)
+    if forward_kernel_for(q.shape, k.shape, q.device) == "gluon":
+        from mxattn.kernels.attn_fwd_gluon import attn_fwd_gluon
+
+        return attn_fwd_gluon(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
+    from mxattn.kernels.attn_fwd import attn_fwd_hopper
+
+    return attn_fwd_hopper(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
+
+
 def _fwd_impl(q, k, v, causal: bool, scale: float, scale_mode: str):
     if q.device.type == "cuda":
-        from mxattn.kernels.attn_fwd import attn_fwd_hopper
-
-        qr, kr, vr = _hopper_forward_operands(q, k, v, scale_mode)
-        return attn_fwd_hopper(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=q.dtype)
+        return _hopper_forward(q, k, v, causal, scale, scale_mode, q.dtype)
     out, lse = _reference_forward(q, k, v, causal, scale, scale_mode, q.dtype)
     return out.contiguous(), lse.contiguous()
 
@@ -273,10 +314,7 @@ def _mx_forward(qkv_mx: tuple[MXTensor, MXTensor, MXTensor], causal: bool, scale
     """Forward of MXFP8 attention on MXTensor inputs (the eager path; float inputs go through ``attn_fwd_op``).
     Forward-only: an MXTensor carries no gradient (``producers`` attaches its own straight-through carriers)."""
     if qkv_mx[0].device.type == "cuda":
-        from mxattn.kernels.attn_fwd import attn_fwd_hopper
-
-        qr, kr, vr = _hopper_forward_operands(*qkv_mx, scale_mode)
-        return attn_fwd_hopper(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=torch.bfloat16)
+        return _hopper_forward(*qkv_mx, causal, scale, scale_mode, torch.bfloat16)
     return _reference_forward(*qkv_mx, causal, scale, scale_mode, torch.bfloat16)
 
 
