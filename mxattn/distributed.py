@@ -590,6 +590,64 @@ def bench_ring(
     return rows
 
 
+def check_ring(
+    seqlen: int = 8192, batch: int = 1, heads: int = 8, kv_heads: int = 2, head_dim: int = 128, seed: int = 0,
+) -> list[dict]:
+    """Ring MXFP8 attention on the initialised (nccl) process group against single-GPU ``mxfp8_attn_func``
+    (on CPU processes with gloo where there is no GPU: the reference blocks, same bounds).
+
+    Every rank builds the same global q, k, v, dout (seeded on the CPU), runs the ring forward and backward on its
+    zig-zag shard (causal) and its contiguous chunk (not causal); rank 0 gathers the shards, runs the single-GPU
+    function on the gathered inputs and compares both with fp64 attention on the MX-dequantized inputs.  Pass
+    (the bounds of tests/test_distributed.py, measured there on the reference blocks): the ring's output SQNR no
+    more than 3 dB below the single-GPU call's, lse within 0.05, and each gradient within 25 dB SQNR of the
+    single-GPU autograd gradients (the same FP8 steps, different P rounding per block).  Returns one row per
+    case on rank 0 (with ``ok``), raises AssertionError on rank 0 when a bound fails.
+    """
+    from mxattn.interface import mxfp8_attn_func
+
+    W, rank = dist.get_world_size(), dist.get_rank()
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    rows = []
+    for causal, zigzag in ((True, True), (False, False)):
+        g = torch.Generator().manual_seed(seed)
+        full = [torch.randn(batch, seqlen, h, head_dim, generator=g).to(dev, torch.bfloat16)
+                for h in (heads, kv_heads, kv_heads, heads)]
+        shard = (lambda x: zigzag_shard(x, rank, W)) if zigzag else (lambda x: x.chunk(W, 1)[rank])
+        ql, kl, vl = (shard(t).contiguous().requires_grad_() for t in full[:3])
+        out, lse = ring_mxfp8_attn_func(ql, kl, vl, causal=causal, zigzag=zigzag, return_lse=True)
+        out.backward(shard(full[3]).contiguous())
+
+        def gathered(x, dim=1):
+            parts = [torch.empty_like(x) for _ in range(W)]
+            dist.all_gather(parts, x.contiguous())
+            return zigzag_unshard(parts, dim) if zigzag else torch.cat(parts, dim)
+
+        got = [gathered(out), gathered(lse, 2), gathered(ql.grad), gathered(kl.grad), gathered(vl.grad)]
+        if rank != 0:
+            continue
+        q, k, v, dout = full
+        qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+        s_out, s_lse = mxfp8_attn_func(qs, ks, vs, causal=causal, return_lse=True)
+        s_out.backward(dout)
+        qm, km, vm = formats.quantize_mxfp8(q, 3), formats.quantize_mxfp8(k, 3), formats.quantize_mxfp8(v, 1)
+        truth, _ = reference.attention_forward(qm, km, vm, causal=causal)
+        row = {"S": seqlen, "B": batch, "Hq": heads, "Hkv": kv_heads, "D": head_dim, "causal": causal,
+               "zigzag": zigzag, "world": W,
+               "out_sqnr_db": {"ring": reference.sqnr_db(got[0], truth), "single": reference.sqnr_db(s_out, truth)},
+               "lse_max_diff_vs_single": (got[1] - s_lse).abs().max().item(),
+               "grad_sqnr_db_vs_single": {n: reference.sqnr_db(a, b.grad) for n, a, b in
+                                          (("dq", got[2], qs), ("dk", got[3], ks), ("dv", got[4], vs))}}
+        row["ok"] = (row["out_sqnr_db"]["ring"] > row["out_sqnr_db"]["single"] - 3.0
+                     and row["lse_max_diff_vs_single"] < 0.05
+                     and all(db > 25.0 for db in row["grad_sqnr_db_vs_single"].values()))
+        rows.append(row)
+    if rank == 0:
+        bad = [r for r in rows if not r["ok"]]
+        assert not bad, f"ring attention disagrees with single-GPU mxattn: {json.dumps(bad)}"
+    return rows
+
+
 def _main(argv=None) -> None:
     import argparse
 
@@ -603,10 +661,17 @@ def _main(argv=None) -> None:
     p.add_argument("--causal", action="store_true")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--outdir", default="benchmarks/results")
+    p.add_argument("--check", action="store_true", help="first check against single-GPU mxattn (check_ring)")
+    p.add_argument("--check-only", action="store_true", help="only the check, no timing")
     a = p.parse_args(argv)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl")
     try:
+        if a.check or a.check_only:
+            for row in check_ring(head_dim=a.head_dim):
+                print("check", json.dumps(row))
+        if a.check_only:
+            return
         rows = bench_ring(a.seqlen, a.batch, a.heads, a.kv_heads or a.heads, a.head_dim, a.causal, a.iters, a.outdir)
         if dist.get_rank() == 0:
             for row in rows:

@@ -179,6 +179,36 @@ def test_ring_attention_gloo(world, seed, tmp_path):
     assert text == "", "\n" + text
 
 
+def _check_worker(rank, world, init_file, seed, result_file):
+    from mxattn.distributed import check_ring
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        msg = ""
+        try:
+            rows = check_ring(seqlen=256, heads=2, kv_heads=1, head_dim=64, seed=seed)
+            if rank == 0:
+                msg = "\n".join(str(r) for r in rows) + ("" if len(rows) == 2 else "\nmissing rows")
+        except AssertionError as e:
+            msg = f"FAILED {e}"
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        with open(result_file, "w") as f:
+            f.write(msg)
+
+
+def test_check_ring_gloo(seed, tmp_path):
+    """``check_ring`` (what ``python -m mxattn.distributed --check`` runs on GPUs under torchrun) passes on two
+    CPU processes: it returns both cases (causal zig-zag, non-causal contiguous) with ``ok``."""
+    result = tmp_path / "check.txt"
+    mp.spawn(_check_worker, args=(2, str(tmp_path / "store"), seed, str(result)), nprocs=2, join=True)
+    text = result.read_text()
+    print(text)
+    assert not text.startswith("FAILED") and "missing" not in text and text.count("'ok': True") == 2, text
+
+
 def test_zigzag_roundtrip():
     x = torch.arange(2 * 3 * 4).reshape(2, 12, 1, 1).float()
     shards = [zigzag_shard(x, r, 3) for r in range(3)]
