@@ -12,6 +12,7 @@ from mxattn.formats import (
 )
 from mxattn.interface import mxfp8_attn_func, mxfp8_attn_varlen_func
 from mxattn.producers import linear_quant, rmsnorm_quant
+from mxattn.qkv import qkv_proj
 
 __all__ = [
     "__version__",
@@ -23,6 +24,7 @@ __all__ = [
     "mxfp8_attn_varlen_func",
     "rmsnorm_quant",
     "linear_quant",
+    "qkv_proj",
     "quantize_mxfp8",
     "row_scaled_from_float",
     "to_row_scaled",
