@@ -166,8 +166,8 @@ def has_fast_backward(device) -> bool:
 # torch.library custom ops (what torch.compile sees): float tensors in, float tensors out
 # ----------------------------------------------------------------------------------------------
 #
-# ``mxattn::attn_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale, str scale_mode, bool deterministic)
-#     -> (Tensor out, Tensor lse)``
+# ``mxattn::attn_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale, str scale_mode, bool deterministic,
+#     str backend="auto") -> (Tensor out, Tensor lse)``
 # ``mxattn::attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, float scale,
 #     str scale_mode, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)``
 #
@@ -186,24 +186,48 @@ def has_fast_backward(device) -> bool:
 # pay for them; here the forward makes only what it uses.  Recomputing also lets the backward take Q with one
 # exponent per 128 rows (``Q_EXP_GROUP``, the kernel's fast layout) instead of the forward's per-row Q.
 # ``deterministic`` only affects the backward; the forward op takes it so that its autograd formula can pass it on.
+# ``backend`` (a str with a default, so older 7-argument calls still bind) only picks the CUDA forward kernel; the
+# backward op is the same for every backend (it re-quantizes the saved float q, k, v for the Hopper FP8 backward).
 # MXTensor inputs do not go through the ops: they stay on the eager, forward-only ``_mx_forward`` below,
 # which torch.compile traces like any Python code.
 
 
 # The warp-specialized Gluon forward (kernels/attn_fwd_gluon.py) measured faster than the `tl` kernel on the H200 at
 # d=128 from S = 8k (1.19-1.29x vs 1.13-1.20x cuDNN BF16, same run) and slower at d=64 and S <= 4k
-# (docs/perf-notes-attn-fwd-gluon.md), so it takes those shapes only.  MXATTN_FWD_KERNEL=tl|gluon|auto overrides.
+# (docs/perf-notes-attn-fwd-gluon.md), so it takes those shapes only.  Blackwell (compute capability 10.x) runs the
+# block-scaled forward (kernels/attn_fwd_blockscaled.py: tl.dot_scaled on the MX operands, docs/blackwell.md).
+# MXATTN_FWD_KERNEL=tl|gluon|blockscaled|auto overrides the automatic choice; the ``backend`` argument of
+# ``mxfp8_attn_func`` overrides both.
 GLUON_MIN_SEQ = 8192
+BACKENDS = ("auto", "hopper", "gluon", "blockscaled")
+_BACKEND_KERNEL = {"hopper": "tl", "gluon": "gluon", "blockscaled": "blockscaled"}
 
 
-def forward_kernel_for(q_shape, k_shape, device) -> str:
-    """"gluon" or "tl": which forward kernel a CUDA call with these (B, S, H, D) shapes runs."""
+def _check_backend(backend) -> str:
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    return backend
+
+
+def forward_kernel_for(q_shape, k_shape, device, backend: str = "auto") -> str:
+    """"tl", "gluon" or "blockscaled": which forward kernel a CUDA call with these (B, S, H, D) shapes runs.
+
+    ``backend`` other than "auto" decides ("hopper" is the `tl` kernel); with "auto", MXATTN_FWD_KERNEL
+    (auto | tl | gluon | blockscaled) decides when set to a kernel; otherwise compute capability 10.x gets
+    "blockscaled", 9.x "gluon" at d128 from S = 8k (when Gluon imports) and "tl" below; anything else "tl"."""
+    if _check_backend(backend) != "auto":
+        return _BACKEND_KERNEL[backend]
     choice = os.environ.get("MXATTN_FWD_KERNEL", "auto")
-    if choice not in ("auto", "tl", "gluon"):
-        raise ValueError(f"MXATTN_FWD_KERNEL must be auto, tl or gluon, got {choice!r}")
+    if choice not in ("auto", "tl", "gluon", "blockscaled"):
+        raise ValueError(f"MXATTN_FWD_KERNEL must be auto, tl, gluon or blockscaled, got {choice!r}")
     if choice != "auto":
         return choice
-    if torch.device(device).type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+    if torch.device(device).type != "cuda":
+        return "tl"
+    major = torch.cuda.get_device_capability(device)[0]
+    if major == 10:
+        return "blockscaled"
+    if major != 9:
         return "tl"
     if q_shape[3] == 128 and min(q_shape[1], k_shape[1]) >= GLUON_MIN_SEQ and _gluon_importable():
         return "gluon"
@@ -219,10 +243,29 @@ def _gluon_importable() -> bool:
     return True
 
 
-def _hopper_forward(q: Operand, k: Operand, v: Operand, causal: bool, scale: float, scale_mode: str, out_dtype):
-    """CUDA forward: the Hopper operands (one Triton pass each), then the kernel ``forward_kernel_for`` picks."""
+def _blockscaled_forward(q: Operand, k: Operand, v: Operand, causal: bool, scale: float, scale_mode: str, out_dtype):
+    """CUDA forward on the MX operands themselves (``tl.dot_scaled``): float inputs are MXFP8-quantized in the forward
+    orientations (q, k along D; v along S; one Triton pass each), MXTensor inputs go straight in."""
+    from mxattn.kernels.attn_fwd_blockscaled import attn_fwd_blockscaled
+
+    if not isinstance(q, MXTensor):
+        from mxattn.kernels.quantize import quantize_mxfp8_triton
+
+        q = quantize_mxfp8_triton(q, "hdim", scale_mode=scale_mode)
+        k = quantize_mxfp8_triton(k, "hdim", scale_mode=scale_mode)
+        v = quantize_mxfp8_triton(v, "seq", scale_mode=scale_mode)
+    return attn_fwd_blockscaled(q, k, v, causal, scale, out_dtype)
+
+
+def _hopper_forward(q: Operand, k: Operand, v: Operand, causal: bool, scale: float, scale_mode: str, out_dtype,
+                    backend: str = "auto"):
+    """CUDA forward with the kernel ``forward_kernel_for`` picks: the block-scaled one on the MX operands, or the
+    Hopper ones on the Hopper operands (one Triton pass each)."""
+    kernel = forward_kernel_for(q.shape, k.shape, q.device, backend)
+    if kernel == "blockscaled":
+        return _blockscaled_forward(q, k, v, causal, scale, scale_mode, out_dtype)
     qr, kr, vr = _hopper_forward_operands(q, k, v, scale_mode)
-    if forward_kernel_for(q.shape, k.shape, q.device) == "gluon":
+    if kernel == "gluon":
         from mxattn.kernels.attn_fwd_gluon import attn_fwd_gluon
 
         return attn_fwd_gluon(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
@@ -231,9 +274,9 @@ def _hopper_forward(q: Operand, k: Operand, v: Operand, causal: bool, scale: flo
     return attn_fwd_hopper(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
 
 
-def _fwd_impl(q, k, v, causal: bool, scale: float, scale_mode: str):
+def _fwd_impl(q, k, v, causal: bool, scale: float, scale_mode: str, backend: str = "auto"):
     if q.device.type == "cuda":
-        return _hopper_forward(q, k, v, causal, scale, scale_mode, q.dtype)
+        return _hopper_forward(q, k, v, causal, scale, scale_mode, q.dtype, backend)
     out, lse = _reference_forward(q, k, v, causal, scale, scale_mode, q.dtype)
     return out.contiguous(), lse.contiguous()
 
@@ -241,15 +284,16 @@ def _fwd_impl(q, k, v, causal: bool, scale: float, scale_mode: str):
 @torch.library.custom_op("mxattn::attn_fwd", mutates_args=())
 def attn_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, scale_mode: str,
-    deterministic: bool,
+    deterministic: bool, backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8 attention forward on float (B, S, H, D) tensors: out (B, Sq, Hq, D) in q's dtype, lse (B, Hq, Sq) fp32.
+    ``backend``: the CUDA forward kernel (``forward_kernel_for``); CPU tensors run the reference whatever it says.
     Unchecked: ``mxfp8_attn_func`` validates the arguments before calling it."""
-    return _fwd_impl(q, k, v, causal, scale, scale_mode)
+    return _fwd_impl(q, k, v, causal, scale, scale_mode, backend)
 
 
 @attn_fwd_op.register_fake
-def _attn_fwd_fake(q, k, v, causal, scale, scale_mode, deterministic):
+def _attn_fwd_fake(q, k, v, causal, scale, scale_mode, deterministic, backend="auto"):
     B, Sq, Hq, D = q.shape
     return q.new_empty(B, Sq, Hq, D), q.new_empty(B, Hq, Sq, dtype=torch.float32)
 
@@ -294,7 +338,7 @@ def _attn_bwd_fake(dout, q, k, v, out, lse, causal, scale, scale_mode, determini
 
 
 def _attn_fwd_setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, scale_mode, deterministic = inputs
+    q, k, v, causal, scale, scale_mode, deterministic, _backend = inputs  # the backward re-quantizes: any backend
     out, lse = output
     ctx.causal, ctx.scale, ctx.scale_mode, ctx.deterministic = causal, scale, scale_mode, deterministic
     ctx.save_for_backward(q, k, v, out, lse)
@@ -304,17 +348,18 @@ def _attn_fwd_setup_context(ctx, inputs, output):
 def _attn_fwd_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = attn_bwd_op(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.scale_mode, ctx.deterministic)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 attn_fwd_op.register_autograd(_attn_fwd_backward, setup_context=_attn_fwd_setup_context)
 
 
-def _mx_forward(qkv_mx: tuple[MXTensor, MXTensor, MXTensor], causal: bool, scale: float, scale_mode: str):
+def _mx_forward(qkv_mx: tuple[MXTensor, MXTensor, MXTensor], causal: bool, scale: float, scale_mode: str,
+                backend: str = "auto"):
     """Forward of MXFP8 attention on MXTensor inputs (the eager path; float inputs go through ``attn_fwd_op``).
     Forward-only: an MXTensor carries no gradient (``producers`` attaches its own straight-through carriers)."""
     if qkv_mx[0].device.type == "cuda":
-        return _hopper_forward(*qkv_mx, causal, scale, scale_mode, torch.bfloat16)
+        return _hopper_forward(*qkv_mx, causal, scale, scale_mode, torch.bfloat16, backend)
     return _reference_forward(*qkv_mx, causal, scale, scale_mode, torch.bfloat16)
 
 
@@ -327,6 +372,7 @@ def mxfp8_attn_func(
     return_lse: bool = False,
     scale_mode: str = "rceil",
     deterministic: bool = False,
+    backend: str = "auto",
 ):
     """MXFP8 attention, ``flash_attn_func`` conventions.
 
@@ -339,10 +385,17 @@ def mxfp8_attn_func(
         return_lse: also return the log-sum-exp, (B, Hq, Sq) float32 (natural log; -inf for empty rows).
         scale_mode: MX scale rule for float inputs, "rceil" (default) or "floor".
         deterministic: backward without float atomics (bit-identical gradients over runs, a little slower).
+        backend: the CUDA forward kernel: "auto" (default: ``forward_kernel_for`` — MXATTN_FWD_KERNEL if set, else
+            "blockscaled" on compute capability 10.x, the Gluon or `tl` Hopper kernel on 9.x), "hopper" (the `tl`
+            kernel on row-scaled FP8 operands), "gluon" (the warp-specialized Hopper kernel) or "blockscaled"
+            (``tl.dot_scaled`` on the MX operands: native block-scaled MMA on Blackwell; correct but slow on Hopper,
+            where Triton upcasts to bf16).  Any other value raises ValueError.  CPU tensors run the reference
+            whatever the backend.  The backward does not depend on it: every backend's backward is the Hopper FP8
+            backward kernel (it re-quantizes the saved float q, k, v); no block-scaled backward exists yet.
 
     Float inputs are quantized to MXFP8 on the way in (q, k along D, v along S); MXTensor inputs are the
     end-to-end path.  Hq must be a multiple of Hkv (GQA/MQA); D in {64, 128}.  Returns the output in q's
-    dtype (bfloat16 for MXTensor inputs).  CUDA tensors run the Hopper FP8 kernel; CPU tensors run the
+    dtype (bfloat16 for MXTensor inputs).  CUDA tensors run the FP8 kernel ``backend`` picks; CPU tensors run the
     reference with the same semantics (P quantized to e4m3 with the constant scale 2^-8).
     Gradients flow to float q, k, v through ``loss.backward()`` (FP8 backward kernel on CUDA; all five
     products in FP8, dO and dS quantized, DESIGN §1 table).  MXTensor inputs are forward-only.
@@ -353,6 +406,7 @@ def mxfp8_attn_func(
     inside instead (checked on the CPU reference, fullgraph too; not checked on CUDA, where it meets Triton launches).
     """
     is_mx, _ = _check_attention_inputs(q, k, v, softmax_scale)
+    backend = _check_backend(backend)
     mode = formats.ScaleMode.parse(scale_mode).value
     for name, flag in (("causal", causal), ("return_lse", return_lse), ("deterministic", deterministic)):
         if not isinstance(flag, bool):
@@ -360,9 +414,9 @@ def mxfp8_attn_func(
     D = q.shape[3]
     scale = _default_scale(D, softmax_scale)
     if is_mx:
-        out, lse = _mx_forward((q, k, v), causal, scale, scale_mode)
+        out, lse = _mx_forward((q, k, v), causal, scale, scale_mode, backend)
     else:
-        out, lse = attn_fwd_op(q, k, v, causal, scale, mode, deterministic)
+        out, lse = attn_fwd_op(q, k, v, causal, scale, mode, deterministic, backend)
     return (out, lse) if return_lse else out
 
 

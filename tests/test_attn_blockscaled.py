@@ -1,0 +1,300 @@
+"""The block-scaled (Blackwell) forward: ``tl.dot_scaled`` on MX operands, against the reference (DESIGN §2 bound).
+
+CPU: the kernel under TRITON_INTERPRET=1 at small odd shapes, the calibrated bound of tests/test_attn_fwd.py (kernel
+error against fp64 attention of the MX-dequantized inputs within 0.5 dB of the reference's P-quantization emulation,
+plus a bf16-output floor), lse, empty rows; the 128x4 scale-layout converter; the ``backend`` argument of the API.
+GPU (marker ``gpu``): the kernel on CUDA against the reference (on Hopper Triton upcasts dot_scaled to bf16: slow but
+the same semantics), and ``bench_blockscaled()``, a speed helper that is not a test.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from mxattn import interface, reference
+from mxattn.kernels.attn_fwd import FwdConfig
+from mxattn.kernels.attn_fwd_blockscaled import (
+    P_SCALE_BYTE,
+    attn_fwd_blockscaled,
+    from_blackwell_scale_layout,
+    to_blackwell_scale_layout,
+)
+
+MARGIN_DB = 0.5
+BF16_FLOOR = 2.0**-8  # relative error norm floor: the kernel's output is rounded to bf16
+
+
+def _inputs(B, Sq, Sk, Hq, Hkv, D, device, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    mk = lambda S, H: torch.randn(B, S, H, D, generator=g).to(device=device, dtype=torch.bfloat16)
+    return mk(Sq, Hq), mk(Sk, Hkv), mk(Sk, Hkv)
+
+
+def _check_against_reference(q, k, v, causal, softmax_scale=None, config=None):
+    qm, km, vm = interface.quantize_qkv(q, k, v)
+    out, lse = attn_fwd_blockscaled(qm, km, vm, causal, softmax_scale, config=config)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+    truth, truth_lse = reference.attention_forward(qm, km, vm, causal=causal, softmax_scale=softmax_scale)
+    emul, _ = reference.attention_forward(qm, km, vm, causal=causal, softmax_scale=softmax_scale, quantize_p=True)
+    truth, truth_lse, emul = truth.cpu(), truth_lse.cpu(), emul.cpu()
+    out, lse = out.double().cpu(), lse.double().cpu()
+    assert not torch.isnan(out).any(), "kernel output has NaN where the truth is finite"
+    err_k = (out - truth).norm().item()
+    err_e = (emul - truth).norm().item()
+    bound = err_e * 10 ** (MARGIN_DB / 20) + BF16_FLOOR * truth.norm().item()
+    assert err_k <= bound, (
+        f"kernel SQNR {reference.sqnr_db(out, truth):.2f} dB vs emulation {reference.sqnr_db(emul, truth):.2f} dB"
+    )
+    finite = torch.isfinite(truth_lse)
+    assert torch.equal(torch.isinf(lse), ~finite), "lse must be -inf exactly on rows with nothing to attend"
+    if finite.any():
+        # lse carries P's e4m3 rounding through the row sum: |d lse| <= log(1 + 2^-4)
+        assert (lse[finite] - truth_lse[finite]).abs().max().item() <= math.log1p(2.0**-4)
+    empty_rows = ~finite  # (B, H, Sq)
+    if empty_rows.any():
+        assert out.permute(0, 2, 1, 3)[empty_rows].abs().max().item() == 0.0
+    return reference.sqnr_db(out, truth)
+
+
+def _interpreter_or_gpu():
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs TRITON_INTERPRET=1 on a machine without a GPU (conftest sets it)")
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ---------------------------------------------------------------- CPU: interpreter mode, small odd shapes
+INTERP_CASES = [
+    # B, Sq, Sk, Hq, Hkv, D, causal
+    (1, 1, 1, 2, 2, 64, False),
+    (1, 1, 1, 2, 2, 128, True),
+    (1, 113, 203, 4, 2, 64, True),  # GQA 4:2, Sq < Sk bottom-right, partial tiles and V scale blocks
+    (1, 113, 203, 4, 2, 128, False),
+    (1, 239, 1, 2, 2, 64, True),  # Sq > Sk: all but the last row see nothing
+    (1, 239, 1, 2, 2, 128, False),
+    (2, 70, 37, 4, 1, 64, True),  # MQA, first rows empty
+]
+
+
+@pytest.mark.parametrize("case", INTERP_CASES, ids=lambda c: "x".join(map(str, c[:6])) + ("c" if c[6] else ""))
+def test_blockscaled_interpreter(case, seed):
+    dev = _interpreter_or_gpu()
+    B, Sq, Sk, Hq, Hkv, D, causal = case
+    q, k, v = _inputs(B, Sq, Sk, Hq, Hkv, D, dev, seed)
+    _check_against_reference(q, k, v, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_blockscaled_interpreter_small_tiles(causal, seed):
+    """Small tiles: many q blocks and full + masked K/V tiles per row, a running max that moves, odd strides
+    (q, k, v views of one packed tensor)."""
+    dev = _interpreter_or_gpu()
+    qkv = torch.randn(1, 77, 3, 2, 64, generator=torch.Generator().manual_seed(seed)).to(dev, torch.bfloat16)
+    q, k, v = qkv.unbind(2)
+    k = k * 2  # sharper softmax: the running max matters
+    _check_against_reference(q, k, v, causal, config=FwdConfig(16, 32, 4, 1))
+
+
+def test_blockscaled_interpreter_late_max_and_scale(seed):
+    """The dominant key arrives in the last tile (earlier tiles rescaled in fp32, not re-quantized); a custom
+    softmax_scale; V with tiny magnitudes (scale bytes far from 127)."""
+    dev = _interpreter_or_gpu()
+    q, k, v = _inputs(1, 40, 150, 2, 2, 64, dev, seed)
+    direction = torch.randn(1, 1, 2, 64, generator=torch.Generator().manual_seed(seed + 1)).to(dev, torch.bfloat16)
+    q = 0.3 * q + direction
+    k[:, -1:] = 3 * direction
+    _check_against_reference(q, k, v * 2.0**-60, False, softmax_scale=0.2, config=FwdConfig(32, 64, 4, 1))
+
+
+def test_blockscaled_mx_inputs_with_extreme_block_scales(seed):
+    """Per-block scales that differ by 2^20 within a row: the kernel applies each block's scale (no re-expression)."""
+    dev = _interpreter_or_gpu()
+    q, k, v = _inputs(1, 33, 65, 2, 1, 128, dev, seed)
+    ramp = 2.0 ** torch.tensor([-10.0, 0.0, 10.0, 3.0], device=dev).repeat_interleave(32)
+    q = q * ramp.to(q.dtype) * 2.0**-8
+    v = v * 2.0 ** torch.arange(65, device=dev).div(8).floor()[None, :, None, None].to(v.dtype) * 2.0**-4
+    _check_against_reference(q, k, v, True, softmax_scale=1.0)
+
+
+def test_p_scale_byte():
+    """P enters P·V with the constant scale 2^-8 (DESIGN §1): E8M0 byte 127 - 8."""
+    assert P_SCALE_BYTE == 119 and 2.0 ** (P_SCALE_BYTE - 127) == 1 / 256
+
+
+def test_blockscaled_rejects_bad_operands(seed):
+    q, k, v = _inputs(1, 4, 4, 2, 2, 64, "cpu", seed)
+    qm, km, vm = interface.quantize_qkv(q, k, v)
+    with pytest.raises(ValueError, match="blocked along dim 1"):
+        attn_fwd_blockscaled(qm, km, km, False)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        attn_fwd_blockscaled(qm, km, vm, False, config=FwdConfig(64, 48, 4, 1))
+
+
+# ---------------------------------------------------------------- the 128x4 scale layout
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (128, 4), (130, 5), (300, 2), (257, 9)])
+def test_blackwell_scale_layout_round_trip(shape, gen):
+    R, C = shape
+    s = torch.randint(0, 255, shape, generator=gen, dtype=torch.uint8)
+    t = to_blackwell_scale_layout(s)
+    assert t.ndim == 1 and t.numel() == -(-R // 128) * -(-C // 4) * 512
+    assert torch.equal(from_blackwell_scale_layout(t, R, C), s)
+    e = s.view(torch.float8_e8m0fnu)
+    te = to_blackwell_scale_layout(e)
+    assert te.dtype == torch.float8_e8m0fnu and torch.equal(te.view(torch.uint8), t)
+    assert torch.equal(from_blackwell_scale_layout(te, R, C).view(torch.uint8), s)
+
+
+def test_blackwell_scale_layout_known_positions():
+    """Byte offsets of a few (row, col) positions in a 256 x 8 scale matrix (2 x 2 tiles of 128 x 4):
+    tile (rt, ct) at (rt * 2 + ct) * 512; inside, (r % 32) * 16 + (r // 32 % 4) * 4 + c % 4."""
+    R, C = 256, 8
+    idx = torch.arange(R * C, dtype=torch.int64).view(R, C)
+    # encode positions as (row, col) pairs through two uint8 layouts
+    rows = to_blackwell_scale_layout((idx // C).to(torch.uint8))  # row index mod 256 fits a byte here
+    cols = to_blackwell_scale_layout((idx % C).to(torch.uint8))
+    def at(off):
+        return int(rows[off]), int(cols[off])
+    assert at(0) == (0, 0)
+    assert at(1) == (0, 1) and at(3) == (0, 3)
+    assert at(4) == (32, 0)  # the next 4 bytes hold row + 32
+    assert at(12) == (96, 0)
+    assert at(16) == (1, 0)  # the next 16-byte line holds the next row
+    assert at(31 * 16 + 3 * 4 + 3) == (127, 3)  # last byte of the first tile
+    assert at(512) == (0, 4)  # the column tile varies fastest
+    assert at(1024) == (128, 0)
+    assert at(1024 + 512 + 5 * 16 + 2 * 4 + 1) == (128 + 69, 5)
+
+
+# ---------------------------------------------------------------- the API
+
+
+def test_backend_argument_validated(seed):
+    q, k, v = _inputs(1, 8, 8, 2, 2, 64, "cpu", seed)
+    for bad in ("fast", "Blockscaled", "tl", None, 3):
+        with pytest.raises(ValueError, match="backend"):
+            interface.mxfp8_attn_func(q, k, v, backend=bad)
+    with pytest.raises(ValueError, match="backend"):
+        interface.forward_kernel_for(q.shape, k.shape, "cpu", "cudnn")
+
+
+def test_forward_kernel_for_blockscaled(monkeypatch):
+    shp = (1, 8192, 2, 128)
+    monkeypatch.delenv("MXATTN_FWD_KERNEL", raising=False)
+    assert interface.forward_kernel_for(shp, shp, "cpu") == "tl"
+    assert interface.forward_kernel_for(shp, shp, "cpu", "blockscaled") == "blockscaled"
+    assert interface.forward_kernel_for(shp, shp, "cpu", "hopper") == "tl"
+    assert interface.forward_kernel_for(shp, shp, "cpu", "gluon") == "gluon"
+    monkeypatch.setenv("MXATTN_FWD_KERNEL", "blockscaled")
+    assert interface.forward_kernel_for(shp, shp, "cpu") == "blockscaled"
+    assert interface.forward_kernel_for(shp, shp, "cpu", "hopper") == "tl"  # the argument beats the variable
+    monkeypatch.setenv("MXATTN_FWD_KERNEL", "tl")
+    assert interface.forward_kernel_for(shp, shp, "cpu", "blockscaled") == "blockscaled"
+
+
+def test_forward_kernel_for_compute_capability(monkeypatch):
+    """Capability 10.x picks the block-scaled kernel; 9.x the Hopper kernels; others the tl kernel."""
+    monkeypatch.delenv("MXATTN_FWD_KERNEL", raising=False)
+    shp = (1, 1024, 2, 128)
+    for cap, want in (((10, 0), "blockscaled"), ((10, 3), "blockscaled"), ((9, 0), "tl"), ((8, 0), "tl")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
+        assert interface.forward_kernel_for(shp, shp, torch.device("cuda", 0)) == want, cap
+
+
+@pytest.mark.parametrize("backend", ["auto", "hopper", "gluon", "blockscaled"])
+def test_api_backend_on_cpu_is_the_reference(backend, seed):
+    """CPU tensors run the reference whatever the backend: float and MXTensor inputs, forward and backward."""
+    q, k, v = _inputs(1, 37, 50, 4, 2, 64, "cpu", seed)
+    want, want_lse = interface._reference_forward(q, k, v, True, 0.125, "rceil", q.dtype)
+    out, lse = interface.mxfp8_attn_func(q, k, v, causal=True, softmax_scale=0.125, return_lse=True, backend=backend)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    qm, km, vm = interface.quantize_qkv(q, k, v)
+    out_mx = interface.mxfp8_attn_func(qm, km, vm, causal=True, softmax_scale=0.125, backend=backend)
+    assert torch.equal(out_mx, want)
+    qg, kg, vg = (t.float().requires_grad_() for t in (q, k, v))
+    interface.mxfp8_attn_func(qg, kg, vg, causal=True, backend=backend).sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (qg, kg, vg))
+
+
+def test_attn_fwd_op_takes_backend(seed):
+    """The op schema carries ``backend`` with a default, so 7-argument calls still bind."""
+    from mxattn.interface import attn_fwd_op
+
+    assert 'str backend="auto"' in str(attn_fwd_op._opoverload._schema)
+    q, k, v = _inputs(1, 5, 6, 2, 1, 64, "cpu", seed)
+    a = attn_fwd_op(q, k, v, False, 0.125, "rceil", False)
+    b = attn_fwd_op(q, k, v, False, 0.125, "rceil", False, "blockscaled")
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+# ---------------------------------------------------------------- GPU
+GPU_CASES = [
+    (1, 1, 1, 2, 2, 128, False),
+    (1, 1, 1, 2, 2, 64, True),
+    (2, 113, 203, 4, 2, 128, True),
+    (2, 113, 203, 4, 4, 64, False),
+    (1, 239, 1, 4, 4, 64, True),
+    (1, 1023, 1024, 8, 2, 128, True),
+    (1, 2048, 2048, 4, 1, 64, False),
+    (1, 300, 3000, 2, 2, 128, True),
+    (1, 3000, 300, 2, 2, 128, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "x".join(map(str, c[:6])) + ("c" if c[6] else ""))
+def test_blockscaled_gpu(case, seed):
+    B, Sq, Sk, Hq, Hkv, D, causal = case
+    q, k, v = _inputs(B, Sq, Sk, Hq, Hkv, D, "cuda", seed)
+    _check_against_reference(q, k, v, causal)
+
+
+@pytest.mark.gpu
+def test_blockscaled_gpu_api_and_grad(seed):
+    """backend="blockscaled" through the public API on CUDA: matches the Hopper backend closely (same MX semantics,
+    different products), MXTensor inputs (the Triton quantizer's channel-major V view) too, and gradients flow
+    (Hopper backward)."""
+    q, k, v = _inputs(1, 500, 700, 4, 2, 128, "cuda", seed)
+    out_b, lse_b = interface.mxfp8_attn_func(q, k, v, causal=True, return_lse=True, backend="blockscaled")
+    out_h, lse_h = interface.mxfp8_attn_func(q, k, v, causal=True, return_lse=True, backend="hopper")
+    assert reference.sqnr_db(out_b.double(), out_h.double()) > 30
+    assert (lse_b - lse_h).abs().max().item() < 0.07
+    from mxattn.kernels.quantize import quantize_mxfp8_triton
+
+    qm, km = quantize_mxfp8_triton(q, "hdim"), quantize_mxfp8_triton(k, "hdim")
+    vm = quantize_mxfp8_triton(v, "seq")
+    out_mx = interface.mxfp8_attn_func(qm, km, vm, causal=True, backend="blockscaled")
+    torch.testing.assert_close(out_mx, out_b, rtol=0, atol=0)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    interface.mxfp8_attn_func(qg, kg, vg, causal=True, backend="blockscaled").float().sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (qg, kg, vg))
+
+
+def bench_blockscaled(B=2, H=16, S=4096, D=128, causal=False, iters=20):
+    """Time the block-scaled forward against attn_fwd_hopper (same inputs, kernels only: operand preparation
+    excluded) on the current CUDA device; returns {"blockscaled": TFLOP/s, "hopper": TFLOP/s}.
+    Not a test.  On Hopper expect the block-scaled kernel far slower (dot_scaled is upcast to bf16)."""
+    from mxattn.kernels.attn_fwd import attn_fwd_hopper
+    from triton.testing import do_bench
+
+    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qm, km, vm = interface.quantize_qkv(q, k, v)
+    ops = interface.hopper_operands(qm, km, vm)
+    flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
+    res = {}
+    for name, fn in (("blockscaled", lambda: attn_fwd_blockscaled(qm, km, vm, causal)),
+                     ("hopper", lambda: attn_fwd_hopper(*ops, causal=causal))):
+        ms = do_bench(fn, warmup=5, rep=iters * 10)
+        res[name] = flops / (ms * 1e-3) / 1e12
+    return res
+
+
+if __name__ == "__main__":  # python tests/test_attn_blockscaled.py  (GPU): prints the comparison
+    for c in (False, True):
+        print("causal" if c else "non-causal", bench_blockscaled(causal=c))
