@@ -261,6 +261,6 @@ def test_attention_function_refuses_unsupported(kw, exc):
 
 
 def test_import_mxattn_does_not_import_transformers():
-    code = "import sys, mxattn, mxattn.interface; assert 'transformers' not in sys.modules; print('ok')"
+    code = "import sys, mxattn, mxattn.interface, mxattn.hf; assert 'transformers' not in sys.modules; print('ok')"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
