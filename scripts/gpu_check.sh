@@ -11,6 +11,8 @@
 #   quant      quantization kernels vs device copy
 #   producers  rmsnorm_quant / linear_quant vs unfused and cuBLAS FP8
 #   varlen     jagged forward vs the dense kernel at 50 % fill
+#   graph      `mxattn bench --cuda-graph`: forward as CUDA-graph replays (no host launch overhead), S 2k/4k
+#   ring       ring attention over every GPU (torchrun, nccl): check against single-GPU mxattn, then timing
 #   sanitize   compute-sanitizer memcheck/racecheck/synccheck on tiny shapes (scripts/sanitize.sh; slow: run alone)
 # Needs no network: the machine's python3 (torch >= 2.11, triton >= 3.6). Each stage runs under a timeout
 # (MXATTN_STAGE_TIMEOUT seconds, default 420) so that one hang cannot eat the whole lease. The GPU machine has
@@ -74,6 +76,13 @@ rows = [bench_varlen(causal=c) for c in (False, True)]
 print(json.dumps(rows, indent=1))
 print(write_result('varlen_fwd', rows, sys.argv[1]))
 " "$OUT" ;;
+    graph)
+      run $PY -m mxattn bench --cuda-graph --out "$OUT" --no-plot --no-progress ${GRAPH_ARGS:---seqlens 2k,4k --head-dims 128,64} ;;
+    ring)
+      # every GPU of the machine, one rank each (NVLink multicast off); the check against single-GPU mxattn first
+      NGPU=$(nvidia-smi -L | wc -l)
+      NCCL_NVLS_ENABLE=0 run $PY -m torch.distributed.run --standalone --nproc-per-node "$NGPU" -m mxattn.distributed \
+        --check --causal --outdir "$OUT" ${RING_ARGS:---seqlen 65536 131072} ;;
     sanitize)
       MXATTN_SANITIZE_JOBS=${MXATTN_SANITIZE_JOBS:-6} run bash scripts/sanitize.sh "$OUT/sanitize" ${SANITIZE_CASES:-fwd bwd varlen} ;;
     *) echo "unknown stage $st"; status=1 ;;
