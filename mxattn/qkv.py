@@ -301,11 +301,13 @@ def bench_qkv_chain(
     outdir=None,
     what: str = "train",
     progress: bool = True,
+    tiles: Sequence = (None,),
 ) -> dict:
     """Forward time and peak memory of the MXFP8 chain ``rmsnorm_quant(row_scaled) -> qkv_proj(rotary) ->
     mxfp8_attn_func`` against the BF16 chain ``F.rms_norm -> F.linear -> rotary (nn.RotaryEmbedding's fp32 math)
     -> F.scaled_dot_product_attention`` (torch's backend choice, ``enable_gqa`` for GQA), one row per
-    ``kv_heads`` entry (default: MHA 16/16 and GQA 16/4), bf16 x (B, S, dim), head dim dim / n_heads.
+    ``kv_heads`` entry and ``tiles`` entry (``kernels.qkv_proj.QKVTile``; None = the default), bf16 x (B, S, dim),
+    head dim dim / n_heads (defaults: MHA 16/16 and GQA 16/4 at B2 S4096 dim 2048, D = 128).
 
     Methods: ``mxattn`` (the projection weight pre-quantized once, as a deployed model would keep it),
     ``mxattn_bf16_weight`` (bf16 weight quantized inside every call), ``bf16``.  Times: median ms
@@ -320,6 +322,7 @@ def bench_qkv_chain(
     import torch.nn.functional as F
     import triton.testing
 
+    import mxattn.kernels.qkv_proj as kqp
     from mxattn.interface import mxfp8_attn_func
     from mxattn.kernels.linear_quant import row_scaled_rows
 
@@ -366,19 +369,29 @@ def bench_qkv_chain(
                                                is_causal=causal, enable_gqa=Hkv != n_heads)
             return o.transpose(1, 2)
 
-        with torch.no_grad():
-            methods = {"mxattn": mx, "mxattn_bf16_weight": lambda: mx(W), "bf16": bf}
-            t = {name: ms(fn) for name, fn in methods.items()}
-            mem = {name: peak_mib(fn) for name, fn in methods.items()}
         flop = 2.0 * B * S * dim * N + 4.0 * B * n_heads * S * S * D * (0.5 if causal else 1.0)
-        row = {"B": B, "S": S, "dim": dim, "Hq": n_heads, "Hkv": Hkv, "D": D, "causal": causal,
-               "ms": t, "peak_mib": mem, "tflops": {k: flop / v / 1e9 for k, v in t.items()},
-               "speedup_vs_bf16": t["bf16"] / t["mxattn"], "peak_mem_ratio_vs_bf16": mem["mxattn"] / mem["bf16"]}
-        rows.append(row)
-        if progress:
-            print(f"  qkv chain B{B} S{S} dim{dim} H{n_heads}/{Hkv} D{D} causal={causal}: "
-                  + ", ".join(f"{k} {v:.3f} ms / {mem[k]:.0f} MiB" for k, v in t.items())
-                  + f"; speedup {row['speedup_vs_bf16']:.2f}x", flush=True)
+        with torch.no_grad():
+            base_ms, base_mem = ms(bf), peak_mib(bf)
+            for tile in tiles:
+                saved = kqp.TILE_OVERRIDE
+                kqp.TILE_OVERRIDE = tile
+                try:
+                    methods = {"mxattn": mx, "mxattn_bf16_weight": lambda: mx(W)}
+                    t = {name: ms(fn) for name, fn in methods.items()}
+                    mem = {name: peak_mib(fn) for name, fn in methods.items()}
+                finally:
+                    kqp.TILE_OVERRIDE = saved
+                t["bf16"], mem["bf16"] = base_ms, base_mem
+                row = {"B": B, "S": S, "dim": dim, "Hq": n_heads, "Hkv": Hkv, "D": D, "causal": causal,
+                       "tile": None if tile is None else vars(tile),
+                       "ms": t, "peak_mib": mem, "tflops": {k: flop / v / 1e9 for k, v in t.items()},
+                       "speedup_vs_bf16": t["bf16"] / t["mxattn"],
+                       "peak_mem_ratio_vs_bf16": mem["mxattn"] / mem["bf16"]}
+                rows.append(row)
+                if progress:
+                    print(f"  qkv chain B{B} S{S} dim{dim} H{n_heads}/{Hkv} D{D} causal={causal} tile={tile}: "
+                          + ", ".join(f"{k} {v:.3f} ms / {mem[k]:.0f} MiB" for k, v in t.items())
+                          + f"; speedup {row['speedup_vs_bf16']:.2f}x", flush=True)
         torch.cuda.empty_cache()
     out = {"rows": rows}
     if outdir is not None:

@@ -61,12 +61,13 @@ TILE_OVERRIDE: Optional[QKVTile] = None
 
 
 def qkv_tile(D: int) -> QKVTile:
-    """Predicted tiles (not swept): D = 128 is linear_quant's 128 x 128 x 128 / 8 warps / 4 stages shape; D = 64
-    halves the accumulator, so 4 warps carry it."""
+    """Predicted tiles (not swept on a GPU; compiled for sm_90a on the CPU with triton 3.9, ptxas -v):
+    128 x D x 128, 8 warps, 4 stages for D = 64 and 128 (wgmma m64n32 / m64n64 per half).  Registers: D = 64
+    153 (rotary) / 99, D = 128 255 with ~300 B of epilogue spill (rotary) / 171 without.  The spill-free
+    alternative for D = 128 with rotary, ``QKVTile(block_m=64)`` (152 registers, but m64n32 wgmma and twice the W
+    traffic per token), is for ``bench_qkv_chain(tiles=...)`` to decide."""
     if TILE_OVERRIDE is not None:
         return TILE_OVERRIDE
-    if D <= 64:
-        return QKVTile(num_warps=4)
     return QKVTile()
 
 
