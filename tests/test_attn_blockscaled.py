@@ -135,6 +135,36 @@ def test_blockscaled_rejects_bad_operands(seed):
         attn_fwd_blockscaled(qm, km, vm, False, config=FwdConfig(64, 48, 4, 1))
 
 
+# ---------------------------------------------------------------- ahead-of-time compilation (no GPU needed)
+_AOT = r"""
+import re, sys
+from mxattn.kernels.attn_fwd_blockscaled import compile_for
+for cap, d, causal in ((100, 128, False), (100, 64, True), (90, 128, True)):
+    ptx = compile_for(cap, d, causal).asm["ptx"]
+    print(cap, sorted(set(re.findall(r"(tcgen05\.mma\S*|wgmma\.mma_async\S*)", ptx))))
+"""
+
+
+def test_blockscaled_compiles_for_sm100_and_sm90():
+    """The installed Triton compiles the kernel for sm_100 to the native block-scaled MMA (tcgen05 mxf8f6f4
+    block_scale) and for sm_90 to bf16 wgmma (the upcast).  Runs in a subprocess without TRITON_INTERPRET; needs
+    only Triton's bundled ptxas, no GPU."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if r.returncode != 0 and ("ptxas" in r.stderr.lower() and "not found" in r.stderr.lower()):
+        pytest.skip("no ptxas in this Triton install")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln[:3] in ("100", "90 ")]
+    assert len(lines) == 3, r.stdout
+    for ln in lines[:2]:
+        assert "tcgen05.mma" in ln and "kind::mxf8f6f4.block_scale" in ln, ln
+    assert "wgmma.mma_async" in lines[2] and ".bf16.bf16" in lines[2], lines[2]
+
+
 # ---------------------------------------------------------------- the 128x4 scale layout
 
 

@@ -61,6 +61,22 @@ _P_SCALE_BYTE = tl.constexpr(P_SCALE_BYTE)
 _NEUTRAL_SCALE = tl.constexpr(127)  # E8M0 byte of 2^0: what masked-off scale loads read
 
 
+def _triton_version() -> tuple[int, int]:
+    try:
+        major, minor = triton.__version__.split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return (0, 0)
+
+
+# Triton 3.6 fails to compile S = Q Kᵀ for sm_100 when dot_scaled gets the implicit zero accumulator
+# ("'ttng.tmem_alloc' op uninitialized alloc must have a mutable memdesc type" in TritonGPUOptimizeAccumulatorInit);
+# an accumulator of zeros the compiler cannot fold (zeros * a runtime scalar, made once per program) avoids that pass
+# and compiles to the same tcgen05 block-scaled MMA (checked by compiling for sm_100 without a GPU; cost, one TMEM
+# store of the zeros per tile, not measured).  Triton 3.9 compiles the plain form, so the workaround applies below 3.9.
+_QK_ZERO_ACC = _triton_version() < (3, 9)
+
+
 def default_config(head_dim: int, causal: bool) -> FwdConfig:
     """Untuned: 128 query rows (the tcgen05 MMA's M) by 64 keys, 8 warps.  Not measured on any GPU yet."""
     return FwdConfig(128, 64, 8, 2)
@@ -68,10 +84,10 @@ def default_config(head_dim: int, causal: bool) -> FwdConfig:
 
 @triton.jit
 def _bs_tile(
-    acc, l_i, m_i, q, q_sc, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs, offs_m, offs_n_base, offs_b_base, start_n,
+    acc, l_i, m_i, qk_zero, q, q_sc, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs, offs_m, offs_n_base, offs_b_base, start_n,
     Sk, NSB, causal_off, qk_scale, stride_kn, stride_ksn, stride_vn, stride_vsb,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    EXPLICIT_ROUND: tl.constexpr,
+    EXPLICIT_ROUND: tl.constexpr, QK_ZERO_ACC: tl.constexpr,
 ):
     """One K/V tile of the online softmax.  ``MASKED`` tiles check key bounds (data and scales) and the diagonal."""
     offs_n = start_n + offs_n_base
@@ -86,7 +102,11 @@ def _bs_tile(
         k_sc = tl.load(ks_ptrs + start_n * stride_ksn)
         vt = tl.load(v_ptrs + start_n * stride_vn)
         v_sc = tl.load(vs_ptrs + (start_n // 32) * stride_vsb)
-    qk = tl.dot_scaled(q, q_sc, "e4m3", kt, k_sc, "e4m3")  # (BM, BN) fp32, MX scales applied per 32 of D
+    # (BM, BN) fp32, MX scales applied per 32 of D
+    if QK_ZERO_ACC:  # triton < 3.9 on sm_100: a non-constant zero accumulator (see _QK_ZERO_ACC)
+        qk = tl.dot_scaled(q, q_sc, "e4m3", kt, k_sc, "e4m3", qk_zero)
+    else:
+        qk = tl.dot_scaled(q, q_sc, "e4m3", kt, k_sc, "e4m3")
     s = qk * qk_scale  # log2 units
     if MASKED:
         keep = offs_n[None, :] < Sk
@@ -121,7 +141,7 @@ def _attn_fwd_blockscaled_kernel(
     stride_lb, stride_lh, stride_lm,
     Hq, Sq, Sk, NSB, group_size, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    EXPLICIT_ROUND: tl.constexpr,
+    EXPLICIT_ROUND: tl.constexpr, QK_ZERO_ACC: tl.constexpr,
 ):
     # heaviest query blocks first when causal (they see the most keys)
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
@@ -155,6 +175,7 @@ def _attn_fwd_blockscaled_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    qk_zero = tl.zeros([BLOCK_M, BLOCK_N], tl.float32) * qk_scale  # zeros the compiler cannot fold (QK_ZERO_ACC)
 
     causal_off = Sk - Sq
     if CAUSAL:
@@ -165,15 +186,15 @@ def _attn_fwd_blockscaled_kernel(
         full_end = (Sk // BLOCK_N) * BLOCK_N
     for start_n in range(0, full_end, BLOCK_N):
         acc, l_i, m_i = _bs_tile(
-            acc, l_i, m_i, q, q_sc, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs, offs_m, offs_n, offs_nblk, start_n,
+            acc, l_i, m_i, qk_zero, q, q_sc, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs, offs_m, offs_n, offs_nblk, start_n,
             Sk, NSB, causal_off, qk_scale, stride_kn, stride_ksn, stride_vn, stride_vsblk,
-            BLOCK_M, BLOCK_N, False, CAUSAL, EXPLICIT_ROUND,
+            BLOCK_M, BLOCK_N, False, CAUSAL, EXPLICIT_ROUND, QK_ZERO_ACC,
         )
     for start_n in range(full_end, hi, BLOCK_N):
         acc, l_i, m_i = _bs_tile(
-            acc, l_i, m_i, q, q_sc, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs, offs_m, offs_n, offs_nblk, start_n,
+            acc, l_i, m_i, qk_zero, q, q_sc, k_ptrs, ks_ptrs, v_ptrs, vs_ptrs, offs_m, offs_n, offs_nblk, start_n,
             Sk, NSB, causal_off, qk_scale, stride_kn, stride_ksn, stride_vn, stride_vsblk,
-            BLOCK_M, BLOCK_N, True, CAUSAL, EXPLICIT_ROUND,
+            BLOCK_M, BLOCK_N, True, CAUSAL, EXPLICIT_ROUND, QK_ZERO_ACC,
         )
 
     empty = l_i == 0.0
@@ -237,6 +258,7 @@ def attn_fwd_blockscaled(qm: MXTensor, km: MXTensor, vm: MXTensor, causal: bool 
         *out.stride(), *lse.stride(),
         Hq, Sq, Sk, NSB, Hq // Hkv, softmax_scale * LOG2E,
         HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=bool(causal), EXPLICIT_ROUND=interp,
+        QK_ZERO_ACC=_QK_ZERO_ACC,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
@@ -286,3 +308,30 @@ def from_blackwell_scale_layout(tiled: torch.Tensor, rows: int, cols: int) -> to
     plain = t.reshape(rt, ct, 32, 4, _ATOM_COLS).permute(0, 3, 2, 1, 4).reshape(rt * _ATOM_ROWS, ct * _ATOM_COLS)
     plain = plain[:rows, :cols].contiguous()
     return plain.view(dtype) if dtype != torch.uint8 else plain
+
+
+# ----------------------------------------------------------------------------------------------
+# Ahead-of-time compilation (no GPU needed): what the kernel lowers to on a given architecture
+# ----------------------------------------------------------------------------------------------
+
+
+def compile_for(capability: int, head_dim: int = 128, causal: bool = False, config: FwdConfig | None = None,
+                out_dtype: str = "bf16"):
+    """Compile the kernel for ``GPUTarget("cuda", capability, 32)`` without launching it (needs no GPU, only
+    Triton's bundled ptxas; not under TRITON_INTERPRET=1).  Returns the ``CompiledKernel``: ``.asm["ttgir"]``,
+    ``.asm["ptx"]``.  On 100 the PTX holds ``tcgen05.mma ... kind::mxf8f6f4.block_scale`` (native MX products);
+    on 90 bf16 ``wgmma`` (dot_scaled upcast)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cfg = config or default_config(head_dim, causal)
+    kern = _attn_fwd_blockscaled_kernel
+    ptrs = {"Q": "*fp8e4nv", "QS": "*u8", "K": "*fp8e4nv", "KS": "*u8", "V": "*fp8e4nv", "VS": "*u8",
+            "O": f"*{out_dtype}", "LSE": "*fp32"}
+    const = dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=bool(causal),
+                 EXPLICIT_ROUND=False, QK_ZERO_ACC=_QK_ZERO_ACC)
+    names = kern.arg_names
+    sig = {n: ptrs.get(n, "constexpr" if n in const else "fp32" if n == "qk_scale" else "i32") for n in names}
+    src = ASTSource(fn=kern, signature=sig, constexprs={(names.index(n),): v for n, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
