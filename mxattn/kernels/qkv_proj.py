@@ -26,6 +26,10 @@ then quantized by ``rmsnorm_quant._emit_mx`` on its own: hdim blocks (32 channel
 because D/2 is a multiple of 32, and seq blocks are per channel.  The cost of the split: the x tile in shared
 memory is read by two wgmma (n = D/2 each) instead of one (n = D).
 
+The epilogue is compiled without FMA contraction (``enable_fp_fusion=False``): exponent fold, bias and rotary
+round each operation like the reference, so when the accumulation is exact (products that sum exactly in fp32
+in any order) the bytes equal ``qkv_proj_reference``'s; otherwise only the accumulation order differs.
+
 Launcher: ``qkv_proj_fwd(xr, wr, bias, cos, sin, B, S, Hq, Hkv, D, rceil)``; checks are done by
 ``mxattn.qkv``.
 """
@@ -247,5 +251,6 @@ def qkv_proj_fwd(
         EVEN_K=K % tile.block_k == 0, PRECISE=tile.precise_acc, HAS_BIAS=bias is not None, HAS_ROT=has_rot,
         RCEIL=rceil, SOFT=_soft(dev),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
+        enable_fp_fusion=False,  # the epilogue rounds each product and sum as the reference does (no FMA)
     )
     return out
