@@ -504,13 +504,15 @@ def _varlen_mx_values(q, k, v, cu_k, scale_mode: str):
 
 
 class _MXFP8VarlenAttention(torch.autograd.Function):
-    """Forward and backward of jagged MXFP8 attention.  Forward: the Hopper kernel on CUDA, the reference on CPU.
-    Backward: the reference (FP8 emulation of P, dS, dO in fp32) on the inputs' device: exact semantics of the FP8
-    backward, but slow on the GPU (a loop over sequences and heads in PyTorch) until a varlen backward kernel exists."""
+    """Forward and backward of jagged MXFP8 attention.  CUDA: the Hopper kernels (forward ``attn_fwd_hopper_varlen``,
+    backward ``attn_bwd_hopper_varlen``: the dense FP8 kernels with ``VARLEN=True``, operands re-quantized from the
+    saved q, k, v as the dense backward does; dQ by fp32 atomics, or by the deterministic kernel when
+    ``torch.are_deterministic_algorithms_enabled()``).  CPU: the reference (FP8 emulation of P, dS, dO in fp32)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, scale_mode):
         ctx.causal, ctx.scale, ctx.scale_mode = causal, scale, scale_mode
+        ctx.max_q, ctx.max_k = max_q, max_k
         if q.device.type == "cuda":
             from mxattn.kernels.attn_fwd import attn_fwd_hopper_varlen
             from mxattn.kernels.varlen import varlen_operands
@@ -525,17 +527,27 @@ class _MXFP8VarlenAttention(torch.autograd.Function):
                 cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, quantize_p=True, dtype=torch.float32,
             )
             out, lse = out.to(q.dtype), lse.to(torch.float32)
-        ctx.save_for_backward(q, k, v, cu_q, cu_k, out)
+        ctx.save_for_backward(q, k, v, cu_q, cu_k, out, lse)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
+        mode = ctx.scale_mode
+        if q.device.type == "cuda":
+            from mxattn.kernels.attn_bwd import attn_bwd_hopper_varlen
+            from mxattn.kernels.varlen import varlen_bwd_operands
+
+            ops = varlen_bwd_operands(q, k, v, cu_q, cu_k, ctx.max_q, ctx.max_k, mode)
+            dq, dk, dv = attn_bwd_hopper_varlen(
+                *ops, out, dout.contiguous(), lse, causal=ctx.causal, softmax_scale=ctx.scale,
+                deterministic=torch.are_deterministic_algorithms_enabled(), grad_dtype=q.dtype,
+            )
+            return dq, dk, dv, None, None, None, None, None, None, None
         from mxattn import reference
         from mxattn.kernels.varlen import seq_mx_dequantized
 
-        q, k, v, cu_q, cu_k, out = ctx.saved_tensors
-        mode = ctx.scale_mode
         qm, km, vd = _varlen_mx_values(q, k, v, cu_k, mode)
         dq, dk, dv = reference.attention_backward(
             qm, km, vd, out, dout, causal=ctx.causal, softmax_scale=ctx.scale,

@@ -53,7 +53,7 @@ from mxattn.kernels.quantize import _round_to_e4m3_grid, row_scaled_triton
 
 __all__ = [
     "BwdConfig", "default_config", "DO_EXP_GROUP", "Q_EXP_GROUP", "attn_bwd_hopper", "attn_bwd_preprocess",
-    "bench_attn_bwd",
+    "attn_bwd_hopper_varlen", "attn_bwd_preprocess_varlen", "bench_attn_bwd",
 ]
 
 LOG2E = 1.4426950408889634
@@ -171,15 +171,34 @@ def _delta_kernel(
     s_ob, s_os, s_oh, s_od,
     s_lb, s_lh, s_ls,
     Sq, Hq, n_rows,
-    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, DO_GROUP: tl.constexpr,
+    CU_Q, CU_DOE,  # varlen: (B + 1) int32 offsets of the q rows and of dO's exponent rows
+    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, DO_GROUP: tl.constexpr, VARLEN: tl.constexpr = False,
 ):
     """One program per BLOCK_R rows of the flattened (B, Sq, Hq): delta = 2^e * sum_d dO8 * O (fp32), e the
-    exponent of the row's group of DO_GROUP rows."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    ok = r < n_rows
-    h = r % Hq
-    s = (r // Hq) % Sq
-    b = (r // (Hq * Sq)).to(tl.int64)
+    exponent of the row's group of DO_GROUP rows.  VARLEN: one program per BLOCK_R rows of one sequence's
+    flattened (len_q, Hq) (``Sq`` = max_seqlen_q, ``n_rows`` = cdiv(Sq * Hq, BLOCK_R) programs per sequence)."""
+    if VARLEN:
+        b = tl.program_id(0) // n_rows
+        q_start = tl.load(CU_Q + b)
+        len_q = tl.load(CU_Q + b + 1) - q_start
+        r = (tl.program_id(0) % n_rows) * BLOCK_R + tl.arange(0, BLOCK_R)
+        if (tl.program_id(0) % n_rows) * BLOCK_R >= len_q * Hq:
+            return
+        ok = r < len_q * Hq
+        h = (r % Hq).to(tl.int64)
+        s = r // Hq
+        q_start = q_start.to(tl.int64)
+        DO += q_start * s_dos
+        O += q_start * s_os
+        DELTA += q_start * s_ls
+        DOE += tl.load(CU_DOE + b).to(tl.int64) * s_des
+        b = 0
+    else:
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        ok = r < n_rows
+        h = r % Hq
+        s = (r // Hq) % Sq
+        b = (r // (Hq * Sq)).to(tl.int64)
     d = tl.arange(0, HEAD_DIM)
     do = tl.load(DO + (b * s_dob + s * s_dos + h * s_doh)[:, None] + d[None, :] * s_dod, mask=ok[:, None], other=0.0)
     o = tl.load(O + (b * s_ob + s * s_os + h * s_oh)[:, None] + d[None, :] * s_od, mask=ok[:, None], other=0.0)
@@ -291,17 +310,61 @@ def _bwd_dkdv_kernel(
     s_dkb, s_dkn, s_dkh, s_dkd,
     s_dvb, s_dvn, s_dvh, s_dvd,
     Hkv, Sq, Sk, group_size, qk_scale, grad_scale, lim_qs, lim_dos,
+    CU_Q, CU_K, CU_QE, CU_DOE, CU_KG, CU_QV, CU_KV,  # varlen offsets (attn_bwd_hopper_varlen); None when dense
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DS_TILE_SCALE: tl.constexpr, Q_GROUP: tl.constexpr, DO_GROUP: tl.constexpr,
-    EXPLICIT_ROUND: tl.constexpr,
+    EXPLICIT_ROUND: tl.constexpr, VARLEN: tl.constexpr = False,
 ):
     # program order: kv tiles fastest within one (b, kv head), so the heaviest causal tiles (first keys) start
     # first and neighbouring programs stream the same query-side tiles through L2
-    start_n = tl.program_id(0) * BLOCK_N
-    pid_bh = tl.program_id(1)
+    if VARLEN:  # 1-D grid: cdiv(max_seqlen_k, BLOCK_N) kv tiles (fastest) x B x Hkv
+        n_n = tl.cdiv(Sk, BLOCK_N)
+        start_n = (tl.program_id(0) % n_n) * BLOCK_N
+        pid_bh = tl.program_id(0) // n_n
+    else:
+        start_n = tl.program_id(0) * BLOCK_N
+        pid_bh = tl.program_id(1)
     b = pid_bh // Hkv
     hk = pid_bh % Hkv
     b64 = b.to(tl.int64)
+    if VARLEN:
+        # sequence b: keys CU_K[b]:CU_K[b+1] and queries CU_Q[b]:CU_Q[b+1] of the packed tensors; exponent rows of
+        # the grouped hdim operands from CU_QE (q), CU_DOE (dO), CU_KG (k, v_hdim); columns of the channel-major
+        # seq operands from CU_QV (q_seq, dO_seq) and CU_KV (k_seq), per-channel exponents row b.  The base
+        # pointers move to the sequence, after which the code is the dense code with batch 0.
+        k_start = tl.load(CU_K + b)
+        Sk = tl.load(CU_K + b + 1) - k_start
+        if start_n >= Sk:
+            return
+        q_start = tl.load(CU_Q + b)
+        Sq = tl.load(CU_Q + b + 1) - q_start
+        q_start = q_start.to(tl.int64)
+        k_start = k_start.to(tl.int64)
+        Q += q_start * s_qm
+        DOH += q_start * s_dom
+        DQ += q_start * s_dqm
+        LSE += q_start * s_lm
+        DELTA += q_start * s_lm
+        QE += tl.load(CU_QE + b).to(tl.int64) * s_qem
+        DOE += tl.load(CU_DOE + b).to(tl.int64) * s_dem
+        K += k_start * s_kn
+        VH += k_start * s_vn
+        DK += k_start * s_dkn
+        DV += k_start * s_dvn
+        kg = tl.load(CU_KG + b).to(tl.int64)
+        KE += kg * s_ket
+        VE += kg * s_vet
+        qv = tl.multiple_of(tl.load(CU_QV + b), 16).to(tl.int64)
+        QS += qv * s_qsm
+        DOS += qv * s_dsm
+        KS += tl.multiple_of(tl.load(CU_KV + b), 16).to(tl.int64) * s_ksn
+        QSE += b64 * s_qseb
+        DOSE += b64 * s_dseb
+        KSE += b64 * s_kseb
+        b64 = 0
+        hk = hk.to(tl.int64)  # head offsets of the channel-major operands and of lse grow with the whole batch
+        lim_qs = (Sq + 15) // 16 * 16  # seq columns of a sequence are zero-padded to 16 (kernels/varlen.py)
+        lim_dos = lim_qs
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     on64 = offs_n.to(tl.int64)
@@ -455,17 +518,50 @@ def _bwd_dq_kernel(
     s_lb, s_lh, s_lm,
     s_dqb, s_dqm, s_dqh, s_dqd,
     Hq, Sq, Sk, group_size, qk_scale, grad_scale, lim_ks,
+    CU_Q, CU_K, CU_QE, CU_DOE, CU_KG, CU_KV,  # varlen offsets (attn_bwd_hopper_varlen); None when dense
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    Q_GROUP: tl.constexpr, DO_GROUP: tl.constexpr, EXPLICIT_ROUND: tl.constexpr,
+    Q_GROUP: tl.constexpr, DO_GROUP: tl.constexpr, EXPLICIT_ROUND: tl.constexpr, VARLEN: tl.constexpr = False,
 ):
     # heaviest causal query tiles (the last ones) first
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    if VARLEN:  # 1-D grid: cdiv(max_seqlen_q, BLOCK_M) q tiles (fastest) x B x Hq
+        n_m = tl.cdiv(Sq, BLOCK_M)
+        pid_m = n_m - 1 - tl.program_id(0) % n_m if CAUSAL else tl.program_id(0) % n_m
+        pid_bh = tl.program_id(0) // n_m
+    else:
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
+        pid_bh = tl.program_id(1)
     b = pid_bh // Hq
     h = pid_bh % Hq
     hk = h // group_size
     b64 = b.to(tl.int64)
     start_m = pid_m * BLOCK_M
+    if VARLEN:  # sequence b's offsets, as in _bwd_dkdv_kernel
+        q_start = tl.load(CU_Q + b)
+        Sq = tl.load(CU_Q + b + 1) - q_start
+        if start_m >= Sq:
+            return
+        k_start = tl.load(CU_K + b)
+        Sk = tl.load(CU_K + b + 1) - k_start
+        q_start = q_start.to(tl.int64)
+        k_start = k_start.to(tl.int64)
+        Q += q_start * s_qm
+        DOH += q_start * s_dom
+        DQ += q_start * s_dqm
+        LSE += q_start * s_lm
+        DELTA += q_start * s_lm
+        QE += tl.load(CU_QE + b).to(tl.int64) * s_qem
+        DOE += tl.load(CU_DOE + b).to(tl.int64) * s_dem
+        K += k_start * s_kn
+        VH += k_start * s_vn
+        kg = tl.load(CU_KG + b).to(tl.int64)
+        KE += kg * s_ket
+        VE += kg * s_vet
+        KS += tl.multiple_of(tl.load(CU_KV + b), 16).to(tl.int64) * s_ksn
+        KSE += b64 * s_kseb
+        b64 = 0
+        h = h.to(tl.int64)
+        hk = hk.to(tl.int64)
+        lim_ks = (Sk + 15) // 16 * 16
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     om64 = offs_m.to(tl.int64)
@@ -573,7 +669,7 @@ def attn_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, dout_hdim: Option
         dd, de = dout_hdim.data, dout_hdim.exp
         _delta_kernel[(triton.cdiv(n_rows, block_r),)](
             dd, de, out, delta, *dd.stride(), de.stride(0), de.stride(1), de.stride(2), *out.stride(),
-            *delta.stride(), Sq, Hq, n_rows, HEAD_DIM=D, BLOCK_R=block_r, DO_GROUP=g, num_warps=4,
+            *delta.stride(), Sq, Hq, n_rows, None, None, HEAD_DIM=D, BLOCK_R=block_r, DO_GROUP=g, num_warps=4,
         )
     return dout_hdim, dout_seq, delta
 
@@ -707,6 +803,7 @@ def attn_bwd_hopper(
         *dhd.stride(), *row_e(dhe), *dsd.stride(), *chan_e(dse),
         *lse.stride(), *dq_acc.stride(), *dk.stride(), *dv.stride(),
         Hkv, Sq, Sk, group, qk_scale, grad_scale, _seq_load_bound(qsd), _seq_load_bound(dsd),
+        None, None, None, None, None, None, None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ATOMIC_DQ=not deterministic, DS_TILE_SCALE=cfg.ds_tile_scale,
         **common, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -715,7 +812,194 @@ def attn_bwd_hopper(
             qd, qe, kd, ke, vd, ve, ksd, kse, dhd, dhe, lse, delta, dq,
             *qd.stride(), *row_e(qe), *kd.stride(), *row_e(ke), *vd.stride(), *row_e(ve),
             *ksd.stride(), *chan_e(kse), *dhd.stride(), *row_e(dhe), *lse.stride(), *dq.stride(),
-            Hq, Sq, Sk, group, qk_scale, grad_scale, _seq_load_bound(ksd),
+            Hq, Sq, Sk, group, qk_scale, grad_scale, _seq_load_bound(ksd), None, None, None, None, None, None,
+            BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, **common,
+            num_warps=cfg.dq_num_warps, num_stages=cfg.dq_num_stages,
+        )
+    else:
+        dq = dq_acc.to(grad_dtype)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------
+# Jagged (varlen) batches: the same kernels with VARLEN=True
+# ----------------------------------------------------------------------------------------------
+
+
+def _varlen_row_group(t, name: str) -> int:
+    """Rows per exponent of a varlen hdim operand (``kernels.varlen.VarlenFP8``): 1 for the Q layout (role "q"),
+    128 for the K layout (role "k": groups of 128 rows from each sequence's start)."""
+    from mxattn.kernels.varlen import K_GROUP, VarlenFP8
+
+    if not isinstance(t, VarlenFP8):
+        raise TypeError(f"{name} must be a VarlenFP8, got {type(t).__name__}")
+    if t.role not in ("q", "k"):
+        raise ValueError(f"{name}: role {t.role!r}, expected an hdim operand (role 'q' or 'k')")
+    T, H, D = t.data.shape
+    if t.role == "q":
+        if tuple(t.exp.shape) != (T, H, 1):
+            raise ValueError(f"{name}: exp {tuple(t.exp.shape)}, expected {(T, H, 1)}")
+        return 1
+    if t.exp.ndim != 3 or tuple(t.exp.shape[1:]) != (H, 1) or t.cu_exp is None:
+        raise ValueError(f"{name}: exp {tuple(t.exp.shape)}, expected (G, {H}, 1) with group offsets cu_exp")
+    return K_GROUP
+
+
+def _check_varlen_seq(t, name: str, H: int, D: int, B: int) -> None:
+    from mxattn.kernels.varlen import VarlenFP8
+
+    if not isinstance(t, VarlenFP8):
+        raise TypeError(f"{name} must be a VarlenFP8, got {type(t).__name__}")
+    if t.role != "v" or t.data.ndim != 3 or tuple(t.data.shape[:2]) != (H, D) or t.data.stride(2) != 1:
+        raise ValueError(f"{name}: needs the V layout (role 'v', channel-major data ({H}, {D}, Tv)), got role "
+                         f"{t.role!r}, data {tuple(t.data.shape)}")
+    if tuple(t.exp.shape) != (B, H, D):
+        raise ValueError(f"{name}: exp {tuple(t.exp.shape)}, expected {(B, H, D)}")
+
+
+def attn_bwd_preprocess_varlen(out: torch.Tensor, dout: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
+                               dout_hdim=None, dout_seq=None):
+    """``attn_bwd_preprocess`` for a jagged batch: dO (Tq, Hq, D) in both orientations as ``VarlenFP8`` (hdim in
+    the K layout: one exponent per 128 rows from each sequence's start, ``varlen_k_operand``; seq in the V layout,
+    ``varlen_v_operand``) and ``delta`` (Hq, Tq) fp32, contiguous like the forward's lse.
+    Returns (dout_hdim, dout_seq, delta)."""
+    from mxattn.kernels.varlen import varlen_k_operand, varlen_v_operand
+
+    if dout_hdim is None:
+        dout_hdim = varlen_k_operand(dout, cu_seqlens_q, max_seqlen_q)
+    if dout_seq is None:
+        dout_seq = varlen_v_operand(dout, cu_seqlens_q, max_seqlen_q)
+    g = _varlen_row_group(dout_hdim, "dout_hdim")
+    Tq, Hq, D = out.shape
+    B = cu_seqlens_q.numel() - 1
+    delta = torch.empty(Hq, Tq, dtype=torch.float32, device=out.device)
+    block_r = max(1, min(128, 8192 // D))
+    n_c = triton.cdiv(max_seqlen_q * Hq, block_r)
+    if Tq * Hq and B * n_c:
+        dd, de = dout_hdim.data, dout_hdim.exp
+        _delta_kernel[(B * n_c,)](
+            dd, de, out, delta, 0, *dd.stride(), 0, de.stride(0), de.stride(1), 0, *out.stride(),
+            0, *delta.stride(), max_seqlen_q, Hq, n_c, cu_seqlens_q, dout_hdim.cu_exp,
+            HEAD_DIM=D, BLOCK_R=block_r, DO_GROUP=g, VARLEN=True, num_warps=4,
+        )
+    return dout_hdim, dout_seq, delta
+
+
+def attn_bwd_hopper_varlen(
+    q, k, v_hdim, q_seq, k_seq, out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    deterministic: bool = False,
+    grad_dtype: torch.dtype = torch.bfloat16,
+    dout_hdim=None,
+    dout_seq=None,
+    config: Optional[BwdConfig] = None,
+):
+    """Gradients (dq, dk, dv) of jagged MXFP8 attention (``attn_fwd.attn_fwd_hopper_varlen``'s) on
+    ``kernels.varlen.VarlenFP8`` operands: the dense kernels with ``VARLEN=True`` (each program finds its sequence
+    from the offsets, moves its base pointers there and exits when its tile is past the sequence's end).
+
+    q:      Q along the head dim, data (Tq, Hq, D).  Fast: the K layout over cu_seqlens_q (one exponent per 128
+            rows from each sequence's start): ``varlen_k_operand(q, cu_seqlens_q, max_seqlen_q)``; the forward's Q
+            layout (``varlen_q_operand``, per row) works too, slower.
+    k:      the forward's K operand (``varlen_k_operand(k, cu_seqlens_k, max_seqlen_k)``).
+    v_hdim: V along the head dim, K layout: ``varlen_k_operand(v, cu_seqlens_k, max_seqlen_k)`` (k's group
+            offsets ``k.cu_exp`` are used for it).
+    q_seq:  Q along the sequence, V layout over cu_seqlens_q (``varlen_v_operand(q, cu_seqlens_q, max_seqlen_q)``:
+            channel-major (Hq, D, Tqv), 16-aligned sequence starts, zero tails, exp (B, Hq, D)).
+    k_seq:  K along the sequence, V layout over cu_seqlens_k.
+    out, dout: (Tq, Hq, D); lse: (Hq, Tq) float32 (the varlen forward's).  dO is quantized here
+            (``attn_bwd_preprocess_varlen``) unless ``dout_hdim`` (K or Q layout over cu_seqlens_q) and ``dout_seq``
+            (V layout with q_seq's column offsets) are given.
+    All operands' ``cu_seqlens`` are the same two offset arrays; ``max_seqlen`` at least the longest sequence
+    (they size the grids).  ``varlen.varlen_bwd_operands`` makes q, k, v_hdim, q_seq, k_seq in one call.
+    Causal masks are bottom-right per sequence; rows that see no key get dq = 0, keys that no query sees dk = dv = 0.
+    Returns dq (Tq, Hq, D), dk, dv (Tk, Hkv, D) in ``grad_dtype``, contiguous.  Every sequence's gradients are
+    those of ``attn_bwd_hopper`` on that sequence alone (same tiles, same arithmetic).
+    """
+    Tq, Hq, D = q.data.shape
+    Tk, Hkv = k.data.shape[0], k.data.shape[1]
+    cfg = config or default_config(D, causal)
+    qg = _varlen_row_group(q, "q")
+    if _varlen_row_group(k, "k") == 1 or _varlen_row_group(v_hdim, "v_hdim") == 1:
+        raise ValueError(f"k and v_hdim need the K layout (one exponent per {EXP_GROUP} keys, role 'k')")
+    B = q.cu_seqlens.numel() - 1
+    if k.cu_seqlens.numel() - 1 != B:
+        raise ValueError(f"q has {B} sequences, k has {k.cu_seqlens.numel() - 1}")
+    for name, t, want in (("k", k, (Tk, Hkv, D)), ("v_hdim", v_hdim, (Tk, Hkv, D))):
+        if tuple(t.data.shape) != want:
+            raise ValueError(f"{name}: data {tuple(t.data.shape)}, expected {want}")
+    _check_varlen_seq(q_seq, "q_seq", Hq, D, B)
+    _check_varlen_seq(k_seq, "k_seq", Hkv, D, B)
+    if tuple(out.shape) != (Tq, Hq, D) or tuple(dout.shape) != (Tq, Hq, D):
+        raise ValueError(f"out {tuple(out.shape)} and dout {tuple(dout.shape)} must be {(Tq, Hq, D)}")
+    if tuple(lse.shape) != (Hq, Tq) or lse.dtype != torch.float32:
+        raise ValueError(f"lse must be float32 {(Hq, Tq)}, got {lse.dtype} {tuple(lse.shape)}")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
+    if D not in (16, 32, 64, 128, 256):
+        raise ValueError(f"head dim {D} must be a power of two in [16, 256]")
+    for bn in (cfg.block_n, cfg.dq_block_n):
+        if EXP_GROUP % bn:
+            raise ValueError(f"block_n={bn} must divide the exponent group {EXP_GROUP}")
+    if qg > 1 and _tile_group(qg, cfg) == 1:
+        raise ValueError(f"block_m={cfg.block_m} and dq_block_m={cfg.dq_block_m} must divide {qg} (q's rows per "
+                         f"exponent) for a jagged batch; use the per-row Q layout otherwise")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(D)
+    dev = q.data.device
+    n_n = triton.cdiv(k.max_seqlen, cfg.block_n)
+    n_m = triton.cdiv(q.max_seqlen, cfg.dq_block_m)
+    if Tq == 0 or Tk == 0 or B * Hq == 0 or n_n == 0 or n_m == 0:
+        return (torch.zeros(Tq, Hq, D, dtype=grad_dtype, device=dev),
+                torch.zeros(Tk, Hkv, D, dtype=grad_dtype, device=dev),
+                torch.zeros(Tk, Hkv, D, dtype=grad_dtype, device=dev))
+    lse = lse.contiguous()
+    doh, dos, delta = attn_bwd_preprocess_varlen(out, dout, q.cu_seqlens, q.max_seqlen, dout_hdim, dout_seq)
+    dg = _varlen_row_group(doh, "dout_hdim")
+    if dg > 1 and _tile_group(dg, cfg) == 1:
+        raise ValueError(f"block_m={cfg.block_m} and dq_block_m={cfg.dq_block_m} must divide {dg} (dO's rows per "
+                         f"exponent) for a jagged batch")
+    _check_varlen_seq(dos, "dout_seq", Hq, D, B)
+    dk = torch.empty(Tk, Hkv, D, dtype=grad_dtype, device=dev)
+    dv = torch.empty(Tk, Hkv, D, dtype=grad_dtype, device=dev)
+    if deterministic:
+        dq = torch.empty(Tq, Hq, D, dtype=grad_dtype, device=dev)
+        dq_acc = dq  # unused by the dK/dV kernel
+    else:
+        dq_acc = torch.zeros(Tq, Hq, D, dtype=torch.float32, device=dev)
+    group = Hq // Hkv
+    grad_scale = softmax_scale * 2.0**-P_SCALE_LOG2
+    qk_scale = softmax_scale * LOG2E
+
+    qd, qe, kd, ke, vd, ve = q.data, q.exp, k.data, k.exp, v_hdim.data, v_hdim.exp
+    qsd, qse, ksd, kse = q_seq.data, q_seq.exp, k_seq.data, k_seq.exp
+    dhd, dhe, dsd, dse = doh.data, doh.exp, dos.data, dos.exp
+    tok = lambda t: (0, *t.stride())  # packed (T, H, D) data as (B=0-stride, S, H, D)
+    row_e = lambda e: (0, e.stride(0), e.stride(1))  # (rows or groups, H, 1) exponents
+    seq_d = lambda t: (0, t.stride(2), t.stride(0), t.stride(1))  # channel-major (H, D, Tv) as (B, S, H, D)
+    chan_e = lambda e: (e.stride(0), e.stride(1), e.stride(2))  # (B, H, D)
+    lse_s = (0, lse.stride(0), lse.stride(1))
+    cu_q, cu_k = q.cu_seqlens, k.cu_seqlens
+    common = dict(HEAD_DIM=D, CAUSAL=causal, Q_GROUP=qg, DO_GROUP=dg, EXPLICIT_ROUND=INTERPRETER, VARLEN=True)
+    _bwd_dkdv_kernel[(n_n * B * Hkv,)](
+        qd, qe, kd, ke, vd, ve, qsd, qse, ksd, kse, dhd, dhe, dsd, dse, lse, delta, dq_acc, dk, dv,
+        *tok(qd), *row_e(qe), *tok(kd), *row_e(ke), *tok(vd), *row_e(ve),
+        *seq_d(qsd), *chan_e(qse), *seq_d(ksd), *chan_e(kse),
+        *tok(dhd), *row_e(dhe), *seq_d(dsd), *chan_e(dse),
+        *lse_s, *tok(dq_acc), *tok(dk), *tok(dv),
+        Hkv, q.max_seqlen, k.max_seqlen, group, qk_scale, grad_scale, 0, 0,
+        cu_q, cu_k, q.cu_exp, doh.cu_exp, k.cu_exp, q_seq.cu_data, k_seq.cu_data,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ATOMIC_DQ=not deterministic, DS_TILE_SCALE=cfg.ds_tile_scale,
+        **common, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if deterministic:
+        _bwd_dq_kernel[(n_m * B * Hq,)](
+            qd, qe, kd, ke, vd, ve, ksd, kse, dhd, dhe, lse, delta, dq,
+            *tok(qd), *row_e(qe), *tok(kd), *row_e(ke), *tok(vd), *row_e(ve),
+            *seq_d(ksd), *chan_e(kse), *tok(dhd), *row_e(dhe), *lse_s, *tok(dq),
+            Hq, q.max_seqlen, k.max_seqlen, group, qk_scale, grad_scale, 0,
+            cu_q, cu_k, q.cu_exp, doh.cu_exp, k.cu_exp, k_seq.cu_data,
             BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, **common,
             num_warps=cfg.dq_num_warps, num_stages=cfg.dq_num_stages,
         )

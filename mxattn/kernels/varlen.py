@@ -43,11 +43,17 @@ a few tiny torch ops for the offset arrays)
   ``varlen_{q,k,v}_operand_torch``, which apply ``formats.row_scaled_from_float`` to each sequence alone.  So every
   sequence's operands equal the dense producers' on that sequence by itself (``VarlenFP8.sequence(b)``).
 
-Not here yet: MXTensor inputs (a jagged V blocked along each sequence needs a per-sequence scale layout that
-``MXTensor``'s plain layout cannot express), a varlen backward kernel.
+Backward operands (DESIGN §1 table), made by the same producers, so the same rule holds (payload unpadded, only
+exponents laid out per sequence): ``varlen_bwd_operands`` gives q and k along the head dim in the K layout (q
+grouped per 128 rows from each sequence's start, the backward's fast Q layout), v along the head dim in the K layout,
+q and k along the sequence in the V layout; ``varlen_dout_operands`` dO both ways.  PyTorch twins
+``varlen_bwd_operands_torch``, ``varlen_dout_operands_torch``.
 
-The attention kernel: ``attn_fwd.attn_fwd_hopper_varlen`` (the dense kernel with ``VARLEN=True``).
-Speed helper: ``bench_varlen`` (GPU).
+Not here yet: MXTensor inputs (a jagged V blocked along each sequence needs a per-sequence scale layout that
+``MXTensor``'s plain layout cannot express).
+
+The attention kernels: ``attn_fwd.attn_fwd_hopper_varlen`` and ``attn_bwd.attn_bwd_hopper_varlen`` (the dense
+kernels with ``VARLEN=True``).  Speed helpers: ``bench_varlen``, ``bench_varlen_bwd`` (GPU).
 """
 
 from __future__ import annotations
@@ -93,12 +99,17 @@ __all__ = [
     "varlen_k_operand",
     "varlen_v_operand",
     "varlen_operands",
+    "varlen_bwd_operands",
+    "varlen_dout_operands",
     "varlen_q_operand_torch",
     "varlen_k_operand_torch",
     "varlen_v_operand_torch",
+    "varlen_bwd_operands_torch",
+    "varlen_dout_operands_torch",
     "seq_mx_dequantized",
     "jagged_lengths",
     "bench_varlen",
+    "bench_varlen_bwd",
 ]
 
 K_GROUP = 128  # keys per K exponent, counted from each sequence's start (attn_fwd.K_EXP_GROUP)
@@ -396,6 +407,33 @@ def varlen_operands(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_
     )
 
 
+def varlen_bwd_operands(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                        scale_mode: Union[str, ScaleMode] = "rceil") -> tuple[VarlenFP8, ...]:
+    """The backward's five operands of a jagged batch (``attn_bwd.attn_bwd_hopper_varlen``; DESIGN §1 table) from
+    packed float q, k, v, with the existing producers (seven launches):
+      q      along the head dim in the K layout over cu_seqlens_q (one exponent per 128 rows from each sequence's
+             start: the backward's fast Q layout, a query tile's scale is one number);
+      k      along the head dim, K layout (the forward's K operand);
+      v_hdim V along the head dim, K layout (for dP = dO Vᵀ);
+      q_seq  Q along the sequence, V layout over cu_seqlens_q (for dK = dSᵀ Q);
+      k_seq  K along the sequence, V layout (for dQ = dS K).
+    Payload unpadded at the packed offsets (hdim) or 16-aligned columns with zero tails (seq); only exponents are
+    laid out per sequence.  dO's two operands are made by the backward (``varlen_dout_operands``)."""
+    return (
+        varlen_k_operand(q, cu_seqlens_q, max_seqlen_q, scale_mode),
+        varlen_k_operand(k, cu_seqlens_k, max_seqlen_k, scale_mode),
+        varlen_k_operand(v, cu_seqlens_k, max_seqlen_k, scale_mode),
+        varlen_v_operand(q, cu_seqlens_q, max_seqlen_q, scale_mode),
+        varlen_v_operand(k, cu_seqlens_k, max_seqlen_k, scale_mode),
+    )
+
+
+def varlen_dout_operands(dout, cu_seqlens_q, max_seqlen_q: int) -> tuple[VarlenFP8, VarlenFP8]:
+    """dO of a jagged batch in both orientations (RCEIL, as the dense backward): along the head dim in the K layout
+    (for dP = dO Vᵀ and delta) and along the sequence in the V layout (for dV = Pᵀ dO)."""
+    return varlen_k_operand(dout, cu_seqlens_q, max_seqlen_q), varlen_v_operand(dout, cu_seqlens_q, max_seqlen_q)
+
+
 # ----------------------------------------------------------------------------------------------
 # PyTorch twins (the semantics: each sequence on its own through formats.row_scaled_from_float)
 # ----------------------------------------------------------------------------------------------
@@ -441,6 +479,24 @@ def varlen_v_operand_torch(v, cu_seqlens_k, max_seqlen_k: int, scale_mode="rceil
             buf[:, :, c0 : c0 + t1 - t0] = rs.data.permute(1, 2, 0)
             exp[b] = rs.exp[0]
     return VarlenFP8("v", buf, exp, cu_seqlens_k, cu_v, None, max_seqlen_k)
+
+
+def varlen_bwd_operands_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                              scale_mode="rceil") -> tuple[VarlenFP8, ...]:
+    """PyTorch twin of ``varlen_bwd_operands``."""
+    return (
+        varlen_k_operand_torch(q, cu_seqlens_q, max_seqlen_q, scale_mode),
+        varlen_k_operand_torch(k, cu_seqlens_k, max_seqlen_k, scale_mode),
+        varlen_k_operand_torch(v, cu_seqlens_k, max_seqlen_k, scale_mode),
+        varlen_v_operand_torch(q, cu_seqlens_q, max_seqlen_q, scale_mode),
+        varlen_v_operand_torch(k, cu_seqlens_k, max_seqlen_k, scale_mode),
+    )
+
+
+def varlen_dout_operands_torch(dout, cu_seqlens_q, max_seqlen_q: int) -> tuple[VarlenFP8, VarlenFP8]:
+    """PyTorch twin of ``varlen_dout_operands``."""
+    return (varlen_k_operand_torch(dout, cu_seqlens_q, max_seqlen_q),
+            varlen_v_operand_torch(dout, cu_seqlens_q, max_seqlen_q))
 
 
 def seq_mx_dequantized(x: torch.Tensor, cu_seqlens: torch.Tensor, scale_mode="rceil",
@@ -524,3 +580,71 @@ def _cumsum(xs):
     for x in xs:
         s += x
         yield s
+
+
+def bench_varlen_bwd(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, heads_kv: int = 16, head_dim: int = 128,
+                     causal: bool = False, seed: int = 0, lengths: Optional[list[int]] = None,
+                     deterministic: bool = False, with_sdpa: bool = True) -> dict:
+    """Time the jagged backward on a ~50%-fill batch (CUDA; RuntimeError without it).
+
+    Lengths uniform in [1, 2 mean_len - 1] (or ``lengths``).  Timed, kernels on prepared operands (q/k/v backward
+    operands made once, as ``attn_bwd.bench_attn_bwd``; dO quantization and delta included): the varlen backward
+    (``attn_bwd_hopper_varlen``); the dense backward (``attn_bwd_hopper``) on the batch padded to its longest
+    sequence and on a dense batch of (batch, mean_len) (about as many real tokens); SDPA BF16 backward (cuDNN and
+    flash) on the batch padded to its longest sequence, unmasked (the work a padded training step does; padding
+    FLOPs wasted); and the operand producers (``varlen_bwd_operands``).  FLOPs are counted on
+    real tokens only: 2.5 * sum_b 4 Hq len_b^2 D (half when causal).  Returns a row for ``benchmarks/results``
+    (what="varlen_bwd"): times in ms, TFLOP/s on real FLOPs, ``speedup_vs_padded`` (dense padded / varlen),
+    ``speedup_vs_sdpa_cudnn_padded`` and ``rate_vs_dense`` (varlen TFLOP/s / dense TFLOP/s at (batch, mean_len)).
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench_varlen_bwd needs a CUDA GPU")
+    from triton.testing import do_bench
+
+    from mxattn.kernels.attn_bwd import Q_EXP_GROUP, _time_sdpa_bwd, attn_bwd_hopper, attn_bwd_hopper_varlen
+    from mxattn.kernels.attn_fwd import attn_fwd_hopper, attn_fwd_hopper_varlen
+
+    lens = list(lengths) if lengths is not None else jagged_lengths(batch, mean_len, seed)
+    B, D = len(lens), head_dim
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(seed)
+    T = sum(lens)
+    smax = max(lens)
+    cu = torch.tensor([0] + list(_cumsum(lens)), dtype=torch.int32, device=dev)
+    mk = lambda *shape: torch.randn(*shape, device=dev, dtype=torch.bfloat16, generator=g)
+    q, k, v, do = mk(T, heads_q, D), mk(T, heads_kv, D), mk(T, heads_kv, D), mk(T, heads_q, D)
+    out, lse = attn_fwd_hopper_varlen(*varlen_operands(q, k, v, cu, cu, smax, smax), causal=causal)
+    ops = varlen_bwd_operands(q, k, v, cu, cu, smax, smax)
+    t_prod = do_bench(lambda: varlen_bwd_operands(q, k, v, cu, cu, smax, smax))
+    t_var = do_bench(lambda: attn_bwd_hopper_varlen(*ops, out, do, lse, causal=causal, deterministic=deterministic))
+
+    def dense(S: int):
+        qd, kd, vd, dod = mk(B, S, heads_q, D), mk(B, S, heads_kv, D), mk(B, S, heads_kv, D), mk(B, S, heads_q, D)
+        od, ld = attn_fwd_hopper(row_scaled_triton(qd, "q"), row_scaled_triton(kd, "k"), row_scaled_triton(vd, "v"),
+                                 causal=causal)
+        bops = (row_scaled_triton(qd, "k", k_group=Q_EXP_GROUP), row_scaled_triton(kd, "k"),
+                row_scaled_triton(vd, "k"), row_scaled_triton(qd, "v"), row_scaled_triton(kd, "v"))
+        ms = do_bench(lambda: attn_bwd_hopper(*bops, od, dod, ld, causal=causal, deterministic=deterministic))
+        return ms, (qd, kd, vd, dod)
+
+    t_pad, padded = dense(smax)
+    t_mean, _ = dense(mean_len)
+    sdpa = {}
+    if with_sdpa:
+        for name, be in (("sdpa_cudnn_bf16_padded", "CUDNN_ATTENTION"), ("sdpa_flash_bf16_padded", "FLASH_ATTENTION")):
+            sdpa[name] = _time_sdpa_bwd(padded[0], padded[1], padded[2], padded[3], causal, be, 100)
+    half = 0.5 if causal else 1.0
+    real = 2.5 * sum(4.0 * heads_q * n * n * D for n in lens) * half
+    dense_flops = 2.5 * 4.0 * B * heads_q * mean_len * mean_len * D * half
+    tf = lambda flops, ms: None if ms is None else flops / (ms * 1e-3) / 1e12
+    cu_ms = sdpa.get("sdpa_cudnn_bf16_padded")
+    return {
+        "B": B, "Hq": heads_q, "Hkv": heads_kv, "D": D, "causal": causal, "deterministic": deterministic,
+        "mean_len": mean_len, "max_len": smax, "tokens": T, "fill": T / (B * smax),
+        "ms": {"varlen": t_var, "dense_padded": t_pad, "dense_mean": t_mean, "producers": t_prod, **sdpa},
+        "tflops": {"varlen": tf(real, t_var), "dense_padded_real": tf(real, t_pad), "dense_mean": tf(dense_flops, t_mean),
+                   **{k + "_real": tf(real, ms) for k, ms in sdpa.items()}},
+        "speedup_vs_padded": t_pad / t_var,
+        "speedup_vs_sdpa_cudnn_padded": (cu_ms / t_var) if cu_ms else None,
+        "rate_vs_dense": tf(real, t_var) / tf(dense_flops, t_mean),
+    }
