@@ -121,6 +121,17 @@ def test_blockscaled_mx_inputs_with_extreme_block_scales(seed):
     _check_against_reference(q, k, v, True, softmax_scale=1.0)
 
 
+def test_blockscaled_nan_block_propagates(seed):
+    """A NaN in K makes its block's scale byte 255: every row that sees that key is NaN, the others are not."""
+    dev = _interpreter_or_gpu()
+    q, k, v = _inputs(1, 40, 70, 1, 1, 64, dev, seed)
+    k[0, 50, 0, 3] = float("nan")
+    qm, km, vm = interface.quantize_qkv(q, k, v)
+    out, _ = attn_fwd_blockscaled(qm, km, vm, True)  # bottom-right: row i sees key 50 iff 50 <= i + 30
+    nan_rows = torch.isnan(out[0, :, 0]).any(-1).cpu()
+    assert torch.equal(nan_rows, torch.arange(40) >= 20)
+
+
 def test_p_scale_byte():
     """P enters P·V with the constant scale 2^-8 (DESIGN §1): E8M0 byte 127 - 8."""
     assert P_SCALE_BYTE == 119 and 2.0 ** (P_SCALE_BYTE - 127) == 1 / 256
