@@ -295,7 +295,8 @@ def _equal_to_dense_per_sequence(lq, lk, Hq, Hkv, D, seed, causal, atomic_dq_db)
     cu_q, cu_k = _cu(lq, q.device), _cu(lk, q.device)
     ops = varlen_bwd_operands(q, k, v, cu_q, cu_k, max(lq), max(lk))
     out = _packed(lq, Hq, D, seed + 7)
-    lse = torch.randn(Hq, q.shape[0], generator=torch.Generator().manual_seed(seed)).to(q.device) * 0.5 + 3.0
+    # an lse above every row's largest logit (P <= 1 as from a forward), varied per row
+    lse = torch.randn(Hq, q.shape[0], generator=torch.Generator().manual_seed(seed)).to(q.device) * 0.5 + 7.0
     for det in (False, True):
         grads = bwd.attn_bwd_hopper_varlen(*ops, out, do, lse, causal=causal, deterministic=det)
         for b, (sq, sk) in enumerate(zip(_seq_slices(cu_q.cpu()), _seq_slices(cu_k.cpu()))):
@@ -361,7 +362,32 @@ def test_varlen_bwd_gpu_deterministic_bitwise(seed):
 
 
 @pytest.mark.gpu
-def test_varlen_bwd_gpu_many_sequences_and_int64_offsets(seed):
+def test_varlen_bwd_gpu_beyond_int32_head_offsets(seed):
+    """Tq = Tk ~ 2.66M tokens, 8 heads, d128: the head offsets of the channel-major q_seq / k_seq / dO_seq
+    (h * D * Tv) pass 2^31 (64-bit head indices in the varlen prologue).  The last sequences (largest offsets) equal
+    the dense kernel on them alone, bit for bit (deterministic dQ)."""
+    bwd = _bwd()
+    from mxattn.kernels.quantize import row_scaled_triton as rs
+    from mxattn.kernels.varlen import varlen_bwd_operands
+
+    lens = [2048] * 1300 + [777]
+    H, D = 8, 128
+    q, k, v, do, out = (torch.randn(sum(lens), H, D, device="cuda", dtype=torch.bfloat16) for _ in range(5))
+    cu = _cu(lens)
+    ops = varlen_bwd_operands(q, k, v, cu, cu, 2048, 2048)
+    assert (H - 1) * D * ops[3].data.shape[2] > 2**31
+    lse = torch.full((H, q.shape[0]), 9.0, device="cuda")
+    grads = bwd.attn_bwd_hopper_varlen(*ops, out, do, lse, causal=True, deterministic=True)
+    for s in _seq_slices(cu.cpu())[-2:]:
+        qb, kb, vb, dob, ob = (t[s][None] for t in (q, k, v, do, out))
+        dense = bwd.attn_bwd_hopper(rs(qb, "k", k_group=128), rs(kb, "k"), rs(vb, "k"), rs(qb, "v"), rs(kb, "v"), ob,
+                                    dob, lse[:, s][None].contiguous(), causal=True, deterministic=True)
+        for a, d in zip(grads, dense):
+            assert torch.equal(a[s].view(torch.int16), d[0].view(torch.int16)), f"rows {s}"
+
+
+@pytest.mark.gpu
+def test_varlen_bwd_gpu_many_short_sequences(seed):
     """5000 short sequences x 16 heads (batch * heads past 65535: 1-D grids), checked against the dense kernel on a
     few of them."""
     g = torch.Generator().manual_seed(seed)
