@@ -35,6 +35,12 @@ computed from the fp32 P·256 (as the reference, which keeps P unrounded for dS)
 
 Causal masks are aligned bottom-right (query i sees key j iff j <= i + Sk − Sq).  Rows that see nothing
 (lse = −inf) get P = 0: the additive term of the exponent is set to −inf there, never −inf − (−inf).
+
+Jagged batches (``VARLEN``, launcher ``attn_bwd_hopper_varlen``, operands ``kernels.varlen.varlen_bwd_operands``) run
+the same three kernels: each program reads its sequence's offsets (``CU_*``), moves its base pointers there, sets
+``Sq``, ``Sk`` to the sequence's lengths and exits when its tile is past them; the rest is the dense code at batch 0.
+The dense launches pass None for the offsets (constexpr), so the dense kernels compile to the same code as before
+(TTGIR and PTX compared for sm90: docs/perf-notes-varlen.md).
 """
 
 from __future__ import annotations
