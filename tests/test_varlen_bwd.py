@@ -103,7 +103,8 @@ def _bound_ok(g, t, e, floor_norm, factor):
     return err_k <= err_e * factor + BF16_FLOOR * t.norm().item() + floor_norm, err_k
 
 
-def _check_varlen_bwd(lq, lk, Hq, Hkv, D, causal, deterministic, seed, softmax_scale=None, config=None, extra_max=0):
+def _check_varlen_bwd(lq, lk, Hq, Hkv, D, causal, deterministic, seed, softmax_scale=None, config=None, extra_max=0,
+                      q_rows=128):
     bwd = _bwd()
     q, k, v, do = _inputs(lq, lk, Hq, Hkv, D, seed)
     cu_q, cu_k = _cu(lq, q.device), _cu(lk, q.device)
@@ -111,6 +112,11 @@ def _check_varlen_bwd(lq, lk, Hq, Hkv, D, causal, deterministic, seed, softmax_s
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
     cfg = config or bwd.default_config(D, causal)
     ops = _operands(q, k, v, cu_q, cu_k, mq, mk)
+    if q_rows == 1:  # the forward's Q layout (one exponent per row): per-query vectors in the kernels
+        from mxattn.kernels import varlen as V
+
+        qop = V.varlen_q_operand if q.is_cuda else V.varlen_q_operand_torch
+        ops = (qop(q, cu_q, mq),) + tuple(ops[1:])
     out, out_exact, lse = _forward_per_sequence(q, k, v, cu_q, cu_k, causal, scale)
     dout_ops = {}
     if not q.is_cuda:
@@ -206,6 +212,13 @@ def test_varlen_bwd_interpreter_d128_small_tiles_generous_max(seed):
     _interp_or_gpu()
     cfg = _bwd().BwdConfig(32, 64, 4, 2, 32, 64, 4, 2)
     _check_varlen_bwd([65, 3], [130, 1], 2, 1, 128, True, True, seed, softmax_scale=0.15, config=cfg, extra_max=70)
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["atomic", "deterministic"])
+def test_varlen_bwd_interpreter_per_row_q(det, seed):
+    """q in the forward's per-row layout (``varlen_q_operand``) instead of groups of 128 rows."""
+    _interp_or_gpu()
+    _check_varlen_bwd([40, 0, 70], [33, 5, 100], 2, 1, 64, True, det, seed, q_rows=1)
 
 
 def test_varlen_bwd_equals_dense_kernel_per_sequence_interpreter(seed):
