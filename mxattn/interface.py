@@ -592,8 +592,9 @@ def mxfp8_attn_varlen_func(
 
     CUDA: the Hopper FP8 kernel on FP8 data kept at its packed offsets (layouts: ``mxattn/kernels/varlen.py``).
     CPU: the reference with the same semantics (P in e4m3 with the constant scale 2^-8).  Gradients flow to q, k, v
-    through ``loss.backward()`` via the reference backward (FP8 emulation of P, dS, dO) on the inputs' device:
-    correct everywhere, but slow on the GPU, where no varlen backward kernel exists yet.
+    through ``loss.backward()``: on CUDA the Hopper FP8 backward kernels in their jagged mode
+    (``attn_bwd_hopper_varlen``; deterministic dQ when ``torch.are_deterministic_algorithms_enabled()``), on CPU
+    the reference backward (FP8 emulation of P, dS, dO).
     """
     cu_q, cu_k = _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
     mode = formats.ScaleMode.parse(scale_mode).value

@@ -82,7 +82,7 @@ def sqnr_db(actual: Operand, expected: Operand) -> float:
         return float("nan")
     if noise == 0.0:
         return float("inf")
-    if signal == 0.0:
+    if signal == 0.0 or math.isinf(noise):
         return float("-inf")
     return 10.0 * math.log10(signal / noise)
 

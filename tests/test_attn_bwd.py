@@ -299,6 +299,20 @@ def test_attn_bwd_interpreter_ds_exponent_moves(det, seed):
     _check(q, k, v, do, False, deterministic=det)
 
 
+@pytest.mark.parametrize("tile_scale", [True, False], ids=["tile_scale", "per_key_scale"])
+def test_attn_bwd_interpreter_ds_exponent_drops_120_binades(tile_scale, seed):
+    """dO (so dS) drops by 2^120 between query tiles: the dK/dQ accumulators may not follow the exponent all the
+    way down (rescaling by 2^120 overflowed fp32 to inf before the bound in ``_bounded_exp``)."""
+    _need_kernels()
+    bwd = _bwd()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v, do = _inputs(1, 200, 200, 2, 1, 64, dev, seed)
+    do[:, :64] *= 2.0**60
+    do[:, 64:] *= 2.0**-60
+    _check(q, k, v, do, False, config=bwd.BwdConfig(ds_tile_scale=tile_scale))
+    _check(q, k, v, do, False, deterministic=True)
+
+
 def test_attn_bwd_interpreter_scale_and_smaller_tiles(seed):
     """A non-default softmax scale and BLOCK_N 64 (two tiles share one K/V exponent group)."""
     _need_kernels()

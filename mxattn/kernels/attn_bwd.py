@@ -156,6 +156,15 @@ def _sticky_exp(e_tile, e_prev):
 
 
 @triton.jit
+def _bounded_exp(e, e_hi):
+    """``e`` raised to at least ``e_hi - 64``, where ``e_hi`` is the largest exponent the accumulator has been in.
+    Each downward move rescales the fp32 accumulator by 2^(e_old - e_new); bounding the total drop keeps it finite
+    (its magnitude in units of 2^e is below ~2^31 at e_hi, so below ~2^95 after the drop), and a tile more than
+    64 binades below what the accumulator already holds is under its fp32 resolution anyway (its dS flush to 0)."""
+    return tl.maximum(e, e_hi - 64)
+
+
+@triton.jit
 def _to_e4m3(x, EXPLICIT_ROUND: tl.constexpr):
     """fp32 (|x| <= 448) to e4m3, nearest even.  The interpreter's cast mis-rounds (DESIGN §5), so it rounds
     in fp32 first; on the GPU the cast is one cvt.rn.satfinite."""
@@ -220,7 +229,7 @@ def _delta_kernel(
 
 @triton.jit
 def _kv_step(
-    dk, dv, dk_e, k8, vh8, ks8, ke, ve, offs_n, start_m, h, b64, Sq, Sk, causal_off, qk_scale, dq_colscale,
+    dk, dv, dk_e, dk_hi, k8, vh8, ks8, ke, ve, offs_n, start_m, h, b64, Sq, Sk, causal_off, qk_scale, dq_colscale,
     lim_qs, lim_dos, Q, QE, QS, DOH, DOE, DOS, LSE, DELTA, DQ,
     s_qb, s_qm, s_qh, s_qd, s_qeb, s_qem, s_qeh,
     s_qsb, s_qsm, s_qsh, s_qsd,
@@ -275,7 +284,8 @@ def _kv_step(
                  mask=(offs_m < lim_qs)[:, None], other=0.0)
     absds = tl.abs(dsT)
     if DS_TILE_SCALE:  # one scale for the tile (with hysteresis), one cast for both products
-        e_k = _sticky_exp(_rceil_exp(tl.max(tl.max(absds, 1), 0), dk_e), dk_e)
+        e_k = _bounded_exp(_sticky_exp(_rceil_exp(tl.max(tl.max(absds, 1), 0), dk_e), dk_e), dk_hi)
+        dk_hi = tl.maximum(dk_hi, e_k)
         dsk8 = _to_e4m3(dsT * _pow2(-e_k), EXPLICIT_ROUND)
         if e_k != dk_e:  # rare: dK is rescaled only when the tile's exponent leaves the hysteresis window
             dk = dk * _pow2(dk_e - e_k)
@@ -285,7 +295,8 @@ def _kv_step(
             dq = dq * (dq_colscale * _pow2(e_k))[None, :]
     else:  # dK: one scale per key (rows of dSᵀ: a quad-shuffle reduction); dQ: one per tile
         amax_k = tl.max(absds, 1)
-        e_k = _rceil_exp(amax_k, dk_e)
+        e_k = _bounded_exp(_rceil_exp(amax_k, dk_e), dk_hi)
+        dk_hi = tl.maximum(dk_hi, e_k)
         dsk8 = _to_e4m3(dsT * _pow2(-e_k)[:, None], EXPLICIT_ROUND)
         dk = dk * _pow2(dk_e - e_k)[:, None]
         dk = tl.dot(dsk8, qs, dk)
@@ -298,7 +309,7 @@ def _kv_step(
     if ATOMIC_DQ:
         dq_ptrs = DQ + b64 * s_dqb + h * s_dqh + om64[:, None] * s_dqm + offs_d[None, :] * s_dqd
         tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None], sem="relaxed")
-    return dk, dv, dk_e
+    return dk, dv, dk_e, dk_hi
 
 
 @triton.jit
@@ -395,8 +406,10 @@ def _bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     if DS_TILE_SCALE:
         dk_e = 0
+        dk_hi = -1000  # no bound until the accumulator holds something (_bounded_exp)
     else:
         dk_e = tl.zeros([BLOCK_N], tl.int32)
+        dk_hi = tl.full([BLOCK_N], -1000, tl.int32)
 
     causal_off = Sk - Sq
     m_end = tl.cdiv(Sq, BLOCK_M) * BLOCK_M
@@ -425,8 +438,8 @@ def _bwd_dkdv_kernel(
         qse_prev = qse
         dose_prev = dose
         for start_m in range(lo, mid, BLOCK_M):
-            dk, dv, dk_e = _kv_step(
-                dk, dv, dk_e, k8, vh8, ks8, ke, ve, offs_n, start_m, h, b64, Sq, Sk, causal_off, qk_scale,
+            dk, dv, dk_e, dk_hi = _kv_step(
+                dk, dv, dk_e, dk_hi, k8, vh8, ks8, ke, ve, offs_n, start_m, h, b64, Sq, Sk, causal_off, qk_scale,
                 dq_colscale, lim_qs, lim_dos, Q, QE, QS, DOH, DOE, DOS, LSE, DELTA, DQ,
                 s_qb, s_qm, s_qh, s_qd, s_qeb, s_qem, s_qeh, s_qsb, s_qsm, s_qsh, s_qsd,
                 s_dob, s_dom, s_doh, s_dod, s_deb, s_dem, s_deh, s_dsb, s_dsm, s_dsh, s_dsd,
@@ -435,8 +448,8 @@ def _bwd_dkdv_kernel(
                 EXPLICIT_ROUND,
             )
         for start_m in range(mid, m_end, BLOCK_M):
-            dk, dv, dk_e = _kv_step(
-                dk, dv, dk_e, k8, vh8, ks8, ke, ve, offs_n, start_m, h, b64, Sq, Sk, causal_off, qk_scale,
+            dk, dv, dk_e, dk_hi = _kv_step(
+                dk, dv, dk_e, dk_hi, k8, vh8, ks8, ke, ve, offs_n, start_m, h, b64, Sq, Sk, causal_off, qk_scale,
                 dq_colscale, lim_qs, lim_dos, Q, QE, QS, DOH, DOE, DOS, LSE, DELTA, DQ,
                 s_qb, s_qm, s_qh, s_qd, s_qeb, s_qem, s_qeh, s_qsb, s_qsm, s_qsh, s_qsd,
                 s_dob, s_dom, s_doh, s_dod, s_deb, s_dem, s_deh, s_dsb, s_dsm, s_dsh, s_dsd,
@@ -463,7 +476,7 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_step(
-    acc, acc_e, q8, do8, a_row, b_row, dscale_row, delta, offs_m, start_n, hk, b64, Sk, causal_off, lim_ks,
+    acc, acc_e, acc_hi, q8, do8, a_row, b_row, dscale_row, delta, offs_m, start_n, hk, b64, Sk, causal_off, lim_ks,
     K, KE, VH, VE, KS,
     s_kb, s_kn, s_kh, s_kd, s_keb, s_ket, s_keh,
     s_vb, s_vn, s_vh, s_vd, s_veb, s_vet, s_veh,
@@ -505,12 +518,12 @@ def _dq_step(
     else:
         ds = p * (dp * (dscale_row * _pow2(ve)) - delta[:, None])
     # one scale per tile with hysteresis (the atomic path's scheme, here along the kv tiles of one query tile)
-    e_new = _sticky_exp(_rceil_exp(tl.max(tl.max(tl.abs(ds), 1), 0), acc_e), acc_e)
+    e_new = _bounded_exp(_sticky_exp(_rceil_exp(tl.max(tl.max(tl.abs(ds), 1), 0), acc_e), acc_e), acc_hi)
     ds8 = _to_e4m3(ds * _pow2(-e_new), EXPLICIT_ROUND)
     if e_new != acc_e:
         acc = acc * _pow2(acc_e - e_new)
     acc = tl.dot(ds8, ks8, acc)
-    return acc, e_new
+    return acc, e_new, tl.maximum(acc_hi, e_new)
 
 
 @triton.jit
@@ -587,6 +600,7 @@ def _bwd_dq_kernel(
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     acc_e = 0
+    acc_hi = -1000  # no bound until the accumulator holds something (_bounded_exp)
     causal_off = Sk - Sq
     if CAUSAL:
         hi = tl.minimum(Sk, tl.maximum(start_m + BLOCK_M + causal_off, 0))
@@ -596,15 +610,15 @@ def _bwd_dq_kernel(
         hi = Sk
         full_end = (Sk // BLOCK_N) * BLOCK_N
     for start_n in range(0, full_end, BLOCK_N):
-        acc, acc_e = _dq_step(
-            acc, acc_e, q8, do8, a_row, b_row, dscale_row, delta, offs_m, start_n, hk, b64, Sk, causal_off, lim_ks,
+        acc, acc_e, acc_hi = _dq_step(
+            acc, acc_e, acc_hi, q8, do8, a_row, b_row, dscale_row, delta, offs_m, start_n, hk, b64, Sk, causal_off, lim_ks,
             K, KE, VH, VE, KS, s_kb, s_kn, s_kh, s_kd, s_keb, s_ket, s_keh, s_vb, s_vn, s_vh, s_vd,
             s_veb, s_vet, s_veh, s_ksb, s_ksn, s_ksh, s_ksd,
             HEAD_DIM, BLOCK_N, False, CAUSAL, Q_GROUP, DO_GROUP, EXPLICIT_ROUND,
         )
     for start_n in range(full_end, hi, BLOCK_N):
-        acc, acc_e = _dq_step(
-            acc, acc_e, q8, do8, a_row, b_row, dscale_row, delta, offs_m, start_n, hk, b64, Sk, causal_off, lim_ks,
+        acc, acc_e, acc_hi = _dq_step(
+            acc, acc_e, acc_hi, q8, do8, a_row, b_row, dscale_row, delta, offs_m, start_n, hk, b64, Sk, causal_off, lim_ks,
             K, KE, VH, VE, KS, s_kb, s_kn, s_kh, s_kd, s_keb, s_ket, s_keh, s_vb, s_vn, s_vh, s_vd,
             s_veb, s_vet, s_veh, s_ksb, s_ksn, s_ksh, s_ksd,
             HEAD_DIM, BLOCK_N, True, CAUSAL, Q_GROUP, DO_GROUP, EXPLICIT_ROUND,
