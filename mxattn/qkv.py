@@ -299,7 +299,7 @@ def bench_qkv_chain(
     causal: bool = True,
     rep_ms: int = 100,
     outdir=None,
-    what: str = "train",
+    what: str = "qkv_chain",
     progress: bool = True,
     tiles: Sequence = (None,),
 ) -> dict:
@@ -314,9 +314,7 @@ def bench_qkv_chain(
     (``triton.testing.do_bench``); peak memory: ``max_memory_allocated`` during one call above what was allocated
     before it (inputs, weights and tables excluded), in MiB.  ``tflops``: (projection 2 B S dim N + attention
     4 B Hq S^2 D, halved when causal) / time.  Returns ``{"rows": [...]}``; with ``outdir`` writes the rows with
-    ``mxattn.bench.results.write_result(what, ...)`` and adds ``"file"``.  ``what`` defaults to ``"train"``:
-    ``results.WHATS`` has no entry for this chain yet and no other ``train`` file exists, so no README table is
-    displaced.  Needs CUDA (RuntimeError otherwise); importable anywhere."""
+    ``mxattn.bench.results.write_result(what, ...)`` and adds ``"file"``.  ``what`` defaults to ``"qkv_chain"``.  Needs CUDA (RuntimeError otherwise); importable anywhere."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench_qkv_chain needs a CUDA device")
     import torch.nn.functional as F

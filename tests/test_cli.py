@@ -263,3 +263,13 @@ def test_demo_gpu(tmp_path):
     fwd = res["attn_fwd"][0]
     assert fwd["tflops"]["mxattn"] and fwd["tflops"]["sdpa_cudnn_bf16"]
     assert any(p.name.startswith("attn_fwd-") for p in res["files"])
+
+
+def test_every_result_kind_written_by_the_code_is_accepted(tmp_path):
+    """The ``what`` names the benchmarks write (``bench --cuda-graph``, the qkv chain, the ring) are in WHATS, so a
+    GPU run cannot end in a ValueError after its timing is done."""
+    from mxattn.bench.results import WHATS, write_result
+
+    for what in ("attn_fwd_cuda_graph", "qkv_chain", "ring_attn", "varlen_bwd"):
+        assert what in WHATS
+        assert write_result(what, [{"x": 1}], tmp_path).exists()

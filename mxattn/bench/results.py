@@ -28,6 +28,7 @@ __all__ = ["WHATS", "env_info", "gpu_slug", "write_result", "load_results", "lat
 
 WHATS = (
     "attn_fwd",
+    "attn_fwd_cuda_graph",
     "attn_bwd",
     "quantize",
     "rmsnorm_quant",
@@ -36,6 +37,8 @@ WHATS = (
     "varlen_bwd",
     "accuracy",
     "train",
+    "qkv_chain",
+    "ring_attn",
 )
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
