@@ -133,6 +133,7 @@ def _attn_fwd_kernel(
     stride_lb, stride_lh, stride_lm,
     Hq, Sq, Sk, group_size, qk_scale,
     CU_Q, CU_K, CU_KG, CU_V,  # varlen: (B + 1) int32 offsets of q rows, k rows, K exponent groups, V columns
+    SEQ_ORDER,  # varlen: (B,) sequence of each grid slot, heaviest first (None when dense)
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     EXPLICIT_ROUND: tl.constexpr, VARLEN: tl.constexpr = False,
 ):
@@ -155,6 +156,8 @@ def _attn_fwd_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     b64 = b.to(tl.int64)
     if VARLEN:
+        b = tl.load(SEQ_ORDER + b)  # grid slots run heaviest sequences first: the long ones do not form the tail
+        b64 = b.to(tl.int64)
         # sequence b: q rows CU_Q[b]:CU_Q[b+1] of the packed (Tq, Hq, D) tensors, keys CU_K[b]:CU_K[b+1], K exponent
         # groups from CU_KG[b], V columns from CU_V[b] (16-aligned) of the channel-major (Hkv, D, Tv) buffer,
         # V exponents row b.  The base pointers move to the sequence; the batch terms below then vanish.
@@ -261,7 +264,7 @@ def attn_fwd_hopper(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         ve.stride(0), ve.stride(2), ve.stride(3),
         *out.stride(), *lse.stride(),
         Hq, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E,
-        None, None, None, None,
+        None, None, None, None, None,
         HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, EXPLICIT_ROUND=INTERPRETER,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -274,9 +277,9 @@ def attn_fwd_hopper_varlen(q, k, v, *, causal: bool = False, softmax_scale: floa
 
     q: role "q" (data (Tq, Hq, D), exp (Tq, Hq, 1)); k: role "k" (data (Tk, Hkv, D), exp (G, Hkv, 1) with group
     offsets ``k.cu_exp``); v: role "v" (data channel-major (Hkv, D, Tv) with 16-aligned sequence starts
-    ``v.cu_data``, exp (B, Hkv, D)).  Grid: cdiv(q.max_seqlen, BLOCK_M) * B * Hq programs, q-blocks fastest;
-    programs past their sequence's end return at once.  Causal masks are bottom-right per sequence.  Shapes and
-    offsets are validated by the caller (``interface``).
+    ``v.cu_data``, exp (B, Hkv, D)).  Grid: cdiv(q.max_seqlen, BLOCK_M) * B * Hq programs, q-blocks fastest,
+    sequences in decreasing Sq * Sk order; programs past their sequence's end return at once.  Causal masks are
+    bottom-right per sequence.  Shapes and offsets are validated by the caller (``interface``).
     Returns out (Tq, Hq, D) in ``out_dtype`` and lse (Hq, Tq) fp32 (natural log).
     """
     Tq, Hq, D = q.data.shape
@@ -294,6 +297,10 @@ def attn_fwd_hopper_varlen(q, k, v, *, causal: bool = False, softmax_scale: floa
         return out.zero_(), lse.fill_(float("-inf"))
     qd, kd, vd = q.data, k.data, v.data
     qe, ke, ve = q.exp, k.exp, v.exp
+    # heaviest sequences (Sq * Sk) first, on the device (no host sync): a long sequence scheduled last would leave
+    # the rest of the GPU idle while its q-blocks finish
+    lq, lk = q.cu_data.diff().to(torch.int64), k.cu_data.diff().to(torch.int64)
+    seq_order = torch.argsort(lq * lk, descending=True, stable=True).to(torch.int32)
     _attn_fwd_kernel[(n_m * B * Hq,)](
         qd, kd, vd, qe, ke, ve, out, lse,
         0, qd.stride(0), qd.stride(1), qd.stride(2),
@@ -305,7 +312,7 @@ def attn_fwd_hopper_varlen(q, k, v, *, causal: bool = False, softmax_scale: floa
         0, out.stride(0), out.stride(1), out.stride(2),
         0, lse.stride(0), lse.stride(1),
         Hq, q.max_seqlen, k.max_seqlen, Hq // Hkv, softmax_scale * LOG2E,
-        q.cu_data, k.cu_data, k.cu_exp, v.cu_data,
+        q.cu_data, k.cu_data, k.cu_exp, v.cu_data, seq_order,
         HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, EXPLICIT_ROUND=INTERPRETER,
         VARLEN=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
