@@ -363,6 +363,13 @@ def _mx_forward(qkv_mx: tuple[MXTensor, MXTensor, MXTensor], causal: bool, scale
     return _reference_forward(*qkv_mx, causal, scale, scale_mode, torch.bfloat16)
 
 
+def _carries_grad(ts) -> bool:
+    """Whether an MX operand sits in the autograd graph (a producer's ``GradMXTensor`` whose carrier needs grad)."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(getattr(t, "carrier", None) is not None and t.carrier.requires_grad for t in ts)
+
+
 def mxfp8_attn_func(
     q: Operand,
     k: Operand,
@@ -398,7 +405,11 @@ def mxfp8_attn_func(
     dtype (bfloat16 for MXTensor inputs).  CUDA tensors run the FP8 kernel ``backend`` picks; CPU tensors run the
     reference with the same semantics (P quantized to e4m3 with the constant scale 2^-8).
     Gradients flow to float q, k, v through ``loss.backward()`` (FP8 backward kernel on CUDA; all five
-    products in FP8, dO and dS quantized, DESIGN §1 table).  MXTensor inputs are forward-only.
+    products in FP8, dO and dS quantized, DESIGN §1 table).  MXTensor inputs made by mxattn's producers
+    (``rmsnorm_quant``, ``linear_quant``, ``qkv_proj`` on inputs that need grad: ``GradMXTensor``) are
+    differentiable too: the gradients reach the producers' inputs (straight-through through the quantization);
+    this path passes through the float op (one dequantize and one quantize pass per operand, same forward result).
+    A plain ``MXTensor`` carries no gradient.
 
     ``torch.compile(fullgraph=True)`` traces float inputs: the checks run at trace time and the attention is the
     custom op ``mxattn::attn_fwd`` (backward ``mxattn::attn_bwd``, which re-quantizes the saved q, k, v).  MXTensor
@@ -413,7 +424,15 @@ def mxfp8_attn_func(
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     D = q.shape[3]
     scale = _default_scale(D, softmax_scale)
-    if is_mx:
+    if is_mx and _carries_grad((q, k, v)):
+        # MXFP8 inputs in the autograd graph (producers' GradMXTensor): their values, dequantized with a
+        # straight-through gradient to the producer, go through the float op.  Its forward re-quantizes them to the
+        # same MXFP8 bytes (an MX-dequantized block's maximum is 2^e * m with 224 < m <= 448, so RCEIL picks e again
+        # and every element is already on that grid), so the forward equals the MX path, and the backward runs
+        # the FP8 backward kernel from those values.
+        qf, kf, vf = (t.dequantize(torch.bfloat16) for t in (q, k, v))
+        out, lse = attn_fwd_op(qf, kf, vf, causal, scale, mode, deterministic, backend)
+    elif is_mx:
         out, lse = _mx_forward((q, k, v), causal, scale, scale_mode, backend)
     else:
         out, lse = attn_fwd_op(q, k, v, causal, scale, mode, deterministic, backend)
