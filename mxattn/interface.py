@@ -298,7 +298,24 @@ def _attn_fwd_fake(q, k, v, causal, scale, scale_mode, deterministic, backend="a
     return q.new_empty(B, Sq, Hq, D), q.new_empty(B, Hq, Sq, dtype=torch.float32)
 
 
-def _bwd_impl(dout, q, k, v, out, lse, causal: bool, scale: float, scale_mode: str, deterministic: bool):
+def _blockscaled_backward(dout, q, k, v, out, lse, causal: bool, scale: float, scale_mode: str):
+    """CUDA backward on ``tl.dot_scaled`` (kernels/attn_bwd_blockscaled.py): Q and K quantized in both orientations
+    from one read each, V along the head dim; dO is quantized by the launcher.  Native block-scaled MMA on
+    Blackwell; on Hopper Triton upcasts to bf16 (correct, slow)."""
+    from mxattn.kernels.attn_bwd_blockscaled import attn_bwd_blockscaled
+    from mxattn.kernels.quantize import quantize_mxfp8_triton
+
+    qh, qs = quantize_mxfp8_triton(q, "both", scale_mode=scale_mode)
+    kh, ks = quantize_mxfp8_triton(k, "both", scale_mode=scale_mode)
+    vh = quantize_mxfp8_triton(v, "hdim", scale_mode=scale_mode)
+    return attn_bwd_blockscaled(qh, kh, vh, qs, ks, out, dout.contiguous(), lse, causal=causal, softmax_scale=scale,
+                                grad_dtype=q.dtype)
+
+
+def _bwd_impl(dout, q, k, v, out, lse, causal: bool, scale: float, scale_mode: str, deterministic: bool,
+              backend: str = "auto"):
+    if q.device.type == "cuda" and forward_kernel_for(q.shape, k.shape, q.device, backend) == "blockscaled":
+        return _blockscaled_backward(dout, q, k, v, out, lse, causal, scale, scale_mode)
     if q.device.type == "cuda":
         from mxattn.kernels.attn_bwd import Q_EXP_GROUP, attn_bwd_hopper
         from mxattn.kernels.quantize import row_scaled_triton
@@ -326,28 +343,32 @@ def _bwd_impl(dout, q, k, v, out, lse, causal: bool, scale: float, scale_mode: s
 @torch.library.custom_op("mxattn::attn_bwd", mutates_args=())
 def attn_bwd_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    causal: bool, scale: float, scale_mode: str, deterministic: bool,
+    causal: bool, scale: float, scale_mode: str, deterministic: bool, backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (dq, dk, dv) of ``attn_fwd`` in q's dtype (dk, dv summed over each kv head's query heads)."""
-    return _bwd_impl(dout, q, k, v, out, lse, causal, scale, scale_mode, deterministic)
+    """Gradients (dq, dk, dv) of ``attn_fwd`` in q's dtype (dk, dv summed over each kv head's query heads).
+    ``backend`` as the forward's: "blockscaled" (explicit, or "auto" on compute capability 10.x) runs the
+    ``tl.dot_scaled`` backward; every other choice the Hopper FP8 backward (``deterministic`` applies to it)."""
+    return _bwd_impl(dout, q, k, v, out, lse, causal, scale, scale_mode, deterministic, backend)
 
 
 @attn_bwd_op.register_fake
-def _attn_bwd_fake(dout, q, k, v, out, lse, causal, scale, scale_mode, deterministic):
+def _attn_bwd_fake(dout, q, k, v, out, lse, causal, scale, scale_mode, deterministic, backend="auto"):
     return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape)
 
 
 def _attn_fwd_setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, scale_mode, deterministic, _backend = inputs  # the backward re-quantizes: any backend
+    q, k, v, causal, scale, scale_mode, deterministic, backend = inputs  # the backward re-quantizes q, k, v
     out, lse = output
     ctx.causal, ctx.scale, ctx.scale_mode, ctx.deterministic = causal, scale, scale_mode, deterministic
+    ctx.backend = backend
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.mark_non_differentiable(lse)
 
 
 def _attn_fwd_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = attn_bwd_op(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.scale_mode, ctx.deterministic)
+    dq, dk, dv = attn_bwd_op(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.scale_mode, ctx.deterministic,
+                             ctx.backend)
     return dq, dk, dv, None, None, None, None, None
 
 
@@ -397,8 +418,9 @@ def mxfp8_attn_func(
             kernel on row-scaled FP8 operands), "gluon" (the warp-specialized Hopper kernel) or "blockscaled"
             (``tl.dot_scaled`` on the MX operands: native block-scaled MMA on Blackwell; correct but slow on Hopper,
             where Triton upcasts to bf16).  Any other value raises ValueError.  CPU tensors run the reference
-            whatever the backend.  The backward does not depend on it: every backend's backward is the Hopper FP8
-            backward kernel (it re-quantizes the saved float q, k, v); no block-scaled backward exists yet.
+            whatever the backend.  The backward follows it: "blockscaled" runs the ``tl.dot_scaled`` backward
+            (kernels/attn_bwd_blockscaled.py), the others the Hopper FP8 backward; both re-quantize the saved
+            float q, k, v.
 
     Float inputs are quantized to MXFP8 on the way in (q, k along D, v along S); MXTensor inputs are the
     end-to-end path.  Hq must be a multiple of Hkv (GQA/MQA); D in {64, 128}.  Returns the output in q's
