@@ -168,6 +168,16 @@ def _rows_row_scaled_kernel(
 
 
 @triton.jit
+def band_tile(pid, n_row_tiles, n_col_tiles, GROUP_M: tl.constexpr):
+    """Program -> (row tile, column tile), GROUP_M row tiles per band, column tiles slower inside a band: the
+    band's weight columns stay in L2 while its rows stream (also used by ``kernels.qkv_proj``, heads as columns)."""
+    per_band = GROUP_M * n_col_tiles
+    first = (pid // per_band) * GROUP_M
+    gsz = tl.minimum(n_row_tiles - first, GROUP_M)
+    return first + (pid % per_band) % gsz, (pid % per_band) // gsz
+
+
+@triton.jit
 def _linear_quant_kernel(
     x_ptr, sxm, xe_ptr,  # x' fp8 (B*S, K), unit stride along K; Ex int32 (B*S,)
     w_ptr, swn, we_ptr,  # W' fp8 (N, K), unit stride along K; Ew int32 (N,)
@@ -178,14 +188,7 @@ def _linear_quant_kernel(
     EVEN_K: tl.constexpr, PRECISE: tl.constexpr, HAS_BIAS: tl.constexpr,
     HDIM: tl.constexpr, SEQ: tl.constexpr, RCEIL: tl.constexpr, SOFT: tl.constexpr,
 ):
-    # program -> (row tile, column tile), GROUP_M row tiles per band so that a band's W columns stay in L2
-    pid = tl.program_id(0)
-    n_col_tiles = tl.cdiv(N, BN)
-    per_band = GROUP_M * n_col_tiles
-    first = (pid // per_band) * GROUP_M
-    gsz = tl.minimum(n_row_tiles - first, GROUP_M)
-    pid_m = first + (pid % per_band) % gsz
-    pid_n = (pid % per_band) // gsz
+    pid_m, pid_n = band_tile(tl.program_id(0), n_row_tiles, tl.cdiv(N, BN), GROUP_M)
     b = pid_m // n_m_tiles
     s0 = (pid_m % n_m_tiles) * BM
     n0 = pid_n * BN

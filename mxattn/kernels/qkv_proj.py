@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from mxattn.formats import RowScaledFP8
-from mxattn.kernels.linear_quant import _pow2_wide
+from mxattn.kernels.linear_quant import _pow2_wide, band_tile
 from mxattn.kernels.quantize import SEQ_ALIGN, _soft, _to_f32
 from mxattn.kernels.rmsnorm_quant import _emit_mx
 
@@ -103,13 +103,7 @@ def _qkv_proj_kernel(
 ):
     HD: tl.constexpr = D // 2
     # program -> (row tile, head), GROUP_M row tiles per band (linear_quant's order)
-    pid = tl.program_id(0)
-    n_heads = Hq + 2 * Hkv
-    per_band = GROUP_M * n_heads
-    first = (pid // per_band) * GROUP_M
-    gsz = tl.minimum(n_row_tiles - first, GROUP_M)
-    pid_m = first + (pid % per_band) % gsz
-    head = (pid % per_band) // gsz
+    pid_m, head = band_tile(tl.program_id(0), n_row_tiles, Hq + 2 * Hkv, GROUP_M)
     b = pid_m // n_m_tiles
     s0 = (pid_m % n_m_tiles) * BM
     n0 = head * D
