@@ -9,7 +9,6 @@ the same semantics), and ``bench_blockscaled()``, a speed helper that is not a t
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
@@ -23,15 +22,7 @@ from mxattn.kernels.attn_fwd_blockscaled import (
     from_blackwell_scale_layout,
     to_blackwell_scale_layout,
 )
-
-MARGIN_DB = 0.5
-BF16_FLOOR = 2.0**-8  # relative error norm floor: the kernel's output is rounded to bf16
-
-
-def _inputs(B, Sq, Sk, Hq, Hkv, D, device, seed):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    mk = lambda S, H: torch.randn(B, S, H, D, generator=g).to(device=device, dtype=torch.bfloat16)
-    return mk(Sq, Hq), mk(Sk, Hkv), mk(Sk, Hkv)
+from test_attn_fwd import BF16_FLOOR, MARGIN_DB, _inputs, check_forward_output  # the dense forward's bound
 
 
 def _check_against_reference(q, k, v, causal, softmax_scale=None, config=None):
@@ -39,26 +30,7 @@ def _check_against_reference(q, k, v, causal, softmax_scale=None, config=None):
     out, lse = attn_fwd_blockscaled(qm, km, vm, causal, softmax_scale, config=config)
     assert out.shape == q.shape and out.dtype == torch.bfloat16
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
-    truth, truth_lse = reference.attention_forward(qm, km, vm, causal=causal, softmax_scale=softmax_scale)
-    emul, _ = reference.attention_forward(qm, km, vm, causal=causal, softmax_scale=softmax_scale, quantize_p=True)
-    truth, truth_lse, emul = truth.cpu(), truth_lse.cpu(), emul.cpu()
-    out, lse = out.double().cpu(), lse.double().cpu()
-    assert not torch.isnan(out).any(), "kernel output has NaN where the truth is finite"
-    err_k = (out - truth).norm().item()
-    err_e = (emul - truth).norm().item()
-    bound = err_e * 10 ** (MARGIN_DB / 20) + BF16_FLOOR * truth.norm().item()
-    assert err_k <= bound, (
-        f"kernel SQNR {reference.sqnr_db(out, truth):.2f} dB vs emulation {reference.sqnr_db(emul, truth):.2f} dB"
-    )
-    finite = torch.isfinite(truth_lse)
-    assert torch.equal(torch.isinf(lse), ~finite), "lse must be -inf exactly on rows with nothing to attend"
-    if finite.any():
-        # lse carries P's e4m3 rounding through the row sum: |d lse| <= log(1 + 2^-4)
-        assert (lse[finite] - truth_lse[finite]).abs().max().item() <= math.log1p(2.0**-4)
-    empty_rows = ~finite  # (B, H, Sq)
-    if empty_rows.any():
-        assert out.permute(0, 2, 1, 3)[empty_rows].abs().max().item() == 0.0
-    return reference.sqnr_db(out, truth)
+    return check_forward_output(out, lse, qm, km, vm, causal, softmax_scale)
 
 
 def _interpreter_or_gpu():
