@@ -31,6 +31,15 @@ def stable_seed(*parts) -> int:
     return zlib.crc32("/".join(map(str, parts)).encode()) & 0x7FFFFFFF
 
 
+def require_kernels() -> str:
+    """Skip unless the ``tl`` kernels can run here (TRITON_INTERPRET=1, set above on machines without CUDA, or a
+    GPU); returns the device their tests use."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs TRITON_INTERPRET=1 on a machine without a GPU (conftest sets it)")
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @pytest.fixture
 def seed(request) -> int:
     s = stable_seed(request.node.nodeid, SESSION_SEED)

@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+from conftest import require_kernels
 
 from mxattn import interface, reference
 from mxattn.kernels.attn_fwd import FwdConfig
@@ -33,13 +34,6 @@ def _check_against_reference(q, k, v, causal, softmax_scale=None, config=None):
     return check_forward_output(out, lse, qm, km, vm, causal, softmax_scale)
 
 
-def _interpreter_or_gpu():
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-        pytest.skip("needs TRITON_INTERPRET=1 on a machine without a GPU (conftest sets it)")
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 # ---------------------------------------------------------------- CPU: interpreter mode, small odd shapes
 INTERP_CASES = [
     # B, Sq, Sk, Hq, Hkv, D, causal
@@ -55,7 +49,7 @@ INTERP_CASES = [
 
 @pytest.mark.parametrize("case", INTERP_CASES, ids=lambda c: "x".join(map(str, c[:6])) + ("c" if c[6] else ""))
 def test_blockscaled_interpreter(case, seed):
-    dev = _interpreter_or_gpu()
+    dev = require_kernels()
     B, Sq, Sk, Hq, Hkv, D, causal = case
     q, k, v = _inputs(B, Sq, Sk, Hq, Hkv, D, dev, seed)
     _check_against_reference(q, k, v, causal)
@@ -65,7 +59,7 @@ def test_blockscaled_interpreter(case, seed):
 def test_blockscaled_interpreter_small_tiles(causal, seed):
     """Small tiles: many q blocks and full + masked K/V tiles per row, a running max that moves, odd strides
     (q, k, v views of one packed tensor)."""
-    dev = _interpreter_or_gpu()
+    dev = require_kernels()
     qkv = torch.randn(1, 77, 3, 2, 64, generator=torch.Generator().manual_seed(seed)).to(dev, torch.bfloat16)
     q, k, v = qkv.unbind(2)
     k = k * 2  # sharper softmax: the running max matters
@@ -75,7 +69,7 @@ def test_blockscaled_interpreter_small_tiles(causal, seed):
 def test_blockscaled_interpreter_late_max_and_scale(seed):
     """The dominant key arrives in the last tile (earlier tiles rescaled in fp32, not re-quantized); a custom
     softmax_scale; V with tiny magnitudes (scale bytes far from 127)."""
-    dev = _interpreter_or_gpu()
+    dev = require_kernels()
     q, k, v = _inputs(1, 40, 150, 2, 2, 64, dev, seed)
     direction = torch.randn(1, 1, 2, 64, generator=torch.Generator().manual_seed(seed + 1)).to(dev, torch.bfloat16)
     q = 0.3 * q + direction
@@ -85,7 +79,7 @@ def test_blockscaled_interpreter_late_max_and_scale(seed):
 
 def test_blockscaled_mx_inputs_with_extreme_block_scales(seed):
     """Per-block scales that differ by 2^20 within a row: the kernel applies each block's scale (no re-expression)."""
-    dev = _interpreter_or_gpu()
+    dev = require_kernels()
     q, k, v = _inputs(1, 33, 65, 2, 1, 128, dev, seed)
     ramp = 2.0 ** torch.tensor([-10.0, 0.0, 10.0, 3.0], device=dev).repeat_interleave(32)
     q = q * ramp.to(q.dtype) * 2.0**-8
@@ -95,7 +89,7 @@ def test_blockscaled_mx_inputs_with_extreme_block_scales(seed):
 
 def test_blockscaled_nan_block_propagates(seed):
     """A NaN in K makes its block's scale byte 255: every row that sees that key is NaN, the others are not."""
-    dev = _interpreter_or_gpu()
+    dev = require_kernels()
     q, k, v = _inputs(1, 40, 70, 1, 1, 64, dev, seed)
     k[0, 50, 0, 3] = float("nan")
     qm, km, vm = interface.quantize_qkv(q, k, v)
@@ -290,7 +284,7 @@ BWD_CASES = [
 
 @pytest.mark.parametrize("case", BWD_CASES, ids=lambda c: "x".join(map(str, c[:6])) + ("c" if c[6] else ""))
 def test_blockscaled_backward_interpreter(case, seed):
-    dev = _interpreter_or_gpu()
+    dev = require_kernels()
     B, Sq, Sk, Hq, Hkv, D, causal = case
     _check_bwd(*_inputs(B, Sq, Sk, Hq, Hkv, D, dev, seed), causal, seed)
 
@@ -380,7 +374,7 @@ if __name__ == "__main__":  # python tests/test_attn_blockscaled.py  (GPU): prin
 def test_api_blockscaled_backward_wiring_interpreter(seed):
     """The API's block-scaled backward (quantize q, k in both orientations and v along D with the Triton quantizer,
     then ``attn_bwd_blockscaled``) under the interpreter, against the reference backward of the same call."""
-    _interpreter_or_gpu()
+    require_kernels()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     q, k, v = _inputs(1, 70, 90, 2, 1, 64, dev, seed)
     scale = 64 ** -0.5

@@ -11,10 +11,10 @@ CPU: the ``tl`` kernels under TRITON_INTERPRET=1 at tiny shapes.  GPU (marker ``
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
+from conftest import require_kernels
 
 from mxattn import formats, reference
 from mxattn.formats import mx_block_exponents, round_to_e4m3
@@ -244,12 +244,6 @@ def _inputs(B, Sq, Sk, Hq, Hkv, D, device, seed):
     return mk(Sq, Hq), mk(Sk, Hkv), mk(Sk, Hkv), mk(Sq, Hq)
 
 
-def _need_kernels():
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-        pytest.skip("needs TRITON_INTERPRET=1 on a machine without a GPU (the test runner sets it)")
-
-
 # ---------------------------------------------------------------- CPU: interpreter mode, tiny shapes
 INTERP_CASES = [
     # B, Sq, Sk, Hq, Hkv, D, causal, deterministic
@@ -268,7 +262,7 @@ def _case_id(c):
 
 @pytest.mark.parametrize("case", INTERP_CASES, ids=_case_id)
 def test_attn_bwd_interpreter(case, seed):
-    _need_kernels()
+    require_kernels()
     B, Sq, Sk, Hq, Hkv, D, causal, det = case
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     q, k, v, do = _inputs(B, Sq, Sk, Hq, Hkv, D, dev, seed)
@@ -278,7 +272,7 @@ def test_attn_bwd_interpreter(case, seed):
 @pytest.mark.parametrize("det", [False, True], ids=["atomic", "deterministic"])
 def test_attn_bwd_interpreter_per_key_scale(det, seed):
     """The per-key dS scale for dK (``BwdConfig(ds_tile_scale=False)``) meets the same bound."""
-    _need_kernels()
+    require_kernels()
     bwd = _bwd()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     q, k, v, do = _inputs(1, 100, 140, 2, 1, 64, dev, seed)
@@ -290,7 +284,7 @@ def test_attn_bwd_interpreter_per_key_scale(det, seed):
 def test_attn_bwd_interpreter_ds_exponent_moves(det, seed):
     """dS magnitudes jump by 2^8 between query tiles and by 2^5 between key tiles, so the dS exponents leave the
     hysteresis window and the dK / dQ accumulators are rescaled (up and down) mid-loop."""
-    _need_kernels()
+    require_kernels()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     q, k, v, do = _inputs(1, 200, 200, 2, 1, 64, dev, seed)
     do[:, 64:128] *= 2.0**8
@@ -303,7 +297,7 @@ def test_attn_bwd_interpreter_ds_exponent_moves(det, seed):
 def test_attn_bwd_interpreter_ds_exponent_drops_120_binades(tile_scale, seed):
     """dO (so dS) drops by 2^120 between query tiles: the dK/dQ accumulators may not follow the exponent all the
     way down (rescaling by 2^120 overflowed fp32 to inf before the bound in ``_bounded_exp``)."""
-    _need_kernels()
+    require_kernels()
     bwd = _bwd()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     q, k, v, do = _inputs(1, 200, 200, 2, 1, 64, dev, seed)
@@ -315,7 +309,7 @@ def test_attn_bwd_interpreter_ds_exponent_drops_120_binades(tile_scale, seed):
 
 def test_attn_bwd_interpreter_scale_and_smaller_tiles(seed):
     """A non-default softmax scale and BLOCK_N 64 (two tiles share one K/V exponent group)."""
-    _need_kernels()
+    require_kernels()
     bwd = _bwd()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     q, k, v, do = _inputs(1, 90, 200, 2, 2, 64, dev, seed)
@@ -327,7 +321,7 @@ def test_attn_bwd_interpreter_scale_and_smaller_tiles(seed):
 @pytest.mark.parametrize("det", [False, True], ids=["atomic", "deterministic"])
 def test_attn_bwd_interpreter_per_row_q(det, seed):
     """The forward's Q operand (one exponent per row: per-query vectors in the kernels) gives the same numbers."""
-    _need_kernels()
+    require_kernels()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     q, k, v, do = _inputs(1, 80, 100, 2, 1, 64, dev, seed)
     _check(q, k, v, do, True, deterministic=det, q_rows=1)
@@ -335,7 +329,7 @@ def test_attn_bwd_interpreter_per_row_q(det, seed):
 
 def test_attn_bwd_preprocess_delta(seed):
     """delta = rowsum(dO_hdim ∘ O) with dO the hdim-quantized gradient (the dO that dP uses); dO's two layouts."""
-    _need_kernels()
+    require_kernels()
     bwd = _bwd()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     _, _, _, do = _inputs(2, 45, 1, 3, 1, 64, dev, seed)

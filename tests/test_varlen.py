@@ -18,6 +18,7 @@ import os
 
 import pytest
 import torch
+from conftest import require_kernels
 
 from mxattn import formats, interface, reference
 from mxattn.interface import mxfp8_attn_func, mxfp8_attn_varlen_func
@@ -26,11 +27,6 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 MARGIN_DB = 0.5
 BF16_FLOOR = 2.0**-8
 U8 = torch.uint8
-
-
-def _interp_or_gpu():
-    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-        pytest.skip("needs TRITON_INTERPRET=1 on a machine without a GPU (conftest sets it)")
 
 
 def _cu(lens, device=DEV) -> torch.Tensor:
@@ -108,7 +104,7 @@ LENS = [0, 1, 31, 33, 127, 129, 0, 5]
 @pytest.mark.parametrize("role", ["q", "k", "v"])
 @pytest.mark.parametrize("dtype,mode", [(torch.bfloat16, "rceil"), (torch.float32, "floor")])
 def test_producers_match_torch_twins(role, dtype, mode, seed):
-    _interp_or_gpu()
+    require_kernels()
     from mxattn.kernels import varlen as V
 
     x = _adversarial(LENS, 2, 64, seed, dtype)
@@ -121,7 +117,7 @@ def test_producers_match_torch_twins(role, dtype, mode, seed):
 
 
 def test_producers_nan_inf_stay_in_their_sequence(seed):
-    _interp_or_gpu()
+    require_kernels()
     from mxattn.kernels import varlen as V
 
     lens = [33, 40, 5]
@@ -139,7 +135,7 @@ def test_producers_nan_inf_stay_in_their_sequence(seed):
 
 def test_producers_equal_dense_producers_per_sequence(seed):
     """Each sequence's operands are the dense producers' operands of that sequence alone."""
-    _interp_or_gpu()
+    require_kernels()
     from mxattn.kernels import varlen as V
     from mxattn.kernels.quantize import row_scaled_triton
 
@@ -264,7 +260,7 @@ INTERP_CASES = [
 
 @pytest.mark.parametrize("case", INTERP_CASES, ids=lambda c: f"{len(c[0])}seq-h{c[2]}/{c[3]}-d{c[4]}" + ("-c" if c[5] else ""))
 def test_varlen_kernel_interpreter(case, seed):
-    _interp_or_gpu()
+    require_kernels()
     lq, lk, Hq, Hkv, D, causal = case
     lk = lk or lq
     q = _packed(lq, Hq, D, seed)
@@ -274,7 +270,7 @@ def test_varlen_kernel_interpreter(case, seed):
 
 def test_varlen_kernel_equals_dense_kernel_per_sequence(seed):
     """Same kernel, same tiles: every sequence's rows equal the dense kernel on that sequence alone, bit for bit."""
-    _interp_or_gpu()
+    require_kernels()
     from mxattn.kernels.attn_fwd import attn_fwd_hopper, attn_fwd_hopper_varlen
     from mxattn.kernels.quantize import row_scaled_triton
     from mxattn.kernels.varlen import varlen_operands
@@ -306,7 +302,7 @@ def _pad(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def test_random_padding_masks(seed):
     """Random padding masks (any pattern, all-real and all-padding rows included) turned into cu_seqlens: each row's
     real tokens attend to each other only, as a dense call on that row's real tokens would."""
-    _interp_or_gpu()
+    require_kernels()
     g = torch.Generator().manual_seed(seed)
     B, S, Hq, Hkv, D = 4, 70, 2, 1, 64
     fill = torch.tensor([0.0, 1.0, 0.5, 0.2])
@@ -330,7 +326,7 @@ def test_random_padding_masks(seed):
 
 
 def test_kernel_empty_batches(seed):
-    _interp_or_gpu()
+    require_kernels()
     from mxattn.kernels.attn_fwd import attn_fwd_hopper_varlen
     from mxattn.kernels.varlen import varlen_operands
 

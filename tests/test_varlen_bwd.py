@@ -21,6 +21,7 @@ import os
 
 import pytest
 import torch
+from conftest import require_kernels
 
 from mxattn import formats, reference
 from test_attn_bwd import EMUL_MIN_DB, _emulate  # noqa: E402 (tests/ is on sys.path: pytest rootdir conftest)
@@ -31,11 +32,6 @@ BF16_FLOOR = 2.0**-8
 GRADS = ("dq", "dk", "dv")
 ON_GPU = torch.cuda.is_available()
 DEV = "cuda" if ON_GPU else "cpu"
-
-
-def _interp_or_gpu():
-    if os.environ.get("TRITON_INTERPRET") != "1" and not ON_GPU:
-        pytest.skip("needs TRITON_INTERPRET=1 on a machine without a GPU (conftest sets it)")
 
 
 def _bwd():
@@ -201,7 +197,7 @@ def _case_id(c):
 
 @pytest.mark.parametrize("case", INTERP_CASES, ids=_case_id)
 def test_varlen_bwd_interpreter(case, seed):
-    _interp_or_gpu()
+    require_kernels()
     lq, lk, Hq, Hkv, D, causal, det = case
     _check_varlen_bwd(lq, lk or lq, Hq, Hkv, D, causal, det, seed)
 
@@ -209,7 +205,7 @@ def test_varlen_bwd_interpreter(case, seed):
 def test_varlen_bwd_interpreter_d128_small_tiles_generous_max(seed):
     """D=128, MQA, BLOCK_N 64 (two kv tiles share a K exponent group), a non-default softmax scale, and max_seqlen
     larger than the longest sequence (extra programs return at once)."""
-    _interp_or_gpu()
+    require_kernels()
     cfg = _bwd().BwdConfig(32, 64, 4, 2, 32, 64, 4, 2)
     _check_varlen_bwd([65, 3], [130, 1], 2, 1, 128, True, True, seed, softmax_scale=0.15, config=cfg, extra_max=70)
 
@@ -217,20 +213,20 @@ def test_varlen_bwd_interpreter_d128_small_tiles_generous_max(seed):
 @pytest.mark.parametrize("det", [False, True], ids=["atomic", "deterministic"])
 def test_varlen_bwd_interpreter_per_row_q(det, seed):
     """q in the forward's per-row layout (``varlen_q_operand``) instead of groups of 128 rows."""
-    _interp_or_gpu()
+    require_kernels()
     _check_varlen_bwd([40, 0, 70], [33, 5, 100], 2, 1, 64, True, det, seed, q_rows=1)
 
 
 def test_varlen_bwd_equals_dense_kernel_per_sequence_interpreter(seed):
     """Same kernels, same tiles: every sequence's gradients equal the dense backward on that sequence alone.
     Deterministic dQ: all three bit for bit; atomic dQ: dk, dv bit for bit, dq up to the order of the fp32 adds."""
-    _interp_or_gpu()
+    require_kernels()
     _equal_to_dense_per_sequence([70, 1, 0], [129, 5, 3], 2, 1, 64, seed, causal=True, atomic_dq_db=60.0)
 
 
 def test_varlen_bwd_producers_match_torch_twins(seed):
     """varlen_bwd_operands / varlen_dout_operands (Triton) equal their PyTorch twins byte for byte."""
-    _interp_or_gpu()
+    require_kernels()
     from mxattn.kernels import varlen as V
 
     lq, lk = [0, 1, 33, 129], [3, 0, 31, 65]
@@ -248,7 +244,7 @@ def test_varlen_bwd_producers_match_torch_twins(seed):
 
 
 def test_varlen_bwd_empty_batches(seed):
-    _interp_or_gpu()
+    require_kernels()
     bwd = _bwd()
     for lq, lk in (([], []), ([0, 0], [0, 3]), ([4, 2], [0, 0])):
         q, k, v, do = _inputs(lq, lk, 2, 1, 64, seed)
