@@ -6,6 +6,8 @@
 #   tests      every `gpu`-marked test except the Gluon kernel's (which could hang on a barrier bug)
 #   gluon      the warp-specialized Gluon forward: compile check, small tests, all tests, speed vs tl and cuDNN
 #   bwd        backward kernels vs SDPA (python -m mxattn.kernels.attn_bwd)
+#   bwdsweep   backward tile sweep (SWEEP_CONFIGS) at S 8k, kernels only
+#   profile    scripts/profile_attn.py: kernel-by-kernel device time of one public call, fwd and fwd+bwd, vs cuDNN
 #   bench      `mxattn bench`: forward/backward vs SDPA cuDNN/flash BF16, JSON + PNG
 #   accuracy   `mxattn accuracy` with the GPU kernel row
 #   quant      quantization kernels vs device copy
@@ -53,6 +55,10 @@ for st in $STAGES; do
       run $PY tests/test_attn_fwd_gluon.py --quick --sweep --out "$OUT/gluon_vs_tl.json" ;;
     bwd)
       run $PY -m mxattn.kernels.attn_bwd --out "$OUT" ;;
+    bwdsweep)
+      run $PY -m mxattn.kernels.attn_bwd --out "$OUT" --sweep ;;
+    profile)
+      run $PY scripts/profile_attn.py --out "$OUT" ${PROFILE_ARGS:-} ;;
     bench)
       run $PY -m mxattn bench --out "$OUT" ${BENCH_ARGS:-} ;;
     accuracy)

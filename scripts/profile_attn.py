@@ -1,0 +1,110 @@
+"""Where the time of one attention call goes, kernel by kernel (GPU only).
+
+    PYTHONPATH=. python scripts/profile_attn.py --out DIR [--shapes B,H,S,D,causal ...]
+
+For each shape: the public ``mxfp8_attn_func`` forward and forward+backward from BF16 inputs, and SDPA cuDNN BF16
+in the same run, under ``torch.profiler``. Prints the CUDA kernels sorted by device time (per call) and the wall
+time per call, and writes ``profile_attn.json`` with the same numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+
+def _kernel_table(prof, calls: int) -> list[dict]:
+    rows = []
+    for ev in prof.key_averages():
+        dev_us = getattr(ev, "self_device_time_total", None)
+        if dev_us is None:
+            dev_us = getattr(ev, "self_cuda_time_total", 0.0)
+        if dev_us <= 0:
+            continue
+        rows.append({"kernel": ev.key[:90], "us_per_call": dev_us / calls, "launches_per_call": ev.count / calls})
+    rows.sort(key=lambda r: -r["us_per_call"])
+    return rows
+
+
+def _wall_us(fn, calls: int) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def profile_shape(B: int, H: int, S: int, D: int, causal: bool, calls: int = 10) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.profiler import ProfilerActivity, profile
+
+    from mxattn import mxfp8_attn_func
+
+    g = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
+    q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+    def fwd():
+        with torch.no_grad():
+            mxfp8_attn_func(q, k, v, causal=causal)
+
+    def fwd_bwd():
+        o = mxfp8_attn_func(qg, kg, vg, causal=causal)
+        o.backward(do)
+
+    qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+
+    def sdpa_fwd():
+        with torch.no_grad(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+    def sdpa_fwd_bwd():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        o.backward(do.transpose(1, 2))
+
+    out = {"B": B, "H": H, "S": S, "D": D, "causal": causal}
+    for name, fn in (("mxattn_fwd", fwd), ("mxattn_fwd_bwd", fwd_bwd), ("sdpa_cudnn_fwd", sdpa_fwd),
+                     ("sdpa_cudnn_fwd_bwd", sdpa_fwd_bwd)):
+        for _ in range(3):
+            fn()
+        wall = _wall_us(fn, calls)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        table = _kernel_table(prof, calls)
+        out[name] = {"wall_us": wall, "device_us": sum(r["us_per_call"] for r in table), "kernels": table}
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--shapes", nargs="*", default=["2,16,8192,128,0", "2,16,2048,128,0", "8,16,2048,64,0",
+                                                   "2,16,4096,128,1"])
+    args = ap.parse_args(argv)
+    results = []
+    for s in args.shapes:
+        B, H, S, D, c = (int(x) for x in s.split(","))
+        r = profile_shape(B, H, S, D, bool(c))
+        results.append(r)
+        print(f"\n##### B{B} H{H} S{S} D{D} causal={bool(c)}")
+        for name in ("mxattn_fwd", "mxattn_fwd_bwd", "sdpa_cudnn_fwd", "sdpa_cudnn_fwd_bwd"):
+            d = r[name]
+            print(f"== {name}: wall {d['wall_us']:.0f} us/call, kernels {d['device_us']:.0f} us/call")
+            for row in d["kernels"][:14]:
+                print(f"   {row['us_per_call']:9.1f} us  x{row['launches_per_call']:.0f}  {row['kernel']}")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "profile_attn.json"), "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
