@@ -10,7 +10,6 @@ time per call, and writes ``profile_attn.json`` with the same numbers.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
@@ -101,9 +100,9 @@ def main(argv=None) -> None:
             print(f"== {name}: wall {d['wall_us']:.0f} us/call, kernels {d['device_us']:.0f} us/call")
             for row in d["kernels"][:14]:
                 print(f"   {row['us_per_call']:9.1f} us  x{row['launches_per_call']:.0f}  {row['kernel']}")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "profile_attn.json"), "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": results}, f, indent=1)
+    from mxattn.bench.results import write_result
+
+    print(write_result("profile_attn", results, args.out))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ WHATS = (
     "attn_fwd",
     "attn_fwd_cuda_graph",
     "attn_bwd",
+    "attn_bwd_kernels",
+    "profile_attn",
     "quantize",
     "rmsnorm_quant",
     "linear_quant",

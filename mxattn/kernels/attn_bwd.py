@@ -1129,7 +1129,7 @@ def _main(argv: Optional[Sequence[str]] = None) -> None:
     for r in rows:
         print({k: r.get(k) for k in ("Sq", "D", "causal", "Hkv", "deterministic", "config", "tflops",
                                       "ratio_vs_sdpa_cudnn_bf16", "error")}, flush=True)
-    print(write_result("attn_bwd", rows, args.out, extra={"notes": what_note}))
+    print(write_result("attn_bwd_kernels", rows, args.out, extra={"notes": what_note}))
 
 
 if __name__ == "__main__":
