@@ -1,0 +1,71 @@
+"""Host (CPU) microseconds per call of each layer of the attention call stack (GPU machine).
+
+    PYTHONPATH=. python scripts/host_timing.py [--calls N]
+
+The shape is tiny (B1 S128 H2 D128), so the GPU finishes each kernel long before the CPU launches the next and
+the time per call is the host's. Layers, innermost first: one quantize launch, the forward kernel on prepared
+operands, the backward kernels on prepared operands, the custom ops, the public call, forward+backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def host_us(fn, calls: int) -> float:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return t / calls * 1e6
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=200)
+    args = ap.parse_args(argv)
+    from mxattn import mxfp8_attn_func
+    from mxattn.interface import attn_bwd_op, attn_fwd_op
+    from mxattn.kernels.attn_bwd import Q_EXP_GROUP, attn_bwd_hopper, attn_bwd_preprocess
+    from mxattn.kernels.attn_fwd import attn_fwd_hopper
+    from mxattn.kernels.quantize import row_scaled_triton
+
+    B, S, H, D = 1, 128, 2, 128
+    q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    qr, kr, vr = row_scaled_triton(q, "q"), row_scaled_triton(k, "k"), row_scaled_triton(v, "v")
+    out, lse = attn_fwd_hopper(qr, kr, vr)
+    qb, vh, qs, ks = (row_scaled_triton(q, "k", k_group=Q_EXP_GROUP), row_scaled_triton(v, "k"),
+                      row_scaled_triton(q, "v"), row_scaled_triton(k, "v"))
+    scale = D ** -0.5
+    cases = [
+        ("torch.empty_like", lambda: torch.empty_like(q)),
+        ("bf16 add (one ATen kernel)", lambda: q + k),
+        ("row_scaled_triton q (1 launch)", lambda: row_scaled_triton(q, "q")),
+        ("row_scaled_triton k (1 launch)", lambda: row_scaled_triton(k, "k")),
+        ("row_scaled_triton v (2 launches)", lambda: row_scaled_triton(v, "v")),
+        ("attn_fwd_hopper (1 launch)", lambda: attn_fwd_hopper(qr, kr, vr)),
+        ("attn_bwd_preprocess", lambda: attn_bwd_preprocess(out, do)),
+        ("attn_bwd_hopper atomic", lambda: attn_bwd_hopper(qb, kr, vh, qs, ks, out, do, lse)),
+        ("attn_bwd_hopper deterministic", lambda: attn_bwd_hopper(qb, kr, vh, qs, ks, out, do, lse,
+                                                                  deterministic=True)),
+        ("attn_fwd_op", lambda: attn_fwd_op(q, k, v, False, scale, "rceil", False)),
+        ("attn_bwd_op", lambda: attn_bwd_op(do, q, k, v, out, lse, False, scale, "rceil", False)),
+        ("mxfp8_attn_func no_grad", lambda: torch.no_grad()(mxfp8_attn_func)(q, k, v)),
+        ("mxfp8_attn_func with grad (fwd only)", lambda: mxfp8_attn_func(qg, kg, vg)),
+        ("mxfp8_attn_func fwd+bwd", lambda: mxfp8_attn_func(qg, kg, vg).backward(do)),
+    ]
+    print(f"host us per call, B{B} S{S} H{H} D{D}, {args.calls} calls each")
+    for name, fn in cases:
+        print(f"{host_us(fn, args.calls):9.1f}  {name}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
