@@ -35,6 +35,24 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_eager_path_skips_the_custom_op_and_matches_it(device, seed):
+    """Eager calls take ``_EagerAttention`` (no torch.library dispatch: host time) and give the custom op's output
+    and gradients bit for bit; under no_grad no autograd node is made at all."""
+    q, k, v = _qkv(Sq=37, Sk=45, Hq=4, Hkv=2, device=device, requires_grad=True)
+    out = mxfp8_attn_func(q, k, v, causal=True, deterministic=True)  # no atomics: bitwise comparable on the GPU
+    assert type(out.grad_fn).__name__.startswith("_EagerAttention"), out.grad_fn
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_out, _ = attn_fwd_op(q, k, v, True, 64**-0.5, "rceil", True)
+    ref_grads = torch.autograd.grad(ref_out, (q, k, v), dout)
+    assert torch.equal(out, ref_out)
+    for a, b in zip(grads, ref_grads):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        assert mxfp8_attn_func(q, k, v, causal=True).grad_fn is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,dtype,causal", OPCHECK_SHAPES)
 def test_opcheck_attn_fwd(B, Sq, Sk, Hq, Hkv, D, dtype, causal, device, seed):
     """Schema, fake tensor (shapes, dtypes, strides), autograd registration and AOT dispatch of the forward op."""
