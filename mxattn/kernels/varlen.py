@@ -523,7 +523,8 @@ def jagged_lengths(batch: int, mean: int, seed: int = 0) -> list[int]:
 
 
 def bench_varlen(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, heads_kv: int = 16, head_dim: int = 128,
-                 causal: bool = False, seed: int = 0, lengths: Optional[list[int]] = None) -> dict:
+                 causal: bool = False, seed: int = 0, lengths: Optional[list[int]] = None,
+                 with_sdpa: bool = True) -> dict:
     """Time the jagged forward on a ~50%-fill batch against the dense kernel (CUDA).
 
     Lengths uniform in [1, 2 mean_len - 1] (or ``lengths``).  Timed, kernel only (operands made once): the varlen
@@ -531,7 +532,9 @@ def bench_varlen(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, heads
     (batch, mean_len), i.e. about as many real tokens.  FLOPs are counted on real tokens only:
     sum_b 4 Hq len_b^2 D (half when causal).  Returns a row for ``benchmarks/results`` (what="varlen_fwd"):
     times in ms, TFLOP/s on real FLOPs, ``speedup_vs_padded`` (padded dense time / varlen time) and
-    ``rate_vs_dense`` (varlen TFLOP/s / dense TFLOP/s at (batch, mean_len)).  Also the producers' time.
+    ``rate_vs_dense`` (varlen TFLOP/s / dense TFLOP/s at (batch, mean_len)).  Also the producers' time and, with
+    ``with_sdpa``, SDPA cuDNN / flash BF16 on the batch padded to its longest sequence
+    (``speedup_vs_sdpa_cudnn_padded``: SDPA time / varlen time).
     """
     from triton.testing import do_bench
 
@@ -561,16 +564,33 @@ def bench_varlen(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, heads
 
     t_pad = dense_ms(smax)
     t_mean = dense_ms(mean_len)
+    sdpa = {}
+    if with_sdpa:  # SDPA BF16 on the same batch padded to its longest sequence (B, H, smax, D)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        pad = lambda h: torch.randn(B, h, smax, D, device=dev, dtype=torch.bfloat16, generator=g)
+        qp, kp, vp = pad(heads_q), pad(heads_kv), pad(heads_kv)
+        for name, be in (("sdpa_cudnn_bf16_padded", SDPBackend.CUDNN_ATTENTION),
+                         ("sdpa_flash_bf16_padded", SDPBackend.FLASH_ATTENTION)):
+            try:
+                with sdpa_kernel(be):
+                    sdpa[name] = do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+                        qp, kp, vp, is_causal=causal, enable_gqa=heads_q != heads_kv))
+            except RuntimeError:  # a backend that refuses the shape is left out
+                pass
     half = 0.5 if causal else 1.0
     real = sum(4.0 * heads_q * n * n * D for n in lens) * half
     dense_flops = 4.0 * B * heads_q * mean_len * mean_len * D * half
     tf = lambda flops, ms: flops / (ms * 1e-3) / 1e12
+    cu_ms = sdpa.get("sdpa_cudnn_bf16_padded")
     return {
         "B": B, "Hq": heads_q, "Hkv": heads_kv, "D": D, "causal": causal, "mean_len": mean_len, "max_len": smax,
         "tokens": T, "fill": T / (B * smax),
-        "ms": {"varlen": t_var, "dense_padded": t_pad, "dense_mean": t_mean, "producers": t_prod},
-        "tflops": {"varlen": tf(real, t_var), "dense_padded_real": tf(real, t_pad), "dense_mean": tf(dense_flops, t_mean)},
+        "ms": {"varlen": t_var, "dense_padded": t_pad, "dense_mean": t_mean, "producers": t_prod, **sdpa},
+        "tflops": {"varlen": tf(real, t_var), "dense_padded_real": tf(real, t_pad), "dense_mean": tf(dense_flops, t_mean),
+                   **{k + "_real": tf(real, ms) for k, ms in sdpa.items()}},
         "speedup_vs_padded": t_pad / t_var,
+        "speedup_vs_sdpa_cudnn_padded": (cu_ms / t_var) if cu_ms else None,
         "rate_vs_dense": tf(real, t_var) / tf(dense_flops, t_mean),
     }
 
