@@ -32,6 +32,8 @@ WHATS = (
     "attn_bwd",
     "attn_bwd_kernels",
     "profile_attn",
+    "host_timing",
+    "memory",
     "quantize",
     "rmsnorm_quant",
     "linear_quant",
