@@ -191,7 +191,7 @@ def _check(q, k, v, dout, causal, *, deterministic=False, softmax_scale=None, co
         out = out_p.to(torch.bfloat16)
         lse = lse.float()
     out, lse = out.to(q.device), lse.to(q.device)
-    cfg = config or bwd.default_config(D, causal)
+    cfg = config or bwd.default_config(D, causal, q.shape[2] // max(k.shape[2], 1))
     grads = bwd.attn_bwd_hopper(ops["q"], ops["k"], ops["v_hdim"], ops["q_seq"], ops["k_seq"], out, dout, lse,
                                 causal=causal, softmax_scale=softmax_scale, deterministic=deterministic, config=cfg)
     truth = reference.attention_backward(mx["q"], mx["k"], mx["v"], out_exact, dout, causal=causal,
@@ -199,7 +199,7 @@ def _check(q, k, v, dout, causal, *, deterministic=False, softmax_scale=None, co
     emul = reference.attention_backward(
         mx["q"], mx["k"], mx["v"], out, dout, causal=causal, softmax_scale=scale, quantize_p=True, quantize_ds=True,
         quantize_do=True, q_seq=mx["q_seq"], k_seq=mx["k_seq"], v_hdim=mx["v_hdim"])
-    own = _emulate(ops, dout, out, lse, causal, scale, cfg, deterministic)
+    own = _emulate(ops, dout, out, lse, causal, scale, cfg, deterministic or cfg.dq_kernel)
     # absolute floor for gradients that are zero in exact arithmetic (one key: dS = dP - delta = 0): dP - delta
     # cancels to the accumulation error of dO . V, ~2^-20 of scale * sum_d |dO_d V_d| in fp32 (interpreter) and
     # ~2^-14 on the GPU (FP8 wgmma keeps ~14 bits, see EMUL_MIN_DB); twice that per dS element (largest over
@@ -267,6 +267,27 @@ def test_attn_bwd_interpreter(case, seed):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     q, k, v, do = _inputs(B, Sq, Sk, Hq, Hkv, D, dev, seed)
     _check(q, k, v, do, causal, deterministic=det)
+
+
+@pytest.mark.parametrize("causal,Hkv,D,want", [(False, 2, 128, True), (True, 1, 128, True), (True, 2, 128, False),
+                                               (False, 2, 64, False)])
+def test_attn_bwd_default_dq_kernel_choice(causal, Hkv, D, want, seed):
+    """``default_config`` sends dQ through the second kernel where it measured faster (d128, not causal or GQA):
+    there the default call gives the deterministic path's bits; elsewhere it keeps the atomic path."""
+    require_kernels()
+    bwd = _bwd()
+    assert bwd.default_config(D, causal, 2 // Hkv).dq_kernel == want
+    if not want:
+        return
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v, do = _inputs(1, 70, 90, 2, Hkv, D, dev, seed)
+    _, ops = _operands(q, k, v, q.is_cuda)
+    out, lse = torch.randn_like(q), torch.rand(1, 2, 70, device=dev) + 3.0
+    args = (ops["q"], ops["k"], ops["v_hdim"], ops["q_seq"], ops["k_seq"], out, do, lse)
+    a = bwd.attn_bwd_hopper(*args, causal=causal)
+    b = bwd.attn_bwd_hopper(*args, causal=causal, deterministic=True)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["atomic", "deterministic"])

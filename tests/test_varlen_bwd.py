@@ -106,7 +106,7 @@ def _check_varlen_bwd(lq, lk, Hq, Hkv, D, causal, deterministic, seed, softmax_s
     cu_q, cu_k = _cu(lq, q.device), _cu(lk, q.device)
     mq, mk = max(lq, default=0) + extra_max, max(lk, default=0) + extra_max
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
-    cfg = config or bwd.default_config(D, causal)
+    cfg = config or bwd.default_config(D, causal, Hq // max(Hkv, 1))
     ops = _operands(q, k, v, cu_q, cu_k, mq, mk)
     if q_rows == 1:  # the forward's Q layout (one exponent per row): per-query vectors in the kernels
         from mxattn.kernels import varlen as V
@@ -153,7 +153,7 @@ def _check_varlen_bwd(lq, lk, Hq, Hkv, D, causal, deterministic, seed, softmax_s
                                          k_seq=mx["k_seq"], v_hdim=mx["v_hdim"])
         ops_b = {n: op.sequence(b) for n, op in zip(names, ops)}
         ops_b = {n: formats.RowScaledFP8(o.data.cpu(), o.exp.cpu(), o.dim, o.group_dim, o.group) for n, o in ops_b.items()}
-        own = _emulate(ops_b, dob, ob, lb, causal, scale, cfg, deterministic)
+        own = _emulate(ops_b, dob, ob, lb, causal, scale, cfg, deterministic or cfg.dq_kernel)
         fl = _seq_floor(ops_b, qb, kb, dob, scale, q.is_cuda)
         for i, (name, s) in enumerate(zip(GRADS, (sq, sk, sk))):
             truth[i][s] += t[i][0]

@@ -91,9 +91,11 @@ class BwdConfig:
     dq_num_warps: int = 8
     dq_num_stages: int = 2
     ds_tile_scale: bool = True  # one dS scale per tile; False: per key for dK (module docstring)
+    # dQ from the second kernel (the deterministic path) even when atomics are allowed: faster for some shapes
+    dq_kernel: bool = False
 
 
-def default_config(head_dim: int, causal: bool) -> BwdConfig:
+def default_config(head_dim: int, causal: bool, group: int = 1) -> BwdConfig:
     """Tiles chosen from ptxas register reports of the sm_90a build with triton 3.6 (docs/perf-notes-attn-bwd.md),
     to be confirmed by GPU sweeps (``bench_attn_bwd``):
 
@@ -103,9 +105,12 @@ def default_config(head_dim: int, causal: bool) -> BwdConfig:
       BM=32 spills less but issues ~1.5x the instructions per score; 4 warps x 64 keys spills more.
     * dQ (deterministic): 128 queries x 64 keys, 8 warps, like the forward: 201 registers, no spills.  64 rows
       with 8 warps would make Triton give both warpgroups the same 64 rows (twice the exp2 and MMA work).
+    * ``dq_kernel`` (``group`` = Hq / Hkv): measured on the H200 (``attn_bwd_kernels`` results, B2 H16 S8k d128,
+      same run), the separate dQ kernel beats fp32 atomics at d128 when not causal (9.6 vs 12.1 ms) and with GQA
+      (Hkv 2, causal: 6.0 vs 8.1 ms), loses when causal without GQA (6.6 vs 5.4 ms) and at d64 (B8 S2k: 2.2 vs
+      1.9 ms).  Every dq_kernel path is the one the deterministic GPU tests run.
     """
-    del head_dim, causal
-    return BwdConfig()
+    return BwdConfig(dq_kernel=head_dim == 128 and (not causal or group > 1))
 
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -777,15 +782,17 @@ def attn_bwd_hopper(
     lse:    the forward's (B, Hq, Sq) float32 natural-log sum of exp (-inf for rows that see nothing).
     Data strides are free, but the kernels are fast only with the layouts above (D contiguous for hdim, S for seq).
     deterministic: dQ from a second kernel instead of fp32 atomics (bit-identical over runs, 8 products per tile
-    pair instead of 5).
+    pair instead of 5).  ``config.dq_kernel`` (``default_config`` sets it where it measured faster) takes that
+    path without being asked.
     Returns dq (B, Sq, Hq, D), dk, dv (B, Sk, Hkv, D) in ``grad_dtype``, contiguous.  dK and dV are summed over
     the query heads of each kv head's group.  Semantics: ``reference.attention_backward`` with quantize_p,
     quantize_ds and quantize_do on, up to the dS/dO scale granularity described in the module docstring.
     """
     B, Sq, Hq, D = q.data.shape
     Sk, Hkv = k.data.shape[1], k.data.shape[2]
-    cfg = config or default_config(D, causal)
+    cfg = config or default_config(D, causal, Hq // max(Hkv, 1))
     qg = _check_operands(q, k, v_hdim, q_seq, k_seq, out, dout, lse, cfg)
+    deterministic = deterministic or cfg.dq_kernel  # from here on: "dQ from the second kernel"
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     dev = q.data.device
@@ -939,7 +946,8 @@ def attn_bwd_hopper_varlen(
     """
     Tq, Hq, D = q.data.shape
     Tk, Hkv = k.data.shape[0], k.data.shape[1]
-    cfg = config or default_config(D, causal)
+    cfg = config or default_config(D, causal, Hq // max(Hkv, 1))
+    deterministic = deterministic or cfg.dq_kernel  # from here on: "dQ from the second kernel"
     qg = _varlen_row_group(q, "q")
     if _varlen_row_group(k, "k") == 1 or _varlen_row_group(v_hdim, "v_hdim") == 1:
         raise ValueError(f"k and v_hdim need the K layout (one exponent per {EXP_GROUP} keys, role 'k')")
@@ -1064,7 +1072,7 @@ def bench_attn_bwd(shapes: Sequence[tuple], *, configs: Optional[Sequence[Option
                 peers[name] = tf(_time_sdpa_bwd(q, k, v, dout, causal, be, rep_ms))
         prep_ms = triton.testing.do_bench(prep, warmup=10, rep=rep_ms, return_mode="median")
         for det, cfg in [(d, c) for d in modes for c in (configs or [None])]:
-            row = {**base, "deterministic": det, "config": repr(cfg or default_config(D, causal))}
+            row = {**base, "deterministic": det, "config": repr(cfg or default_config(D, causal, Hq // Hkv))}
             try:
                 ms = triton.testing.do_bench(
                     lambda: attn_bwd_hopper(qb, kr, vh, qs, ks, out, dout, lse, causal=causal,
