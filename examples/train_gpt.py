@@ -14,6 +14,12 @@ Full run (one H200, a few minutes per run)::
 
     python examples/train_gpt.py --attention both --out runs/parity
 
+or in two processes (a time-limited GPU machine), then the comparison::
+
+    python examples/train_gpt.py --attention sdpa --out runs/parity
+    python examples/train_gpt.py --attention mxfp8 --out runs/parity
+    python examples/train_gpt.py --attention both --reuse --out runs/parity   # trains nothing when both are done
+
 ``--tiny`` is a CPU-sized preset (2 layers, width 128, 2 heads, seq 64, batch 2, 6 steps) used by
 ``tests/test_train_gpt.py``.  Outputs in ``--out``: ``loss-<attention>.json`` per run and, with
 ``--attention both``, ``parity.json`` (both runs, relative difference of the final validation losses, step-time
@@ -395,6 +401,22 @@ def run_and_release(attention: str, cfg: Config, corpus: dict, out: Path, progre
     return result
 
 
+def finished_run(out: Path, attention: str, cfg: Config) -> Optional[dict]:
+    """The run recorded in ``out/loss-<attention>.json`` when it was made with this exact config (all fields,
+    device and seed included) and reached its last step, else None.  ``--reuse`` uses it so that the two runs can
+    happen in separate processes (e.g. two calls on a time-limited GPU machine) and still be compared."""
+    path = out / f"loss-{attention}.json"
+    try:
+        r = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if r.get("config") != json.loads(json.dumps(asdict(cfg))) or len(r.get("train_loss", [])) != cfg.steps:
+        print(f"{path}: made with another config or unfinished, training again", flush=True)
+        return None
+    print(f"{path}: reusing the finished {attention} run", flush=True)
+    return r
+
+
 def plot(runs: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -456,6 +478,8 @@ def parse_args(argv) -> tuple[Config, argparse.Namespace]:
     p.add_argument("--out", default="runs/train_gpt", help="output directory (default runs/train_gpt)")
     p.add_argument("--tiny", action="store_true", help="CPU-sized preset for tests (flags given still win)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    p.add_argument("--reuse", action="store_true",
+                   help="load a finished run with the same config from --out instead of training it again")
     d = Config()
     for f in ("n_layers", "dim", "n_heads", "seq_len", "batch_size", "steps", "lr", "min_lr_ratio", "warmup_steps",
               "weight_decay", "grad_clip", "val_every", "val_batches", "timing_skip", "seed", "max_files"):
@@ -488,7 +512,10 @@ def main(argv=None) -> dict:
           f"{corpus['n_files']['val']} validation files ({len(corpus['val']) / 1e6:.2f} MB) from {corpus['root']} "
           f"in {time.perf_counter() - t0:.2f} s", flush=True)
     kinds = ATTENTIONS if args.attention == "both" else (args.attention,)
-    runs = {k: run_and_release(k, cfg, corpus, out, progress=not args.no_progress) for k in kinds}
+    runs = {}
+    for k in kinds:
+        runs[k] = (finished_run(out, k, cfg) if args.reuse else None) or \
+            run_and_release(k, cfg, corpus, out, progress=not args.no_progress)
     out.mkdir(parents=True, exist_ok=True)
     plot(runs, out / "loss-curves.png")
     for k, r in runs.items():

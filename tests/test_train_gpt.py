@@ -108,3 +108,15 @@ def test_validation_split_depends_only_on_the_path(tiny_run):
     assert small["n_files"]["train"] + small["n_files"]["val"] == min(120, len(files))
     # cached: a second load returns the same tensors
     assert mod.load_corpus(120)["train"] is small["train"]
+
+
+def test_reuse_loads_finished_runs_and_retrains_on_another_config(tiny_run, capsys):
+    """``--reuse`` compares runs made by earlier processes: nothing is trained again when both are finished with
+    the same config; a different config (here another seed) trains again."""
+    mod, out, _ = tiny_run
+    before = json.loads((out / "loss-mxfp8.json").read_text())
+    summary = mod.main(["--tiny", "--attention", "both", "--reuse", "--no-progress", "--out", str(out)])
+    assert capsys.readouterr().out.count("reusing the finished") == 2
+    assert summary["final_val_loss"]["mxfp8"] == before["final_val_loss"]
+    cfg = mod.Config(**{**json.loads((out / "loss-sdpa.json").read_text())["config"], "seed": 7})
+    assert mod.finished_run(out, "sdpa", cfg) is None
