@@ -115,11 +115,13 @@ def test_gpu_autograd_matches_the_reference_emulation(causal, D, seed):
 def test_gpu_deterministic_backward_is_bit_identical(seed):
     q, k, v = _qkv(B=1, Sq=700, Sk=900, Hq=8, Hkv=1, D=128, device="cuda", requires_grad=True)
     dout = torch.randn_like(q)
-    grads = []
+    grads, outs = [], []
     for _ in range(5):
         out = mxfp8_attn_func(q, k, v, causal=True, deterministic=True)
+        outs.append(out.detach())
         grads.append(torch.autograd.grad(out, (q, k, v), dout))
-    for g in grads[1:]:
+    for o, g in zip(outs[1:], grads[1:]):
+        assert torch.equal(outs[0], o)
         for a, b in zip(grads[0], g):
             assert torch.equal(a, b)
 
