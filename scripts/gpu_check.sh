@@ -15,6 +15,7 @@
 #   varlen     jagged forward vs the dense kernel at 50 % fill
 #   graph      `mxattn bench --cuda-graph`: forward as CUDA-graph replays (no host launch overhead), S 2k/4k
 #   ring       ring attention over every GPU (torchrun, nccl): check against single-GPU mxattn, then timing
+#   train      examples/train_gpt.py (TRAIN_ATTENTION=sdpa|mxfp8|both, TRAIN_ARGS), into OUTDIR/train
 #   sanitize   compute-sanitizer memcheck/racecheck/synccheck on tiny shapes (scripts/sanitize.sh; slow: run alone)
 # Needs no network: the machine's python3 (torch >= 2.11, triton >= 3.6). Each stage runs under a timeout
 # (MXATTN_STAGE_TIMEOUT seconds, default 420) so that one hang cannot eat the whole lease. The GPU machine has
@@ -90,6 +91,10 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
       NGPU=$(nvidia-smi -L | wc -l)
       NCCL_NVLS_ENABLE=0 run $PY -m torch.distributed.run --standalone --nproc-per-node "$NGPU" -m mxattn.distributed \
         --check --causal --outdir "$OUT" ${RING_ARGS:---seqlen 65536 131072} ;;
+    train)
+      # issue 9's parity run; one half per call fits the 10-minute limit: TRAIN_ATTENTION=sdpa, then mxfp8, then
+      # compare the two loss-*.json locally with `--attention both --reuse` (docs/training-parity.md)
+      run $PY examples/train_gpt.py --attention "${TRAIN_ATTENTION:-both}" --out "$OUT/train" --no-progress ${TRAIN_ARGS:-} ;;
     sanitize)
       MXATTN_SANITIZE_JOBS=${MXATTN_SANITIZE_JOBS:-6} run bash scripts/sanitize.sh "$OUT/sanitize" ${SANITIZE_CASES:-fwd bwd varlen} ;;
     *) echo "unknown stage $st"; status=1 ;;
