@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # compute-sanitizer (memcheck, racecheck, synccheck) on tiny launches of every mxattn GPU kernel (issue 10).
 #   PYTHONPATH=. bash scripts/sanitize.sh OUTDIR [case ...]
-# Cases (scripts/sanitize_driver.py): fwd bwd varlen quantize producers gluon (default: all of them).
+# Cases (scripts/sanitize_driver.py): fwd bwd varlen quantize producers gluon (default: all of them), and wsprobe
+# (only when named): a minimal Gluon gl.warp_specialize kernel with no shared memory of its own, the control
+# for racecheck's hazards on gluon (docs/racecheck-gluon.md). Not a default: it tests Triton, not mxattn (a hazard
+# there would make the verdict NOT CLEAN for no mxattn reason). Name it next to gluon: sanitize.sh OUT wsprobe gluon
 # Steps: 1. each case once without a sanitizer (compiles the Triton kernels into the cache, so that no compile
 # runs under a sanitizer; a case that fails here is not sanitized); 2. every (tool, case) pair in its own process
 # under `timeout`, MXATTN_SANITIZE_JOBS at a time. Writes OUTDIR/<tool>-<case>.log (sanitizer report),

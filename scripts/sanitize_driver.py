@@ -1,6 +1,7 @@
 """Tiny launches of every mxattn GPU kernel, for compute-sanitizer (scripts/sanitize.sh runs one case per process).
 
     python scripts/sanitize_driver.py CASE [CASE ...]     # cases: fwd bwd varlen quantize producers gluon, or all
+                                                          # of those; wsprobe only when named (below)
     python scripts/sanitize_driver.py --cpu CASE ...      # smoke test of the driver itself without a GPU
                                                           # (TRITON_INTERPRET=1; the CPU API runs the reference)
 
@@ -8,6 +9,11 @@ Shapes are small and odd (lengths 1, 33, 77, 130 next to the tile sizes 64/128; 
 not), so that masked tails, partial MX blocks and the channel-major padding are all exercised.  Each case checks
 its results for NaN (inputs are finite) and synchronizes, so an asynchronous fault is reported inside the case.
 Prints one line per case: "case NAME ok (N launches, T s)".  Exit status 0 when every case ran.
+
+wsprobe is not an mxattn kernel: a minimal Gluon ``gl.warp_specialize`` kernel (scripts/ws_probe.py, 4-warp default
+partition and a 1-warp worker, each storing to its own slice of an int32 output; no shared memory of its own),
+the control for racecheck's hazards on ``gluon`` (docs/racecheck-gluon.md).  Like gluon it needs an sm_90 / sm_100
+GPU and triton's Gluon; it raises under --cpu.
 """
 
 from __future__ import annotations
@@ -134,8 +140,39 @@ def case_gluon() -> int:
     return n
 
 
+def case_wsprobe() -> int:
+    """Control for racecheck on ``gluon``: a minimal ``gl.warp_specialize`` kernel (scripts/ws_probe.py) whose
+    partitions touch no shared memory, so its only shared accesses are Triton's warp-specialization bookkeeping
+    (docs/racecheck-gluon.md).  One launch; fails unless every element holds what its partition wrote."""
+    if DEV != "cuda":
+        raise RuntimeError("wsprobe: Gluon kernels have no CPU / TRITON_INTERPRET path; run it on an sm_90 or "
+                           "sm_100 GPU")
+    major = torch.cuda.get_device_capability()[0]
+    if major not in (9, 10):
+        raise RuntimeError(f"wsprobe: gl.warp_specialize needs Hopper or Blackwell (compute capability 9.x or "
+                           f"10.x), this GPU is {major}.x")
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:  # already there when this file runs as a script
+        sys.path.insert(0, here)
+    try:
+        import ws_probe as probe
+    except ImportError as e:  # a triton without Gluon
+        raise RuntimeError(f"wsprobe: triton's Gluon does not import ({e})") from e
+    programs = 2
+    out = probe.run(programs, DEV)
+    torch.cuda.synchronize()
+    want = probe.expected(programs)
+    got = out.cpu()
+    if not torch.equal(got, want):
+        bad = (got != want).nonzero().flatten()
+        raise RuntimeError(f"wsprobe: {bad.numel()} of {got.numel()} elements wrong, first at {bad[0].item()}: "
+                           f"{got[bad[0]].item()} (want {want[bad[0]].item()})")
+    return 1
+
+
 CASES = {"fwd": case_fwd, "bwd": case_bwd, "varlen": case_varlen, "quantize": case_quantize,
-         "producers": case_producers, "gluon": case_gluon}
+         "producers": case_producers, "gluon": case_gluon, "wsprobe": case_wsprobe}
+PROBES = ("wsprobe",)  # diagnostics of Triton itself, not mxattn kernels: run only when named, not by "all"
 
 
 def main(argv: list[str]) -> int:
@@ -146,7 +183,7 @@ def main(argv: list[str]) -> int:
     elif not torch.cuda.is_available():
         print("sanitize_driver: needs a CUDA GPU", file=sys.stderr)
         return 2
-    names = list(CASES) if not argv or argv == ["all"] else argv
+    names = [c for c in CASES if c not in PROBES] if not argv or argv == ["all"] else argv
     bad = [c for c in names if c not in CASES]
     if bad:
         print(f"unknown case(s) {bad}; known: {' '.join(CASES)}", file=sys.stderr)
