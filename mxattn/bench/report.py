@@ -56,8 +56,10 @@ def _provenance(doc: dict, root: Optional[Path]) -> str:
         except ValueError:
             pass
     commit = str(doc.get("commit", "unknown"))[:10]
-    return (f"*{doc.get('gpu', '?')}, torch {doc.get('torch', '?')}, triton {doc.get('triton', '?')}, "
+    line = (f"*{doc.get('gpu', '?')}, torch {doc.get('torch', '?')}, triton {doc.get('triton', '?')}, "
             f"commit `{commit}`, {doc.get('date', '?')} — `{path.as_posix()}`*")
+    notes = doc.get("notes")
+    return line + (f"\n\n{notes}" if isinstance(notes, str) and notes else "")
 
 
 def _shape(r: dict) -> str:
