@@ -1,0 +1,577 @@
+"""MXFP8 attention backward, dQ part, for Hopper in Gluon: warp-specialized (DESIGN §3, perf-notes-attn-bwd.md
+"Plan for the warp-specialized backward").
+
+It replaces the ``tl`` kernel ``attn_bwd._bwd_dq_kernel`` (the deterministic dQ path) with the same operands and the
+same arithmetic.  Per 128 query rows of one (batch, query head), looping over the key tiles of BLOCK_N = 64 keys:
+
+  S  = Q Kᵀ            q (hdim, one exponent per 128 rows) x k (hdim, one exponent per 128 keys), FP8 wgmma
+  P  = 2^(S·2^(qe+ke)·scale·log2e + 8 − lse·log2e)        (P·256 <= 256; rows that see nothing: P = 0)
+  dP = dO V_hdimᵀ      dout_hdim (one exponent per 128 rows) x v_hdim (one per 128 keys), FP8 wgmma
+  dS = P ∘ (dP·2^(doe+ve) − δ)                            (256·dS, fp32)
+  dQ += e4m3(dS·2^-e) K_seq                                (register A operand x channel-major k_seq, FP8 wgmma)
+  dq = acc · 2^e · 2^kse[channel] · scale · 2^-8           (epilogue, in grad_dtype)
+
+The dS exponent ``e`` is the ``tl`` kernel's rule, unchanged: one RCEIL power of two per (128 queries x 64 keys)
+tile, kept with hysteresis (``_sticky_exp``) and a bounded total drop (``_bounded_exp``); the accumulator is
+rescaled by 2^(e_old − e_new) (exact) when it changes.  The key tiles are visited in the same order (0, 1, ...,
+unmasked ones first, then the masked diagonal / last ones), so the exponent sequence and every e4m3 dS value are
+the ``tl`` kernel's: the results agree up to the fp32 summation order of the products (and 1-ulp FMA contraction
+differences in S and dS).
+
+One CTA per (128 query rows, batch * head), two partitions:
+  producer  1 warp, 24 registers: TMA loads of the Q and dO tiles (128 x D, once) and, per key tile, K and V_hdim
+            (64 x D, one ready / one empty mbarrier per stage) and K_seq (D x 64 of the channel-major buffer, its
+            own ready / empty mbarriers: it is read by the later dQ product) into STAGES-deep rings.
+  consumer  the default partition: 8 warps = two warpgroups.  With the wgmma layout ``warps_per_cta=[8, 1]`` each
+            warpgroup issues m64 wgmma over its own 64 query rows (rows 0..63 and 64..127).
+Deviation from the brief's "two consumer partitions" (the forward's structure): the two warpgroups are one
+8-warp partition, because the dS exponent is a maximum over the whole 128-row tile (the ``tl`` kernel's rule,
+kept for equal numerics).  The tile-wide ``gl.max`` then is the compiler's cross-warp reduction (shared memory +
+a named barrier of the partition's 256 threads) instead of a hand-made exchange between two partitions; the two
+warpgroups meet there once per key tile anyway.
+
+Consumer iteration j (FA3-style intra-warpgroup overlap, as in attn_fwd_gluon):
+  1. dS_{j-1} (fp32, already scaled by 2^-e_{j-1}) -> e4m3 in the A-operand layout; rescale acc if e changed;
+  2. wait K_j / V_j ready and K_seq_{j-1} ready;
+  3. issue S_j = Q K_jᵀ, dP_j = dO V_jᵀ (A from shared memory) and acc += dS_{j-1} K_seq_{j-1} (A in registers),
+     three async wgmma groups;
+  4. wait for S_j and dP_j only; release K_j / V_j;
+  5. P, dS, the tile's amax and exponent for tile j, while dS_{j-1} K_seq_{j-1} runs on the tensor cores;
+  6. wait for it; release K_seq_{j-1}.
+Every wgmma is waited in the iteration that issued it (perf-notes-attn-fwd-gluon.md: in flight across the loop
+edge made ptxas serialize all wgmma).  dS crosses the loop edge in fp32 (an e4m3 tensor carried by a loop is moved
+as loose bytes).
+
+TMA views (2-D, 16-byte aligned row strides), as in the forward: Q and dO as (B*Sq, Hq*D), K and V_hdim as
+(B*Sk, Hkv*D), K_seq as (B*Hkv*D, Sk) over the channel-major buffer (row stride S_pad).  Query rows past Sq read
+the next sequence (or TMA zero fill): their lse is loaded as −inf, so P = dS = 0 there and they are not stored.
+Keys past Sk read the next sequence in K and V_hdim (masked: P = dS = 0) and are zero-filled in K_seq (its
+inner extent is Sk).  Only the last (and, causal, the diagonal) tiles are masked.
+
+Layout requirements (``attn_bwd_dq_gluon`` raises ValueError otherwise): q and dout_hdim grouped along the
+sequence with a group that is a multiple of 128 (the fast layout: ``row_scaled_triton(x, "k", k_group=128)``;
+``attn_bwd.attn_bwd_preprocess`` makes dout_hdim so), k and v_hdim the K layout (128 keys per exponent), k_seq
+the V layout (channel-major, one exponent per channel).  D is 64 or 128.
+
+Compile check without a GPU (triton 3.6): ``python scripts/compile_check_bwd_dq_gluon.py``.  sm_90a, 3 stages:
+no spills, setmaxnreg 240 (consumers) / 24 (producer), highest SASS register R195 (d128) / R198 (d128 causal) /
+R173 / R180 (d64); shared memory 106 876 B (d128) / 53 628 B (d64); per key tile and warpgroup 4 + 4
+``m64n64k32`` (S, dP; 2 + 2 at d64) and 2 ``m64nDk32`` (dQ) e4m3 wgmma, two ``WARPGROUP.DEPBAR`` per iteration.
+Not run on a GPU yet.  Costs to look at first once it is timed: six 256-thread ``bar.sync`` per key tile (one
+before the mbarrier waits and one before each of the two releases, inserted by Triton; three in the compiler's
+tile-wide max, which a hand-made exchange of the eight warps' maxima through a double-buffered shared slot would
+cut to one), and the tensor cores idle while both warpgroups compute dS (a ping-pong between them, as FA3,
+needs the tile exponent exchange to move out of the critical path).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from mxattn.formats import RowScaledFP8
+
+__all__ = ["GluonDqConfig", "default_config", "attn_bwd_dq_gluon", "bench_attn_bwd_dq_gluon"]
+
+LOG2E = 1.4426950408889634
+P_SCALE_LOG2 = 8  # dS enters the product as 256 * dS (P * 256, as in attn_bwd)
+BLOCK_M = gl.constexpr(128)  # query rows per CTA: two warpgroups of 64
+BLOCK_N = gl.constexpr(64)  # keys per tile: the tl kernel's dq_block_n, i.e. the granularity of the dS exponent
+KV_EXP_GROUP = gl.constexpr(128)  # keys sharing one exponent in k and v_hdim
+ROW_GROUP = 128  # q / dout_hdim rows per exponent must be a multiple of this (one scalar per 128-row tile)
+
+
+@dataclass(frozen=True)
+class GluonDqConfig:
+    """Ring depth and register split (not tuned on the GPU yet)."""
+
+    stages: int = 3  # K / V_hdim / K_seq ring depth (24 KB per stage at d128)
+    maxnreg: int = 168  # 12 warps (8 consumers + the producer's warpgroup) * 32 * 168 <= 65536
+    producer_regs: int = 24
+
+
+def default_config(head_dim: int, causal: bool) -> GluonDqConfig:
+    return GluonDqConfig()
+
+
+# ------------------------------------------------------------------------------------------------- helpers
+@gluon.constexpr_function
+def _mma_layout(n):
+    # two warpgroups along M (128 rows), wgmma m64nNk32 per warpgroup
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, n, 32])
+
+
+@gluon.jit
+def _pow2(e):
+    """Exact fp32 2^e for an int32 e, clamped to [-126, 127] (attn_bwd._pow2)."""
+    e = gl.minimum(gl.maximum(e, -126), 127)
+    return ((e + 127) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _rceil_exp(amax, keep):
+    """Smallest e with amax * 2^-e <= 448 (RCEIL), clamped to [-126, 126]; ``keep`` where amax == 0."""
+    bits = amax.to(gl.int32, bitcast=True)
+    e = (bits >> 23) - (127 + 8) + ((bits & 0x7FFFFF) > 0x600000).to(gl.int32)
+    e = gl.minimum(gl.maximum(e, -126), 126)
+    return gl.where(amax > 0.0, e, keep)
+
+
+@gluon.jit
+def _sticky_exp(e_tile, e_prev):
+    """Hysteresis: keep e_prev unless the tile would saturate under it or sits DS_HYSTERESIS = 2 binades lower."""
+    keep = (e_tile <= e_prev) & (e_tile >= e_prev - 2)
+    return gl.where(keep, e_prev, e_tile)
+
+
+@gluon.jit
+def _ds_tile(s, dp, a_q, ke, ve, b_row, delta, dscale, e_prev, e_hi, offs_m, n0, Sk, causal_off,
+             MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+    """dS of one (128 x 64) tile from the raw S and dP accumulators -> (dS·2^-e in fp32, e).
+
+    Same arithmetic as attn_bwd._dq_step: x = S·(a_q·2^ke) + b_row (−inf where masked), P = 2^x, dS = P·(dP·c − δ)
+    with c = 2^(doe+ve), then the tile's exponent from its amax (both warpgroups' rows: a cross-warp reduction)."""
+    a = a_q * _pow2(ke)
+    x = gl.fma(s, a, gl.expand_dims(b_row, 1))
+    if MASKED:
+        # local key index against scalar bounds (32-bit compares)
+        cols = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout)), 0)
+        keep = cols < Sk - n0
+        if CAUSAL:
+            keep = keep & (cols <= gl.expand_dims(offs_m + (causal_off - n0), 1))
+        x = gl.where(keep, x, float("-inf"))
+    p = gl.exp2(x)  # P * 256, 0 where masked or where the row sees nothing
+    ds = p * gl.fma(dp, dscale * _pow2(ve), -gl.expand_dims(delta, 1))  # 256 * dS
+    amax = gl.max(gl.max(gl.abs(ds), 1), 0)
+    e = gl.maximum(_sticky_exp(_rceil_exp(amax, e_prev), e_prev), e_hi - 64)  # _bounded_exp(_sticky_exp(...))
+    return ds * _pow2(-e), e
+
+
+@gluon.jit
+def _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, e_prev, e_hi, offs_m, n0, masked,
+             Sk, causal_off, CAUSAL: gl.constexpr):
+    """One tile's dS with the masked / unmasked choice made at run time (the branches join fp32 values only)."""
+    ke = gl.load(KE + (n0 // KV_EXP_GROUP) * stride_ket)
+    ve = gl.load(VE + (n0 // KV_EXP_GROUP) * stride_vet)
+    if masked:
+        ds, e = _ds_tile(s, dp, a_q, ke, ve, b_row, delta, dscale, e_prev, e_hi, offs_m, n0, Sk, causal_off,
+                         True, CAUSAL)
+    else:
+        ds, e = _ds_tile(s, dp, a_q, ke, ve, b_row, delta, dscale, e_prev, e_hi, offs_m, n0, Sk, causal_off,
+                         False, CAUSAL)
+    return ds, e
+
+
+@gluon.jit
+def _rescale(acc, acc_e, e_new):
+    """The accumulator moved to units of 2^e_new (exact); a skipped branch on most tiles (hysteresis)."""
+    if e_new != acc_e:
+        acc = acc * _pow2(acc_e - e_new)
+    return acc
+
+
+# ------------------------------------------------------------------------------------------------- producer
+@gluon.jit
+def _producer(q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
+              q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
+              q_row, q_col, k_row, k_col, ks_row, n_tiles,
+              STAGES: gl.constexpr):
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
+    tma.async_copy_global_to_shared(do_desc, [q_row, q_col], q_bar, do_smem)
+    for i in range(n_tiles):
+        s = i % STAGES
+        # a fresh mbarrier counts as having completed the phase before phase 0: the first pass does not wait
+        ph = ((i // STAGES) & 1) ^ 1
+        mbarrier.wait(kv_empty.index(s), ph)
+        mbarrier.expect(kv_ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_row + i * BLOCK_N, k_col], kv_ready.index(s), k_smem.index(s))
+        tma.async_copy_global_to_shared(v_desc, [k_row + i * BLOCK_N, k_col], kv_ready.index(s), v_smem.index(s))
+        mbarrier.wait(ks_empty.index(s), ph)
+        mbarrier.expect(ks_ready.index(s), ks_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(ks_desc, [ks_row, i * BLOCK_N], ks_ready.index(s), ks_smem.index(s))
+
+
+# ------------------------------------------------------------------------------------------------- consumer
+@gluon.jit
+def _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
+             KE, VE, stride_ket, stride_vet, acc, a_q, b_row, delta, dscale, offs_m, Sk, causal_off, n_tiles, n_full,
+             STAGES: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr, ds_layout: gl.constexpr):
+    """The key loop (n_tiles >= 1).  Returns (acc, its exponent)."""
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    # issue block 0: S_0 and dP_0 alone
+    mbarrier.wait(kv_ready.index(0), 0)
+    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dp = warpgroup_mma(do_smem, v_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+    mbarrier.arrive(kv_empty.index(0), count=1)
+    acc_e = 0
+    e_hi = -1000  # no bound until the accumulator holds something
+    ds, e = _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, acc_e, e_hi, offs_m, 0,
+                     n_full == 0, Sk, causal_off, CAUSAL)
+    e_hi = gl.maximum(e_hi, e)
+    for j in range(1, n_tiles):
+        st = j % STAGES
+        sp = (j - 1) % STAGES
+        ds8 = gl.convert_layout(ds.to(gl.float8e4nv), ds_layout)
+        acc = _rescale(acc, acc_e, e)
+        acc_e = e
+        mbarrier.wait(kv_ready.index(st), (j // STAGES) & 1)
+        mbarrier.wait(ks_ready.index(sp), ((j - 1) // STAGES) & 1)
+        s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_smem, v_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        acc = warpgroup_mma(ds8, ks_smem.index(sp).permute((1, 0)), acc, is_async=True)
+        s, dp = warpgroup_mma_wait(num_outstanding=1, deps=(s, dp))  # S_j, dP_j; dS_{j-1} K_seq_{j-1} runs on
+        mbarrier.arrive(kv_empty.index(st), count=1)
+        ds, e = _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, acc_e, e_hi, offs_m,
+                         j * BLOCK_N, j >= n_full, Sk, causal_off, CAUSAL)
+        e_hi = gl.maximum(e_hi, e)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(ks_empty.index(sp), count=1)
+    # last issue block: acc += dS_{n-1} K_seq_{n-1}
+    sp = (n_tiles - 1) % STAGES
+    ds8 = gl.convert_layout(ds.to(gl.float8e4nv), ds_layout)
+    acc = _rescale(acc, acc_e, e)
+    mbarrier.wait(ks_ready.index(sp), ((n_tiles - 1) // STAGES) & 1)
+    acc = warpgroup_mma(ds8, ks_smem.index(sp).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(ks_empty.index(sp), count=1)
+    return acc, e
+
+
+@gluon.jit
+def _consumer(q_smem, do_smem, k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
+              QE, DOE, KE, VE, KSE, LSE, DELTA, DQ,
+              stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
+              start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """128 query rows start_m .. start_m + 127 of one (b, h); pointers already moved to (b, h) / (b, hk) and, for
+    QE / DOE, to the row group of start_m."""
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+    offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_s)
+    row_ok = offs_m < Sq
+    lse = gl.load(LSE + offs_m * stride_lm, mask=row_ok, other=float("-inf"))
+    delta = gl.load(DELTA + offs_m * stride_dlm, mask=row_ok, other=0.0)
+    # exponent of P*256 = S*log2e*scale - lse*log2e + 8; rows that see nothing (lse = -inf) and rows past Sq: -inf
+    b_row = gl.where(lse == float("-inf"), float("-inf"), 8.0 - lse * 1.4426950408889634)
+    a_q = qk_scale * _pow2(gl.load(QE))  # the tile's rows share one exponent group
+    dscale = _pow2(gl.load(DOE))
+
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    acc_e = 0
+    mbarrier.wait(q_bar, 0)
+    if n_tiles > 0:
+        acc, acc_e = _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
+                              KE, VE, stride_ket, stride_vet, acc, a_q, b_row, delta, dscale, offs_m, Sk,
+                              causal_off, n_tiles, n_full, STAGES, CAUSAL, s_layout, ds_layout)
+
+    # ---- epilogue: dq = acc * 2^acc_e * 2^kse[d] * scale * 2^-8
+    offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
+    kse = gl.load(KSE + offs_d * stride_ksed)
+    colscale = _pow2(kse) * grad_scale * _pow2(acc_e)
+    dq = acc * gl.expand_dims(colscale, 0)
+    offs_mo = start_m + gl.arange(0, BLOCK_M, layout=row_o)
+    ptrs = DQ + gl.expand_dims(offs_mo.to(gl.int64) * stride_dqm, 1) + gl.expand_dims(offs_d * stride_dqd, 0)
+    gl.store(ptrs, dq.to(DQ.dtype.element_ty), mask=gl.expand_dims(offs_mo < Sq, 1))
+
+
+# ------------------------------------------------------------------------------------------------- kernel
+@gluon.jit
+def _attn_bwd_dq_ws_kernel(
+    q_desc, do_desc, k_desc, v_desc, ks_desc, QE, DOE, KE, VE, KSE, LSE, DELTA, DQ,
+    stride_qeb, stride_qeg, stride_qeh,
+    stride_deb, stride_deg, stride_deh,
+    stride_keb, stride_ket, stride_keh,
+    stride_veb, stride_vet, stride_veh,
+    stride_kseb, stride_kseh, stride_ksed,
+    stride_lb, stride_lh, stride_lm,
+    stride_dlb, stride_dlh, stride_dlm,
+    stride_dqb, stride_dqm, stride_dqh, stride_dqd,
+    Hq, Hkv, Sq, Sk, group_size, q_group, do_group, qk_scale, grad_scale,
+    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    # heaviest causal query blocks (the last ones) first, as the tl kernel
+    pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    hk = h // group_size
+    start_m = pid_m * BLOCK_M
+
+    causal_off = Sk - Sq
+    if CAUSAL:
+        hi = gl.minimum(Sk, gl.maximum(start_m + BLOCK_M + causal_off, 0))
+        full_end = gl.minimum((Sk // BLOCK_N) * BLOCK_N,
+                              (gl.maximum(start_m + causal_off + 1, 0) // BLOCK_N) * BLOCK_N)
+    else:
+        hi = Sk
+        full_end = (Sk // BLOCK_N) * BLOCK_N
+    n_tiles = gl.cdiv(hi, BLOCK_N)
+    n_full = full_end // BLOCK_N
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    ks_smem = gl.allocate_shared_memory(ks_desc.dtype, [STAGES] + ks_desc.block_type.shape, ks_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ks_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ks_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(kv_ready.index(i), count=1)
+        mbarrier.init(ks_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=1)  # one arrival: the consumer partition arrives once
+        mbarrier.init(ks_empty.index(i), count=1)
+
+    b64 = b.to(gl.int64)
+    QE_t = QE + b64 * stride_qeb + h * stride_qeh + (start_m // q_group) * stride_qeg
+    DOE_t = DOE + b64 * stride_deb + h * stride_deh + (start_m // do_group) * stride_deg
+    KE_bh = KE + b64 * stride_keb + hk * stride_keh
+    VE_bh = VE + b64 * stride_veb + hk * stride_veh
+    KSE_bh = KSE + b64 * stride_kseb + hk * stride_kseh
+    LSE_bh = LSE + b64 * stride_lb + h * stride_lh
+    DELTA_bh = DELTA + b64 * stride_dlb + h * stride_dlh
+    DQ_bh = DQ + b64 * stride_dqb + h * stride_dqh
+    gl.warp_specialize([
+        (_consumer, (q_smem, do_smem, k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
+                     QE_t, DOE_t, KE_bh, VE_bh, KSE_bh, LSE_bh, DELTA_bh, DQ_bh,
+                     stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
+                     start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
+                     HEAD_DIM, STAGES, CAUSAL)),
+        (_producer, (q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
+                     q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
+                     b * Sq + start_m, h * HEAD_DIM, b * Sk, hk * HEAD_DIM, (b * Hkv + hk) * HEAD_DIM, n_tiles,
+                     STAGES)),
+    ], [1], [PRODUCER_REGS])
+
+
+# ------------------------------------------------------------------------------------------------- launcher
+def _is_rs(t) -> bool:
+    return isinstance(t, RowScaledFP8)
+
+
+def _row_group(t: RowScaledFP8, name: str) -> int:
+    """Rows per exponent of a grouped hdim operand (group along the sequence), validated."""
+    B, S, H, _ = t.data.shape
+    if t.dim != 3 or t.group_dim != 1 or t.group < 1:
+        raise ValueError(f"{name}: needs exponents blocked along the head dim and grouped along the sequence "
+                         f"(dim=3, group_dim=1), got dim={t.dim}, group_dim={t.group_dim}, group={t.group}")
+    want = (B, -(-S // t.group), H, 1)
+    if tuple(t.exp.shape) != want:
+        raise ValueError(f"{name}: exp {tuple(t.exp.shape)}, expected {want}")
+    return t.group
+
+
+def _hdim_view(data: torch.Tensor, name: str) -> torch.Tensor:
+    """(B, S, H, D) data usable as a 2-D (B*S, H*D) TMA view (contiguous copy otherwise)."""
+    B, S, H, D = data.shape
+    if data.stride(3) != 1 or data.stride(2) != D or data.stride(1) != H * D or data.stride(0) != S * H * D:
+        data = data.contiguous()
+    if data.data_ptr() % 16 or (H * D) % 16:
+        raise ValueError(f"{name}: data must be 16-byte aligned for TMA")
+    return data
+
+
+def _check(q, k, v_hdim, k_seq, dout_hdim, lse, delta, grad_dtype):
+    for name, t in (("q", q), ("k", k), ("v_hdim", v_hdim), ("k_seq", k_seq), ("dout_hdim", dout_hdim)):
+        if not _is_rs(t):
+            raise TypeError(f"{name} must be a RowScaledFP8, got {type(t).__name__}")
+        if t.data.ndim != 4:
+            raise ValueError(f"{name}: data must be (B, S, H, D), got {tuple(t.data.shape)}")
+    B, Sq, Hq, D = q.data.shape
+    Sk, Hkv = k.data.shape[1], k.data.shape[2]
+    if D not in (64, 128):
+        raise ValueError(f"head dim {D} not supported by the Gluon dQ kernel (64 or 128)")
+    for name, t, want in (("k", k, (B, Sk, Hkv, D)), ("v_hdim", v_hdim, (B, Sk, Hkv, D)),
+                          ("k_seq", k_seq, (B, Sk, Hkv, D)), ("dout_hdim", dout_hdim, (B, Sq, Hq, D))):
+        if tuple(t.data.shape) != want:
+            raise ValueError(f"{name}: data {tuple(t.data.shape)}, expected {want}")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
+    for name, t in (("q", q), ("dout_hdim", dout_hdim)):
+        g = _row_group(t, name)
+        if g % ROW_GROUP:
+            raise ValueError(f"{name}: {g} rows per exponent; the Gluon dQ kernel needs a multiple of {ROW_GROUP} "
+                             f"(row_scaled_triton(x, 'k', k_group=128)); use attn_bwd's tl kernel otherwise")
+    for name, t in (("k", k), ("v_hdim", v_hdim)):
+        if _row_group(t, name) != KV_EXP_GROUP.value:
+            raise ValueError(f"{name}: needs one exponent per {KV_EXP_GROUP.value} keys (the K layout), got group "
+                             f"{t.group}")
+    want = (B, 1, Hkv, D)
+    if k_seq.dim != 1 or tuple(k_seq.exp.shape) != want:
+        raise ValueError(f"k_seq: exp {tuple(k_seq.exp.shape)} (dim={k_seq.dim}), expected {want}: one exponent per "
+                         f"channel, blocked along the sequence (the V layout)")
+    kd = k_seq.data
+    s_pad = kd.stride(3)
+    if (kd.stride(1) != 1 or kd.stride(2) != D * s_pad or kd.stride(0) != Hkv * D * s_pad or s_pad % 16
+            or s_pad < Sk or kd.data_ptr() % 16):
+        raise ValueError("k_seq: data must be the (B, S, H, D) view of a channel-major (B, H, D, S_pad) buffer, "
+                         "S_pad a multiple of 16 (formats.channel_major / row_scaled_triton(k, 'v'))")
+    for name, t in (("lse", lse), ("delta", delta)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (B, Hq, Sq):
+            raise ValueError(f"{name} must be a float32 tensor {(B, Hq, Sq)}, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    if grad_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"grad_dtype must be bfloat16, float16 or float32, got {grad_dtype}")
+    devs = {t.data.device for t in (q, k, v_hdim, k_seq, dout_hdim)} | {lse.device, delta.device}
+    if len(devs) != 1:
+        raise ValueError(f"all operands must be on one device, got {sorted(map(str, devs))}")
+
+
+def _descriptors(q, k, v_hdim, k_seq, dout_hdim):
+    B, Sq, Hq, D = q.data.shape
+    Sk, Hkv = k.data.shape[1], k.data.shape[2]
+    qd = _hdim_view(q.data, "q")
+    dd = _hdim_view(dout_hdim.data, "dout_hdim")
+    kd = _hdim_view(k.data, "k")
+    vd = _hdim_view(v_hdim.data, "v_hdim")
+    ksd = k_seq.data
+    f8 = gl.float8e4nv
+    bm, bn = BLOCK_M.value, BLOCK_N.value
+    row_layout = gl.NVMMASharedLayout.get_default_for([bm, D], f8)
+    key_layout = gl.NVMMASharedLayout.get_default_for([bn, D], f8)
+    ks_layout = gl.NVMMASharedLayout.get_default_for([D, bn], f8)
+    q_desc = TensorDescriptor(qd, [B * Sq, Hq * D], [Hq * D, 1], [bm, D], row_layout)
+    do_desc = TensorDescriptor(dd, [B * Sq, Hq * D], [Hq * D, 1], [bm, D], row_layout)
+    k_desc = TensorDescriptor(kd, [B * Sk, Hkv * D], [Hkv * D, 1], [bn, D], key_layout)
+    v_desc = TensorDescriptor(vd, [B * Sk, Hkv * D], [Hkv * D, 1], [bn, D], key_layout)
+    ks_desc = TensorDescriptor(ksd, [B * Hkv * D, Sk], [ksd.stride(3), 1], [D, bn], ks_layout)
+    return q_desc, do_desc, k_desc, v_desc, ks_desc
+
+
+def attn_bwd_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, k_seq: RowScaledFP8,
+                      dout_hdim: RowScaledFP8, lse: torch.Tensor, delta: torch.Tensor, *, causal: bool = False,
+                      softmax_scale: Optional[float] = None, grad_dtype: torch.dtype = torch.bfloat16,
+                      config: Optional[GluonDqConfig] = None) -> torch.Tensor:
+    """dQ of MXFP8 attention with the warp-specialized Gluon kernel: the operands ``attn_bwd.attn_bwd_hopper``
+    passes to its deterministic dQ kernel.
+
+    q:         (B, Sq, Hq, D) blocked along the head dim, grouped along the sequence by a multiple of 128 rows
+               (``row_scaled_triton(q, "k", k_group=128)``).
+    k, v_hdim: (B, Sk, Hkv, D), the K layout (``row_scaled_triton(x, "k")``).
+    k_seq:     the V layout of K (``row_scaled_triton(k, "v")``: channel-major, one exponent per channel).
+    dout_hdim: dO along the head dim, grouped like q (``attn_bwd.attn_bwd_preprocess`` makes it, with ``delta``).
+    lse:       the forward's (B, Hq, Sq) float32 natural-log sum of exp (−inf for rows that see nothing).
+    delta:     (B, Hq, Sq) float32 rowsum(dO_hdim ∘ O) (``attn_bwd_preprocess``).
+    D is 64 or 128, Hq a multiple of Hkv; causal masks are aligned bottom-right.  Returns dq (B, Sq, Hq, D) in
+    ``grad_dtype``, contiguous.  Needs an sm_90 GPU and triton 3.6's Gluon.
+    """
+    _check(q, k, v_hdim, k_seq, dout_hdim, lse, delta, grad_dtype)
+    B, Sq, Hq, D = q.data.shape
+    Sk, Hkv = k.data.shape[1], k.data.shape[2]
+    cfg = config or default_config(D, causal)
+    if cfg.stages < 1:
+        raise ValueError(f"stages must be >= 1, got {cfg.stages}")
+    softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    dev = q.data.device
+    if Sq == 0 or B * Hq == 0 or Sk == 0:
+        return torch.zeros(B, Sq, Hq, D, dtype=grad_dtype, device=dev)
+    dq = torch.empty(B, Sq, Hq, D, dtype=grad_dtype, device=dev)
+    descs = _descriptors(q, k, v_hdim, k_seq, dout_hdim)
+    qe, de, ke, ve, kse = q.exp, dout_hdim.exp, k.exp, v_hdim.exp, k_seq.exp
+    grid = (triton.cdiv(Sq, BLOCK_M.value), B * Hq)
+    _attn_bwd_dq_ws_kernel[grid](
+        *descs, qe, de, ke, ve, kse, lse, delta, dq,
+        qe.stride(0), qe.stride(1), qe.stride(2),
+        de.stride(0), de.stride(1), de.stride(2),
+        ke.stride(0), ke.stride(1), ke.stride(2),
+        ve.stride(0), ve.stride(1), ve.stride(2),
+        kse.stride(0), kse.stride(2), kse.stride(3),
+        *lse.stride(), *delta.stride(), *dq.stride(),
+        Hq, Hkv, Sq, Sk, Hq // Hkv, q.group, dout_hdim.group,
+        softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
+        HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
+        num_warps=8, maxnreg=cfg.maxnreg,
+    )
+    return dq
+
+
+# ------------------------------------------------------------------------------------------------- GPU timing
+def _tl_dq(q, k, v_hdim, k_seq, dout_hdim, lse, delta, *, causal=False, softmax_scale=None,
+           grad_dtype=torch.bfloat16):
+    """The ``tl`` dQ kernel (``attn_bwd._bwd_dq_kernel``) alone, launched as ``attn_bwd_hopper`` launches it on
+    the deterministic path (default tiles 128 x 64, 8 warps, 2 stages), on grouped q / dO operands."""
+    from mxattn.kernels import attn_bwd as ab
+
+    cfg = ab.BwdConfig()
+    B, Sq, Hq, D = q.data.shape
+    Sk, Hkv = k.data.shape[1], k.data.shape[2]
+    softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    dq = torch.empty(B, Sq, Hq, D, dtype=grad_dtype, device=q.data.device)
+    qd, qe, kd, ke, vd, ve = q.data, q.exp, k.data, k.exp, v_hdim.data, v_hdim.exp
+    ksd, kse, dhd, dhe = k_seq.data, k_seq.exp, dout_hdim.data, dout_hdim.exp
+    row_e = lambda e: (e.stride(0), e.stride(1), e.stride(2))  # noqa: E731
+    chan_e = lambda e: (e.stride(0), e.stride(2), e.stride(3))  # noqa: E731
+    ab._bwd_dq_kernel[(triton.cdiv(Sq, cfg.dq_block_m), B * Hq)](
+        qd, qe, kd, ke, vd, ve, ksd, kse, dhd, dhe, lse, delta, dq,
+        *qd.stride(), *row_e(qe), *kd.stride(), *row_e(ke), *vd.stride(), *row_e(ve),
+        *ksd.stride(), *chan_e(kse), *dhd.stride(), *row_e(dhe), *lse.stride(), *dq.stride(),
+        Hq, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
+        ab._seq_load_bound(ksd), None, None, None, None, None, None,
+        BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, HEAD_DIM=D, CAUSAL=causal, Q_GROUP=q.group,
+        DO_GROUP=dout_hdim.group, EXPLICIT_ROUND=False, num_warps=cfg.dq_num_warps, num_stages=cfg.dq_num_stages,
+    )
+    return dq
+
+
+def dq_operands(q, k, v, dout, causal: bool):
+    """From bf16 (B, S, H, D) q, k, v, dO: the forward's out / lse (``attn_fwd_hopper``) and the dQ operands
+    (q grouped by 128 rows, k, v_hdim, k_seq, dout_hdim, lse, delta).  GPU only."""
+    from mxattn.kernels.attn_bwd import Q_EXP_GROUP, attn_bwd_preprocess
+    from mxattn.kernels.attn_fwd import attn_fwd_hopper
+    from mxattn.kernels.quantize import row_scaled_triton as rs
+
+    kr = rs(k, "k")
+    out, lse = attn_fwd_hopper(rs(q, "q"), kr, rs(v, "v"), causal=causal)
+    doh, _, delta = attn_bwd_preprocess(out, dout)
+    return dict(q=rs(q, "k", k_group=Q_EXP_GROUP), k=kr, v_hdim=rs(v, "k"), k_seq=rs(k, "v"), dout_hdim=doh,
+                lse=lse, delta=delta), out
+
+
+def bench_attn_bwd_dq_gluon(shapes: Sequence[tuple] = ((2, 16, 16, 8192, 128, False), (2, 16, 16, 8192, 128, True)),
+                            rep_ms: int = 200, config: Optional[GluonDqConfig] = None) -> list[dict]:
+    """Time the Gluon dQ kernel against the ``tl`` dQ kernel on the same prepared operands (GPU).  ``shapes``:
+    (B, Hq, Hkv, S, D, causal).  TFLOP/s count the dQ kernel's 4 products: 4 * 2 * B * Hq * S^2 * D (half when
+    causal).  Returns one dict per shape: gluon_ms, tl_ms, speedup (tl / gluon), TFLOP/s of both."""
+    rows = []
+    for B, Hq, Hkv, S, D, causal in shapes:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        mk = lambda H: torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+        q, k, v, dout = mk(Hq), mk(Hkv), mk(Hkv), mk(Hq)
+        ops, _ = dq_operands(q, k, v, dout, causal)
+        flops = 4 * 2 * B * Hq * S * S * D * (0.5 if causal else 1.0)
+        row = {"B": B, "Hq": Hq, "Hkv": Hkv, "S": S, "D": D, "causal": causal}
+        for name, fn in (("gluon", lambda: attn_bwd_dq_gluon(**ops, causal=causal, config=config)),
+                         ("tl", lambda: _tl_dq(**ops, causal=causal))):
+            try:
+                ms = triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
+                row[f"{name}_ms"] = ms
+                row[f"{name}_tflops"] = flops / ms / 1e9
+            except Exception as e:  # noqa: BLE001 - record the failure, keep timing
+                row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        if row.get("gluon_ms") and row.get("tl_ms"):
+            row["speedup"] = row["tl_ms"] / row["gluon_ms"]
+        rows.append(row)
+    return rows

@@ -1,0 +1,117 @@
+"""Compile the Gluon backward dQ kernel (``mxattn/kernels/attn_bwd_dq_gluon.py``) for sm_90a without a GPU.
+
+    python scripts/compile_check_bwd_dq_gluon.py [--dump DIR] [--only d128,d64_causal] [--stages N]
+
+Needs triton 3.6 (the GPU machine's version).  Same approach and the same pass / fail rules as
+``scripts/compile_check_gluon.py`` (whose public ``check`` it reuses): ``triton.compile(GluonASTSource(...),
+target=GPUTarget("cuda", 90, 32))`` with TMA descriptor signatures, then the ``ptxas`` / ``cuobjdump`` of the triton
+wheel.  Fails on spills, local memory, wgmma other than m64nNk32 e4m3, ptxas wgmma serialization (C7514 / C7512),
+more than two ``WARPGROUP.DEPBAR`` per key-loop iteration.  It also prints the registers per partition (the
+``setmaxnreg`` values in the PTX) and the named barriers the 8-warp consumer partition uses (its tile-wide dS
+amax is a cross-warp reduction: the barrier must count the partition's 256 threads, not the CTA's).
+Exit status 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(_HERE, ".."))
+sys.path.insert(0, _HERE)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from compile_check_gluon import check  # noqa: E402
+
+
+def _desc_sig(block_shape, layout) -> str:
+    return f"tensordesc<fp8e4nv[{', '.join(map(str, block_shape))}],{layout!r}>"
+
+
+def compile_variant(head_dim: int, causal: bool, stages: int | None = None):
+    """triton.compile of ``_attn_bwd_dq_ws_kernel`` for sm_90a, with the launcher's constexprs and options."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mxattn.kernels import attn_bwd_dq_gluon as m
+
+    cfg = m.default_config(head_dim, causal)
+    stages = stages or cfg.stages
+    f8 = gl.float8e4nv
+    bm, bn = m.BLOCK_M.value, m.BLOCK_N.value
+    row = ([bm, head_dim], gl.NVMMASharedLayout.get_default_for([bm, head_dim], f8))
+    key = ([bn, head_dim], gl.NVMMASharedLayout.get_default_for([bn, head_dim], f8))
+    descs = {"q_desc": row, "do_desc": row, "k_desc": key, "v_desc": key,
+             "ks_desc": ([head_dim, bn], gl.NVMMASharedLayout.get_default_for([head_dim, bn], f8))}
+    ptrs = {"QE": "*i32", "DOE": "*i32", "KE": "*i32", "VE": "*i32", "KSE": "*i32", "LSE": "*fp32",
+            "DELTA": "*fp32", "DQ": "*bf16"}
+    consts = dict(HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs)
+    fn = m._attn_bwd_dq_ws_kernel
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in descs:
+            sig[name] = _desc_sig(*descs[name])
+        elif name in ptrs:
+            sig[name] = ptrs[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ("qk_scale", "grad_scale"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    src = GluonASTSource(fn, sig, consts, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "maxnreg": cfg.maxnreg})
+
+
+def partition_report(k) -> bool:
+    """Registers per partition and the named barriers; False when a partition-local barrier counts the CTA."""
+    ptx = k.asm["ptx"]
+    regs = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
+    bars = collections.Counter(re.findall(r"\bbar(?:rier)?\.sync(?:\.aligned)?\s+(\d+)(?:,\s*(\d+))?", ptx))
+    print(f"   setmaxnreg sequence (PTX order): {[f'{a} {b}' for a, b in regs]}")
+    print("   bar.sync (id, threads): " + ", ".join(f"({i}, {n or 'all'}) x{c}" for (i, n), c in bars.items()))
+    wgmma = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+?)\s", ptx))
+    print(f"   wgmma instructions (PTX, whole kernel): {dict(wgmma)}")
+    # barrier 0 is the consumer partition's (8 warps = 256 threads): a count of the whole CTA there would wait for
+    # the producer warp.  The count-less ``barrier.sync 1`` are the warp_specialize entry / exit of all warps.
+    bad = [(i, n) for (i, n) in bars if i == "0" and n != "256"]
+    if bad:
+        print(f"   FAIL: consumer barriers with a thread count other than 256: {bad}")
+    return not bad
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dump", help="write TTGIR / PTX / SASS per variant here")
+    ap.add_argument("--only", help="comma list of variant names (d128, d128_causal, d64, d64_causal)")
+    ap.add_argument("--stages", type=int, help="ring depth (default: the launcher's default_config)")
+    args = ap.parse_args(argv)
+    if not triton.__version__.startswith("3.6"):
+        print(f"warning: triton {triton.__version__}; this check targets triton 3.6 (the GPU machine's version)")
+    variants = [(f"d{d}{'_causal' if c else ''}", d, c) for d in (128, 64) for c in (False, True)]
+    if args.only:
+        keep = set(args.only.split(","))
+        variants = [v for v in variants if v[0] in keep]
+    ok = True
+    for name, d, causal in variants:
+        try:
+            k = compile_variant(d, causal, args.stages)
+        except Exception as e:  # noqa: BLE001 - report every variant
+            print(f"== {name}: COMPILE ERROR\n{type(e).__name__}: {e}")
+            ok = False
+            continue
+        ok = check(k, name, args.dump) and ok
+        ok = partition_report(k) and ok
+    print("all variants OK" if ok else "some variants FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
