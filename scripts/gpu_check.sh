@@ -6,6 +6,7 @@
 #   tests      every `gpu`-marked test except the Gluon kernel's (which could hang on a barrier bug)
 #   gluon      the warp-specialized Gluon forward: compile check, small tests, all tests, speed vs tl and cuDNN
 #   bwd        backward kernels vs SDPA (python -m mxattn.kernels.attn_bwd)
+#   bwdgluon   the Gluon dQ / dK-dV backward kernels: compile checks, small cases under a timeout, all GPU tests
 #   bwdsweep   backward tile sweep (SWEEP_CONFIGS) at S 8k, kernels only
 #   profile    scripts/profile_attn.py: kernel-by-kernel device time of one public call, fwd and fwd+bwd, vs cuDNN
 #   bench      `mxattn bench`: forward/backward vs SDPA cuDNN/flash BF16, JSON + PNG
@@ -56,6 +57,17 @@ for st in $STAGES; do
       run $PY tests/test_attn_fwd_gluon.py --quick --sweep --out "$OUT/gluon_vs_tl.json" ;;
     bwd)
       run $PY -m mxattn.kernels.attn_bwd --out "$OUT" ;;
+    bwdgluon)
+      # the warp-specialized Gluon backward kernels (not wired into the API yet): compile checks, two small cases
+      # under a short timeout first (a barrier bug hangs rather than fails), then all their GPU tests and timings
+      for part in dq dkdv; do
+        [ -f "tests/test_attn_bwd_${part}_gluon.py" ] || continue
+        run $PY "scripts/compile_check_bwd_${part}_gluon.py"
+        T=120 run $PY -m pytest -m gpu -q -x -rfE -p no:cacheprovider "tests/test_attn_bwd_${part}_gluon.py" \
+          -k "1x1x1x2x2x128c or 2x113x203"
+        run $PY -m pytest -m gpu -q -rfE -s -p no:cacheprovider "tests/test_attn_bwd_${part}_gluon.py" \
+          2>&1 | tee "$OUT/bwd_${part}_gluon_tests.log" | tail -40
+      done ;;
     bwdsweep)
       run $PY -m mxattn.kernels.attn_bwd --out "$OUT" --sweep ;;
     profile)
