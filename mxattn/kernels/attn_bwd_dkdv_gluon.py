@@ -1,0 +1,581 @@
+"""MXFP8 attention backward, dK/dV part, for Hopper in Gluon: warp-specialized (DESIGN §3, perf-notes-attn-bwd.md
+"Plan for the warp-specialized backward").
+
+It replaces the ``tl`` kernel ``attn_bwd._bwd_dkdv_kernel`` on the "dQ from a separate kernel" path
+(``ATOMIC_DQ=False``, ``DS_TILE_SCALE=True``) with the same operands and the same arithmetic.  Per 128 keys of one
+(batch, kv head), looping over the query heads of the GQA group and, per head, over query tiles of BLOCK_M = 64:
+
+  Sᵀ  = K Qᵀ            k (hdim, one exponent per 128 keys) x q (hdim, one exponent per 64+ rows), FP8 wgmma
+  Pᵀ  = 2^(Sᵀ·2^(qe+ke)·scale·log2e + 8 − lse·log2e)      (P·256 <= 256; rows that see nothing: P = 0)
+  dV += e4m3(Pᵀ) dO_seq   register A operand x channel-major dO_seq, FP8 wgmma
+  dPᵀ = V dOᵀ           v_hdim (one exponent per 128 keys) x dout_hdim (one per 64+ rows), FP8 wgmma
+  dSᵀ = Pᵀ ∘ (dPᵀ·2^(doe+ve) − δ)                          (256·dS, fp32)
+  dK += e4m3(dSᵀ·2^-e) Q_seq                                register A operand x channel-major q_seq, FP8 wgmma
+  dk = dK · 2^e · 2^qse[channel] · scale · 2^-8,  dv = dV · 2^dose[channel] · 2^-8   (epilogue, grad_dtype)
+
+Keys are on the MMA's M dimension, so Pᵀ and dSᵀ are ready as register A operands: no transpose, no shared
+memory round trip.  The dS exponent ``e`` is the ``tl`` kernel's rule, unchanged: one RCEIL power of two per
+(128 keys x 64 queries) tile, kept with hysteresis (``_sticky_exp``) and a bounded total drop (``_bounded_exp``),
+the dK accumulator rescaled by 2^(e_old − e_new) (exact) when it changes.  The seq operands' exponents are per
+(query head, channel): dK and dV are kept in units of the current head's and rescaled by 2^(prev − new) per channel
+when the head changes, as the ``tl`` kernel does.  The query tiles are visited in the ``tl`` kernel's order (heads
+h0 .. h0+G-1; per head the masked tiles lo .. mid, then the unmasked mid .. m_end, i.e. increasing start_m), so the
+exponent sequence and every e4m3 P and dS value are the ``tl`` kernel's: the results agree up to the fp32
+summation order of the products (and 1-ulp FMA contraction differences in Sᵀ and dSᵀ).
+
+One CTA per (128 keys, batch * kv head), two partitions:
+  producer  1 warp, 24 registers: TMA loads of the K and V_hdim tiles (128 x D, once) and, per query step, Q and
+            dO_hdim (64 x D; one ready / one empty mbarrier per stage) and Q_seq and dO_seq (D x 64 of the
+            channel-major buffers; their own ready / empty mbarriers: they are read by the later products) into
+            STAGES-deep rings.
+  consumer  the default partition: 8 warps = two warpgroups.  With the wgmma layout ``warps_per_cta=[8, 1]`` each
+            warpgroup issues m64 wgmma over its own 64 keys (keys 0..63 and 64..127 of the CTA).
+lse, δ (vectors over the 64 queries) and the scalar exponents qe, doe are loaded by the consumers with gl.load.
+Deviation from the brief's "consumer warpgroups ... own 64 keys" as separate partitions: as in attn_bwd_dq_gluon,
+the two warpgroups are one 8-warp partition, because the dS exponent is a maximum over the whole 128-key x 64-query
+tile (the ``tl`` kernel's rule, kept for equal numerics): the tile-wide ``gl.max`` is the compiler's cross-warp
+reduction (shared memory + a named barrier of the partition's 256 threads).  The per-key dS scale
+(``BwdConfig(ds_tile_scale=False)``) is left out: only the default per-tile path exists here.
+
+Consumer step j (query tile j of the flattened (head, start_m) sequence; stage s = j % STAGES):
+  1. head change (first tile of a head, j > 0): dK, dV *= 2^(qse_prev − qse) / 2^(dose_prev − dose) per channel;
+  2. wait Q_j / dO_j ready; issue Sᵀ_j = K Q_jᵀ and dPᵀ_j = V dO_jᵀ (A = K, V from shared memory), two groups;
+  3. wait for Sᵀ_j only (dPᵀ_j runs on); Pᵀ_j (masked or not: the branches join fp32 values), e4m3 in the A layout;
+  4. wait dO_seq_j / Q_seq_j ready; issue dV += Pᵀ_j dO_seq_j;
+  5. wait for dPᵀ_j (dV runs on); release Q_j / dO_j;
+  6. dSᵀ_j, the tile's amax and exponent, dK rescale if it moved, e4m3 dSᵀ, while dV's product runs;
+  7. issue dK += dSᵀ_j Q_seq_j; wait for everything; release Q_seq_j / dO_seq_j.
+Every wgmma is waited in the step that issued it (perf-notes-attn-fwd-gluon.md: in flight across the loop edge
+made ptxas serialize all wgmma); three ``WARPGROUP.DEPBAR`` per step (the forward and dQ kernels have two).  The
+overlap is the exp2 of Pᵀ under dPᵀ's product and the dS math under dV's; the two products of one step are not
+pipelined across steps (no Pᵀ / dSᵀ carried over the loop edge: their fp32 tiles would not fit with the 128
+accumulator registers, and e4m3 tensors crossing a loop edge are moved as loose bytes).
+
+TMA views (2-D, 16-byte aligned row strides): Q and dO as (B*Sq, Hq*D), K and V_hdim as (B*Sk, Hkv*D), Q_seq and
+dO_seq as (B*Hq*D, Sq) over the channel-major buffers (row stride S_pad).  Query rows past Sq read the next
+sequence in Q / dO (or TMA zero fill) and are zero-filled in the seq operands: their lse is loaded as −inf, so
+P = dS = 0 there.  Keys past Sk read the next sequence (masked: every step of a partial key block takes the masked
+path, as in the ``tl`` kernel) and are not stored.  Keys that no query sees get dk = dv = 0 (no step, or P = 0).
+
+Layout requirements (``attn_bwd_dkdv_gluon`` raises ValueError otherwise): q and dout_hdim grouped along the
+sequence with a group that is a multiple of 64 (one scalar exponent per query tile; the fast layout
+``row_scaled_triton(x, "k", k_group=128)``, which ``attn_bwd.attn_bwd_preprocess`` makes for dout_hdim), k and
+v_hdim the K layout (128 keys per exponent), q_seq and dout_seq the V layout (channel-major, one exponent per
+(head, channel)).  D is 64 or 128.
+
+Compile check without a GPU (triton 3.6): ``python scripts/compile_check_bwd_dkdv_gluon.py``.  sm_90a, 2 stages,
+maxnreg 168 -> setmaxnreg 240 (consumers) / 24 (producer); highest SASS register R237 (d128, d128 causal) / R178
+(d64) / R218 (d64 causal); spills 0 except d128 causal: 16 bytes (one value stored and two reloaded per step, at
+240 registers with both 64 x 128 fp32 accumulators live; the check allows exactly that); shared memory 98 652 B
+(d128) / 49 500 B (d64); per query step and warpgroup 4 + 4 ``m64n64k32`` (Sᵀ, dPᵀ; 2 + 2 at d64) and 2 + 2
+``m64nDk32`` (dV, dK) e4m3 wgmma, three ``WARPGROUP.DEPBAR`` per step.  Register savings that made d128 fit:
+unit strides specialized (the launcher makes exponents, lse, delta contiguous, ``UNIT_STRIDES``), one stride set
+for each same-shape pair, q / dO exponents expanded to one per 64-row tile (no group division in the loop), the
+key bound dropped from the causal mask (implied), Pᵀ cast to e4m3 only after dSᵀ took its fp32 value.
+Not run on a GPU yet.  Costs to look at first once timed: the head-change rescale loads 4 x D exponents in the
+loop body (a rare branch), the tile-wide dS max (256-thread barriers) once per step, and no cross-step overlap of
+the two consumer warpgroups (no ping-pong: the tile exponent couples them every step).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from mxattn.formats import RowScaledFP8
+from mxattn.kernels.attn_bwd_dq_gluon import (
+    _hdim_view,
+    _is_rs,
+    _mma_layout,
+    _pow2,
+    _rceil_exp,
+    _row_group,
+    _sticky_exp,
+)
+
+__all__ = ["GluonDkdvConfig", "default_config", "attn_bwd_dkdv_gluon", "bench_attn_bwd_dkdv_gluon",
+           "dkdv_operands"]
+
+LOG2E = 1.4426950408889634
+P_SCALE_LOG2 = 8  # P enters dV as e4m3(P * 2^8); dS enters dK as 256 * dS
+BLOCK_N = gl.constexpr(128)  # keys per CTA: two warpgroups of 64 (the tl kernel's block_n: the dS exponent tile)
+BLOCK_M = gl.constexpr(64)  # queries per step: the tl kernel's block_m
+KV_EXP_GROUP = 128  # keys sharing one exponent in k and v_hdim (== BLOCK_N: one scalar per CTA)
+ROW_GROUP = 64  # q / dout_hdim rows per exponent must be a multiple of this (one scalar per query tile)
+
+# kernel arguments the launcher guarantees to be 1 (contiguous exponents, lse, delta, dk, dv): the JIT specializes
+# them as constexpr, which turns the per-channel and per-query vector addresses into one base plus immediates
+UNIT_STRIDES = ("stride_qeh", "stride_deh", "stride_keh", "stride_veh", "stride_qsed", "stride_qsed", "stride_lm",
+                "stride_lm", "stride_dkd", "stride_dkd")
+
+
+@dataclass(frozen=True)
+class GluonDkdvConfig:
+    """Ring depth and register split (not tuned on the GPU yet)."""
+
+    stages: int = 2  # Q / dO / Q_seq / dO_seq ring depth (4 x 8 KB per stage at d128)
+    maxnreg: int = 168  # 12 warps (8 consumers + the producer's warpgroup) * 32 * 168 <= 65536
+    producer_regs: int = 24
+
+
+def default_config(head_dim: int, causal: bool) -> GluonDkdvConfig:
+    return GluonDkdvConfig()
+
+
+# ------------------------------------------------------------------------------------------------- helpers
+@gluon.jit
+def _p_tile(s, a, b_row, m0, key_lim, diag, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+    """Pᵀ·256 of one (128 keys x 64 queries) tile from the raw Sᵀ accumulator (attn_bwd._kv_step): x = Sᵀ·a + b_row
+    (−inf where masked), P = 2^x.  Local indices against scalar bounds (32-bit compares)."""
+    x = gl.fma(s, a, gl.expand_dims(b_row, 0))
+    if MASKED:
+        rows = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s.type.layout)), 1)
+        if CAUSAL:
+            # key n0 + r <= query m0 + c + Sk - Sq implies n0 + r < Sk for every query row c < Sq; the rows past Sq
+            # have P = 0 from lse = -inf.  So the key bound of the tl kernel's mask is implied (one compare, and
+            # the registers it saves keep d128 causal free of spills)
+            cols = gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s.type.layout)), 0)
+            keep = rows <= cols + (m0 + diag)
+        else:
+            keep = rows < key_lim
+        x = gl.where(keep, x, float("-inf"))
+    return gl.exp2(x)  # P * 256, 0 where masked or where the query row sees nothing
+
+
+@gluon.jit
+def _p_step(s, a, b_row, m0, key_lim, diag, masked, CAUSAL: gl.constexpr):
+    """The masked / unmasked choice made at run time (the branches join fp32 values only)."""
+    if masked:
+        p = _p_tile(s, a, b_row, m0, key_lim, diag, True, CAUSAL)
+    else:
+        p = _p_tile(s, a, b_row, m0, key_lim, diag, False, CAUSAL)
+    return p
+
+
+@gluon.jit
+def _head_rescale(dk, dv, QSE, DOSE, stride_qseh, stride_qsed, hh,
+                  o_layout: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """dK and dV from units of head hh-1's seq exponents to head hh's (exact, per channel; attn_bwd's head loop)."""
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    qse_prev = gl.load(QSE + (hh - 1) * stride_qseh + offs_d * stride_qsed)
+    qse = gl.load(QSE + hh * stride_qseh + offs_d * stride_qsed)
+    dose_prev = gl.load(DOSE + (hh - 1) * stride_qseh + offs_d * stride_qsed)
+    dose = gl.load(DOSE + hh * stride_qseh + offs_d * stride_qsed)
+    dk = dk * gl.expand_dims(_pow2(qse_prev - qse), 0)
+    dv = dv * gl.expand_dims(_pow2(dose_prev - dose), 0)
+    return dk, dv
+
+
+# ------------------------------------------------------------------------------------------------- producer
+@gluon.jit
+def _producer(q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc, q_smem, do_smem, qs_smem, dos_smem, k_smem,
+              v_smem, kv_bar, qd_ready, qd_empty, sq_ready, sq_empty,
+              k_row, k_col, q_row, seq_row, h0, lo, n_m, n_steps,
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [k_row, k_col], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [k_row, k_col], kv_bar, v_smem)
+    for i in range(n_steps):
+        s = i % STAGES
+        hh = h0 + i // n_m
+        m0 = lo + (i % n_m) * BLOCK_M
+        # a fresh mbarrier counts as having completed the phase before phase 0: the first pass does not wait
+        ph = ((i // STAGES) & 1) ^ 1
+        mbarrier.wait(qd_empty.index(s), ph)
+        mbarrier.expect(qd_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row + m0, hh * HEAD_DIM], qd_ready.index(s), q_smem.index(s))
+        tma.async_copy_global_to_shared(do_desc, [q_row + m0, hh * HEAD_DIM], qd_ready.index(s), do_smem.index(s))
+        mbarrier.wait(sq_empty.index(s), ph)
+        mbarrier.expect(sq_ready.index(s), qs_desc.block_type.nbytes + dos_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(qs_desc, [seq_row + hh * HEAD_DIM, m0], sq_ready.index(s),
+                                        qs_smem.index(s))
+        tma.async_copy_global_to_shared(dos_desc, [seq_row + hh * HEAD_DIM, m0], sq_ready.index(s),
+                                        dos_smem.index(s))
+
+
+# ------------------------------------------------------------------------------------------------- consumer
+@gluon.jit
+def _consumer(q_smem, do_smem, qs_smem, dos_smem, k_smem, v_smem, kv_bar, qd_ready, qd_empty, sq_ready, sq_empty,
+              QE, DOE, QSE, DOSE, LSE, DELTA, DK, DV,
+              stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_lh, stride_lm,
+              stride_dkn, stride_dkd, KE, VE, key_lim, diag, Sq, h0, h_last, lo, mid, n_m, n_steps,
+              qk_scale, grad_scale,
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """Keys n0 .. n0 + 127 of one (b, hk); pointers already moved to b (QE, DOE, QSE, DOSE, LSE, DELTA) and to
+    (b, hk, n0) (DK, DV).  key_lim = Sk − n0 (local keys below it exist), diag = Sk − Sq − n0 (local key r sees local
+    query c of the tile at m0 iff r − c <= m0 + diag)."""
+    s_layout: gl.constexpr = _mma_layout(BLOCK_M)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=o_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=o_layout)
+    dk_e = 0
+    dk_hi = -1000  # no bound until the accumulator holds something (_bounded_exp)
+    ke = gl.load(KE)
+    ve = gl.load(VE)
+    mbarrier.wait(kv_bar, 0)
+    for j in range(n_steps):
+        st = j % STAGES
+        ph = (j // STAGES) & 1
+        t = j // n_m
+        hh = h0 + t
+        m0 = lo + (j - t * n_m) * BLOCK_M
+        if j - t * n_m == 0:
+            if j > 0:
+                dk, dv = _head_rescale(dk, dv, QSE, DOSE, stride_qseh, stride_qsed, hh,
+                                       o_layout, HEAD_DIM)
+        # query-side scalars and vectors of this tile (before the waits: their latency hides under them)
+        offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_s)
+        row_ok = offs_m < Sq
+        lse = gl.load(LSE + hh * stride_lh + offs_m * stride_lm, mask=row_ok, other=float("-inf"))
+        qe = gl.load(QE + hh * stride_qeh + (m0 // BLOCK_M) * stride_qeg)
+        doe = gl.load(DOE + hh * stride_deh + (m0 // BLOCK_M) * stride_deg)
+        # exponent of p*256 = s*log2e*scale - lse*log2e + 8; rows that see nothing (lse = -inf), rows past Sq: -inf
+        b_row = gl.where(lse == float("-inf"), float("-inf"), 8.0 - lse * 1.4426950408889634)
+        a = qk_scale * _pow2(qe + ke)
+
+        mbarrier.wait(qd_ready.index(st), ph)
+        s = warpgroup_mma(k_smem, q_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(v_smem, do_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # Sᵀ_j; dPᵀ_j runs on
+        p = _p_step(s, a, b_row, m0, key_lim, diag, m0 < mid, CAUSAL)
+        delta = gl.load(DELTA + hh * stride_lh + offs_m * stride_lm, mask=row_ok, other=0.0)
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))  # dPᵀ_j
+        mbarrier.arrive(qd_empty.index(st), count=1)
+        ds = p * gl.fma(dp, _pow2(doe + ve), -gl.expand_dims(delta, 0))  # 256 * dSᵀ
+        # Pᵀ to e4m3 only now (after dSᵀ took its fp32 value): Pᵀ, dPᵀ and the e4m3 Pᵀ are never live together
+        p8 = gl.convert_layout(p.to(gl.float8e4nv), a_layout)
+        mbarrier.wait(sq_ready.index(st), ph)
+        dv = warpgroup_mma(p8, dos_smem.index(st).permute((1, 0)), dv, is_async=True)
+        # the tile's exponent (a cross-warp max), its e4m3 dSᵀ and the rare dK rescale, under dV's product
+        amax = gl.max(gl.max(gl.abs(ds), 1), 0)
+        e = gl.maximum(_sticky_exp(_rceil_exp(amax, dk_e), dk_e), dk_hi - 64)  # _bounded_exp(_sticky_exp(...))
+        dk_hi = gl.maximum(dk_hi, e)
+        ds8 = gl.convert_layout((ds * _pow2(-e)).to(gl.float8e4nv), a_layout)
+        if e != dk_e:  # rare: only when the tile's exponent leaves the hysteresis window
+            dk = dk * _pow2(dk_e - e)
+        dk_e = e
+        dk = warpgroup_mma(ds8, qs_smem.index(st).permute((1, 0)), dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+        mbarrier.arrive(sq_empty.index(st), count=1)
+
+    # ---- epilogue (attn_bwd._bwd_dkdv_kernel): the last head's seq exponents, dK's tile exponent, 2^-8 of P
+    offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
+    qse = gl.load(QSE + h_last * stride_qseh + offs_d * stride_qsed)
+    dk = dk * gl.expand_dims(_pow2(qse) * (grad_scale * _pow2(dk_e)), 0)
+    offs_n = gl.arange(0, BLOCK_N, layout=row_o)
+    key_ok = gl.expand_dims(offs_n < key_lim, 1)
+    ptrs = DK + gl.expand_dims(offs_n.to(gl.int64) * stride_dkn, 1) + gl.expand_dims(offs_d * stride_dkd, 0)
+    gl.store(ptrs, dk.to(DK.dtype.element_ty), mask=key_ok)
+    dose = gl.load(DOSE + h_last * stride_qseh + offs_d * stride_qsed)
+    dv = dv * gl.expand_dims(_pow2(dose) * 0.00390625, 0)  # 2^-8: P entered as P * 256
+    ptrs = DV + gl.expand_dims(offs_n.to(gl.int64) * stride_dkn, 1) + gl.expand_dims(offs_d * stride_dkd, 0)
+    gl.store(ptrs, dv.to(DV.dtype.element_ty), mask=key_ok)
+
+
+# ------------------------------------------------------------------------------------------------- kernel
+@gluon.jit
+def _attn_bwd_dkdv_ws_kernel(
+    q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc, QE, DOE, KE, VE, QSE, DOSE, LSE, DELTA, DK, DV,
+    stride_qeb, stride_qeg, stride_qeh,
+    stride_deb, stride_deg, stride_deh,
+    stride_keb, stride_ket, stride_keh,
+    stride_veb, stride_vet, stride_veh,
+    stride_qseb, stride_qseh, stride_qsed,  # q_seq's and dout_seq's exponents (same shape, contiguous)
+    stride_lb, stride_lh, stride_lm,  # lse's and delta's (same shape, contiguous)
+    stride_dkb, stride_dkn, stride_dkh, stride_dkd,  # dk's and dv's
+    Hq, Hkv, Sq, Sk, group_size, qk_scale, grad_scale,
+    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    # key blocks fastest within one (b, kv head), as the tl kernel: the heaviest causal blocks (first keys) start
+    # first and neighbouring CTAs stream the same query-side tiles through L2
+    pid_n = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // Hkv
+    hk = pid_bh % Hkv
+    n0 = pid_n * BLOCK_N
+
+    # the query tiles this key block visits (attn_bwd._bwd_dkdv_kernel): lo .. mid masked, mid .. m_end not
+    causal_off = Sk - Sq
+    m_end = gl.cdiv(Sq, BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        lo = (gl.maximum(n0 - causal_off, 0) // BLOCK_M) * BLOCK_M
+        mid = gl.cdiv(gl.maximum(n0 + BLOCK_N - 1 - causal_off, 0), BLOCK_M) * BLOCK_M
+    else:
+        lo = 0
+        mid = 0
+    if n0 + BLOCK_N > Sk:
+        mid = m_end  # a partial key block masks its missing keys everywhere
+    lo = gl.minimum(lo, m_end)
+    mid = gl.minimum(gl.maximum(mid, lo), m_end)
+    n_m = (m_end - lo) // BLOCK_M
+    n_steps = group_size * n_m
+    h0 = hk * group_size
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    qs_smem = gl.allocate_shared_memory(qs_desc.dtype, [STAGES] + qs_desc.block_type.shape, qs_desc.layout)
+    dos_smem = gl.allocate_shared_memory(dos_desc.dtype, [STAGES] + dos_desc.block_type.shape, dos_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    qd_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qd_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    sq_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    sq_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(qd_ready.index(i), count=1)
+        mbarrier.init(sq_ready.index(i), count=1)
+        mbarrier.init(qd_empty.index(i), count=1)  # one arrival: the consumer partition arrives once
+        mbarrier.init(sq_empty.index(i), count=1)
+
+    b64 = b.to(gl.int64)
+    QE_b = QE + b64 * stride_qeb
+    DOE_b = DOE + b64 * stride_deb
+    KE_t = KE + b64 * stride_keb + hk * stride_keh + pid_n * stride_ket  # BLOCK_N == KV_EXP_GROUP
+    VE_t = VE + b64 * stride_veb + hk * stride_veh + pid_n * stride_vet
+    QSE_b = QSE + b64 * stride_qseb
+    DOSE_b = DOSE + b64 * stride_qseb
+    LSE_b = LSE + b64 * stride_lb
+    DELTA_b = DELTA + b64 * stride_lb
+    DK_t = DK + b64 * stride_dkb + hk * stride_dkh + n0.to(gl.int64) * stride_dkn
+    DV_t = DV + b64 * stride_dkb + hk * stride_dkh + n0.to(gl.int64) * stride_dkn
+    gl.warp_specialize([
+        (_consumer, (q_smem, do_smem, qs_smem, dos_smem, k_smem, v_smem, kv_bar, qd_ready, qd_empty, sq_ready,
+                     sq_empty, QE_b, DOE_b, QSE_b, DOSE_b, LSE_b, DELTA_b, DK_t, DV_t,
+                     stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_lh,
+                     stride_lm, stride_dkn, stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0, h0 + group_size - 1, lo, mid, n_m,
+                     n_steps, qk_scale, grad_scale,
+                     HEAD_DIM, STAGES, CAUSAL)),
+        (_producer, (q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc, q_smem, do_smem, qs_smem, dos_smem,
+                     k_smem, v_smem, kv_bar, qd_ready, qd_empty, sq_ready, sq_empty,
+                     b * Sk + n0, hk * HEAD_DIM, b * Sq, b * Hq * HEAD_DIM, h0, lo, n_m, n_steps,
+                     HEAD_DIM, STAGES)),
+    ], [1], [PRODUCER_REGS])
+
+
+# ------------------------------------------------------------------------------------------------- launcher
+def _check(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, grad_dtype):
+    ops = (("q", q), ("k", k), ("v_hdim", v_hdim), ("q_seq", q_seq), ("dout_hdim", dout_hdim),
+           ("dout_seq", dout_seq))
+    for name, t in ops:
+        if not _is_rs(t):
+            raise TypeError(f"{name} must be a RowScaledFP8, got {type(t).__name__}")
+        if t.data.ndim != 4:
+            raise ValueError(f"{name}: data must be (B, S, H, D), got {tuple(t.data.shape)}")
+    B, Sq, Hq, D = q.data.shape
+    Sk, Hkv = k.data.shape[1], k.data.shape[2]
+    if D not in (64, 128):
+        raise ValueError(f"head dim {D} not supported by the Gluon dK/dV kernel (64 or 128)")
+    for name, t, want in (("k", k, (B, Sk, Hkv, D)), ("v_hdim", v_hdim, (B, Sk, Hkv, D)),
+                          ("q_seq", q_seq, (B, Sq, Hq, D)), ("dout_hdim", dout_hdim, (B, Sq, Hq, D)),
+                          ("dout_seq", dout_seq, (B, Sq, Hq, D))):
+        if tuple(t.data.shape) != want:
+            raise ValueError(f"{name}: data {tuple(t.data.shape)}, expected {want}")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
+    for name, t in (("q", q), ("dout_hdim", dout_hdim)):
+        g = _row_group(t, name)
+        if g % ROW_GROUP:
+            raise ValueError(f"{name}: {g} rows per exponent; the Gluon dK/dV kernel needs a multiple of {ROW_GROUP} "
+                             f"(row_scaled_triton(x, 'k', k_group=128)); use attn_bwd's tl kernel otherwise")
+    for name, t in (("k", k), ("v_hdim", v_hdim)):
+        if _row_group(t, name) != KV_EXP_GROUP:
+            raise ValueError(f"{name}: needs one exponent per {KV_EXP_GROUP} keys (the K layout), got group "
+                             f"{t.group}")
+    for name, t in (("q_seq", q_seq), ("dout_seq", dout_seq)):
+        want = (B, 1, Hq, D)
+        if t.dim != 1 or tuple(t.exp.shape) != want:
+            raise ValueError(f"{name}: exp {tuple(t.exp.shape)} (dim={t.dim}), expected {want}: one exponent per "
+                             f"channel, blocked along the sequence (the V layout)")
+        sd = t.data
+        s_pad = sd.stride(3)
+        if (sd.stride(1) != 1 or sd.stride(2) != D * s_pad or sd.stride(0) != Hq * D * s_pad or s_pad % 16
+                or s_pad < Sq or sd.data_ptr() % 16):
+            raise ValueError(f"{name}: data must be the (B, S, H, D) view of a channel-major (B, H, D, S_pad) "
+                             f"buffer, S_pad a multiple of 16 (formats.channel_major / row_scaled_triton(x, 'v'))")
+    for name, t in (("lse", lse), ("delta", delta)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (B, Hq, Sq):
+            raise ValueError(f"{name} must be a float32 tensor {(B, Hq, Sq)}, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    if grad_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"grad_dtype must be bfloat16, float16 or float32, got {grad_dtype}")
+    devs = {t.data.device for _, t in ops} | {lse.device, delta.device}
+    if len(devs) != 1:
+        raise ValueError(f"all operands must be on one device, got {sorted(map(str, devs))}")
+
+
+def _tile_exps(t: RowScaledFP8, Sq: int) -> torch.Tensor:
+    """(B, ceil(Sq / 64), H, 1) int32 exponents, one per 64-row query tile, of an operand grouped by a multiple of 64."""
+    return t.exp.repeat_interleave(t.group // BLOCK_M.value, dim=1)[:, : triton.cdiv(Sq, BLOCK_M.value)].contiguous()
+
+
+def _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq):
+    B, Sq, Hq, D = q.data.shape
+    Sk, Hkv = k.data.shape[1], k.data.shape[2]
+    qd = _hdim_view(q.data, "q")
+    dd = _hdim_view(dout_hdim.data, "dout_hdim")
+    kd = _hdim_view(k.data, "k")
+    vd = _hdim_view(v_hdim.data, "v_hdim")
+    f8 = gl.float8e4nv
+    bm, bn = BLOCK_M.value, BLOCK_N.value
+    row_layout = gl.NVMMASharedLayout.get_default_for([bm, D], f8)
+    key_layout = gl.NVMMASharedLayout.get_default_for([bn, D], f8)
+    seq_layout = gl.NVMMASharedLayout.get_default_for([D, bm], f8)
+    q_desc = TensorDescriptor(qd, [B * Sq, Hq * D], [Hq * D, 1], [bm, D], row_layout)
+    do_desc = TensorDescriptor(dd, [B * Sq, Hq * D], [Hq * D, 1], [bm, D], row_layout)
+    qsd, dsd = q_seq.data, dout_seq.data
+    qs_desc = TensorDescriptor(qsd, [B * Hq * D, Sq], [qsd.stride(3), 1], [D, bm], seq_layout)
+    dos_desc = TensorDescriptor(dsd, [B * Hq * D, Sq], [dsd.stride(3), 1], [D, bm], seq_layout)
+    k_desc = TensorDescriptor(kd, [B * Sk, Hkv * D], [Hkv * D, 1], [bn, D], key_layout)
+    v_desc = TensorDescriptor(vd, [B * Sk, Hkv * D], [Hkv * D, 1], [bn, D], key_layout)
+    return q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc
+
+
+def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, q_seq: RowScaledFP8,
+                        dout_hdim: RowScaledFP8, dout_seq: RowScaledFP8, lse: torch.Tensor, delta: torch.Tensor, *,
+                        causal: bool = False, softmax_scale: Optional[float] = None,
+                        grad_dtype: torch.dtype = torch.bfloat16, config: Optional[GluonDkdvConfig] = None):
+    """(dk, dv) of MXFP8 attention with the warp-specialized Gluon kernel: the operands ``attn_bwd.attn_bwd_hopper``
+    passes to its dK/dV kernel on the "dQ from a separate kernel" path.
+
+    q:         (B, Sq, Hq, D) blocked along the head dim, grouped along the sequence by a multiple of 64 rows
+               (``row_scaled_triton(q, "k", k_group=128)``).
+    k, v_hdim: (B, Sk, Hkv, D), the K layout (``row_scaled_triton(x, "k")``).
+    q_seq:     Q blocked along the sequence, the V layout (``row_scaled_triton(q, "v")``: channel-major).
+    dout_hdim, dout_seq, delta: from ``attn_bwd.attn_bwd_preprocess(out, dout)`` (dO grouped like q, dO channel-
+               major, (B, Hq, Sq) float32 rowsum(dO_hdim ∘ O)).
+    lse:       the forward's (B, Hq, Sq) float32 natural-log sum of exp (−inf for rows that see nothing).
+    D is 64 or 128, Hq a multiple of Hkv (dk, dv summed over the query heads of each group); causal masks are
+    aligned bottom-right.  Returns dk, dv (B, Sk, Hkv, D) in ``grad_dtype``, contiguous.  Needs an sm_90 GPU and
+    triton 3.6's Gluon.
+    """
+    _check(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, grad_dtype)
+    B, Sq, Hq, D = q.data.shape
+    Sk, Hkv = k.data.shape[1], k.data.shape[2]
+    cfg = config or default_config(D, causal)
+    if cfg.stages < 1:
+        raise ValueError(f"stages must be >= 1, got {cfg.stages}")
+    softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    dev = q.data.device
+    if Sq == 0 or B * Hkv == 0 or Sk == 0:
+        z = lambda: torch.zeros(B, Sk, Hkv, D, dtype=grad_dtype, device=dev)  # noqa: E731
+        return z(), z()
+    dk = torch.empty(B, Sk, Hkv, D, dtype=grad_dtype, device=dev)
+    dv = torch.empty(B, Sk, Hkv, D, dtype=grad_dtype, device=dev)
+    descs = _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq)
+    # contiguous exponents, lse and delta: the unit strides the compiled variant is specialized for (UNIT_STRIDES)
+    # q's and dout_hdim's exponents expanded to one per 64-row query tile (their groups are multiples of 64): the
+    # kernel indexes them by m0 // 64, with no per-operand group argument (fewer live scalars in the consumer)
+    qe, de = (_tile_exps(t, Sq) for t in (q, dout_hdim))
+    ke, ve = (t.exp.contiguous() for t in (k, v_hdim))
+    qse, dse = q_seq.exp.contiguous(), dout_seq.exp.contiguous()
+    lse, delta = lse.contiguous(), delta.contiguous()
+    # the kernel takes one set of strides for q_seq's / dout_seq's exponents, lse / delta and dk / dv
+    assert qse.stride() == dse.stride() and lse.stride() == delta.stride() and dk.stride() == dv.stride()
+    row_e = lambda e: (e.stride(0), e.stride(1), e.stride(2))  # noqa: E731  (B, S or groups, H)
+    chan_e = lambda e: (e.stride(0), e.stride(2), e.stride(3))  # noqa: E731  (B, H, D)
+    grid = (triton.cdiv(Sk, BLOCK_N.value), B * Hkv)
+    _attn_bwd_dkdv_ws_kernel[grid](
+        *descs, qe, de, ke, ve, qse, dse, lse, delta, dk, dv,
+        *row_e(qe), *row_e(de), *row_e(ke), *row_e(ve), *chan_e(qse), *lse.stride(), *dk.stride(),
+        Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
+        HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
+        num_warps=8, maxnreg=cfg.maxnreg,
+    )
+    return dk, dv
+
+
+# ------------------------------------------------------------------------------------------------- GPU timing
+def _tl_dkdv(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, *, causal=False, softmax_scale=None,
+             grad_dtype=torch.bfloat16):
+    """The ``tl`` dK/dV kernel (``attn_bwd._bwd_dkdv_kernel``, ``ATOMIC_DQ=False``) alone, launched as
+    ``attn_bwd_hopper`` launches it on the deterministic path (default tiles 64 x 128, 8 warps, 2 stages), on
+    grouped q / dO operands."""
+    from mxattn.kernels import attn_bwd as ab
+
+    cfg = ab.BwdConfig()
+    B, Sq, Hq, D = q.data.shape
+    Sk, Hkv = k.data.shape[1], k.data.shape[2]
+    softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    dev = q.data.device
+    dk = torch.empty(B, Sk, Hkv, D, dtype=grad_dtype, device=dev)
+    dv = torch.empty(B, Sk, Hkv, D, dtype=grad_dtype, device=dev)
+    qd, qe, kd, ke, vd, ve = q.data, q.exp, k.data, k.exp, v_hdim.data, v_hdim.exp
+    qsd, qse, dhd, dhe, dsd, dse = q_seq.data, q_seq.exp, dout_hdim.data, dout_hdim.exp, dout_seq.data, dout_seq.exp
+    row_e = lambda e: (e.stride(0), e.stride(1), e.stride(2))  # noqa: E731
+    chan_e = lambda e: (e.stride(0), e.stride(2), e.stride(3))  # noqa: E731
+    ab._bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
+        qd, qe, kd, ke, vd, ve, qsd, qse, kd, ke, dhd, dhe, dsd, dse, lse, delta, dk, dk, dv,
+        *qd.stride(), *row_e(qe), *kd.stride(), *row_e(ke), *vd.stride(), *row_e(ve),
+        *qsd.stride(), *chan_e(qse), *kd.stride(), 0, 0, 0,
+        *dhd.stride(), *row_e(dhe), *dsd.stride(), *chan_e(dse),
+        *lse.stride(), *dk.stride(), *dk.stride(), *dv.stride(),
+        Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
+        ab._seq_load_bound(qsd), ab._seq_load_bound(dsd), None, None, None, None, None, None, None,
+        HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, ATOMIC_DQ=False,
+        DS_TILE_SCALE=True, Q_GROUP=q.group, DO_GROUP=dout_hdim.group, EXPLICIT_ROUND=False,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return dk, dv
+
+
+def dkdv_operands(q, k, v, dout, causal: bool):
+    """From bf16 (B, S, H, D) q, k, v, dO: the forward's out / lse (``attn_fwd_hopper``) and the dK/dV operands
+    (q grouped by 128 rows, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta).  GPU only."""
+    from mxattn.kernels.attn_bwd import Q_EXP_GROUP, attn_bwd_preprocess
+    from mxattn.kernels.attn_fwd import attn_fwd_hopper
+    from mxattn.kernels.quantize import row_scaled_triton as rs
+
+    kr = rs(k, "k")
+    out, lse = attn_fwd_hopper(rs(q, "q"), kr, rs(v, "v"), causal=causal)
+    doh, dos, delta = attn_bwd_preprocess(out, dout)
+    return dict(q=rs(q, "k", k_group=Q_EXP_GROUP), k=kr, v_hdim=rs(v, "k"), q_seq=rs(q, "v"), dout_hdim=doh,
+                dout_seq=dos, lse=lse, delta=delta), out
+
+
+def bench_attn_bwd_dkdv_gluon(shapes: Sequence[tuple] = ((2, 16, 16, 8192, 128, False),
+                                                          (2, 16, 16, 8192, 128, True)),
+                              rep_ms: int = 200, config: Optional[GluonDkdvConfig] = None) -> list[dict]:
+    """Time the Gluon dK/dV kernel against the ``tl`` dK/dV-only kernel on the same prepared operands (GPU).
+    ``shapes``: (B, Hq, Hkv, S, D, causal).  TFLOP/s count the kernel's 4 products: 4 * 2 * B * Hq * S^2 * D (half
+    when causal).  Returns one dict per shape: gluon_ms, tl_ms, speedup (tl / gluon), TFLOP/s of both."""
+    rows = []
+    for B, Hq, Hkv, S, D, causal in shapes:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        mk = lambda H: torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+        q, k, v, dout = mk(Hq), mk(Hkv), mk(Hkv), mk(Hq)
+        ops, _ = dkdv_operands(q, k, v, dout, causal)
+        flops = 4 * 2 * B * Hq * S * S * D * (0.5 if causal else 1.0)
+        row = {"B": B, "Hq": Hq, "Hkv": Hkv, "S": S, "D": D, "causal": causal}
+        for name, fn in (("gluon", lambda: attn_bwd_dkdv_gluon(**ops, causal=causal, config=config)),
+                         ("tl", lambda: _tl_dkdv(**ops, causal=causal))):
+            try:
+                ms = triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
+                row[f"{name}_ms"] = ms
+                row[f"{name}_tflops"] = flops / ms / 1e9
+            except Exception as e:  # noqa: BLE001 - record the failure, keep timing
+                row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        if row.get("gluon_ms") and row.get("tl_ms"):
+            row["speedup"] = row["tl_ms"] / row["gluon_ms"]
+        rows.append(row)
+    return rows
