@@ -67,7 +67,9 @@ for st in $STAGES; do
           -k "1x1x1x2x2x128c or 2x113x203"
         run $PY -m pytest -m gpu -q -rfE -s -p no:cacheprovider "tests/test_attn_bwd_${part}_gluon.py" \
           2>&1 | tee "$OUT/bwd_${part}_gluon_tests.log" | tail -40
-      done ;;
+      done
+      # both through loss.backward() (MXATTN_BWD_KERNEL=gluon) against the tl kernels
+      run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_bwd.py -k "gluon_through_the_api" ;;
     bwdsweep)
       run $PY -m mxattn.kernels.attn_bwd --out "$OUT" --sweep ;;
     profile)

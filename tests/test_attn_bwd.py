@@ -269,6 +269,53 @@ def test_attn_bwd_interpreter(case, seed):
     _check(q, k, v, do, causal, deterministic=det)
 
 
+def test_backward_kernel_switch(seed, monkeypatch):
+    """MXATTN_BWD_KERNEL: a bad value is refused before any launch; "gluon" is refused where the Gluon kernels cannot
+    run (interpreter / CPU) and for layouts they do not take; an explicit config keeps the tl kernels."""
+    require_kernels()
+    bwd = _bwd()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v, do = _inputs(1, 40, 50, 2, 1, 64, dev, seed)
+    _, ops = _operands(q, k, v, q.is_cuda)
+    out, lse = torch.randn_like(q), torch.rand(1, 2, 40, device=dev) + 3.0
+    args = (ops["q"], ops["k"], ops["v_hdim"], ops["q_seq"], ops["k_seq"], out, do, lse)
+    monkeypatch.setenv("MXATTN_BWD_KERNEL", "cuda")
+    with pytest.raises(ValueError, match="MXATTN_BWD_KERNEL"):
+        bwd.attn_bwd_hopper(*args)
+    monkeypatch.setenv("MXATTN_BWD_KERNEL", "gluon")
+    if not q.is_cuda:
+        with pytest.raises(RuntimeError, match="Hopper GPU"):
+            bwd.attn_bwd_hopper(*args)
+    q1 = _operands(q, k, v, q.is_cuda, q_rows=1)[1]["q"]  # the per-row Q layout: not for the Gluon kernels
+    with pytest.raises(ValueError, match="grouped by a multiple of 128"):
+        bwd.attn_bwd_hopper(q1, *args[1:])
+    a = bwd.attn_bwd_hopper(*args, config=bwd.BwdConfig(dq_kernel=True))  # explicit config: the tl kernels
+    monkeypatch.setenv("MXATTN_BWD_KERNEL", "tl")
+    b = bwd.attn_bwd_hopper(*args, config=bwd.BwdConfig(dq_kernel=True))
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_kernel_gluon_through_the_api(causal, seed, monkeypatch):
+    """MXATTN_BWD_KERNEL=gluon through loss.backward(): the Gluon kernels' gradients equal the tl dQ-kernel path's
+    up to fp32 summation order (same P and dS bits)."""
+    from conftest import assert_same_up_to_summation_order
+
+    from mxattn import mxfp8_attn_func
+
+    q, k, v, do = _inputs(2, 700, 900, 8, 2, 128, "cuda", seed)
+    grads = {}
+    for kind in ("tl", "gluon"):
+        monkeypatch.setenv("MXATTN_BWD_KERNEL", kind)
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        mxfp8_attn_func(*leaves, causal=causal, deterministic=True).backward(do)
+        grads[kind] = [t.grad for t in leaves]
+    for name, a, b in zip(("dq", "dk", "dv"), grads["gluon"], grads["tl"]):
+        assert_same_up_to_summation_order(a, b, name)
+
+
 @pytest.mark.parametrize("causal,Hkv,D,want", [(False, 2, 128, True), (True, 1, 128, True), (True, 2, 128, False),
                                                (False, 2, 64, False)])
 def test_attn_bwd_default_dq_kernel_choice(causal, Hkv, D, want, seed):

@@ -58,7 +58,7 @@ from mxattn.formats import RowScaledFP8
 from mxattn.kernels.quantize import _round_to_e4m3_grid, row_scaled_triton
 
 __all__ = [
-    "BwdConfig", "default_config", "DO_EXP_GROUP", "Q_EXP_GROUP", "attn_bwd_hopper", "attn_bwd_preprocess",
+    "BwdConfig", "backward_kernel", "default_config", "DO_EXP_GROUP", "Q_EXP_GROUP", "attn_bwd_hopper", "attn_bwd_preprocess",
     "attn_bwd_hopper_varlen", "attn_bwd_preprocess_varlen", "bench_attn_bwd",
 ]
 
@@ -114,6 +114,17 @@ def default_config(head_dim: int, causal: bool, group: int = 1) -> BwdConfig:
 
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
+BWD_KERNELS = ("tl", "gluon")
+
+
+def backward_kernel() -> str:
+    """The dense backward's kernels: ``MXATTN_BWD_KERNEL`` = "tl" (default) or "gluon" (the warp-specialized
+    kernels of attn_bwd_dkdv_gluon.py and attn_bwd_dq_gluon.py, not yet run on a GPU: opt-in until their GPU tests
+    pass; deterministic, no atomics).  Read at each call; an explicit ``config`` keeps the ``tl`` kernels."""
+    choice = os.environ.get("MXATTN_BWD_KERNEL", "tl")
+    if choice not in BWD_KERNELS:
+        raise ValueError(f"MXATTN_BWD_KERNEL must be one of {', '.join(BWD_KERNELS)}, got {choice!r}")
+    return choice
 
 
 # ----------------------------------------------------------------------------------------------
@@ -796,6 +807,14 @@ def attn_bwd_hopper(
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     dev = q.data.device
+    use_gluon = config is None and backward_kernel() == "gluon"
+    if use_gluon:  # checked before any launch
+        dg = _row_group(dout_hdim, "dout_hdim") if dout_hdim is not None else DO_EXP_GROUP
+        if D not in (64, 128) or qg % 128 or dg % 128:
+            raise ValueError(f"MXATTN_BWD_KERNEL=gluon needs D 64 or 128 and q / dO grouped by a multiple of 128 rows "
+                             f"(got D={D}, q rows per exponent {qg}, dO {dg})")
+        if INTERPRETER or dev.type != "cuda":
+            raise RuntimeError("MXATTN_BWD_KERNEL=gluon: the Gluon kernels need a Hopper GPU (no interpreter path)")
     dk = torch.empty(B, Sk, Hkv, D, dtype=grad_dtype, device=dev)
     dv = torch.empty(B, Sk, Hkv, D, dtype=grad_dtype, device=dev)
     if Sq == 0 or Sk == 0 or B * Hq == 0:
@@ -803,6 +822,15 @@ def attn_bwd_hopper(
         dv.zero_()
         return torch.zeros(B, Sq, Hq, D, dtype=grad_dtype, device=dev), dk, dv
     doh, dos, delta = attn_bwd_preprocess(out, dout, dout_hdim, dout_seq)
+    if use_gluon:
+        from mxattn.kernels.attn_bwd_dkdv_gluon import attn_bwd_dkdv_gluon
+        from mxattn.kernels.attn_bwd_dq_gluon import attn_bwd_dq_gluon
+
+        dk, dv = attn_bwd_dkdv_gluon(q, k, v_hdim, q_seq, doh, dos, lse, delta, causal=causal,
+                                     softmax_scale=softmax_scale, grad_dtype=grad_dtype)
+        dq = attn_bwd_dq_gluon(q, k, v_hdim, k_seq, doh, lse, delta, causal=causal, softmax_scale=softmax_scale,
+                               grad_dtype=grad_dtype)
+        return dq, dk, dv
     q_group = _tile_group(qg, cfg)
     qe = q.exp if q_group > 1 or qg == 1 else _expand_rows(q)
     dg = _row_group(doh, "dout_hdim")
