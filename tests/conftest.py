@@ -40,6 +40,61 @@ def require_kernels() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def triton_version() -> str:
+    """The installed triton's version, "" without triton."""
+    try:
+        import triton
+
+        return triton.__version__
+    except ImportError:
+        return ""
+
+
+def import_gluon_module(name: str):
+    """``mxattn.kernels.<name>`` (a Gluon kernel module), or a skip when this triton's Gluon cannot load it (only
+    allowed off triton 3.6, the version the kernels target)."""
+    import importlib
+
+    pytest.importorskip("triton")
+    try:
+        return importlib.import_module(f"mxattn.kernels.{name}")
+    except Exception as e:  # noqa: BLE001
+        if triton_version().startswith("3.6"):
+            raise
+        pytest.skip(f"{name} targets triton 3.6's Gluon; triton {triton_version()} cannot load it: {e}")
+
+
+class MBarrierModel:
+    """An mbarrier for the protocol-model tests of the Gluon kernels: pending arrivals and transaction units,
+    completed phases.  ``ready(P)`` is true iff the phase with parity P has completed, i.e. iff ``phases & 1 != P``
+    (a fresh barrier passes ``wait(1)``)."""
+
+    def __init__(self, count):
+        self.count, self.pending, self.tx, self.phases = count, count, 0, 0
+
+    def ready(self, parity):
+        return (self.phases & 1) != parity
+
+    def _maybe_complete(self):
+        if self.pending == 0 and self.tx == 0:
+            self.phases += 1
+            self.pending = self.count
+
+    def arrive(self):
+        assert self.pending > 0, "more arrivals than the barrier's count"
+        self.pending -= 1
+        self._maybe_complete()
+
+    def expect_arrive(self, tx):
+        self.tx += tx
+        self.arrive()
+
+    def complete_tx(self, tx=1):
+        self.tx -= tx
+        assert self.tx >= 0, "more transactions landed than expected"
+        self._maybe_complete()
+
+
 def assert_same_up_to_summation_order(got: torch.Tensor, want: torch.Tensor, name: str, block: int = 128,
                                        rel: float = 1e-2, floor: float = 1e-6) -> None:
     """Two kernels with the same rounded operands (P, dS bits) whose results differ only by fp32 summation order:

@@ -21,30 +21,13 @@ import sys
 
 import pytest
 import torch
-from conftest import assert_same_up_to_summation_order
+from conftest import MBarrierModel, assert_same_up_to_summation_order, import_gluon_module, triton_version
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _triton_version() -> str:
-    try:
-        import triton
-
-        return triton.__version__
-    except ImportError:
-        return ""
-
-
 def _mod():
-    """The module, or a skip when this triton's Gluon cannot load it (only allowed off triton 3.6)."""
-    pytest.importorskip("triton")
-    try:
-        from mxattn.kernels import attn_bwd_dq_gluon
-    except Exception as e:  # noqa: BLE001
-        if _triton_version().startswith("3.6"):
-            raise
-        pytest.skip(f"attn_bwd_dq_gluon targets triton 3.6's Gluon; triton {_triton_version()} cannot load it: {e}")
-    return attn_bwd_dq_gluon
+    return import_gluon_module("attn_bwd_dq_gluon")
 
 
 # ---------------------------------------------------------------------------------------------------- CPU
@@ -111,8 +94,8 @@ def test_launcher_rejects_bad_operands():
 def test_compiles_for_sm90_without_gpu(capsys):
     """Where triton 3.6 is installed (the GPU machine), the d128 causal and d64 kernels compile for sm_90a with the
     checks of ``scripts/compile_check_bwd_dq_gluon.py`` (no spills, e4m3 k32 wgmma, no ptxas serialization)."""
-    if not _triton_version().startswith("3.6"):
-        pytest.skip(f"compile check targets triton 3.6 (installed: {_triton_version() or 'none'})")
+    if not triton_version().startswith("3.6"):
+        pytest.skip(f"compile check targets triton 3.6 (installed: {triton_version() or 'none'})")
     _mod()
     sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "scripts"))
     import compile_check_bwd_dq_gluon as cc
@@ -122,40 +105,11 @@ def test_compiles_for_sm90_without_gpu(capsys):
         assert cc.check(kernel, f"d{d}{'_causal' if causal else ''}", None), capsys.readouterr().out
 
 
-class _Barrier:
-    """An mbarrier: pending arrivals and transactions, completed phases.  ``wait(P)`` passes iff the phase with
-    parity P has completed, i.e. iff ``phases & 1 != P`` (a fresh barrier passes ``wait(1)``)."""
-
-    def __init__(self, count):
-        self.count, self.pending, self.tx, self.phases = count, count, 0, 0
-
-    def ready(self, parity):
-        return (self.phases & 1) != parity
-
-    def _maybe_complete(self):
-        if self.pending == 0 and self.tx == 0:
-            self.phases += 1
-            self.pending = self.count
-
-    def arrive(self):
-        assert self.pending > 0, "more arrivals than the barrier's count"
-        self.pending -= 1
-        self._maybe_complete()
-
-    def expect_arrive(self, n_loads):
-        self.tx += n_loads
-        self.arrive()
-
-    def land(self):
-        self.tx -= 1
-        self._maybe_complete()
-
-
 def _protocol_model(n_tiles: int, stages: int, rng: random.Random, mutant: str = ""):
     """Run the kernel's protocol (``_producer`` and ``_dq_loop``) under a random interleaving; returns the log.
     Checks: no deadlock, each wgmma reads the tile it expects, TMA never lands in a buffer being read."""
     S = stages
-    bars = {name: [_Barrier(1) for _ in range(S)] for name in ("kv_ready", "kv_empty", "ks_ready", "ks_empty")}
+    bars = {name: [MBarrierModel(1) for _ in range(S)] for name in ("kv_ready", "kv_empty", "ks_ready", "ks_empty")}
     content = {("kv", s): None for s in range(S)} | {("ks", s): None for s in range(S)}
     reading = set()
     in_flight = []  # TMA loads not landed yet: (buffer, tile, barrier)
@@ -218,7 +172,7 @@ def _protocol_model(n_tiles: int, stages: int, rng: random.Random, mutant: str =
             buf, tile, bar = in_flight.pop(rng.randrange(len(in_flight)))
             assert buf not in reading, f"TMA landed in {buf} while a wgmma reads it"
             content[buf] = tile
-            bar.land()
+            bar.complete_tx()
             continue
         gen = actors[pick][0]
         try:

@@ -28,28 +28,12 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)  # test_attn_fwd (pytest puts it there too)
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(_HERE))  # mxattn, when run as a script from anywhere
+from conftest import MBarrierModel, import_gluon_module, triton_version  # noqa: E402
 from test_attn_fwd import _check_against_reference, _inputs  # noqa: E402
 
 
-def _triton_version() -> str:
-    try:
-        import triton
-
-        return triton.__version__
-    except ImportError:
-        return ""
-
-
 def _gluon():
-    """The module, or a skip when this triton's Gluon cannot even load it (only allowed off triton 3.6)."""
-    pytest.importorskip("triton")
-    try:
-        from mxattn.kernels import attn_fwd_gluon
-    except Exception as e:  # noqa: BLE001
-        if _triton_version().startswith("3.6"):
-            raise
-        pytest.skip(f"attn_fwd_gluon targets triton 3.6's Gluon; triton {_triton_version()} cannot load it: {e}")
-    return attn_fwd_gluon
+    return import_gluon_module("attn_fwd_gluon")
 
 
 # ---------------------------------------------------------------------------------------------------- CPU
@@ -63,8 +47,8 @@ def test_module_imports():
 def test_compiles_for_sm90_without_gpu(capsys):
     """Where triton 3.6 is installed (the GPU machine), the d128 kernel compiles for sm_90a with the checks of
     ``scripts/compile_check_gluon.py`` (no spills, e4m3 wgmma, no ptxas wgmma serialization); ~15 s."""
-    if not _triton_version().startswith("3.6"):
-        pytest.skip(f"compile check targets triton 3.6 (installed: {_triton_version() or 'none'})")
+    if not triton_version().startswith("3.6"):
+        pytest.skip(f"compile check targets triton 3.6 (installed: {triton_version() or 'none'})")
     _gluon()
     sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "scripts"))
     import compile_check_gluon as cc
@@ -73,46 +57,16 @@ def test_compiles_for_sm90_without_gpu(capsys):
     assert cc.check(kernel, "d128_causal", None), capsys.readouterr().out
 
 
-class _Barrier:
-    """An mbarrier: arrival count, transaction bytes, completed phases.  ``wait(P)`` passes iff the phase with
-    parity P has completed, i.e. iff ``phases & 1 != P`` (a fresh barrier passes ``wait(1)``)."""
-
-    def __init__(self, count):
-        self.count, self.pending, self.tx, self.phases = count, count, 0, 0
-
-    def ready(self, parity):
-        return (self.phases & 1) != parity
-
-    def _maybe_complete(self):
-        if self.pending == 0 and self.tx == 0:
-            self.phases += 1
-            self.pending = self.count
-
-    def arrive(self):
-        assert self.pending > 0
-        self.pending -= 1
-        self._maybe_complete()
-
-    def expect_arrive(self, nbytes):
-        self.tx += nbytes
-        self.arrive()
-
-    def complete_tx(self, nbytes):
-        self.tx -= nbytes
-        assert self.tx >= 0
-        self._maybe_complete()
-
-
 def _protocol_model(n_tiles: int, stages: int, pingpong: bool, rng: random.Random) -> list:
     """Run producer + consumers 0/1 as generators under a random scheduler; TMA loads land at random later
     times.  Mirrors ``_producer``, ``_attend`` and ``_turn_wait`` / ``_turn_pass``.  Returns the issue order."""
     S = stages
-    q_bar = _Barrier(1)
-    k_ready = [_Barrier(1) for _ in range(S)]
-    v_ready = [_Barrier(1) for _ in range(S)]
-    k_empty = [_Barrier(2) for _ in range(S)]
-    v_empty = [_Barrier(2) for _ in range(S)]
-    turn = [_Barrier(1), _Barrier(1)]
+    q_bar = MBarrierModel(1)
+    k_ready = [MBarrierModel(1) for _ in range(S)]
+    v_ready = [MBarrierModel(1) for _ in range(S)]
+    k_empty = [MBarrierModel(2) for _ in range(S)]
+    v_empty = [MBarrierModel(2) for _ in range(S)]
+    turn = [MBarrierModel(1), MBarrierModel(1)]
     k_buf, v_buf = [None] * S, [None] * S  # tile id that landed in each buffer
     readers = collections.defaultdict(set)  # ("k"|"v", stage) -> WGs whose wgmma may still read it
     inflight = []  # pending TMA completions: (bar, nbytes, action)
