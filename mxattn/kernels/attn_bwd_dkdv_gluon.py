@@ -104,6 +104,8 @@ from mxattn.kernels.attn_bwd_dq_gluon import (
     _rceil_exp,
     _row_group,
     _sticky_exp,
+    backward_operands,
+    time_against_tl,
 )
 
 __all__ = ["GluonDkdvConfig", "default_config", "attn_bwd_dkdv_gluon", "bench_attn_bwd_dkdv_gluon",
@@ -540,42 +542,17 @@ def _tl_dkdv(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, *, causal=Fal
 
 
 def dkdv_operands(q, k, v, dout, causal: bool):
-    """From bf16 (B, S, H, D) q, k, v, dO: the forward's out / lse (``attn_fwd_hopper``) and the dK/dV operands
-    (q grouped by 128 rows, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta).  GPU only."""
-    from mxattn.kernels.attn_bwd import Q_EXP_GROUP, attn_bwd_preprocess
-    from mxattn.kernels.attn_fwd import attn_fwd_hopper
-    from mxattn.kernels.quantize import row_scaled_triton as rs
-
-    kr = rs(k, "k")
-    out, lse = attn_fwd_hopper(rs(q, "q"), kr, rs(v, "v"), causal=causal)
-    doh, dos, delta = attn_bwd_preprocess(out, dout)
-    return dict(q=rs(q, "k", k_group=Q_EXP_GROUP), k=kr, v_hdim=rs(v, "k"), q_seq=rs(q, "v"), dout_hdim=doh,
-                dout_seq=dos, lse=lse, delta=delta), out
+    """``backward_operands`` for the dK/dV kernel: q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta (and the
+    forward's out)."""
+    return backward_operands(q, k, v, dout, causal,
+                             ("q", "k", "v_hdim", "q_seq", "dout_hdim", "dout_seq", "lse", "delta"))
 
 
 def bench_attn_bwd_dkdv_gluon(shapes: Sequence[tuple] = ((2, 16, 16, 8192, 128, False),
                                                           (2, 16, 16, 8192, 128, True)),
                               rep_ms: int = 200, config: Optional[GluonDkdvConfig] = None) -> list[dict]:
-    """Time the Gluon dK/dV kernel against the ``tl`` dK/dV-only kernel on the same prepared operands (GPU).
-    ``shapes``: (B, Hq, Hkv, S, D, causal).  TFLOP/s count the kernel's 4 products: 4 * 2 * B * Hq * S^2 * D (half
-    when causal).  Returns one dict per shape: gluon_ms, tl_ms, speedup (tl / gluon), TFLOP/s of both."""
-    rows = []
-    for B, Hq, Hkv, S, D, causal in shapes:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        mk = lambda H: torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
-        q, k, v, dout = mk(Hq), mk(Hkv), mk(Hkv), mk(Hq)
-        ops, _ = dkdv_operands(q, k, v, dout, causal)
-        flops = 4 * 2 * B * Hq * S * S * D * (0.5 if causal else 1.0)
-        row = {"B": B, "Hq": Hq, "Hkv": Hkv, "S": S, "D": D, "causal": causal}
-        for name, fn in (("gluon", lambda: attn_bwd_dkdv_gluon(**ops, causal=causal, config=config)),
-                         ("tl", lambda: _tl_dkdv(**ops, causal=causal))):
-            try:
-                ms = triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
-                row[f"{name}_ms"] = ms
-                row[f"{name}_tflops"] = flops / ms / 1e9
-            except Exception as e:  # noqa: BLE001 - record the failure, keep timing
-                row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        if row.get("gluon_ms") and row.get("tl_ms"):
-            row["speedup"] = row["tl_ms"] / row["gluon_ms"]
-        rows.append(row)
-    return rows
+    """Time the Gluon dK/dV kernel against the ``tl`` dK/dV-only kernel on the same prepared operands (GPU,
+    ``attn_bwd_dq_gluon.time_against_tl``).  TFLOP/s count the kernel's 4 products (Sᵀ, dPᵀ, dV, dK):
+    4 * 2 * B * Hq * S^2 * D, half when causal."""
+    return time_against_tl(shapes, dkdv_operands, lambda **ops: attn_bwd_dkdv_gluon(**ops, config=config), _tl_dkdv,
+                           products=4, rep_ms=rep_ms)

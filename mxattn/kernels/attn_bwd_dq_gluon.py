@@ -84,7 +84,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxattn.formats import RowScaledFP8
 
-__all__ = ["GluonDqConfig", "default_config", "attn_bwd_dq_gluon", "bench_attn_bwd_dq_gluon"]
+__all__ = ["GluonDqConfig", "default_config", "attn_bwd_dq_gluon", "backward_operands", "bench_attn_bwd_dq_gluon",
+           "dq_operands", "time_against_tl"]
 
 LOG2E = 1.4426950408889634
 P_SCALE_LOG2 = 8  # dS enters the product as 256 * dS (P * 256, as in attn_bwd)
@@ -536,37 +537,45 @@ def _tl_dq(q, k, v_hdim, k_seq, dout_hdim, lse, delta, *, causal=False, softmax_
     return dq
 
 
-def dq_operands(q, k, v, dout, causal: bool):
-    """From bf16 (B, S, H, D) q, k, v, dO: the forward's out / lse (``attn_fwd_hopper``) and the dQ operands
-    (q grouped by 128 rows, k, v_hdim, k_seq, dout_hdim, lse, delta).  GPU only."""
+def backward_operands(q, k, v, dout, causal: bool, names: Sequence[str]):
+    """From bf16 (B, S, H, D) q, k, v, dO: the forward's out / lse (``attn_fwd_hopper``) and, of the operands the
+    Gluon backward kernels take (q grouped by 128 rows, k, v_hdim, q_seq, k_seq, dout_hdim, dout_seq, lse, delta),
+    the ``names`` asked for.  GPU only (tests and benchmarks of attn_bwd_dq_gluon / attn_bwd_dkdv_gluon)."""
     from mxattn.kernels.attn_bwd import Q_EXP_GROUP, attn_bwd_preprocess
     from mxattn.kernels.attn_fwd import attn_fwd_hopper
     from mxattn.kernels.quantize import row_scaled_triton as rs
 
     kr = rs(k, "k")
     out, lse = attn_fwd_hopper(rs(q, "q"), kr, rs(v, "v"), causal=causal)
-    doh, _, delta = attn_bwd_preprocess(out, dout)
-    return dict(q=rs(q, "k", k_group=Q_EXP_GROUP), k=kr, v_hdim=rs(v, "k"), k_seq=rs(k, "v"), dout_hdim=doh,
-                lse=lse, delta=delta), out
+    doh, dos, delta = attn_bwd_preprocess(out, dout)
+    make = dict(q=lambda: rs(q, "k", k_group=Q_EXP_GROUP), k=lambda: kr, v_hdim=lambda: rs(v, "k"),
+                q_seq=lambda: rs(q, "v"), k_seq=lambda: rs(k, "v"), dout_hdim=lambda: doh, dout_seq=lambda: dos,
+                lse=lambda: lse, delta=lambda: delta)
+    return {n: make[n]() for n in names}, out
 
 
-def bench_attn_bwd_dq_gluon(shapes: Sequence[tuple] = ((2, 16, 16, 8192, 128, False), (2, 16, 16, 8192, 128, True)),
-                            rep_ms: int = 200, config: Optional[GluonDqConfig] = None) -> list[dict]:
-    """Time the Gluon dQ kernel against the ``tl`` dQ kernel on the same prepared operands (GPU).  ``shapes``:
-    (B, Hq, Hkv, S, D, causal).  TFLOP/s count the dQ kernel's 4 products: 4 * 2 * B * Hq * S^2 * D (half when
-    causal).  Returns one dict per shape: gluon_ms, tl_ms, speedup (tl / gluon), TFLOP/s of both."""
+def dq_operands(q, k, v, dout, causal: bool):
+    """``backward_operands`` for the dQ kernel: q, k, v_hdim, k_seq, dout_hdim, lse, delta (and the forward's out)."""
+    return backward_operands(q, k, v, dout, causal, ("q", "k", "v_hdim", "k_seq", "dout_hdim", "lse", "delta"))
+
+
+def time_against_tl(shapes: Sequence[tuple], operands, gluon_fn, tl_fn, products: int, rep_ms: int) -> list[dict]:
+    """Time ``gluon_fn(**ops, causal=)`` against ``tl_fn(**ops, causal=)`` on the operands ``operands(q, k, v, dout,
+    causal)`` makes from random bf16 inputs, per (B, Hq, Hkv, S, D, causal) shape (GPU).  TFLOP/s count
+    ``products`` matrix products of 2 * B * Hq * S^2 * D each (half when causal).  One dict per shape: gluon_ms,
+    tl_ms, speedup (tl / gluon), TFLOP/s of both; a failing side is recorded as ``<name>_error``."""
     rows = []
     for B, Hq, Hkv, S, D, causal in shapes:
         g = torch.Generator(device="cuda").manual_seed(0)
         mk = lambda H: torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
         q, k, v, dout = mk(Hq), mk(Hkv), mk(Hkv), mk(Hq)
-        ops, _ = dq_operands(q, k, v, dout, causal)
-        flops = 4 * 2 * B * Hq * S * S * D * (0.5 if causal else 1.0)
+        ops, _ = operands(q, k, v, dout, causal)
+        flops = products * 2 * B * Hq * S * S * D * (0.5 if causal else 1.0)
         row = {"B": B, "Hq": Hq, "Hkv": Hkv, "S": S, "D": D, "causal": causal}
-        for name, fn in (("gluon", lambda: attn_bwd_dq_gluon(**ops, causal=causal, config=config)),
-                         ("tl", lambda: _tl_dq(**ops, causal=causal))):
+        for name, fn in (("gluon", gluon_fn), ("tl", tl_fn)):
             try:
-                ms = triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
+                ms = triton.testing.do_bench(lambda: fn(**ops, causal=causal), warmup=10, rep=rep_ms,
+                                             return_mode="median")
                 row[f"{name}_ms"] = ms
                 row[f"{name}_tflops"] = flops / ms / 1e9
             except Exception as e:  # noqa: BLE001 - record the failure, keep timing
@@ -575,3 +584,12 @@ def bench_attn_bwd_dq_gluon(shapes: Sequence[tuple] = ((2, 16, 16, 8192, 128, Fa
             row["speedup"] = row["tl_ms"] / row["gluon_ms"]
         rows.append(row)
     return rows
+
+
+def bench_attn_bwd_dq_gluon(shapes: Sequence[tuple] = ((2, 16, 16, 8192, 128, False), (2, 16, 16, 8192, 128, True)),
+                            rep_ms: int = 200, config: Optional[GluonDqConfig] = None) -> list[dict]:
+    """Time the Gluon dQ kernel against the ``tl`` dQ kernel on the same prepared operands (GPU,
+    ``time_against_tl``).  TFLOP/s count the kernel's 3 products (S, dP, dQ): 3 * 2 * B * Hq * S^2 * D, half when
+    causal."""
+    return time_against_tl(shapes, dq_operands, lambda **ops: attn_bwd_dq_gluon(**ops, config=config), _tl_dq,
+                           products=3, rep_ms=rep_ms)
