@@ -17,10 +17,7 @@ Exit status 1 when a check fails.
 
 from __future__ import annotations
 
-import argparse
-import collections
 import os
-import re
 import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -30,8 +27,8 @@ sys.path.insert(0, _HERE)
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from compile_check_bwd_dq_gluon import partition_report  # noqa: E402
-from compile_check_gluon import _ptxas_verbose, _resource_usage, _sass_instrs, steady_loops  # noqa: E402
+from compile_check_bwd_dq_gluon import run_variants  # noqa: E402
+from compile_check_gluon import check as gluon_check  # noqa: E402
 
 MAX_DEPBAR = 3
 # spill bytes (ptxas -v, stores + loads) accepted per variant, each explained; anything above fails.  d128 causal:
@@ -84,74 +81,14 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None):
 
 
 def check(k, name: str, dump: str | None, max_depbar: int = MAX_DEPBAR, spill_allowance: int | None = None) -> bool:
-    """``compile_check_gluon.check``'s rules with ``max_depbar`` DEPBARs per loop iteration; prints the report."""
-    ptx = k.asm["ptx"]
-    usage = _resource_usage(k.asm["cubin"])
-    ptxas = _ptxas_verbose(ptx)
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)
-    spill_bytes = sum(int(a) + int(b) for a, b in spills)
-    setmaxnreg = collections.Counter(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))
-    wgmma = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+?)\s", ptx))
-    local = len(re.findall(r"\b(?:ld|st)\.local", ptx))
-    serialized = [ln.strip() for ln in ptxas.splitlines() if "Potential Performance Loss" in ln]
-    loops = steady_loops(usage["sass"])
-    max_reg = max((int(r) for _, t in _sass_instrs(usage["sass"]) for r in re.findall(r"\bR(\d+)\b", t)),
-                  default=-1)
-    bad_wgmma = [w for w in wgmma if not re.fullmatch(r"m64n\d+k32\.f32\.e4m3\.e4m3", w)]
+    """``compile_check_gluon.check`` with ``max_depbar`` DEPBARs per loop iteration and the variant's documented
+    spill allowance (``SPILL_ALLOWANCE``); prints the report."""
     allowed = SPILL_ALLOWANCE.get(name, 0) if spill_allowance is None else spill_allowance
-    ok = (spill_bytes <= allowed and local == 0 and bool(setmaxnreg) and bool(wgmma) and not bad_wgmma
-          and not serialized and bool(loops) and all(lp["depbar"] <= max_depbar for lp in loops))
-    print(f"== {name}: {'OK' if ok else 'FAIL'}")
-    print(f"   registers: launch {usage['regs']}/thread (maxnreg), highest register used in SASS R{max_reg}; "
-          f"stack {usage['stack']}, local {usage['local']}")
-    print(f"   spills (ptxas -v): {spill_bytes} bytes (allowed {allowed}); ld/st.local in PTX: {local}")
-    print(f"   shared memory: {k.metadata.shared} bytes")
-    print(f"   setmaxnreg (kind, regs): {dict(setmaxnreg)}")
-    print(f"   wgmma: {dict(wgmma)}" + (f"  NOT e4m3 k32: {bad_wgmma}" if bad_wgmma else ""))
-    print(f"   ptxas wgmma serialization: {serialized or 'none'}")
-    if not loops:
-        print("   FAIL: no consumer loop found in the SASS")
-    for lp in loops:
-        top = ", ".join(f"{op} {c}" for op, c in lp["counts"].most_common(12))
-        print(f"   consumer loop at {lp['start']}: {lp['instrs']} SASS instrs (masked + unmasked paths), "
-              f"WARPGROUP.DEPBAR {lp['depbar']} (max {max_depbar}); {top}")
-    counts = {label: len(re.findall(pat, ptx)) for label, pat in (
-        ("ex2", r"ex2\.approx"), ("tma", r"cp\.async\.bulk\.tensor"), ("mbar_wait", r"mbarrier\.try_wait"),
-        ("mbar_arrive", r"mbarrier\.arrive"), ("bar_sync", r"\bbar\.sync|barrier\.sync"), ("shfl", r"shfl\.sync"),
-        ("st_shared", r"st\.shared"), ("ld_shared", r"ld\.shared"), ("prmt", r"\bprmt"))}
-    print("   PTX counts (whole kernel): " + ", ".join(f"{a}={c}" for a, c in counts.items()))
-    if dump:
-        os.makedirs(dump, exist_ok=True)
-        for ext, text in (("ttgir", k.asm["ttgir"]), ("ptx", ptx), ("sass", usage["sass"]), ("ptxas.txt", ptxas)):
-            with open(os.path.join(dump, f"{name}.{ext}"), "w") as f:
-                f.write(text)
-    return ok
+    return gluon_check(k, name, dump, max_depbar=max_depbar, allowed_spill_bytes=allowed)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dump", help="write TTGIR / PTX / SASS per variant here")
-    ap.add_argument("--only", help="comma list of variant names (d128, d128_causal, d64, d64_causal)")
-    ap.add_argument("--stages", type=int, help="ring depth (default: the launcher's default_config)")
-    args = ap.parse_args(argv)
-    if not triton.__version__.startswith("3.6"):
-        print(f"warning: triton {triton.__version__}; this check targets triton 3.6 (the GPU machine's version)")
-    variants = [(f"d{d}{'_causal' if c else ''}", d, c) for d in (128, 64) for c in (False, True)]
-    if args.only:
-        keep = set(args.only.split(","))
-        variants = [v for v in variants if v[0] in keep]
-    ok = True
-    for name, d, causal in variants:
-        try:
-            k = compile_variant(d, causal, args.stages)
-        except Exception as e:  # noqa: BLE001 - report every variant
-            print(f"== {name}: COMPILE ERROR\n{type(e).__name__}: {e}")
-            ok = False
-            continue
-        ok = check(k, name, args.dump) and ok
-        ok = partition_report(k) and ok
-    print("all variants OK" if ok else "some variants FAILED")
-    return 0 if ok else 1
+    return run_variants(argv, __doc__, compile_variant, check)
 
 
 if __name__ == "__main__":

@@ -87,8 +87,11 @@ def partition_report(k) -> bool:
     return not bad
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def run_variants(argv, doc: str, compile_variant, check_fn) -> int:
+    """The command line of the backward kernels' compile checks: compile d128/d64 x causal (``--only``,
+    ``--stages``), report each with ``check_fn`` and ``partition_report``, ``--dump`` the code.  Exit status 1
+    when a variant fails."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--dump", help="write TTGIR / PTX / SASS per variant here")
     ap.add_argument("--only", help="comma list of variant names (d128, d128_causal, d64, d64_causal)")
     ap.add_argument("--stages", type=int, help="ring depth (default: the launcher's default_config)")
@@ -107,10 +110,14 @@ def main(argv=None) -> int:
             print(f"== {name}: COMPILE ERROR\n{type(e).__name__}: {e}")
             ok = False
             continue
-        ok = check(k, name, args.dump) and ok
+        ok = check_fn(k, name, args.dump) and ok
         ok = partition_report(k) and ok
     print("all variants OK" if ok else "some variants FAILED")
     return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    return run_variants(argv, __doc__, compile_variant, check)
 
 
 if __name__ == "__main__":
