@@ -326,6 +326,10 @@ def train_one(attention: str, cfg: Config, corpus: dict, out: Path, progress: bo
     def validate(step: int) -> None:
         val_loss.append(evaluate(fwd, val_tok, vstarts, cfg, device, amp))
         val_steps.append(step)
+        if not progress:  # a line per validation instead of the bar (logs of unattended runs)
+            recent = step_ms[-cfg.val_every:]
+            ms = f", mean step {sum(recent) / len(recent):.1f} ms" if recent else ""
+            print(f"{attention}: step {step}/{cfg.steps}, val loss {val_loss[-1]:.4f}{ms}", flush=True)
 
     try:
         from tqdm.auto import tqdm

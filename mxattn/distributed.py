@@ -524,6 +524,24 @@ def ring_mxfp8_attn_func(
 # ----------------------------------------------------------------------------------------------
 
 
+def _time_per_iter(fn, iters: int) -> float:
+    """Seconds per call of ``fn`` on this rank after one warm-up call, all ranks starting together."""
+    fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
+
+
+def _wire_time(nbytes: int, ring: _Ring, iters: int) -> float:
+    """Seconds one ring hop of an ``nbytes`` uint8 buffer takes (all ranks send and receive at once)."""
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+    return _time_per_iter(lambda: ring.exchange(buf, _TAG_KV, []).wait(), iters)
+
+
 def bench_ring(
     seqlens: Sequence[int] = (65536, 131072, 262144),
     batch: int = 1,
@@ -533,6 +551,8 @@ def bench_ring(
     causal: bool = True,
     iters: int = 5,
     outdir: Optional[str] = "benchmarks/results",
+    single: bool = True,
+    progress: bool = True,
 ) -> list[dict]:
     """Time ring MXFP8 attention forward and forward+backward on the initialised (nccl) process group.
 
@@ -542,13 +562,23 @@ def bench_ring(
             --seqlen 65536 131072 262144 --heads 16 --head-dim 128 --causal
 
     ``seqlens`` are global (all ranks together) and divisible by 2*W*32 (zig-zag chunks of a multiple of 32).
-    Rows: per-GPU TFLOP/s (4·B·H·S²·D, half when causal, ×2.5 for the backward, divided by W), milliseconds,
-    and wire bytes per step against a BF16 ring.  Rank 0 writes ``ring_attn-<gpu>-<date>.json`` to ``outdir``.
+    Rows: per-GPU TFLOP/s (4·B·H·S²·D, half when causal, ×2.5 for the backward, divided by W), milliseconds;
+    with ``single``, rank 0 also times single-GPU ``mxfp8_attn_func`` on the whole sequence (the other ranks
+    wait) and the row gets ``speedup_vs_1gpu`` = single time / ring time.  Wire: the bytes this rank sent per
+    forward step (``last_ring_stats``, measured) against a BF16 ring's K+V, and the time of one ring hop of
+    each payload.  Rank 0 writes ``ring_attn-<gpu>-x<W>-<date>.json`` to ``outdir``.
     """
     W, rank = dist.get_world_size(), dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
+    ring = _Ring(None)
     rows = []
-    for S in seqlens:
+    show = progress and rank == 0
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        tqdm = None
+    todo = tqdm(seqlens, desc=f"ring x{W}", disable=not show) if tqdm else seqlens
+    for S in todo:
         if S % (2 * W * 32):
             raise ValueError(f"seqlen {S} must be divisible by 2*world*32 = {2 * W * 32}")
         sl = S // W
@@ -559,26 +589,53 @@ def bench_ring(
         )
         dout = torch.randn(batch, sl, heads, head_dim, device=dev, dtype=torch.bfloat16, generator=gen)
 
-        def timed(fn):
-            fn()
-            torch.cuda.synchronize()
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            torch.cuda.synchronize()
-            return (time.perf_counter() - t0) / iters
-
-        t_fwd = timed(lambda: ring_mxfp8_attn_func(q, k, v, causal=causal))
-        t_all = timed(lambda: ring_mxfp8_attn_func(q, k, v, causal=causal).backward(dout))
+        t_fwd = _time_per_iter(lambda: ring_mxfp8_attn_func(q, k, v, causal=causal), iters)
+        t_all = _time_per_iter(lambda: ring_mxfp8_attn_func(q, k, v, causal=causal).backward(dout), iters)
+        sent = last_ring_stats().fwd_kv_bytes
+        mx_step = max(sent) if sent else 0
+        bf16_step = 2 * k.numel() * 2
         flops = 4 * batch * heads * S * S * head_dim * (0.5 if causal else 1.0)
-        wire = ring_step_bytes(batch, sl, kv_heads, head_dim)
-        rows.append({
+        row = {
             "B": batch, "Hq": heads, "Hkv": kv_heads, "S": S, "D": head_dim, "causal": causal, "world": W,
             "ms": {"fwd": t_fwd * 1e3, "fwd_bwd": t_all * 1e3},
             "tflops_per_gpu": {"fwd": flops / W / t_fwd / 1e12, "fwd_bwd": 3.5 * flops / W / t_all / 1e12},
-            "wire_bytes_per_step": wire,
-        })
+            "wire_bytes_per_step": ring_step_bytes(batch, sl, kv_heads, head_dim),
+            "wire_measured": {"fwd_step_bytes_mxfp8": mx_step, "fwd_step_bytes_bf16": bf16_step,
+                              "ratio": mx_step / bf16_step},
+        }
+        del q, k, v, dout
+        if W > 1:
+            t_mx = _wire_time(mx_step, ring, iters)
+            t_bf = _wire_time(bf16_step, ring, iters)
+            row["wire_measured"] |= {"hop_ms_mxfp8": t_mx * 1e3, "hop_ms_bf16": t_bf * 1e3,
+                                     "hop_GBps_mxfp8": mx_step / t_mx / 1e9, "hop_GBps_bf16": bf16_step / t_bf / 1e9}
+        if single:
+            if rank == 0:
+                from mxattn.interface import mxfp8_attn_func
+
+                gq, gk, gv = (torch.randn(batch, S, h, head_dim, device=dev, dtype=torch.bfloat16,
+                                          generator=gen).requires_grad_() for h in (heads, kv_heads, kv_heads))
+                gd = torch.randn(batch, S, heads, head_dim, device=dev, dtype=torch.bfloat16, generator=gen)
+
+                def one(fn):
+                    fn()
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(iters):
+                        fn()
+                    torch.cuda.synchronize()
+                    return (time.perf_counter() - t0) / iters
+
+                s_fwd = one(lambda: mxfp8_attn_func(gq, gk, gv, causal=causal))
+                s_all = one(lambda: mxfp8_attn_func(gq, gk, gv, causal=causal).backward(gd))
+                del gq, gk, gv, gd
+                torch.cuda.empty_cache()
+                row["single_gpu_ms"] = {"fwd": s_fwd * 1e3, "fwd_bwd": s_all * 1e3}
+                row["speedup_vs_1gpu"] = {"fwd": s_fwd / t_fwd, "fwd_bwd": s_all / t_all}
+            dist.barrier()
+        rows.append(row)
+        if show:
+            print(json.dumps(row), flush=True)
     if rank == 0 and outdir:
         from mxattn.bench.results import env_info, gpu_slug
 
@@ -663,6 +720,8 @@ def _main(argv=None) -> None:
     p.add_argument("--outdir", default="benchmarks/results")
     p.add_argument("--check", action="store_true", help="first check against single-GPU mxattn (check_ring)")
     p.add_argument("--check-only", action="store_true", help="only the check, no timing")
+    p.add_argument("--no-single", action="store_true", help="skip the single-GPU baseline on rank 0")
+    p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl")
@@ -672,10 +731,8 @@ def _main(argv=None) -> None:
                 print("check", json.dumps(row))
         if a.check_only:
             return
-        rows = bench_ring(a.seqlen, a.batch, a.heads, a.kv_heads or a.heads, a.head_dim, a.causal, a.iters, a.outdir)
-        if dist.get_rank() == 0:
-            for row in rows:
-                print(json.dumps(row))
+        bench_ring(a.seqlen, a.batch, a.heads, a.kv_heads or a.heads, a.head_dim, a.causal, a.iters, a.outdir,
+                   single=not a.no_single, progress=not a.no_progress)
     finally:
         dist.destroy_process_group()
 

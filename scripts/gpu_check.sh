@@ -17,6 +17,7 @@
 #   graph      `mxattn bench --cuda-graph`: forward as CUDA-graph replays (no host launch overhead), S 2k/4k
 #   ring       ring attention over every GPU (torchrun, nccl): check against single-GPU mxattn, then timing
 #   train      examples/train_gpt.py (TRAIN_ATTENTION=sdpa|mxfp8|both, TRAIN_ARGS), into OUTDIR/train
+#   trainpar   both halves of the parity run at once, sdpa on GPU 0 and mxfp8 on GPU 1 (needs 2 GPUs), then parity.json
 #   sanitize   compute-sanitizer memcheck/racecheck/synccheck on tiny shapes (scripts/sanitize.sh; slow: run alone)
 # Needs no network: the machine's python3 (torch >= 2.11, triton >= 3.6). Each stage runs under a timeout
 # (MXATTN_STAGE_TIMEOUT seconds, default 420) so that one hang cannot eat the whole lease. The GPU machine has
@@ -109,6 +110,18 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
       # issue 9's parity run; one half per call fits the 10-minute limit: TRAIN_ATTENTION=sdpa, then mxfp8, then
       # compare the two loss-*.json locally with `--attention both --reuse` (docs/training-parity.md)
       run $PY examples/train_gpt.py --attention "${TRAIN_ATTENTION:-both}" --out "$OUT/train" --no-progress ${TRAIN_ARGS:-} ;;
+    trainpar)
+      # one process per GPU, same data and init; the step times come from two like GPUs of one host
+      mkdir -p "$OUT/train"
+      for a in sdpa mxfp8; do
+        gpu=$([ $a = sdpa ] && echo 0 || echo 1)
+        CUDA_VISIBLE_DEVICES=$gpu timeout "$T" $PY examples/train_gpt.py --attention $a --out "$OUT/train" --no-progress \
+          ${TRAIN_ARGS:-} > "$OUT/train/log-$a.txt" 2>&1 &
+      done
+      wait
+      tail -n 4 "$OUT"/train/log-*.txt
+      [ -f "$OUT/train/loss-sdpa.json" ] && [ -f "$OUT/train/loss-mxfp8.json" ] || { echo "!! a half did not finish"; status=1; continue; }
+      run $PY examples/train_gpt.py --attention both --reuse --out "$OUT/train" --no-progress ${TRAIN_ARGS:-} ;;
     sanitize)
       MXATTN_SANITIZE_JOBS=${MXATTN_SANITIZE_JOBS:-6} run bash scripts/sanitize.sh "$OUT/sanitize" ${SANITIZE_CASES:-fwd bwd varlen} ;;
     *) echo "unknown stage $st"; status=1 ;;
