@@ -210,6 +210,8 @@ def lr_at(step: int, cfg: Config) -> float:
 
 
 def git_commit() -> Optional[str]:
+    if os.environ.get("MXATTN_COMMIT"):  # machines whose checkout has no (or a stale) .git
+        return os.environ["MXATTN_COMMIT"].strip()
     try:
         here = Path(__file__).resolve().parent
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
