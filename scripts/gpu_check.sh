@@ -32,7 +32,16 @@ export PYTHONPATH=${PYTHONPATH:-.}
 export PYTHONUNBUFFERED=1
 T=${MXATTN_STAGE_TIMEOUT:-420}
 status=0
-run() { timeout "$T" "$@" || { echo "!! stage command failed or timed out (rc=$?): $*"; status=1; }; }
+# MXATTN_DEADLINE (epoch seconds) caps every command so that the call's last results still get written
+run() {
+  local t=$T
+  if [ -n "${MXATTN_DEADLINE:-}" ]; then
+    local left=$((MXATTN_DEADLINE - $(date +%s)))
+    [ "$left" -lt "$t" ] && t=$left
+    [ "$t" -le 5 ] && { echo "!! deadline reached, skipped: $*"; status=1; return; }
+  fi
+  timeout "$t" "$@" || { echo "!! stage command failed or timed out (rc=$?): $*"; status=1; }
+}
 for st in $STAGES; do
   echo "=== stage $st ($(date +%T))"
   case $st in
@@ -70,7 +79,17 @@ for st in $STAGES; do
           2>&1 | tee "$OUT/bwd_${part}_gluon_tests.log" | tail -40
       done
       # both through loss.backward() (MXATTN_BWD_KERNEL=gluon) against the tl kernels
-      run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_bwd.py -k "gluon_through_the_api" ;;
+      run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_bwd.py -k "gluon_through_the_api"
+      # the timings as one JSON: each Gluon kernel against its tl twin on the same operands
+      run $PY -c "
+import sys
+from mxattn.bench.results import write_result
+from mxattn.kernels.attn_bwd_dq_gluon import bench_attn_bwd_dq_gluon
+from mxattn.kernels.attn_bwd_dkdv_gluon import bench_attn_bwd_dkdv_gluon
+rows = [dict(r, kernel='dq') for r in bench_attn_bwd_dq_gluon()] + [dict(r, kernel='dkdv') for r in bench_attn_bwd_dkdv_gluon()]
+for r in rows: print(r)
+print(write_result('attn_bwd_kernels', rows, sys.argv[1], extra={'note': 'Gluon backward kernels vs their tl twins'}))
+" "$OUT" ;;
     bwdsweep)
       run $PY -m mxattn.kernels.attn_bwd --out "$OUT" --sweep ;;
     profile)
@@ -102,8 +121,9 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
     graph)
       run $PY -m mxattn bench --cuda-graph --out "$OUT" --no-plot --no-progress ${GRAPH_ARGS:---seqlens 2k,4k --head-dims 128,64} ;;
     ring)
-      # every GPU of the machine, one rank each (NVLink multicast off); the check against single-GPU mxattn first
-      NGPU=$(nvidia-smi -L | wc -l)
+      # every GPU of the machine (RING_NPROC to override), one rank each (NVLink multicast off); the check against
+      # single-GPU mxattn first. RING_NPROC=1 on one GPU measures the per-block cost of the ring (no wire).
+      NGPU=${RING_NPROC:-$(nvidia-smi -L | wc -l)}
       NCCL_NVLS_ENABLE=0 run $PY -m torch.distributed.run --standalone --nproc-per-node "$NGPU" -m mxattn.distributed \
         --check --causal --outdir "$OUT" ${RING_ARGS:---seqlen 65536 131072} ;;
     train)
