@@ -294,6 +294,23 @@ def test_backward_kernel_switch(seed, monkeypatch):
     b = bwd.attn_bwd_hopper(*args, config=bwd.BwdConfig(dq_kernel=True))
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+    # "auto" (the default): tl off the GPU, and tl for the per-row Q layout the Gluon kernels do not take
+    monkeypatch.delenv("MXATTN_BWD_KERNEL")
+    assert bwd.backward_kernel(torch.device("cpu")) == "tl"
+    auto = bwd.attn_bwd_hopper(q1, *args[1:], deterministic=True)
+    monkeypatch.setenv("MXATTN_BWD_KERNEL", "tl")
+    for x, y in zip(auto, bwd.attn_bwd_hopper(q1, *args[1:], deterministic=True)):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.gpu
+def test_backward_kernel_auto_is_gluon_on_hopper(monkeypatch):
+    """Without MXATTN_BWD_KERNEL, a Hopper GPU with Gluon in Triton takes the Gluon backward kernels."""
+    bwd = _bwd()
+    monkeypatch.delenv("MXATTN_BWD_KERNEL", raising=False)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    want = "gluon" if torch.cuda.get_device_capability(dev) == (9, 0) else "tl"
+    assert bwd.backward_kernel(dev) == want
 
 
 @pytest.mark.gpu

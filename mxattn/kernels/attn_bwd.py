@@ -45,6 +45,7 @@ The dense launches pass None for the offsets (constexpr), so the dense kernels c
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -114,17 +115,36 @@ def default_config(head_dim: int, causal: bool, group: int = 1) -> BwdConfig:
 
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
-BWD_KERNELS = ("tl", "gluon")
+BWD_KERNELS = ("auto", "tl", "gluon")
 
 
-def backward_kernel() -> str:
-    """The dense backward's kernels: ``MXATTN_BWD_KERNEL`` = "tl" (default) or "gluon" (the warp-specialized
-    kernels of attn_bwd_dkdv_gluon.py and attn_bwd_dq_gluon.py, not yet run on a GPU: opt-in until their GPU tests
-    pass; deterministic, no atomics).  Read at each call; an explicit ``config`` keeps the ``tl`` kernels."""
-    choice = os.environ.get("MXATTN_BWD_KERNEL", "tl")
+@functools.lru_cache(maxsize=None)
+def _gluon_runs_on(device_index: int) -> bool:
+    """Hopper (sm_90) and a Triton with Gluon's Hopper module: where the Gluon backward kernels compile and run."""
+    if torch.cuda.get_device_capability(device_index) != (9, 0):
+        return False
+    try:
+        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def backward_kernel(device: Optional[torch.device] = None) -> str:
+    """The dense backward's kernels on ``device``: ``MXATTN_BWD_KERNEL`` = "auto" (default), "tl" or "gluon".
+
+    "gluon": the warp-specialized kernels of attn_bwd_dkdv_gluon.py and attn_bwd_dq_gluon.py (deterministic, no
+    atomics; 1.20-1.28x the tl dQ kernel and 1.25-1.65x the tl dK/dV kernel at B2 H16 S8k d128 on the H200,
+    benchmarks/results/attn_bwd_kernels-*-s4*.json).  "auto" takes them on a Hopper GPU when Triton has Gluon, and
+    ``attn_bwd_hopper`` falls back to "tl" for operands they do not take; an explicit "gluon" raises there
+    instead.  Read at each call; an explicit ``config`` keeps the ``tl`` kernels."""
+    choice = os.environ.get("MXATTN_BWD_KERNEL", "auto")
     if choice not in BWD_KERNELS:
         raise ValueError(f"MXATTN_BWD_KERNEL must be one of {', '.join(BWD_KERNELS)}, got {choice!r}")
-    return choice
+    if choice != "auto":
+        return choice
+    on_gpu = device is not None and device.type == "cuda" and not INTERPRETER
+    return "gluon" if on_gpu and _gluon_runs_on(device.index if device.index is not None else 0) else "tl"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -807,14 +827,17 @@ def attn_bwd_hopper(
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     dev = q.data.device
-    use_gluon = config is None and backward_kernel() == "gluon"
+    use_gluon = config is None and backward_kernel(dev) == "gluon"
     if use_gluon:  # checked before any launch
         dg = _row_group(dout_hdim, "dout_hdim") if dout_hdim is not None else DO_EXP_GROUP
-        if D not in (64, 128) or qg % 128 or dg % 128:
-            raise ValueError(f"MXATTN_BWD_KERNEL=gluon needs D 64 or 128 and q / dO grouped by a multiple of 128 rows "
-                             f"(got D={D}, q rows per exponent {qg}, dO {dg})")
-        if INTERPRETER or dev.type != "cuda":
-            raise RuntimeError("MXATTN_BWD_KERNEL=gluon: the Gluon kernels need a Hopper GPU (no interpreter path)")
+        fits = D in (64, 128) and qg % 128 == 0 and dg % 128 == 0
+        if os.environ.get("MXATTN_BWD_KERNEL") == "gluon":  # asked for by name: refuse what they cannot do
+            if not fits:
+                raise ValueError(f"MXATTN_BWD_KERNEL=gluon needs D 64 or 128 and q / dO grouped by a multiple of "
+                                 f"128 rows (got D={D}, q rows per exponent {qg}, dO {dg})")
+            if INTERPRETER or dev.type != "cuda":
+                raise RuntimeError("MXATTN_BWD_KERNEL=gluon: the Gluon kernels need a Hopper GPU (no interpreter path)")
+        use_gluon = fits  # "auto": the tl kernels take the rest
     dk = torch.empty(B, Sk, Hkv, D, dtype=grad_dtype, device=dev)
     dv = torch.empty(B, Sk, Hkv, D, dtype=grad_dtype, device=dev)
     if Sq == 0 or Sk == 0 or B * Hq == 0:
