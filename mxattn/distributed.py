@@ -218,6 +218,18 @@ def ring_step_bytes(batch: int, seqlen_local: int, kv_heads: int, head_dim: int,
 # ----------------------------------------------------------------------------------------------
 
 
+def _quantize(x: torch.Tensor, dims: Sequence[int]) -> list[MXTensor]:
+    """MXFP8 of a (B, S, H, D) shard along each of ``dims`` (3: head dim, 1: sequence): the Triton quantizer from
+    one read on CUDA (bit-exact with ``formats.quantize_mxfp8``), the reference quantizer elsewhere."""
+    if x.device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        from mxattn.kernels.quantize import quantize_mxfp8_triton
+
+        kind = {(3,): "hdim", (1,): "seq", (3, 1): "both"}[tuple(dims)]
+        got = quantize_mxfp8_triton(x, kind, seq_dim=1)
+        return list(got) if kind == "both" else [got]
+    return [formats.quantize_mxfp8(x, dim=d) for d in dims]
+
+
 def _roundtrip(x: torch.Tensor, dim: int) -> torch.Tensor:
     return formats.quantize_mxfp8(x, dim).dequantize(x.dtype)
 
@@ -292,29 +304,50 @@ class ReferenceBlock:
 class KernelBlock:
     """Block function on the Hopper FP8 kernels (CUDA): MX operands re-expressed per row
     (``row_scaled_triton``), ``attn_fwd_hopper`` / ``attn_bwd_hopper`` with the global out and lse.
-    Not run in this repository's CPU tests (see docs/distributed.md)."""
+
+    A query chunk meets several key chunks in one ring pass; its operands (Q per row for the forward; Q in both
+    orientations, dO in both and delta's inputs for the backward) are made once per pass and kept until
+    ``begin`` (called by the ring at the start of each pass, and ``end`` after it).  Not run in this repository's
+    CPU tests (see docs/distributed.md)."""
+
+    def __init__(self):
+        self._cache: dict = {}
+
+    def begin(self) -> None:
+        self._cache.clear()
+
+    end = begin
+
+    def _once(self, key: tuple, make):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
 
     def forward(self, q, k: MXTensor, v: MXTensor, causal: bool, scale: float):
         from mxattn.kernels.attn_fwd import attn_fwd_hopper
         from mxattn.kernels.quantize import row_scaled_triton
 
-        q = q.contiguous()
+        qr = self._once(("fq", q.data_ptr(), tuple(q.shape)), lambda: row_scaled_triton(q.contiguous(), "q"))
         out, lse = attn_fwd_hopper(
-            row_scaled_triton(q, "q"), row_scaled_triton(k, "k"), row_scaled_triton(v, "v"),
+            qr, row_scaled_triton(k, "k"), row_scaled_triton(v, "v"),
             causal=causal, softmax_scale=scale, out_dtype=torch.float32,
         )
         return out, lse, lse
 
     def backward(self, q, k: MXTensor, k_seq: MXTensor, v_hdim: MXTensor, out, dout, lse, causal: bool, scale: float):
-        from mxattn.kernels.attn_bwd import attn_bwd_hopper
+        from mxattn.kernels.attn_bwd import DO_EXP_GROUP, Q_EXP_GROUP, attn_bwd_hopper
         from mxattn.kernels.quantize import row_scaled_triton
 
-        q = q.contiguous()
+        def q_side():
+            qc, dc = q.contiguous(), dout.contiguous()
+            return (row_scaled_triton(qc, "k", k_group=Q_EXP_GROUP), row_scaled_triton(qc, "v"),
+                    row_scaled_triton(dc, "k", k_group=DO_EXP_GROUP), row_scaled_triton(dc, "v"),
+                    out.contiguous(), dc, lse.contiguous())
+
+        qh, qs, doh, dos, o, d, l = self._once(("bq", q.data_ptr(), dout.data_ptr(), tuple(q.shape)), q_side)
         return attn_bwd_hopper(
-            row_scaled_triton(q, "k"), row_scaled_triton(k, "k"), row_scaled_triton(v_hdim, "k"),
-            row_scaled_triton(q, "v"), row_scaled_triton(k_seq, "v"),
-            out.contiguous(), dout.contiguous(), lse.contiguous(),
-            causal=causal, softmax_scale=scale, grad_dtype=torch.float32,
+            qh, row_scaled_triton(k, "k"), row_scaled_triton(v_hdim, "k"), qs, row_scaled_triton(k_seq, "v"),
+            o, d, l, causal=causal, softmax_scale=scale, grad_dtype=torch.float32, dout_hdim=doh, dout_seq=dos,
         )
 
 
@@ -345,11 +378,12 @@ def _chunks(x: torch.Tensor, n: int, dim: int) -> list[torch.Tensor]:
 def _ring_forward(q, k, v, ring: _Ring, causal, scale, zigzag, block):
     W, r = ring.world, ring.rank
     n = 2 if zigzag else 1
+    getattr(block, "begin", lambda: None)()
     qc, kc, vc = (_chunks(t, n, 1) for t in (q, k, v))
     mine = _chunk_ids(r, W, zigzag)
     mx = []
     for kj, vj in zip(kc, vc):
-        mx += [formats.quantize_mxfp8(kj, dim=3), formats.quantize_mxfp8(vj, dim=1)]
+        mx += _quantize(kj, (3,)) + _quantize(vj, (1,))
     buf, spec = _pack(mx)
     states = [None] * n
     for step in range(W):
@@ -370,6 +404,7 @@ def _ring_forward(q, k, v, ring: _Ring, causal, scale, zigzag, block):
             B, c, H, _ = qc[i].shape
             empty = q.new_full((B, H, c), float("-inf"), dtype=torch.float32)
             states[i] = [q.new_zeros(qc[i].shape[:-1] + (v.shape[-1],), dtype=torch.float32), empty, empty]
+    getattr(block, "end", lambda: None)()
     out = torch.cat([s[0] for s in states], 1)
     lse = torch.cat([s[1] for s in states], 2)
     lse_bwd = torch.cat([s[2] for s in states], 2)
@@ -379,13 +414,14 @@ def _ring_forward(q, k, v, ring: _Ring, causal, scale, zigzag, block):
 def _ring_backward(q, k, v, out, dout, lse_bwd, ring: _Ring, causal, scale, zigzag, block, grad_comm_dtype):
     W, r = ring.world, ring.rank
     n = 2 if zigzag else 1
+    getattr(block, "begin", lambda: None)()
     qc, kc, vc, oc, dc = (_chunks(t, n, 1) for t in (q, k, v, out, dout))
     lc = _chunks(lse_bwd, n, 2)
     c = kc[0].shape[1]
     mine = _chunk_ids(r, W, zigzag)
     mx = []
     for kj, vj in zip(kc, vc):
-        mx += [formats.quantize_mxfp8(kj, dim=3), formats.quantize_mxfp8(kj, dim=1), formats.quantize_mxfp8(vj, dim=3)]
+        mx += _quantize(kj, (3, 1)) + _quantize(vj, (3,))
     buf, spec = _pack(mx)
     dq = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in qc]
     grad_pending = None
@@ -413,6 +449,7 @@ def _ring_backward(q, k, v, out, dout, lse_bwd, ring: _Ring, causal, scale, zigz
         grad_pending = ring.exchange(acc.to(grad_comm_dtype), _TAG_GRAD, _LAST_STATS.bwd_grad_bytes)
         if kv_pending is not None:
             buf = kv_pending.wait()
+    getattr(block, "end", lambda: None)()
     acc = grad_pending.wait().float()  # after W hops: this rank's own shard, summed over every rank
     dk, dv = acc.split([k.numel(), v.numel()])
     return torch.cat(dq, 1), dk.view(k.shape), dv.view(v.shape)

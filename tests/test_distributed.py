@@ -231,3 +231,43 @@ def test_needs_process_group():
     if not dist.is_initialized():
         with pytest.raises(RuntimeError, match="process group"):
             ring_mxfp8_attn_func(x, x, x)
+
+
+def _kernel_block_worker(rank, world, init_file, seed, result_file):
+    from mxattn.distributed import KernelBlock, ReferenceBlock
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    msgs = []
+    try:
+        g = torch.Generator().manual_seed(seed)
+        S, Hq, Hkv = 4 * 32 * world, 2, 1
+        full = [torch.randn(1, S, h, D, generator=g) for h in (Hq, Hkv, Hkv, Hq)]
+        got = {}
+        for name, block in (("kernel", KernelBlock()), ("reference", ReferenceBlock())):
+            ql, kl, vl = (zigzag_shard(t, rank, world).contiguous().requires_grad_() for t in full[:3])
+            out = ring_mxfp8_attn_func(ql, kl, vl, causal=True, block=block)
+            out.backward(zigzag_shard(full[3], rank, world).contiguous())
+            got[name] = [out.detach(), ql.grad, kl.grad, vl.grad]
+        for n, a, b in zip(("out", "dq", "dk", "dv"), got["kernel"], got["reference"]):
+            db = reference.sqnr_db(a, b)
+            if not db > 25.0:
+                msgs.append(f"rank {rank} {n}: kernel blocks vs reference blocks {db:.1f} dB")
+    finally:
+        dist.destroy_process_group()
+    with open(f"{result_file}.{rank}", "w") as f:
+        f.write("\n".join(msgs))
+
+
+def test_ring_kernel_block_matches_reference_block(seed, tmp_path):
+    """The ring on the ``tl`` kernels (``KernelBlock``: its per-pass cache of the query side, the Hopper operand
+    layouts, the global lse in the backward) agrees with the ring on the reference blocks, causal zig-zag over two
+    processes; on CPUs through the Triton interpreter (GPU runs: ``python -m mxattn.distributed --check``)."""
+    from conftest import require_kernels
+
+    if require_kernels() != "cpu":
+        pytest.skip("the GPU check is python -m mxattn.distributed --check under torchrun")
+    result = tmp_path / "kb"
+    mp.spawn(_kernel_block_worker, args=(2, str(tmp_path / "store"), seed, str(result)), nprocs=2, join=True)
+    text = "\n".join((tmp_path / f"kb.{r}").read_text() for r in range(2)).strip()
+    assert text == "", "\n" + text
