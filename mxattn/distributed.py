@@ -19,6 +19,11 @@ Per step and per (q chunk, k chunk) pair: ``full`` (the q chunk is later in the 
     not causal), ``diag`` (the same chunk: square causal block) or skipped.  Each computed pair gives a partial
     (out, lse) from a *block function* (``ReferenceBlock`` on the CPU, ``KernelBlock`` with the Hopper kernels
     on CUDA) and partials are merged by log-sum-exp in fp32 (rows that saw nothing have lse = -inf).
+    When chunks are a multiple of 32 tokens, the pairs of one step go to the block function as one call
+    (``_step_calls``): at step 0 a rank's own zig-zag chunks are causal attention over their concatenation, and
+    at every later step the pairs that are not skipped form one rectangle of full blocks (all local queries
+    against one visiting chunk, or one local chunk against both): one kernel launch per step instead of up to
+    four, and fewer merges.
     The P quantization of each block uses that block's row max (as a kernel with a running max does), so the
     forward agrees with single-process attention statistically, at the same error level, not bit for bit.
 
@@ -375,11 +380,42 @@ def _chunks(x: torch.Tensor, n: int, dim: int) -> list[torch.Tensor]:
     return list(x.chunk(n, dim)) if n > 1 else [x]
 
 
+def _cat_mx(parts: Sequence[MXTensor]) -> MXTensor:
+    """MXTensors of consecutive chunks as one along the sequence (dim 1; every chunk a multiple of 32 tokens)."""
+    if len(parts) == 1:
+        return parts[0]
+    data = torch.cat([t.data.view(torch.uint8) for t in parts], 1).view(torch.float8_e4m3fn)
+    return MXTensor(data, torch.cat([t.scale_bytes for t in parts], 1), parts[0].dim)
+
+
+def _step_calls(mine: Sequence[int], theirs: Sequence[int], causal: bool, merge: bool) -> list[tuple]:
+    """The block-function calls of one ring step, as ((q first, q end), (k first, k end), causal) in local chunk
+    indices.  With ``merge`` (chunks of a multiple of 32 tokens, so MX blocks never straddle a chunk border) the
+    step's blocks become one call where they can: a rectangle of full blocks is one non-causal call, and a rank's
+    own two zig-zag chunks (diag, full, skip, diag) are causal attention over their concatenation.  Otherwise
+    one call per block that is not skipped."""
+    kinds = {(i, j): _block_kind(qi, kj, causal) for i, qi in enumerate(mine) for j, kj in enumerate(theirs)}
+    live = [ij for ij, kind in kinds.items() if kind != _SKIP]
+    if merge and live:
+        rows = sorted({i for i, _ in live})
+        cols = sorted({j for _, j in live})
+        span = rows == list(range(rows[0], rows[-1] + 1)) and cols == list(range(cols[0], cols[-1] + 1))
+        if span and len(live) == len(rows) * len(cols) and all(kinds[ij] == _FULL for ij in live):
+            return [((rows[0], rows[-1] + 1), (cols[0], cols[-1] + 1), False)]
+        n = len(mine)
+        lower = {(i, j): _DIAG if i == j else (_FULL if i > j else _SKIP) for i in range(n) for j in range(n)}
+        if len(theirs) == n and kinds == lower:
+            return [((0, n), (0, n), True)]
+    return [((i, i + 1), (j, j + 1), kinds[(i, j)] == _DIAG) for i, j in live]
+
+
 def _ring_forward(q, k, v, ring: _Ring, causal, scale, zigzag, block):
     W, r = ring.world, ring.rank
     n = 2 if zigzag else 1
     getattr(block, "begin", lambda: None)()
-    qc, kc, vc = (_chunks(t, n, 1) for t in (q, k, v))
+    kc, vc = (_chunks(t, n, 1) for t in (k, v))
+    c = q.shape[1] // n
+    merge = c % 32 == 0
     mine = _chunk_ids(r, W, zigzag)
     mx = []
     for kj, vj in zip(kc, vc):
@@ -390,20 +426,20 @@ def _ring_forward(q, k, v, ring: _Ring, causal, scale, zigzag, block):
         pending = ring.exchange(buf, _TAG_KV, _LAST_STATS.fwd_kv_bytes) if step + 1 < W else None
         visiting = _unpack(buf, spec)
         theirs = _chunk_ids((r - step) % W, W, zigzag)
-        for i, qi in enumerate(mine):
-            for j, kj in enumerate(theirs):
-                kind = _block_kind(qi, kj, causal)
-                if kind == _SKIP:
-                    continue
-                o, lse, lse_bwd = block.forward(qc[i], visiting[2 * j], visiting[2 * j + 1], kind == _DIAG, scale)
-                states[i] = _merge(states[i], o, lse, lse_bwd)
+        for (i0, i1), (j0, j1), diag in _step_calls(mine, theirs, causal, merge):
+            kk = _cat_mx([visiting[2 * j] for j in range(j0, j1)])
+            vv = _cat_mx([visiting[2 * j + 1] for j in range(j0, j1)])
+            o, lse, lse_bwd = block.forward(q[:, i0 * c : i1 * c], kk, vv, diag, scale)
+            for i in range(i0, i1):
+                part = slice((i - i0) * c, (i - i0 + 1) * c)
+                states[i] = _merge(states[i], o[:, part], lse[:, :, part], lse_bwd[:, :, part])
         if pending is not None:
             buf = pending.wait()
     for i, st in enumerate(states):
         if st is None:  # a q chunk that sees no key (not possible in self-attention, kept for safety)
-            B, c, H, _ = qc[i].shape
+            B, _, H, _ = q.shape
             empty = q.new_full((B, H, c), float("-inf"), dtype=torch.float32)
-            states[i] = [q.new_zeros(qc[i].shape[:-1] + (v.shape[-1],), dtype=torch.float32), empty, empty]
+            states[i] = [q.new_zeros((B, c, H, v.shape[-1]), dtype=torch.float32), empty, empty]
     getattr(block, "end", lambda: None)()
     out = torch.cat([s[0] for s in states], 1)
     lse = torch.cat([s[1] for s in states], 2)
@@ -415,15 +451,15 @@ def _ring_backward(q, k, v, out, dout, lse_bwd, ring: _Ring, causal, scale, zigz
     W, r = ring.world, ring.rank
     n = 2 if zigzag else 1
     getattr(block, "begin", lambda: None)()
-    qc, kc, vc, oc, dc = (_chunks(t, n, 1) for t in (q, k, v, out, dout))
-    lc = _chunks(lse_bwd, n, 2)
-    c = kc[0].shape[1]
+    kc, vc = (_chunks(t, n, 1) for t in (k, v))
+    c = q.shape[1] // n
+    merge = c % 32 == 0
     mine = _chunk_ids(r, W, zigzag)
     mx = []
     for kj, vj in zip(kc, vc):
         mx += _quantize(kj, (3, 1)) + _quantize(vj, (3,))
     buf, spec = _pack(mx)
-    dq = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in qc]
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     grad_pending = None
     for step in range(W):
         kv_pending = ring.exchange(buf, _TAG_KV, _LAST_STATS.bwd_kv_bytes) if step + 1 < W else None
@@ -431,18 +467,15 @@ def _ring_backward(q, k, v, out, dout, lse_bwd, ring: _Ring, causal, scale, zigz
         theirs = _chunk_ids((r - step) % W, W, zigzag)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        for i, qi in enumerate(mine):
-            for j, kj in enumerate(theirs):
-                kind = _block_kind(qi, kj, causal)
-                if kind == _SKIP:
-                    continue
-                bq, bk, bv = block.backward(
-                    qc[i], visiting[3 * j], visiting[3 * j + 1], visiting[3 * j + 2], oc[i], dc[i], lc[i],
-                    kind == _DIAG, scale,
-                )
-                dq[i] += bq
-                dk[:, j * c : (j + 1) * c] += bk
-                dv[:, j * c : (j + 1) * c] += bv
+        for (i0, i1), (j0, j1), diag in _step_calls(mine, theirs, causal, merge):
+            rows, cols = slice(i0 * c, i1 * c), slice(j0 * c, j1 * c)
+            bq, bk, bv = block.backward(
+                q[:, rows], *(_cat_mx([visiting[3 * j + t] for j in range(j0, j1)]) for t in range(3)),
+                out[:, rows], dout[:, rows], lse_bwd[:, :, rows], diag, scale,
+            )
+            dq[:, rows] += bq
+            dk[:, cols] += bk
+            dv[:, cols] += bv
         acc = torch.cat([dk.reshape(-1), dv.reshape(-1)])
         if grad_pending is not None:  # partial sums of this shard from the ranks it visited before
             acc += grad_pending.wait().float()
@@ -452,7 +485,7 @@ def _ring_backward(q, k, v, out, dout, lse_bwd, ring: _Ring, causal, scale, zigz
     getattr(block, "end", lambda: None)()
     acc = grad_pending.wait().float()  # after W hops: this rank's own shard, summed over every rank
     dk, dv = acc.split([k.numel(), v.numel()])
-    return torch.cat(dq, 1), dk.view(k.shape), dv.view(v.shape)
+    return dq, dk.view(k.shape), dv.view(v.shape)
 
 
 class _RingMXFP8Attention(torch.autograd.Function):

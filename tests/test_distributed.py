@@ -271,3 +271,34 @@ def test_ring_kernel_block_matches_reference_block(seed, tmp_path):
     mp.spawn(_kernel_block_worker, args=(2, str(tmp_path / "store"), seed, str(result)), nprocs=2, join=True)
     text = "\n".join((tmp_path / f"kb.{r}").read_text() for r in range(2)).strip()
     assert text == "", "\n" + text
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("zigzag", [False, True])
+def test_step_calls_cover_each_block_once(world, causal, zigzag):
+    """``_step_calls`` with merging: every (q chunk, k chunk) pair that is not skipped is computed by exactly one
+    call, with its causal flag right (diagonal pairs only inside causal calls, on their square's diagonal); with
+    zig-zag sharding each step is a single call; without merging, one call per pair."""
+    from mxattn.distributed import _block_kind, _chunk_ids, _step_calls
+
+    for rank in range(world):
+        mine = _chunk_ids(rank, world, zigzag)
+        for step in range(world):
+            theirs = _chunk_ids((rank - step) % world, world, zigzag)
+            want = {(i, j): _block_kind(qi, kj, causal) for i, qi in enumerate(mine) for j, kj in enumerate(theirs)}
+            for merge in (False, True):
+                calls = _step_calls(mine, theirs, causal, merge)
+                seen = {}
+                for (i0, i1), (j0, j1), diag in calls:
+                    for i in range(i0, i1):
+                        for j in range(j0, j1):
+                            assert (i, j) not in seen
+                            seen[(i, j)] = ("skip" if diag and j - j0 > i - i0 else
+                                            "diag" if diag and j - j0 == i - i0 else "full")
+                assert {ij: kd for ij, kd in seen.items() if kd != "skip"} == \
+                    {ij: kd for ij, kd in want.items() if kd != "skip"}
+                if merge and zigzag:
+                    assert len(calls) == 1
+                if not merge:
+                    assert len(calls) == sum(kd != "skip" for kd in want.values())
