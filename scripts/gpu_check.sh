@@ -18,6 +18,7 @@
 #   ring       ring attention over every GPU (torchrun, nccl): check against single-GPU mxattn, then timing
 #   train      examples/train_gpt.py (TRAIN_ATTENTION=sdpa|mxfp8|both, TRAIN_ARGS), into OUTDIR/train
 #   trainpar   both halves of the parity run at once, sdpa on GPU 0 and mxfp8 on GPU 1 (needs 2 GPUs), then parity.json
+#   ncu        Nsight Compute counters of the Gluon backward kernels (NCU_SHAPE="B H S D causal"), into OUTDIR/ncu_bwd.txt
 #   sanitize   compute-sanitizer memcheck/racecheck/synccheck on tiny shapes (scripts/sanitize.sh; slow: run alone)
 # Needs no network: the machine's python3 (torch >= 2.11, triton >= 3.6). Each stage runs under a timeout
 # (MXATTN_STAGE_TIMEOUT seconds, default 420) so that one hang cannot eat the whole lease. The GPU machine has
@@ -142,6 +143,26 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
       tail -n 4 "$OUT"/train/log-*.txt
       [ -f "$OUT/train/loss-sdpa.json" ] && [ -f "$OUT/train/loss-mxfp8.json" ] || { echo "!! a half did not finish"; status=1; continue; }
       run $PY examples/train_gpt.py --attention both --reuse --out "$OUT/train" --no-progress ${TRAIN_ARGS:-} ;;
+    ncu)
+      # where the Gluon dK/dV and dQ kernels spend their time: speed of light, warp stalls, issue slots, the SASS
+      # lines that stall most. One fwd+bwd to compile, then the second one's two kernels are profiled.
+      NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+      read -r nb nh ns nd nc <<< "${NCU_SHAPE:-2 16 8192 128 1}"
+      run "$NCU" --clock-control none --kernel-name regex:"_attn_bwd_(dkdv|dq)_ws_kernel" --launch-skip 2 --launch-count 2 \
+        --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section InstructionStats \
+        --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+        --section SourceCounters \
+        $PY -c "
+import sys, torch
+from mxattn import mxfp8_attn_func
+B, H, S, D, c = (int(x) for x in sys.argv[1:6])
+q, k, v, do = (torch.randn(B, S, H, D, device='cuda', dtype=torch.bfloat16) for _ in range(4))
+for _ in range(2):
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    mxfp8_attn_func(*leaves, causal=bool(c)).backward(do)
+torch.cuda.synchronize()
+" $nb $nh $ns $nd $nc > "$OUT/ncu_bwd.txt" 2>&1
+      grep -E "^  [a-zA-Z_]+.*\(|Duration|Compute \(SM\) Throughput|Issue Slots Busy|No Eligible|Warp Cycles Per Issued" "$OUT/ncu_bwd.txt" | head -40 ;;
     sanitize)
       MXATTN_SANITIZE_JOBS=${MXATTN_SANITIZE_JOBS:-6} run bash scripts/sanitize.sh "$OUT/sanitize" ${SANITIZE_CASES:-fwd bwd varlen} ;;
     *) echo "unknown stage $st"; status=1 ;;
