@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # compute-sanitizer (memcheck, racecheck, synccheck) on tiny launches of every mxattn GPU kernel (issue 10).
 #   PYTHONPATH=. bash scripts/sanitize.sh OUTDIR [case ...]
-# Cases (scripts/sanitize_driver.py): fwd bwd varlen quantize producers gluon (default: all of them), and wsprobe
+# Cases (scripts/sanitize_driver.py): fwd bwd varlen quantize producers gluon gluonbwd (default: all of them), and wsprobe
 # (only when named): a minimal Gluon gl.warp_specialize kernel with no shared memory of its own, the control
 # for racecheck's hazards on gluon (docs/racecheck-gluon.md). Not a default: it tests Triton, not mxattn (a hazard
 # there would make the verdict NOT CLEAN for no mxattn reason). Name it next to gluon: sanitize.sh OUT wsprobe gluon
@@ -20,7 +20,7 @@
 set -uo pipefail
 OUT=${1:?usage: sanitize.sh OUTDIR [case ...]}
 shift || true
-CASES=${*:-fwd bwd varlen quantize producers gluon}
+CASES=${*:-fwd bwd varlen quantize producers gluon gluonbwd}
 TOOLS=${MXATTN_SANITIZE_TOOLS:-memcheck racecheck synccheck}
 T=${MXATTN_SANITIZE_TIMEOUT:-300}
 JOBS=${MXATTN_SANITIZE_JOBS:-4}

@@ -1,6 +1,6 @@
 """Tiny launches of every mxattn GPU kernel, for compute-sanitizer (scripts/sanitize.sh runs one case per process).
 
-    python scripts/sanitize_driver.py CASE [CASE ...]     # cases: fwd bwd varlen quantize producers gluon, or all
+    python scripts/sanitize_driver.py CASE [CASE ...]     # cases: fwd bwd varlen quantize producers gluon gluonbwd, or all
                                                           # of those; wsprobe only when named (below)
     python scripts/sanitize_driver.py --cpu CASE ...      # smoke test of the driver itself without a GPU
                                                           # (TRITON_INTERPRET=1; the CPU API runs the reference)
@@ -58,19 +58,41 @@ def case_fwd() -> int:
     return n
 
 
-def case_bwd() -> int:
+def _bwd_cases(kernels: str) -> int:
+    """Forward+backward through the API on every shape, the backward's kernels chosen by MXATTN_BWD_KERNEL."""
     from mxattn.interface import mxfp8_attn_func
 
+    before = os.environ.get("MXATTN_BWD_KERNEL")
+    os.environ["MXATTN_BWD_KERNEL"] = kernels
     n = 0
-    for B, Sq, Sk, Hq, Hkv, D in ATTN_SHAPES:
-        for causal in (False, True):
-            for deterministic in (False, True):
-                q, k, v = _t(B, Sq, Hq, D, grad=True), _t(B, Sk, Hkv, D, grad=True), _t(B, Sk, Hkv, D, grad=True)
-                out = mxfp8_attn_func(q, k, v, causal=causal, deterministic=deterministic)
-                out.backward(torch.randn_like(out))  # attn_bwd_hopper
-                _finite("bwd", q.grad, k.grad, v.grad)
-                n += 1
+    try:
+        for B, Sq, Sk, Hq, Hkv, D in ATTN_SHAPES:
+            for causal in (False, True):
+                for deterministic in (False, True):
+                    q, k, v = (_t(B, Sq, Hq, D, grad=True), _t(B, Sk, Hkv, D, grad=True),
+                               _t(B, Sk, Hkv, D, grad=True))
+                    out = mxfp8_attn_func(q, k, v, causal=causal, deterministic=deterministic)
+                    out.backward(torch.randn_like(out))  # attn_bwd_hopper
+                    _finite(f"bwd ({kernels})", q.grad, k.grad, v.grad)
+                    n += 1
+    finally:
+        if before is None:
+            os.environ.pop("MXATTN_BWD_KERNEL", None)
+        else:
+            os.environ["MXATTN_BWD_KERNEL"] = before
     return n
+
+
+def case_bwd() -> int:
+    """The ``tl`` backward kernels (atomic and deterministic dQ)."""
+    return _bwd_cases("tl")
+
+
+def case_gluonbwd() -> int:
+    """The warp-specialized Gluon dQ and dK/dV kernels (the default on Hopper); needs sm_90 and triton's Gluon."""
+    if DEV != "cuda":
+        raise RuntimeError("gluonbwd: Gluon kernels have no CPU / TRITON_INTERPRET path")
+    return _bwd_cases("gluon")
 
 
 def case_varlen() -> int:
@@ -171,7 +193,7 @@ def case_wsprobe() -> int:
 
 
 CASES = {"fwd": case_fwd, "bwd": case_bwd, "varlen": case_varlen, "quantize": case_quantize,
-         "producers": case_producers, "gluon": case_gluon, "wsprobe": case_wsprobe}
+         "producers": case_producers, "gluon": case_gluon, "gluonbwd": case_gluonbwd, "wsprobe": case_wsprobe}
 PROBES = ("wsprobe",)  # diagnostics of Triton itself, not mxattn kernels: run only when named, not by "all"
 
 
