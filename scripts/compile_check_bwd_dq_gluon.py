@@ -70,8 +70,9 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "maxnreg": cfg.maxnreg})
 
 
-def partition_report(k) -> bool:
-    """Registers per partition and the named barriers; False when a partition-local barrier counts the CTA."""
+def partition_report(k, consumer_threads: int = 256) -> bool:
+    """Registers per partition and the named barriers; False when a partition-local barrier counts other than
+    ``consumer_threads`` (one 8-warp consumer: 256; split into warpgroups: 128)."""
     ptx = k.asm["ptx"]
     regs = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
     bars = collections.Counter(re.findall(r"\bbar(?:rier)?\.sync(?:\.aligned)?\s+(\d+)(?:,\s*(\d+))?", ptx))
@@ -79,15 +80,16 @@ def partition_report(k) -> bool:
     print("   bar.sync (id, threads): " + ", ".join(f"({i}, {n or 'all'}) x{c}" for (i, n), c in bars.items()))
     wgmma = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+?)\s", ptx))
     print(f"   wgmma instructions (PTX, whole kernel): {dict(wgmma)}")
-    # barrier 0 is the consumer partition's (8 warps = 256 threads): a count of the whole CTA there would wait for
-    # the producer warp.  The count-less ``barrier.sync 1`` are the warp_specialize entry / exit of all warps.
-    bad = [(i, n) for (i, n) in bars if i == "0" and n != "256"]
+    # the count-less ``barrier.sync 1`` are the warp_specialize entry / exit of all warps; every other barrier is a
+    # consumer partition's (8 warps = 256 threads, or a 4-warp warpgroup = 128): a count of the whole CTA there
+    # would wait for the producer warp
+    bad = [(i, n) for (i, n) in bars if i != "1" and n != str(consumer_threads)]
     if bad:
-        print(f"   FAIL: consumer barriers with a thread count other than 256: {bad}")
+        print(f"   FAIL: consumer barriers with a thread count other than {consumer_threads}: {bad}")
     return not bad
 
 
-def run_variants(argv, doc: str, compile_variant, check_fn) -> int:
+def run_variants(argv, doc: str, compile_variant, check_fn, consumer_threads: int = 256) -> int:
     """The command line of the backward kernels' compile checks: compile d128/d64 x causal (``--only``,
     ``--stages``), report each with ``check_fn`` and ``partition_report``, ``--dump`` the code.  Exit status 1
     when a variant fails."""
@@ -111,7 +113,7 @@ def run_variants(argv, doc: str, compile_variant, check_fn) -> int:
             ok = False
             continue
         ok = check_fn(k, name, args.dump) and ok
-        ok = partition_report(k) and ok
+        ok = partition_report(k, consumer_threads) and ok
     print("all variants OK" if ok else "some variants FAILED")
     return 0 if ok else 1
 

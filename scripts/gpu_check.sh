@@ -69,11 +69,13 @@ for st in $STAGES; do
     bwd)
       run $PY -m mxattn.kernels.attn_bwd --out "$OUT" ;;
     bwdgluon)
-      # the warp-specialized Gluon backward kernels (not wired into the API yet): compile checks, two small cases
+      # the warp-specialized Gluon backward kernels (the API's default on Hopper; the split dK/dV variant opt-in):
+      # compile checks (both dK/dV builds), two small cases
       # under a short timeout first (a barrier bug hangs rather than fails), then all their GPU tests and timings
       for part in dq dkdv; do
         [ -f "tests/test_attn_bwd_${part}_gluon.py" ] || continue
         run $PY "scripts/compile_check_bwd_${part}_gluon.py"
+        [ "$part" = dkdv ] && run $PY scripts/compile_check_bwd_dkdv_gluon.py --split
         T=120 run $PY -m pytest -m gpu -q -x -rfE -p no:cacheprovider "tests/test_attn_bwd_${part}_gluon.py" \
           -k "1x1x1x2x2x128c or 2x113x203"
         run $PY -m pytest -m gpu -q -rfE -s -p no:cacheprovider "tests/test_attn_bwd_${part}_gluon.py" \
@@ -86,8 +88,9 @@ for st in $STAGES; do
 import sys
 from mxattn.bench.results import write_result
 from mxattn.kernels.attn_bwd_dq_gluon import bench_attn_bwd_dq_gluon
-from mxattn.kernels.attn_bwd_dkdv_gluon import bench_attn_bwd_dkdv_gluon
+from mxattn.kernels.attn_bwd_dkdv_gluon import GluonDkdvConfig, bench_attn_bwd_dkdv_gluon
 rows = [dict(r, kernel='dq') for r in bench_attn_bwd_dq_gluon()] + [dict(r, kernel='dkdv') for r in bench_attn_bwd_dkdv_gluon()]
+rows += [dict(r, kernel='dkdv_split', tl='64-key blocks') for r in bench_attn_bwd_dkdv_gluon(config=GluonDkdvConfig(split=True))]
 for r in rows: print(r)
 print(write_result('attn_bwd_kernels', rows, sys.argv[1], extra={'note': 'Gluon backward kernels vs their tl twins'}))
 " "$OUT" ;;

@@ -15,6 +15,7 @@ dK/dV-only kernel, B2 H16 S8k d128, causal and not), printed.
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import sys
@@ -115,19 +116,22 @@ def test_compiles_for_sm90_without_gpu(capsys):
     sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "scripts"))
     import compile_check_bwd_dkdv_gluon as cc
 
-    for d, causal in ((128, True), (64, False)):
-        kernel = cc.compile_variant(d, causal)
-        assert cc.check(kernel, f"d{d}{'_causal' if causal else ''}", None), capsys.readouterr().out
+    for d, causal, split in ((128, True, False), (64, False, False), (128, False, True), (128, True, True)):
+        kernel = cc.compile_variant(d, causal, split=split)
+        assert cc.check(kernel, f"d{d}{'_causal' if causal else ''}", None, split=split), capsys.readouterr().out
 
 
-def _protocol_model(n_steps: int, stages: int, rng: random.Random, mutant: str = ""):
-    """Run the kernel's protocol (``_producer`` and ``_consumer``'s loop) under a random interleaving; returns the
-    log.  Checks: no deadlock, each wgmma reads the tile it expects, TMA never lands in a buffer being read."""
+def _protocol_model(n_steps: int, stages: int, rng: random.Random, mutant: str = "", consumers: int = 1):
+    """Run the kernel's protocol (``_producer`` and ``_consumer``'s loop; ``consumers=2``: the split kernel, two
+    warpgroup partitions on one ring, empty barriers counting two arrivals) under a random interleaving; returns
+    the log.  Checks: no deadlock, each wgmma reads the tile it expects, TMA never lands in a buffer being read."""
     S = stages
-    bars = {name: [MBarrierModel(1) for _ in range(S)] for name in ("qd_ready", "qd_empty", "sq_ready", "sq_empty")}
+    empty_count = 1 if mutant == "split_empty_count_1" else consumers
+    bars = {name: [MBarrierModel(empty_count if name.endswith("empty") else 1) for _ in range(S)]
+            for name in ("qd_ready", "qd_empty", "sq_ready", "sq_empty")}
     kv_bar = MBarrierModel(1)
     content = {(r, s): None for r in ("qd", "sq") for s in range(S)} | {("kv", 0): None}
-    reading = set()
+    reading = collections.Counter()
     in_flight = []  # TMA loads not landed yet: (buffer, tile, barrier)
     log = []
 
@@ -136,9 +140,9 @@ def _protocol_model(n_steps: int, stages: int, rng: random.Random, mutant: str =
         in_flight.append((buf, tile, bar))
 
     def producer():
-        kv_bar.expect_arrive(2)  # K and V_hdim, once
-        tma(("kv", 0), 0, kv_bar)
-        tma(("kv", 0), 0, kv_bar)
+        kv_bar.expect_arrive(2 * consumers)  # K and V_hdim, once (a 64-key tile of each per warpgroup when split)
+        for _ in range(2 * consumers):
+            tma(("kv", 0), 0, kv_bar)
         for i in range(n_steps):
             s = i % S
             ph = ((i // S) & 1) ^ 1
@@ -154,8 +158,13 @@ def _protocol_model(n_steps: int, stages: int, rng: random.Random, mutant: str =
 
     def start_read(buf, tile):
         assert content[buf] == tile, f"wgmma reads {buf} expecting tile {tile}, holds {content[buf]}"
-        reading.add(buf)
+        reading[buf] += 1
         log.append(("read", buf, tile))
+
+    def done_read(buf):
+        reading[buf] -= 1
+        if not reading[buf]:
+            del reading[buf]
 
     def consumer():
         yield ("wait", kv_bar, 0)
@@ -166,15 +175,17 @@ def _protocol_model(n_steps: int, stages: int, rng: random.Random, mutant: str =
             start_read(("qd", st), j)  # Sᵀ_j, dPᵀ_j issued
             yield ("step",)  # wait(1): Sᵀ_j; P
             yield ("step",)  # wait(0): dPᵀ_j
-            reading.discard(("qd", st))
+            done_read(("qd", st))
             bars["qd_empty"][st].arrive()
             yield ("wait", bars["sq_ready"][st], ((j + 1) // S) & 1 if mutant == "sq_parity" else ph)
             start_read(("sq", st), j)  # dV_j issued, then dK_j
             yield ("step",)  # wait(0): both
-            reading.discard(("sq", st))
+            done_read(("sq", st))
             bars["sq_empty"][st].arrive()
 
-    actors = {"producer": [producer(), ("step",)], "consumer": [consumer(), ("step",)]}
+    actors = {"producer": [producer(), ("step",)]}
+    for c in range(consumers):
+        actors[f"consumer{c}"] = [consumer(), ("step",)]
     while actors or in_flight:
         runnable = [n for n, (_, w) in actors.items() if w[0] == "step" or w[1].ready(w[2])]
         choices = runnable + (["tma"] if in_flight else [])
@@ -194,24 +205,28 @@ def _protocol_model(n_steps: int, stages: int, rng: random.Random, mutant: str =
     return log
 
 
+@pytest.mark.parametrize("consumers", [1, 2], ids=["whole", "split"])
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
-def test_barrier_protocol_model(stages, seed):
+def test_barrier_protocol_model(stages, consumers, seed):
     rng = random.Random(seed)
     for n_steps in (0, 1, 2, 3, stages, stages + 1, 2 * stages + 3, 17):
         for _ in range(30):
-            log = _protocol_model(n_steps, stages, rng)
-            assert [t for kind, buf, t in log if buf[0] == "qd"] == list(range(n_steps))
-            assert [t for kind, buf, t in log if buf[0] == "sq"] == list(range(n_steps))
+            log = _protocol_model(n_steps, stages, rng, consumers=consumers)
+            for ring in ("qd", "sq"):
+                reads = [t for kind, buf, t in log if buf[0] == ring]
+                assert sorted(reads) == sorted(list(range(n_steps)) * consumers)
 
 
-@pytest.mark.parametrize("mutant", ["no_qd_empty_wait", "sq_parity"])
-def test_barrier_protocol_model_catches_mutants(mutant, seed):
-    """The model is not vacuous: a producer that does not wait for the Q/dO release, or a consumer waiting
-    Q_seq/dO_seq with the wrong parity, is caught (deadlock, a TMA into a buffer being read, or a wrong tile)."""
+@pytest.mark.parametrize("mutant,consumers", [("no_qd_empty_wait", 1), ("sq_parity", 1), ("no_qd_empty_wait", 2),
+                                              ("split_empty_count_1", 2)])
+def test_barrier_protocol_model_catches_mutants(mutant, consumers, seed):
+    """The model is not vacuous: a producer that does not wait for the Q/dO release, a consumer waiting
+    Q_seq/dO_seq with the wrong parity, or (split) empty barriers counting one arrival for two warpgroups, is
+    caught (deadlock, a TMA into a buffer being read, a wrong tile, or too many arrivals)."""
     rng = random.Random(seed)
     with pytest.raises(AssertionError):
         for _ in range(200):
-            _protocol_model(9, 2, rng, mutant)
+            _protocol_model(9, 2, rng, mutant, consumers=consumers)
 
 
 # ---------------------------------------------------------------------------------------------------- GPU
@@ -261,27 +276,34 @@ def _assert_agree(got, want, name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
-def test_attn_bwd_dkdv_gluon_matches_tl(case, seed):
+def test_attn_bwd_dkdv_gluon_matches_tl(case, split, seed):
+    """Against the tl dK/dV kernel on the same operands, equal up to fp32 summation order (the same P and dS
+    bits); keys no query sees exactly 0.  ``split`` (``GluonDkdvConfig(split=True)``: two 4-warp consumer
+    partitions of 64 keys, dS exponent per 64 x 64 tile) against the tl kernel with 64-key blocks."""
     if not _is_hopper():
         pytest.skip("the Gluon dK/dV kernel needs an sm_90 GPU")
     m = _mod()
     causal = case[6]
     q, k, v, dout = _gpu_inputs(case, seed)
     ops, out = m.dkdv_operands(q, k, v, dout, causal)
-    dk, dv = m.attn_bwd_dkdv_gluon(**ops, causal=causal)
+    dk, dv = m.attn_bwd_dkdv_gluon(**ops, causal=causal, config=m.GluonDkdvConfig(split=split))
     torch.cuda.synchronize()
-    want_dk, want_dv = _tl_deterministic_dkdv(q, k, v, dout, ops, out, causal)
-    _assert_agree(dk, want_dk, _case_id(case) + " dk")
-    _assert_agree(dv, want_dv, _case_id(case) + " dv")
-    # the tl dK/dV kernel launched alone (the bench's baseline) is the same kernel as attn_bwd_hopper's
-    tdk, tdv = m._tl_dkdv(**ops, causal=causal)
-    assert torch.equal(tdk.view(torch.int16), want_dk.view(torch.int16))
-    assert torch.equal(tdv.view(torch.int16), want_dv.view(torch.int16))
+    name = _case_id(case) + (" split" if split else "")
+    if split:
+        want_dk, want_dv = m._tl_dkdv(**ops, causal=causal, tl_config=m.split_tl_config())
+    else:
+        want_dk, want_dv = _tl_deterministic_dkdv(q, k, v, dout, ops, out, causal)
+        # the tl dK/dV kernel launched alone (the bench's baseline) is the same kernel as attn_bwd_hopper's
+        tdk, tdv = m._tl_dkdv(**ops, causal=causal)
+        assert torch.equal(tdk.view(torch.int16), want_dk.view(torch.int16))
+        assert torch.equal(tdv.view(torch.int16), want_dv.view(torch.int16))
+    _assert_agree(dk, want_dk, name + " dk")
+    _assert_agree(dv, want_dv, name + " dv")
     # keys where the tl result is exactly zero in every channel (no query sees them, or P = 0 throughout) are
     # exactly zero here too
-    zero_keys = (want_dv == 0).all(dim=-1)
-    assert (dv[zero_keys] == 0).all() and (dk[(want_dk == 0).all(dim=-1)] == 0).all()
+    assert (dv[(want_dv == 0).all(dim=-1)] == 0).all() and (dk[(want_dk == 0).all(dim=-1)] == 0).all()
 
 
 @pytest.mark.gpu
@@ -346,3 +368,19 @@ def test_bench_attn_bwd_dkdv_gluon():
               f"tl {r.get('tl_ms', float('nan')):.3f} ms ({r.get('tl_tflops', 0):.0f} TFLOP/s), "
               f"speedup {r.get('speedup', float('nan')):.2f}x {r.get('gluon_error', '')}")
     assert all(r.get("gluon_ms") and r.get("tl_ms") for r in rows), rows
+
+
+@pytest.mark.gpu
+def test_bench_attn_bwd_dkdv_gluon_split():
+    """Prints the split kernel's time against its tl twin (64-key blocks) and the unsplit Gluon kernel's, B2 H16
+    S8k d128; asserts only that all ran."""
+    if not _is_hopper():
+        pytest.skip("the Gluon dK/dV kernel needs an sm_90 GPU")
+    m = _mod()
+    split = m.bench_attn_bwd_dkdv_gluon(rep_ms=100, config=m.GluonDkdvConfig(split=True))
+    whole = m.bench_attn_bwd_dkdv_gluon(rep_ms=100)
+    for r, w in zip(split, whole):
+        print(f"\nbench dK/dV split, causal={r['causal']}: split {r.get('gluon_ms', float('nan')):.3f} ms, "
+              f"unsplit {w.get('gluon_ms', float('nan')):.3f} ms, tl 64-key {r.get('tl_ms', float('nan')):.3f} ms "
+              f"{r.get('gluon_error', '')}")
+    assert all(r.get("gluon_ms") for r in split + whole), split + whole

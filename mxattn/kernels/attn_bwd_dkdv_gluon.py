@@ -72,9 +72,22 @@ maxnreg 168 -> setmaxnreg 240 (consumers) / 24 (producer); highest SASS register
 unit strides specialized (the launcher makes exponents, lse, delta contiguous, ``UNIT_STRIDES``), one stride set
 for each same-shape pair, q / dO exponents expanded to one per 64-row tile (no group division in the loop), the
 key bound dropped from the causal mask (implied), Pᵀ cast to e4m3 only after dSᵀ took its fp32 value.
-Not run on a GPU yet.  Costs to look at first once timed: the head-change rescale loads 4 x D exponents in the
-loop body (a rare branch), the tile-wide dS max (256-thread barriers) once per step, and no cross-step overlap of
+Run on the H200 since session 4 (all GPU tests pass; 1.25x / 1.66x the tl kernel at S8k d128, non-causal /
+causal); the default of ``attn_bwd_hopper`` on Hopper.  Costs to look at first (``gpu_check.sh OUT ncu``): the
+head-change rescale loads 4 x D exponents in the loop body (a rare branch), the tile-wide dS max (256-thread barriers) once per step, and no cross-step overlap of
 the two consumer warpgroups (no ping-pong: the tile exponent couples them every step).
+
+Split variant (``GluonDkdvConfig(split=True)``, opt-in; compiled for sm_90a, not yet run on a GPU): the two consumer
+warpgroups become two 4-warp partitions (the default partition and a worker, as in attn_fwd_gluon), each over 64
+of the CTA's 128 keys with its own K / V_hdim tile (two 64-key TMA boxes each), its own dK / dV and its own dS
+exponent per (64 keys x 64 queries) tile, i.e. the tl kernel with 64-key blocks (``split_tl_config``), which the GPU
+tests compare it with.  The ring of query-side tiles is shared: its empty barriers count two arrivals.  The point:
+the unsplit consumer's warpgroups meet at the tile-wide dS max and at each ring release (256-thread partition
+barriers, several per step), so one's exp2 / dS math cannot run under the other's products; split, only the shared
+tiles couple them.  Per-warp instructions per step are the same (1371-1377 SASS per loop at d128); triton 3.6
+spills a few loop-invariant values (72 B at d128, outside the loop) and, at d128 causal, 13 LDL/STL per step
+inside it (the unsplit build: 3).  Found on the way: a tuple of partition arguments held in a variable turns its
+constexprs into runtime values, so each partition's tuple is written out in the call.
 """
 
 from __future__ import annotations
@@ -99,7 +112,6 @@ from mxattn.formats import RowScaledFP8
 from mxattn.kernels.attn_bwd_dq_gluon import (
     _hdim_view,
     _is_rs,
-    _mma_layout,
     _pow2,
     _rceil_exp,
     _row_group,
@@ -131,6 +143,12 @@ class GluonDkdvConfig:
     stages: int = 2  # Q / dO / Q_seq / dO_seq ring depth (4 x 8 KB per stage at d128)
     maxnreg: int = 168  # 12 warps (8 consumers + the producer's warpgroup) * 32 * 168 <= 65536
     producer_regs: int = 24
+    # split: the two consumer warpgroups as two 4-warp partitions, 64 keys each, with a dS exponent per
+    # (64 keys x 64 queries) tile, i.e. the tl kernel with block_n=64 (``split_tl_config``).  They share the ring
+    # (empty barriers count two arrivals) but meet at no barrier, so one's exp2 / dS math can run under the
+    # other's products.  Compiled for sm_90a; not yet run on a GPU: opt-in until its GPU tests pass.
+    split: bool = False
+    consumer_regs: int = 240  # registers per thread of consumer warpgroup 1 (a worker partition) when split
 
 
 def default_config(head_dim: int, causal: bool) -> GluonDkdvConfig:
@@ -138,13 +156,29 @@ def default_config(head_dim: int, causal: bool) -> GluonDkdvConfig:
 
 
 # ------------------------------------------------------------------------------------------------- helpers
+BLOCK_N_WG = gl.constexpr(64)  # keys per consumer warpgroup when split
+
+
+@gluon.constexpr_function
+def _keys_layout(n, warps):
+    # the keys on M: warps // 4 warpgroups of 64 rows, wgmma m64nNk32 per warpgroup
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, n, 32])
+
+
+def split_tl_config():
+    """The ``tl`` kernels' tiles whose numerics the split Gluon kernel reproduces (dS exponent per 64 x 64 tile)."""
+    from mxattn.kernels.attn_bwd import BwdConfig
+
+    return BwdConfig(block_m=64, block_n=64, num_warps=4, dq_kernel=True)
+
+
 @gluon.jit
 def _p_tile(s, a, b_row, m0, key_lim, diag, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
     """Pᵀ·256 of one (128 keys x 64 queries) tile from the raw Sᵀ accumulator (attn_bwd._kv_step): x = Sᵀ·a + b_row
     (−inf where masked), P = 2^x.  Local indices against scalar bounds (32-bit compares)."""
     x = gl.fma(s, a, gl.expand_dims(b_row, 0))
     if MASKED:
-        rows = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s.type.layout)), 1)
+        rows = gl.expand_dims(gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, s.type.layout)), 1)
         if CAUSAL:
             # key n0 + r <= query m0 + c + Sk - Sq implies n0 + r < Sk for every query row c < Sq; the rows past Sq
             # have P = 0 from lse = -inf.  So the key bound of the tl kernel's mask is implied (one compare, and
@@ -183,13 +217,10 @@ def _head_rescale(dk, dv, QSE, DOSE, stride_qseh, stride_qsed, hh,
 
 # ------------------------------------------------------------------------------------------------- producer
 @gluon.jit
-def _producer(q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc, q_smem, do_smem, qs_smem, dos_smem, k_smem,
-              v_smem, kv_bar, qd_ready, qd_empty, sq_ready, sq_empty,
-              k_row, k_col, q_row, seq_row, h0, lo, n_m, n_steps,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [k_row, k_col], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [k_row, k_col], kv_bar, v_smem)
+def _producer_steps(q_desc, do_desc, qs_desc, dos_desc, q_smem, do_smem, qs_smem, dos_smem,
+                    qd_ready, qd_empty, sq_ready, sq_empty, q_row, seq_row, h0, lo, n_m, n_steps,
+                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """Per query step: Q, dO_hdim (64 x D) and Q_seq, dO_seq (D x 64) into the STAGES-deep rings."""
     for i in range(n_steps):
         s = i % STAGES
         hh = h0 + i // n_m
@@ -208,27 +239,60 @@ def _producer(q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc, q_smem, do_sme
                                         dos_smem.index(s))
 
 
+@gluon.jit
+def _producer(q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc, q_smem, do_smem, qs_smem, dos_smem, k_smem,
+              v_smem, kv_bar, qd_ready, qd_empty, sq_ready, sq_empty,
+              k_row, k_col, q_row, seq_row, h0, lo, n_m, n_steps,
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [k_row, k_col], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [k_row, k_col], kv_bar, v_smem)
+    _producer_steps(q_desc, do_desc, qs_desc, dos_desc, q_smem, do_smem, qs_smem, dos_smem,
+                    qd_ready, qd_empty, sq_ready, sq_empty, q_row, seq_row, h0, lo, n_m, n_steps, HEAD_DIM, STAGES)
+
+
+@gluon.jit
+def _producer_split(q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc, q_smem, do_smem, qs_smem, dos_smem, k_smem,
+                    v_smem, kv_bar, qd_ready, qd_empty, sq_ready, sq_empty,
+                    k_row, k_col, q_row, seq_row, h0, lo, n_m, n_steps,
+                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """The split kernel's producer: a 64-key K and V tile per consumer warpgroup, then the same query steps."""
+    mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for w in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [k_row + w * BLOCK_N_WG, k_col], kv_bar, k_smem.index(w))
+        tma.async_copy_global_to_shared(v_desc, [k_row + w * BLOCK_N_WG, k_col], kv_bar, v_smem.index(w))
+    _producer_steps(q_desc, do_desc, qs_desc, dos_desc, q_smem, do_smem, qs_smem, dos_smem,
+                    qd_ready, qd_empty, sq_ready, sq_empty, q_row, seq_row, h0, lo, n_m, n_steps, HEAD_DIM, STAGES)
+
+
 # ------------------------------------------------------------------------------------------------- consumer
 @gluon.jit
-def _consumer(q_smem, do_smem, qs_smem, dos_smem, k_smem, v_smem, kv_bar, qd_ready, qd_empty, sq_ready, sq_empty,
+def _consumer(q_smem, do_smem, qs_smem, dos_smem, k_tile, v_tile, kv_bar, qd_ready, qd_empty, sq_ready, sq_empty,
               QE, DOE, QSE, DOSE, LSE, DELTA, DK, DV,
               stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_lh, stride_lm,
               stride_dkn, stride_dkd, KE, VE, key_lim, diag, Sq, h0, h_last, lo, mid, n_m, n_steps,
               qk_scale, grad_scale,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    """Keys n0 .. n0 + 127 of one (b, hk); pointers already moved to b (QE, DOE, QSE, DOSE, LSE, DELTA) and to
-    (b, hk, n0) (DK, DV).  key_lim = Sk − n0 (local keys below it exist), diag = Sk − Sq − n0 (local key r sees local
-    query c of the tile at m0 iff r − c <= m0 + diag)."""
-    s_layout: gl.constexpr = _mma_layout(BLOCK_M)
-    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
+              WARPS: gl.constexpr):
+    """Keys n0 .. n0 + ROWS − 1 of one (b, hk), ROWS = 128 on 8 warps (the whole CTA's keys) or 64 on one warpgroup
+    (split: keys n0 + 64·w ..); k_tile / v_tile their K and V_hdim tiles.  Pointers already moved to b (QE, DOE,
+    QSE, DOSE, LSE, DELTA) and to (b, hk, first key) (DK, DV).  key_lim = Sk − first key (local keys below it
+    exist), diag = Sk − Sq − first key (local key r sees local query c of the tile at m0 iff r − c <= m0 + diag).
+    The dS exponent is one per (ROWS keys x 64 queries) tile: the tl kernel's with block_n = ROWS.
+
+    Split, warpgroup 1's first causal query tile of each head lies wholly before its keys (the tl kernel with
+    64-key blocks starts one tile later): P = dS = 0 there and its exponent stays (amax 0 keeps it); only the bound
+    of ``_bounded_exp`` starts one tile earlier, which matters only for a dS amax below 448 · 2^-64."""
+    s_layout: gl.constexpr = _keys_layout(BLOCK_M, WARPS)
+    o_layout: gl.constexpr = _keys_layout(HEAD_DIM, WARPS)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
 
-    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
-    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=o_layout)
-    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=s_layout)
+    dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+    dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
     dk_e = 0
     dk_hi = -1000  # no bound until the accumulator holds something (_bounded_exp)
     ke = gl.load(KE)
@@ -255,8 +319,8 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, k_smem, v_smem, kv_bar, qd_rea
         a = qk_scale * _pow2(qe + ke)
 
         mbarrier.wait(qd_ready.index(st), ph)
-        s = warpgroup_mma(k_smem, q_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dp = warpgroup_mma(v_smem, do_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(k_tile, q_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(v_tile, do_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # Sᵀ_j; dPᵀ_j runs on
         p = _p_step(s, a, b_row, m0, key_lim, diag, m0 < mid, CAUSAL)
         delta = gl.load(DELTA + hh * stride_lh + offs_m * stride_lm, mask=row_ok, other=0.0)
@@ -283,7 +347,7 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, k_smem, v_smem, kv_bar, qd_rea
     offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
     qse = gl.load(QSE + h_last * stride_qseh + offs_d * stride_qsed)
     dk = dk * gl.expand_dims(_pow2(qse) * (grad_scale * _pow2(dk_e)), 0)
-    offs_n = gl.arange(0, BLOCK_N, layout=row_o)
+    offs_n = gl.arange(0, ROWS, layout=row_o)
     key_ok = gl.expand_dims(offs_n < key_lim, 1)
     ptrs = DK + gl.expand_dims(offs_n.to(gl.int64) * stride_dkn, 1) + gl.expand_dims(offs_d * stride_dkd, 0)
     gl.store(ptrs, dk.to(DK.dtype.element_ty), mask=key_ok)
@@ -306,6 +370,7 @@ def _attn_bwd_dkdv_ws_kernel(
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,  # dk's and dv's
     Hq, Hkv, Sq, Sk, group_size, qk_scale, grad_scale,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     # key blocks fastest within one (b, kv head), as the tl kernel: the heaviest causal blocks (first keys) start
     # first and neighbouring CTAs stream the same query-side tiles through L2
@@ -336,8 +401,12 @@ def _attn_bwd_dkdv_ws_kernel(
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     qs_smem = gl.allocate_shared_memory(qs_desc.dtype, [STAGES] + qs_desc.block_type.shape, qs_desc.layout)
     dos_smem = gl.allocate_shared_memory(dos_desc.dtype, [STAGES] + dos_desc.block_type.shape, dos_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+    if SPLIT:  # k_desc / v_desc boxes are 64 keys: one tile per consumer warpgroup
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    else:
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     qd_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     qd_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -347,8 +416,9 @@ def _attn_bwd_dkdv_ws_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(qd_ready.index(i), count=1)
         mbarrier.init(sq_ready.index(i), count=1)
-        mbarrier.init(qd_empty.index(i), count=1)  # one arrival: the consumer partition arrives once
-        mbarrier.init(sq_empty.index(i), count=1)
+        # one arrival per consumer partition: the 8-warp consumer, or each warpgroup when split
+        mbarrier.init(qd_empty.index(i), count=2 if SPLIT else 1)
+        mbarrier.init(sq_empty.index(i), count=2 if SPLIT else 1)
 
     b64 = b.to(gl.int64)
     QE_b = QE + b64 * stride_qeb
@@ -361,18 +431,37 @@ def _attn_bwd_dkdv_ws_kernel(
     DELTA_b = DELTA + b64 * stride_lb
     DK_t = DK + b64 * stride_dkb + hk * stride_dkh + n0.to(gl.int64) * stride_dkn
     DV_t = DV + b64 * stride_dkb + hk * stride_dkh + n0.to(gl.int64) * stride_dkn
-    gl.warp_specialize([
-        (_consumer, (q_smem, do_smem, qs_smem, dos_smem, k_smem, v_smem, kv_bar, qd_ready, qd_empty, sq_ready,
-                     sq_empty, QE_b, DOE_b, QSE_b, DOSE_b, LSE_b, DELTA_b, DK_t, DV_t,
-                     stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_lh,
-                     stride_lm, stride_dkn, stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0, h0 + group_size - 1, lo, mid, n_m,
-                     n_steps, qk_scale, grad_scale,
-                     HEAD_DIM, STAGES, CAUSAL)),
-        (_producer, (q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc, q_smem, do_smem, qs_smem, dos_smem,
-                     k_smem, v_smem, kv_bar, qd_ready, qd_empty, sq_ready, sq_empty,
-                     b * Sk + n0, hk * HEAD_DIM, b * Sq, b * Hq * HEAD_DIM, h0, lo, n_m, n_steps,
-                     HEAD_DIM, STAGES)),
-    ], [1], [PRODUCER_REGS])
+    if SPLIT:
+        wg_off = BLOCK_N_WG * stride_dkn
+        gl.warp_specialize([
+            (_consumer, (q_smem, do_smem, qs_smem, dos_smem, k_smem.index(0), v_smem.index(0), kv_bar, qd_ready, qd_empty, sq_ready,
+                            sq_empty, QE_b, DOE_b, QSE_b, DOSE_b, LSE_b, DELTA_b, DK_t, DV_t,
+                            stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_lh,
+                            stride_lm, stride_dkn, stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0,
+                            h0 + group_size - 1, lo, mid, n_m, n_steps, qk_scale, grad_scale,
+                            HEAD_DIM, STAGES, CAUSAL, 64, 4)),
+            (_consumer, (q_smem, do_smem, qs_smem, dos_smem, k_smem.index(1), v_smem.index(1), kv_bar, qd_ready, qd_empty, sq_ready,
+                            sq_empty, QE_b, DOE_b, QSE_b, DOSE_b, LSE_b, DELTA_b, DK_t + wg_off, DV_t + wg_off,
+                            stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_lh,
+                            stride_lm, stride_dkn, stride_dkd, KE_t, VE_t, Sk - n0 - BLOCK_N_WG,
+                            causal_off - n0 - BLOCK_N_WG, Sq, h0, h0 + group_size - 1, lo, mid, n_m, n_steps,
+                            qk_scale, grad_scale, HEAD_DIM, STAGES, CAUSAL, 64, 4)),
+            (_producer_split, (q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc, q_smem, do_smem, qs_smem, dos_smem,
+                           k_smem, v_smem, kv_bar, qd_ready, qd_empty, sq_ready, sq_empty, b * Sk + n0, hk * HEAD_DIM,
+                           b * Sq, b * Hq * HEAD_DIM, h0, lo, n_m, n_steps, HEAD_DIM, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (q_smem, do_smem, qs_smem, dos_smem, k_smem, v_smem, kv_bar, qd_ready, qd_empty, sq_ready,
+                         sq_empty, QE_b, DOE_b, QSE_b, DOSE_b, LSE_b, DELTA_b, DK_t, DV_t,
+                         stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_lh,
+                         stride_lm, stride_dkn, stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0,
+                         h0 + group_size - 1, lo, mid, n_m, n_steps, qk_scale, grad_scale,
+                         HEAD_DIM, STAGES, CAUSAL, 128, 8)),
+            (_producer, (q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc, q_smem, do_smem, qs_smem, dos_smem,
+                           k_smem, v_smem, kv_bar, qd_ready, qd_empty, sq_ready, sq_empty, b * Sk + n0, hk * HEAD_DIM,
+                           b * Sq, b * Hq * HEAD_DIM, h0, lo, n_m, n_steps, HEAD_DIM, STAGES)),
+        ], [1], [PRODUCER_REGS])
 
 
 # ------------------------------------------------------------------------------------------------- launcher
@@ -431,7 +520,7 @@ def _tile_exps(t: RowScaledFP8, Sq: int) -> torch.Tensor:
     return t.exp.repeat_interleave(t.group // BLOCK_M.value, dim=1)[:, : triton.cdiv(Sq, BLOCK_M.value)].contiguous()
 
 
-def _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq):
+def _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq, split: bool = False):
     B, Sq, Hq, D = q.data.shape
     Sk, Hkv = k.data.shape[1], k.data.shape[2]
     qd = _hdim_view(q.data, "q")
@@ -439,7 +528,7 @@ def _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq):
     kd = _hdim_view(k.data, "k")
     vd = _hdim_view(v_hdim.data, "v_hdim")
     f8 = gl.float8e4nv
-    bm, bn = BLOCK_M.value, BLOCK_N.value
+    bm, bn = BLOCK_M.value, (BLOCK_N_WG if split else BLOCK_N).value
     row_layout = gl.NVMMASharedLayout.get_default_for([bm, D], f8)
     key_layout = gl.NVMMASharedLayout.get_default_for([bn, D], f8)
     seq_layout = gl.NVMMASharedLayout.get_default_for([D, bm], f8)
@@ -484,7 +573,7 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
         return z(), z()
     dk = torch.empty(B, Sk, Hkv, D, dtype=grad_dtype, device=dev)
     dv = torch.empty(B, Sk, Hkv, D, dtype=grad_dtype, device=dev)
-    descs = _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq)
+    descs = _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq, cfg.split)
     # contiguous exponents, lse and delta: the unit strides the compiled variant is specialized for (UNIT_STRIDES)
     # q's and dout_hdim's exponents expanded to one per 64-row query tile (their groups are multiples of 64): the
     # kernel indexes them by m0 // 64, with no per-operand group argument (fewer live scalars in the consumer)
@@ -502,20 +591,21 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
         *row_e(qe), *row_e(de), *row_e(ke), *row_e(ve), *chan_e(qse), *lse.stride(), *dk.stride(),
         Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
         HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
-        num_warps=8, maxnreg=cfg.maxnreg,
+        SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs,
+        num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg,
     )
     return dk, dv
 
 
 # ------------------------------------------------------------------------------------------------- GPU timing
 def _tl_dkdv(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, *, causal=False, softmax_scale=None,
-             grad_dtype=torch.bfloat16):
+             grad_dtype=torch.bfloat16, tl_config=None):
     """The ``tl`` dK/dV kernel (``attn_bwd._bwd_dkdv_kernel``, ``ATOMIC_DQ=False``) alone, launched as
-    ``attn_bwd_hopper`` launches it on the deterministic path (default tiles 64 x 128, 8 warps, 2 stages), on
-    grouped q / dO operands."""
+    ``attn_bwd_hopper`` launches it on the deterministic path (default tiles 64 x 128, 8 warps, 2 stages, or
+    ``tl_config``: ``split_tl_config()`` is the split Gluon kernel's twin), on grouped q / dO operands."""
     from mxattn.kernels import attn_bwd as ab
 
-    cfg = ab.BwdConfig()
+    cfg = tl_config or ab.BwdConfig()
     B, Sq, Hq, D = q.data.shape
     Sk, Hkv = k.data.shape[1], k.data.shape[2]
     softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
@@ -554,5 +644,6 @@ def bench_attn_bwd_dkdv_gluon(shapes: Sequence[tuple] = ((2, 16, 16, 8192, 128, 
     """Time the Gluon dK/dV kernel against the ``tl`` dK/dV-only kernel on the same prepared operands (GPU,
     ``attn_bwd_dq_gluon.time_against_tl``).  TFLOP/s count the kernel's 4 products (Sᵀ, dPᵀ, dV, dK):
     4 * 2 * B * Hq * S^2 * D, half when causal."""
-    return time_against_tl(shapes, dkdv_operands, lambda **ops: attn_bwd_dkdv_gluon(**ops, config=config), _tl_dkdv,
-                           products=4, rep_ms=rep_ms)
+    tl_config = split_tl_config() if config is not None and config.split else None
+    return time_against_tl(shapes, dkdv_operands, lambda **ops: attn_bwd_dkdv_gluon(**ops, config=config),
+                           lambda **ops: _tl_dkdv(**ops, tl_config=tl_config), products=4, rep_ms=rep_ms)
