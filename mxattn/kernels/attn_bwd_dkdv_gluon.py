@@ -173,12 +173,12 @@ def split_tl_config():
 
 
 @gluon.jit
-def _p_tile(s, a, b_row, m0, key_lim, diag, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+def _p_tile(s, a, b_row, m0, key_lim, diag, MASKED: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr):
     """Pᵀ·256 of one (128 keys x 64 queries) tile from the raw Sᵀ accumulator (attn_bwd._kv_step): x = Sᵀ·a + b_row
     (−inf where masked), P = 2^x.  Local indices against scalar bounds (32-bit compares)."""
     x = gl.fma(s, a, gl.expand_dims(b_row, 0))
     if MASKED:
-        rows = gl.expand_dims(gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, s.type.layout)), 1)
+        rows = gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(1, s.type.layout)), 1)
         if CAUSAL:
             # key n0 + r <= query m0 + c + Sk - Sq implies n0 + r < Sk for every query row c < Sq; the rows past Sq
             # have P = 0 from lse = -inf.  So the key bound of the tl kernel's mask is implied (one compare, and
@@ -192,12 +192,12 @@ def _p_tile(s, a, b_row, m0, key_lim, diag, MASKED: gl.constexpr, CAUSAL: gl.con
 
 
 @gluon.jit
-def _p_step(s, a, b_row, m0, key_lim, diag, masked, CAUSAL: gl.constexpr):
+def _p_step(s, a, b_row, m0, key_lim, diag, masked, CAUSAL: gl.constexpr, ROWS: gl.constexpr):
     """The masked / unmasked choice made at run time (the branches join fp32 values only)."""
     if masked:
-        p = _p_tile(s, a, b_row, m0, key_lim, diag, True, CAUSAL)
+        p = _p_tile(s, a, b_row, m0, key_lim, diag, True, CAUSAL, ROWS)
     else:
-        p = _p_tile(s, a, b_row, m0, key_lim, diag, False, CAUSAL)
+        p = _p_tile(s, a, b_row, m0, key_lim, diag, False, CAUSAL, ROWS)
     return p
 
 
@@ -322,7 +322,7 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, k_tile, v_tile, kv_bar, qd_rea
         s = warpgroup_mma(k_tile, q_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp = warpgroup_mma(v_tile, do_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # Sᵀ_j; dPᵀ_j runs on
-        p = _p_step(s, a, b_row, m0, key_lim, diag, m0 < mid, CAUSAL)
+        p = _p_step(s, a, b_row, m0, key_lim, diag, m0 < mid, CAUSAL, ROWS)
         delta = gl.load(DELTA + hh * stride_lh + offs_m * stride_lm, mask=row_ok, other=0.0)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))  # dPᵀ_j
         mbarrier.arrive(qd_empty.index(st), count=1)
