@@ -34,7 +34,7 @@ def _desc_sig(block_shape, layout) -> str:
     return f"tensordesc<fp8e4nv[{', '.join(map(str, block_shape))}],{layout!r}>"
 
 
-def compile_variant(head_dim: int, causal: bool, stages: int | None = None):
+def compile_variant(head_dim: int, causal: bool, stages: int | None = None, split: bool = False):
     """triton.compile of ``_attn_bwd_dq_ws_kernel`` for sm_90a, with the launcher's constexprs and options."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -44,14 +44,15 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None):
     cfg = m.default_config(head_dim, causal)
     stages = stages or cfg.stages
     f8 = gl.float8e4nv
-    bm, bn = m.BLOCK_M.value, m.BLOCK_N.value
+    bm, bn = (m.WG_ROWS if split else m.BLOCK_M).value, m.BLOCK_N.value
     row = ([bm, head_dim], gl.NVMMASharedLayout.get_default_for([bm, head_dim], f8))
     key = ([bn, head_dim], gl.NVMMASharedLayout.get_default_for([bn, head_dim], f8))
     descs = {"q_desc": row, "do_desc": row, "k_desc": key, "v_desc": key,
              "ks_desc": ([head_dim, bn], gl.NVMMASharedLayout.get_default_for([head_dim, bn], f8))}
     ptrs = {"QE": "*i32", "DOE": "*i32", "KE": "*i32", "VE": "*i32", "KSE": "*i32", "LSE": "*fp32",
             "DELTA": "*fp32", "DQ": "*bf16"}
-    consts = dict(HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs)
+    consts = dict(HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs, SPLIT=split,
+                  CONSUMER_REGS=cfg.consumer_regs)
     fn = m._attn_bwd_dq_ws_kernel
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -67,7 +68,8 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None):
         else:
             sig[name] = "i32"
     src = GluonASTSource(fn, sig, consts, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "maxnreg": cfg.maxnreg})
+    opts = {"num_warps": 4 if split else 8, "maxnreg": cfg.maxnreg}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
 def partition_report(k, consumer_threads: int = 256) -> bool:
@@ -119,7 +121,12 @@ def run_variants(argv, doc: str, compile_variant, check_fn, consumer_threads: in
 
 
 def main(argv=None) -> int:
-    return run_variants(argv, __doc__, compile_variant, check)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = "--split" in argv  # the split variant (GluonDqConfig(split=True): two 4-warp consumers of 64 rows)
+    if split:
+        argv.remove("--split")
+    return run_variants(argv, __doc__, lambda d, c, st: compile_variant(d, c, st, split=split), check,
+                        consumer_threads=128 if split else 256)
 
 
 if __name__ == "__main__":

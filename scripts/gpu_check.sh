@@ -75,7 +75,7 @@ for st in $STAGES; do
       for part in dq dkdv; do
         [ -f "tests/test_attn_bwd_${part}_gluon.py" ] || continue
         run $PY "scripts/compile_check_bwd_${part}_gluon.py"
-        [ "$part" = dkdv ] && run $PY scripts/compile_check_bwd_dkdv_gluon.py --split
+        run $PY "scripts/compile_check_bwd_${part}_gluon.py" --split
         T=120 run $PY -m pytest -m gpu -q -x -rfE -p no:cacheprovider "tests/test_attn_bwd_${part}_gluon.py" \
           -k "1x1x1x2x2x128c or 2x113x203"
         run $PY -m pytest -m gpu -q -rfE -s -p no:cacheprovider "tests/test_attn_bwd_${part}_gluon.py" \
@@ -90,7 +90,11 @@ from mxattn.bench.results import write_result
 from mxattn.kernels.attn_bwd_dq_gluon import bench_attn_bwd_dq_gluon
 from mxattn.kernels.attn_bwd_dkdv_gluon import GluonDkdvConfig, bench_attn_bwd_dkdv_gluon
 rows = [dict(r, kernel='dq') for r in bench_attn_bwd_dq_gluon()] + [dict(r, kernel='dkdv') for r in bench_attn_bwd_dkdv_gluon()]
+from mxattn.kernels.attn_bwd_dq_gluon import GluonDqConfig
 rows += [dict(r, kernel='dkdv_split', tl='64-key blocks') for r in bench_attn_bwd_dkdv_gluon(config=GluonDkdvConfig(split=True))]
+rows += [dict(r, kernel='dkdv_stages3') for r in bench_attn_bwd_dkdv_gluon(config=GluonDkdvConfig(stages=3))]
+rows += [dict(r, kernel='dq_stages2') for r in bench_attn_bwd_dq_gluon(config=GluonDqConfig(stages=2))]
+rows += [dict(r, kernel='dq_split', tl='64-row blocks') for r in bench_attn_bwd_dq_gluon(config=GluonDqConfig(split=True))]
 for r in rows: print(r)
 print(write_result('attn_bwd_kernels', rows, sys.argv[1], extra={'note': 'Gluon backward kernels vs their tl twins'}))
 " "$OUT" ;;

@@ -15,6 +15,7 @@ H16 S8k d128, causal and not), printed.
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import sys
@@ -100,18 +101,23 @@ def test_compiles_for_sm90_without_gpu(capsys):
     sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "scripts"))
     import compile_check_bwd_dq_gluon as cc
 
-    for d, causal in ((128, True), (64, False)):
-        kernel = cc.compile_variant(d, causal)
-        assert cc.check(kernel, f"d{d}{'_causal' if causal else ''}", None), capsys.readouterr().out
+    for d, causal, split in ((128, True, False), (64, False, False), (128, False, True), (128, True, True)):
+        kernel = cc.compile_variant(d, causal, split=split)
+        name = f"d{d}{'_causal' if causal else ''}"
+        assert cc.check(kernel, name, None) and cc.partition_report(kernel, 128 if split else 256), \
+            capsys.readouterr().out
 
 
-def _protocol_model(n_tiles: int, stages: int, rng: random.Random, mutant: str = ""):
-    """Run the kernel's protocol (``_producer`` and ``_dq_loop``) under a random interleaving; returns the log.
+def _protocol_model(n_tiles: int, stages: int, rng: random.Random, mutant: str = "", consumers: int = 1):
+    """Run the kernel's protocol (``_producer`` and ``_dq_loop``; ``consumers=2``: the split kernel, two warpgroup
+    partitions on one ring, empty barriers counting two arrivals) under a random interleaving; returns the log.
     Checks: no deadlock, each wgmma reads the tile it expects, TMA never lands in a buffer being read."""
     S = stages
-    bars = {name: [MBarrierModel(1) for _ in range(S)] for name in ("kv_ready", "kv_empty", "ks_ready", "ks_empty")}
+    empty_count = 1 if mutant == "split_empty_count_1" else consumers
+    bars = {name: [MBarrierModel(empty_count if name.endswith("empty") else 1) for _ in range(S)]
+            for name in ("kv_ready", "kv_empty", "ks_ready", "ks_empty")}
     content = {("kv", s): None for s in range(S)} | {("ks", s): None for s in range(S)}
-    reading = set()
+    reading = collections.Counter()
     in_flight = []  # TMA loads not landed yet: (buffer, tile, barrier)
     log = []
 
@@ -134,14 +140,19 @@ def _protocol_model(n_tiles: int, stages: int, rng: random.Random, mutant: str =
 
     def start_read(buf, tile):
         assert content[buf] == tile, f"wgmma reads {buf} expecting tile {tile}, holds {content[buf]}"
-        reading.add(buf)
+        reading[buf] += 1
         log.append(("read", buf, tile))
+
+    def done_read(buf):
+        reading[buf] -= 1
+        if not reading[buf]:
+            del reading[buf]
 
     def consumer():
         yield ("wait", bars["kv_ready"][0], 0)
         start_read(("kv", 0), 0)
         yield ("step",)
-        reading.discard(("kv", 0))
+        done_read(("kv", 0))
         bars["kv_empty"][0].arrive()
         for j in range(1, n_tiles):
             st, sp = j % S, (j - 1) % S
@@ -150,19 +161,21 @@ def _protocol_model(n_tiles: int, stages: int, rng: random.Random, mutant: str =
             start_read(("kv", st), j)
             start_read(("ks", sp), j - 1)
             yield ("step",)  # wait(1): S_j, dP_j done
-            reading.discard(("kv", st))
+            done_read(("kv", st))
             bars["kv_empty"][st].arrive()
             yield ("step",)  # wait(0): dQ_{j-1} done
-            reading.discard(("ks", sp))
+            done_read(("ks", sp))
             bars["ks_empty"][sp].arrive()
         sp = (n_tiles - 1) % S
         yield ("wait", bars["ks_ready"][sp], ((n_tiles - 1) // S) & 1)
         start_read(("ks", sp), n_tiles - 1)
         yield ("step",)
-        reading.discard(("ks", sp))
+        done_read(("ks", sp))
         bars["ks_empty"][sp].arrive()
 
-    actors = {"producer": [producer(), ("step",)], "consumer": [consumer(), ("step",)]}
+    actors = {"producer": [producer(), ("step",)]}
+    for c in range(consumers):
+        actors[f"consumer{c}"] = [consumer(), ("step",)]
     while actors or in_flight:
         runnable = [n for n, (_, w) in actors.items() if w[0] == "step" or w[1].ready(w[2])]
         choices = runnable + (["tma"] if in_flight else [])
@@ -182,24 +195,27 @@ def _protocol_model(n_tiles: int, stages: int, rng: random.Random, mutant: str =
     return log
 
 
+@pytest.mark.parametrize("consumers", [1, 2], ids=["whole", "split"])
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
-def test_barrier_protocol_model(stages, seed):
+def test_barrier_protocol_model(stages, consumers, seed):
     rng = random.Random(seed)
     for n_tiles in (1, 2, 3, stages, stages + 1, 2 * stages + 3, 17):
         for _ in range(30):
-            log = _protocol_model(n_tiles, stages, rng)
-            assert [t for kind, buf, t in log if buf[0] == "kv"] == list(range(n_tiles))
-            assert [t for kind, buf, t in log if buf[0] == "ks"] == list(range(n_tiles))
+            log = _protocol_model(n_tiles, stages, rng, consumers=consumers)
+            for ring in ("kv", "ks"):
+                assert sorted(t for kind, buf, t in log if buf[0] == ring) == sorted(list(range(n_tiles)) * consumers)
 
 
-@pytest.mark.parametrize("mutant", ["no_kv_empty_wait", "ks_parity"])
-def test_barrier_protocol_model_catches_mutants(mutant, seed):
-    """The model is not vacuous: a producer that does not wait for the K/V release, or a consumer waiting K_seq with
-    the wrong parity, is caught (deadlock, a TMA into a buffer being read, or a wgmma reading the wrong tile)."""
+@pytest.mark.parametrize("mutant,consumers", [("no_kv_empty_wait", 1), ("ks_parity", 1), ("no_kv_empty_wait", 2),
+                                              ("split_empty_count_1", 2)])
+def test_barrier_protocol_model_catches_mutants(mutant, consumers, seed):
+    """The model is not vacuous: a producer that does not wait for the K/V release, a consumer waiting K_seq with
+    the wrong parity, or (split) empty barriers counting one arrival for two warpgroups, is caught (deadlock, a TMA
+    into a buffer being read, a wgmma reading the wrong tile, or too many arrivals)."""
     rng = random.Random(seed)
     with pytest.raises(AssertionError):
         for _ in range(200):
-            _protocol_model(9, 2, rng, mutant)
+            _protocol_model(9, 2, rng, mutant, consumers=consumers)
 
 
 # ---------------------------------------------------------------------------------------------------- GPU
@@ -247,20 +263,27 @@ def _assert_agree(got, want, name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
-def test_attn_bwd_dq_gluon_matches_tl(case, seed):
+def test_attn_bwd_dq_gluon_matches_tl(case, split, seed):
+    """Against the tl dQ kernel on the same operands, equal up to fp32 summation order (the same P and dS bits);
+    rows that see no key exactly 0.  ``split`` (``GluonDqConfig(split=True)``: two 4-warp consumer partitions of 64
+    rows, dS exponent per 64 x 64 tile) against the tl dQ kernel with 64-row blocks."""
     if not _is_hopper():
         pytest.skip("the Gluon dQ kernel needs an sm_90 GPU")
     m = _mod()
     causal = case[6]
     q, k, v, dout = _gpu_inputs(case, seed)
     ops, out = m.dq_operands(q, k, v, dout, causal)
-    dq = m.attn_bwd_dq_gluon(**ops, causal=causal)
+    dq = m.attn_bwd_dq_gluon(**ops, causal=causal, config=m.GluonDqConfig(split=split))
     torch.cuda.synchronize()
-    want = _tl_deterministic_dq(q, k, v, dout, ops, out, causal)
-    _assert_agree(dq, want, _case_id(case))
-    # the tl dQ kernel launched alone (the bench's baseline) is the same kernel
-    assert torch.equal(m._tl_dq(**ops, causal=causal).view(torch.int16), want.view(torch.int16))
+    if split:
+        want = m._tl_dq(**ops, causal=causal, tl_config=m.split_tl_config())
+    else:
+        want = _tl_deterministic_dq(q, k, v, dout, ops, out, causal)
+        # the tl dQ kernel launched alone (the bench's baseline) is the same kernel
+        assert torch.equal(m._tl_dq(**ops, causal=causal).view(torch.int16), want.view(torch.int16))
+    _assert_agree(dq, want, _case_id(case) + (" split" if split else ""))
     Sq, Sk = case[1], case[2]
     if causal and Sq > Sk:  # bottom-right: the first Sq - Sk rows see no key
         assert dq[:, : Sq - Sk].abs().max().item() == 0.0

@@ -112,11 +112,14 @@ from mxattn.formats import RowScaledFP8
 from mxattn.kernels.attn_bwd_dq_gluon import (
     _hdim_view,
     _is_rs,
+    _mma_layout,
     _pow2,
     _rceil_exp,
     _row_group,
+    _static_tiles,
     _sticky_exp,
     backward_operands,
+    split_tl_config,
     time_against_tl,
 )
 
@@ -157,19 +160,6 @@ def default_config(head_dim: int, causal: bool) -> GluonDkdvConfig:
 
 # ------------------------------------------------------------------------------------------------- helpers
 BLOCK_N_WG = gl.constexpr(64)  # keys per consumer warpgroup when split
-
-
-@gluon.constexpr_function
-def _keys_layout(n, warps):
-    # the keys on M: warps // 4 warpgroups of 64 rows, wgmma m64nNk32 per warpgroup
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, n, 32])
-
-
-def split_tl_config():
-    """The ``tl`` kernels' tiles whose numerics the split Gluon kernel reproduces (dS exponent per 64 x 64 tile)."""
-    from mxattn.kernels.attn_bwd import BwdConfig
-
-    return BwdConfig(block_m=64, block_n=64, num_warps=4, dq_kernel=True)
 
 
 @gluon.jit
@@ -283,8 +273,8 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, k_tile, v_tile, kv_bar, qd_rea
     Split, warpgroup 1's first causal query tile of each head lies wholly before its keys (the tl kernel with
     64-key blocks starts one tile later): P = dS = 0 there and its exponent stays (amax 0 keeps it); only the bound
     of ``_bounded_exp`` starts one tile earlier, which matters only for a dS amax below 448 · 2^-64."""
-    s_layout: gl.constexpr = _keys_layout(BLOCK_M, WARPS)
-    o_layout: gl.constexpr = _keys_layout(HEAD_DIM, WARPS)
+    s_layout: gl.constexpr = _mma_layout(BLOCK_M, WARPS)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, WARPS)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -401,12 +391,7 @@ def _attn_bwd_dkdv_ws_kernel(
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     qs_smem = gl.allocate_shared_memory(qs_desc.dtype, [STAGES] + qs_desc.block_type.shape, qs_desc.layout)
     dos_smem = gl.allocate_shared_memory(dos_desc.dtype, [STAGES] + dos_desc.block_type.shape, dos_desc.layout)
-    if SPLIT:  # k_desc / v_desc boxes are 64 keys: one tile per consumer warpgroup
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
-    else:
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+    k_smem, v_smem = _static_tiles(k_desc, v_desc, SPLIT)  # 64-key boxes when split
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     qd_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     qd_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())

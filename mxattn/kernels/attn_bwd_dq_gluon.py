@@ -62,6 +62,12 @@ before the mbarrier waits and one before each of the two releases, inserted by T
 tile-wide max, which a hand-made exchange of the eight warps' maxima through a double-buffered shared slot would
 cut to one), and the tensor cores idle while both warpgroups compute dS (a ping-pong between them, as FA3,
 needs the tile exponent exchange to move out of the critical path).
+
+Split variant (``GluonDqConfig(split=True)``, opt-in; compiled for sm_90a, not yet run on a GPU): the two consumer
+warpgroups as two 4-warp partitions of 64 query rows (own Q / dO tiles, accumulator and dS exponent per 64 x 64
+tile: the tl dQ kernel with 64-row blocks, ``split_tl_config``), sharing the K / V / K_seq ring (empty barriers
+count two arrivals), so that the six 256-thread barriers per key tile become 128-thread ones of each warpgroup
+and one warpgroup's dS math can run under the other's products.  No spills; 666-737 SASS per loop and warpgroup.
 """
 
 from __future__ import annotations
@@ -84,12 +90,13 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxattn.formats import RowScaledFP8
 
-__all__ = ["GluonDqConfig", "default_config", "attn_bwd_dq_gluon", "backward_operands", "bench_attn_bwd_dq_gluon",
-           "dq_operands", "time_against_tl"]
+__all__ = ["GluonDqConfig", "default_config", "split_tl_config", "attn_bwd_dq_gluon", "backward_operands",
+           "bench_attn_bwd_dq_gluon", "dq_operands", "time_against_tl"]
 
 LOG2E = 1.4426950408889634
 P_SCALE_LOG2 = 8  # dS enters the product as 256 * dS (P * 256, as in attn_bwd)
 BLOCK_M = gl.constexpr(128)  # query rows per CTA: two warpgroups of 64
+WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup when split
 BLOCK_N = gl.constexpr(64)  # keys per tile: the tl kernel's dq_block_n, i.e. the granularity of the dS exponent
 KV_EXP_GROUP = gl.constexpr(128)  # keys sharing one exponent in k and v_hdim
 ROW_GROUP = 128  # q / dout_hdim rows per exponent must be a multiple of this (one scalar per 128-row tile)
@@ -102,17 +109,31 @@ class GluonDqConfig:
     stages: int = 3  # K / V_hdim / K_seq ring depth (24 KB per stage at d128)
     maxnreg: int = 168  # 12 warps (8 consumers + the producer's warpgroup) * 32 * 168 <= 65536
     producer_regs: int = 24
+    # split: the two consumer warpgroups as two 4-warp partitions of 64 query rows, each with its own dS exponent
+    # per (64 x 64) tile, i.e. the tl dQ kernel with 64-row blocks (``split_tl_config``); they share the K / V ring
+    # (empty barriers count two arrivals).  Compiled for sm_90a, not yet run on a GPU: opt-in.
+    split: bool = False
+    consumer_regs: int = 240  # registers per thread of consumer warpgroup 1 (a worker partition) when split
 
 
 def default_config(head_dim: int, causal: bool) -> GluonDqConfig:
     return GluonDqConfig()
 
 
+def split_tl_config():
+    """The ``tl`` tiles whose numerics the split Gluon kernels reproduce: 64-row dQ blocks and 64-key dK/dV blocks
+    (the dS exponent per 64 x 64 tile in both), 4 warps, the separate dQ kernel."""
+    from mxattn.kernels.attn_bwd import BwdConfig
+
+    return BwdConfig(block_m=64, block_n=64, num_warps=4, dq_block_m=64, dq_block_n=64, dq_num_warps=4,
+                     dq_kernel=True)
+
+
 # ------------------------------------------------------------------------------------------------- helpers
 @gluon.constexpr_function
-def _mma_layout(n):
-    # two warpgroups along M (128 rows), wgmma m64nNk32 per warpgroup
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, n, 32])
+def _mma_layout(n, warps):
+    # warps // 4 warpgroups along M (64 rows each), wgmma m64nNk32 per warpgroup
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, n, 32])
 
 
 @gluon.jit
@@ -184,15 +205,24 @@ def _rescale(acc, acc_e, e_new):
     return acc
 
 
+@gluon.jit
+def _static_tiles(a_desc, b_desc, SPLIT: gl.constexpr):
+    """Shared memory for the two operand tiles a CTA loads once (Q and dO here, K and V_hdim in the dK/dV kernel):
+    one box each, or, split, one box per consumer warpgroup (the descriptors' boxes are then half the rows)."""
+    if SPLIT:
+        a = gl.allocate_shared_memory(a_desc.dtype, [2] + a_desc.block_type.shape, a_desc.layout)
+        b = gl.allocate_shared_memory(b_desc.dtype, [2] + b_desc.block_type.shape, b_desc.layout)
+    else:
+        a = gl.allocate_shared_memory(a_desc.dtype, a_desc.block_type.shape, a_desc.layout)
+        b = gl.allocate_shared_memory(b_desc.dtype, b_desc.block_type.shape, b_desc.layout)
+    return a, b
+
+
 # ------------------------------------------------------------------------------------------------- producer
 @gluon.jit
-def _producer(q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
-              q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
-              q_row, q_col, k_row, k_col, ks_row, n_tiles,
-              STAGES: gl.constexpr):
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
-    tma.async_copy_global_to_shared(do_desc, [q_row, q_col], q_bar, do_smem)
+def _producer_steps(k_desc, v_desc, ks_desc, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
+                    k_row, k_col, ks_row, n_tiles, STAGES: gl.constexpr):
+    """Per key tile: K and V_hdim (64 x D) and K_seq (D x 64) into the STAGES-deep rings."""
     for i in range(n_tiles):
         s = i % STAGES
         # a fresh mbarrier counts as having completed the phase before phase 0: the first pass does not wait
@@ -206,13 +236,40 @@ def _producer(q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem,
         tma.async_copy_global_to_shared(ks_desc, [ks_row, i * BLOCK_N], ks_ready.index(s), ks_smem.index(s))
 
 
+@gluon.jit
+def _producer(q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
+              q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
+              q_row, q_col, k_row, k_col, ks_row, n_tiles,
+              STAGES: gl.constexpr):
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
+    tma.async_copy_global_to_shared(do_desc, [q_row, q_col], q_bar, do_smem)
+    _producer_steps(k_desc, v_desc, ks_desc, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
+                    k_row, k_col, ks_row, n_tiles, STAGES)
+
+
+@gluon.jit
+def _producer_split(q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
+                    q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
+                    q_row, q_col, k_row, k_col, ks_row, n_tiles,
+                    STAGES: gl.constexpr):
+    """The split kernel's producer: a 64-row Q and dO tile per consumer warpgroup, then the same key tiles."""
+    mbarrier.expect(q_bar, 2 * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
+    for w in gl.static_range(2):
+        tma.async_copy_global_to_shared(q_desc, [q_row + w * WG_ROWS, q_col], q_bar, q_smem.index(w))
+        tma.async_copy_global_to_shared(do_desc, [q_row + w * WG_ROWS, q_col], q_bar, do_smem.index(w))
+    _producer_steps(k_desc, v_desc, ks_desc, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
+                    k_row, k_col, ks_row, n_tiles, STAGES)
+
+
 # ------------------------------------------------------------------------------------------------- consumer
 @gluon.jit
 def _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
              KE, VE, stride_ket, stride_vet, acc, a_q, b_row, delta, dscale, offs_m, Sk, causal_off, n_tiles, n_full,
-             STAGES: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr, ds_layout: gl.constexpr):
+             STAGES: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr, ds_layout: gl.constexpr,
+             ROWS: gl.constexpr):
     """The key loop (n_tiles >= 1).  Returns (acc, its exponent)."""
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     # issue block 0: S_0 and dP_0 alone
     mbarrier.wait(kv_ready.index(0), 0)
     s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -258,17 +315,23 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empt
               QE, DOE, KE, VE, KSE, LSE, DELTA, DQ,
               stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
               start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    """128 query rows start_m .. start_m + 127 of one (b, h); pointers already moved to (b, h) / (b, hk) and, for
-    QE / DOE, to the row group of start_m."""
-    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
-    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
+              WARPS: gl.constexpr):
+    """ROWS query rows start_m .. start_m + ROWS − 1 of one (b, h): 128 on 8 warps (the CTA's rows), or 64 on one
+    warpgroup (split); q_smem / do_smem their Q and dO tiles.  Pointers already moved to (b, h) / (b, hk) and, for
+    QE / DOE, to the row group of start_m.  The dS exponent is one per (ROWS x 64) tile.
+
+    Split, the CTA's key range is warpgroup 1's: causal, warpgroup 0 also walks the tiles past its last row's
+    keys (the tl kernel with 64-row blocks stops before them); they are all masked, so P = dS = 0 and the exponent
+    stays (amax 0 keeps it; the bound of ``_bounded_exp`` does not move)."""
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N, WARPS)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, WARPS)
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
 
-    offs_m = start_m + gl.arange(0, BLOCK_M, layout=row_s)
+    offs_m = start_m + gl.arange(0, ROWS, layout=row_s)
     row_ok = offs_m < Sq
     lse = gl.load(LSE + offs_m * stride_lm, mask=row_ok, other=float("-inf"))
     delta = gl.load(DELTA + offs_m * stride_dlm, mask=row_ok, other=0.0)
@@ -277,20 +340,20 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empt
     a_q = qk_scale * _pow2(gl.load(QE))  # the tile's rows share one exponent group
     dscale = _pow2(gl.load(DOE))
 
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
     acc_e = 0
     mbarrier.wait(q_bar, 0)
     if n_tiles > 0:
         acc, acc_e = _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
                               KE, VE, stride_ket, stride_vet, acc, a_q, b_row, delta, dscale, offs_m, Sk,
-                              causal_off, n_tiles, n_full, STAGES, CAUSAL, s_layout, ds_layout)
+                              causal_off, n_tiles, n_full, STAGES, CAUSAL, s_layout, ds_layout, ROWS)
 
     # ---- epilogue: dq = acc * 2^acc_e * 2^kse[d] * scale * 2^-8
     offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
     kse = gl.load(KSE + offs_d * stride_ksed)
     colscale = _pow2(kse) * grad_scale * _pow2(acc_e)
     dq = acc * gl.expand_dims(colscale, 0)
-    offs_mo = start_m + gl.arange(0, BLOCK_M, layout=row_o)
+    offs_mo = start_m + gl.arange(0, ROWS, layout=row_o)
     ptrs = DQ + gl.expand_dims(offs_mo.to(gl.int64) * stride_dqm, 1) + gl.expand_dims(offs_d * stride_dqd, 0)
     gl.store(ptrs, dq.to(DQ.dtype.element_ty), mask=gl.expand_dims(offs_mo < Sq, 1))
 
@@ -309,6 +372,7 @@ def _attn_bwd_dq_ws_kernel(
     stride_dqb, stride_dqm, stride_dqh, stride_dqd,
     Hq, Hkv, Sq, Sk, group_size, q_group, do_group, qk_scale, grad_scale,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     # heaviest causal query blocks (the last ones) first, as the tl kernel
     pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
@@ -329,8 +393,7 @@ def _attn_bwd_dq_ws_kernel(
     n_tiles = gl.cdiv(hi, BLOCK_N)
     n_full = full_end // BLOCK_N
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
-    do_smem = gl.allocate_shared_memory(do_desc.dtype, do_desc.block_type.shape, do_desc.layout)
+    q_smem, do_smem = _static_tiles(q_desc, do_desc, SPLIT)  # 64-row boxes when split
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     ks_smem = gl.allocate_shared_memory(ks_desc.dtype, [STAGES] + ks_desc.block_type.shape, ks_desc.layout)
@@ -343,8 +406,9 @@ def _attn_bwd_dq_ws_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(ks_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=1)  # one arrival: the consumer partition arrives once
-        mbarrier.init(ks_empty.index(i), count=1)
+        # one arrival per consumer partition: the 8-warp consumer, or each warpgroup when split
+        mbarrier.init(kv_empty.index(i), count=2 if SPLIT else 1)
+        mbarrier.init(ks_empty.index(i), count=2 if SPLIT else 1)
 
     b64 = b.to(gl.int64)
     QE_t = QE + b64 * stride_qeb + h * stride_qeh + (start_m // q_group) * stride_qeg
@@ -355,17 +419,34 @@ def _attn_bwd_dq_ws_kernel(
     LSE_bh = LSE + b64 * stride_lb + h * stride_lh
     DELTA_bh = DELTA + b64 * stride_dlb + h * stride_dlh
     DQ_bh = DQ + b64 * stride_dqb + h * stride_dqh
-    gl.warp_specialize([
-        (_consumer, (q_smem, do_smem, k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
-                     QE_t, DOE_t, KE_bh, VE_bh, KSE_bh, LSE_bh, DELTA_bh, DQ_bh,
-                     stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
-                     start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
-                     HEAD_DIM, STAGES, CAUSAL)),
-        (_producer, (q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
-                     q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
-                     b * Sq + start_m, h * HEAD_DIM, b * Sk, hk * HEAD_DIM, (b * Hkv + hk) * HEAD_DIM, n_tiles,
-                     STAGES)),
-    ], [1], [PRODUCER_REGS])
+    if SPLIT:
+        gl.warp_specialize([
+            (_consumer, (q_smem.index(0), do_smem.index(0), k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empty,
+                         ks_ready, ks_empty, QE_t, DOE_t, KE_bh, VE_bh, KSE_bh, LSE_bh, DELTA_bh, DQ_bh,
+                         stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
+                         start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
+                         HEAD_DIM, STAGES, CAUSAL, 64, 4)),
+            (_consumer, (q_smem.index(1), do_smem.index(1), k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empty,
+                         ks_ready, ks_empty, QE_t, DOE_t, KE_bh, VE_bh, KSE_bh, LSE_bh, DELTA_bh, DQ_bh,
+                         stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
+                         start_m + WG_ROWS, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
+                         HEAD_DIM, STAGES, CAUSAL, 64, 4)),
+            (_producer_split, (q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
+                               q_bar, kv_ready, kv_empty, ks_ready, ks_empty, b * Sq + start_m, h * HEAD_DIM,
+                               b * Sk, hk * HEAD_DIM, (b * Hkv + hk) * HEAD_DIM, n_tiles, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (q_smem, do_smem, k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
+                         QE_t, DOE_t, KE_bh, VE_bh, KSE_bh, LSE_bh, DELTA_bh, DQ_bh,
+                         stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
+                         start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
+                         HEAD_DIM, STAGES, CAUSAL, 128, 8)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
+                         q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
+                         b * Sq + start_m, h * HEAD_DIM, b * Sk, hk * HEAD_DIM, (b * Hkv + hk) * HEAD_DIM, n_tiles,
+                         STAGES)),
+        ], [1], [PRODUCER_REGS])
 
 
 # ------------------------------------------------------------------------------------------------- launcher
@@ -441,7 +522,7 @@ def _check(q, k, v_hdim, k_seq, dout_hdim, lse, delta, grad_dtype):
         raise ValueError(f"all operands must be on one device, got {sorted(map(str, devs))}")
 
 
-def _descriptors(q, k, v_hdim, k_seq, dout_hdim):
+def _descriptors(q, k, v_hdim, k_seq, dout_hdim, split: bool = False):
     B, Sq, Hq, D = q.data.shape
     Sk, Hkv = k.data.shape[1], k.data.shape[2]
     qd = _hdim_view(q.data, "q")
@@ -450,7 +531,7 @@ def _descriptors(q, k, v_hdim, k_seq, dout_hdim):
     vd = _hdim_view(v_hdim.data, "v_hdim")
     ksd = k_seq.data
     f8 = gl.float8e4nv
-    bm, bn = BLOCK_M.value, BLOCK_N.value
+    bm, bn = (WG_ROWS if split else BLOCK_M).value, BLOCK_N.value
     row_layout = gl.NVMMASharedLayout.get_default_for([bm, D], f8)
     key_layout = gl.NVMMASharedLayout.get_default_for([bn, D], f8)
     ks_layout = gl.NVMMASharedLayout.get_default_for([D, bn], f8)
@@ -490,7 +571,7 @@ def attn_bwd_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, k_
     if Sq == 0 or B * Hq == 0 or Sk == 0:
         return torch.zeros(B, Sq, Hq, D, dtype=grad_dtype, device=dev)
     dq = torch.empty(B, Sq, Hq, D, dtype=grad_dtype, device=dev)
-    descs = _descriptors(q, k, v_hdim, k_seq, dout_hdim)
+    descs = _descriptors(q, k, v_hdim, k_seq, dout_hdim, cfg.split)
     qe, de, ke, ve, kse = q.exp, dout_hdim.exp, k.exp, v_hdim.exp, k_seq.exp
     grid = (triton.cdiv(Sq, BLOCK_M.value), B * Hq)
     _attn_bwd_dq_ws_kernel[grid](
@@ -504,19 +585,21 @@ def attn_bwd_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, k_
         Hq, Hkv, Sq, Sk, Hq // Hkv, q.group, dout_hdim.group,
         softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
         HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
-        num_warps=8, maxnreg=cfg.maxnreg,
+        SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs,
+        num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg,
     )
     return dq
 
 
 # ------------------------------------------------------------------------------------------------- GPU timing
 def _tl_dq(q, k, v_hdim, k_seq, dout_hdim, lse, delta, *, causal=False, softmax_scale=None,
-           grad_dtype=torch.bfloat16):
+           grad_dtype=torch.bfloat16, tl_config=None):
     """The ``tl`` dQ kernel (``attn_bwd._bwd_dq_kernel``) alone, launched as ``attn_bwd_hopper`` launches it on
-    the deterministic path (default tiles 128 x 64, 8 warps, 2 stages), on grouped q / dO operands."""
+    the deterministic path (default tiles 128 x 64, 8 warps, 2 stages, or ``tl_config``: ``split_tl_config()`` is
+    the split Gluon kernel's twin), on grouped q / dO operands."""
     from mxattn.kernels import attn_bwd as ab
 
-    cfg = ab.BwdConfig()
+    cfg = tl_config or ab.BwdConfig()
     B, Sq, Hq, D = q.data.shape
     Sk, Hkv = k.data.shape[1], k.data.shape[2]
     softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
@@ -591,5 +674,6 @@ def bench_attn_bwd_dq_gluon(shapes: Sequence[tuple] = ((2, 16, 16, 8192, 128, Fa
     """Time the Gluon dQ kernel against the ``tl`` dQ kernel on the same prepared operands (GPU,
     ``time_against_tl``).  TFLOP/s count the kernel's 3 products (S, dP, dQ): 3 * 2 * B * Hq * S^2 * D, half when
     causal."""
-    return time_against_tl(shapes, dq_operands, lambda **ops: attn_bwd_dq_gluon(**ops, config=config), _tl_dq,
-                           products=3, rep_ms=rep_ms)
+    tl_config = split_tl_config() if config is not None and config.split else None
+    return time_against_tl(shapes, dq_operands, lambda **ops: attn_bwd_dq_gluon(**ops, config=config),
+                           lambda **ops: _tl_dq(**ops, tl_config=tl_config), products=3, rep_ms=rep_ms)
