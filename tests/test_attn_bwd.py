@@ -333,6 +333,28 @@ def test_backward_kernel_gluon_through_the_api(causal, seed, monkeypatch):
         assert_same_up_to_summation_order(a, b, name)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_gluon_split_equals_tl_64_tiles(causal, seed, monkeypatch):
+    """MXATTN_BWD_GLUON_SPLIT=1 (the split Gluon dQ and dK/dV kernels) in attn_bwd_hopper equals the tl kernels
+    with 64-row / 64-key blocks (``split_tl_config``: the same dS exponent tiles) up to fp32 summation order."""
+    from conftest import assert_same_up_to_summation_order
+
+    from mxattn.kernels.attn_bwd_dq_gluon import split_tl_config
+
+    bwd = _bwd()
+    q, k, v, do = _inputs(2, 700, 900, 8, 2, 128, "cuda", seed)
+    _, ops = _operands(q, k, v, True)
+    out, lse = torch.randn_like(q), torch.rand(2, 8, 700, device="cuda") + 3.0
+    args = (ops["q"], ops["k"], ops["v_hdim"], ops["q_seq"], ops["k_seq"], out, do, lse)
+    monkeypatch.setenv("MXATTN_BWD_KERNEL", "gluon")
+    monkeypatch.setenv("MXATTN_BWD_GLUON_SPLIT", "1")
+    got = bwd.attn_bwd_hopper(*args, causal=causal)
+    want = bwd.attn_bwd_hopper(*args, causal=causal, config=split_tl_config())  # explicit config: tl kernels
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert_same_up_to_summation_order(a, b, name)
+
+
 @pytest.mark.parametrize("causal,Hkv,D,want", [(False, 2, 128, True), (True, 1, 128, True), (True, 2, 128, False),
                                                (False, 2, 64, False)])
 def test_attn_bwd_default_dq_kernel_choice(causal, Hkv, D, want, seed):

@@ -846,13 +846,17 @@ def attn_bwd_hopper(
         return torch.zeros(B, Sq, Hq, D, dtype=grad_dtype, device=dev), dk, dv
     doh, dos, delta = attn_bwd_preprocess(out, dout, dout_hdim, dout_seq)
     if use_gluon:
-        from mxattn.kernels.attn_bwd_dkdv_gluon import attn_bwd_dkdv_gluon
-        from mxattn.kernels.attn_bwd_dq_gluon import attn_bwd_dq_gluon
+        from mxattn.kernels.attn_bwd_dkdv_gluon import GluonDkdvConfig, attn_bwd_dkdv_gluon
+        from mxattn.kernels.attn_bwd_dq_gluon import GluonDqConfig, attn_bwd_dq_gluon
 
+        # MXATTN_BWD_GLUON_SPLIT=1: the split variants (two 4-warp consumers per CTA; dS exponent per 64 x 64 tile),
+        # opt-in until measured on the GPU (docs/perf-notes-attn-bwd.md)
+        split = os.environ.get("MXATTN_BWD_GLUON_SPLIT", "0") == "1"
         dk, dv = attn_bwd_dkdv_gluon(q, k, v_hdim, q_seq, doh, dos, lse, delta, causal=causal,
-                                     softmax_scale=softmax_scale, grad_dtype=grad_dtype)
+                                     softmax_scale=softmax_scale, grad_dtype=grad_dtype,
+                                     config=GluonDkdvConfig(split=True) if split else None)
         dq = attn_bwd_dq_gluon(q, k, v_hdim, k_seq, doh, lse, delta, causal=causal, softmax_scale=softmax_scale,
-                               grad_dtype=grad_dtype)
+                               grad_dtype=grad_dtype, config=GluonDqConfig(split=True) if split else None)
         return dq, dk, dv
     q_group = _tile_group(qg, cfg)
     qe = q.exp if q_group > 1 or qg == 1 else _expand_rows(q)
