@@ -56,7 +56,11 @@ __all__ = [
     "E8M0_NAN",
     "ScaleMode",
     "MXTensor",
+    "MXTensorTiled",
     "RowScaledFP8",
+    "to_blackwell_scale_layout",
+    "from_blackwell_scale_layout",
+    "blackwell_scale_bytes",
     "quantize_mxfp8",
     "dequantize_mxfp8",
     "mx_block_exponents",
@@ -154,6 +158,116 @@ class MXTensor:
 
     def __repr__(self) -> str:
         return f"MXTensor(shape={tuple(self.shape)}, dim={self.dim}, device={self.device})"
+
+
+# ----------------------------------------------------------------------------------------------
+# The 128x4 tiled scale layout of Blackwell block-scaled MMA (cuBLAS / cuDNN)
+# ----------------------------------------------------------------------------------------------
+#
+# Sources (facts only): cuBLAS "1D Block Scaling Factors Layout",
+#   https://docs.nvidia.com/cuda/cublas/#d-block-scaling-factors-layout
+# and cuDNN frontend "MXFP8 scale factor 128x4 layout",
+#   https://nvidia.github.io/cudnn-frontend/mxfp8-scale-factor-128x4-layout/
+# A scale matrix of R rows (outer dim: M or N) by C columns (one per 32 elements of the contraction dim K) is
+# padded to whole 128 x 4 tiles; tiles are stored one after the other, the column-tile index fastest
+# (tile (rt, ct) starts at byte (rt * ceil(C/4) + ct) * 512); inside a tile, the 128 rows are four 32-row slabs
+# interleaved so that scale (r, c) (r < 128, c < 4 within the tile) lies at byte (r % 32) * 16 + (r // 32) * 4 + c:
+# one 16-byte line holds rows r, r+32, r+64, r+96 of all four columns (the 32x4x4 atom).  Padding bytes are 0.
+
+_ATOM_ROWS, _ATOM_COLS = 128, 4
+
+
+def blackwell_scale_bytes(rows: int, cols: int) -> int:
+    """Bytes of one (rows, cols) scale matrix in the 128x4-tiled layout (whole tiles of 512 bytes)."""
+    return -(-rows // _ATOM_ROWS) * -(-cols // _ATOM_COLS) * _ATOM_ROWS * _ATOM_COLS
+
+
+def to_blackwell_scale_layout(scale: torch.Tensor) -> torch.Tensor:
+    """Plain (..., R, C) scale bytes (uint8 or float8_e8m0fnu) -> the 128x4-tiled layout, one flat run of
+    ``blackwell_scale_bytes(R, C)`` bytes per leading index, in ``scale``'s dtype, padding zero-filled."""
+    if scale.ndim < 2:
+        raise ValueError(f"scale must be (..., rows, K/32), got shape {tuple(scale.shape)}")
+    dtype = scale.dtype
+    s = scale.view(torch.uint8) if dtype != torch.uint8 else scale
+    *lead, R, C = s.shape
+    rt, ct = -(-R // _ATOM_ROWS), -(-C // _ATOM_COLS)
+    padded = s.new_zeros(*lead, rt * _ATOM_ROWS, ct * _ATOM_COLS)
+    padded[..., :R, :C] = s
+    n = len(lead)
+    # (..., rt, r//32, r%32, ct, c) -> (..., rt, ct, r%32, r//32, c)
+    perm = tuple(range(n)) + tuple(n + i for i in (0, 3, 2, 1, 4))
+    tiled = padded.view(*lead, rt, 4, 32, ct, _ATOM_COLS).permute(perm).reshape(*lead, -1)
+    return tiled.view(dtype) if dtype != torch.uint8 else tiled
+
+
+def from_blackwell_scale_layout(tiled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of ``to_blackwell_scale_layout``: (..., bytes) -> the plain (..., rows, cols) scales."""
+    dtype = tiled.dtype
+    t = tiled.view(torch.uint8) if dtype != torch.uint8 else tiled
+    *lead, nbytes = t.shape
+    rt, ct = -(-rows // _ATOM_ROWS), -(-cols // _ATOM_COLS)
+    if nbytes != blackwell_scale_bytes(rows, cols):
+        raise ValueError(f"expected {blackwell_scale_bytes(rows, cols)} bytes for a ({rows}, {cols}) scale matrix, "
+                         f"got {nbytes}")
+    n = len(lead)
+    perm = tuple(range(n)) + tuple(n + i for i in (0, 3, 2, 1, 4))
+    plain = t.reshape(*lead, rt, ct, 32, 4, _ATOM_COLS).permute(perm).reshape(*lead, rt * _ATOM_ROWS,
+                                                                             ct * _ATOM_COLS)
+    plain = plain[..., :rows, :cols].contiguous()
+    return plain.view(dtype) if dtype != torch.uint8 else plain
+
+
+@dataclass
+class MXTensorTiled:
+    """MXFP8 data as in ``MXTensor``, its E8M0 scales in the 128x4-tiled layout of Blackwell block-scaled MMA.
+
+    ``data``: e4m3, (B, S, H, D) or packed (T, H, D), blocked along ``dim`` like ``MXTensor.data``.
+    ``scale_tiled``: uint8 / float8_e8m0fnu (B, H, n) or, packed, (H, n): per (batch, head) the scale matrix of the
+    GEMM that consumes the operand, tiled (``to_blackwell_scale_layout``).  Blocked along D (``dim`` last): rows
+    are the tokens, columns the D/32 blocks (Q, K: the M / N operand of Q Kᵀ).  Blocked along S: rows are the
+    channels, columns the S/32 blocks (V: the N operand of P V).  ``to_mx()`` gives the plain ``MXTensor``."""
+
+    data: torch.Tensor
+    scale_tiled: torch.Tensor
+    dim: int
+
+    def __post_init__(self):
+        nd = self.data.ndim
+        if nd not in (3, 4):
+            raise ValueError(f"MXTensorTiled.data must be (B, S, H, D) or (T, H, D), got {tuple(self.data.shape)}")
+        self.dim = _norm_dim(self.dim, nd)
+        if self.dim not in (nd - 1, nd - 3):
+            raise ValueError(f"MXTensorTiled.dim must be the head dim or the sequence dim, got {self.dim}")
+        rows, cols = self._matrix()
+        lead = self._lead()
+        want = [*lead, blackwell_scale_bytes(rows, cols)]
+        if list(self.scale_tiled.shape) != want:
+            raise ValueError(f"MXTensorTiled.scale_tiled has shape {tuple(self.scale_tiled.shape)}, expected "
+                             f"{tuple(want)} for data {tuple(self.data.shape)} blocked along dim {self.dim}")
+
+    def _lead(self) -> list[int]:
+        d = self.data
+        return [d.shape[0], d.shape[2]] if d.ndim == 4 else [d.shape[1]]
+
+    def _matrix(self) -> tuple[int, int]:
+        d = self.data
+        S, D = d.shape[-3], d.shape[-1]
+        if self.dim == d.ndim - 1:
+            return S, -(-D // BLOCK_SIZE)
+        return D, -(-S // BLOCK_SIZE)
+
+    def to_mx(self) -> "MXTensor":
+        rows, cols = self._matrix()
+        plain = from_blackwell_scale_layout(self.scale_tiled.view(torch.uint8), rows, cols)  # (*lead, rows, cols)
+        if self.data.ndim == 3:
+            plain = plain.unsqueeze(0)  # (1, H, rows, cols)
+        if self.dim == self.data.ndim - 1:  # (B, H, S, ND) -> (B, S, H, ND)
+            scale = plain.permute(0, 2, 1, 3)
+        else:  # (B, H, D, NSB) -> (B, NSB, H, D)
+            scale = plain.permute(0, 3, 1, 2)
+        if self.data.ndim == 3:
+            scale = scale[0]
+        return MXTensor(self.data, scale.contiguous(), self.dim)
 
 
 def _blocked(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:

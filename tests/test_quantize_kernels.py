@@ -244,6 +244,44 @@ def test_quantize_one_orientation(orientations, kind, gen):
     check_quantize((2, 45, 2, 64), torch.bfloat16, "rceil", kind, gen, orientations)
 
 
+def check_tiled_scales(shape, mode, kind, gen, orientations="both"):
+    """``scale_layout="blackwell"``: the data bytes are the plain call's, and the tiled scale bytes (padding
+    included) equal ``formats.to_blackwell_scale_layout`` of the reference's per-(batch, head) scale matrices:
+    (tokens, D/32) for the head-dim orientation, (channels, S/32) for the sequence one."""
+    x = make_input(shape, torch.bfloat16, kind, gen)
+    packed = len(shape) == 3
+    sd = 0 if packed else 1
+    out = kq.quantize_mxfp8_triton(x.to(DEVICE), orientations, mode, seq_dim=sd, scale_layout="blackwell")
+    outs = out if isinstance(out, tuple) else (out,)
+    names = {"both": ("hdim", "seq"), "hdim": ("hdim",), "seq": ("seq",)}[orientations]
+    for name, got in zip(names, outs):
+        assert isinstance(got, F.MXTensorTiled), type(got)
+        want = F.quantize_mxfp8(x, -1 if name == "hdim" else sd, mode)
+        sc = want.scale_bytes.unsqueeze(0) if packed else want.scale_bytes  # packed: B = 1
+        # (B, S, H, ND) -> (B, H, S, ND); (B, NSB, H, D) -> (B, H, D, NSB)
+        mat = sc.permute(0, 2, 1, 3) if name == "hdim" else sc.permute(0, 2, 3, 1)
+        tiled = F.to_blackwell_scale_layout(mat.contiguous())
+        assert_same_bytes(got.scale_tiled, tiled[0] if packed else tiled, f"tiled {name} {mode} {kind} {shape}")
+        assert_same_mx(got.to_mx(), want, f"tiled {name} to_mx {shape}")
+
+
+@pytest.mark.parametrize("orientations", ["both", "hdim", "seq"])
+@pytest.mark.parametrize("shape", [(1, 1, 1, 64), (2, 45, 2, 64), (1, 300, 1, 128), (1, 40, 2, 256), (70, 2, 96)],
+                         ids=str)
+def test_quantize_blackwell_scale_layout(shape, orientations, gen):
+    check_tiled_scales(shape, "rceil", "adversarial", gen, orientations)
+
+
+def test_tiled_container_validation():
+    data = torch.zeros(1, 64, 2, 64, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="scale_tiled"):
+        F.MXTensorTiled(data, torch.zeros(1, 2, 100, dtype=U8), 3)
+    with pytest.raises(ValueError, match="dim"):
+        F.MXTensorTiled(data, torch.zeros(1, 2, 512, dtype=U8), 2)
+    with pytest.raises(ValueError, match="scale_layout"):
+        kq.quantize_mxfp8_triton(torch.zeros(1, 4, 1, 64, device=DEVICE), scale_layout="swizzled")
+
+
 @pytest.mark.parametrize("D", [32, 48, 256])
 def test_quantize_head_dims(D, gen):
     check_quantize((1, 40, 1, D), torch.float32, "rceil", "adversarial", gen)
@@ -446,6 +484,13 @@ def gpu_rounding(request, monkeypatch):
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
 def test_gpu_quantize(shape, dtype, mode, gpu_rounding, gen):
     check_quantize(shape, dtype, mode, "adversarial", gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+def test_gpu_quantize_blackwell_scale_layout(shape, mode, gen):
+    check_tiled_scales(shape, mode, "adversarial", gen)
 
 
 @pytest.mark.gpu

@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxattn.formats import MXTensor
+from mxattn.formats import MXTensor, from_blackwell_scale_layout, to_blackwell_scale_layout  # noqa: F401 (re-export)
 from mxattn.kernels.attn_fwd import LOG2E, FwdConfig, _round_e4m3_nonneg, alloc_fwd_outputs
 
 __all__ = [
@@ -264,50 +264,8 @@ def attn_fwd_blockscaled(qm: MXTensor, km: MXTensor, vm: MXTensor, causal: bool 
     return out, lse
 
 
-# ----------------------------------------------------------------------------------------------
-# The 128x4 swizzled scale layout of cuBLAS / cuDNN block-scaled MMA (for producers targeting Blackwell)
-# ----------------------------------------------------------------------------------------------
-#
-# Sources (facts only): cuBLAS "1D Block Scaling Factors Layout",
-#   https://docs.nvidia.com/cuda/cublas/#d-block-scaling-factors-layout
-# and cuDNN frontend "MXFP8 scale factor 128x4 layout",
-#   https://nvidia.github.io/cudnn-frontend/mxfp8-scale-factor-128x4-layout/
-# A scale matrix of R rows (outer dim: M or N) by C columns (one per 32 elements of the contraction dim K) is
-# padded to whole 128 x 4 tiles; tiles are stored one after the other, the column-tile index fastest
-# (tile (rt, ct) starts at byte (rt * ceil(C/4) + ct) * 512); inside a tile, the 128 rows are four 32-row slabs
-# interleaved so that scale (r, c) (r < 128, c < 4 within the tile) lies at byte (r % 32) * 16 + (r // 32) * 4 + c:
-# one 16-byte line holds rows r, r+32, r+64, r+96 of all four columns (the 32x4x4 atom).  Padding bytes are 0 here.
-
-_ATOM_ROWS, _ATOM_COLS = 128, 4
-
-
-def to_blackwell_scale_layout(scale: torch.Tensor) -> torch.Tensor:
-    """Plain (R, C) scale bytes (uint8 or float8_e8m0fnu) -> the 128x4-tiled 1-D layout of cuBLAS/cuDNN.
-
-    Returns a flat tensor of ceil(R/128) * ceil(C/4) * 512 bytes in ``scale``'s dtype, padding zero-filled."""
-    if scale.ndim != 2:
-        raise ValueError(f"scale must be 2-D (rows, K/32), got shape {tuple(scale.shape)}")
-    dtype = scale.dtype
-    s = scale.view(torch.uint8) if dtype != torch.uint8 else scale
-    R, C = s.shape
-    rt, ct = -(-R // _ATOM_ROWS), -(-C // _ATOM_COLS)
-    padded = s.new_zeros(rt * _ATOM_ROWS, ct * _ATOM_COLS)
-    padded[:R, :C] = s
-    # (rt, r//32, r%32, ct, c) -> (rt, ct, r%32, r//32, c)
-    tiled = padded.view(rt, 4, 32, ct, _ATOM_COLS).permute(0, 3, 2, 1, 4).contiguous().view(-1)
-    return tiled.view(dtype) if dtype != torch.uint8 else tiled
-
-
-def from_blackwell_scale_layout(tiled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Inverse of ``to_blackwell_scale_layout``: the plain (rows, cols) scales (padding dropped)."""
-    dtype = tiled.dtype
-    t = tiled.view(torch.uint8) if dtype != torch.uint8 else tiled
-    rt, ct = -(-rows // _ATOM_ROWS), -(-cols // _ATOM_COLS)
-    if t.numel() != rt * ct * _ATOM_ROWS * _ATOM_COLS:
-        raise ValueError(f"expected {rt * ct * 512} bytes for a ({rows}, {cols}) scale matrix, got {t.numel()}")
-    plain = t.reshape(rt, ct, 32, 4, _ATOM_COLS).permute(0, 3, 2, 1, 4).reshape(rt * _ATOM_ROWS, ct * _ATOM_COLS)
-    plain = plain[:rows, :cols].contiguous()
-    return plain.view(dtype) if dtype != torch.uint8 else plain
+# The 128x4 swizzled scale layout of cuBLAS / cuDNN block-scaled MMA (for producers targeting Blackwell) lives in
+# mxattn.formats (``to_blackwell_scale_layout``, ``from_blackwell_scale_layout``), re-exported here.
 
 
 # ----------------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxattn.formats import E8M0_NAN, MXTensor, RowScaledFP8, ScaleMode
+from mxattn.formats import E8M0_NAN, MXTensor, MXTensorTiled, RowScaledFP8, ScaleMode, blackwell_scale_bytes
 
 __all__ = [
     "quantize_mxfp8_triton",
@@ -333,6 +333,13 @@ def _seq_bytes(xr, xf, mag, e, E, fin, keep, bad, SEQ_RS: tl.constexpr, SOFT: tl
 
 
 @triton.jit
+def _tiled_offset(r, c, n_col_tiles):
+    """Byte offset of scale (r, c) in a 128x4-tiled scale matrix of ``n_col_tiles`` column tiles
+    (``formats.to_blackwell_scale_layout``)."""
+    return ((r // 128) * n_col_tiles + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr, S, H, sxb, sxs, sxh,  # input (B, S, H, D), unit stride along D
     hd_ptr, he_ptr,  # hdim data (B, S, H, D) u8; hdim scales u8 (B, S, H, ND) or exponents i32 (Q/K)
@@ -343,6 +350,7 @@ def _quantize_kernel(
     HDIM_GROUP: tl.constexpr,  # 0: MX scales; 1: Q (exponent per row); >1: K (exponent per tile = group)
     SEQ_RS: tl.constexpr,  # False: MX scales; True: V, re-expressed to the per-channel exponents in ce_ptr
     RCEIL: tl.constexpr, SOFT: tl.constexpr, IDX64: tl.constexpr,
+    SWZ: tl.constexpr = False,  # MX scales in the 128x4-tiled layout of Blackwell MMA, per (b, h) (he_ptr, ce_ptr)
 ):
     """Quantize BLOCK_S tokens x D channels of one (b, h).
 
@@ -373,21 +381,37 @@ def _quantize_kernel(
         rs = q4 * (H * D)
         if HDIM_GROUP == 0:
             db = tl.arange(0, NDP)[None, None, :, None]
-            hs = he_ptr + hrow * ND + db
-            rsc = q4 * (H * ND)
+            if SWZ:  # scale matrix (S tokens, ND blocks) of this (b, h), tiled
+                NCT: tl.constexpr = (ND + 3) // 4
+                ht = he_ptr + (b64 * H + h64) * (tl.cdiv(S, 128) * NCT * 512)
+            else:
+                hs = he_ptr + hrow * ND + db
+                rsc = q4 * (H * ND)
             msc = db < ND
             o, sc = _hdim_mx(x0r, x0, m0, bad, RCEIL, SOFT)
             tl.store(hd + rs, o, mask=(s0 + q4 < S) & in_d)
-            tl.store(hs + rsc, sc, mask=(s0 + q4 < S) & msc)
+            if SWZ:
+                tl.store(ht + _tiled_offset(s0 + q4, db, NCT), sc, mask=(s0 + q4 < S) & msc)
+            else:
+                tl.store(hs + rsc, sc, mask=(s0 + q4 < S) & msc)
             o, sc = _hdim_mx(x1r, x1, m1, bad, RCEIL, SOFT)
             tl.store(hd + rs + H * D, o, mask=(s0 + q4 + 1 < S) & in_d)
-            tl.store(hs + rsc + H * ND, sc, mask=(s0 + q4 + 1 < S) & msc)
+            if SWZ:
+                tl.store(ht + _tiled_offset(s0 + q4 + 1, db, NCT), sc, mask=(s0 + q4 + 1 < S) & msc)
+            else:
+                tl.store(hs + rsc + H * ND, sc, mask=(s0 + q4 + 1 < S) & msc)
             o, sc = _hdim_mx(x2r, x2, m2, bad, RCEIL, SOFT)
             tl.store(hd + rs + 2 * H * D, o, mask=(s0 + q4 + 2 < S) & in_d)
-            tl.store(hs + rsc + 2 * H * ND, sc, mask=(s0 + q4 + 2 < S) & msc)
+            if SWZ:
+                tl.store(ht + _tiled_offset(s0 + q4 + 2, db, NCT), sc, mask=(s0 + q4 + 2 < S) & msc)
+            else:
+                tl.store(hs + rsc + 2 * H * ND, sc, mask=(s0 + q4 + 2 < S) & msc)
             o, sc = _hdim_mx(x3r, x3, m3, bad, RCEIL, SOFT)
             tl.store(hd + rs + 3 * H * D, o, mask=(s0 + q4 + 3 < S) & in_d)
-            tl.store(hs + rsc + 3 * H * ND, sc, mask=(s0 + q4 + 3 < S) & msc)
+            if SWZ:
+                tl.store(ht + _tiled_offset(s0 + q4 + 3, db, NCT), sc, mask=(s0 + q4 + 3 < S) & msc)
+            else:
+                tl.store(hs + rsc + 3 * H * ND, sc, mask=(s0 + q4 + 3 < S) & msc)
         else:
             q0, e0, f0, n0 = _hdim_rows(x0, m0, RCEIL, SOFT)
             q1, e1, f1, n1 = _hdim_rows(x1, m1, RCEIL, SOFT)
@@ -432,9 +456,16 @@ def _quantize_kernel(
         else:
             E = e
             sbk = tl.arange(0, BLOCK_S // 32)[:, None, None, None]
-            sbase = ce_ptr + ((b64 * NSB + st * (BLOCK_S // 32)) * H + h64) * D
-            sc = tl.where(fin, e + 127, 255).to(tl.uint8)
-            tl.store(sbase + sbk * (H * D) + d, sc, mask=(st * (BLOCK_S // 32) + sbk < NSB) & in_d)
+            if SWZ:  # scale matrix (D channels, NSB blocks) of this (b, h), tiled
+                NCTS = tl.cdiv(NSB, 4)
+                st_base = ce_ptr + (b64 * H + h64) * (((D + 127) // 128) * NCTS * 512)
+                sc = tl.where(fin, e + 127, 255).to(tl.uint8)
+                sp = st_base + _tiled_offset(d, st * (BLOCK_S // 32) + sbk, NCTS)
+                tl.store(sp, sc, mask=(st * (BLOCK_S // 32) + sbk < NSB) & in_d)
+            else:
+                sbase = ce_ptr + ((b64 * NSB + st * (BLOCK_S // 32)) * H + h64) * D
+                sc = tl.where(fin, e + 127, 255).to(tl.uint8)
+                tl.store(sbase + sbk * (H * D) + d, sc, mask=(st * (BLOCK_S // 32) + sbk < NSB) & in_d)
         wd = _seq_bytes(x0r, x0, m0, e, E, fin, s0 + q4 >= S, bad, SEQ_RS, SOFT)
         wd |= _seq_bytes(x1r, x1, m1, e, E, fin, s0 + q4 + 1 >= S, bad, SEQ_RS, SOFT) << 8
         wd |= _seq_bytes(x2r, x2, m2, e, E, fin, s0 + q4 + 2 >= S, bad, SEQ_RS, SOFT) << 16
@@ -719,16 +750,23 @@ def quantize_mxfp8_triton(
     orientations: str = "hdim",
     scale_mode: Union[str, ScaleMode] = "rceil",
     seq_dim: Optional[int] = None,
-) -> Union[MXTensor, tuple[MXTensor, MXTensor]]:
+    scale_layout: str = "plain",
+) -> Union[MXTensor, MXTensorTiled, tuple]:
     """MXFP8-quantize ``x`` along D (``hdim``), along S (``seq``) or both from one read.
 
     ``x``: bf16/fp16/fp32, (B, S, H, D) (``seq_dim`` 1 or None) or packed (T, H, D) (``seq_dim`` 0 or
     None); 1 <= D <= 256, any S, any strides (D is made unit-stride).  Returns the ``MXTensor`` of the
     orientation asked for, or ``(hdim, seq)`` for ``"both"``; bit-exact with
     ``formats.quantize_mxfp8(x, dim=-1 / seq_dim, scale_mode)``.  Layouts: module docstring.
+    ``scale_layout="blackwell"``: the scales are written straight into the 128x4-tiled layout of Blackwell
+    block-scaled MMA (cuBLAS / cuDNN), per (batch, head): ``MXTensorTiled`` instead of ``MXTensor``, the same
+    data; ``.to_mx()`` of it equals the plain result.
     """
     if orientations not in ("hdim", "seq", "both"):
         raise ValueError(f"orientations must be 'hdim', 'seq' or 'both', got {orientations!r}")
+    if scale_layout not in ("plain", "blackwell"):
+        raise ValueError(f"scale_layout must be 'plain' or 'blackwell', got {scale_layout!r}")
+    tiled = scale_layout == "blackwell"
     mode = ScaleMode.parse(scale_mode)
     x4, packed = _check_float_input(x, "x", seq_dim)
     B, S, H, D = x4.shape
@@ -740,23 +778,33 @@ def quantize_mxfp8_triton(
     s_pad = SEQ_ALIGN
     if want_h:
         hd = torch.empty(B, S, H, D, dtype=torch.uint8, device=dev)
-        he = torch.empty(B, S, H, ND, dtype=torch.uint8, device=dev)
+        if tiled:  # zeros: the padding of the last tiles
+            he = torch.zeros(B, H, blackwell_scale_bytes(S, ND), dtype=torch.uint8, device=dev)
+        else:
+            he = torch.empty(B, S, H, ND, dtype=torch.uint8, device=dev)
     if want_s:
         cd, s_pad = _channel_major_buffer(B, H, D, S, dev)
-        ce = torch.empty(B, NSB, H, D, dtype=torch.uint8, device=dev)
+        if tiled:
+            ce = torch.zeros(B, H, blackwell_scale_bytes(D, NSB), dtype=torch.uint8, device=dev)
+        else:
+            ce = torch.empty(B, NSB, H, D, dtype=torch.uint8, device=dev)
     if x4.numel() > 0 or (want_s and B * H * D > 0):
         _launch_quantize(x4, hd, he, cd, ce, s_pad, HDIM=want_h, SEQ=want_s, HDIM_GROUP=0, SEQ_RS=False,
-                         rceil=mode is ScaleMode.RCEIL, group=0)
+                         rceil=mode is ScaleMode.RCEIL, group=0, swz=tiled)
     res = []
     sd = 0 if packed else 1
-    if want_h:
-        res.append(MXTensor(_unpack(hd, packed).view(torch.float8_e4m3fn), _unpack(he, packed), x.ndim - 1))
-    if want_s:
-        res.append(MXTensor(_seq_view(cd, S, packed), _unpack(ce, packed), sd))
+    for data, scale, dim in ((hd, he, x.ndim - 1), (cd, ce, sd)):
+        if data is None:
+            continue
+        data = _unpack(data, packed).view(torch.float8_e4m3fn) if dim == x.ndim - 1 else _seq_view(data, S, packed)
+        if tiled:
+            res.append(MXTensorTiled(data, scale[0] if packed else scale, dim))
+        else:
+            res.append(MXTensor(data, _unpack(scale, packed), dim))
     return res[0] if len(res) == 1 else tuple(res)
 
 
-def _launch_quantize(x4, hd, he, cd, ce, s_pad, *, HDIM, SEQ, HDIM_GROUP, SEQ_RS, rceil, group):
+def _launch_quantize(x4, hd, he, cd, ce, s_pad, *, HDIM, SEQ, HDIM_GROUP, SEQ_RS, rceil, group, swz=False):
     B, S, H, D = x4.shape
     if B * H == 0:
         return
@@ -779,7 +827,7 @@ def _launch_quantize(x4, hd, he, cd, ce, s_pad, *, HDIM, SEQ, HDIM_GROUP, SEQ_RS
         cd.view(torch.int32) if cd is not None else dummy, ce if ce is not None else dummy,
         s_pad, triton.cdiv(S, 32), n_s_tiles, n_groups,
         D=D, NDP=dp // 32, BLOCK_S=bs, HDIM=HDIM, SEQ=SEQ, HDIM_GROUP=HDIM_GROUP, SEQ_RS=SEQ_RS,
-        RCEIL=rceil, SOFT=_soft(x4.device), IDX64=idx64, num_warps=tile.num_warps,
+        RCEIL=rceil, SOFT=_soft(x4.device), IDX64=idx64, SWZ=swz, num_warps=tile.num_warps,
     )
 
 
