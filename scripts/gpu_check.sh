@@ -18,6 +18,7 @@
 #   ring       ring attention over every GPU (torchrun, nccl): check against single-GPU mxattn, then timing
 #   train      examples/train_gpt.py (TRAIN_ATTENTION=sdpa|mxfp8|both, TRAIN_ARGS), into OUTDIR/train
 #   trainpar   both halves of the parity run at once, sdpa on GPU 0 and mxfp8 on GPU 1 (needs 2 GPUs), then parity.json
+#   blockscaled  the Blackwell-path forward (tl.dot_scaled, upcast to bf16 on Hopper) vs the Hopper kernel, B2 H16 S4k
 #   ncu        Nsight Compute counters of the Gluon backward kernels (NCU_SHAPE="B H S D causal"), into OUTDIR/ncu_bwd.txt
 #   sanitize   compute-sanitizer memcheck/racecheck/synccheck on tiny shapes (scripts/sanitize.sh; slow: run alone)
 # Needs no network: the machine's python3 (torch >= 2.11, triton >= 3.6). Each stage runs under a timeout
@@ -150,6 +151,16 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
       tail -n 4 "$OUT"/train/log-*.txt
       [ -f "$OUT/train/loss-sdpa.json" ] && [ -f "$OUT/train/loss-mxfp8.json" ] || { echo "!! a half did not finish"; status=1; continue; }
       run $PY examples/train_gpt.py --attention both --reuse --out "$OUT/train" --no-progress ${TRAIN_ARGS:-} ;;
+    blockscaled)
+      run $PY -c "
+import sys
+sys.path.insert(0, 'tests')
+from test_attn_blockscaled import bench_blockscaled
+from mxattn.bench.results import write_result
+rows = [dict(B=2, H=16, S=4096, D=128, causal=c, tflops=bench_blockscaled(causal=c)) for c in (False, True)]
+for r in rows: print(r)
+print(write_result('blockscaled', rows, sys.argv[1], extra={'note': 'tl.dot_scaled upcast to bf16 wgmma on sm_90'}))
+" "$OUT" ;;
     ncu)
       # where the Gluon dK/dV and dQ kernels spend their time: speed of light, warp stalls, issue slots, the SASS
       # lines that stall most. One fwd+bwd to compile, then the second one's two kernels are profiled.

@@ -43,6 +43,7 @@ WHATS = (
     "train",
     "qkv_chain",
     "ring_attn",
+    "blockscaled",
 )
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
