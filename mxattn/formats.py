@@ -44,6 +44,7 @@ Hopper operand format (``RowScaledFP8``)
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -221,44 +222,60 @@ def from_blackwell_scale_layout(tiled: torch.Tensor, rows: int, cols: int) -> to
 class MXTensorTiled:
     """MXFP8 data as in ``MXTensor``, its E8M0 scales in the 128x4-tiled layout of Blackwell block-scaled MMA.
 
-    ``data``: e4m3, (B, S, H, D) or packed (T, H, D), blocked along ``dim`` like ``MXTensor.data``.
-    ``scale_tiled``: uint8 / float8_e8m0fnu (B, H, n) or, packed, (H, n): per (batch, head) the scale matrix of the
-    GEMM that consumes the operand, tiled (``to_blackwell_scale_layout``).  Blocked along D (``dim`` last): rows
-    are the tokens, columns the D/32 blocks (Q, K: the M / N operand of Q Kᵀ).  Blocked along S: rows are the
-    channels, columns the S/32 blocks (V: the N operand of P V).  ``to_mx()`` gives the plain ``MXTensor``."""
+    ``per_head=True`` (attention operands, ``quantize_mxfp8_triton(..., scale_layout="blackwell")``): ``data``
+    (B, S, H, D) or packed (T, H, D); ``scale_tiled`` (B, H, n) or, packed, (H, n): per (batch, head) the scale
+    matrix of the product that consumes the operand.  Blocked along D (``dim`` last): rows are the tokens,
+    columns the D/32 blocks (Q, K: the M / N operand of Q Kᵀ).  Blocked along S: rows are the channels, columns
+    the S/32 blocks (V: the N operand of P V).
+    ``per_head=False`` (GEMM activations: ``rmsnorm_quant`` / ``linear_quant`` with ``scale_layout="blackwell"``):
+    ``data`` (..., N) blocked along its last dim; ``scale_tiled`` (n,): one matrix, rows = all leading indices in
+    order, columns = the N/32 blocks (the M x K operand of the next GEMM).
+    ``to_mx()`` gives the plain ``MXTensor``."""
 
     data: torch.Tensor
     scale_tiled: torch.Tensor
     dim: int
+    per_head: bool = True
 
     def __post_init__(self):
         nd = self.data.ndim
-        if nd not in (3, 4):
+        if self.per_head and nd not in (3, 4):
             raise ValueError(f"MXTensorTiled.data must be (B, S, H, D) or (T, H, D), got {tuple(self.data.shape)}")
+        if nd < 2:
+            raise ValueError(f"MXTensorTiled.data must have 2 or more dims, got {tuple(self.data.shape)}")
         self.dim = _norm_dim(self.dim, nd)
-        if self.dim not in (nd - 1, nd - 3):
-            raise ValueError(f"MXTensorTiled.dim must be the head dim or the sequence dim, got {self.dim}")
+        allowed = (nd - 1, nd - 3) if self.per_head else (nd - 1,)
+        if self.dim not in allowed:
+            raise ValueError(f"MXTensorTiled.dim must be {' or '.join(map(str, allowed))} here, got {self.dim}")
         rows, cols = self._matrix()
-        lead = self._lead()
-        want = [*lead, blackwell_scale_bytes(rows, cols)]
+        want = [*self._lead(), blackwell_scale_bytes(rows, cols)]
         if list(self.scale_tiled.shape) != want:
             raise ValueError(f"MXTensorTiled.scale_tiled has shape {tuple(self.scale_tiled.shape)}, expected "
                              f"{tuple(want)} for data {tuple(self.data.shape)} blocked along dim {self.dim}")
 
     def _lead(self) -> list[int]:
         d = self.data
+        if not self.per_head:
+            return []
         return [d.shape[0], d.shape[2]] if d.ndim == 4 else [d.shape[1]]
 
     def _matrix(self) -> tuple[int, int]:
         d = self.data
+        if not self.per_head:
+            return math.prod(d.shape[:-1]), -(-d.shape[-1] // BLOCK_SIZE)
         S, D = d.shape[-3], d.shape[-1]
         if self.dim == d.ndim - 1:
             return S, -(-D // BLOCK_SIZE)
         return D, -(-S // BLOCK_SIZE)
 
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.to_mx().dequantize(dtype)
+
     def to_mx(self) -> "MXTensor":
         rows, cols = self._matrix()
         plain = from_blackwell_scale_layout(self.scale_tiled.view(torch.uint8), rows, cols)  # (*lead, rows, cols)
+        if not self.per_head:
+            return MXTensor(self.data, plain.reshape(*self.data.shape[:-1], cols), self.dim)
         if self.data.ndim == 3:
             plain = plain.unsqueeze(0)  # (1, H, rows, cols)
         if self.dim == self.data.ndim - 1:  # (B, H, S, ND) -> (B, S, H, ND)

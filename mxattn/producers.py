@@ -300,7 +300,43 @@ class GradRowScaledFP8(RowScaledFP8):
         return _STEDequantize.apply(self.carrier, self.plain(), dtype)
 
 
+@dataclass
+class GradMXTensorTiled(formats.MXTensorTiled):
+    """An ``MXTensorTiled`` in the autograd graph (see ``GradMXTensor``)."""
+
+    carrier: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+
+    def plain(self) -> formats.MXTensorTiled:
+        return formats.MXTensorTiled(self.data, self.scale_tiled, self.dim, self.per_head)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return _STEDequantize.apply(self.carrier, self.to_mx(), dtype)
+
+
+def _tiled(t: MXTensor) -> formats.MXTensorTiled:
+    """The feature-blocked output of a producer with its scales in the 128x4-tiled layout (CPU path: the
+    reference's plain scales converted; the kernels write the tiled layout directly)."""
+    cols = t.scale.shape[-1]
+    flat = formats.to_blackwell_scale_layout(t.scale_bytes.reshape(-1, cols))
+    return formats.MXTensorTiled(t.data, flat, t.dim, per_head=False)
+
+
+def _check_scale_layout(scale_layout, orient: str, row_scaled: bool = False) -> bool:
+    """True for the tiled (Blackwell) layout; refuses what it does not cover."""
+    if scale_layout not in ("plain", "blackwell"):
+        raise ValueError(f"scale_layout must be 'plain' or 'blackwell', got {scale_layout!r}")
+    if scale_layout == "plain":
+        return False
+    if orient != "hdim" or row_scaled:
+        raise ValueError("scale_layout='blackwell' is for the feature-blocked MX output only: orientations='hdim', "
+                         "row_scaled=False (the token-blocked one stays plain; formats.to_blackwell_scale_layout "
+                         "converts it)")
+    return True
+
+
 def _attach(t, carrier: torch.Tensor):
+    if isinstance(t, formats.MXTensorTiled):
+        return GradMXTensorTiled(t.data, t.scale_tiled, t.dim, t.per_head, carrier=carrier)
     if isinstance(t, MXTensor):
         return GradMXTensor(t.data, t.scale, t.dim, t.block_size, carrier=carrier)
     return GradRowScaledFP8(t.data, t.exp, t.dim, t.group_dim, t.group, carrier=carrier)
@@ -377,7 +413,7 @@ class RMSNormQuantResult(NamedTuple):
     rstd: torch.Tensor
 
 
-def _rmsnorm_quant_impl(x, weight, eps, orient, mode, row_scaled) -> tuple[list, torch.Tensor]:
+def _rmsnorm_quant_impl(x, weight, eps, orient, mode, row_scaled, tiled=False) -> tuple[list, torch.Tensor]:
     """The outputs (list: hdim and/or seq) and rstd, from the kernel on CUDA or the reference on CPU."""
     want_h, want_s = orient in ("hdim", "both"), orient in ("seq", "both")
     N = x.shape[-1]
@@ -386,7 +422,7 @@ def _rmsnorm_quant_impl(x, weight, eps, orient, mode, row_scaled) -> tuple[list,
         outs = []
         if want_h:
             mx = formats.quantize_mxfp8(y, -1, mode)
-            outs.append(formats.to_row_scaled(mx) if row_scaled else mx)
+            outs.append(formats.to_row_scaled(mx) if row_scaled else _tiled(mx) if tiled else mx)
         if want_s:
             outs.append(formats.quantize_mxfp8(y, y.ndim - 2, mode))
         return outs, rstd
@@ -399,13 +435,15 @@ def _rmsnorm_quant_impl(x, weight, eps, orient, mode, row_scaled) -> tuple[list,
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
     r = rmsnorm_quant_fwd(x3, weight, eps, hdim=want_h, seq=want_s, row_scaled=row_scaled,
-                          rceil=mode is ScaleMode.RCEIL)
+                          rceil=mode is ScaleMode.RCEIL, tiled_scales=tiled)
     lead = tuple(x.shape[:-1])
     outs = []
     if want_h:
         data = r["hd"].view(torch.float8_e4m3fn).reshape(x.shape)
         if row_scaled:
             outs.append(RowScaledFP8(data, r["he"].reshape(*lead, 1), x.ndim - 1))
+        elif tiled:
+            outs.append(formats.MXTensorTiled(data, r["hs"], x.ndim - 1, per_head=False))
         else:
             outs.append(MXTensor(data, r["hs"].reshape(*lead, -(-N // 32)), x.ndim - 1))
     if want_s:
@@ -446,8 +484,8 @@ def _rmsnorm_backward_impl(dy, x, weight, rstd) -> tuple[torch.Tensor, torch.Ten
 
 class _RMSNormQuantFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps, orient, mode, row_scaled, box):
-        outs, rstd = _rmsnorm_quant_impl(x, weight, eps, orient, mode, row_scaled)
+    def forward(ctx, x, weight, eps, orient, mode, row_scaled, box, tiled):
+        outs, rstd = _rmsnorm_quant_impl(x, weight, eps, orient, mode, row_scaled, tiled)
         box.extend(outs)
         ctx.save_for_backward(x, weight, rstd)
         ctx.set_materialize_grads(False)
@@ -460,10 +498,10 @@ class _RMSNormQuantFn(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         dy = _sum_grads(grads[:-1])
         if dy is None:
-            return (None,) * 7
+            return (None,) * 8
         dx, dw = _rmsnorm_backward_impl(dy, x, weight, rstd)
         return (dx if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def rmsnorm_quant(
@@ -473,6 +511,7 @@ def rmsnorm_quant(
     orientations: str = "hdim",
     scale_mode: Union[str, ScaleMode] = "rceil",
     row_scaled: bool = False,
+    scale_layout: str = "plain",
 ) -> RMSNormQuantResult:
     """RMSNorm followed by MXFP8 quantization, fused: one kernel, one read of ``x``.
 
@@ -486,6 +525,9 @@ def rmsnorm_quant(
         view of a channel-major (B, N, S_pad) buffer (S_pad = S rounded up to 16);
       * "both": ``(hdim, seq)``;
       * ``rstd``: fp32, x.shape[:-1].
+    ``scale_layout="blackwell"`` ("hdim", not row-scaled): the scales straight in the 128x4-tiled layout of
+    Blackwell block-scaled MMA, one matrix of all rows (``formats.MXTensorTiled``, ``per_head=False``), the
+    operand of a following cuBLAS / cuDNN MXFP8 GEMM; ``.to_mx()`` equals the plain output.
     Values: ``quantize_mxfp8(rmsnorm_reference(x, weight, eps)[0])`` (and ``to_row_scaled`` of it), bit-exact.
     Differentiable w.r.t. x and weight (see the module docstring: STE through the quantizer)."""
     orient, mode = _check_rmsnorm(x, weight, eps, orientations, scale_mode)
@@ -493,13 +535,14 @@ def rmsnorm_quant(
         raise TypeError(f"row_scaled must be a bool, got {type(row_scaled).__name__}")
     if row_scaled and orient == "seq":
         raise ValueError("row_scaled=True changes the hdim output: use orientations 'hdim' or 'both'")
+    tiled = _check_scale_layout(scale_layout, orient, row_scaled)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         box: list = []
-        res = _RMSNormQuantFn.apply(x, weight, float(eps), orient, mode, row_scaled, box)
+        res = _RMSNormQuantFn.apply(x, weight, float(eps), orient, mode, row_scaled, box, tiled)
         outs = [_attach(o, c) for o, c in zip(box, res[:-1])]
         rstd = res[-1]
     else:
-        outs, rstd = _rmsnorm_quant_impl(x, weight, float(eps), orient, mode, row_scaled)
+        outs, rstd = _rmsnorm_quant_impl(x, weight, float(eps), orient, mode, row_scaled, tiled)
     return RMSNormQuantResult(outs[0] if len(outs) == 1 else tuple(outs), rstd)
 
 
@@ -595,7 +638,7 @@ def _row_scaled_2d(t, kind: str, mode: ScaleMode) -> RowScaledFP8:
     return row_scaled_rows(t2, rceil=mode is ScaleMode.RCEIL)
 
 
-def _linear_quant_impl(x, weight, bias, orient, mode, kx, kw):
+def _linear_quant_impl(x, weight, bias, orient, mode, kx, kw, tiled=False):
     """(outputs, x operand, weight operand): the MX outputs and the row-scaled operands the product used."""
     xr = _row_scaled_2d(x, kx, mode)
     wr = _row_scaled_2d(weight, kw, mode)
@@ -606,6 +649,8 @@ def _linear_quant_impl(x, weight, bias, orient, mode, kx, kw):
         if bias is not None:
             y = y + bias.to(torch.float32)
         out = _quantize_out(y.reshape(*lead, y.shape[-1]), orient, mode)
+        if tiled:
+            out = _tiled(out)
         return (list(out) if isinstance(out, tuple) else [out]), xr, wr
     from mxattn.kernels.linear_quant import linear_quant_fwd
 
@@ -615,9 +660,13 @@ def _linear_quant_impl(x, weight, bias, orient, mode, kx, kw):
     else:
         B, S = 1, xr.data.shape[0]
     N = wr.data.shape[0]
-    r = linear_quant_fwd(xr, wr, bias, B, S, hdim=want_h, seq=want_s, rceil=mode is ScaleMode.RCEIL)
+    r = linear_quant_fwd(xr, wr, bias, B, S, hdim=want_h, seq=want_s, rceil=mode is ScaleMode.RCEIL,
+                         tiled_scales=tiled)
     outs = []
-    if want_h:
+    if want_h and tiled:
+        outs.append(formats.MXTensorTiled(r["hd"].view(torch.float8_e4m3fn).reshape(*lead, N), r["hs"], len(lead),
+                                          per_head=False))
+    elif want_h:
         outs.append(MXTensor(r["hd"].view(torch.float8_e4m3fn).reshape(*lead, N),
                              r["hs"].reshape(*lead, -(-N // 32)), len(lead)))
     if want_s:
@@ -636,8 +685,8 @@ class _LinearQuantFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xg, wg, bias, args, box):
-        x, weight, orient, mode, kx, kw, out_dtype = args
-        outs, xr, wr = _linear_quant_impl(x, weight, bias, orient, mode, kx, kw)
+        x, weight, orient, mode, kx, kw, out_dtype, tiled = args
+        outs, xr, wr = _linear_quant_impl(x, weight, bias, orient, mode, kx, kw, tiled)
         box.extend(outs)
         ctx.xr, ctx.wr = xr, wr
         ctx.x_shape, ctx.out_dtype = tuple(x.shape), out_dtype
@@ -677,23 +726,32 @@ def linear_quant(
     bias: Optional[torch.Tensor] = None,
     orientations: str = "hdim",
     scale_mode: Union[str, ScaleMode] = "rceil",
-) -> Union[MXTensor, tuple[MXTensor, MXTensor]]:
+    scale_layout: str = "plain",
+) -> Union[MXTensor, formats.MXTensorTiled, tuple[MXTensor, MXTensor]]:
     """``y = x @ weight.T (+ bias)`` on FP8 operands, MXFP8-quantized in the GEMM's epilogue.
 
-    ``x``: (..., K) — ``RowScaledFP8`` (dim=-1, group 1), ``MXTensor`` (dim=-1) or bf16/fp16/fp32;
+    ``x``: (..., K) — ``RowScaledFP8`` (dim=-1, group 1), ``MXTensor`` (dim=-1; or ``MXTensorTiled``) or
+    bf16/fp16/fp32;
     (S, K) or (B, S, K) for "seq"/"both".  ``weight``: (N, K) — ``RowScaledFP8`` (dim=-1), ``MXTensor``
     (dim=-1) or float.  ``bias``: (N,) float or None.  K must be a multiple of 16.
     Returns: "hdim": ``MXTensor`` (..., N) dim=-1, scale (..., ceil(N/32)); "seq": ``MXTensor`` (B, S, N)
     dim=-2, scale (B, ceil(S/32), N), on CUDA a view of a channel-major (B, N, S_pad) buffer; "both": the pair.
     Values: ``linear_quant_reference`` up to the FP8 accumulation order (not bit-exact).  Differentiable
-    w.r.t. a float x (or the producer behind a Grad* x), a float weight and bias (STE, BF16 backward)."""
+    w.r.t. a float x (or the producer behind a Grad* x), a float weight and bias (STE, BF16 backward).
+    ``scale_layout="blackwell"`` ("hdim"): the scales written by the epilogue straight in the 128x4-tiled layout
+    of Blackwell block-scaled MMA, one matrix of all rows (``formats.MXTensorTiled``, ``per_head=False``)."""
+    if isinstance(x, formats.MXTensorTiled):  # a Blackwell-layout producer output: the plain scales for Hopper
+        mx = x.to_mx()
+        carrier = getattr(x, "carrier", None)
+        x = mx if carrier is None else GradMXTensor(mx.data, mx.scale, mx.dim, mx.block_size, carrier=carrier)
     orient, mode, kx, kw = _check_linear(x, weight, bias, orientations, scale_mode)
+    tiled = _check_scale_layout(scale_layout, orient)
     xg = x if kx == "float" else getattr(x, "carrier", None)
     wg = weight if kw == "float" else None
     needs = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (xg, wg, bias))
     if not needs:
-        outs, _, _ = _linear_quant_impl(x, weight, bias, orient, mode, kx, kw)
+        outs, _, _ = _linear_quant_impl(x, weight, bias, orient, mode, kx, kw, tiled)
         return outs[0] if len(outs) == 1 else tuple(outs)
     if xg is not None:
         out_dtype = xg.dtype
@@ -701,7 +759,7 @@ def linear_quant(
         out_dtype = wg.dtype if wg is not None else torch.bfloat16
     xplain = x.plain() if isinstance(x, (GradMXTensor, GradRowScaledFP8)) else x
     box: list = []
-    carriers = _LinearQuantFn.apply(xg, wg, bias, (xplain, weight, orient, mode, kx, kw, out_dtype), box)
+    carriers = _LinearQuantFn.apply(xg, wg, bias, (xplain, weight, orient, mode, kx, kw, out_dtype, tiled), box)
     outs = [_attach(o, c) for o, c in zip(box, carriers)]
     return outs[0] if len(outs) == 1 else tuple(outs)
 

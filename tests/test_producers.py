@@ -637,3 +637,64 @@ def test_gpu_bench_producers_smoke():
                             progress=False)
     assert out["rmsnorm_quant"] and out["linear_quant"]
     assert all(r["gbps"] > 0 for r in out["rmsnorm_quant"])
+
+
+# ----------------------------------------------------------------------------------------------
+# scale_layout="blackwell": the feature-blocked output's scales straight in the 128x4-tiled layout
+# ----------------------------------------------------------------------------------------------
+
+
+def _assert_tiled_matches(tiled, plain):
+    """Same data bytes; tiled scale bytes (padding included) = the converter on the plain (rows, cols) scales."""
+    assert isinstance(tiled, F.MXTensorTiled) and not tiled.per_head
+    assert torch.equal(_u8(tiled.data), _u8(plain.data))
+    cols = plain.scale.shape[-1]
+    want = F.to_blackwell_scale_layout(plain.scale_bytes.reshape(-1, cols).cpu())
+    assert torch.equal(_u8(tiled.scale_tiled), want)
+    mx = tiled.to_mx()
+    assert torch.equal(_u8(mx.scale), _u8(plain.scale))
+
+
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "reference"])
+@pytest.mark.parametrize("shape", [(2, 37, 96), (130, 64), (3, 200)], ids=str)
+def test_rmsnorm_quant_blackwell_scale_layout(use_kernels, shape, gen, monkeypatch):
+    monkeypatch.setattr(P, "_KERNELS_ON_CPU", use_kernels)
+    monkeypatch.setattr(kr, "TILE_OVERRIDES", {})
+    x = _rand(shape, torch.float32, gen)
+    w = _rand((shape[-1],), torch.float32, gen)
+    plain = P.rmsnorm_quant(x, w).out
+    tiled = P.rmsnorm_quant(x, w, scale_layout="blackwell").out
+    _assert_tiled_matches(tiled, plain)
+
+
+def test_linear_quant_blackwell_scale_layout(kernels, gen):
+    x = _rand((2, 37, 64), torch.float32, gen)
+    w = _rand((96, 64), torch.float32, gen)
+    b = _rand((96,), torch.float32, gen)
+    plain = P.linear_quant(x, w, b)
+    tiled = P.linear_quant(x, w, b, scale_layout="blackwell")
+    _assert_tiled_matches(tiled, plain)
+
+
+def test_blackwell_scale_layout_autograd_and_checks(kernels, gen):
+    """The tiled outputs stay in the autograd graph (STE, same gradients as the plain layout's); the tiled layout
+    is refused where it is not produced (token-blocked or row-scaled outputs, unknown names)."""
+    x = _rand((2, 33, 64), torch.float32, gen)
+    w = _rand((64,), torch.float32, gen)
+    wl = _rand((32, 64), torch.float32, gen)
+    g = _rand((2, 33, 32), torch.float32, gen)
+    grads = []
+    for layout in ("plain", "blackwell"):
+        xs = x.clone().requires_grad_(True)
+        h = P.rmsnorm_quant(xs, w, scale_layout=layout).out
+        y = P.linear_quant(h, wl, scale_layout=layout)
+        assert isinstance(y, P.GradMXTensorTiled if layout == "blackwell" else P.GradMXTensor)
+        (y.dequantize() * g).sum().backward()
+        grads.append(xs.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="scale_layout"):
+        P.rmsnorm_quant(x, w, orientations="both", scale_layout="blackwell")
+    with pytest.raises(ValueError, match="scale_layout"):
+        P.rmsnorm_quant(x, w, row_scaled=True, scale_layout="blackwell")
+    with pytest.raises(ValueError, match="scale_layout"):
+        P.linear_quant(x, wl, scale_layout="tiled")

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxattn.formats import MXTensor, RowScaledFP8
+from mxattn.formats import MXTensor, RowScaledFP8, blackwell_scale_bytes
 from mxattn.kernels.quantize import (
     SEQ_ALIGN,
     _e4m3_bytes,
@@ -187,6 +187,7 @@ def _linear_quant_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISE: tl.constexpr, HAS_BIAS: tl.constexpr,
     HDIM: tl.constexpr, SEQ: tl.constexpr, RCEIL: tl.constexpr, SOFT: tl.constexpr,
+    SWZ: tl.constexpr = False,  # hdim scales in the 128x4-tiled layout (rmsnorm_quant._emit_mx)
 ):
     pid_m, pid_n = band_tile(tl.program_id(0), n_row_tiles, tl.cdiv(N, BN), GROUP_M)
     b = pid_m // n_m_tiles
@@ -225,7 +226,7 @@ def _linear_quant_kernel(
     y4 = tl.reshape(y, (BM // 32, 32, BN // 32, 32))
     dummy_e = tl.zeros((BM // 32, 32, 1, 1), tl.int32)
     _emit_mx(y4, s0, n0, b64, S, N, S_pad, hd_ptr, hs_ptr, cd_ptr, cs_ptr, dummy_e,
-             BM // 32, 32, BN // 32, HDIM, SEQ, False, RCEIL, SOFT)
+             BM // 32, 32, BN // 32, HDIM, SEQ, False, RCEIL, SOFT, SWZ)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -278,8 +279,10 @@ def linear_quant_fwd(
     seq: bool,
     rceil: bool,
     tile: Optional[LinearTile] = None,
+    tiled_scales: bool = False,
 ) -> dict:
-    """The fused product on row-scaled operands; see the module docstring for the outputs."""
+    """The fused product on row-scaled operands; see the module docstring for the outputs.  ``tiled_scales``:
+    ``hs`` in the 128x4-tiled layout of one (M, ceil(N/32)) matrix (flat u8) instead of (M, ceil(N/32))."""
     xd, wd = xr.data, wr.data
     if xd.stride(-1) != 1:
         xd = xd.contiguous()
@@ -300,7 +303,11 @@ def linear_quant_fwd(
     s_pad = SEQ_ALIGN
     if hdim:
         hd = out["hd"] = torch.empty(M, N, dtype=torch.uint8, device=dev)
-        hs = out["hs"] = torch.empty(M, triton.cdiv(N, 32), dtype=torch.uint8, device=dev)
+        if tiled_scales:
+            hs = out["hs"] = torch.zeros(blackwell_scale_bytes(M, triton.cdiv(N, 32)), dtype=torch.uint8,
+                                         device=dev)
+        else:
+            hs = out["hs"] = torch.empty(M, triton.cdiv(N, 32), dtype=torch.uint8, device=dev)
     if seq:
         s_pad = triton.cdiv(max(S, 1), SEQ_ALIGN) * SEQ_ALIGN
         cd = out["cd"] = torch.empty(B, N, s_pad, dtype=torch.uint8, device=dev)
@@ -318,7 +325,7 @@ def linear_quant_fwd(
         S, N, K, s_pad, n_m_tiles, n_row_tiles,
         BM=tile.block_m, BN=tile.block_n, BK=tile.block_k, GROUP_M=tile.group_m,
         EVEN_K=K % tile.block_k == 0, PRECISE=tile.precise_acc, HAS_BIAS=bias is not None,
-        HDIM=hdim, SEQ=seq, RCEIL=rceil, SOFT=_soft(dev),
+        HDIM=hdim, SEQ=seq, RCEIL=rceil, SOFT=_soft(dev), SWZ=tiled_scales,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out

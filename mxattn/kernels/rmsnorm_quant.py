@@ -51,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mxattn.formats import blackwell_scale_bytes
 from mxattn.kernels.quantize import (
     SEQ_ALIGN,
     _e4m3_bytes,
@@ -61,6 +62,7 @@ from mxattn.kernels.quantize import (
     _pow2,
     _reexpress,
     _soft,
+    _tiled_offset,
     _to_f32,
 )
 
@@ -222,6 +224,7 @@ def _emit_mx(
     E,  # (MB, MI, 1, 1) int32 row exponents (row-scaled hdim output), else unused
     MB: tl.constexpr, MI: tl.constexpr, NB: tl.constexpr,
     HDIM: tl.constexpr, SEQ: tl.constexpr, ROWSCALED: tl.constexpr, RCEIL: tl.constexpr, SOFT: tl.constexpr,
+    SWZ: tl.constexpr = False,
 ):
     """Quantize and store one tile of y in the orientations asked for.  Rows are tokens s0 + mb * MI + mi of
     batch b (MI = 32 when SEQ: one seq block per mb), columns are channels n0 + nb * 32 + j.
@@ -229,7 +232,8 @@ def _emit_mx(
     hdim: data at ((b S + s) N + n), scales at ((b S + s) ceil(N/32) + n / 32), or (ROWSCALED) bytes
     re-expressed to E; seq: 32-bit words of the channel-major (B, N, S_pad) buffer at
     ((b N + n) S_pad + s) / 4, scales at ((b ceil(S/32) + s / 32) N + n).  Tokens in [S, S_pad) are stored as
-    zero bytes (the buffer's padding)."""
+    zero bytes (the buffer's padding).  ``SWZ``: the hdim scales go to the 128x4-tiled layout of Blackwell MMA
+    instead, one (B S, ceil(N/32)) matrix (``formats.to_blackwell_scale_layout``; the buffer comes zeroed)."""
     mb = tl.arange(0, MB)[:, None, None, None]
     mi = tl.arange(0, MI)[None, :, None, None]
     nb = tl.arange(0, NB)[None, None, :, None]
@@ -251,8 +255,12 @@ def _emit_mx(
             out, sc = _hdim_mx(y, y, mag, bad, RCEIL, SOFT)
             tl.store(hd + sl * N + nl, out, mask=ok)
             NBH = (N + 31) // 32
-            hs = hs_ptr + row * NBH + n0 // 32
-            tl.store(hs + sl * NBH + nb, sc, mask=(s < S) & (n0 // 32 + nb < NBH))
+            if SWZ:
+                tiled = hs_ptr + _tiled_offset(row + sl, n0 // 32 + nb, (NBH + 3) // 4)
+                tl.store(tiled, sc, mask=(s < S) & (n0 // 32 + nb < NBH))
+            else:
+                hs = hs_ptr + row * NBH + n0 // 32
+                tl.store(hs + sl * NBH + nb, sc, mask=(s < S) & (n0 // 32 + nb < NBH))
     if SEQ:
         amax = tl.max(mag, axis=1, keep_dims=True)  # (MB, 1, NB, 32): one per 32 tokens and channel
         e = _mx_exponent(amax, RCEIL)
@@ -296,6 +304,7 @@ def _rmsnorm_quant_fwd_kernel(
     MB: tl.constexpr, MI: tl.constexpr, BLOCK_N: tl.constexpr, LOG_BN: tl.constexpr,
     NCHUNK: tl.constexpr, NPC: tl.constexpr, LOG_NPC: tl.constexpr,
     HDIM: tl.constexpr, SEQ: tl.constexpr, ROWSCALED: tl.constexpr, RCEIL: tl.constexpr, SOFT: tl.constexpr,
+    SWZ: tl.constexpr = False,  # hdim scales in the 128x4-tiled layout (_emit_mx)
 ):
     BM: tl.constexpr = MB * MI
     NB: tl.constexpr = BLOCK_N // 32
@@ -350,14 +359,14 @@ def _rmsnorm_quant_fwd_kernel(
     if NCHUNK == 1:
         y = _normalize(xf, rstd4, wf, row_ok & (nl < N))
         _emit_mx(y, s0, 0, b64, S, N, S_pad, hd_ptr, hs_ptr, cd_ptr, cs_ptr, E,
-                 MB, MI, NB, HDIM, SEQ, ROWSCALED, RCEIL, SOFT)
+                 MB, MI, NB, HDIM, SEQ, ROWSCALED, RCEIL, SOFT, SWZ)
     else:
         for c in range(NCHUNK):
             n0 = (NCHUNK - 1 - c) * BLOCK_N  # reverse order: the last chunks read are the likeliest in L2
             _r, xf_c, wf_c = _load_chunk(xp, sxs, w_ptr, sl, nl, n0, S_rem, N)
             y = _normalize(xf_c, rstd4, wf_c, row_ok & (n0 + nl < N))
             _emit_mx(y, s0, n0, b64, S, N, S_pad, hd_ptr, hs_ptr, cd_ptr, cs_ptr, E,
-                     MB, MI, NB, HDIM, SEQ, ROWSCALED, RCEIL, SOFT)
+                     MB, MI, NB, HDIM, SEQ, ROWSCALED, RCEIL, SOFT, SWZ)
 
 
 @triton.jit
@@ -437,10 +446,12 @@ def rmsnorm_quant_fwd(
     row_scaled: bool,
     rceil: bool,
     tile: Optional[FwdTile] = None,
+    tiled_scales: bool = False,
 ) -> dict:
     """Run the forward kernel on canonical (B, S, N) ``x3`` (unit stride along N).  Returns a dict with
     ``rstd`` (B, S) fp32 and, as asked, ``hd`` (B, S, N) u8 with ``hs`` (B, S, ceil(N/32)) u8 or ``he``
-    (B, S, 1) int32 (row-scaled), ``cd`` (B, N, S_pad) u8 channel-major with ``cs`` (B, ceil(S/32), N) u8."""
+    (B, S, 1) int32 (row-scaled), ``cd`` (B, N, S_pad) u8 channel-major with ``cs`` (B, ceil(S/32), N) u8.
+    ``tiled_scales``: ``hs`` is instead the 128x4-tiled layout of one (B S, ceil(N/32)) matrix (flat u8)."""
     B, S, N = x3.shape
     dev = x3.device
     tile = tile or fwd_tile(N, seq)
@@ -454,6 +465,9 @@ def rmsnorm_quant_fwd(
         hd = out["hd"] = torch.empty(B, S, N, dtype=torch.uint8, device=dev)
         if row_scaled:
             hs = out["he"] = torch.empty(B, S, 1, dtype=torch.int32, device=dev)
+        elif tiled_scales:
+            hs = out["hs"] = torch.zeros(blackwell_scale_bytes(B * S, triton.cdiv(N, 32)), dtype=torch.uint8,
+                                         device=dev)
         else:
             hs = out["hs"] = torch.empty(B, S, triton.cdiv(N, 32), dtype=torch.uint8, device=dev)
     if seq:
@@ -477,7 +491,7 @@ def rmsnorm_quant_fwd(
         hd, hs, cd.view(torch.int32) if seq else dummy, cs,
         S, N, s_pad, n_s_tiles, float(eps), float(N),
         MB=bm // mi, MI=mi, BLOCK_N=bn, LOG_BN=_log2(bn), NCHUNK=nchunk, NPC=npc, LOG_NPC=_log2(npc),
-        HDIM=hdim, SEQ=seq, ROWSCALED=row_scaled, RCEIL=rceil, SOFT=_soft(dev),
+        HDIM=hdim, SEQ=seq, ROWSCALED=row_scaled, RCEIL=rceil, SOFT=_soft(dev), SWZ=tiled_scales,
         num_warps=tile.num_warps, enable_fp_fusion=False,
     )
     return out
