@@ -124,6 +124,8 @@ import json, sys
 from mxattn.kernels.varlen import bench_varlen
 from mxattn.bench.results import write_result
 rows = [bench_varlen(causal=c) for c in (False, True)]
+# equal lengths (16 x 2048): the jagged path's own cost without raggedness (perf-notes-varlen.md)
+rows += [dict(bench_varlen(causal=c, lengths=[2048] * 16, with_sdpa=False), lengths='16 x 2048') for c in (False, True)]
 print(json.dumps(rows, indent=1))
 print(write_result('varlen_fwd', rows, sys.argv[1]))
 " "$OUT" ;;
