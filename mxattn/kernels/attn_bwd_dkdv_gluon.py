@@ -85,7 +85,7 @@ tests compare it with.  The ring of query-side tiles is shared: its empty barrie
 the unsplit consumer's warpgroups meet at the tile-wide dS max and at each ring release (256-thread partition
 barriers, several per step), so one's exp2 / dS math cannot run under the other's products; split, only the shared
 tiles couple them.  Per-warp instructions per step are the same (1371-1377 SASS per loop at d128); triton 3.6
-spills a few loop-invariant values (72 B at d128, outside the loop) and, at d128 causal, 13 LDL/STL per step
+spills a few loop-invariant values (72 B at d128, outside the loop) and, at d128 causal, 11 LDL/STL per step
 inside it (the unsplit build: 3).  Found on the way: a tuple of partition arguments held in a variable turns its
 constexprs into runtime values, so each partition's tuple is written out in the call.
 """
@@ -270,9 +270,9 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, k_tile, v_tile, kv_bar, qd_rea
     exist), diag = Sk − Sq − first key (local key r sees local query c of the tile at m0 iff r − c <= m0 + diag).
     The dS exponent is one per (ROWS keys x 64 queries) tile: the tl kernel's with block_n = ROWS.
 
-    Split, warpgroup 1's first causal query tile of each head lies wholly before its keys (the tl kernel with
-    64-key blocks starts one tile later): P = dS = 0 there and its exponent stays (amax 0 keeps it); only the bound
-    of ``_bounded_exp`` starts one tile earlier, which matters only for a dS amax below 448 · 2^-64."""
+    Split, warpgroup 1's first causal query tiles of each head can lie wholly before its keys (the tl kernel with
+    64-key blocks starts later): P = dS = 0 there, the exponent stays (amax 0 keeps it) and the bound of
+    ``_bounded_exp`` is not started by them, so the exponent sequence is the tl kernel's."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_M, WARPS)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM, WARPS)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
@@ -324,7 +324,13 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, k_tile, v_tile, kv_bar, qd_rea
         # the tile's exponent (a cross-warp max), its e4m3 dSᵀ and the rare dK rescale, under dV's product
         amax = gl.max(gl.max(gl.abs(ds), 1), 0)
         e = gl.maximum(_sticky_exp(_rceil_exp(amax, dk_e), dk_e), dk_hi - 64)  # _bounded_exp(_sticky_exp(...))
-        dk_hi = gl.maximum(dk_hi, e)
+        if ROWS == 64 and CAUSAL:
+            # split: a query tile wholly before this warpgroup's keys (local key 0 does not see query 63) is one
+            # the tl kernel's 64-key block does not visit: all masked (amax 0 keeps e), it must not start the bound
+            if m0 + diag > -BLOCK_M:
+                dk_hi = gl.maximum(dk_hi, e)
+        else:
+            dk_hi = gl.maximum(dk_hi, e)
         ds8 = gl.convert_layout((ds * _pow2(-e)).to(gl.float8e4nv), a_layout)
         if e != dk_e:  # rare: only when the tile's exponent leaves the hysteresis window
             dk = dk * _pow2(dk_e - e)
