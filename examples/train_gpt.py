@@ -189,6 +189,9 @@ class Config:
     device: str = "auto"
     dtype: str = "auto"  # compute dtype of the blocks: bf16 autocast on CUDA, float32 on CPU
     compile: bool = False
+    # torch.compile mode with --compile: "default", or "reduce-overhead" (CUDA graphs: no host launch cost, so the
+    # step times compare the kernels' device time, which at S 2048 the eager host overhead hides)
+    compile_mode: str = "default"
 
 
 TINY = dict(n_layers=2, dim=128, n_heads=2, seq_len=64, batch_size=2, steps=6, lr=3e-3, warmup_steps=2,
@@ -317,7 +320,7 @@ def train_one(attention: str, cfg: Config, corpus: dict, out: Path, progress: bo
         opt_kw["fused"] = True
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], **opt_kw)
-    fwd = torch.compile(model) if cfg.compile else model
+    fwd = torch.compile(model, mode=cfg.compile_mode) if cfg.compile else model
 
     train_tok, val_tok = corpus["train"], corpus["val"]
     offsets = batch_offsets(len(train_tok), cfg)
@@ -498,6 +501,8 @@ def parse_args(argv) -> tuple[Config, argparse.Namespace]:
                    help="auto: bf16 autocast (fp32 master weights) on CUDA, fp32 on CPU")
     p.add_argument("--tie-embeddings", action="store_true", default=None)
     p.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
+    p.add_argument("--compile-mode", dest="compile_mode", default=None, choices=("default", "reduce-overhead"),
+                   help="torch.compile mode with --compile (reduce-overhead: CUDA graphs)")
     args = p.parse_args(argv)
     values = asdict(d)
     if args.tiny:
