@@ -19,7 +19,8 @@
 #   train      examples/train_gpt.py (TRAIN_ATTENTION=sdpa|mxfp8|both, TRAIN_ARGS), into OUTDIR/train
 #   trainpar   both halves of the parity run at once, sdpa on GPU 0 and mxfp8 on GPU 1 (needs 2 GPUs), then parity.json
 #   blockscaled  the Blackwell-path forward (tl.dot_scaled, upcast to bf16 on Hopper) vs the Hopper kernel, B2 H16 S4k
-#   ncu        Nsight Compute counters of the Gluon backward kernels (NCU_SHAPE="B H S D causal"), into OUTDIR/ncu_bwd.txt
+#   ncu        Nsight Compute counters of the Gluon forward and backward kernels (NCU_SHAPE="B H S D causal", default
+#              2 16 8192 128 1: the API takes the Gluon forward at d128 S >= 8k), into OUTDIR/ncu_bwd.txt
 #   sanitize   compute-sanitizer memcheck/racecheck/synccheck on tiny shapes (scripts/sanitize.sh; slow: run alone)
 # Needs no network: the machine's python3 (torch >= 2.11, triton >= 3.6). Each stage runs under a timeout
 # (MXATTN_STAGE_TIMEOUT seconds, default 420) so that one hang cannot eat the whole lease. The GPU machine has
@@ -164,11 +165,11 @@ for r in rows: print(r)
 print(write_result('blockscaled', rows, sys.argv[1], extra={'note': 'tl.dot_scaled upcast to bf16 wgmma on sm_90'}))
 " "$OUT" ;;
     ncu)
-      # where the Gluon dK/dV and dQ kernels spend their time: speed of light, warp stalls, issue slots, the SASS
-      # lines that stall most. One fwd+bwd to compile, then the second one's two kernels are profiled.
+      # where the Gluon forward, dK/dV and dQ kernels spend their time: speed of light, warp stalls, issue slots, the
+      # SASS lines that stall most. One fwd+bwd to compile, then the second one's three kernels are profiled.
       NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
       read -r nb nh ns nd nc <<< "${NCU_SHAPE:-2 16 8192 128 1}"
-      run "$NCU" --clock-control none --kernel-name regex:"_attn_bwd_(dkdv|dq)_ws_kernel" --launch-skip 2 --launch-count 2 \
+      run "$NCU" --clock-control none --kernel-name regex:"_attn_(fwd|bwd_dkdv|bwd_dq)_ws_kernel" --launch-skip 3 --launch-count 3 \
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section InstructionStats \
         --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
         --section SourceCounters \
