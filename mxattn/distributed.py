@@ -465,8 +465,9 @@ def _ring_backward(q, k, v, out, dout, lse_bwd, ring: _Ring, causal, scale, zigz
         kv_pending = ring.exchange(buf, _TAG_KV, _LAST_STATS.bwd_kv_bytes) if step + 1 < W else None
         visiting = _unpack(buf, spec)
         theirs = _chunk_ids((r - step) % W, W, zigzag)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        # this step's dK, dV partial sums of the visiting shard, in the one flat buffer that travels on
+        acc = torch.zeros(k.numel() + v.numel(), dtype=torch.float32, device=k.device)
+        dk, dv = acc[: k.numel()].view(k.shape), acc[k.numel():].view(v.shape)
         for (i0, i1), (j0, j1), diag in _step_calls(mine, theirs, causal, merge):
             rows, cols = slice(i0 * c, i1 * c), slice(j0 * c, j1 * c)
             bq, bk, bv = block.backward(
@@ -476,7 +477,6 @@ def _ring_backward(q, k, v, out, dout, lse_bwd, ring: _Ring, causal, scale, zigz
             dq[:, rows] += bq
             dk[:, cols] += bk
             dv[:, cols] += bv
-        acc = torch.cat([dk.reshape(-1), dv.reshape(-1)])
         if grad_pending is not None:  # partial sums of this shard from the ranks it visited before
             acc += grad_pending.wait().float()
         grad_pending = ring.exchange(acc.to(grad_comm_dtype), _TAG_GRAD, _LAST_STATS.bwd_grad_bytes)
