@@ -909,3 +909,62 @@ def bench_producers(
 
         out["files"] = [str(write_result(what, out[what], outdir)) for what in ("rmsnorm_quant", "linear_quant")]
     return out
+
+
+def sweep_rmsnorm_tiles(M: int = 16384, Ns=(4096, 8192), rep_ms: int = 100, outdir=None,
+                        progress: bool = True) -> list[dict]:
+    """GB/s of ``rmsnorm_quant`` (bf16 (M, N) in) per forward tile, hdim and seq outputs (GPU).
+
+    The default tile (``kernels.rmsnorm_quant.fwd_tile``) gives a program ~4K elements, i.e. one 4096-wide row:
+    at N = 4096 the kernel moved half the bytes of N = 8192 in the same time (31 % vs 57 % of copy), which points
+    at per-program latency.  Tried here: 1, 2, 4 (and 8) whole rows per program with 4, 8, 16 warps for hdim, and
+    32 tokens x 128 / 256 / 512 columns for seq.  One row per (N, orientation, tile) with ``pct_of_copy`` and the
+    default tile's time as ``default_ms``; with ``outdir``, written as what="rmsnorm_quant" (note: tile sweep)."""
+    from mxattn.kernels import rmsnorm_quant as kr
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("sweep_rmsnorm_tiles needs a CUDA device")
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for N in Ns:
+        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, generator=gen)
+        w = torch.randn(N, device="cuda", dtype=torch.bfloat16, generator=gen)
+        dst = torch.empty_like(x)
+        copy_gbps = 2 * x.numel() * 2 / _median_ms(lambda: dst.copy_(x), rep_ms) / 1e6
+        bn = min(kr._np2(N), kr._SINGLE_CHUNK_MAX)
+        cands = {"hdim": [kr.FwdTile(bm, bn, nw) for bm in (1, 2, 4, 8) if bm * bn <= 32768 for nw in (4, 8, 16)],
+                 "seq": [kr.FwdTile(32, c, nw) for c in (128, 256, 512) for nw in (4, 8, 16)]}
+        nbytes = {"hdim": 2 * M * N + 2 * N + M * N + M * -(-N // 32) + 4 * M,
+                  "seq": 2 * M * N + 2 * N + M * N + N * -(-M // 32) + 4 * M}
+        for orient, tiles in cands.items():
+            fn = lambda o=orient: rmsnorm_quant(x, w, orientations=o)  # noqa: E731
+            kr.TILE_OVERRIDES.pop("fwd", None)
+            fn()
+            default_ms = _median_ms(fn, rep_ms)
+            for tile in tiles:
+                kr.TILE_OVERRIDES["fwd"] = tile
+                try:
+                    fn()
+                    ms = _median_ms(fn, rep_ms)
+                    err = None
+                except Exception as e:  # noqa: BLE001 - a tile that does not compile is a row, not a stop
+                    ms, err = float("nan"), f"{type(e).__name__}: {e}"[:200]
+                finally:
+                    kr.TILE_OVERRIDES.pop("fwd", None)
+                row = {"kernel": orient, "M": M, "N": N, "tile": [tile.block_m, tile.block_n, tile.num_warps],
+                       "ms": ms, "default_ms": default_ms, "gbps": nbytes[orient] / ms / 1e6,
+                       "copy_gbps": copy_gbps}
+                row["pct_of_copy"] = 100.0 * row["gbps"] / copy_gbps
+                if err:
+                    row["error"] = err
+                rows.append(row)
+                if progress:
+                    print(f"  rmsnorm_quant {orient} N{N} tile {row['tile']}: {ms:.3f} ms "
+                          f"({row['pct_of_copy']:.1f}% of copy; default {default_ms:.3f} ms)", flush=True)
+        del x, dst
+        torch.cuda.empty_cache()
+    if outdir is not None:
+        from mxattn.bench.results import write_result
+
+        print(write_result("rmsnorm_quant", rows, outdir, extra={"note": "forward tile sweep"}))
+    return rows

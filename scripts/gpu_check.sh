@@ -118,7 +118,9 @@ print(format_quantize_table(rows))
 print(write_result('quantize', rows, sys.argv[1]))
 " "$OUT" ;;
     producers)
-      run $PY -c "import sys; from mxattn.producers import bench_producers; print(bench_producers(outdir=sys.argv[1]))" "$OUT" ;;
+      run $PY -c "import sys; from mxattn.producers import bench_producers; print(bench_producers(outdir=sys.argv[1]))" "$OUT"
+      # PRODUCERS_SWEEP=1: rmsnorm_quant forward tiles (rows per program, warps; seq column chunks)
+      [ "${PRODUCERS_SWEEP:-0}" = 1 ] && run $PY -c "import sys; from mxattn.producers import sweep_rmsnorm_tiles; sweep_rmsnorm_tiles(outdir=sys.argv[1])" "$OUT" ;;
     varlen)
       run $PY -c "
 import json, sys
