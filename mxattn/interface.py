@@ -236,6 +236,11 @@ def forward_kernel_for(q_shape, k_shape, device, backend: str = "auto") -> str:
 
 @functools.lru_cache(maxsize=1)
 def _gluon_importable() -> bool:
+    """Gluon imports and this Triton is one the Gluon kernels were verified on (``kernels.gluon_verified``)."""
+    from mxattn.kernels import gluon_verified
+
+    if not gluon_verified():  # another Triton: Gluon's API moves between releases; the tl kernel covers all shapes
+        return False
     try:
         importlib.import_module("mxattn.kernels.attn_fwd_gluon")
     except Exception:  # a triton without Gluon, or a Gluon API change: the tl kernel covers every shape

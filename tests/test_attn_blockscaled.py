@@ -388,3 +388,38 @@ def test_api_blockscaled_backward_wiring_interpreter(seed):
         db = reference.sqnr_db(g.double().cpu(), w.double())
         print(f"blockscaled vs reference backward: {db:.1f} dB")
         assert db > 25  # two emulations of the same FP8 steps (measured 34-38 dB)
+
+
+def test_gluon_kernels_auto_only_on_verified_triton(monkeypatch):
+    """The automatic choice takes the Gluon forward (d128, S >= 8k) and backward kernels on sm_90 only with a
+    Triton they were verified on (``kernels.GLUON_VERIFIED_TRITON``: Gluon's API moves between releases); asking
+    by name still works on any version."""
+    import triton
+
+    from mxattn.kernels import attn_bwd
+
+    monkeypatch.delenv("MXATTN_FWD_KERNEL", raising=False)
+    monkeypatch.delenv("MXATTN_BWD_KERNEL", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(attn_bwd, "INTERPRETER", False)  # the choice as a GPU machine makes it
+    shp = (1, 8192, 2, 128)
+    dev = torch.device("cuda", 0)
+    try:
+        for version, verified in (("3.9.1", False), ("3.6.0", True)):
+            monkeypatch.setattr(triton, "__version__", version)
+            interface._gluon_importable.cache_clear()
+            attn_bwd._gluon_runs_on.cache_clear()
+            fwd, bwd = interface.forward_kernel_for(shp, shp, dev), attn_bwd.backward_kernel(dev)
+            if verified:
+                if not interface._gluon_importable():
+                    pytest.skip("this Triton has no Gluon")
+                assert (fwd, bwd) == ("gluon", "gluon"), version
+            else:
+                assert (fwd, bwd) == ("tl", "tl"), version
+                assert interface.forward_kernel_for(shp, shp, dev, "gluon") == "gluon"
+                monkeypatch.setenv("MXATTN_BWD_KERNEL", "gluon")
+                assert attn_bwd.backward_kernel(dev) == "gluon"
+                monkeypatch.delenv("MXATTN_BWD_KERNEL")
+    finally:
+        interface._gluon_importable.cache_clear()
+        attn_bwd._gluon_runs_on.cache_clear()

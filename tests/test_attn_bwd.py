@@ -305,11 +305,13 @@ def test_backward_kernel_switch(seed, monkeypatch):
 
 @pytest.mark.gpu
 def test_backward_kernel_auto_is_gluon_on_hopper(monkeypatch):
-    """Without MXATTN_BWD_KERNEL, a Hopper GPU with Gluon in Triton takes the Gluon backward kernels."""
+    """Without MXATTN_BWD_KERNEL, a Hopper GPU with a verified Triton's Gluon takes the Gluon backward kernels."""
     bwd = _bwd()
     monkeypatch.delenv("MXATTN_BWD_KERNEL", raising=False)
     dev = torch.device("cuda", torch.cuda.current_device())
-    want = "gluon" if torch.cuda.get_device_capability(dev) == (9, 0) else "tl"
+    from mxattn.kernels import gluon_verified
+
+    want = "gluon" if torch.cuda.get_device_capability(dev) == (9, 0) and gluon_verified() else "tl"
     assert bwd.backward_kernel(dev) == want
 
 

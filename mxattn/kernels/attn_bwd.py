@@ -120,8 +120,11 @@ BWD_KERNELS = ("auto", "tl", "gluon")
 
 @functools.lru_cache(maxsize=None)
 def _gluon_runs_on(device_index: int) -> bool:
-    """Hopper (sm_90) and a Triton with Gluon's Hopper module: where the Gluon backward kernels compile and run."""
-    if torch.cuda.get_device_capability(device_index) != (9, 0):
+    """Hopper (sm_90) and a Triton with Gluon's Hopper module on which the Gluon kernels were verified
+    (``kernels.gluon_verified``): where the automatic choice takes the Gluon backward kernels."""
+    from mxattn.kernels import gluon_verified
+
+    if torch.cuda.get_device_capability(device_index) != (9, 0) or not gluon_verified():
         return False
     try:
         from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
@@ -135,7 +138,8 @@ def backward_kernel(device: Optional[torch.device] = None) -> str:
 
     "gluon": the warp-specialized kernels of attn_bwd_dkdv_gluon.py and attn_bwd_dq_gluon.py (deterministic, no
     atomics; 1.20-1.28x the tl dQ kernel and 1.25-1.65x the tl dK/dV kernel at B2 H16 S8k d128 on the H200,
-    benchmarks/results/attn_bwd_kernels-*-s4*.json).  "auto" takes them on a Hopper GPU when Triton has Gluon, and
+    benchmarks/results/attn_bwd_kernels-*-s4*.json).  "auto" takes them on a Hopper GPU when Triton has Gluon (a
+    version they were verified on, ``kernels.GLUON_VERIFIED_TRITON``), and
     ``attn_bwd_hopper`` falls back to "tl" for operands they do not take; an explicit "gluon" raises there
     instead.  Read at each call; an explicit ``config`` keeps the ``tl`` kernels."""
     choice = os.environ.get("MXATTN_BWD_KERNEL", "auto")
