@@ -312,8 +312,8 @@ class KernelBlock:
 
     A query chunk meets several key chunks in one ring pass; its operands (Q per row for the forward; Q in both
     orientations, dO in both and delta's inputs for the backward) are made once per pass and kept until
-    ``begin`` (called by the ring at the start of each pass, and ``end`` after it).  Not run in this repository's
-    CPU tests (see docs/distributed.md)."""
+    ``begin`` (called by the ring at the start of each pass, and ``end`` after it).  CPU tests run it through the
+    Triton interpreter (tests/test_distributed.py); on GPUs ``python -m mxattn.distributed --check``."""
 
     def __init__(self):
         self._cache: dict = {}
