@@ -97,7 +97,6 @@ rows += [dict(r, kernel='dkdv_split', tl='64-key blocks') for r in bench_attn_bw
 rows += [dict(r, kernel='dkdv_stages3') for r in bench_attn_bwd_dkdv_gluon(config=GluonDkdvConfig(stages=3))]
 rows += [dict(r, kernel='dq_stages2') for r in bench_attn_bwd_dq_gluon(config=GluonDqConfig(stages=2))]
 rows += [dict(r, kernel='dq_split', tl='64-row blocks') for r in bench_attn_bwd_dq_gluon(config=GluonDqConfig(split=True))]
-rows += [dict(r, kernel='dkdv_split_stages3', tl='64-key blocks') for r in bench_attn_bwd_dkdv_gluon(config=GluonDkdvConfig(split=True, stages=3))]
 for r in rows: print(r)
 print(write_result('attn_bwd_kernels', rows, sys.argv[1], extra={'note': 'Gluon backward kernels vs their tl twins'}))
 " "$OUT" ;;
