@@ -26,11 +26,10 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(_HERE, ".."))
 sys.path.insert(0, _HERE)
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from compile_check_bwd_dq_gluon import run_variants  # noqa: E402
 from compile_check_gluon import check as gluon_check  # noqa: E402
+from compile_check_gluon import compile_sm90, fp8_desc  # noqa: E402
 
 MAX_DEPBAR = 3
 # spill bytes (ptxas -v, stores + loads) accepted per variant, each explained; anything above fails.  d128 causal:
@@ -43,25 +42,17 @@ SPILL_ALLOWANCE = {"d128_causal": 16}
 SPLIT_LOOP_LOCAL_ALLOWANCE = {"d128_causal": 11}
 
 
-def _desc_sig(block_shape, layout) -> str:
-    return f"tensordesc<fp8e4nv[{', '.join(map(str, block_shape))}],{layout!r}>"
-
-
 def compile_variant(head_dim: int, causal: bool, stages: int | None = None, split: bool = False):
     """triton.compile of ``_attn_bwd_dkdv_ws_kernel`` for sm_90a, with the launcher's constexprs and options."""
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     from mxattn.kernels import attn_bwd_dkdv_gluon as m
 
     cfg = m.default_config(head_dim, causal)
     stages = stages or cfg.stages
-    n_warps = 4 if split else 8
-    f8 = gl.float8e4nv
+    lay = lambda shape: gl.NVMMASharedLayout.get_default_for(shape, gl.float8e4nv)  # noqa: E731
     bm, bn = m.BLOCK_M.value, (m.BLOCK_N_WG if split else m.BLOCK_N).value
-    row = ([bm, head_dim], gl.NVMMASharedLayout.get_default_for([bm, head_dim], f8))
-    key = ([bn, head_dim], gl.NVMMASharedLayout.get_default_for([bn, head_dim], f8))
-    seq = ([head_dim, bm], gl.NVMMASharedLayout.get_default_for([head_dim, bm], f8))
+    row, key, seq = fp8_desc([bm, head_dim], lay), fp8_desc([bn, head_dim], lay), fp8_desc([head_dim, bm], lay)
     descs = {"q_desc": row, "do_desc": row, "qs_desc": seq, "dos_desc": seq, "k_desc": key, "v_desc": key}
     ptrs = {"QE": "*i32", "DOE": "*i32", "KE": "*i32", "VE": "*i32", "QSE": "*i32", "DOSE": "*i32",
             "LSE": "*fp32", "DELTA": "*fp32", "DK": "*bf16", "DV": "*bf16"}
@@ -70,22 +61,8 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None, spli
     # the JIT specializes integer arguments equal to 1 as constexpr; the launcher makes these strides 1 (contiguous
     # exponent tensors, lse, delta, dk, dv), so every launch compiles this variant
     consts |= {name: 1 for name in m.UNIT_STRIDES}
-    fn = m._attn_bwd_dkdv_ws_kernel
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name in descs:
-            sig[name] = _desc_sig(*descs[name])
-        elif name in ptrs:
-            sig[name] = ptrs[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ("qk_scale", "grad_scale"):
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-    src = GluonASTSource(fn, sig, consts, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": n_warps, "maxnreg": cfg.maxnreg})
+    return compile_sm90(m._attn_bwd_dkdv_ws_kernel, consts, descs, ptrs, ("qk_scale", "grad_scale"),
+                        4 if split else 8, cfg.maxnreg)
 
 
 def check(k, name: str, dump: str | None, max_depbar: int = MAX_DEPBAR, spill_allowance: int | None = None,

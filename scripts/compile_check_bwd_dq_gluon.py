@@ -25,51 +25,28 @@ sys.path.insert(0, os.path.join(_HERE, ".."))
 sys.path.insert(0, _HERE)
 
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from compile_check_gluon import check  # noqa: E402
-
-
-def _desc_sig(block_shape, layout) -> str:
-    return f"tensordesc<fp8e4nv[{', '.join(map(str, block_shape))}],{layout!r}>"
+from compile_check_gluon import check, compile_sm90, fp8_desc  # noqa: E402
 
 
 def compile_variant(head_dim: int, causal: bool, stages: int | None = None, split: bool = False):
     """triton.compile of ``_attn_bwd_dq_ws_kernel`` for sm_90a, with the launcher's constexprs and options."""
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     from mxattn.kernels import attn_bwd_dq_gluon as m
 
     cfg = m.default_config(head_dim, causal)
     stages = stages or cfg.stages
-    f8 = gl.float8e4nv
+    lay = lambda shape: gl.NVMMASharedLayout.get_default_for(shape, gl.float8e4nv)  # noqa: E731
     bm, bn = (m.WG_ROWS if split else m.BLOCK_M).value, m.BLOCK_N.value
-    row = ([bm, head_dim], gl.NVMMASharedLayout.get_default_for([bm, head_dim], f8))
-    key = ([bn, head_dim], gl.NVMMASharedLayout.get_default_for([bn, head_dim], f8))
-    descs = {"q_desc": row, "do_desc": row, "k_desc": key, "v_desc": key,
-             "ks_desc": ([head_dim, bn], gl.NVMMASharedLayout.get_default_for([head_dim, bn], f8))}
+    row, key = fp8_desc([bm, head_dim], lay), fp8_desc([bn, head_dim], lay)
+    descs = {"q_desc": row, "do_desc": row, "k_desc": key, "v_desc": key, "ks_desc": fp8_desc([head_dim, bn], lay)}
     ptrs = {"QE": "*i32", "DOE": "*i32", "KE": "*i32", "VE": "*i32", "KSE": "*i32", "LSE": "*fp32",
             "DELTA": "*fp32", "DQ": "*bf16"}
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs, SPLIT=split,
                   CONSUMER_REGS=cfg.consumer_regs)
-    fn = m._attn_bwd_dq_ws_kernel
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name in descs:
-            sig[name] = _desc_sig(*descs[name])
-        elif name in ptrs:
-            sig[name] = ptrs[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ("qk_scale", "grad_scale"):
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-    src = GluonASTSource(fn, sig, consts, attrs)
-    opts = {"num_warps": 4 if split else 8, "maxnreg": cfg.maxnreg}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    return compile_sm90(m._attn_bwd_dq_ws_kernel, consts, descs, ptrs, ("qk_scale", "grad_scale"),
+                        4 if split else 8, cfg.maxnreg)
 
 
 def partition_report(k, consumer_threads: int = 256) -> bool:

@@ -32,14 +32,38 @@ def _bin(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def _desc_sig(block_shape, layout) -> str:
-    return f"tensordesc<fp8e4nv[{', '.join(map(str, block_shape))}],{layout!r}>"
+def fp8_desc(block_shape, layout_for) -> tuple:
+    """(block shape, NVMMA shared layout) of an e4m3 TMA descriptor argument, for ``compile_sm90``."""
+    return list(block_shape), layout_for(list(block_shape))
+
+
+def compile_sm90(fn, consts: dict, descs: dict, ptrs: dict, floats: tuple, num_warps: int, maxnreg: int):
+    """``triton.compile`` of the Gluon kernel ``fn`` for sm_90a without a GPU.  Arguments by name: ``consts``
+    constexpr values, ``descs`` e4m3 TMA descriptors (name -> (block shape, layout)), ``ptrs`` pointer types (with
+    16-byte divisibility, as the launchers' tensors have), ``floats`` fp32 scalars; every other argument is i32."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in descs:
+            shape, layout = descs[name]
+            sig[name] = f"tensordesc<fp8e4nv[{', '.join(map(str, shape))}],{layout!r}>"
+        elif name in ptrs:
+            sig[name] = ptrs[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in floats:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    src = GluonASTSource(fn, sig, consts, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "maxnreg": maxnreg})
 
 
 def compile_variant(head_dim: int, causal: bool, pingpong: bool, block_n: int = 128, stages: int | None = None,
                     module=None):
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     if module is None:
         from mxattn.kernels import attn_fwd_gluon as module
@@ -47,32 +71,13 @@ def compile_variant(head_dim: int, causal: bool, pingpong: bool, block_n: int = 
 
     cfg = m.default_config(head_dim, causal)
     stages = stages or cfg.stages
-    f8 = gl.float8e4nv
-    descs = {
-        "q_desc": ([m.WG_ROWS.value, head_dim], gl.NVMMASharedLayout.get_default_for([m.WG_ROWS.value, head_dim], f8)),
-        "k_desc": ([block_n, head_dim], gl.NVMMASharedLayout.get_default_for([block_n, head_dim], f8)),
-        "v_desc": ([head_dim, block_n], gl.NVMMASharedLayout.get_default_for([head_dim, block_n], f8)),
-    }
+    lay = lambda shape: gl.NVMMASharedLayout.get_default_for(shape, gl.float8e4nv)  # noqa: E731
+    descs = {"q_desc": fp8_desc([m.WG_ROWS.value, head_dim], lay), "k_desc": fp8_desc([block_n, head_dim], lay),
+             "v_desc": fp8_desc([head_dim, block_n], lay)}
     ptrs = {"QE": "*i32", "KE": "*i32", "VE": "*i32", "O": "*bf16", "LSE": "*fp32"}
     consts = dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
                   CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
-    fn = m._attn_fwd_ws_kernel
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name in descs:
-            sig[name] = _desc_sig(*descs[name])
-        elif name in ptrs:
-            sig[name] = ptrs[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name == "qk_scale":
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-    src = GluonASTSource(fn, sig, consts, attrs)
-    opts = {"num_warps": 4, "maxnreg": cfg.maxnreg}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    return compile_sm90(m._attn_fwd_ws_kernel, consts, descs, ptrs, ("qk_scale",), 4, cfg.maxnreg)
 
 
 def _resource_usage(cubin: bytes) -> dict:
