@@ -115,6 +115,7 @@ from mxattn.kernels.attn_bwd_dq_gluon import (
     _mma_layout,
     _pow2,
     _rceil_exp,
+    _ring_barriers,
     _row_group,
     _static_tiles,
     _sticky_exp,
@@ -398,18 +399,7 @@ def _attn_bwd_dkdv_ws_kernel(
     qs_smem = gl.allocate_shared_memory(qs_desc.dtype, [STAGES] + qs_desc.block_type.shape, qs_desc.layout)
     dos_smem = gl.allocate_shared_memory(dos_desc.dtype, [STAGES] + dos_desc.block_type.shape, dos_desc.layout)
     k_smem, v_smem = _static_tiles(k_desc, v_desc, SPLIT)  # 64-key boxes when split
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    qd_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    qd_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    sq_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    sq_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(qd_ready.index(i), count=1)
-        mbarrier.init(sq_ready.index(i), count=1)
-        # one arrival per consumer partition: the 8-warp consumer, or each warpgroup when split
-        mbarrier.init(qd_empty.index(i), count=2 if SPLIT else 1)
-        mbarrier.init(sq_empty.index(i), count=2 if SPLIT else 1)
+    kv_bar, qd_ready, qd_empty, sq_ready, sq_empty = _ring_barriers(STAGES, SPLIT)
 
     b64 = b.to(gl.int64)
     QE_b = QE + b64 * stride_qeb

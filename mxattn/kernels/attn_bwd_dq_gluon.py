@@ -218,6 +218,25 @@ def _static_tiles(a_desc, b_desc, SPLIT: gl.constexpr):
     return a, b
 
 
+@gluon.jit
+def _ring_barriers(STAGES: gl.constexpr, SPLIT: gl.constexpr):
+    """The mbarriers of both backward kernels: one for the tiles loaded once, and ready / empty per stage of the two
+    rings (count 1 with expect-tx for ready; empty counts one arrival per consumer partition: the 8-warp consumer,
+    or each warpgroup when split).  Returns (once, a_ready, a_empty, b_ready, b_empty)."""
+    once = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    a_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    b_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(once, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(a_ready.index(i), count=1)
+        mbarrier.init(b_ready.index(i), count=1)
+        mbarrier.init(a_empty.index(i), count=2 if SPLIT else 1)
+        mbarrier.init(b_empty.index(i), count=2 if SPLIT else 1)
+    return once, a_ready, a_empty, b_ready, b_empty
+
+
 # ------------------------------------------------------------------------------------------------- producer
 @gluon.jit
 def _producer_steps(k_desc, v_desc, ks_desc, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
@@ -397,18 +416,7 @@ def _attn_bwd_dq_ws_kernel(
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     ks_smem = gl.allocate_shared_memory(ks_desc.dtype, [STAGES] + ks_desc.block_type.shape, ks_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ks_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ks_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(kv_ready.index(i), count=1)
-        mbarrier.init(ks_ready.index(i), count=1)
-        # one arrival per consumer partition: the 8-warp consumer, or each warpgroup when split
-        mbarrier.init(kv_empty.index(i), count=2 if SPLIT else 1)
-        mbarrier.init(ks_empty.index(i), count=2 if SPLIT else 1)
+    q_bar, kv_ready, kv_empty, ks_ready, ks_empty = _ring_barriers(STAGES, SPLIT)
 
     b64 = b.to(gl.int64)
     QE_t = QE + b64 * stride_qeb + h * stride_qeh + (start_m // q_group) * stride_qeg
