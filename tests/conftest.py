@@ -10,6 +10,7 @@ with it and it is attached to the report.  ``gen``: a CPU ``torch.Generator`` se
 Tests marked ``gpu`` are skipped when CUDA is unavailable.
 """
 
+import collections
 import os
 import zlib
 
@@ -93,6 +94,53 @@ class MBarrierModel:
         self.tx -= tx
         assert self.tx >= 0, "more transactions landed than expected"
         self._maybe_complete()
+
+
+class SharedTilesModel:
+    """Shared-memory buffers, asynchronous TMA loads and wgmma reads for the protocol-model tests: ``tma`` starts a
+    load (landing later, in a random order, and completing a transaction on its ``MBarrierModel``), ``start_read`` /
+    ``done_read`` bracket a wgmma reading a buffer (any number of readers).  ``run(actors, rng)`` interleaves the
+    actors (generators yielding ("step",) or ("wait", barrier, parity)) with the landings at random.  Checks: no
+    deadlock, each read sees the tile it expects, no TMA is issued into or lands in a buffer being read."""
+
+    def __init__(self, buffers):
+        self.content = {b: None for b in buffers}
+        self.reading = collections.Counter()
+        self.in_flight = []  # (buffer, tile, barrier) not landed yet
+        self.log = []
+
+    def tma(self, buf, tile, bar):
+        assert buf not in self.reading, f"TMA into {buf} while a wgmma reads it"
+        self.in_flight.append((buf, tile, bar))
+
+    def start_read(self, buf, tile):
+        assert self.content[buf] == tile, f"wgmma reads {buf} expecting tile {tile}, holds {self.content[buf]}"
+        self.reading[buf] += 1
+        self.log.append(("read", buf, tile))
+
+    def done_read(self, buf):
+        self.reading[buf] -= 1
+        if not self.reading[buf]:
+            del self.reading[buf]
+
+    def run(self, actors: dict, rng) -> list:
+        waits = {name: ("step",) for name in actors}
+        while actors or self.in_flight:
+            runnable = [n for n in actors if waits[n][0] == "step" or waits[n][1].ready(waits[n][2])]
+            choices = runnable + (["tma"] if self.in_flight else [])
+            assert choices, f"deadlock: waits {[(n, waits[n]) for n in actors]}"
+            pick = rng.choice(choices)
+            if pick == "tma":
+                buf, tile, bar = self.in_flight.pop(rng.randrange(len(self.in_flight)))
+                assert buf not in self.reading, f"TMA landed in {buf} while a wgmma reads it"
+                self.content[buf] = tile
+                bar.complete_tx()
+                continue
+            try:
+                waits[pick] = next(actors[pick])
+            except StopIteration:
+                del actors[pick]
+        return self.log
 
 
 def assert_same_up_to_summation_order(got: torch.Tensor, want: torch.Tensor, name: str, block: int = 128,

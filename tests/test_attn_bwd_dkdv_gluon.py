@@ -15,14 +15,19 @@ dK/dV-only kernel, B2 H16 S8k d128, causal and not), printed.
 
 from __future__ import annotations
 
-import collections
 import os
 import random
 import sys
 
 import pytest
 import torch
-from conftest import MBarrierModel, assert_same_up_to_summation_order, import_gluon_module, triton_version
+from conftest import (
+    MBarrierModel,
+    SharedTilesModel,
+    assert_same_up_to_summation_order,
+    import_gluon_module,
+    triton_version,
+)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -123,86 +128,50 @@ def test_compiles_for_sm90_without_gpu(capsys):
 
 def _protocol_model(n_steps: int, stages: int, rng: random.Random, mutant: str = "", consumers: int = 1):
     """Run the kernel's protocol (``_producer`` and ``_consumer``'s loop; ``consumers=2``: the split kernel, two
-    warpgroup partitions on one ring, empty barriers counting two arrivals) under a random interleaving; returns
-    the log.  Checks: no deadlock, each wgmma reads the tile it expects, TMA never lands in a buffer being read."""
+    warpgroup partitions on one ring, empty barriers counting two arrivals) under a random interleaving
+    (``conftest.SharedTilesModel``); returns the log of reads."""
     S = stages
     empty_count = 1 if mutant == "split_empty_count_1" else consumers
     bars = {name: [MBarrierModel(empty_count if name.endswith("empty") else 1) for _ in range(S)]
             for name in ("qd_ready", "qd_empty", "sq_ready", "sq_empty")}
     kv_bar = MBarrierModel(1)
-    content = {(r, s): None for r in ("qd", "sq") for s in range(S)} | {("kv", 0): None}
-    reading = collections.Counter()
-    in_flight = []  # TMA loads not landed yet: (buffer, tile, barrier)
-    log = []
-
-    def tma(buf, tile, bar):
-        assert buf not in reading, f"TMA into {buf} while a wgmma reads it"
-        in_flight.append((buf, tile, bar))
+    smem = SharedTilesModel([(r, s) for r in ("qd", "sq") for s in range(S)] + [("kv", 0)])
 
     def producer():
         kv_bar.expect_arrive(2 * consumers)  # K and V_hdim, once (a 64-key tile of each per warpgroup when split)
         for _ in range(2 * consumers):
-            tma(("kv", 0), 0, kv_bar)
+            smem.tma(("kv", 0), 0, kv_bar)
         for i in range(n_steps):
             s = i % S
             ph = ((i // S) & 1) ^ 1
             if mutant != "no_qd_empty_wait":
                 yield ("wait", bars["qd_empty"][s], ph)
             bars["qd_ready"][s].expect_arrive(2)  # Q and dO_hdim
-            tma(("qd", s), i, bars["qd_ready"][s])
-            tma(("qd", s), i, bars["qd_ready"][s])
+            smem.tma(("qd", s), i, bars["qd_ready"][s])
+            smem.tma(("qd", s), i, bars["qd_ready"][s])
             yield ("wait", bars["sq_empty"][s], ph)
             bars["sq_ready"][s].expect_arrive(2)  # Q_seq and dO_seq
-            tma(("sq", s), i, bars["sq_ready"][s])
-            tma(("sq", s), i, bars["sq_ready"][s])
-
-    def start_read(buf, tile):
-        assert content[buf] == tile, f"wgmma reads {buf} expecting tile {tile}, holds {content[buf]}"
-        reading[buf] += 1
-        log.append(("read", buf, tile))
-
-    def done_read(buf):
-        reading[buf] -= 1
-        if not reading[buf]:
-            del reading[buf]
+            smem.tma(("sq", s), i, bars["sq_ready"][s])
+            smem.tma(("sq", s), i, bars["sq_ready"][s])
 
     def consumer():
         yield ("wait", kv_bar, 0)
-        assert content[("kv", 0)] == 0
+        assert smem.content[("kv", 0)] == 0
         for j in range(n_steps):
             st, ph = j % S, (j // S) & 1
             yield ("wait", bars["qd_ready"][st], ph)
-            start_read(("qd", st), j)  # Sᵀ_j, dPᵀ_j issued
+            smem.start_read(("qd", st), j)  # Sᵀ_j, dPᵀ_j issued
             yield ("step",)  # wait(1): Sᵀ_j; P
             yield ("step",)  # wait(0): dPᵀ_j
-            done_read(("qd", st))
+            smem.done_read(("qd", st))
             bars["qd_empty"][st].arrive()
             yield ("wait", bars["sq_ready"][st], ((j + 1) // S) & 1 if mutant == "sq_parity" else ph)
-            start_read(("sq", st), j)  # dV_j issued, then dK_j
+            smem.start_read(("sq", st), j)  # dV_j issued, then dK_j
             yield ("step",)  # wait(0): both
-            done_read(("sq", st))
+            smem.done_read(("sq", st))
             bars["sq_empty"][st].arrive()
 
-    actors = {"producer": [producer(), ("step",)]}
-    for c in range(consumers):
-        actors[f"consumer{c}"] = [consumer(), ("step",)]
-    while actors or in_flight:
-        runnable = [n for n, (_, w) in actors.items() if w[0] == "step" or w[1].ready(w[2])]
-        choices = runnable + (["tma"] if in_flight else [])
-        assert choices, f"deadlock: waits {[(n, w) for n, (_, w) in actors.items()]}"
-        pick = rng.choice(choices)
-        if pick == "tma":
-            buf, tile, bar = in_flight.pop(rng.randrange(len(in_flight)))
-            assert buf not in reading, f"TMA landed in {buf} while a wgmma reads it"
-            content[buf] = tile
-            bar.complete_tx()
-            continue
-        gen = actors[pick][0]
-        try:
-            actors[pick][1] = next(gen)
-        except StopIteration:
-            del actors[pick]
-    return log
+    return smem.run({"producer": producer(), **{f"consumer{c}": consumer() for c in range(consumers)}}, rng)
 
 
 @pytest.mark.parametrize("consumers", [1, 2], ids=["whole", "split"])

@@ -15,14 +15,19 @@ H16 S8k d128, causal and not), printed.
 
 from __future__ import annotations
 
-import collections
 import os
 import random
 import sys
 
 import pytest
 import torch
-from conftest import MBarrierModel, assert_same_up_to_summation_order, import_gluon_module, triton_version
+from conftest import (
+    MBarrierModel,
+    SharedTilesModel,
+    assert_same_up_to_summation_order,
+    import_gluon_module,
+    triton_version,
+)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -110,20 +115,13 @@ def test_compiles_for_sm90_without_gpu(capsys):
 
 def _protocol_model(n_tiles: int, stages: int, rng: random.Random, mutant: str = "", consumers: int = 1):
     """Run the kernel's protocol (``_producer`` and ``_dq_loop``; ``consumers=2``: the split kernel, two warpgroup
-    partitions on one ring, empty barriers counting two arrivals) under a random interleaving; returns the log.
-    Checks: no deadlock, each wgmma reads the tile it expects, TMA never lands in a buffer being read."""
+    partitions on one ring, empty barriers counting two arrivals) under a random interleaving
+    (``conftest.SharedTilesModel``); returns the log of reads."""
     S = stages
     empty_count = 1 if mutant == "split_empty_count_1" else consumers
     bars = {name: [MBarrierModel(empty_count if name.endswith("empty") else 1) for _ in range(S)]
             for name in ("kv_ready", "kv_empty", "ks_ready", "ks_empty")}
-    content = {("kv", s): None for s in range(S)} | {("ks", s): None for s in range(S)}
-    reading = collections.Counter()
-    in_flight = []  # TMA loads not landed yet: (buffer, tile, barrier)
-    log = []
-
-    def tma(buf, tile, bar):
-        assert buf not in reading, f"TMA into {buf} while a wgmma reads it"
-        in_flight.append((buf, tile, bar))
+    smem = SharedTilesModel([(r, s) for r in ("kv", "ks") for s in range(S)])
 
     def producer():
         for i in range(n_tiles):
@@ -132,67 +130,38 @@ def _protocol_model(n_tiles: int, stages: int, rng: random.Random, mutant: str =
             if mutant != "no_kv_empty_wait":
                 yield ("wait", bars["kv_empty"][s], ph)
             bars["kv_ready"][s].expect_arrive(2)  # K and V_hdim
-            tma(("kv", s), i, bars["kv_ready"][s])
-            tma(("kv", s), i, bars["kv_ready"][s])
+            smem.tma(("kv", s), i, bars["kv_ready"][s])
+            smem.tma(("kv", s), i, bars["kv_ready"][s])
             yield ("wait", bars["ks_empty"][s], ph)
             bars["ks_ready"][s].expect_arrive(1)
-            tma(("ks", s), i, bars["ks_ready"][s])
-
-    def start_read(buf, tile):
-        assert content[buf] == tile, f"wgmma reads {buf} expecting tile {tile}, holds {content[buf]}"
-        reading[buf] += 1
-        log.append(("read", buf, tile))
-
-    def done_read(buf):
-        reading[buf] -= 1
-        if not reading[buf]:
-            del reading[buf]
+            smem.tma(("ks", s), i, bars["ks_ready"][s])
 
     def consumer():
         yield ("wait", bars["kv_ready"][0], 0)
-        start_read(("kv", 0), 0)
+        smem.start_read(("kv", 0), 0)
         yield ("step",)
-        done_read(("kv", 0))
+        smem.done_read(("kv", 0))
         bars["kv_empty"][0].arrive()
         for j in range(1, n_tiles):
             st, sp = j % S, (j - 1) % S
             yield ("wait", bars["kv_ready"][st], (j // S) & 1)
             yield ("wait", bars["ks_ready"][sp], ((j if mutant == "ks_parity" else j - 1) // S) & 1)
-            start_read(("kv", st), j)
-            start_read(("ks", sp), j - 1)
+            smem.start_read(("kv", st), j)
+            smem.start_read(("ks", sp), j - 1)
             yield ("step",)  # wait(1): S_j, dP_j done
-            done_read(("kv", st))
+            smem.done_read(("kv", st))
             bars["kv_empty"][st].arrive()
             yield ("step",)  # wait(0): dQ_{j-1} done
-            done_read(("ks", sp))
+            smem.done_read(("ks", sp))
             bars["ks_empty"][sp].arrive()
         sp = (n_tiles - 1) % S
         yield ("wait", bars["ks_ready"][sp], ((n_tiles - 1) // S) & 1)
-        start_read(("ks", sp), n_tiles - 1)
+        smem.start_read(("ks", sp), n_tiles - 1)
         yield ("step",)
-        done_read(("ks", sp))
+        smem.done_read(("ks", sp))
         bars["ks_empty"][sp].arrive()
 
-    actors = {"producer": [producer(), ("step",)]}
-    for c in range(consumers):
-        actors[f"consumer{c}"] = [consumer(), ("step",)]
-    while actors or in_flight:
-        runnable = [n for n, (_, w) in actors.items() if w[0] == "step" or w[1].ready(w[2])]
-        choices = runnable + (["tma"] if in_flight else [])
-        assert choices, f"deadlock: waits {[(n, w) for n, (_, w) in actors.items()]}"
-        pick = rng.choice(choices)
-        if pick == "tma":
-            buf, tile, bar = in_flight.pop(rng.randrange(len(in_flight)))
-            assert buf not in reading, f"TMA landed in {buf} while a wgmma reads it"
-            content[buf] = tile
-            bar.complete_tx()
-            continue
-        gen = actors[pick][0]
-        try:
-            actors[pick][1] = next(gen)
-        except StopIteration:
-            del actors[pick]
-    return log
+    return smem.run({"producer": producer(), **{f"consumer{c}": consumer() for c in range(consumers)}}, rng)
 
 
 @pytest.mark.parametrize("consumers", [1, 2], ids=["whole", "split"])
