@@ -162,7 +162,10 @@ import sys
 sys.path.insert(0, 'tests')
 from test_attn_blockscaled import bench_blockscaled
 from mxattn.bench.results import write_result
-rows = [dict(B=2, H=16, S=4096, D=128, causal=c, tflops=bench_blockscaled(causal=c)) for c in (False, True)]
+from test_attn_blockscaled import bench_blockscaled_train
+rows = [dict(B=2, H=16, S=4096, D=128, causal=c, direction='fwd', tflops=bench_blockscaled(causal=c)) for c in (False, True)]
+rows += [dict(B=2, H=16, S=4096, D=128, causal=c, direction='fwd+bwd', tflops=bench_blockscaled_train(causal=c))
+         for c in (False, True)]
 for r in rows: print(r)
 print(write_result('blockscaled', rows, sys.argv[1], extra={'note': 'tl.dot_scaled upcast to bf16 wgmma on sm_90'}))
 " "$OUT" ;;
