@@ -318,13 +318,14 @@ def test_backward_kernel_auto_is_gluon_on_hopper(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_backward_kernel_gluon_through_the_api(causal, seed, monkeypatch):
-    """MXATTN_BWD_KERNEL=gluon through loss.backward(): the Gluon kernels' gradients equal the tl dQ-kernel path's
-    up to fp32 summation order (same P and dS bits)."""
+    """MXATTN_BWD_KERNEL=gluon through loss.backward(): the whole-tile Gluon kernels' (MXATTN_BWD_GLUON_SPLIT=0)
+    gradients equal the tl dQ-kernel path's up to fp32 summation order (same P and dS bits)."""
     from conftest import assert_same_up_to_summation_order
 
     from mxattn import mxfp8_attn_func
 
     q, k, v, do = _inputs(2, 700, 900, 8, 2, 128, "cuda", seed)
+    monkeypatch.setenv("MXATTN_BWD_GLUON_SPLIT", "0")
     grads = {}
     for kind in ("tl", "gluon"):
         monkeypatch.setenv("MXATTN_BWD_KERNEL", kind)
@@ -338,8 +339,9 @@ def test_backward_kernel_gluon_through_the_api(causal, seed, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_backward_gluon_split_equals_tl_64_tiles(causal, seed, monkeypatch):
-    """MXATTN_BWD_GLUON_SPLIT=1 (the split Gluon dQ and dK/dV kernels) in attn_bwd_hopper equals the tl kernels
-    with 64-row / 64-key blocks (``split_tl_config``: the same dS exponent tiles) up to fp32 summation order."""
+    """MXATTN_BWD_GLUON_SPLIT=1 (the split Gluon dQ and dK/dV kernels, the default) in attn_bwd_hopper equals the
+    tl kernels with 64-row / 64-key blocks (``split_tl_config``: the same dS exponent tiles) up to fp32 summation
+    order."""
     from conftest import assert_same_up_to_summation_order
 
     from mxattn.kernels.attn_bwd_dq_gluon import split_tl_config
@@ -355,6 +357,19 @@ def test_backward_gluon_split_equals_tl_64_tiles(causal, seed, monkeypatch):
     want = bwd.attn_bwd_hopper(*args, causal=causal, config=split_tl_config())  # explicit config: tl kernels
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert_same_up_to_summation_order(a, b, name)
+
+
+def test_gluon_split_setting(monkeypatch):
+    """The split Gluon backward kernels are the default; MXATTN_BWD_GLUON_SPLIT=0 takes the whole-tile ones and
+    anything else is refused by name."""
+    bwd = _bwd()
+    monkeypatch.delenv("MXATTN_BWD_GLUON_SPLIT", raising=False)
+    assert bwd.gluon_split()
+    monkeypatch.setenv("MXATTN_BWD_GLUON_SPLIT", "0")
+    assert not bwd.gluon_split()
+    monkeypatch.setenv("MXATTN_BWD_GLUON_SPLIT", "yes")
+    with pytest.raises(ValueError, match="MXATTN_BWD_GLUON_SPLIT"):
+        bwd.gluon_split()
 
 
 @pytest.mark.parametrize("causal,Hkv,D,want", [(False, 2, 128, True), (True, 1, 128, True), (True, 2, 128, False),

@@ -782,6 +782,16 @@ def _expand_rows(t: RowScaledFP8) -> torch.Tensor:
     return t.exp.repeat_interleave(t.group, dim=1)[:, : t.data.shape[1]].contiguous()
 
 
+def gluon_split() -> bool:
+    """Whether the Gluon backward runs its split variants (two 4-warp consumers per CTA, dS exponent per 64 x 64
+    tile): the default, since they measured 1.14-1.20x the whole-tile kernels at S 8k d128 (perf-notes-attn-bwd.md);
+    MXATTN_BWD_GLUON_SPLIT=0 takes the whole-tile kernels."""
+    value = os.environ.get("MXATTN_BWD_GLUON_SPLIT", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"MXATTN_BWD_GLUON_SPLIT must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def attn_bwd_hopper(
     q: RowScaledFP8,
     k: RowScaledFP8,
@@ -853,9 +863,7 @@ def attn_bwd_hopper(
         from mxattn.kernels.attn_bwd_dkdv_gluon import GluonDkdvConfig, attn_bwd_dkdv_gluon
         from mxattn.kernels.attn_bwd_dq_gluon import GluonDqConfig, attn_bwd_dq_gluon
 
-        # MXATTN_BWD_GLUON_SPLIT=1: the split variants (two 4-warp consumers per CTA; dS exponent per 64 x 64 tile),
-        # opt-in until measured on the GPU (docs/perf-notes-attn-bwd.md)
-        split = os.environ.get("MXATTN_BWD_GLUON_SPLIT", "0") == "1"
+        split = gluon_split()
         dk, dv = attn_bwd_dkdv_gluon(q, k, v_hdim, q_seq, doh, dos, lse, delta, causal=causal,
                                      softmax_scale=softmax_scale, grad_dtype=grad_dtype,
                                      config=GluonDkdvConfig(split=True) if split else None)
