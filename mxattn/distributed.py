@@ -329,14 +329,16 @@ class KernelBlock:
         return self._cache[key]
 
     def forward(self, q, k: MXTensor, v: MXTensor, causal: bool, scale: float):
+        from mxattn.interface import forward_kernel_for
         from mxattn.kernels.attn_fwd import attn_fwd_hopper
         from mxattn.kernels.quantize import row_scaled_triton
 
         qr = self._once(("fq", q.data_ptr(), tuple(q.shape)), lambda: row_scaled_triton(q.contiguous(), "q"))
-        out, lse = attn_fwd_hopper(
-            qr, row_scaled_triton(k, "k"), row_scaled_triton(v, "v"),
-            causal=causal, softmax_scale=scale, out_dtype=torch.float32,
-        )
+        kernel = attn_fwd_hopper
+        if q.is_cuda and forward_kernel_for(q.shape, k.shape, q.device) == "gluon":  # the single-GPU API's choice
+            from mxattn.kernels.attn_fwd_gluon import attn_fwd_gluon as kernel
+        out, lse = kernel(qr, row_scaled_triton(k, "k"), row_scaled_triton(v, "v"),
+                          causal=causal, softmax_scale=scale, out_dtype=torch.float32)
         return out, lse, lse
 
     def backward(self, q, k: MXTensor, k_seq: MXTensor, v_hdim: MXTensor, out, dout, lse, causal: bool, scale: float):
@@ -350,9 +352,11 @@ class KernelBlock:
                     out.contiguous(), dc, lse.contiguous())
 
         qh, qs, doh, dos, o, d, l = self._once(("bq", q.data_ptr(), dout.data_ptr(), tuple(q.shape)), q_side)
+        # dq as a callable that launches the dQ kernel: the ring sends dK/dV on before it runs
         return attn_bwd_hopper(
             qh, row_scaled_triton(k, "k"), row_scaled_triton(v_hdim, "k"), qs, row_scaled_triton(k_seq, "v"),
             o, d, l, causal=causal, softmax_scale=scale, grad_dtype=torch.float32, dout_hdim=doh, dout_seq=dos,
+            defer_dq=True,
         )
 
 
@@ -468,18 +472,23 @@ def _ring_backward(q, k, v, out, dout, lse_bwd, ring: _Ring, causal, scale, zigz
         # this step's dK, dV partial sums of the visiting shard, in the one flat buffer that travels on
         acc = torch.zeros(k.numel() + v.numel(), dtype=torch.float32, device=k.device)
         dk, dv = acc[: k.numel()].view(k.shape), acc[k.numel():].view(v.shape)
+        dq_parts = []
         for (i0, i1), (j0, j1), diag in _step_calls(mine, theirs, causal, merge):
             rows, cols = slice(i0 * c, i1 * c), slice(j0 * c, j1 * c)
             bq, bk, bv = block.backward(
                 q[:, rows], *(_cat_mx([visiting[3 * j + t] for j in range(j0, j1)]) for t in range(3)),
                 out[:, rows], dout[:, rows], lse_bwd[:, :, rows], diag, scale,
             )
-            dq[:, rows] += bq
             dk[:, cols] += bk
             dv[:, cols] += bv
+            dq_parts.append((rows, bq))
         if grad_pending is not None:  # partial sums of this shard from the ranks it visited before
             acc += grad_pending.wait().float()
         grad_pending = ring.exchange(acc.to(grad_comm_dtype), _TAG_GRAD, _LAST_STATS.bwd_grad_bytes)
+        # dQ after the send: a block may return it as a callable that launches its kernel (KernelBlock), so that
+        # the dK/dV hop (the last one is otherwise exposed) travels while dQ is computed
+        for rows, bq in dq_parts:
+            dq[:, rows] += bq() if callable(bq) else bq
         if kv_pending is not None:
             buf = kv_pending.wait()
     getattr(block, "end", lambda: None)()

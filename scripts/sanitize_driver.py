@@ -59,16 +59,21 @@ def case_fwd() -> int:
 
 
 def _bwd_cases(kernels: str) -> int:
-    """Forward+backward through the API on every shape, the backward's kernels chosen by MXATTN_BWD_KERNEL."""
+    """Forward+backward through the API on every shape, the backward's kernels chosen by MXATTN_BWD_KERNEL.  The tl
+    kernels run with and without ``deterministic`` (two dQ paths); the Gluon ones (whose dQ always has its own
+    kernel) as their split and whole-tile variants (MXATTN_BWD_GLUON_SPLIT 1 and 0)."""
     from mxattn.interface import mxfp8_attn_func
 
-    before = os.environ.get("MXATTN_BWD_KERNEL")
+    names = ("MXATTN_BWD_KERNEL", "MXATTN_BWD_GLUON_SPLIT")
+    before = {name: os.environ.get(name) for name in names}
     os.environ["MXATTN_BWD_KERNEL"] = kernels
+    variants = [("1", False), ("0", False)] if kernels == "gluon" else [("1", False), ("1", True)]
     n = 0
     try:
         for B, Sq, Sk, Hq, Hkv, D in ATTN_SHAPES:
             for causal in (False, True):
-                for deterministic in (False, True):
+                for split, deterministic in variants:
+                    os.environ["MXATTN_BWD_GLUON_SPLIT"] = split
                     q, k, v = (_t(B, Sq, Hq, D, grad=True), _t(B, Sk, Hkv, D, grad=True),
                                _t(B, Sk, Hkv, D, grad=True))
                     out = mxfp8_attn_func(q, k, v, causal=causal, deterministic=deterministic)
@@ -76,10 +81,11 @@ def _bwd_cases(kernels: str) -> int:
                     _finite(f"bwd ({kernels})", q.grad, k.grad, v.grad)
                     n += 1
     finally:
-        if before is None:
-            os.environ.pop("MXATTN_BWD_KERNEL", None)
-        else:
-            os.environ["MXATTN_BWD_KERNEL"] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return n
 
 

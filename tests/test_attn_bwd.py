@@ -372,6 +372,23 @@ def test_gluon_split_setting(monkeypatch):
         bwd.gluon_split()
 
 
+def test_attn_bwd_defer_dq(seed):
+    """defer_dq=True returns dq as a callable (the ring launches it after sending dK/dV on) that gives the same
+    bits as the plain call; dk, dv are the plain call's."""
+    require_kernels()
+    bwd = _bwd()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v, do = _inputs(1, 70, 90, 2, 1, 64, dev, seed)
+    _, ops = _operands(q, k, v, q.is_cuda)
+    out, lse = torch.randn_like(q), torch.rand(1, 2, 70, device=dev) + 3.0
+    args = (ops["q"], ops["k"], ops["v_hdim"], ops["q_seq"], ops["k_seq"], out, do, lse)
+    plain = bwd.attn_bwd_hopper(*args, causal=True, deterministic=True)
+    dq_fn, dk, dv = bwd.attn_bwd_hopper(*args, causal=True, deterministic=True, defer_dq=True)
+    assert callable(dq_fn)
+    for x, y in zip((dq_fn(), dk, dv), plain):
+        assert torch.equal(x, y)
+
+
 @pytest.mark.parametrize("causal,Hkv,D,want", [(False, 2, 128, True), (True, 1, 128, True), (True, 2, 128, False),
                                                (False, 2, 64, False)])
 def test_attn_bwd_default_dq_kernel_choice(causal, Hkv, D, want, seed):

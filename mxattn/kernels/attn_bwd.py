@@ -809,6 +809,7 @@ def attn_bwd_hopper(
     dout_hdim: Optional[RowScaledFP8] = None,
     dout_seq: Optional[RowScaledFP8] = None,
     config: Optional[BwdConfig] = None,
+    defer_dq: bool = False,
 ):
     """Gradients (dq, dk, dv) of MXFP8 attention on row-scaled FP8 operands (``formats.RowScaledFP8``).
 
@@ -832,6 +833,8 @@ def attn_bwd_hopper(
     Returns dq (B, Sq, Hq, D), dk, dv (B, Sk, Hkv, D) in ``grad_dtype``, contiguous.  dK and dV are summed over
     the query heads of each kv head's group.  Semantics: ``reference.attention_backward`` with quantize_p,
     quantize_ds and quantize_do on, up to the dS/dO scale granularity described in the module docstring.
+    defer_dq: return a callable in place of dq that launches the dQ kernel (where dQ has its own kernel) and
+    returns dq, so that a caller can act on dk, dv first (the ring sends them on while dQ runs).
     """
     B, Sq, Hq, D = q.data.shape
     Sk, Hkv = k.data.shape[1], k.data.shape[2]
@@ -867,9 +870,13 @@ def attn_bwd_hopper(
         dk, dv = attn_bwd_dkdv_gluon(q, k, v_hdim, q_seq, doh, dos, lse, delta, causal=causal,
                                      softmax_scale=softmax_scale, grad_dtype=grad_dtype,
                                      config=GluonDkdvConfig(split=True) if split else None)
-        dq = attn_bwd_dq_gluon(q, k, v_hdim, k_seq, doh, lse, delta, causal=causal, softmax_scale=softmax_scale,
-                               grad_dtype=grad_dtype, config=GluonDqConfig(split=True) if split else None)
-        return dq, dk, dv
+
+        def gluon_dq():
+            return attn_bwd_dq_gluon(q, k, v_hdim, k_seq, doh, lse, delta, causal=causal,
+                                     softmax_scale=softmax_scale, grad_dtype=grad_dtype,
+                                     config=GluonDqConfig(split=True) if split else None)
+
+        return (gluon_dq if defer_dq else gluon_dq()), dk, dv
     q_group = _tile_group(qg, cfg)
     qe = q.exp if q_group > 1 or qg == 1 else _expand_rows(q)
     dg = _row_group(doh, "dout_hdim")
@@ -912,7 +919,7 @@ def attn_bwd_hopper(
         )
     else:
         dq = dq_acc.to(grad_dtype)
-    return dq, dk, dv
+    return ((lambda: dq) if defer_dq else dq), dk, dv
 
 
 # ----------------------------------------------------------------------------------------------
