@@ -445,6 +445,13 @@ def _attn_bwd_dkdv_ws_kernel(
         ], [1], [PRODUCER_REGS])
 
 
+# Triton's JIT turns integer arguments equal to 1 into constants.  With triton 3.6, Sq and group_size both the
+# constant 1 (one query row, no GQA: a one-step loop) hits an LLVM assertion while lowering to LLVM IR
+# (``PassManager::run failed`` in make_llir; found by scripts/sanitize.sh's gluonbwd case).  Launches with Sq == 1
+# take this twin, the same kernel with Sq never specialized; every other launch keeps the GPU-tested one.
+_attn_bwd_dkdv_ws_kernel_sq1 = gluon.jit(do_not_specialize=["Sq"])(_attn_bwd_dkdv_ws_kernel.fn)
+
+
 # ------------------------------------------------------------------------------------------------- launcher
 def _check(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, grad_dtype):
     ops = (("q", q), ("k", k), ("v_hdim", v_hdim), ("q_seq", q_seq), ("dout_hdim", dout_hdim),
@@ -567,7 +574,8 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
     row_e = lambda e: (e.stride(0), e.stride(1), e.stride(2))  # noqa: E731  (B, S or groups, H)
     chan_e = lambda e: (e.stride(0), e.stride(2), e.stride(3))  # noqa: E731  (B, H, D)
     grid = (triton.cdiv(Sk, BLOCK_N.value), B * Hkv)
-    _attn_bwd_dkdv_ws_kernel[grid](
+    kernel = _attn_bwd_dkdv_ws_kernel_sq1 if Sq == 1 else _attn_bwd_dkdv_ws_kernel
+    kernel[grid](
         *descs, qe, de, ke, ve, qse, dse, lse, delta, dk, dv,
         *row_e(qe), *row_e(de), *row_e(ke), *row_e(ve), *chan_e(qse), *lse.stride(), *dk.stride(),
         Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
