@@ -632,6 +632,7 @@ def bench_ring(
     outdir: Optional[str] = "benchmarks/results",
     single: bool = True,
     progress: bool = True,
+    profile: bool = False,
 ) -> list[dict]:
     """Time ring MXFP8 attention forward and forward+backward on the initialised (nccl) process group.
 
@@ -645,7 +646,9 @@ def bench_ring(
     with ``single``, rank 0 also times single-GPU ``mxfp8_attn_func`` on the whole sequence (the other ranks
     wait) and the row gets ``speedup_vs_1gpu`` = single time / ring time.  Wire: the bytes this rank sent per
     forward step (``last_ring_stats``, measured) against a BF16 ring's K+V, and the time of one ring hop of
-    each payload.  Rank 0 writes ``ring_attn-<gpu>-x<W>-<date>.json`` to ``outdir``.
+    each payload.  Rank 0 writes ``ring_attn-<gpu>-x<W>-<date>.json`` to ``outdir``.  With ``profile``, every rank
+    also runs two forward+backward passes under ``torch.profiler`` and rank 0's row gets its device time per kernel
+    (``profile_fwd_bwd``: where the time over half the single-GPU time goes; NCCL kernels overlap the others).
     """
     W, rank = dist.get_world_size(), dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -670,18 +673,26 @@ def bench_ring(
 
         t_fwd = _time_per_iter(lambda: ring_mxfp8_attn_func(q, k, v, causal=causal), iters)
         t_all = _time_per_iter(lambda: ring_mxfp8_attn_func(q, k, v, causal=causal).backward(dout), iters)
+        t_bf16 = _time_per_iter(lambda: ring_mxfp8_attn_func(q, k, v, causal=causal, grad_comm_dtype=torch.bfloat16)
+                                .backward(dout), iters)  # dK/dV partial sums sent as BF16 (half the grad bytes)
+        if profile:  # every rank profiles (the ring needs all of them); rank 0 keeps its table
+            from mxattn.bench.profiling import profile_kernels
+
+            prof = profile_kernels(lambda: ring_mxfp8_attn_func(q, k, v, causal=causal).backward(dout))
         sent = last_ring_stats().fwd_kv_bytes
         mx_step = max(sent) if sent else 0
         bf16_step = 2 * k.numel() * 2
         flops = 4 * batch * heads * S * S * head_dim * (0.5 if causal else 1.0)
         row = {
             "B": batch, "Hq": heads, "Hkv": kv_heads, "S": S, "D": head_dim, "causal": causal, "world": W,
-            "ms": {"fwd": t_fwd * 1e3, "fwd_bwd": t_all * 1e3},
+            "ms": {"fwd": t_fwd * 1e3, "fwd_bwd": t_all * 1e3, "fwd_bwd_bf16_grad_comm": t_bf16 * 1e3},
             "tflops_per_gpu": {"fwd": flops / W / t_fwd / 1e12, "fwd_bwd": 3.5 * flops / W / t_all / 1e12},
             "wire_bytes_per_step": ring_step_bytes(batch, sl, kv_heads, head_dim),
             "wire_measured": {"fwd_step_bytes_mxfp8": mx_step, "fwd_step_bytes_bf16": bf16_step,
                               "ratio": mx_step / bf16_step},
         }
+        if profile:
+            row["profile_fwd_bwd"] = prof
         del q, k, v, dout
         if W > 1:
             t_mx = _wire_time(mx_step, ring, iters)
@@ -801,6 +812,7 @@ def _main(argv=None) -> None:
     p.add_argument("--check-only", action="store_true", help="only the check, no timing")
     p.add_argument("--no-single", action="store_true", help="skip the single-GPU baseline on rank 0")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--profile", action="store_true", help="device time per kernel of one rank's fwd+bwd (torch.profiler)")
     a = p.parse_args(argv)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl")
@@ -811,7 +823,7 @@ def _main(argv=None) -> None:
         if a.check_only:
             return
         bench_ring(a.seqlen, a.batch, a.heads, a.kv_heads or a.heads, a.head_dim, a.causal, a.iters, a.outdir,
-                   single=not a.no_single, progress=not a.no_progress)
+                   single=not a.no_single, progress=not a.no_progress, profile=a.profile)
     finally:
         dist.destroy_process_group()
 

@@ -139,7 +139,7 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
       # single-GPU mxattn first. RING_NPROC=1 on one GPU measures the per-block cost of the ring (no wire).
       NGPU=${RING_NPROC:-$(nvidia-smi -L | wc -l)}
       NCCL_NVLS_ENABLE=0 run $PY -m torch.distributed.run --standalone --nproc-per-node "$NGPU" -m mxattn.distributed \
-        --check --causal --outdir "$OUT" ${RING_ARGS:---seqlen 65536 131072 262144} ;;
+        --check --causal --outdir "$OUT" ${RING_ARGS:---seqlen 65536 131072 262144 --profile} ;;
     train)
       # issue 9's parity run; one half per call fits the 10-minute limit: TRAIN_ATTENTION=sdpa, then mxfp8, then
       # compare the two loss-*.json locally with `--attention both --reuse` (docs/training-parity.md)

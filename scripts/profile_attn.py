@@ -15,18 +15,7 @@ import time
 
 import torch
 
-
-def _kernel_table(prof, calls: int) -> list[dict]:
-    rows = []
-    for ev in prof.key_averages():
-        dev_us = getattr(ev, "self_device_time_total", None)
-        if dev_us is None:
-            dev_us = getattr(ev, "self_cuda_time_total", 0.0)
-        if dev_us <= 0:
-            continue
-        rows.append({"kernel": ev.key[:90], "us_per_call": dev_us / calls, "launches_per_call": ev.count / calls})
-    rows.sort(key=lambda r: -r["us_per_call"])
-    return rows
+from mxattn.bench.profiling import kernel_table
 
 
 def _wall_us(fn, calls: int) -> float:
@@ -90,7 +79,7 @@ def profile_shape(B: int, H: int, S: int, D: int, causal: bool, calls: int = 10,
             for _ in range(calls):
                 fn()
             torch.cuda.synchronize()
-        table = _kernel_table(prof, calls)
+        table = kernel_table(prof, calls)
         out[name] = {"wall_us": wall, "device_us": sum(r["us_per_call"] for r in table), "kernels": table}
     return out
 

@@ -273,3 +273,19 @@ def test_every_result_kind_written_by_the_code_is_accepted(tmp_path):
     for what in ("attn_fwd_cuda_graph", "qkv_chain", "ring_attn", "varlen_bwd"):
         assert what in WHATS
         assert write_result(what, [{"x": 1}], tmp_path).exists()
+
+
+def test_kernel_table_sorts_and_divides_by_calls():
+    """``bench.profiling.kernel_table`` (profile_attn, the ring benchmark's --profile): per-call device time and
+    launch counts, slowest first, events without device time left out, names cut at 90 characters."""
+    from types import SimpleNamespace
+
+    from mxattn.bench.profiling import kernel_table
+
+    events = [SimpleNamespace(key="a" * 100, self_device_time_total=30.0, count=4),
+              SimpleNamespace(key="cpu_op", self_device_time_total=0.0, count=9),
+              SimpleNamespace(key="b", self_device_time_total=90.0, count=2)]
+    rows = kernel_table(SimpleNamespace(key_averages=lambda: events), calls=2)
+    assert [r["kernel"] for r in rows] == ["b", "a" * 90]
+    assert rows[0]["us_per_call"] == 45.0 and rows[0]["launches_per_call"] == 1.0
+    assert rows[1]["us_per_call"] == 15.0 and rows[1]["launches_per_call"] == 2.0
