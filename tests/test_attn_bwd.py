@@ -269,16 +269,21 @@ def test_attn_bwd_interpreter(case, seed):
     _check(q, k, v, do, causal, deterministic=det)
 
 
+def _kernel_args(Sq, Sk, Hkv, D, seed, B=1, Hq=2):
+    """Random inputs on the test device as ``attn_bwd_hopper``'s positional arguments (operands, out, dout, lse)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v, do = _inputs(B, Sq, Sk, Hq, Hkv, D, dev, seed)
+    _, ops = _operands(q, k, v, q.is_cuda)
+    out, lse = torch.randn_like(q), torch.rand(B, Hq, Sq, device=dev) + 3.0
+    return (ops["q"], ops["k"], ops["v_hdim"], ops["q_seq"], ops["k_seq"], out, do, lse), (q, k, v)
+
+
 def test_backward_kernel_switch(seed, monkeypatch):
     """MXATTN_BWD_KERNEL: a bad value is refused before any launch; "gluon" is refused where the Gluon kernels cannot
     run (interpreter / CPU) and for layouts they do not take; an explicit config keeps the tl kernels."""
     require_kernels()
     bwd = _bwd()
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    q, k, v, do = _inputs(1, 40, 50, 2, 1, 64, dev, seed)
-    _, ops = _operands(q, k, v, q.is_cuda)
-    out, lse = torch.randn_like(q), torch.rand(1, 2, 40, device=dev) + 3.0
-    args = (ops["q"], ops["k"], ops["v_hdim"], ops["q_seq"], ops["k_seq"], out, do, lse)
+    args, (q, k, v) = _kernel_args(40, 50, 1, 64, seed)
     monkeypatch.setenv("MXATTN_BWD_KERNEL", "cuda")
     with pytest.raises(ValueError, match="MXATTN_BWD_KERNEL"):
         bwd.attn_bwd_hopper(*args)
@@ -377,11 +382,7 @@ def test_attn_bwd_defer_dq(seed):
     bits as the plain call; dk, dv are the plain call's."""
     require_kernels()
     bwd = _bwd()
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    q, k, v, do = _inputs(1, 70, 90, 2, 1, 64, dev, seed)
-    _, ops = _operands(q, k, v, q.is_cuda)
-    out, lse = torch.randn_like(q), torch.rand(1, 2, 70, device=dev) + 3.0
-    args = (ops["q"], ops["k"], ops["v_hdim"], ops["q_seq"], ops["k_seq"], out, do, lse)
+    args, _ = _kernel_args(70, 90, 1, 64, seed)
     plain = bwd.attn_bwd_hopper(*args, causal=True, deterministic=True)
     dq_fn, dk, dv = bwd.attn_bwd_hopper(*args, causal=True, deterministic=True, defer_dq=True)
     assert callable(dq_fn)
@@ -399,11 +400,7 @@ def test_attn_bwd_default_dq_kernel_choice(causal, Hkv, D, want, seed):
     assert bwd.default_config(D, causal, 2 // Hkv).dq_kernel == want
     if not want:
         return
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    q, k, v, do = _inputs(1, 70, 90, 2, Hkv, D, dev, seed)
-    _, ops = _operands(q, k, v, q.is_cuda)
-    out, lse = torch.randn_like(q), torch.rand(1, 2, 70, device=dev) + 3.0
-    args = (ops["q"], ops["k"], ops["v_hdim"], ops["q_seq"], ops["k_seq"], out, do, lse)
+    args, _ = _kernel_args(70, 90, Hkv, D, seed)
     a = bwd.attn_bwd_hopper(*args, causal=causal)
     b = bwd.attn_bwd_hopper(*args, causal=causal, deterministic=True)
     for x, y in zip(a, b):
