@@ -341,7 +341,10 @@ class KernelBlock:
                           causal=causal, softmax_scale=scale, out_dtype=torch.float32)
         return out, lse, lse
 
-    def backward(self, q, k: MXTensor, k_seq: MXTensor, v_hdim: MXTensor, out, dout, lse, causal: bool, scale: float):
+    writes_grads_into = True  # backward(..., dk_out=, dv_out=) writes dK, dV there (fp32 views of the ring buffer)
+
+    def backward(self, q, k: MXTensor, k_seq: MXTensor, v_hdim: MXTensor, out, dout, lse, causal: bool, scale: float,
+                 dk_out=None, dv_out=None):
         from mxattn.kernels.attn_bwd import DO_EXP_GROUP, Q_EXP_GROUP, attn_bwd_hopper
         from mxattn.kernels.quantize import row_scaled_triton
 
@@ -356,7 +359,7 @@ class KernelBlock:
         return attn_bwd_hopper(
             qh, row_scaled_triton(k, "k"), row_scaled_triton(v_hdim, "k"), qs, row_scaled_triton(k_seq, "v"),
             o, d, l, causal=causal, softmax_scale=scale, grad_dtype=torch.float32, dout_hdim=doh, dout_seq=dos,
-            defer_dq=True,
+            defer_dq=True, dk_out=dk_out, dv_out=dv_out,
         )
 
 
@@ -463,24 +466,36 @@ def _ring_backward(q, k, v, out, dout, lse_bwd, ring: _Ring, causal, scale, zigz
     for kj, vj in zip(kc, vc):
         mx += _quantize(kj, (3, 1)) + _quantize(vj, (3,))
     buf, spec = _pack(mx)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq = None  # fp32; the first call that covers every query row gives it (a rank's own pair at step 0)
     grad_pending = None
     for step in range(W):
         kv_pending = ring.exchange(buf, _TAG_KV, _LAST_STATS.bwd_kv_bytes) if step + 1 < W else None
         visiting = _unpack(buf, spec)
         theirs = _chunk_ids((r - step) % W, W, zigzag)
-        # this step's dK, dV partial sums of the visiting shard, in the one flat buffer that travels on
-        acc = torch.zeros(k.numel() + v.numel(), dtype=torch.float32, device=k.device)
+        calls = _step_calls(mine, theirs, causal, merge)
+        # this step's dK, dV partial sums of the visiting shard, in the one flat buffer that travels on.  A block
+        # that writes into given tensors (KernelBlock) stores them straight into it when no two calls of the step
+        # share key columns (the merged steps: one call); columns no call covers are zeroed.  Otherwise the
+        # buffer starts at zero and each call's result is added.
+        cols_of = [set(range(j0, j1)) for _, (j0, j1), _ in calls]
+        direct = getattr(block, "writes_grads_into", False) and sum(map(len, cols_of)) == len(set().union(*cols_of))
+        acc = (torch.empty if direct else torch.zeros)(k.numel() + v.numel(), dtype=torch.float32, device=k.device)
         dk, dv = acc[: k.numel()].view(k.shape), acc[k.numel():].view(v.shape)
+        if direct:
+            for j in set(range(n)) - set().union(*cols_of):
+                dk[:, j * c : (j + 1) * c].zero_()
+                dv[:, j * c : (j + 1) * c].zero_()
         dq_parts = []
-        for (i0, i1), (j0, j1), diag in _step_calls(mine, theirs, causal, merge):
+        for (i0, i1), (j0, j1), diag in calls:
             rows, cols = slice(i0 * c, i1 * c), slice(j0 * c, j1 * c)
+            outs = dict(dk_out=dk[:, cols], dv_out=dv[:, cols]) if direct else {}
             bq, bk, bv = block.backward(
                 q[:, rows], *(_cat_mx([visiting[3 * j + t] for j in range(j0, j1)]) for t in range(3)),
-                out[:, rows], dout[:, rows], lse_bwd[:, :, rows], diag, scale,
+                out[:, rows], dout[:, rows], lse_bwd[:, :, rows], diag, scale, **outs,
             )
-            dk[:, cols] += bk
-            dv[:, cols] += bv
+            if not direct:
+                dk[:, cols] += bk
+                dv[:, cols] += bv
             dq_parts.append((rows, bq))
         if grad_pending is not None:  # partial sums of this shard from the ranks it visited before
             acc += grad_pending.wait().float()
@@ -488,10 +503,18 @@ def _ring_backward(q, k, v, out, dout, lse_bwd, ring: _Ring, causal, scale, zigz
         # dQ after the send: a block may return it as a callable that launches its kernel (KernelBlock), so that
         # the dK/dV hop (the last one is otherwise exposed) travels while dQ is computed
         for rows, bq in dq_parts:
-            dq[:, rows] += bq() if callable(bq) else bq
+            bq = bq() if callable(bq) else bq
+            if dq is None and rows == slice(0, q.shape[1]) and bq.dtype == torch.float32:
+                dq = bq  # the first contribution to every row: no zero-fill, no add
+                continue
+            if dq is None:
+                dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            dq[:, rows] += bq
         if kv_pending is not None:
             buf = kv_pending.wait()
     getattr(block, "end", lambda: None)()
+    if dq is None:  # no call saw a query row (not possible in self-attention)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     acc = grad_pending.wait().float()  # after W hops: this rank's own shard, summed over every rank
     dk, dv = acc.split([k.numel(), v.numel()])
     return dq, dk.view(k.shape), dv.view(v.shape)
@@ -812,7 +835,8 @@ def _main(argv=None) -> None:
     p.add_argument("--check-only", action="store_true", help="only the check, no timing")
     p.add_argument("--no-single", action="store_true", help="skip the single-GPU baseline on rank 0")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--profile", action="store_true", help="device time per kernel of one rank's fwd+bwd (torch.profiler)")
+    p.add_argument("--profile", action="store_true",
+                   help="device time per kernel of one rank's fwd+bwd (torch.profiler)")
     a = p.parse_args(argv)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl")

@@ -390,6 +390,29 @@ def test_attn_bwd_defer_dq(seed):
         assert torch.equal(x, y)
 
 
+def test_attn_bwd_writes_into_given_grads(seed):
+    """dk_out / dv_out (the ring's buffer): dK and dV written into strided views of one flat fp32 buffer (NaN before,
+    so an element left unwritten shows) equal the plain call's; bad outputs are refused before any launch."""
+    require_kernels()
+    bwd = _bwd()
+    args, (q, k, v) = _kernel_args(70, 90, 1, 64, seed, B=2)
+    plain = bwd.attn_bwd_hopper(*args, causal=True, deterministic=True, grad_dtype=torch.float32)
+    flat = torch.full((2 * 2 * 120 * 64,), float("nan"), device=q.device)
+    dk_all, dv_all = flat[: flat.numel() // 2].view(2, 120, 1, 64), flat[flat.numel() // 2 :].view(2, 120, 1, 64)
+    dk_out, dv_out = dk_all[:, 20:110], dv_all[:, 20:110]  # batch stride 120 rows: not contiguous
+    got = bwd.attn_bwd_hopper(*args, causal=True, deterministic=True, grad_dtype=torch.float32, dk_out=dk_out,
+                              dv_out=dv_out)
+    assert got[1] is dk_out and got[2] is dv_out
+    for x, y in zip(got, plain):
+        assert torch.equal(x, y)
+    assert torch.isnan(dk_all[:, :20]).all() and torch.isnan(dv_all[:, 110:]).all()  # nothing written outside
+    for bad, match in (({"dk_out": dk_out}, "both"), ({"dk_out": dk_out, "dv_out": dv_out[:, :-1]}, "shape"),
+                       ({"dk_out": dk_out, "dv_out": dv_out.double()}, "float32"),
+                       ({"dk_out": dk_out, "dv_out": torch.zeros_like(dv_out)}, "same strides")):
+        with pytest.raises((TypeError, ValueError), match=match):
+            bwd.attn_bwd_hopper(*args, causal=True, grad_dtype=torch.float32, **bad)
+
+
 @pytest.mark.parametrize("causal,Hkv,D,want", [(False, 2, 128, True), (True, 1, 128, True), (True, 2, 128, False),
                                                (False, 2, 64, False)])
 def test_attn_bwd_default_dq_kernel_choice(causal, Hkv, D, want, seed):

@@ -237,6 +237,10 @@ def _kernel_block_worker(rank, world, init_file, seed, result_file):
     from mxattn.distributed import KernelBlock, ReferenceBlock
 
     torch.set_num_threads(1)
+    # torch.empty returns NaN-filled memory in this mode: a gradient element the kernel blocks fail to write (the
+    # ring's dK/dV buffer is torch.empty when a block writes into it) shows up as NaN
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     msgs = []
     try:

@@ -782,6 +782,26 @@ def _expand_rows(t: RowScaledFP8) -> torch.Tensor:
     return t.exp.repeat_interleave(t.group, dim=1)[:, : t.data.shape[1]].contiguous()
 
 
+def grad_outputs(dk_out: Optional[torch.Tensor], dv_out: Optional[torch.Tensor], shape, dtype: torch.dtype,
+                 device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dK and dV tensors a backward launcher writes: new (B, Sk, Hkv, D) tensors, or the caller's ``dk_out`` /
+    ``dv_out`` (both or neither; that shape, ``dtype``, ``device``, equal strides, D contiguous; views are fine, e.g.
+    slices of one flat buffer as the ring's).  The kernels store every element, so they need no initialisation."""
+    if dk_out is None and dv_out is None:
+        return (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+    for name, t in (("dk_out", dk_out), ("dv_out", dv_out)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor (give both dk_out and dv_out, or neither)")
+        if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != torch.device(device):
+            raise ValueError(f"{name} must be a {dtype} tensor of shape {tuple(shape)} on {device}, got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+        if t.stride(3) != 1:
+            raise ValueError(f"{name} must be contiguous along the head dim, got strides {t.stride()}")
+    if dk_out.stride() != dv_out.stride():
+        raise ValueError(f"dk_out and dv_out must have the same strides, got {dk_out.stride()} and {dv_out.stride()}")
+    return dk_out, dv_out
+
+
 def gluon_split() -> bool:
     """Whether the Gluon backward runs its split variants (two 4-warp consumers per CTA, dS exponent per 64 x 64
     tile): the default, since they measured 1.14-1.20x the whole-tile kernels at S 8k d128 (perf-notes-attn-bwd.md);
@@ -810,6 +830,8 @@ def attn_bwd_hopper(
     dout_seq: Optional[RowScaledFP8] = None,
     config: Optional[BwdConfig] = None,
     defer_dq: bool = False,
+    dk_out: Optional[torch.Tensor] = None,
+    dv_out: Optional[torch.Tensor] = None,
 ):
     """Gradients (dq, dk, dv) of MXFP8 attention on row-scaled FP8 operands (``formats.RowScaledFP8``).
 
@@ -835,6 +857,7 @@ def attn_bwd_hopper(
     quantize_ds and quantize_do on, up to the dS/dO scale granularity described in the module docstring.
     defer_dq: return a callable in place of dq that launches the dQ kernel (where dQ has its own kernel) and
     returns dq, so that a caller can act on dk, dv first (the ring sends them on while dQ runs).
+    dk_out, dv_out: where to write dK and dV (``grad_outputs``), e.g. straight into the ring's traveling buffer.
     """
     B, Sq, Hq, D = q.data.shape
     Sk, Hkv = k.data.shape[1], k.data.shape[2]
@@ -855,8 +878,7 @@ def attn_bwd_hopper(
             if INTERPRETER or dev.type != "cuda":
                 raise RuntimeError("MXATTN_BWD_KERNEL=gluon: the Gluon kernels need a Hopper GPU (no interpreter path)")
         use_gluon = fits  # "auto": the tl kernels take the rest
-    dk = torch.empty(B, Sk, Hkv, D, dtype=grad_dtype, device=dev)
-    dv = torch.empty(B, Sk, Hkv, D, dtype=grad_dtype, device=dev)
+    dk, dv = grad_outputs(dk_out, dv_out, (B, Sk, Hkv, D), grad_dtype, dev)
     if Sq == 0 or Sk == 0 or B * Hq == 0:
         dk.zero_()
         dv.zero_()
@@ -869,7 +891,7 @@ def attn_bwd_hopper(
         split = gluon_split()
         dk, dv = attn_bwd_dkdv_gluon(q, k, v_hdim, q_seq, doh, dos, lse, delta, causal=causal,
                                      softmax_scale=softmax_scale, grad_dtype=grad_dtype,
-                                     config=GluonDkdvConfig(split=True) if split else None)
+                                     config=GluonDkdvConfig(split=True) if split else None, dk_out=dk, dv_out=dv)
 
         def gluon_dq():
             return attn_bwd_dq_gluon(q, k, v_hdim, k_seq, doh, lse, delta, causal=causal,

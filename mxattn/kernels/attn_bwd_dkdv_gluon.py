@@ -109,6 +109,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxattn.formats import RowScaledFP8
+from mxattn.kernels.attn_bwd import grad_outputs
 from mxattn.kernels.attn_bwd_dq_gluon import (
     _hdim_view,
     _is_rs,
@@ -533,7 +534,8 @@ def _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq, split: bool = False):
 def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, q_seq: RowScaledFP8,
                         dout_hdim: RowScaledFP8, dout_seq: RowScaledFP8, lse: torch.Tensor, delta: torch.Tensor, *,
                         causal: bool = False, softmax_scale: Optional[float] = None,
-                        grad_dtype: torch.dtype = torch.bfloat16, config: Optional[GluonDkdvConfig] = None):
+                        grad_dtype: torch.dtype = torch.bfloat16, config: Optional[GluonDkdvConfig] = None,
+                        dk_out: Optional[torch.Tensor] = None, dv_out: Optional[torch.Tensor] = None):
     """(dk, dv) of MXFP8 attention with the warp-specialized Gluon kernel: the operands ``attn_bwd.attn_bwd_hopper``
     passes to its dK/dV kernel on the "dQ from a separate kernel" path.
 
@@ -545,8 +547,8 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
                major, (B, Hq, Sq) float32 rowsum(dO_hdim ∘ O)).
     lse:       the forward's (B, Hq, Sq) float32 natural-log sum of exp (−inf for rows that see nothing).
     D is 64 or 128, Hq a multiple of Hkv (dk, dv summed over the query heads of each group); causal masks are
-    aligned bottom-right.  Returns dk, dv (B, Sk, Hkv, D) in ``grad_dtype``, contiguous.  Needs an sm_90 GPU and
-    triton 3.6's Gluon.
+    aligned bottom-right.  Returns dk, dv (B, Sk, Hkv, D) in ``grad_dtype``, contiguous, or ``dk_out`` / ``dv_out``
+    written in place (``attn_bwd.grad_outputs``).  Needs an sm_90 GPU and triton 3.6's Gluon.
     """
     _check(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, grad_dtype)
     B, Sq, Hq, D = q.data.shape
@@ -556,11 +558,9 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
         raise ValueError(f"stages must be >= 1, got {cfg.stages}")
     softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
     dev = q.data.device
+    dk, dv = grad_outputs(dk_out, dv_out, (B, Sk, Hkv, D), grad_dtype, dev)
     if Sq == 0 or B * Hkv == 0 or Sk == 0:
-        z = lambda: torch.zeros(B, Sk, Hkv, D, dtype=grad_dtype, device=dev)  # noqa: E731
-        return z(), z()
-    dk = torch.empty(B, Sk, Hkv, D, dtype=grad_dtype, device=dev)
-    dv = torch.empty(B, Sk, Hkv, D, dtype=grad_dtype, device=dev)
+        return dk.zero_(), dv.zero_()
     descs = _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq, cfg.split)
     # contiguous exponents, lse and delta: the unit strides the compiled variant is specialized for (UNIT_STRIDES)
     # q's and dout_hdim's exponents expanded to one per 64-row query tile (their groups are multiples of 64): the
