@@ -13,6 +13,8 @@
 #   MXATTN_SANITIZE_TOOLS    default "memcheck racecheck synccheck" (initcheck also works)
 #   MXATTN_SANITIZE_TIMEOUT  seconds per run, default 300
 #   MXATTN_SANITIZE_JOBS     runs at once, default 4 (tiny launches: the GPU is mostly idle under a sanitizer)
+#   MXATTN_SANITIZE_PRINT_LIMIT  errors printed per run (compute-sanitizer --print-limit; its default 100 hid 449 of
+#                            the Gluon backward's racecheck reports), default 2000, 0 = all
 #   MXATTN_SANITIZE_API_ERRORS  compute-sanitizer --report-api-errors value, default "no" (torch and the Triton
 #                            launcher make CUDA API calls that fail by design, e.g. probing pointers)
 #   COMPUTE_SANITIZER        path of the binary (else PATH, /usr/local/cuda*/bin, the pip nvidia wheels)
@@ -25,6 +27,7 @@ TOOLS=${MXATTN_SANITIZE_TOOLS:-memcheck racecheck synccheck}
 T=${MXATTN_SANITIZE_TIMEOUT:-300}
 JOBS=${MXATTN_SANITIZE_JOBS:-4}
 API=${MXATTN_SANITIZE_API_ERRORS:-no}
+PRINT_LIMIT=${MXATTN_SANITIZE_PRINT_LIMIT:-2000}
 PY=${MXATTN_PYTHON:-python3}
 HERE=$(cd "$(dirname "$0")" && pwd)
 DRIVER="$HERE/sanitize_driver.py"
@@ -80,7 +83,7 @@ sanitize_one() {
     initcheck) extra=(--track-unused-memory no); envs=(PYTORCH_NO_CUDA_MEMORY_CACHING=1) ;;
   esac
   env ${envs[@]+"${envs[@]}"} timeout "$T" "$CS" --tool "$tool" --error-exitcode 99 --report-api-errors "$API" \
-    ${extra[@]+"${extra[@]}"} --log-file "$OUT/$tool-$c.log" "$PY" "$DRIVER" "$c" > "$OUT/$tool-$c.out" 2>&1
+    --print-limit "$PRINT_LIMIT" ${extra[@]+"${extra[@]}"} --log-file "$OUT/$tool-$c.log" "$PY" "$DRIVER" "$c" > "$OUT/$tool-$c.out" 2>&1
   echo $? > "$OUT/$tool-$c.rc"
 }
 
