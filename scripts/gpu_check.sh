@@ -138,6 +138,10 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
       # every GPU of the machine (RING_NPROC to override), one rank each (NVLink multicast off); the check against
       # single-GPU mxattn first. RING_NPROC=1 on one GPU measures the per-block cost of the ring (no wire).
       NGPU=${RING_NPROC:-$(nvidia-smi -L | wc -l)}
+      # the check's local chunks are below the Gluon forward's S >= 8k: check once more with it forced (the timed
+      # 64k-256k runs take it)
+      NCCL_NVLS_ENABLE=0 MXATTN_FWD_KERNEL=gluon run $PY -m torch.distributed.run --standalone \
+        --nproc-per-node "$NGPU" -m mxattn.distributed --check-only
       NCCL_NVLS_ENABLE=0 run $PY -m torch.distributed.run --standalone --nproc-per-node "$NGPU" -m mxattn.distributed \
         --check --causal --outdir "$OUT" ${RING_ARGS:---seqlen 65536 131072 262144 --profile} ;;
     train)

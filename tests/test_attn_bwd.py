@@ -405,10 +405,15 @@ def test_attn_bwd_writes_into_given_grads(seed):
     assert got[1] is dk_out and got[2] is dv_out
     for x, y in zip(got, plain):
         assert torch.equal(x, y)
-    assert torch.isnan(dk_all[:, :20]).all() and torch.isnan(dv_all[:, 110:]).all()  # nothing written outside
+    for t in (dk_all, dv_all):  # nothing written outside the views
+        assert torch.isnan(t[:, :20]).all() and torch.isnan(t[:, 110:]).all()
+    wide = torch.zeros(2, 90, 1, 64, device=q.device)
     for bad, match in (({"dk_out": dk_out}, "both"), ({"dk_out": dk_out, "dv_out": dv_out[:, :-1]}, "shape"),
                        ({"dk_out": dk_out, "dv_out": dv_out.double()}, "float32"),
-                       ({"dk_out": dk_out, "dv_out": torch.zeros_like(dv_out)}, "same strides")):
+                       ({"dk_out": dk_out, "dv_out": torch.zeros_like(dv_out)}, "same strides"),
+                       ({"dk_out": wide, "dv_out": wide}, "overlap"),
+                       ({"dk_out": wide[:1].expand(2, -1, -1, -1), "dv_out": wide[1:].expand(2, -1, -1, -1)},
+                        "zero-stride")):
         with pytest.raises((TypeError, ValueError), match=match):
             bwd.attn_bwd_hopper(*args, causal=True, grad_dtype=torch.float32, **bad)
 

@@ -207,6 +207,7 @@ GPU_CASES = [
     # B, Sq, Sk, Hq, Hkv, D, causal
     (1, 1, 1, 2, 2, 128, True),
     (1, 1, 77, 2, 2, 64, False),  # Sq = 1 with no GQA: the launch that triton 3.6 cannot lower when Sq is specialized
+    (1, 1, 1, 1, 1, 64, False),  # the sanitizer's shape that found it (Hq = Hkv = Sk = 1 specialized too)
     (2, 113, 203, 4, 4, 128, False),
     (2, 113, 203, 4, 2, 64, True),
     (1, 1023, 1024, 4, 4, 128, True),

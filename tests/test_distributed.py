@@ -233,7 +233,7 @@ def test_needs_process_group():
             ring_mxfp8_attn_func(x, x, x)
 
 
-def _kernel_block_worker(rank, world, init_file, seed, result_file):
+def _kernel_block_worker(rank, world, init_file, seed, result_file, chunk=64):
     from mxattn.distributed import KernelBlock, ReferenceBlock
 
     torch.set_num_threads(1)
@@ -245,7 +245,7 @@ def _kernel_block_worker(rank, world, init_file, seed, result_file):
     msgs = []
     try:
         g = torch.Generator().manual_seed(seed)
-        S, Hq, Hkv = 4 * 32 * world, 2, 1
+        S, Hq, Hkv = 2 * chunk * world, 2, 1
         full = [torch.randn(1, S, h, D, generator=g) for h in (Hq, Hkv, Hkv, Hq)]
         got = {}
         for name, block in (("kernel", KernelBlock()), ("reference", ReferenceBlock())):
@@ -263,16 +263,19 @@ def _kernel_block_worker(rank, world, init_file, seed, result_file):
         f.write("\n".join(msgs))
 
 
-def test_ring_kernel_block_matches_reference_block(seed, tmp_path):
+@pytest.mark.parametrize("chunk", [64, 12], ids=["merged", "block_calls"])
+def test_ring_kernel_block_matches_reference_block(chunk, seed, tmp_path):
     """The ring on the ``tl`` kernels (``KernelBlock``: its per-pass cache of the query side, the Hopper operand
-    layouts, the global lse in the backward) agrees with the ring on the reference blocks, causal zig-zag over two
-    processes; on CPUs through the Triton interpreter (GPU runs: ``python -m mxattn.distributed --check``)."""
+    layouts, the global lse in the backward, dK/dV written into the traveling buffer) agrees with the ring on the
+    reference blocks, causal zig-zag over two processes; chunks of 64 tokens (one call per step) and of 12 (one
+    call per block: steps with several calls, some sharing key columns); on CPUs through the Triton interpreter
+    (GPU runs: ``python -m mxattn.distributed --check``)."""
     from conftest import require_kernels
 
     if require_kernels() != "cpu":
         pytest.skip("the GPU check is python -m mxattn.distributed --check under torchrun")
     result = tmp_path / "kb"
-    mp.spawn(_kernel_block_worker, args=(2, str(tmp_path / "store"), seed, str(result)), nprocs=2, join=True)
+    mp.spawn(_kernel_block_worker, args=(2, str(tmp_path / "store"), seed, str(result), chunk), nprocs=2, join=True)
     text = "\n".join((tmp_path / f"kb.{r}").read_text() for r in range(2)).strip()
     assert text == "", "\n" + text
 

@@ -789,17 +789,31 @@ def grad_outputs(dk_out: Optional[torch.Tensor], dv_out: Optional[torch.Tensor],
     slices of one flat buffer as the ring's).  The kernels store every element, so they need no initialisation."""
     if dk_out is None and dv_out is None:
         return (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+    device = torch.device(device)
     for name, t in (("dk_out", dk_out), ("dv_out", dv_out)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor (give both dk_out and dv_out, or neither)")
-        if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != torch.device(device):
+        same_device = t.device.type == device.type and (device.index is None or t.device.index == device.index)
+        if tuple(t.shape) != tuple(shape) or t.dtype != dtype or not same_device:
             raise ValueError(f"{name} must be a {dtype} tensor of shape {tuple(shape)} on {device}, got {t.dtype} "
                              f"{tuple(t.shape)} on {t.device}")
-        if t.stride(3) != 1:
-            raise ValueError(f"{name} must be contiguous along the head dim, got strides {t.stride()}")
+        if t.stride(3) != 1 or 0 in t.stride()[:3]:
+            raise ValueError(f"{name} must be contiguous along the head dim with no broadcast (zero-stride) dim, got "
+                             f"strides {t.stride()}")
     if dk_out.stride() != dv_out.stride():
         raise ValueError(f"dk_out and dv_out must have the same strides, got {dk_out.stride()} and {dv_out.stride()}")
+    if dk_out.numel() and _overlap(dk_out, dv_out):
+        raise ValueError("dk_out and dv_out must not overlap in memory (their first-to-last element spans)")
     return dk_out, dv_out
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of two tensors (first to last element) intersect."""
+    def span(t):
+        lo = t.data_ptr()
+        return lo, lo + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) * t.element_size() + t.element_size()
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def gluon_split() -> bool:
@@ -882,7 +896,8 @@ def attn_bwd_hopper(
     if Sq == 0 or Sk == 0 or B * Hq == 0:
         dk.zero_()
         dv.zero_()
-        return torch.zeros(B, Sq, Hq, D, dtype=grad_dtype, device=dev), dk, dv
+        dq = torch.zeros(B, Sq, Hq, D, dtype=grad_dtype, device=dev)
+        return ((lambda: dq) if defer_dq else dq), dk, dv
     doh, dos, delta = attn_bwd_preprocess(out, dout, dout_hdim, dout_seq)
     if use_gluon:
         from mxattn.kernels.attn_bwd_dkdv_gluon import GluonDkdvConfig, attn_bwd_dkdv_gluon
@@ -930,7 +945,10 @@ def attn_bwd_hopper(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ATOMIC_DQ=not deterministic, DS_TILE_SCALE=cfg.ds_tile_scale,
         **common, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if deterministic:
+
+    def tl_dq():  # the second kernel's dQ, or the atomics' fp32 sums in grad_dtype
+        if not deterministic:
+            return dq_acc.to(grad_dtype)
         _bwd_dq_kernel[(triton.cdiv(Sq, cfg.dq_block_m), B * Hq)](
             qd, qe, kd, ke, vd, ve, ksd, kse, dhd, dhe, lse, delta, dq,
             *qd.stride(), *row_e(qe), *kd.stride(), *row_e(ke), *vd.stride(), *row_e(ve),
@@ -939,9 +957,9 @@ def attn_bwd_hopper(
             BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, **common,
             num_warps=cfg.dq_num_warps, num_stages=cfg.dq_num_stages,
         )
-    else:
-        dq = dq_acc.to(grad_dtype)
-    return ((lambda: dq) if defer_dq else dq), dk, dv
+        return dq
+
+    return (tl_dq if defer_dq else tl_dq()), dk, dv
 
 
 # ----------------------------------------------------------------------------------------------

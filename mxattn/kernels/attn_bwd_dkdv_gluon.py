@@ -77,7 +77,8 @@ causal); the default of ``attn_bwd_hopper`` on Hopper.  Costs to look at first (
 head-change rescale loads 4 x D exponents in the loop body (a rare branch), the tile-wide dS max (256-thread barriers) once per step, and no cross-step overlap of
 the two consumer warpgroups (no ping-pong: the tile exponent couples them every step).
 
-Split variant (``GluonDkdvConfig(split=True)``, opt-in; compiled for sm_90a, not yet run on a GPU): the two consumer
+Split variant (``GluonDkdvConfig(split=True)``; the default of ``attn_bwd_hopper`` since session 5, where it measured
+1.14-1.20x the whole-tile kernel at S8k d128, ``MXATTN_BWD_GLUON_SPLIT=0`` for the latter): the two consumer
 warpgroups become two 4-warp partitions (the default partition and a worker, as in attn_fwd_gluon), each over 64
 of the CTA's 128 keys with its own K / V_hdim tile (two 64-key TMA boxes each), its own dK / dV and its own dS
 exponent per (64 keys x 64 queries) tile, i.e. the tl kernel with 64-key blocks (``split_tl_config``), which the GPU

@@ -63,7 +63,8 @@ tile-wide max, which a hand-made exchange of the eight warps' maxima through a d
 cut to one), and the tensor cores idle while both warpgroups compute dS (a ping-pong between them, as FA3,
 needs the tile exponent exchange to move out of the critical path).
 
-Split variant (``GluonDqConfig(split=True)``, opt-in; compiled for sm_90a, not yet run on a GPU): the two consumer
+Split variant (``GluonDqConfig(split=True)``; the default of ``attn_bwd_hopper`` since session 5, 1.16-1.20x the
+whole-tile kernel at S8k d128): the two consumer
 warpgroups as two 4-warp partitions of 64 query rows (own Q / dO tiles, accumulator and dS exponent per 64 x 64
 tile: the tl dQ kernel with 64-row blocks, ``split_tl_config``), sharing the K / V / K_seq ring (empty barriers
 count two arrivals), so that the six 256-thread barriers per key tile become 128-thread ones of each warpgroup

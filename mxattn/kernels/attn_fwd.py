@@ -19,9 +19,10 @@ Causal masks are aligned bottom-right (query i sees key j iff j <= i + Sk - Sq),
 A row with nothing to attend gives out = 0 and lse = -inf.
 
 Jagged batches (``VARLEN``, launcher ``attn_fwd_hopper_varlen``) run the same kernel: each program reads its
-sequence's offsets (``CU_Q``, ``CU_K``, ``CU_KG``, ``CU_V``), moves the base pointers there and sets the sequence
-lengths, after which the code is the dense code (operand layouts: ``kernels/varlen.py``).  The dense launch passes
-None for those four (constexpr), so the dense path compiles to the same PTX as before varlen existed.
+grid slot's row of ``SLOTS`` (the sequence and its offsets, heaviest sequence first), moves the base pointers there
+and sets the sequence lengths, after which the code is the dense code (operand layouts: ``kernels/varlen.py``).  The
+dense launch passes None for ``SLOTS`` (constexpr), so the dense path compiles to the same PTX as before varlen
+existed.
 """
 
 from __future__ import annotations
@@ -132,8 +133,7 @@ def _attn_fwd_kernel(
     stride_ob, stride_om, stride_oh, stride_od,
     stride_lb, stride_lh, stride_lm,
     Hq, Sq, Sk, group_size, qk_scale,
-    CU_Q, CU_K, CU_KG, CU_V,  # varlen: (B + 1) int32 offsets of q rows, k rows, K exponent groups, V columns
-    SEQ_ORDER,  # varlen: (B,) sequence of each grid slot, heaviest first (None when dense)
+    SLOTS,  # varlen: (B, 8) int32, row = grid slot (heaviest sequence first), see varlen_slots (None when dense)
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     EXPLICIT_ROUND: tl.constexpr, VARLEN: tl.constexpr = False,
 ):
@@ -156,27 +156,36 @@ def _attn_fwd_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     b64 = b.to(tl.int64)
     if VARLEN:
-        b = tl.load(SEQ_ORDER + b)  # grid slots run heaviest sequences first: the long ones do not form the tail
+        # row b of SLOTS: sequence s = SLOTS[b, 0] (grid slots run heaviest sequences first: the long ones do not form
+        # the tail) and its offsets: q rows SLOTS[b, 1]:SLOTS[b, 2] of the packed (Tq, Hq, D) tensors, keys
+        # SLOTS[b, 3]:SLOTS[b, 4], K exponent groups from SLOTS[b, 5], V columns from SLOTS[b, 6] (16-aligned) of the
+        # channel-major (Hkv, D, Tv) buffer, V exponents row s.  The seven loads read one 32-byte row and depend on
+        # the program id only: one round trip before the Q and K/V loads (a (B,) order plus the cu arrays took three).
+        row = SLOTS + b * 8
+        b = tl.load(row)
+        q_start = tl.load(row + 1)
+        q_end = tl.load(row + 2)
+        k_start = tl.load(row + 3)
+        k_end = tl.load(row + 4)
+        kg_start = tl.load(row + 5)
+        v_start = tl.multiple_of(tl.load(row + 6), 16)
         b64 = b.to(tl.int64)
-        # sequence b: q rows CU_Q[b]:CU_Q[b+1] of the packed (Tq, Hq, D) tensors, keys CU_K[b]:CU_K[b+1], K exponent
-        # groups from CU_KG[b], V columns from CU_V[b] (16-aligned) of the channel-major (Hkv, D, Tv) buffer,
-        # V exponents row b.  The base pointers move to the sequence; the batch terms below then vanish.
-        q_start = tl.load(CU_Q + b)
-        Sq = tl.load(CU_Q + b + 1) - q_start
-        if start_m >= Sq:
+        Sq = q_end - q_start
+        Sk = k_end - k_start
+        # the exit test reads every loaded value (the second term is false: offsets and lengths are >= 0), so that
+        # ptxas cannot sink the later loads below the exit, into a second round trip
+        if (start_m >= Sq) | ((b | Sk | kg_start | v_start) < 0):
             return
-        k_start = tl.load(CU_K + b)
-        Sk = tl.load(CU_K + b + 1) - k_start
         q_start = q_start.to(tl.int64)
         Q += q_start * stride_qm
         QE += q_start * stride_qem
         O += q_start * stride_om
         K += k_start.to(tl.int64) * stride_kn
-        KE += tl.load(CU_KG + b).to(tl.int64) * stride_ket
+        KE += kg_start.to(tl.int64) * stride_ket
         VE += b64 * stride_veb
         b64 = 0
         # the head strides of V (D * Tv) and LSE (Tq) grow with the whole batch: their head offsets go in 64 bits
-        V += tl.multiple_of(tl.load(CU_V + b), 16).to(tl.int64) * stride_vn + hk.to(tl.int64) * stride_vh
+        V += v_start.to(tl.int64) * stride_vn + hk.to(tl.int64) * stride_vh
         LSE += q_start * stride_lm + h.to(tl.int64) * stride_lh
         stride_vh = 0
         stride_lh = 0
@@ -227,6 +236,47 @@ def _attn_fwd_kernel(
     tl.store(LSE + b64 * stride_lb + h * stride_lh + offs_m * stride_lm, lse, mask=offs_m < Sq)
 
 
+@triton.jit
+def _varlen_slots_kernel(CU_Q, CU_K, CU_KG, CU_V, SLOTS, B, BLOCK: tl.constexpr):
+    """Row r of SLOTS (B, 8) = (s, cu_q[s], cu_q[s+1], cu_k[s], cu_k[s+1], cu_kg[s], cu_v[s], 0) for the sequence s
+    of rank r in decreasing len_q * len_k order, ties by index (the order of torch.argsort(stable=True,
+    descending=True)).  Program p ranks sequences p*BLOCK .. p*BLOCK+BLOCK-1 against all B: O(B^2 / BLOCK) each."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mi = i < B
+    qs = tl.load(CU_Q + i, mask=mi, other=0)
+    qe = tl.load(CU_Q + i + 1, mask=mi, other=0)
+    ks = tl.load(CU_K + i, mask=mi, other=0)
+    ke = tl.load(CU_K + i + 1, mask=mi, other=0)
+    wi = (qe - qs).to(tl.int64) * (ke - ks).to(tl.int64)
+    rank = tl.zeros([BLOCK], tl.int32)
+    for jb in range(0, tl.cdiv(B, BLOCK)):
+        j = jb * BLOCK + tl.arange(0, BLOCK)
+        mj = j < B
+        wj = (tl.load(CU_Q + j + 1, mask=mj, other=0) - tl.load(CU_Q + j, mask=mj, other=0)).to(tl.int64) * \
+             (tl.load(CU_K + j + 1, mask=mj, other=0) - tl.load(CU_K + j, mask=mj, other=0)).to(tl.int64)
+        ahead = (wj[None, :] > wi[:, None]) | ((wj[None, :] == wi[:, None]) & (j[None, :] < i[:, None]))
+        rank += tl.sum((ahead & mj[None, :]).to(tl.int32), 1)
+    row = SLOTS + rank * 8
+    tl.store(row, i, mask=mi)
+    tl.store(row + 1, qs, mask=mi)
+    tl.store(row + 2, qe, mask=mi)
+    tl.store(row + 3, ks, mask=mi)
+    tl.store(row + 4, ke, mask=mi)
+    tl.store(row + 5, tl.load(CU_KG + i, mask=mi, other=0), mask=mi)
+    tl.store(row + 6, tl.load(CU_V + i, mask=mi, other=0), mask=mi)
+    tl.store(row + 7, tl.zeros([BLOCK], tl.int32), mask=mi)
+
+
+def varlen_slots(cu_q: torch.Tensor, cu_k: torch.Tensor, cu_kg: torch.Tensor, cu_v: torch.Tensor) -> torch.Tensor:
+    """The (B, 8) int32 ``SLOTS`` table of the jagged forward: one launch, no host sync (the torch ops it replaces,
+    diff / to / mul / argsort / to, were about ten small kernels inside every forward call)."""
+    B = cu_q.numel() - 1
+    slots = torch.empty(B, 8, dtype=torch.int32, device=cu_q.device)
+    BLOCK = 32  # (BLOCK, BLOCK) int64 compares: 60 registers at 32, 254 at 64, spills at 128 (sm90, 4 warps)
+    _varlen_slots_kernel[(triton.cdiv(B, BLOCK),)](cu_q, cu_k, cu_kg, cu_v, slots, B, BLOCK=BLOCK)
+    return slots
+
+
 def alloc_fwd_outputs(q_data: torch.Tensor, out_dtype: torch.dtype):
     """out (B, Sq, Hq, D) in ``out_dtype`` and lse (B, Hq, Sq) fp32 for a (B, Sq, Hq, D) query, shared by the
     forward launchers.  When out is empty there is nothing to launch: lse is then already -inf."""
@@ -264,7 +314,7 @@ def attn_fwd_hopper(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         ve.stride(0), ve.stride(2), ve.stride(3),
         *out.stride(), *lse.stride(),
         Hq, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E,
-        None, None, None, None, None,
+        None,
         HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, EXPLICIT_ROUND=INTERPRETER,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -299,8 +349,7 @@ def attn_fwd_hopper_varlen(q, k, v, *, causal: bool = False, softmax_scale: floa
     qe, ke, ve = q.exp, k.exp, v.exp
     # heaviest sequences (Sq * Sk) first, on the device (no host sync): a long sequence scheduled last would leave
     # the rest of the GPU idle while its q-blocks finish
-    lq, lk = q.cu_data.diff().to(torch.int64), k.cu_data.diff().to(torch.int64)
-    seq_order = torch.argsort(lq * lk, descending=True, stable=True).to(torch.int32)
+    slots = varlen_slots(q.cu_data, k.cu_data, k.cu_exp, v.cu_data)
     _attn_fwd_kernel[(n_m * B * Hq,)](
         qd, kd, vd, qe, ke, ve, out, lse,
         0, qd.stride(0), qd.stride(1), qd.stride(2),
@@ -312,7 +361,7 @@ def attn_fwd_hopper_varlen(q, k, v, *, causal: bool = False, softmax_scale: floa
         0, out.stride(0), out.stride(1), out.stride(2),
         0, lse.stride(0), lse.stride(1),
         Hq, q.max_seqlen, k.max_seqlen, Hq // Hkv, softmax_scale * LOG2E,
-        q.cu_data, k.cu_data, k.cu_exp, v.cu_data, seq_order,
+        slots,
         HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, EXPLICIT_ROUND=INTERPRETER,
         VARLEN=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
