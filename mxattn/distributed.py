@@ -368,19 +368,21 @@ class KernelBlock:
 # ----------------------------------------------------------------------------------------------
 
 
-def _merge(state, o, lse, lse_bwd):
-    """Log-sum-exp merge of a block's partial (out, lse) into the running one; lse_bwd merges alongside."""
-    o, lse, lse_bwd = o.float(), lse.float(), lse_bwd.float()
-    if state is None:
-        return [o, lse, lse_bwd]
-    acc, acc_lse, acc_bwd = state
-    new = torch.logaddexp(acc_lse, lse)
+def _merge_into(acc, rows: slice, o, lse, lse_bwd) -> None:
+    """Log-sum-exp merge of a block's partial (out, lse) over query ``rows`` into the running (out, lse, lse_bwd)
+    ``acc`` in place (fp32; out (B, S, H, D), lse (B, H, S)); a side whose lse is -inf (it saw nothing) weighs 0."""
+    out, acc_lse, acc_bwd = acc
+    a, al = out[:, rows], acc_lse[:, :, rows]
+    lse = lse.float()
+    new = torch.logaddexp(al, lse)
 
-    def weight(x):  # (B, H, S) -> (B, S, H, 1), 0 where a side saw nothing
+    def weight(x):  # (B, H, S) -> (B, S, H, 1)
         w = torch.where(torch.isneginf(x), torch.zeros_like(x), torch.exp(x - new))
         return w.transpose(1, 2).unsqueeze(-1)
 
-    return [acc * weight(acc_lse) + o * weight(lse), new, torch.logaddexp(acc_bwd, lse_bwd)]
+    a.mul_(weight(al)).addcmul_(o.float(), weight(lse))
+    al.copy_(new)
+    acc_bwd[:, :, rows] = torch.logaddexp(acc_bwd[:, :, rows], lse_bwd.float())
 
 
 def _chunks(x: torch.Tensor, n: int, dim: int) -> list[torch.Tensor]:
@@ -428,7 +430,9 @@ def _ring_forward(q, k, v, ring: _Ring, causal, scale, zigzag, block):
     for kj, vj in zip(kc, vc):
         mx += _quantize(kj, (3,)) + _quantize(vj, (1,))
     buf, spec = _pack(mx)
-    states = [None] * n
+    # the running (out, lse, lse_bwd) of every query row, fp32: the first call that covers every row gives it (a
+    # rank's own pair at step 0 when steps are merged: no copy); otherwise it starts empty (zeros, -inf)
+    acc = None
     for step in range(W):
         pending = ring.exchange(buf, _TAG_KV, _LAST_STATS.fwd_kv_bytes) if step + 1 < W else None
         visiting = _unpack(buf, spec)
@@ -437,21 +441,25 @@ def _ring_forward(q, k, v, ring: _Ring, causal, scale, zigzag, block):
             kk = _cat_mx([visiting[2 * j] for j in range(j0, j1)])
             vv = _cat_mx([visiting[2 * j + 1] for j in range(j0, j1)])
             o, lse, lse_bwd = block.forward(q[:, i0 * c : i1 * c], kk, vv, diag, scale)
-            for i in range(i0, i1):
-                part = slice((i - i0) * c, (i - i0 + 1) * c)
-                states[i] = _merge(states[i], o[:, part], lse[:, :, part], lse_bwd[:, :, part])
+            rows = slice(i0 * c, i1 * c)
+            if acc is None and rows == slice(0, q.shape[1]):
+                acc = [o.float(), lse.float(), lse_bwd.float().clone() if lse_bwd is lse else lse_bwd.float()]
+                continue
+            if acc is None:
+                B, S, H, _ = q.shape
+                acc = [q.new_zeros((B, S, H, v.shape[-1]), dtype=torch.float32),
+                       q.new_full((B, H, S), float("-inf"), dtype=torch.float32),
+                       q.new_full((B, H, S), float("-inf"), dtype=torch.float32)]
+            _merge_into(acc, rows, o, lse, lse_bwd)
         if pending is not None:
             buf = pending.wait()
-    for i, st in enumerate(states):
-        if st is None:  # a q chunk that sees no key (not possible in self-attention, kept for safety)
-            B, _, H, _ = q.shape
-            empty = q.new_full((B, H, c), float("-inf"), dtype=torch.float32)
-            states[i] = [q.new_zeros((B, c, H, v.shape[-1]), dtype=torch.float32), empty, empty]
     getattr(block, "end", lambda: None)()
-    out = torch.cat([s[0] for s in states], 1)
-    lse = torch.cat([s[1] for s in states], 2)
-    lse_bwd = torch.cat([s[2] for s in states], 2)
-    return out, lse, lse_bwd
+    if acc is None:  # no query row saw a key (not possible in self-attention, kept for safety)
+        B, S, H, _ = q.shape
+        acc = [q.new_zeros((B, S, H, v.shape[-1]), dtype=torch.float32),
+               q.new_full((B, H, S), float("-inf"), dtype=torch.float32),
+               q.new_full((B, H, S), float("-inf"), dtype=torch.float32)]
+    return tuple(acc)
 
 
 def _ring_backward(q, k, v, out, dout, lse_bwd, ring: _Ring, causal, scale, zigzag, block, grad_comm_dtype):
