@@ -724,7 +724,7 @@ def bench_ring(
         }
         if profile:
             row["profile_fwd_bwd"] = prof
-        del q, k, v, dout
+        q = k = v = dout = None  # free before the single-GPU baseline
         if W > 1:
             t_mx = _wire_time(mx_step, ring, iters)
             t_bf = _wire_time(bf16_step, ring, iters)
