@@ -12,7 +12,8 @@ Prints one line per case: "case NAME ok (N launches, T s)".  Exit status 0 when 
 
 wsprobe is not an mxattn kernel: a minimal Gluon ``gl.warp_specialize`` kernel (scripts/ws_probe.py, 4-warp default
 partition and a 1-warp worker, each storing to its own slice of an int32 output; no shared memory of its own),
-the control for racecheck's hazards on ``gluon`` (docs/racecheck-gluon.md).  Like gluon it needs an sm_90 / sm_100
+then its variant with an mbarrier and a captured value, the controls for racecheck's hazards on ``gluon`` and
+``gluonbwd`` (docs/racecheck-gluon.md).  Like gluon it needs an sm_90 / sm_100
 GPU and triton's Gluon; it raises under --cpu.
 """
 
@@ -186,16 +187,19 @@ def case_wsprobe() -> int:
         import ws_probe as probe
     except ImportError as e:  # a triton without Gluon
         raise RuntimeError(f"wsprobe: triton's Gluon does not import ({e})") from e
-    programs = 2
-    out = probe.run(programs, DEV)
-    torch.cuda.synchronize()
-    want = probe.expected(programs)
-    got = out.cpu()
-    if not torch.equal(got, want):
-        bad = (got != want).nonzero().flatten()
-        raise RuntimeError(f"wsprobe: {bad.numel()} of {got.numel()} elements wrong, first at {bad[0].item()}: "
-                           f"{got[bad[0]].item()} (want {want[bad[0]].item()})")
-    return 1
+    # the plain probe once (2 CTAs), then the variant with an mbarrier and a captured value (what the mxattn kernels
+    # add before gl.warp_specialize) over 8 launches of 132 CTAs: racecheck's flagging varies between launches
+    launches = [(False, 2)] + [(True, 132)] * 8
+    for mbar, programs in launches:
+        out = probe.run(programs, DEV, mbar=mbar)
+        torch.cuda.synchronize()
+        want = probe.expected(programs)
+        got = out.cpu()
+        if not torch.equal(got, want):
+            bad = (got != want).nonzero().flatten()
+            raise RuntimeError(f"wsprobe (mbar={mbar}): {bad.numel()} of {got.numel()} elements wrong, first at "
+                               f"{bad[0].item()}: {got[bad[0]].item()} (want {want[bad[0]].item()})")
+    return len(launches)
 
 
 CASES = {"fwd": case_fwd, "bwd": case_bwd, "varlen": case_varlen, "quantize": case_quantize,

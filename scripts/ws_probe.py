@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 DEFAULT_WARPS = 4
 WORKER_WARPS = 1
@@ -50,6 +51,31 @@ def ws_probe_kernel(out_ptr, SLICE: gl.constexpr, DEFAULT_ELEMS: gl.constexpr, D
     ], [WORKER_WARPS], [WORKER_REGS])
 
 
+@gluon.jit
+def _worker_part_captured(out_ptr, base, SLICE: gl.constexpr, OFFSET: gl.constexpr, N: gl.constexpr,
+                          WARPS: gl.constexpr, TAG: gl.constexpr):
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    idx = gl.program_id(0) * SLICE + OFFSET + gl.arange(0, N, layout=layout)
+    gl.store(out_ptr + idx, idx + TAG + base)
+
+
+@gluon.jit
+def ws_probe_mbar_kernel(out_ptr, base_in, SLICE: gl.constexpr, DEFAULT_ELEMS: gl.constexpr,
+                         DEFAULT_WARPS: gl.constexpr, WORKER_ELEMS: gl.constexpr, WORKER_WARPS: gl.constexpr,
+                         WORKER_TAG: gl.constexpr, WORKER_REGS: gl.constexpr):
+    """The probe plus the two things the mxattn kernels do before ``gl.warp_specialize`` and the plain probe does
+    not (docs/racecheck-gluon.md): an mbarrier initialised in shared memory (Triton follows it with a barrier of
+    the default warps only) and a runtime value captured by the worker partition (an explicit-capture slot)."""
+    bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar.index(0), count=1)
+    base = base_in + gl.program_id(0) * 0  # a runtime scalar for the worker to capture (0 at launch)
+    gl.warp_specialize([
+        (_default_part, (out_ptr, SLICE, DEFAULT_ELEMS, DEFAULT_WARPS)),
+        (_worker_part_captured, (out_ptr, base, SLICE, DEFAULT_ELEMS, WORKER_ELEMS, WORKER_WARPS, WORKER_TAG)),
+    ], [WORKER_WARPS], [WORKER_REGS])
+    mbarrier.invalidate(bar.index(0))
+
+
 def constexprs() -> dict:
     """The kernel's constexpr arguments (the launch and an offline ``triton.compile`` use the same)."""
     return dict(SLICE=SLICE, DEFAULT_ELEMS=DEFAULT_ELEMS, DEFAULT_WARPS=DEFAULT_WARPS, WORKER_ELEMS=WORKER_ELEMS,
@@ -62,8 +88,12 @@ def expected(programs: int) -> torch.Tensor:
     return torch.where(idx % SLICE < DEFAULT_ELEMS, idx, idx + WORKER_TAG)
 
 
-def run(programs: int = 2, device: str = "cuda") -> torch.Tensor:
-    """One launch over ``programs`` CTAs on an output filled with -1 (so an element nobody wrote shows)."""
+def run(programs: int = 2, device: str = "cuda", mbar: bool = False) -> torch.Tensor:
+    """One launch over ``programs`` CTAs on an output filled with -1 (so an element nobody wrote shows); ``mbar``:
+    the variant with an mbarrier and a captured value (``ws_probe_mbar_kernel``; same expected output)."""
     out = torch.full((programs * SLICE,), -1, dtype=torch.int32, device=device)
-    ws_probe_kernel[(programs,)](out, **constexprs(), num_warps=DEFAULT_WARPS)
+    if mbar:
+        ws_probe_mbar_kernel[(programs,)](out, 0, **constexprs(), num_warps=DEFAULT_WARPS)
+    else:
+        ws_probe_kernel[(programs,)](out, **constexprs(), num_warps=DEFAULT_WARPS)
     return out
