@@ -27,6 +27,31 @@ def host_us(fn, calls: int) -> float:
     return t / calls * 1e6
 
 
+def direct_launch(jit_fn, launch):
+    """A callable that re-launches the kernel ``launch()`` launches through ``jit_fn``, straight through Triton's
+    ``CompiledKernel`` runner with the same bound arguments: what a launch costs without the JIT's dispatch
+    (binding, specialization key, cache lookup).  Uses triton 3.x internals (``run``, ``device_caches``); a
+    diagnostic only."""
+    captured = {}
+    orig = jit_fn.run
+
+    def spy(*args, grid, warmup, **kwargs):
+        captured.update(args=args, kwargs=kwargs, grid=grid)
+        return orig(*args, grid=grid, warmup=warmup, **kwargs)
+
+    jit_fn.run = spy
+    try:
+        launch()
+    finally:
+        del jit_fn.run
+    args, kwargs, grid = captured["args"], captured["kwargs"], captured["grid"]
+    bound, _, _ = jit_fn.device_caches[torch.cuda.current_device()][4](*args, **kwargs)
+    kernel = jit_fn.run(*args, grid=grid, warmup=True, **kwargs)  # the cached compiled kernel, not launched
+    values = list(bound.values())
+    runner = kernel[tuple(grid) if not callable(grid) else grid(bound)]
+    return lambda: runner(*values)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=200)
@@ -62,6 +87,13 @@ def main(argv=None) -> None:
         ("mxfp8_attn_func with grad (fwd only)", lambda: mxfp8_attn_func(qg, kg, vg)),
         ("mxfp8_attn_func fwd+bwd", lambda: mxfp8_attn_func(qg, kg, vg).backward(do)),
     ]
+    try:  # the forward kernel without the JIT's dispatch: how much a leaner launch path could save per launch
+        from mxattn.kernels.attn_fwd import _attn_fwd_kernel
+
+        cases.insert(6, ("attn_fwd kernel, CompiledKernel runner (no JIT dispatch)",
+                         direct_launch(_attn_fwd_kernel, lambda: attn_fwd_hopper(qr, kr, vr))))
+    except Exception as e:  # triton internals moved: report and go on
+        print(f"(no direct-launch row: {type(e).__name__}: {e})")
     print(f"host us per call, B{B} S{S} H{H} D{D}, {args.calls} calls each")
     for name, fn in cases:
         print(f"{host_us(fn, args.calls):9.1f}  {name}", flush=True)
