@@ -7,6 +7,7 @@
 #   gluon      the warp-specialized Gluon forward: compile check, small tests, all tests, speed vs tl and cuDNN
 #   bwd        backward kernels vs SDPA (python -m mxattn.kernels.attn_bwd)
 #   bwdgluon   the Gluon dQ / dK-dV backward kernels: compile checks, small cases under a timeout, all GPU tests
+#   host       scripts/host_timing.py: host us per call of each layer (launch overhead), into OUTDIR/host_timing.txt
 #   bwdsweep   backward tile sweep (SWEEP_CONFIGS) at S 8k, kernels only
 #   profile    scripts/profile_attn.py: kernel-by-kernel device time of one public call, fwd and fwd+bwd, vs cuDNN
 #   bench      `mxattn bench`: forward/backward vs SDPA cuDNN/flash BF16, JSON + PNG
@@ -100,6 +101,9 @@ rows += [dict(r, kernel='dq_split', tl='64-row blocks') for r in bench_attn_bwd_
 for r in rows: print(r)
 print(write_result('attn_bwd_kernels', rows, sys.argv[1], extra={'note': 'Gluon backward kernels vs their tl twins'}))
 " "$OUT" ;;
+    host)
+      # host microseconds per call of each layer of the call stack, incl. a launch without the JIT's dispatch
+      run $PY scripts/host_timing.py | tee "$OUT/host_timing.txt" ;;
     bwdsweep)
       run $PY -m mxattn.kernels.attn_bwd --out "$OUT" --sweep ;;
     profile)
