@@ -418,6 +418,14 @@ def _step_calls(mine: Sequence[int], theirs: Sequence[int], causal: bool, merge:
     return [((i, i + 1), (j, j + 1), kinds[(i, j)] == _DIAG) for i, j in live]
 
 
+def _empty_state(q: torch.Tensor, head_dim_v: int) -> list[torch.Tensor]:
+    """The running (out, lse, lse_bwd) of query rows that have seen no key yet: zeros and -inf, fp32."""
+    B, S, H, _ = q.shape
+    return [q.new_zeros((B, S, H, head_dim_v), dtype=torch.float32),
+            q.new_full((B, H, S), float("-inf"), dtype=torch.float32),
+            q.new_full((B, H, S), float("-inf"), dtype=torch.float32)]
+
+
 def _ring_forward(q, k, v, ring: _Ring, causal, scale, zigzag, block):
     W, r = ring.world, ring.rank
     n = 2 if zigzag else 1
@@ -446,20 +454,12 @@ def _ring_forward(q, k, v, ring: _Ring, causal, scale, zigzag, block):
                 acc = [o.float(), lse.float(), lse_bwd.float().clone() if lse_bwd is lse else lse_bwd.float()]
                 continue
             if acc is None:
-                B, S, H, _ = q.shape
-                acc = [q.new_zeros((B, S, H, v.shape[-1]), dtype=torch.float32),
-                       q.new_full((B, H, S), float("-inf"), dtype=torch.float32),
-                       q.new_full((B, H, S), float("-inf"), dtype=torch.float32)]
+                acc = _empty_state(q, v.shape[-1])
             _merge_into(acc, rows, o, lse, lse_bwd)
         if pending is not None:
             buf = pending.wait()
     getattr(block, "end", lambda: None)()
-    if acc is None:  # no query row saw a key (not possible in self-attention, kept for safety)
-        B, S, H, _ = q.shape
-        acc = [q.new_zeros((B, S, H, v.shape[-1]), dtype=torch.float32),
-               q.new_full((B, H, S), float("-inf"), dtype=torch.float32),
-               q.new_full((B, H, S), float("-inf"), dtype=torch.float32)]
-    return tuple(acc)
+    return tuple(acc if acc is not None else _empty_state(q, v.shape[-1]))  # None: no row saw a key
 
 
 def _ring_backward(q, k, v, out, dout, lse_bwd, ring: _Ring, causal, scale, zigzag, block, grad_comm_dtype):
@@ -634,11 +634,13 @@ def ring_mxfp8_attn_func(
 # ----------------------------------------------------------------------------------------------
 
 
-def _time_per_iter(fn, iters: int) -> float:
-    """Seconds per call of ``fn`` on this rank after one warm-up call, all ranks starting together."""
+def _time_per_iter(fn, iters: int, together: bool = True) -> float:
+    """Seconds per call of ``fn`` on this rank after one warm-up call; ``together``: all ranks start at once
+    (a barrier, so every rank must call it)."""
     fn()
     torch.cuda.synchronize()
-    dist.barrier()
+    if together:
+        dist.barrier()
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
@@ -737,18 +739,9 @@ def bench_ring(
                 gq, gk, gv = (torch.randn(batch, S, h, head_dim, device=dev, dtype=torch.bfloat16,
                                           generator=gen).requires_grad_() for h in (heads, kv_heads, kv_heads))
                 gd = torch.randn(batch, S, heads, head_dim, device=dev, dtype=torch.bfloat16, generator=gen)
-
-                def one(fn):
-                    fn()
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    for _ in range(iters):
-                        fn()
-                    torch.cuda.synchronize()
-                    return (time.perf_counter() - t0) / iters
-
-                s_fwd = one(lambda: mxfp8_attn_func(gq, gk, gv, causal=causal))
-                s_all = one(lambda: mxfp8_attn_func(gq, gk, gv, causal=causal).backward(gd))
+                s_fwd = _time_per_iter(lambda: mxfp8_attn_func(gq, gk, gv, causal=causal), iters, together=False)
+                s_all = _time_per_iter(lambda: mxfp8_attn_func(gq, gk, gv, causal=causal).backward(gd), iters,
+                                       together=False)
                 del gq, gk, gv, gd
                 torch.cuda.empty_cache()
                 row["single_gpu_ms"] = {"fwd": s_fwd * 1e3, "fwd_bwd": s_all * 1e3}
