@@ -103,7 +103,7 @@ print(write_result('attn_bwd_kernels', rows, sys.argv[1], extra={'note': 'Gluon 
 " "$OUT" ;;
     host)
       # host microseconds per call of each layer of the call stack, incl. a launch without the JIT's dispatch
-      run $PY scripts/host_timing.py | tee "$OUT/host_timing.txt" ;;
+      run $PY scripts/host_timing.py ${HOST_ARGS:-} | tee "$OUT/host_timing.txt" ;;
     bwdsweep)
       run $PY -m mxattn.kernels.attn_bwd --out "$OUT" --sweep ;;
     profile)

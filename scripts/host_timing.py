@@ -1,6 +1,9 @@
 """Host (CPU) microseconds per call of each layer of the attention call stack (GPU machine).
 
-    PYTHONPATH=. python scripts/host_timing.py [--calls N]
+    PYTHONPATH=. python scripts/host_timing.py [--calls N] [--profile K]
+
+``--profile K``: also cProfile each layer's calls and print its K costliest functions (own time), to see where the
+host time of a layer goes (Python wrapper, JIT dispatch, allocations, driver launch).
 
 The shape is tiny (B1 S128 H2 D128), so the GPU finishes each kernel long before the CPU launches the next and
 the time per call is the host's. Layers, innermost first: one quantize launch, the forward kernel on prepared
@@ -27,6 +30,23 @@ def host_us(fn, calls: int) -> float:
     return t / calls * 1e6
 
 
+def profile_calls(fn, calls: int, top: int) -> None:
+    """cProfile ``calls`` calls of ``fn`` (after a warm-up) and print the ``top`` functions by own time."""
+    import cProfile
+    import pstats
+
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def direct_launch(jit_fn, launch):
     """A callable that re-launches the kernel ``launch()`` launches through ``jit_fn``, straight through Triton's
     ``CompiledKernel`` runner with the same bound arguments: what a launch costs without the JIT's dispatch
@@ -48,13 +68,15 @@ def direct_launch(jit_fn, launch):
     bound, _, _ = jit_fn.device_caches[torch.cuda.current_device()][4](*args, **kwargs)
     kernel = jit_fn.run(*args, grid=grid, warmup=True, **kwargs)  # the cached compiled kernel, not launched
     values = list(bound.values())
-    runner = kernel[tuple(grid) if not callable(grid) else grid(bound)]
+    grid = tuple(grid) if not callable(grid) else tuple(grid(bound))
+    runner = kernel[grid + (1,) * (3 - len(grid))]  # the runner reads grid[0..2]
     return lambda: runner(*values)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--profile", type=int, default=0, help="print the K costliest functions of each layer")
     args = ap.parse_args(argv)
     from mxattn import mxfp8_attn_func
     from mxattn.interface import attn_bwd_op, attn_fwd_op
@@ -96,7 +118,17 @@ def main(argv=None) -> None:
         print(f"(no direct-launch row: {type(e).__name__}: {e})")
     print(f"host us per call, B{B} S{S} H{H} D{D}, {args.calls} calls each")
     for name, fn in cases:
-        print(f"{host_us(fn, args.calls):9.1f}  {name}", flush=True)
+        try:
+            print(f"{host_us(fn, args.calls):9.1f}  {name}", flush=True)
+        except Exception as e:  # one broken row does not hide the others
+            print(f"   failed  {name}: {type(e).__name__}: {e}", flush=True)
+    if args.profile:
+        for name, fn in cases:
+            print(f"\n--- {name}: {args.profile} costliest functions (own time), {args.calls} calls")
+            try:
+                profile_calls(fn, args.calls, args.profile)
+            except Exception as e:
+                print(f"   failed: {type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":

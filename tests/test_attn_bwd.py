@@ -170,6 +170,28 @@ def _emulate(ops, dout, out, lse, causal, scale, cfg, deterministic):
     return dq, dk, dv
 
 
+def zero_gradient_floors(q, k, dout, v_hdim, q_seq, k_seq, scale: float, on_gpu: bool) -> dict:
+    """Per-element absolute error floors of dq, dk, dv for gradients that are zero in exact arithmetic.
+
+    With one key, dS = dP - delta = 0, but dP - delta cancels only to the accumulation error of dO . V: ~2^-20 of
+    scale * sum_d |dO_d V_d| in fp32 (interpreter) and ~2^-14 on the GPU (FP8 wgmma keeps ~14 bits, see
+    EMUL_MIN_DB); twice that per dS element (largest over rows and keys), times the rms of the other operand and
+    sqrt of the contraction length for dQ = dS K (keys) and dK = dS^T Q (queries of the group). ``v_hdim``,
+    ``q_seq`` and ``k_seq`` are any operand with ``.data`` and ``.dequantize(dtype)`` (MXTensor, RowScaledFP8).
+    """
+    rms = lambda t: t.dequantize(torch.float32).pow(2).mean().sqrt().item() if t.data.numel() else 0.0
+    group = q.shape[2] // max(k.shape[2], 1)
+    eps_ds = 0.0
+    if dout.numel() and k.shape[1]:
+        do_a = dout.float().abs().transpose(1, 2)  # (B, Hq, Sq, D)
+        v_a = v_hdim.dequantize(torch.float32).to(dout.device).abs().transpose(1, 2)
+        v_a = v_a.repeat_interleave(group, 1)
+        eps_ds = (2.0**-13 if on_gpu else 2.0**-19) * scale * (do_a @ v_a.transpose(-1, -2)).amax().item()
+    return {"dq": eps_ds * rms(k_seq) * math.sqrt(k.shape[1]),
+            "dk": eps_ds * rms(q_seq) * math.sqrt(q.shape[1] * group),
+            "dv": 2.0**-16 * (dout.abs().max().item() if dout.numel() else 0.0)}
+
+
 def _check(q, k, v, dout, causal, *, deterministic=False, softmax_scale=None, config=None, fwd="reference",
            q_rows=128, emul_min_db=EMUL_MIN_DB):
     """Run the kernel and check it against the calibrated bound and its emulation; returns the SQNRs."""
@@ -200,22 +222,7 @@ def _check(q, k, v, dout, causal, *, deterministic=False, softmax_scale=None, co
         mx["q"], mx["k"], mx["v"], out, dout, causal=causal, softmax_scale=scale, quantize_p=True, quantize_ds=True,
         quantize_do=True, q_seq=mx["q_seq"], k_seq=mx["k_seq"], v_hdim=mx["v_hdim"])
     own = _emulate(ops, dout, out, lse, causal, scale, cfg, deterministic or cfg.dq_kernel)
-    # absolute floor for gradients that are zero in exact arithmetic (one key: dS = dP - delta = 0): dP - delta
-    # cancels to the accumulation error of dO . V, ~2^-20 of scale * sum_d |dO_d V_d| in fp32 (interpreter) and
-    # ~2^-14 on the GPU (FP8 wgmma keeps ~14 bits, see EMUL_MIN_DB); twice that per dS element (largest over
-    # rows and keys), times the rms of the other operand and sqrt of the contraction length for dQ = dS K (keys)
-    # and dK = dS^T Q (queries of the group)
-    rms = lambda t: t.dequantize(torch.float32).pow(2).mean().sqrt().item() if t.data.numel() else 0.0
-    group = q.shape[2] // max(k.shape[2], 1)
-    eps_ds = 0.0
-    if dout.numel() and k.shape[1]:
-        do_a = dout.float().abs().transpose(1, 2)  # (B, Hq, Sq, D)
-        v_a = ops["v_hdim"].dequantize(torch.float32).to(dout.device).abs().transpose(1, 2)
-        v_a = v_a.repeat_interleave(group, 1)
-        eps_ds = (2.0**-13 if on_gpu else 2.0**-19) * scale * (do_a @ v_a.transpose(-1, -2)).amax().item()
-    abs_floor = {"dq": eps_ds * rms(ops["k_seq"]) * math.sqrt(k.shape[1]),
-                 "dk": eps_ds * rms(ops["q_seq"]) * math.sqrt(q.shape[1] * group),
-                 "dv": 2.0**-16 * (dout.abs().max().item() if dout.numel() else 0.0)}
+    abs_floor = zero_gradient_floors(q, k, dout, ops["v_hdim"], ops["q_seq"], ops["k_seq"], scale, on_gpu)
     res = {}
     for name, g, t, e, o in zip(GRADS, grads, truth, emul, own):
         assert g.dtype == torch.bfloat16 and g.shape == t.shape, f"{name}: {g.dtype} {tuple(g.shape)}"
