@@ -666,6 +666,7 @@ def bench_ring(
     single: bool = True,
     progress: bool = True,
     profile: bool = False,
+    check_rows: Optional[list[dict]] = None,
 ) -> list[dict]:
     """Time ring MXFP8 attention forward and forward+backward on the initialised (nccl) process group.
 
@@ -682,6 +683,7 @@ def bench_ring(
     each payload.  Rank 0 writes ``ring_attn-<gpu>-x<W>-<date>.json`` to ``outdir``.  With ``profile``, every rank
     also runs two forward+backward passes under ``torch.profiler`` and rank 0's row gets its device time per kernel
     (``profile_fwd_bwd``: where the time over half the single-GPU time goes; NCCL kernels overlap the others).
+    ``check_rows`` (``check_ring``'s rows from the same process group) go into the JSON under ``check``.
     """
     W, rank = dist.get_world_size(), dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -757,7 +759,8 @@ def bench_ring(
         path = os.path.join(outdir, f"ring_attn-{gpu_slug(str(env['gpu']))}-x{W}-{env['date']}.json")
         os.makedirs(outdir, exist_ok=True)
         with open(path, "w") as f:
-            json.dump({"what": "ring_attn", **env, "rows": rows}, f, indent=1)
+            json.dump({"what": "ring_attn", **env, "rows": rows, **({"check": check_rows} if check_rows else {})},
+                      f, indent=1)
     return rows
 
 
@@ -842,13 +845,13 @@ def _main(argv=None) -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl")
     try:
-        if a.check or a.check_only:
-            for row in check_ring(head_dim=a.head_dim):
-                print("check", json.dumps(row))
+        checks = check_ring(head_dim=a.head_dim) if a.check or a.check_only else []
+        for row in checks:
+            print("check", json.dumps(row))
         if a.check_only:
             return
         bench_ring(a.seqlen, a.batch, a.heads, a.kv_heads or a.heads, a.head_dim, a.causal, a.iters, a.outdir,
-                   single=not a.no_single, progress=not a.no_progress, profile=a.profile)
+                   single=not a.no_single, progress=not a.no_progress, profile=a.profile, check_rows=checks)
     finally:
         dist.destroy_process_group()
 

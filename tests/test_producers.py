@@ -676,6 +676,19 @@ def test_linear_quant_blackwell_scale_layout(kernels, gen):
     _assert_tiled_matches(tiled, plain)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4, 1000, 4096), (4097, 1024), (3, 129, 160)], ids=str)
+def test_gpu_producers_blackwell_scale_layout(kernels, gen, shape):
+    """On the GPU (the kernels' compiled paths): rmsnorm_quant and linear_quant with scale_layout="blackwell" write
+    the same data bytes as the plain layout and the converter's 128x4-tiled scales, padding included."""
+    x = _rand(shape, torch.bfloat16, gen)
+    w = _rand((shape[-1],), torch.bfloat16, gen)
+    _assert_tiled_matches(P.rmsnorm_quant(x, w, scale_layout="blackwell").out, P.rmsnorm_quant(x, w).out)
+    wl = _rand((3 * 256, shape[-1]), torch.bfloat16, gen)
+    b = _rand((3 * 256,), torch.bfloat16, gen)
+    _assert_tiled_matches(P.linear_quant(x, wl, b, scale_layout="blackwell"), P.linear_quant(x, wl, b))
+
+
 def test_blackwell_scale_layout_autograd_and_checks(kernels, gen):
     """The tiled outputs stay in the autograd graph (STE, same gradients as the plain layout's); the tiled layout
     is refused where it is not produced (token-blocked or row-scaled outputs, unknown names)."""
