@@ -56,6 +56,7 @@ import triton
 import triton.language as tl
 
 from mxattn.formats import RowScaledFP8
+from mxattn.kernels.launch import fast_launcher
 from mxattn.kernels.quantize import _round_to_e4m3_grid, row_scaled_triton
 
 __all__ = [
@@ -727,7 +728,7 @@ def attn_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, dout_hdim: Option
     if n_rows:
         block_r = max(1, min(128, 8192 // D))
         dd, de = dout_hdim.data, dout_hdim.exp
-        _delta_kernel[(triton.cdiv(n_rows, block_r),)](
+        fast_launcher(_delta_kernel)[(triton.cdiv(n_rows, block_r),)](
             dd, de, out, delta, *dd.stride(), de.stride(0), de.stride(1), de.stride(2), *out.stride(),
             *delta.stride(), Sq, Hq, n_rows, None, None, HEAD_DIM=D, BLOCK_R=block_r, DO_GROUP=g, num_warps=4,
         )
@@ -900,7 +901,10 @@ def attn_bwd_hopper(
         return ((lambda: dq) if defer_dq else dq), dk, dv
     doh, dos, delta = attn_bwd_preprocess(out, dout, dout_hdim, dout_seq)
     if use_gluon:
-        from mxattn.kernels.attn_bwd_dkdv_gluon import GluonDkdvConfig, attn_bwd_dkdv_gluon
+        from mxattn.kernels.attn_bwd_dkdv_gluon import (
+            GluonDkdvConfig,
+            attn_bwd_dkdv_gluon,
+        )
         from mxattn.kernels.attn_bwd_dq_gluon import GluonDqConfig, attn_bwd_dq_gluon
 
         split = gluon_split()
@@ -934,7 +938,7 @@ def attn_bwd_hopper(
     row_e = lambda e: _exp_strides3(e, (0, 1, 2))  # (B, S or groups, H)
     chan_e = lambda e: _exp_strides3(e, (0, 2, 3))  # (B, H, D)
     common = dict(HEAD_DIM=D, CAUSAL=causal, Q_GROUP=q_group, DO_GROUP=do_group, EXPLICIT_ROUND=INTERPRETER)
-    _bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
+    fast_launcher(_bwd_dkdv_kernel)[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
         qd, qe, kd, ke, vd, ve, qsd, qse, ksd, kse, dhd, dhe, dsd, dse, lse, delta, dq_acc, dk, dv,
         *qd.stride(), *row_e(qe), *kd.stride(), *row_e(ke), *vd.stride(), *row_e(ve),
         *qsd.stride(), *chan_e(qse), *ksd.stride(), *chan_e(kse),
@@ -949,7 +953,7 @@ def attn_bwd_hopper(
     def tl_dq():  # the second kernel's dQ, or the atomics' fp32 sums in grad_dtype
         if not deterministic:
             return dq_acc.to(grad_dtype)
-        _bwd_dq_kernel[(triton.cdiv(Sq, cfg.dq_block_m), B * Hq)](
+        fast_launcher(_bwd_dq_kernel)[(triton.cdiv(Sq, cfg.dq_block_m), B * Hq)](
             qd, qe, kd, ke, vd, ve, ksd, kse, dhd, dhe, lse, delta, dq,
             *qd.stride(), *row_e(qe), *kd.stride(), *row_e(ke), *vd.stride(), *row_e(ve),
             *ksd.stride(), *chan_e(kse), *dhd.stride(), *row_e(dhe), *lse.stride(), *dq.stride(),
@@ -1018,7 +1022,7 @@ def attn_bwd_preprocess_varlen(out: torch.Tensor, dout: torch.Tensor, cu_seqlens
     n_c = triton.cdiv(max_seqlen_q * Hq, block_r)
     if Tq * Hq and B * n_c:
         dd, de = dout_hdim.data, dout_hdim.exp
-        _delta_kernel[(B * n_c,)](
+        fast_launcher(_delta_kernel)[(B * n_c,)](
             dd, de, out, delta, 0, *dd.stride(), 0, de.stride(0), de.stride(1), 0, *out.stride(),
             0, *delta.stride(), max_seqlen_q, Hq, n_c, cu_seqlens_q, dout_hdim.cu_exp,
             HEAD_DIM=D, BLOCK_R=block_r, DO_GROUP=g, VARLEN=True, num_warps=4,
@@ -1124,7 +1128,7 @@ def attn_bwd_hopper_varlen(
     lse_s = (0, lse.stride(0), lse.stride(1))
     cu_q, cu_k = q.cu_seqlens, k.cu_seqlens
     common = dict(HEAD_DIM=D, CAUSAL=causal, Q_GROUP=qg, DO_GROUP=dg, EXPLICIT_ROUND=INTERPRETER, VARLEN=True)
-    _bwd_dkdv_kernel[(n_n * B * Hkv,)](
+    fast_launcher(_bwd_dkdv_kernel)[(n_n * B * Hkv,)](
         qd, qe, kd, ke, vd, ve, qsd, qse, ksd, kse, dhd, dhe, dsd, dse, lse, delta, dq_acc, dk, dv,
         *tok(qd), *row_e(qe), *tok(kd), *row_e(ke), *tok(vd), *row_e(ve),
         *seq_d(qsd), *chan_e(qse), *seq_d(ksd), *chan_e(kse),
@@ -1136,7 +1140,7 @@ def attn_bwd_hopper_varlen(
         **common, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if deterministic:
-        _bwd_dq_kernel[(n_m * B * Hq,)](
+        fast_launcher(_bwd_dq_kernel)[(n_m * B * Hq,)](
             qd, qe, kd, ke, vd, ve, ksd, kse, dhd, dhe, lse, delta, dq,
             *tok(qd), *row_e(qe), *tok(kd), *row_e(ke), *tok(vd), *row_e(ve),
             *seq_d(ksd), *chan_e(kse), *tok(dhd), *row_e(dhe), *lse_s, *tok(dq),

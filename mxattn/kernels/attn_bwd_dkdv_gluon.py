@@ -125,6 +125,7 @@ from mxattn.kernels.attn_bwd_dq_gluon import (
     split_tl_config,
     time_against_tl,
 )
+from mxattn.kernels.launch import fast_launcher
 
 __all__ = ["GluonDkdvConfig", "default_config", "attn_bwd_dkdv_gluon", "bench_attn_bwd_dkdv_gluon",
            "dkdv_operands"]
@@ -576,7 +577,7 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
     chan_e = lambda e: (e.stride(0), e.stride(2), e.stride(3))  # noqa: E731  (B, H, D)
     grid = (triton.cdiv(Sk, BLOCK_N.value), B * Hkv)
     kernel = _attn_bwd_dkdv_ws_kernel_sq1 if Sq == 1 else _attn_bwd_dkdv_ws_kernel
-    kernel[grid](
+    fast_launcher(kernel)[grid](
         *descs, qe, de, ke, ve, qse, dse, lse, delta, dk, dv,
         *row_e(qe), *row_e(de), *row_e(ke), *row_e(ve), *chan_e(qse), *lse.stride(), *dk.stride(),
         Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
@@ -606,7 +607,7 @@ def _tl_dkdv(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, *, causal=Fal
     qsd, qse, dhd, dhe, dsd, dse = q_seq.data, q_seq.exp, dout_hdim.data, dout_hdim.exp, dout_seq.data, dout_seq.exp
     row_e = lambda e: (e.stride(0), e.stride(1), e.stride(2))  # noqa: E731
     chan_e = lambda e: (e.stride(0), e.stride(2), e.stride(3))  # noqa: E731
-    ab._bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
+    fast_launcher(ab._bwd_dkdv_kernel)[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
         qd, qe, kd, ke, vd, ve, qsd, qse, kd, ke, dhd, dhe, dsd, dse, lse, delta, dk, dk, dv,
         *qd.stride(), *row_e(qe), *kd.stride(), *row_e(ke), *vd.stride(), *row_e(ve),
         *qsd.stride(), *chan_e(qse), *kd.stride(), 0, 0, 0,

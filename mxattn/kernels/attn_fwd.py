@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mxattn.kernels.launch import fast_launcher
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 K_EXP_GROUP = 128  # keys sharing one K exponent (formats.RowScaledFP8 K layout); a multiple of every BLOCK_N
@@ -273,7 +275,7 @@ def varlen_slots(cu_q: torch.Tensor, cu_k: torch.Tensor, cu_kg: torch.Tensor, cu
     B = cu_q.numel() - 1
     slots = torch.empty(B, 8, dtype=torch.int32, device=cu_q.device)
     BLOCK = 32  # (BLOCK, BLOCK) int64 compares: 60 registers at 32, 254 at 64, spills at 128 (sm90, 4 warps)
-    _varlen_slots_kernel[(triton.cdiv(B, BLOCK),)](cu_q, cu_k, cu_kg, cu_v, slots, B, BLOCK=BLOCK)
+    fast_launcher(_varlen_slots_kernel)[(triton.cdiv(B, BLOCK),)](cu_q, cu_k, cu_kg, cu_v, slots, B, BLOCK=BLOCK)
     return slots
 
 
@@ -306,7 +308,7 @@ def attn_fwd_hopper(q, k, v, *, causal: bool = False, softmax_scale: float | Non
     qd, kd, vd = q.data, k.data, v.data
     qe, ke, ve = q.exp, k.exp, v.exp
     grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
-    _attn_fwd_kernel[grid](
+    fast_launcher(_attn_fwd_kernel)[grid](
         qd, kd, vd, qe, ke, ve, out, lse,
         *qd.stride(), *kd.stride(), *vd.stride(),
         qe.stride(0), qe.stride(1), qe.stride(2),
@@ -350,7 +352,7 @@ def attn_fwd_hopper_varlen(q, k, v, *, causal: bool = False, softmax_scale: floa
     # heaviest sequences (Sq * Sk) first, on the device (no host sync): a long sequence scheduled last would leave
     # the rest of the GPU idle while its q-blocks finish
     slots = varlen_slots(q.cu_data, k.cu_data, k.cu_exp, v.cu_data)
-    _attn_fwd_kernel[(n_m * B * Hq,)](
+    fast_launcher(_attn_fwd_kernel)[(n_m * B * Hq,)](
         qd, kd, vd, qe, ke, ve, out, lse,
         0, qd.stride(0), qd.stride(1), qd.stride(2),
         0, kd.stride(0), kd.stride(1), kd.stride(2),

@@ -45,8 +45,18 @@ import torch
 import triton
 import triton.language as tl
 
-from mxattn.formats import MXTensor, from_blackwell_scale_layout, to_blackwell_scale_layout  # noqa: F401 (re-export)
-from mxattn.kernels.attn_fwd import LOG2E, FwdConfig, _round_e4m3_nonneg, alloc_fwd_outputs
+from mxattn.formats import (  # noqa: F401 (re-export)
+    MXTensor,
+    from_blackwell_scale_layout,
+    to_blackwell_scale_layout,
+)
+from mxattn.kernels.attn_fwd import (
+    LOG2E,
+    FwdConfig,
+    _round_e4m3_nonneg,
+    alloc_fwd_outputs,
+)
+from mxattn.kernels.launch import fast_launcher
 
 __all__ = [
     "attn_fwd_blockscaled",
@@ -250,7 +260,7 @@ def attn_fwd_blockscaled(qm: MXTensor, km: MXTensor, vm: MXTensor, causal: bool 
     NSB = vs.shape[1]
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
     grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
-    _attn_fwd_blockscaled_kernel[grid](
+    fast_launcher(_attn_fwd_blockscaled_kernel)[grid](
         qm.data, qs, km.data, ks, vm.data, vs, out, lse,
         *qm.data.stride(), *qs.stride(),
         *km.data.stride(), *ks.stride(),

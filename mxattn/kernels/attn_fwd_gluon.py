@@ -46,6 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxattn.kernels.attn_fwd import alloc_fwd_outputs
+from mxattn.kernels.launch import fast_launcher
 
 LOG2E = 1.4426950408889634
 K_EXP_GROUP = gl.constexpr(128)  # keys sharing one K exponent (formats.RowScaledFP8 K layout); BLOCK_N divides it
@@ -384,7 +385,7 @@ def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None
     q_desc, k_desc, v_desc = _descriptors(q, k, v, cfg.block_n)
     qe, ke, ve = q.exp, k.exp, v.exp
     grid = (triton.cdiv(Sq, BLOCK_M.value), B * Hq)
-    _attn_fwd_ws_kernel[grid](
+    fast_launcher(_attn_fwd_ws_kernel)[grid](
         q_desc, k_desc, v_desc, qe, ke, ve, out, lse,
         qe.stride(0), qe.stride(1), qe.stride(2),
         ke.stride(0), ke.stride(1), ke.stride(2),

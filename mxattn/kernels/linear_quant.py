@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from mxattn.formats import MXTensor, RowScaledFP8, blackwell_scale_bytes
+from mxattn.kernels.launch import fast_launcher
 from mxattn.kernels.quantize import (
     SEQ_ALIGN,
     _e4m3_bytes,
@@ -258,7 +259,7 @@ def row_scaled_rows(t, rceil: bool = True) -> RowScaledFP8:
     exp = torch.empty(R, 1, dtype=torch.int32, device=dev)
     if R and K:
         br, bk, nchunk, warps = _rows_plan(K)
-        _rows_row_scaled_kernel[(triton.cdiv(R, br),)](
+        fast_launcher(_rows_row_scaled_kernel)[(triton.cdiv(R, br),)](
             src, src.stride(0), sc if sc is not None else src, sc.stride(0) if sc is not None else 0,
             out, exp, R, K, BR=br, BK=bk, NCHUNK=nchunk, FROM_MX=sc is not None, RCEIL=rceil, SOFT=_soft(dev),
             num_warps=warps,
@@ -319,7 +320,7 @@ def linear_quant_fwd(
     n_m_tiles = triton.cdiv(S, tile.block_m)
     n_row_tiles = B * n_m_tiles
     grid = (n_row_tiles * triton.cdiv(N, tile.block_n),)
-    _linear_quant_kernel[grid](
+    fast_launcher(_linear_quant_kernel)[grid](
         xd, xd.stride(0), xe, wd, wd.stride(0), we, bias if bias is not None else dummy,
         hd, hs, cd.view(torch.int32) if seq else dummy, cs,
         S, N, K, s_pad, n_m_tiles, n_row_tiles,

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from mxattn.formats import RowScaledFP8
+from mxattn.kernels.launch import fast_launcher
 from mxattn.kernels.linear_quant import _pow2_wide, band_tile
 from mxattn.kernels.quantize import SEQ_ALIGN, _soft, _to_f32
 from mxattn.kernels.rmsnorm_quant import _emit_mx
@@ -236,7 +237,7 @@ def qkv_proj_fwd(
     n_m_tiles = triton.cdiv(S, tile.block_m)
     n_row_tiles = B * n_m_tiles
     grid = (n_row_tiles * (Hq + 2 * Hkv),)
-    _qkv_proj_kernel[grid](
+    fast_launcher(_qkv_proj_kernel)[grid](
         xd, xd.stride(0), xe, wd, wd.stride(0), we, bias if bias is not None else dummy,
         cos if has_rot else dummy, sin if has_rot else dummy, s_rb, s_rs,
         out["qd"], out["qs"], out["kd"], out["ks"], out["vd"].view(torch.int32), out["vs"],

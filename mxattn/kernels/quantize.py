@@ -52,7 +52,15 @@ import torch
 import triton
 import triton.language as tl
 
-from mxattn.formats import E8M0_NAN, MXTensor, MXTensorTiled, RowScaledFP8, ScaleMode, blackwell_scale_bytes
+from mxattn.formats import (
+    E8M0_NAN,
+    MXTensor,
+    MXTensorTiled,
+    RowScaledFP8,
+    ScaleMode,
+    blackwell_scale_bytes,
+)
+from mxattn.kernels.launch import fast_launcher
 
 __all__ = [
     "quantize_mxfp8_triton",
@@ -821,7 +829,7 @@ def _launch_quantize(x4, hd, he, cd, ce, s_pad, *, HDIM, SEQ, HDIM_GROUP, SEQ_RS
     idx64 = _needs_i64(bs * sxs, dp) or _needs_i64(bs * H * D, dp) or _needs_i64(dp * s_pad, bs)
     dummy = x4.new_empty(4, dtype=torch.uint8)
     grid = (B * n_s_tiles * H,)
-    _quantize_kernel[grid](
+    fast_launcher(_quantize_kernel)[grid](
         x4, S, H, sxb, sxs, sxh,
         hd if hd is not None else dummy, he if he is not None else dummy,
         cd.view(torch.int32) if cd is not None else dummy, ce if ce is not None else dummy,
@@ -846,7 +854,7 @@ def _v_exponents(src4, sc4, *, from_mx: bool, rceil: bool) -> torch.Tensor:
     st = src4.stride()
     scs = sc4.stride() if sc4 is not None else (0, 0, 0, 0)
     idx64 = _needs_i64(bs * abs(st[1]), dp * abs(st[3]))
-    _seq_exponent_kernel[(B * n_chunks * H,)](
+    fast_launcher(_seq_exponent_kernel)[(B * n_chunks * H,)](
         src4, S, H, st[0], st[1], st[2], st[3],
         sc4 if sc4 is not None else exp, *scs,
         exp, n_s_tiles, per, _s_load_bound(src4) if from_mx else S,
@@ -936,7 +944,7 @@ def _row_scaled_from_mx(mx: MXTensor, role: str, seq_dim: Optional[int], group: 
         n_s_tiles = triton.cdiv(max(S, s_pad), tile.block_s)
         if B * H > 0:
             idx = _needs_i64(tile.block_s * abs(q8.stride(1)), dp * abs(q8.stride(3))) or _needs_i64(dp * s_pad, tile.block_s)
-            _rescale_mx_kernel[(B * n_s_tiles * H,)](
+            fast_launcher(_rescale_mx_kernel)[(B * n_s_tiles * H,)](
                 q8, *q8.stride(), sc4, *sc4.stride(), cd, exp, S, H, s_pad, n_s_tiles, 1, _s_load_bound(q8),
                 D=D, NDP=dp // 32, BLOCK_S=tile.block_s, SEQ=True, GROUP=1, SOFT=soft, IDX64=idx,
                 QU=_unit(q8), SU=_unit(sc4),
@@ -955,7 +963,7 @@ def _row_scaled_from_mx(mx: MXTensor, role: str, seq_dim: Optional[int], group: 
     n_s_tiles = triton.cdiv(S, tile.block_s)
     if B * H * S > 0:
         idx = _needs_i64(tile.block_s * abs(q8.stride(1)), dp * abs(q8.stride(3))) or _needs_i64(tile.block_s * H * D, dp)
-        _rescale_mx_kernel[(B * n_s_tiles * H,)](
+        fast_launcher(_rescale_mx_kernel)[(B * n_s_tiles * H,)](
             q8, *q8.stride(), sc4, *sc4.stride(), hd, exp, S, H, SEQ_ALIGN, n_s_tiles, n_groups, _s_load_bound(q8),
             D=D, NDP=dp // 32, BLOCK_S=tile.block_s, SEQ=False, GROUP=group if role == "k" else 1,
             SOFT=soft, IDX64=idx, QU=_unit(q8), SU=_unit(sc4), num_warps=tile.num_warps,
@@ -1001,7 +1009,7 @@ def dequantize_mxfp8_triton(t: MXTensor, dtype: torch.dtype = torch.bfloat16) ->
     qs, ss = q8.stride(), s4.stride()
     idx = _needs_i64(bs * abs(qs[1]), bd * abs(qs[3])) or _needs_i64(bs * abs(ss[1]), bd * abs(ss[3]))
     idx = idx or _needs_i64(bs * H * D, bd)
-    _dequantize_kernel[(B * n_s_tiles * H * n_d_tiles,)](
+    fast_launcher(_dequantize_kernel)[(B * n_s_tiles * H * n_d_tiles,)](
         q8, *qs, s4, *ss, out, S, H, D, n_s_tiles, n_d_tiles, _s_load_bound(q8),
         BLOCK_S=bs, BLOCK_D=bd, BDIM=bdim, OUT_BF16=dtype == torch.bfloat16, IDX64=idx, QU=_unit(q8),
         num_warps=tile.num_warps,

@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from mxattn.formats import blackwell_scale_bytes
+from mxattn.kernels.launch import fast_launcher
 from mxattn.kernels.quantize import (
     SEQ_ALIGN,
     _e4m3_bytes,
@@ -486,7 +487,7 @@ def rmsnorm_quant_fwd(
     npc = triton.next_power_of_2(nchunk)
     n_s_tiles = triton.cdiv(s_cover, bm)
     scr = torch.empty(B * n_s_tiles * bm * npc if nchunk > 1 else 1, dtype=torch.float32, device=dev)
-    _rmsnorm_quant_fwd_kernel[(B * n_s_tiles,)](
+    fast_launcher(_rmsnorm_quant_fwd_kernel)[(B * n_s_tiles,)](
         x3, x3.stride(0), x3.stride(1), weight, out["rstd"], scr,
         hd, hs, cd.view(torch.int32) if seq else dummy, cs,
         S, N, s_pad, n_s_tiles, float(eps), float(N),
@@ -521,7 +522,7 @@ def rmsnorm_bwd(
         return dx, dw
     if M > 0:
         np2 = _np2(N)
-        _rmsnorm_bwd_kernel[(n_prog,)](
+        fast_launcher(_rmsnorm_bwd_kernel)[(n_prog,)](
             x2, x2.stride(0), dy, dy.stride(0), dy_scale if dy_scale is not None else dy,
             dy_scale.stride(0) if dy_scale is not None else 0,
             weight, rstd, dx, part, M, N, plan.rows_per_prog, float(N),
@@ -530,7 +531,7 @@ def rmsnorm_bwd(
             num_warps=plan.num_warps, enable_fp_fusion=False,
         )
     bn = 1024
-    _sum_partials_kernel[(triton.cdiv(N, bn),)](
+    fast_launcher(_sum_partials_kernel)[(triton.cdiv(N, bn),)](
         part, dw, n_prog, N, BLOCK_N=bn, OUT_BF16=weight.dtype == torch.bfloat16, num_warps=4,
         enable_fp_fusion=False,
     )

@@ -66,7 +66,13 @@ import torch
 import triton
 import triton.language as tl
 
-from mxattn.formats import RowScaledFP8, ScaleMode, quantize_mxfp8, row_scaled_from_float
+from mxattn.formats import (
+    RowScaledFP8,
+    ScaleMode,
+    quantize_mxfp8,
+    row_scaled_from_float,
+)
+from mxattn.kernels.launch import fast_launcher
 from mxattn.kernels.quantize import (
     _NO_EXP,
     _NO_EXP_HOST,
@@ -352,7 +358,7 @@ def varlen_k_operand(k: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: 
         tile = _tile("k", dp, K_GROUP)
         sxs, sxh = x4.stride(1), x4.stride(2)
         idx64 = _needs_i64(K_GROUP * sxs, dp) or _needs_i64(K_GROUP * H * D, dp)
-        _k_varlen_kernel[(B * n_tiles * H,)](
+        fast_launcher(_k_varlen_kernel)[(B * n_tiles * H,)](
             x4, sxs, sxh, cu_seqlens_k, cu_g, data, exp, H, n_tiles,
             D=D, NDP=dp // 32, GROUP=K_GROUP, RCEIL=rceil, SOFT=_soft(dev), IDX64=idx64,
             num_warps=tile.num_warps,
@@ -381,7 +387,7 @@ def varlen_v_operand(v: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: 
         if n_s1 > 0:
             per = _seq_chunk(B * H, max_seqlen_k, t1.block_s)
             n_chunks = triton.cdiv(n_s1, per)
-            _v_exp_varlen_kernel[(B * n_chunks * H,)](
+            fast_launcher(_v_exp_varlen_kernel)[(B * n_chunks * H,)](
                 x4, sxs, sxh, cu_seqlens_k, exp, H, n_chunks, per,
                 D=D, NDP=dp // 32, BLOCK_S=t1.block_s, RCEIL=rceil,
                 IDX64=_needs_i64(t1.block_s * sxs, dp), num_warps=t1.num_warps,
@@ -389,7 +395,7 @@ def varlen_v_operand(v: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: 
         t2 = _tile("quant", dp)
         n_s2 = max(1, triton.cdiv(triton.cdiv(max_seqlen_k, V_ALIGN) * V_ALIGN, t2.block_s))
         idx64 = _needs_i64(t2.block_s * sxs, dp) or _needs_i64(dp * Tv, t2.block_s)
-        _v_data_varlen_kernel[(B * n_s2 * H,)](
+        fast_launcher(_v_data_varlen_kernel)[(B * n_s2 * H,)](
             x4, sxs, sxh, cu_seqlens_k, cu_v, exp, buf.view(torch.int32), H, Tv, n_s2,
             D=D, NDP=dp // 32, BLOCK_S=t2.block_s, RCEIL=rceil, SOFT=_soft(dev), IDX64=idx64,
             num_warps=t2.num_warps,
@@ -621,7 +627,12 @@ def bench_varlen_bwd(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, h
         raise RuntimeError("bench_varlen_bwd needs a CUDA GPU")
     from triton.testing import do_bench
 
-    from mxattn.kernels.attn_bwd import Q_EXP_GROUP, _time_sdpa_bwd, attn_bwd_hopper, attn_bwd_hopper_varlen
+    from mxattn.kernels.attn_bwd import (
+        Q_EXP_GROUP,
+        _time_sdpa_bwd,
+        attn_bwd_hopper,
+        attn_bwd_hopper_varlen,
+    )
     from mxattn.kernels.attn_fwd import attn_fwd_hopper, attn_fwd_hopper_varlen
 
     lens = list(lengths) if lengths is not None else jagged_lengths(batch, mean_len, seed)

@@ -1,0 +1,150 @@
+"""The fast launch path (mxattn/kernels/launch.py): its key, its cache, its fallbacks.
+
+CPU: the cache logic on a stand-in for a JITFunction (what is launched, with which arguments, when Triton's own
+path is taken); the key's features.  GPU: a real kernel launched both ways gives the same bytes, and a kernel
+launched with changing specializations (alignment, ints equal to 1) always gets Triton's kernel (check mode).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from mxattn.kernels import launch as L
+
+
+class _FakeKernel:
+    def __init__(self, name):
+        self.name = name
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args: self.launches.append((grid, args))
+
+
+class _FakeJit:
+    """``run`` as Triton's: compiles (here: makes) one kernel per specialization, launches unless warmup."""
+
+    _const_pos = frozenset({3})  # BLOCK, when passed positionally
+
+    def __init__(self):
+        self.runs = []
+        self.kernels = {}
+
+    @staticmethod
+    def fn(X, n, scale, BLOCK: int = 16, FLAG: bool = False):
+        pass
+
+    __name__ = "fake_kernel"
+
+    def run(self, *args, grid, warmup, **kwargs):
+        self.runs.append((args, kwargs, warmup))
+        key = L.FastLauncher._key(self, args, kwargs)
+        return self.kernels.setdefault(key, _FakeKernel(str(len(self.kernels))))
+
+
+def _launcher(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    fl = L.FastLauncher(_FakeJit())
+    fl.enabled, fl._sig, fl._const_pos = True, inspect.signature(_FakeJit.fn), _FakeJit._const_pos
+    return fl
+
+
+def test_miss_goes_through_triton_then_hits_launch_directly(monkeypatch):
+    fl = _launcher(monkeypatch)
+    x = torch.zeros(64)
+    fl[(4,)](x, 7, 0.5, BLOCK=32)
+    assert len(fl.jit_fn.runs) == 1 and fl.misses == 1
+    fl[(4,)](x, 7, 0.25, BLOCK=32)  # another float value: same key
+    fl[(2, 3)](x, 39, 1.5, BLOCK=32)  # another int with the same features (not 1, not % 16, i32)
+    assert len(fl.jit_fn.runs) == 1 and fl.hits == 2
+    (kernel, tail), = fl._cache.values()
+    assert tail == (32, False)  # the remaining parameters in signature order, defaults applied
+    assert kernel.launches == [((4, 1, 1), (x, 7, 0.25, 32, False)), ((2, 3, 1), (x, 39, 1.5, 32, False))]
+
+
+@pytest.mark.parametrize("other", [
+    lambda x: ((x, 16, 0.5), {"BLOCK": 32}),  # int % 16 == 0
+    lambda x: ((x, 1, 0.5), {"BLOCK": 32}),  # int == 1
+    lambda x: ((x, 2**40, 0.5), {"BLOCK": 32}),  # 64-bit int
+    lambda x: ((x[1:], 7, 0.5), {"BLOCK": 32}),  # unaligned pointer
+    lambda x: ((x.half(), 7, 0.5), {"BLOCK": 32}),  # dtype
+    lambda x: ((x, 7, 0.5), {"BLOCK": 48}),  # constexpr value (the same int features as 32)
+    lambda x: ((x, 7, 0.5, 48), {}),  # constexpr value passed positionally
+    lambda x: ((x, 7, 0.5), {"BLOCK": 32, "FLAG": True}),  # another keyword
+    lambda x: ((x, 7, 0.5), {"BLOCK": 32, "num_warps": 8}),  # a launch option
+])
+def test_any_specialization_change_is_a_miss(monkeypatch, other):
+    fl = _launcher(monkeypatch)
+    x = torch.zeros(64)
+    fl[(1,)](x, 7, 0.5, BLOCK=32)
+    args, kwargs = other(x)
+    fl[(1,)](*args, **kwargs)
+    assert fl.misses == 2 and fl.hits == 0 and len(fl._cache) == 2
+
+
+def test_unknown_argument_types_and_disabled_take_triton_path(monkeypatch):
+    fl = _launcher(monkeypatch)
+    calls = []
+    monkeypatch.setattr(fl, "jit_fn", type("J", (), {"__getitem__": lambda s, g: lambda *a, **k: calls.append(g)})())
+    fl[(1,)](object(), 7, 0.5)
+    assert calls == [(1,)] and not fl._cache
+    fl.enabled = False
+    fl[(2,)](torch.zeros(4), 7, 0.5)
+    assert calls == [(1,), (2,)] and not fl._cache
+
+
+def test_cache_is_bounded(monkeypatch):
+    fl = _launcher(monkeypatch)
+    monkeypatch.setattr(L, "MAX_ENTRIES", 2)
+    x = torch.zeros(64)
+    for block in (16, 32, 64, 64):
+        fl[(1,)](x, 7, 0.5, BLOCK=block)
+    assert len(fl._cache) == 2 and fl.misses == 4  # past the bound, Triton's path every time
+
+
+def test_check_mode_catches_a_wrong_kernel(monkeypatch):
+    fl = _launcher(monkeypatch)
+    monkeypatch.setattr(L, "_CHECK", True)
+    x = torch.zeros(64)
+    fl[(1,)](x, 7, 0.5)
+    fl[(1,)](x, 7, 0.5)  # Triton agrees
+    key = next(iter(fl._cache))
+    fl._cache[key] = (_FakeKernel("stale"), fl._cache[key][1])
+    with pytest.raises(RuntimeError, match="another kernel"):
+        fl[(1,)](x, 7, 0.5)
+
+
+def test_one_launcher_per_kernel():
+    class J:
+        pass
+
+    a, b = J(), J()
+    assert L.fast_launcher(a) is L.fast_launcher(a) and L.fast_launcher(a) is not L.fast_launcher(b)
+    assert not L.fast_launcher(a).enabled  # not a JITFunction
+
+
+@pytest.mark.gpu
+def test_gpu_fast_launch_matches_triton(monkeypatch):
+    """The quantizer launched through the fast path and through Triton's own gives the same bytes, and changing
+    alignments and sizes (ints 1, % 16) always find the kernel Triton would launch (check mode)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from mxattn.kernels.quantize import row_scaled_triton
+
+    monkeypatch.setattr(L, "_CHECK", True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    base = torch.randn(2 * 300 * 4 * 128 + 8, device="cuda", dtype=torch.bfloat16, generator=g)
+    for off, S, H in ((0, 300, 4), (8, 300, 4), (0, 1, 1), (0, 256, 1), (8, 33, 2)):
+        x = base[off:off + 2 * S * H * 128].view(2, S, H, 128)
+        for role in ("q", "k", "v"):
+            fast = row_scaled_triton(x, role)
+            monkeypatch.setattr(L.FastLauncher, "launch", lambda self, grid, args, kwargs: self.jit_fn[grid](
+                *args, **kwargs))
+            slow = row_scaled_triton(x, role)
+            monkeypatch.undo()
+            monkeypatch.setattr(L, "_CHECK", True)
+            assert torch.equal(fast.data.view(torch.uint8), slow.data.view(torch.uint8)), (off, S, H, role)
+            assert torch.equal(fast.exp, slow.exp), (off, S, H, role)
