@@ -47,13 +47,34 @@ def profile_calls(fn, calls: int, top: int) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 
 
+def triton_dispatch(fn):
+    """``fn`` with every fast launcher (mxattn/kernels/launch.py) switched off: Triton's own dispatch, same process."""
+    from mxattn.kernels import launch
+
+    def run():
+        flags = {k: fl.enabled for k, fl in launch._LAUNCHERS.items()}
+        for fl in launch._LAUNCHERS.values():
+            fl.enabled = False
+        try:
+            fn()
+        finally:
+            for k, fl in launch._LAUNCHERS.items():
+                fl.enabled = flags.get(k, fl.enabled)
+
+    return run
+
+
 def direct_launch(jit_fn, launch):
     """A callable that re-launches the kernel ``launch()`` launches through ``jit_fn``, straight through Triton's
     ``CompiledKernel`` runner with the same bound arguments: what a launch costs without the JIT's dispatch
     (binding, specialization key, cache lookup).  Uses triton 3.x internals (``run``, ``device_caches``); a
     diagnostic only."""
+    from mxattn.kernels.launch import fast_launcher
+
     captured = {}
     orig = jit_fn.run
+    fl = fast_launcher(jit_fn)
+    was, fl.enabled = fl.enabled, False  # through jit_fn.run, where the spy sees the arguments
 
     def spy(*args, grid, warmup, **kwargs):
         captured.update(args=args, kwargs=kwargs, grid=grid)
@@ -64,6 +85,7 @@ def direct_launch(jit_fn, launch):
         launch()
     finally:
         del jit_fn.run
+        fl.enabled = was
     args, kwargs, grid = captured["args"], captured["kwargs"], captured["grid"]
     bound, _, _ = jit_fn.device_caches[torch.cuda.current_device()][4](*args, **kwargs)
     kernel = jit_fn.run(*args, grid=grid, warmup=True, **kwargs)  # the cached compiled kernel, not launched
@@ -109,6 +131,8 @@ def main(argv=None) -> None:
         ("mxfp8_attn_func with grad (fwd only)", lambda: mxfp8_attn_func(qg, kg, vg)),
         ("mxfp8_attn_func fwd+bwd", lambda: mxfp8_attn_func(qg, kg, vg).backward(do)),
     ]
+    cases += [(name + ", Triton's own dispatch", triton_dispatch(fn)) for name, fn in cases
+              if name.startswith(("attn_fwd_hopper", "row_scaled_triton q", "attn_bwd_hopper atomic", "mxfp8_attn_func"))]
     try:  # the forward kernel without the JIT's dispatch: how much a leaner launch path could save per launch
         from mxattn.kernels.attn_fwd import _attn_fwd_kernel
 

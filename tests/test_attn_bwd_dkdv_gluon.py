@@ -233,12 +233,13 @@ def _gpu_inputs(case, seed):
 
 
 def _tl_deterministic_dkdv(q, k, v, dout, ops, out, causal, grad_dtype=torch.bfloat16):
-    from mxattn.kernels.attn_bwd import attn_bwd_hopper
+    from mxattn.kernels.attn_bwd import BwdConfig, attn_bwd_hopper
     from mxattn.kernels.quantize import row_scaled_triton as rs
 
+    # an explicit config keeps attn_bwd_hopper on the tl kernels (without one it takes the Gluon kernels on Hopper)
     _, dk, dv = attn_bwd_hopper(ops["q"], ops["k"], ops["v_hdim"], ops["q_seq"], rs(k, "v"), out, dout, ops["lse"],
                                 causal=causal, deterministic=True, grad_dtype=grad_dtype,
-                                dout_hdim=ops["dout_hdim"], dout_seq=ops["dout_seq"])
+                                dout_hdim=ops["dout_hdim"], dout_seq=ops["dout_seq"], config=BwdConfig())
     return dk, dv
 
 

@@ -219,11 +219,12 @@ def _gpu_inputs(case, seed):
 
 
 def _tl_deterministic_dq(q, k, v, dout, ops, out, causal):
-    from mxattn.kernels.attn_bwd import attn_bwd_hopper
+    from mxattn.kernels.attn_bwd import BwdConfig, attn_bwd_hopper
     from mxattn.kernels.quantize import row_scaled_triton as rs
 
+    # an explicit config keeps attn_bwd_hopper on the tl kernels (without one it takes the Gluon kernels on Hopper)
     dq, _, _ = attn_bwd_hopper(ops["q"], ops["k"], ops["v_hdim"], rs(q, "v"), ops["k_seq"], out, dout, ops["lse"],
-                               causal=causal, deterministic=True, dout_hdim=ops["dout_hdim"])
+                               causal=causal, deterministic=True, dout_hdim=ops["dout_hdim"], config=BwdConfig())
     return dq
 
 

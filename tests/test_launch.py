@@ -27,8 +27,6 @@ class _FakeKernel:
 class _FakeJit:
     """``run`` as Triton's: compiles (here: makes) one kernel per specialization, launches unless warmup."""
 
-    _const_pos = frozenset({3})  # BLOCK, when passed positionally
-
     def __init__(self):
         self.runs = []
         self.kernels = {}
@@ -41,14 +39,14 @@ class _FakeJit:
 
     def run(self, *args, grid, warmup, **kwargs):
         self.runs.append((args, kwargs, warmup))
-        key = L.FastLauncher._key(self, args, kwargs)
+        key = L.FastLauncher._key(args, kwargs)
         return self.kernels.setdefault(key, _FakeKernel(str(len(self.kernels))))
 
 
 def _launcher(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     fl = L.FastLauncher(_FakeJit())
-    fl.enabled, fl._sig, fl._const_pos = True, inspect.signature(_FakeJit.fn), _FakeJit._const_pos
+    fl.enabled, fl._sig = True, inspect.signature(_FakeJit.fn)
     return fl
 
 
@@ -57,16 +55,19 @@ def test_miss_goes_through_triton_then_hits_launch_directly(monkeypatch):
     x = torch.zeros(64)
     fl[(4,)](x, 7, 0.5, BLOCK=32)
     assert len(fl.jit_fn.runs) == 1 and fl.misses == 1
-    fl[(4,)](x, 7, 0.25, BLOCK=32)  # another float value: same key
-    fl[(2, 3)](x, 39, 1.5, BLOCK=32)  # another int with the same features (not 1, not % 16, i32)
+    y = torch.ones(64)
+    fl[(4,)](y, 7, 0.5, BLOCK=32)  # another tensor of the same dtype and alignment: same key
+    fl[(2, 3)](x, 7, 0.5, BLOCK=32)  # another grid
     assert len(fl.jit_fn.runs) == 1 and fl.hits == 2
     (kernel, tail), = fl._cache.values()
     assert tail == (32, False)  # the remaining parameters in signature order, defaults applied
-    assert kernel.launches == [((4, 1, 1), (x, 7, 0.25, 32, False)), ((2, 3, 1), (x, 39, 1.5, 32, False))]
+    assert kernel.launches == [((4, 1, 1), (y, 7, 0.5, 32, False)), ((2, 3, 1), (x, 7, 0.5, 32, False))]
 
 
 @pytest.mark.parametrize("other", [
     lambda x: ((x, 16, 0.5), {"BLOCK": 32}),  # int % 16 == 0
+    lambda x: ((x, 39, 0.5), {"BLOCK": 32}),  # ints count by value (finer than Triton's features)
+    lambda x: ((x, 7, 0.25), {"BLOCK": 32}),  # floats too
     lambda x: ((x, 1, 0.5), {"BLOCK": 32}),  # int == 1
     lambda x: ((x, 2**40, 0.5), {"BLOCK": 32}),  # 64-bit int
     lambda x: ((x[1:], 7, 0.5), {"BLOCK": 32}),  # unaligned pointer
@@ -85,11 +86,11 @@ def test_any_specialization_change_is_a_miss(monkeypatch, other):
     assert fl.misses == 2 and fl.hits == 0 and len(fl._cache) == 2
 
 
-def test_unknown_argument_types_and_disabled_take_triton_path(monkeypatch):
+def test_unhashable_arguments_and_disabled_take_triton_path(monkeypatch):
     fl = _launcher(monkeypatch)
     calls = []
     monkeypatch.setattr(fl, "jit_fn", type("J", (), {"__getitem__": lambda s, g: lambda *a, **k: calls.append(g)})())
-    fl[(1,)](object(), 7, 0.5)
+    fl[(1,)](torch.zeros(4), [7], 0.5)
     assert calls == [(1,)] and not fl._cache
     fl.enabled = False
     fl[(2,)](torch.zeros(4), 7, 0.5)
@@ -100,9 +101,9 @@ def test_cache_is_bounded(monkeypatch):
     fl = _launcher(monkeypatch)
     monkeypatch.setattr(L, "MAX_ENTRIES", 2)
     x = torch.zeros(64)
-    for block in (16, 32, 64, 64):
-        fl[(1,)](x, 7, 0.5, BLOCK=block)
-    assert len(fl._cache) == 2 and fl.misses == 4  # past the bound, Triton's path every time
+    for n in (5, 6, 7, 7):
+        fl[(1,)](x, n, 0.5)
+    assert len(fl._cache) == 1 and fl.misses == 3 and fl.hits == 1  # full at the third key: started over
 
 
 def test_check_mode_catches_a_wrong_kernel(monkeypatch):

@@ -8,14 +8,15 @@ GPU machine's CPU for a kernel of ~40 arguments, against ~17 us for the compiled
 
 ``fast_launcher(jit_fn)[grid](*args, **constexprs)`` launches the same compiled kernel as ``jit_fn[grid](...)``:
 
-- The key holds, per argument, everything Triton specializes on and more: constexpr parameters and every keyword
-  argument (constexprs, launch options) by value; a tensor's dtype and whether its address is 16-byte aligned; an
-  int's ``== 1``, ``% 16 == 0`` and 32/64-bit range; a float's type; None, bools and strings by value; a Gluon ``TensorDescriptor``'s dtype, alignment, shape, strides,
-  block shape, layout and padding.  The key can only be finer than Triton's, so a hit never takes a kernel
-  compiled for other specializations; it may compile nothing new either: a miss goes through ``jit_fn.run``
-  (Triton compiles or finds the kernel and launches it) and records the kernel it returned.
-- Arguments of any other type, the interpreter (``TRITON_INTERPRET=1``), a cache grown past ``MAX_ENTRIES``
-  and ``MXATTN_FAST_LAUNCH=0`` all take Triton's own path.
+- The key holds every argument by value (ints, floats, None, bools, strings, constexprs, launch options) except
+  tensors, which count by dtype and whether their address is 16-byte aligned, and Gluon ``TensorDescriptor``s, by
+  their tensor's dtype and alignment, shape, strides, block shape, layout and padding.  Triton specializes on no
+  more than that (ints on ``== 1``, ``% 16 == 0`` and their range; floats not at all), so the key can only be finer
+  than Triton's and a hit never takes a kernel compiled for other specializations.  A miss goes through
+  ``jit_fn.run`` (Triton compiles or finds the kernel and launches it) and records the kernel it returned; a cache
+  grown past ``MAX_ENTRIES`` (shapes that keep changing) starts over.
+- Arguments the key cannot hash, the interpreter (``TRITON_INTERPRET=1``) and ``MXATTN_FAST_LAUNCH=0`` take
+  Triton's own path.
 - ``MXATTN_FAST_LAUNCH=check`` asks Triton for the kernel on every hit too (``warmup=True``: no launch) and raises
   if it is not the recorded one: the GPU tests run once that way (``scripts/gpu_check.sh``, stage ``tests``).
 """
@@ -24,44 +25,28 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import triton
 
-MAX_ENTRIES = 4096  # distinct keys per kernel before the fast path gives up on it (shapes of descriptors vary)
+MAX_ENTRIES = 1024  # distinct keys per kernel before its cache starts over
 _MODE = os.environ.get("MXATTN_FAST_LAUNCH", "1").lower()
 _ENABLED = _MODE not in ("0", "false", "off") and os.environ.get("TRITON_INTERPRET", "0") != "1"
 _CHECK = _MODE == "check"
-_I32 = (-(2**31), 2**31)
+_Tensor = torch.Tensor
 
 try:  # the Gluon host-side TMA descriptor (triton >= 3.5)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDesc
 except ImportError:  # pragma: no cover - older triton
-    _GluonDesc = None
+    class _GluonDesc:  # never a launch argument's type
+        pass
 
 
-class _Unsupported(Exception):
-    """An argument the key does not know how to describe: take Triton's path."""
-
-
-def _feature(a: Any):
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() & 15 == 0)
-    t = type(a)
-    if t is bool or a is None or t is str:
-        return a
-    if t is int:
-        return (a == 1, a & 15 == 0, _I32[0] <= a < _I32[1], a >= 2**63)
-    if t is float:
-        return float
-    if _GluonDesc is not None and t is _GluonDesc:
-        b = a.base
-        return (_GluonDesc, b.dtype, b.data_ptr() & 15 == 0, tuple(a.shape), tuple(a.strides), tuple(a.block_shape),
-                a.layout, a.padding)
-    if isinstance(a, (triton.language.dtype, triton.language.constexpr)):
-        return a
-    raise _Unsupported(t.__name__)
+def _desc_feature(d) -> tuple:
+    b = d.base
+    return (_GluonDesc, b.dtype, b.data_ptr() & 15 == 0, tuple(d.shape), tuple(d.strides), tuple(d.block_shape),
+            d.layout, d.padding)
 
 
 class FastLauncher:
@@ -72,17 +57,17 @@ class FastLauncher:
         self.enabled = _ENABLED and isinstance(jit_fn, triton.runtime.JITFunction)
         self._cache: dict = {}
         self._sig = inspect.signature(jit_fn.fn) if self.enabled else None
-        # constexpr parameters are keyed by value wherever they are passed (keywords always are)
-        self._const_pos = frozenset(p.num for p in getattr(jit_fn, "params", ()) if p.is_constexpr)
         self.hits = 0
         self.misses = 0
 
     def __getitem__(self, grid) -> Callable[..., None]:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
-    def _key(self, args, kwargs):
-        cp = self._const_pos
-        feats = tuple(a if i in cp else _feature(a) for i, a in enumerate(args)) if cp else tuple(map(_feature, args))
+    @staticmethod
+    def _key(args, kwargs):
+        # one pass, one type test per argument: the key's cost is most of what is left of a launch's host time
+        feats = tuple((a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, _Tensor) else
+                      (_desc_feature(a) if type(a) is _GluonDesc else a) for a in args)
         return (torch.cuda.current_device(), feats, tuple(kwargs.items()))
 
     def launch(self, grid, args, kwargs) -> None:
@@ -92,15 +77,17 @@ class FastLauncher:
         try:
             key = self._key(args, kwargs)
             entry = self._cache.get(key)
-        except (_Unsupported, TypeError):  # an argument the key cannot describe or hash
+        except TypeError:  # an argument the key cannot hash
             self.jit_fn[grid](*args, **kwargs)
             return
         g = tuple(grid(kwargs) if callable(grid) else grid)  # a callable grid is given the keyword arguments only
         if entry is None:
             kernel = self.jit_fn.run(*args, grid=g, warmup=False, **kwargs)
             self.misses += 1
-            if kernel is None or hasattr(kernel, "result") or len(self._cache) >= MAX_ENTRIES:
-                return  # compiled asynchronously, or too many shapes: leave it to Triton next time too
+            if kernel is None or hasattr(kernel, "result"):
+                return  # compiled asynchronously: leave it to Triton next time too
+            if len(self._cache) >= MAX_ENTRIES:
+                self._cache.clear()
             # the launcher takes every parameter in signature order (constexprs included, it skips them)
             bound = self._sig.bind(*args, **{k: v for k, v in kwargs.items() if k in self._sig.parameters})
             bound.apply_defaults()
