@@ -146,6 +146,13 @@ def main(argv=None) -> None:
             print(f"{host_us(fn, args.calls):9.1f}  {name}", flush=True)
         except Exception as e:  # one broken row does not hide the others
             print(f"   failed  {name}: {type(e).__name__}: {e}", flush=True)
+    from mxattn.kernels import launch
+
+    print("\nfast launch path, per kernel: hits / misses over the whole run (a miss per call would mean a key that "
+          "changes every call)")
+    for fl in launch._LAUNCHERS.values():
+        if fl.hits or fl.misses:
+            print(f"{fl.hits:8d} / {fl.misses:<6d} {getattr(fl.jit_fn, '__name__', fl.jit_fn)}")
     if args.profile:
         for name, fn in cases:
             print(f"\n--- {name}: {args.profile} costliest functions (own time), {args.calls} calls")

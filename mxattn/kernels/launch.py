@@ -98,7 +98,7 @@ class FastLauncher:
         if _CHECK:
             ref = self.jit_fn.run(*args, grid=g, warmup=True, **kwargs)
             if ref is not kernel:
-                raise RuntimeError(f"fast launch of {self.jit_fn.__name__}: key {key} maps to another kernel than "
+                raise RuntimeError(f"fast launch of {getattr(self.jit_fn, '__name__', self.jit_fn)}: key {key} maps to another kernel than "
                                    "Triton's own dispatch")
         self.hits += 1
         kernel[g + (1,) * (3 - len(g))](*args, *tail)
