@@ -560,16 +560,25 @@ def bench_varlen(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, heads
     t_prod = do_bench(lambda: varlen_operands(q, k, v, cu, cu, smax, smax))
     t_var = do_bench(lambda: attn_fwd_hopper_varlen(*ops, causal=causal))
 
-    def dense_ms(S: int) -> float:
+    def dense_ms(S: int, v_row: Optional[int] = None) -> float:
         shape = lambda h: (B, S, h, D)
         qd = torch.randn(*shape(heads_q), device=dev, dtype=torch.bfloat16, generator=g)
         kd = torch.randn(*shape(heads_kv), device=dev, dtype=torch.bfloat16, generator=g)
         vd = torch.randn(*shape(heads_kv), device=dev, dtype=torch.bfloat16, generator=g)
-        dops = (row_scaled_triton(qd, "q"), row_scaled_triton(kd, "k"), row_scaled_triton(vd, "v"))
+        vr = row_scaled_triton(vd, "v")
+        if v_row is not None:  # the same V bytes, each channel row v_row columns long
+            buf = torch.zeros(B, heads_kv, D, max(v_row, S), dtype=torch.uint8, device=dev)
+            buf[..., :S] = vr.data.permute(0, 2, 3, 1).view(torch.uint8)
+            vr = RowScaledFP8(buf[..., :S].permute(0, 3, 1, 2).view(torch.float8_e4m3fn), vr.exp, vr.dim)
+        dops = (row_scaled_triton(qd, "q"), row_scaled_triton(kd, "k"), vr)
         return do_bench(lambda: attn_fwd_hopper(*dops, causal=causal))
 
     t_pad = dense_ms(smax)
     t_mean = dense_ms(mean_len)
+    # diagnostic: the dense kernel at (batch, mean_len) with V's channel rows as far apart as the jagged V's (one
+    # channel row spans every sequence of the batch, Tv columns, instead of one sequence's S): does the longer row
+    # stride (DRAM pages, TLB reach of a V tile) cost the jagged kernel its missing few %?
+    t_mean_vstride = dense_ms(mean_len, v_row=ops[2].data.stride(1))  # jagged V data: (Hkv, D, Tv), rows Tv long
     sdpa = {}
     if with_sdpa:  # SDPA BF16 on the same batch padded to its longest sequence (B, H, smax, D)
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -592,12 +601,14 @@ def bench_varlen(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, heads
     return {
         "B": B, "Hq": heads_q, "Hkv": heads_kv, "D": D, "causal": causal, "mean_len": mean_len, "max_len": smax,
         "tokens": T, "fill": T / (B * smax),
-        "ms": {"varlen": t_var, "dense_padded": t_pad, "dense_mean": t_mean, "producers": t_prod, **sdpa},
+        "ms": {"varlen": t_var, "dense_padded": t_pad, "dense_mean": t_mean, "dense_mean_v_row_tv": t_mean_vstride,
+               "producers": t_prod, **sdpa},
         "tflops": {"varlen": tf(real, t_var), "dense_padded_real": tf(real, t_pad), "dense_mean": tf(dense_flops, t_mean),
                    **{k + "_real": tf(real, ms) for k, ms in sdpa.items()}},
         "speedup_vs_padded": t_pad / t_var,
         "speedup_vs_sdpa_cudnn_padded": (cu_ms / t_var) if cu_ms else None,
         "rate_vs_dense": tf(real, t_var) / tf(dense_flops, t_mean),
+        "dense_rate_v_row_tv": t_mean / t_mean_vstride,  # < 1: the jagged V layout's long rows cost the dense kernel too
     }
 
 
@@ -672,7 +683,8 @@ def bench_varlen_bwd(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, h
     return {
         "B": B, "Hq": heads_q, "Hkv": heads_kv, "D": D, "causal": causal, "deterministic": deterministic,
         "mean_len": mean_len, "max_len": smax, "tokens": T, "fill": T / (B * smax),
-        "ms": {"varlen": t_var, "dense_padded": t_pad, "dense_mean": t_mean, "producers": t_prod, **sdpa},
+        "ms": {"varlen": t_var, "dense_padded": t_pad, "dense_mean": t_mean, "dense_mean_v_row_tv": t_mean_vstride,
+               "producers": t_prod, **sdpa},
         "tflops": {"varlen": tf(real, t_var), "dense_padded_real": tf(real, t_pad), "dense_mean": tf(dense_flops, t_mean),
                    **{k + "_real": tf(real, ms) for k, ms in sdpa.items()}},
         "speedup_vs_padded": t_pad / t_var,
