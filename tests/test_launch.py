@@ -92,9 +92,11 @@ def test_unhashable_arguments_and_disabled_take_triton_path(monkeypatch):
     monkeypatch.setattr(fl, "jit_fn", type("J", (), {"__getitem__": lambda s, g: lambda *a, **k: calls.append(g)})())
     fl[(1,)](torch.zeros(4), [7], 0.5)
     assert calls == [(1,)] and not fl._cache
+    grid_fn = lambda meta: (1,)  # noqa: E731
+    fl[grid_fn](torch.zeros(4), 7, 0.5)  # a grid function: Triton binds the arguments it reads
     fl.enabled = False
     fl[(2,)](torch.zeros(4), 7, 0.5)
-    assert calls == [(1,), (2,)] and not fl._cache
+    assert calls == [(1,), grid_fn, (2,)] and not fl._cache
 
 
 def test_cache_is_bounded(monkeypatch):
