@@ -151,3 +151,11 @@ def test_gpu_fast_launch_matches_triton(monkeypatch):
             monkeypatch.setattr(L, "_CHECK", True)
             assert torch.equal(fast.data.view(torch.uint8), slow.data.view(torch.uint8)), (off, S, H, role)
             assert torch.equal(fast.exp, slow.exp), (off, S, H, role)
+
+
+def test_nvmma_fp8_layout_is_gluons_default():
+    """The cached layout equals the one Gluon builds for the shape (what the Gluon kernels' wrappers asked for)."""
+    gl = pytest.importorskip("triton.experimental.gluon.language")
+    for rows, cols in ((64, 128), (128, 128), (128, 64), (64, 64)):
+        assert L.nvmma_fp8_layout(rows, cols) == gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float8e4nv)
+    assert L.nvmma_fp8_layout(64, 128) is L.nvmma_fp8_layout(64, 128)

@@ -125,7 +125,7 @@ from mxattn.kernels.attn_bwd_dq_gluon import (
     split_tl_config,
     time_against_tl,
 )
-from mxattn.kernels.launch import fast_launcher
+from mxattn.kernels.launch import fast_launcher, nvmma_fp8_layout
 
 __all__ = ["GluonDkdvConfig", "default_config", "attn_bwd_dkdv_gluon", "bench_attn_bwd_dkdv_gluon",
            "dkdv_operands"]
@@ -518,11 +518,10 @@ def _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq, split: bool = False):
     dd = _hdim_view(dout_hdim.data, "dout_hdim")
     kd = _hdim_view(k.data, "k")
     vd = _hdim_view(v_hdim.data, "v_hdim")
-    f8 = gl.float8e4nv
     bm, bn = BLOCK_M.value, (BLOCK_N_WG if split else BLOCK_N).value
-    row_layout = gl.NVMMASharedLayout.get_default_for([bm, D], f8)
-    key_layout = gl.NVMMASharedLayout.get_default_for([bn, D], f8)
-    seq_layout = gl.NVMMASharedLayout.get_default_for([D, bm], f8)
+    row_layout = nvmma_fp8_layout(bm, D)
+    key_layout = nvmma_fp8_layout(bn, D)
+    seq_layout = nvmma_fp8_layout(D, bm)
     q_desc = TensorDescriptor(qd, [B * Sq, Hq * D], [Hq * D, 1], [bm, D], row_layout)
     do_desc = TensorDescriptor(dd, [B * Sq, Hq * D], [Hq * D, 1], [bm, D], row_layout)
     qsd, dsd = q_seq.data, dout_seq.data

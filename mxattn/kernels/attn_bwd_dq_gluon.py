@@ -90,7 +90,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxattn.formats import RowScaledFP8
-from mxattn.kernels.launch import fast_launcher
+from mxattn.kernels.launch import fast_launcher, nvmma_fp8_layout
 
 __all__ = ["GluonDqConfig", "default_config", "split_tl_config", "attn_bwd_dq_gluon", "backward_operands",
            "bench_attn_bwd_dq_gluon", "dq_operands", "time_against_tl"]
@@ -540,11 +540,10 @@ def _descriptors(q, k, v_hdim, k_seq, dout_hdim, split: bool = False):
     kd = _hdim_view(k.data, "k")
     vd = _hdim_view(v_hdim.data, "v_hdim")
     ksd = k_seq.data
-    f8 = gl.float8e4nv
     bm, bn = (WG_ROWS if split else BLOCK_M).value, BLOCK_N.value
-    row_layout = gl.NVMMASharedLayout.get_default_for([bm, D], f8)
-    key_layout = gl.NVMMASharedLayout.get_default_for([bn, D], f8)
-    ks_layout = gl.NVMMASharedLayout.get_default_for([D, bn], f8)
+    row_layout = nvmma_fp8_layout(bm, D)
+    key_layout = nvmma_fp8_layout(bn, D)
+    ks_layout = nvmma_fp8_layout(D, bn)
     q_desc = TensorDescriptor(qd, [B * Sq, Hq * D], [Hq * D, 1], [bm, D], row_layout)
     do_desc = TensorDescriptor(dd, [B * Sq, Hq * D], [Hq * D, 1], [bm, D], row_layout)
     k_desc = TensorDescriptor(kd, [B * Sk, Hkv * D], [Hkv * D, 1], [bn, D], key_layout)

@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxattn.kernels.attn_fwd import alloc_fwd_outputs
-from mxattn.kernels.launch import fast_launcher
+from mxattn.kernels.launch import fast_launcher, nvmma_fp8_layout
 
 LOG2E = 1.4426950408889634
 K_EXP_GROUP = gl.constexpr(128)  # keys sharing one K exponent (formats.RowScaledFP8 K layout); BLOCK_N divides it
@@ -350,11 +350,10 @@ def _descriptors(q, k, v, block_n: int):
     if vd.stride(1) != 1 or vd.stride(2) != D * s_pad or vd.stride(0) != Hkv * D * s_pad or s_pad % 16 or s_pad < Sk:
         raise ValueError("V data must be the (B, S, H, D) view of a channel-major (B, H, D, S_pad) buffer, "
                          "S_pad a multiple of 16 (formats.channel_major)")
-    f8 = gl.float8e4nv
     wg = WG_ROWS.value
-    q_layout = gl.NVMMASharedLayout.get_default_for([wg, D], f8)
-    k_layout = gl.NVMMASharedLayout.get_default_for([block_n, D], f8)
-    v_layout = gl.NVMMASharedLayout.get_default_for([D, block_n], f8)
+    q_layout = nvmma_fp8_layout(wg, D)
+    k_layout = nvmma_fp8_layout(block_n, D)
+    v_layout = nvmma_fp8_layout(D, block_n)
     q_desc = TensorDescriptor(qd, [B * Sq, qd.stride(1)], [qd.stride(1), 1], [wg, D], q_layout)
     k_desc = TensorDescriptor(kd, [B * Sk, kd.stride(1)], [kd.stride(1), 1], [block_n, D], k_layout)
     v_desc = TensorDescriptor(vd, [B * Hkv * D, Sk], [s_pad, 1], [D, block_n], v_layout)

@@ -23,6 +23,7 @@ GPU machine's CPU for a kernel of ~40 arguments, against ~17 us for the compiled
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from typing import Callable
@@ -41,6 +42,16 @@ try:  # the Gluon host-side TMA descriptor (triton >= 3.5)
 except ImportError:  # pragma: no cover - older triton
     class _GluonDesc:  # never a launch argument's type
         pass
+
+
+@functools.lru_cache(maxsize=None)
+def nvmma_fp8_layout(rows: int, cols: int):
+    """Gluon's default NVMMA shared layout of an e4m3 (rows, cols) TMA block, built once per shape: the host
+    wrappers of the Gluon kernels asked for six per backward call (~10 us each of host time)."""
+    from triton.experimental import gluon  # noqa: F401  (the package must load before its language module)
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float8e4nv)
 
 
 def _desc_feature(d) -> tuple:
