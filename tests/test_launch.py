@@ -59,8 +59,8 @@ def test_miss_goes_through_triton_then_hits_launch_directly(monkeypatch):
     fl[(4,)](y, 7, 0.5, BLOCK=32)  # another tensor of the same dtype and alignment: same key
     fl[(2, 3)](x, 7, 0.5, BLOCK=32)  # another grid
     assert len(fl.jit_fn.runs) == 1 and fl.hits == 2
-    (kernel, tail), = fl._cache.values()
-    assert tail == (32, False)  # the remaining parameters in signature order, defaults applied
+    (kernel, rest), = fl._cache.values()
+    assert rest == (("BLOCK", 16), ("FLAG", False))  # the remaining parameters and their defaults
     assert kernel.launches == [((4, 1, 1), (y, 7, 0.5, 32, False)), ((2, 3, 1), (x, 7, 0.5, 32, False))]
 
 
@@ -118,6 +118,27 @@ def test_check_mode_catches_a_wrong_kernel(monkeypatch):
     fl._cache[key] = (_FakeKernel("stale"), fl._cache[key][1])
     with pytest.raises(RuntimeError, match="another kernel"):
         fl[(1,)](x, 7, 0.5)
+
+
+def test_keys_hold_no_tensor(monkeypatch):
+    """Tensors passed by keyword count by dtype and alignment too: the cache never keeps a tensor alive."""
+    import weakref
+
+    fl = _launcher(monkeypatch)
+    x = torch.zeros(64)
+    fl[(1,)](x, 7, 0.5, BLOCK=32)
+    y = torch.zeros(64)
+    ref = weakref.ref(y)
+    fl[(1,)](x, 7, 0.5, BLOCK=32, FLAG=y)
+    fl[(1,)](x, 7, 0.5, BLOCK=32, FLAG=torch.ones(64))  # same dtype and alignment: a hit
+    assert fl.misses == 2 and fl.hits == 1
+    # the hit launched with this call's tensor, not the first call's
+    (_, args), = [launch for kernel, _ in fl._cache.values() for launch in kernel.launches]
+    assert args[-1] is not None and torch.equal(args[-1], torch.ones(64))
+    del y
+    fl.jit_fn.runs.clear()  # the stand-in's own record of the calls
+    fl.jit_fn.kernels.clear()
+    assert ref() is None
 
 
 def test_one_launcher_per_kernel():

@@ -79,7 +79,11 @@ class FastLauncher:
         # one pass, one type test per argument: the key's cost is most of what is left of a launch's host time
         feats = tuple((a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, _Tensor) else
                       (_desc_feature(a) if type(a) is _GluonDesc else a) for a in args)
-        return (torch.cuda.current_device(), feats, tuple(kwargs.items()))
+        kw = tuple(kwargs.items())
+        if any(isinstance(v, (_Tensor, _GluonDesc)) for _, v in kw):  # never hold a tensor in the cache's keys
+            kw = tuple((k, (v.dtype, v.data_ptr() & 15 == 0) if isinstance(v, _Tensor) else
+                        (_desc_feature(v) if type(v) is _GluonDesc else v)) for k, v in kw)
+        return (torch.cuda.current_device(), feats, kw)
 
     def launch(self, grid, args, kwargs) -> None:
         if not self.enabled or callable(grid):  # a grid function takes Triton's bound arguments: Triton's path
@@ -99,20 +103,24 @@ class FastLauncher:
                 return  # compiled asynchronously: leave it to Triton next time too
             if len(self._cache) >= MAX_ENTRIES:
                 self._cache.clear()
-            # the launcher takes every parameter in signature order (constexprs included, it skips them)
-            bound = self._sig.bind(*args, **{k: v for k, v in kwargs.items() if k in self._sig.parameters})
-            bound.apply_defaults()
-            tail = tuple(bound.arguments.values())[len(args):]
-            self._cache[key] = (kernel, tail)
+            # the launcher takes every parameter in signature order (constexprs included, it skips them): after
+            # the positional ones, each from this call's keywords or its default (never values of the first call)
+            empty = inspect.Parameter.empty
+            rest = tuple((name, None if p.default is empty else p.default)
+                         for name, p in list(self._sig.parameters.items())[len(args):])
+            missing = [name for name, p in list(self._sig.parameters.items())[len(args):]
+                       if p.default is empty and name not in kwargs]
+            if not missing:  # (Triton raised already if any were)
+                self._cache[key] = (kernel, rest)
             return
-        kernel, tail = entry
+        kernel, rest = entry
         if _CHECK:
             ref = self.jit_fn.run(*args, grid=g, warmup=True, **kwargs)
             if ref is not kernel:
-                raise RuntimeError(f"fast launch of {getattr(self.jit_fn, '__name__', self.jit_fn)}: key {key} maps to another kernel than "
-                                   "Triton's own dispatch")
+                raise RuntimeError(f"fast launch of {getattr(self.jit_fn, '__name__', self.jit_fn)}: key {key} maps "
+                                   "to another kernel than Triton's own dispatch")
         self.hits += 1
-        kernel[g + (1,) * (3 - len(g))](*args, *tail)
+        kernel[g + (1,) * (3 - len(g))](*args, *[kwargs.get(name, default) for name, default in rest])
 
 
 def fast_launcher(jit_fn) -> FastLauncher:
