@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from mxattn.formats import RowScaledFP8
-from mxattn.kernels.launch import fast_launcher
+from mxattn.kernels.launch import cdiv, fast_launcher
 from mxattn.kernels.quantize import _round_to_e4m3_grid, row_scaled_triton
 
 __all__ = [
@@ -703,7 +703,7 @@ def _row_group(t: RowScaledFP8, name: str) -> int:
         if t.group_dim != 1:
             raise ValueError(f"{name}: exponents must be grouped along the sequence (group_dim=1), got {t.group_dim}")
         g = t.group
-        want = (B, triton.cdiv(S, g), H, 1)
+        want = (B, cdiv(S, g), H, 1)
     if t.dim != 3 or tuple(t.exp.shape) != want:
         raise ValueError(f"{name}: exp {tuple(t.exp.shape)} (dim={t.dim}), expected {want} blocked along the head dim")
     return g
@@ -728,7 +728,7 @@ def attn_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, dout_hdim: Option
     if n_rows:
         block_r = max(1, min(128, 8192 // D))
         dd, de = dout_hdim.data, dout_hdim.exp
-        fast_launcher(_delta_kernel)[(triton.cdiv(n_rows, block_r),)](
+        fast_launcher(_delta_kernel)[(cdiv(n_rows, block_r),)](
             dd, de, out, delta, *dd.stride(), de.stride(0), de.stride(1), de.stride(2), *out.stride(),
             *delta.stride(), Sq, Hq, n_rows, None, None, HEAD_DIM=D, BLOCK_R=block_r, DO_GROUP=g, num_warps=4,
         )
@@ -938,7 +938,7 @@ def attn_bwd_hopper(
     row_e = lambda e: _exp_strides3(e, (0, 1, 2))  # (B, S or groups, H)
     chan_e = lambda e: _exp_strides3(e, (0, 2, 3))  # (B, H, D)
     common = dict(HEAD_DIM=D, CAUSAL=causal, Q_GROUP=q_group, DO_GROUP=do_group, EXPLICIT_ROUND=INTERPRETER)
-    fast_launcher(_bwd_dkdv_kernel)[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
+    fast_launcher(_bwd_dkdv_kernel)[(cdiv(Sk, cfg.block_n), B * Hkv)](
         qd, qe, kd, ke, vd, ve, qsd, qse, ksd, kse, dhd, dhe, dsd, dse, lse, delta, dq_acc, dk, dv,
         *qd.stride(), *row_e(qe), *kd.stride(), *row_e(ke), *vd.stride(), *row_e(ve),
         *qsd.stride(), *chan_e(qse), *ksd.stride(), *chan_e(kse),
@@ -953,7 +953,7 @@ def attn_bwd_hopper(
     def tl_dq():  # the second kernel's dQ, or the atomics' fp32 sums in grad_dtype
         if not deterministic:
             return dq_acc.to(grad_dtype)
-        fast_launcher(_bwd_dq_kernel)[(triton.cdiv(Sq, cfg.dq_block_m), B * Hq)](
+        fast_launcher(_bwd_dq_kernel)[(cdiv(Sq, cfg.dq_block_m), B * Hq)](
             qd, qe, kd, ke, vd, ve, ksd, kse, dhd, dhe, lse, delta, dq,
             *qd.stride(), *row_e(qe), *kd.stride(), *row_e(ke), *vd.stride(), *row_e(ve),
             *ksd.stride(), *chan_e(kse), *dhd.stride(), *row_e(dhe), *lse.stride(), *dq.stride(),
@@ -1019,7 +1019,7 @@ def attn_bwd_preprocess_varlen(out: torch.Tensor, dout: torch.Tensor, cu_seqlens
     B = cu_seqlens_q.numel() - 1
     delta = torch.empty(Hq, Tq, dtype=torch.float32, device=out.device)
     block_r = max(1, min(128, 8192 // D))
-    n_c = triton.cdiv(max_seqlen_q * Hq, block_r)
+    n_c = cdiv(max_seqlen_q * Hq, block_r)
     if Tq * Hq and B * n_c:
         dd, de = dout_hdim.data, dout_hdim.exp
         fast_launcher(_delta_kernel)[(B * n_c,)](
@@ -1094,8 +1094,8 @@ def attn_bwd_hopper_varlen(
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     dev = q.data.device
-    n_n = triton.cdiv(k.max_seqlen, cfg.block_n)
-    n_m = triton.cdiv(q.max_seqlen, cfg.dq_block_m)
+    n_n = cdiv(k.max_seqlen, cfg.block_n)
+    n_m = cdiv(q.max_seqlen, cfg.dq_block_m)
     if Tq == 0 or Tk == 0 or B * Hq == 0 or n_n == 0 or n_m == 0:
         return (torch.zeros(Tq, Hq, D, dtype=grad_dtype, device=dev),
                 torch.zeros(Tk, Hkv, D, dtype=grad_dtype, device=dev),

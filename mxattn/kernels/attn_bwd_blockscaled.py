@@ -34,7 +34,7 @@ from mxattn import formats
 from mxattn.formats import MXTensor
 from mxattn.kernels.attn_fwd import LOG2E
 from mxattn.kernels.attn_fwd_blockscaled import _QK_ZERO_ACC
-from mxattn.kernels.launch import fast_launcher
+from mxattn.kernels.launch import cdiv, fast_launcher
 from mxattn.kernels.quantize import _mx_exponent, _pow2, _round_to_e4m3_grid
 
 __all__ = ["attn_bwd_blockscaled"]
@@ -268,14 +268,14 @@ def attn_bwd_blockscaled(q: MXTensor, k: MXTensor, v_hdim: MXTensor, q_seq: MXTe
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
     meta = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal), EXPLICIT_ROUND=interp,
                 QK_ZERO_ACC=_QK_ZERO_ACC, num_warps=num_warps)
-    fast_launcher(_dkdv_kernel)[(triton.cdiv(Sk, block_n), B * Hkv)](
+    fast_launcher(_dkdv_kernel)[(cdiv(Sk, block_n), B * Hkv)](
         qm.data, sc(qm), km.data, sc(km), vm.data, sc(vm), dhm.data, sc(dhm), dsm.data, sc(dsm), qsm.data, sc(qsm),
         lse, delta, dk, dv,
         *_strides(qm), *_strides(km), *_strides(vm), *_strides(dhm), *_strides(dsm), *_strides(qsm),
         *lse.stride(), *dk.stride(),
         Hkv, Sq, Sk, qsm.scale.shape[1], Hq // Hkv, scale * LOG2E, scale, **meta,
     )
-    fast_launcher(_dq_kernel)[(triton.cdiv(Sq, block_m), B * Hq)](
+    fast_launcher(_dq_kernel)[(cdiv(Sq, block_m), B * Hq)](
         qm.data, sc(qm), km.data, sc(km), vm.data, sc(vm), dhm.data, sc(dhm), ksm.data, sc(ksm), lse, delta, dq,
         *_strides(qm), *_strides(km), *_strides(vm), *_strides(dhm), *_strides(ksm),
         *lse.stride(), *dq.stride(),

@@ -98,7 +98,6 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -125,7 +124,7 @@ from mxattn.kernels.attn_bwd_dq_gluon import (
     split_tl_config,
     time_against_tl,
 )
-from mxattn.kernels.launch import fast_launcher, nvmma_fp8_layout
+from mxattn.kernels.launch import cdiv, fast_launcher, nvmma_fp8_layout
 
 __all__ = ["GluonDkdvConfig", "default_config", "attn_bwd_dkdv_gluon", "bench_attn_bwd_dkdv_gluon",
            "dkdv_operands"]
@@ -508,7 +507,7 @@ def _check(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, grad_dtype):
 
 def _tile_exps(t: RowScaledFP8, Sq: int) -> torch.Tensor:
     """(B, ceil(Sq / 64), H, 1) int32 exponents, one per 64-row query tile, of an operand grouped by a multiple of 64."""
-    return t.exp.repeat_interleave(t.group // BLOCK_M.value, dim=1)[:, : triton.cdiv(Sq, BLOCK_M.value)].contiguous()
+    return t.exp.repeat_interleave(t.group // BLOCK_M.value, dim=1)[:, : cdiv(Sq, BLOCK_M.value)].contiguous()
 
 
 def _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq, split: bool = False):
@@ -574,7 +573,7 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
     assert qse.stride() == dse.stride() and lse.stride() == delta.stride() and dk.stride() == dv.stride()
     row_e = lambda e: (e.stride(0), e.stride(1), e.stride(2))  # noqa: E731  (B, S or groups, H)
     chan_e = lambda e: (e.stride(0), e.stride(2), e.stride(3))  # noqa: E731  (B, H, D)
-    grid = (triton.cdiv(Sk, BLOCK_N.value), B * Hkv)
+    grid = (cdiv(Sk, BLOCK_N.value), B * Hkv)
     kernel = _attn_bwd_dkdv_ws_kernel_sq1 if Sq == 1 else _attn_bwd_dkdv_ws_kernel
     fast_launcher(kernel)[grid](
         *descs, qe, de, ke, ve, qse, dse, lse, delta, dk, dv,
@@ -606,7 +605,7 @@ def _tl_dkdv(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, *, causal=Fal
     qsd, qse, dhd, dhe, dsd, dse = q_seq.data, q_seq.exp, dout_hdim.data, dout_hdim.exp, dout_seq.data, dout_seq.exp
     row_e = lambda e: (e.stride(0), e.stride(1), e.stride(2))  # noqa: E731
     chan_e = lambda e: (e.stride(0), e.stride(2), e.stride(3))  # noqa: E731
-    fast_launcher(ab._bwd_dkdv_kernel)[(triton.cdiv(Sk, cfg.block_n), B * Hkv)](
+    fast_launcher(ab._bwd_dkdv_kernel)[(cdiv(Sk, cfg.block_n), B * Hkv)](
         qd, qe, kd, ke, vd, ve, qsd, qse, kd, ke, dhd, dhe, dsd, dse, lse, delta, dk, dk, dv,
         *qd.stride(), *row_e(qe), *kd.stride(), *row_e(ke), *vd.stride(), *row_e(ve),
         *qsd.stride(), *chan_e(qse), *kd.stride(), 0, 0, 0,

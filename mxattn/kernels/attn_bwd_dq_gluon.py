@@ -90,7 +90,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxattn.formats import RowScaledFP8
-from mxattn.kernels.launch import fast_launcher, nvmma_fp8_layout
+from mxattn.kernels.launch import cdiv, fast_launcher, nvmma_fp8_layout
 
 __all__ = ["GluonDqConfig", "default_config", "split_tl_config", "attn_bwd_dq_gluon", "backward_operands",
            "bench_attn_bwd_dq_gluon", "dq_operands", "time_against_tl"]
@@ -582,7 +582,7 @@ def attn_bwd_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, k_
     dq = torch.empty(B, Sq, Hq, D, dtype=grad_dtype, device=dev)
     descs = _descriptors(q, k, v_hdim, k_seq, dout_hdim, cfg.split)
     qe, de, ke, ve, kse = q.exp, dout_hdim.exp, k.exp, v_hdim.exp, k_seq.exp
-    grid = (triton.cdiv(Sq, BLOCK_M.value), B * Hq)
+    grid = (cdiv(Sq, BLOCK_M.value), B * Hq)
     fast_launcher(_attn_bwd_dq_ws_kernel)[grid](
         *descs, qe, de, ke, ve, kse, lse, delta, dq,
         qe.stride(0), qe.stride(1), qe.stride(2),
@@ -617,7 +617,7 @@ def _tl_dq(q, k, v_hdim, k_seq, dout_hdim, lse, delta, *, causal=False, softmax_
     ksd, kse, dhd, dhe = k_seq.data, k_seq.exp, dout_hdim.data, dout_hdim.exp
     row_e = lambda e: (e.stride(0), e.stride(1), e.stride(2))  # noqa: E731
     chan_e = lambda e: (e.stride(0), e.stride(2), e.stride(3))  # noqa: E731
-    fast_launcher(ab._bwd_dq_kernel)[(triton.cdiv(Sq, cfg.dq_block_m), B * Hq)](
+    fast_launcher(ab._bwd_dq_kernel)[(cdiv(Sq, cfg.dq_block_m), B * Hq)](
         qd, qe, kd, ke, vd, ve, ksd, kse, dhd, dhe, lse, delta, dq,
         *qd.stride(), *row_e(qe), *kd.stride(), *row_e(ke), *vd.stride(), *row_e(ve),
         *ksd.stride(), *chan_e(kse), *dhd.stride(), *row_e(dhe), *lse.stride(), *dq.stride(),

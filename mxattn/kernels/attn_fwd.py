@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxattn.kernels.launch import fast_launcher
+from mxattn.kernels.launch import cdiv, fast_launcher
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -275,7 +275,7 @@ def varlen_slots(cu_q: torch.Tensor, cu_k: torch.Tensor, cu_kg: torch.Tensor, cu
     B = cu_q.numel() - 1
     slots = torch.empty(B, 8, dtype=torch.int32, device=cu_q.device)
     BLOCK = 32  # (BLOCK, BLOCK) int64 compares: 60 registers at 32, 254 at 64, spills at 128 (sm90, 4 warps)
-    fast_launcher(_varlen_slots_kernel)[(triton.cdiv(B, BLOCK),)](cu_q, cu_k, cu_kg, cu_v, slots, B, BLOCK=BLOCK)
+    fast_launcher(_varlen_slots_kernel)[(cdiv(B, BLOCK),)](cu_q, cu_k, cu_kg, cu_v, slots, B, BLOCK=BLOCK)
     return slots
 
 
@@ -307,7 +307,7 @@ def attn_fwd_hopper(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         return out, lse
     qd, kd, vd = q.data, k.data, v.data
     qe, ke, ve = q.exp, k.exp, v.exp
-    grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
+    grid = (cdiv(Sq, cfg.block_m), B * Hq)
     fast_launcher(_attn_fwd_kernel)[grid](
         qd, kd, vd, qe, ke, ve, out, lse,
         *qd.stride(), *kd.stride(), *vd.stride(),
@@ -342,7 +342,7 @@ def attn_fwd_hopper_varlen(q, k, v, *, causal: bool = False, softmax_scale: floa
     cfg = config or default_config(D, causal)
     out = torch.empty(Tq, Hq, D, dtype=out_dtype, device=q.data.device)
     lse = torch.empty(Hq, Tq, dtype=torch.float32, device=q.data.device)
-    n_m = triton.cdiv(q.max_seqlen, cfg.block_m)
+    n_m = cdiv(q.max_seqlen, cfg.block_m)
     if out.numel() == 0 or B * n_m == 0:
         return out, lse
     if k.data.shape[0] == 0:  # no keys at all: every row sees nothing

@@ -56,7 +56,7 @@ from mxattn.kernels.attn_fwd import (
     _round_e4m3_nonneg,
     alloc_fwd_outputs,
 )
-from mxattn.kernels.launch import fast_launcher
+from mxattn.kernels.launch import cdiv, fast_launcher
 
 __all__ = [
     "attn_fwd_blockscaled",
@@ -259,7 +259,7 @@ def attn_fwd_blockscaled(qm: MXTensor, km: MXTensor, vm: MXTensor, causal: bool 
     qs, ks, vs = (t.scale.view(torch.uint8) for t in (qm, km, vm))
     NSB = vs.shape[1]
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    grid = (triton.cdiv(Sq, cfg.block_m), B * Hq)
+    grid = (cdiv(Sq, cfg.block_m), B * Hq)
     fast_launcher(_attn_fwd_blockscaled_kernel)[grid](
         qm.data, qs, km.data, ks, vm.data, vs, out, lse,
         *qm.data.stride(), *qs.stride(),

@@ -34,7 +34,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -46,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxattn.kernels.attn_fwd import alloc_fwd_outputs
-from mxattn.kernels.launch import fast_launcher, nvmma_fp8_layout
+from mxattn.kernels.launch import cdiv, fast_launcher, nvmma_fp8_layout
 
 LOG2E = 1.4426950408889634
 K_EXP_GROUP = gl.constexpr(128)  # keys sharing one K exponent (formats.RowScaledFP8 K layout); BLOCK_N divides it
@@ -383,7 +382,7 @@ def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None
         return out, lse
     q_desc, k_desc, v_desc = _descriptors(q, k, v, cfg.block_n)
     qe, ke, ve = q.exp, k.exp, v.exp
-    grid = (triton.cdiv(Sq, BLOCK_M.value), B * Hq)
+    grid = (cdiv(Sq, BLOCK_M.value), B * Hq)
     fast_launcher(_attn_fwd_ws_kernel)[grid](
         q_desc, k_desc, v_desc, qe, ke, ve, out, lse,
         qe.stride(0), qe.stride(1), qe.stride(2),

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from mxattn.formats import MXTensor, RowScaledFP8, blackwell_scale_bytes
-from mxattn.kernels.launch import fast_launcher
+from mxattn.kernels.launch import cdiv, fast_launcher, next_pow2
 from mxattn.kernels.quantize import (
     SEQ_ALIGN,
     _e4m3_bytes,
@@ -237,9 +237,9 @@ def _linear_quant_kernel(
 
 def _rows_plan(K: int) -> tuple[int, int, int, int]:
     """(rows per program, K chunk, chunks, warps) for the row re-expression: ~4K elements per program."""
-    bk = min(max(32, triton.next_power_of_2(K)), ROWS_CHUNK)
+    bk = min(max(32, next_pow2(K)), ROWS_CHUNK)
     br = max(1, 4096 // bk)
-    return br, bk, triton.cdiv(K, bk), 4 if br * bk <= 4096 else 8
+    return br, bk, cdiv(K, bk), 4 if br * bk <= 4096 else 8
 
 
 def row_scaled_rows(t, rceil: bool = True) -> RowScaledFP8:
@@ -259,7 +259,7 @@ def row_scaled_rows(t, rceil: bool = True) -> RowScaledFP8:
     exp = torch.empty(R, 1, dtype=torch.int32, device=dev)
     if R and K:
         br, bk, nchunk, warps = _rows_plan(K)
-        fast_launcher(_rows_row_scaled_kernel)[(triton.cdiv(R, br),)](
+        fast_launcher(_rows_row_scaled_kernel)[(cdiv(R, br),)](
             src, src.stride(0), sc if sc is not None else src, sc.stride(0) if sc is not None else 0,
             out, exp, R, K, BR=br, BK=bk, NCHUNK=nchunk, FROM_MX=sc is not None, RCEIL=rceil, SOFT=_soft(dev),
             num_warps=warps,
@@ -305,21 +305,21 @@ def linear_quant_fwd(
     if hdim:
         hd = out["hd"] = torch.empty(M, N, dtype=torch.uint8, device=dev)
         if tiled_scales:
-            hs = out["hs"] = torch.zeros(blackwell_scale_bytes(M, triton.cdiv(N, 32)), dtype=torch.uint8,
+            hs = out["hs"] = torch.zeros(blackwell_scale_bytes(M, cdiv(N, 32)), dtype=torch.uint8,
                                          device=dev)
         else:
-            hs = out["hs"] = torch.empty(M, triton.cdiv(N, 32), dtype=torch.uint8, device=dev)
+            hs = out["hs"] = torch.empty(M, cdiv(N, 32), dtype=torch.uint8, device=dev)
     if seq:
-        s_pad = triton.cdiv(max(S, 1), SEQ_ALIGN) * SEQ_ALIGN
+        s_pad = cdiv(max(S, 1), SEQ_ALIGN) * SEQ_ALIGN
         cd = out["cd"] = torch.empty(B, N, s_pad, dtype=torch.uint8, device=dev)
-        cs = out["cs"] = torch.empty(B, triton.cdiv(S, 32), N, dtype=torch.uint8, device=dev)
+        cs = out["cs"] = torch.empty(B, cdiv(S, 32), N, dtype=torch.uint8, device=dev)
     if B * S == 0:
         if seq:
             cd.zero_()
         return out
-    n_m_tiles = triton.cdiv(S, tile.block_m)
+    n_m_tiles = cdiv(S, tile.block_m)
     n_row_tiles = B * n_m_tiles
-    grid = (n_row_tiles * triton.cdiv(N, tile.block_n),)
+    grid = (n_row_tiles * cdiv(N, tile.block_n),)
     fast_launcher(_linear_quant_kernel)[grid](
         xd, xd.stride(0), xe, wd, wd.stride(0), we, bias if bias is not None else dummy,
         hd, hs, cd.view(torch.int32) if seq else dummy, cs,

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from mxattn.formats import RowScaledFP8
-from mxattn.kernels.launch import fast_launcher
+from mxattn.kernels.launch import cdiv, fast_launcher
 from mxattn.kernels.linear_quant import _pow2_wide, band_tile
 from mxattn.kernels.quantize import SEQ_ALIGN, _soft, _to_f32
 from mxattn.kernels.rmsnorm_quant import _emit_mx
@@ -213,7 +213,7 @@ def qkv_proj_fwd(
     tile = tile or qkv_tile(D)
     if tile.block_m % 32:
         raise ValueError(f"block_m must be a multiple of 32, got {tile}")
-    s_pad = triton.cdiv(max(S, 1), SEQ_ALIGN) * SEQ_ALIGN
+    s_pad = cdiv(max(S, 1), SEQ_ALIGN) * SEQ_ALIGN
     nb = D // 32
     out = {
         "qd": torch.empty(B, S, Hq, D, dtype=torch.uint8, device=dev),
@@ -221,7 +221,7 @@ def qkv_proj_fwd(
         "kd": torch.empty(B, S, Hkv, D, dtype=torch.uint8, device=dev),
         "ks": torch.empty(B, S, Hkv, nb, dtype=torch.uint8, device=dev),
         "vd": torch.empty(B, Hkv, D, s_pad, dtype=torch.uint8, device=dev),
-        "vs": torch.empty(B, triton.cdiv(S, 32), Hkv, D, dtype=torch.uint8, device=dev),
+        "vs": torch.empty(B, cdiv(S, 32), Hkv, D, dtype=torch.uint8, device=dev),
     }
     if B * S == 0:
         out["vd"].zero_()
@@ -234,7 +234,7 @@ def qkv_proj_fwd(
         assert sin.stride() == cos.stride() and cos.stride(-1) == 1
     else:
         s_rb = s_rs = 0
-    n_m_tiles = triton.cdiv(S, tile.block_m)
+    n_m_tiles = cdiv(S, tile.block_m)
     n_row_tiles = B * n_m_tiles
     grid = (n_row_tiles * (Hq + 2 * Hkv),)
     fast_launcher(_qkv_proj_kernel)[grid](

@@ -60,7 +60,7 @@ from mxattn.formats import (
     ScaleMode,
     blackwell_scale_bytes,
 )
-from mxattn.kernels.launch import fast_launcher
+from mxattn.kernels.launch import cdiv, fast_launcher, next_pow2
 
 __all__ = [
     "quantize_mxfp8_triton",
@@ -135,7 +135,7 @@ SEQEXP_MIN_PROGRAMS = 1024
 def _seq_chunk(n_rows: int, S: int, block_s: int) -> int:
     """Tiles of S per program in the V exponent pass: as many as possible (fewer atomics) while the grid
     keeps ``SEQEXP_MIN_PROGRAMS`` programs, and at most 32."""
-    n_tiles = triton.cdiv(S, block_s)
+    n_tiles = cdiv(S, block_s)
     per = max(1, (n_tiles * n_rows) // SEQEXP_MIN_PROGRAMS)
     return min(per, n_tiles, 32)
 
@@ -731,7 +731,7 @@ def _s_load_bound(t4: torch.Tensor) -> int:
 
 
 def _d_pad(D: int) -> int:
-    return 32 * triton.next_power_of_2(triton.cdiv(D, 32))
+    return 32 * next_pow2(cdiv(D, 32))
 
 
 def _needs_i64(*extents: int) -> bool:
@@ -740,7 +740,7 @@ def _needs_i64(*extents: int) -> bool:
 
 
 def _channel_major_buffer(B: int, H: int, D: int, S: int, device) -> tuple[torch.Tensor, int]:
-    s_pad = triton.cdiv(max(S, 1), SEQ_ALIGN) * SEQ_ALIGN
+    s_pad = cdiv(max(S, 1), SEQ_ALIGN) * SEQ_ALIGN
     return torch.empty(B, H, D, s_pad, dtype=torch.uint8, device=device), s_pad
 
 
@@ -781,7 +781,7 @@ def quantize_mxfp8_triton(
     dev = x4.device
     want_h = orientations in ("hdim", "both")
     want_s = orientations in ("seq", "both")
-    ND, NSB = triton.cdiv(D, 32), triton.cdiv(S, 32)
+    ND, NSB = cdiv(D, 32), cdiv(S, 32)
     hd = he = cd = ce = None
     s_pad = SEQ_ALIGN
     if want_h:
@@ -823,8 +823,8 @@ def _launch_quantize(x4, hd, he, cd, ce, s_pad, *, HDIM, SEQ, HDIM_GROUP, SEQ_RS
     s_cover = max(S, s_pad) if SEQ else S
     if s_cover == 0:
         return
-    n_s_tiles = triton.cdiv(s_cover, bs)
-    n_groups = triton.cdiv(S, group) if group else 1
+    n_s_tiles = cdiv(s_cover, bs)
+    n_groups = cdiv(S, group) if group else 1
     sxb, sxs, sxh, _ = x4.stride()
     idx64 = _needs_i64(bs * sxs, dp) or _needs_i64(bs * H * D, dp) or _needs_i64(dp * s_pad, bs)
     dummy = x4.new_empty(4, dtype=torch.uint8)
@@ -833,7 +833,7 @@ def _launch_quantize(x4, hd, he, cd, ce, s_pad, *, HDIM, SEQ, HDIM_GROUP, SEQ_RS
         x4, S, H, sxb, sxs, sxh,
         hd if hd is not None else dummy, he if he is not None else dummy,
         cd.view(torch.int32) if cd is not None else dummy, ce if ce is not None else dummy,
-        s_pad, triton.cdiv(S, 32), n_s_tiles, n_groups,
+        s_pad, cdiv(S, 32), n_s_tiles, n_groups,
         D=D, NDP=dp // 32, BLOCK_S=bs, HDIM=HDIM, SEQ=SEQ, HDIM_GROUP=HDIM_GROUP, SEQ_RS=SEQ_RS,
         RCEIL=rceil, SOFT=_soft(x4.device), IDX64=idx64, SWZ=swz, num_warps=tile.num_warps,
     )
@@ -848,9 +848,9 @@ def _v_exponents(src4, sc4, *, from_mx: bool, rceil: bool) -> torch.Tensor:
     dp = _d_pad(D)
     tile = _tile("seqexp", dp)
     bs = tile.block_s
-    n_s_tiles = triton.cdiv(S, bs)
+    n_s_tiles = cdiv(S, bs)
     per = _seq_chunk(B * H, S, bs)
-    n_chunks = triton.cdiv(n_s_tiles, per)
+    n_chunks = cdiv(n_s_tiles, per)
     st = src4.stride()
     scs = sc4.stride() if sc4 is not None else (0, 0, 0, 0)
     idx64 = _needs_i64(bs * abs(st[1]), dp * abs(st[3]))
@@ -911,7 +911,7 @@ def row_scaled_triton(
     if role == "q":
         exp = torch.empty(B, S, H, 1, dtype=torch.int32, device=dev)
     else:
-        exp = torch.empty(B, triton.cdiv(S, group), H, 1, dtype=torch.int32, device=dev)
+        exp = torch.empty(B, cdiv(S, group), H, 1, dtype=torch.int32, device=dev)
     _launch_quantize(x4, hd, exp, None, None, SEQ_ALIGN, HDIM=True, SEQ=False,
                      HDIM_GROUP=group if role == "k" else 1, SEQ_RS=False, rceil=rceil, group=group if role == "k" else 0)
     data = _unpack(hd, packed).view(torch.float8_e4m3fn)
@@ -941,7 +941,7 @@ def _row_scaled_from_mx(mx: MXTensor, role: str, seq_dim: Optional[int], group: 
         exp = _v_exponents(q8, sc4, from_mx=True, rceil=True)
         cd, s_pad = _channel_major_buffer(B, H, D, S, dev)
         tile = _tile("rescale", dp)
-        n_s_tiles = triton.cdiv(max(S, s_pad), tile.block_s)
+        n_s_tiles = cdiv(max(S, s_pad), tile.block_s)
         if B * H > 0:
             idx = _needs_i64(tile.block_s * abs(q8.stride(1)), dp * abs(q8.stride(3))) or _needs_i64(dp * s_pad, tile.block_s)
             fast_launcher(_rescale_mx_kernel)[(B * n_s_tiles * H,)](
@@ -955,12 +955,12 @@ def _row_scaled_from_mx(mx: MXTensor, role: str, seq_dim: Optional[int], group: 
         return RowScaledFP8(_seq_view(cd, S, packed), _unpack(exp, packed), sd)
     tile = _tile("k" if role == "k" else "rescale", dp, group)
     hd = torch.empty(B, S, H, D, dtype=torch.uint8, device=dev)
-    n_groups = triton.cdiv(S, group)
+    n_groups = cdiv(S, group)
     if role == "q":
         exp = torch.empty(B, S, H, 1, dtype=torch.int32, device=dev)
     else:
         exp = torch.empty(B, n_groups, H, 1, dtype=torch.int32, device=dev)
-    n_s_tiles = triton.cdiv(S, tile.block_s)
+    n_s_tiles = cdiv(S, tile.block_s)
     if B * H * S > 0:
         idx = _needs_i64(tile.block_s * abs(q8.stride(1)), dp * abs(q8.stride(3))) or _needs_i64(tile.block_s * H * D, dp)
         fast_launcher(_rescale_mx_kernel)[(B * n_s_tiles * H,)](
@@ -1002,10 +1002,10 @@ def dequantize_mxfp8_triton(t: MXTensor, dtype: torch.dtype = torch.bfloat16) ->
     if out.numel() == 0:
         return out.reshape(t.shape)
     q8 = q4.view(torch.uint8)
-    bd = min(128, 32 * triton.next_power_of_2(triton.cdiv(D, 32)))
+    bd = min(128, 32 * next_pow2(cdiv(D, 32)))
     tile = _tile("dequant", bd)
     bs = tile.block_s
-    n_s_tiles, n_d_tiles = triton.cdiv(S, bs), triton.cdiv(D, bd)
+    n_s_tiles, n_d_tiles = cdiv(S, bs), cdiv(D, bd)
     qs, ss = q8.stride(), s4.stride()
     idx = _needs_i64(bs * abs(qs[1]), bd * abs(qs[3])) or _needs_i64(bs * abs(ss[1]), bd * abs(ss[3]))
     idx = idx or _needs_i64(bs * H * D, bd)

@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from mxattn.formats import blackwell_scale_bytes
-from mxattn.kernels.launch import fast_launcher
+from mxattn.kernels.launch import cdiv, fast_launcher, next_pow2
 from mxattn.kernels.quantize import (
     SEQ_ALIGN,
     _e4m3_bytes,
@@ -114,7 +114,7 @@ TILE_OVERRIDES: dict = {}
 
 
 def _np2(n: int) -> int:
-    return max(32, triton.next_power_of_2(n))
+    return max(32, next_pow2(n))
 
 
 def _warps(elems: int) -> int:
@@ -146,8 +146,8 @@ def bwd_plan(M: int, N: int, device: torch.device) -> BwdPlan:
     else:
         n_prog = 4
     n_prog = TILE_OVERRIDES.get("bwd_programs", n_prog)
-    tiles = max(1, triton.cdiv(M, bm))
-    rpp = triton.cdiv(tiles, max(1, min(n_prog, tiles))) * bm
+    tiles = max(1, cdiv(M, bm))
+    rpp = cdiv(tiles, max(1, min(n_prog, tiles))) * bm
     return BwdPlan(bm, rpp, _warps(bm * np2 * 2))
 
 
@@ -467,14 +467,14 @@ def rmsnorm_quant_fwd(
         if row_scaled:
             hs = out["he"] = torch.empty(B, S, 1, dtype=torch.int32, device=dev)
         elif tiled_scales:
-            hs = out["hs"] = torch.zeros(blackwell_scale_bytes(B * S, triton.cdiv(N, 32)), dtype=torch.uint8,
+            hs = out["hs"] = torch.zeros(blackwell_scale_bytes(B * S, cdiv(N, 32)), dtype=torch.uint8,
                                          device=dev)
         else:
-            hs = out["hs"] = torch.empty(B, S, triton.cdiv(N, 32), dtype=torch.uint8, device=dev)
+            hs = out["hs"] = torch.empty(B, S, cdiv(N, 32), dtype=torch.uint8, device=dev)
     if seq:
-        s_pad = triton.cdiv(max(S, 1), SEQ_ALIGN) * SEQ_ALIGN
+        s_pad = cdiv(max(S, 1), SEQ_ALIGN) * SEQ_ALIGN
         cd = out["cd"] = torch.empty(B, N, s_pad, dtype=torch.uint8, device=dev)
-        cs = out["cs"] = torch.empty(B, triton.cdiv(S, 32), N, dtype=torch.uint8, device=dev)
+        cs = out["cs"] = torch.empty(B, cdiv(S, 32), N, dtype=torch.uint8, device=dev)
     # seq outputs cover the zero padding up to s_pad, so tiles then run over max(S, s_pad)
     s_cover = max(S, s_pad) if seq else S
     if B == 0 or s_cover == 0 or N == 0:
@@ -483,9 +483,9 @@ def rmsnorm_quant_fwd(
         return out
     bm, bn = tile.block_m, tile.block_n
     mi = 32 if seq else bm
-    nchunk = triton.cdiv(N, bn)
-    npc = triton.next_power_of_2(nchunk)
-    n_s_tiles = triton.cdiv(s_cover, bm)
+    nchunk = cdiv(N, bn)
+    npc = next_pow2(nchunk)
+    n_s_tiles = cdiv(s_cover, bm)
     scr = torch.empty(B * n_s_tiles * bm * npc if nchunk > 1 else 1, dtype=torch.float32, device=dev)
     fast_launcher(_rmsnorm_quant_fwd_kernel)[(B * n_s_tiles,)](
         x3, x3.stride(0), x3.stride(1), weight, out["rstd"], scr,
@@ -515,7 +515,7 @@ def rmsnorm_bwd(
         raise ValueError(f"the fused backward keeps whole rows in registers: N must be <= {MAX_N_BWD}, got {N}")
     dx = torch.empty(M, N, dtype=x2.dtype, device=dev)
     plan = plan or bwd_plan(M, N, dev)
-    n_prog = max(1, triton.cdiv(M, plan.rows_per_prog))
+    n_prog = max(1, cdiv(M, plan.rows_per_prog))
     part = torch.zeros(n_prog, N, dtype=torch.float32, device=dev)
     dw = torch.empty(N, dtype=weight.dtype, device=dev)
     if N == 0:
@@ -531,7 +531,7 @@ def rmsnorm_bwd(
             num_warps=plan.num_warps, enable_fp_fusion=False,
         )
     bn = 1024
-    fast_launcher(_sum_partials_kernel)[(triton.cdiv(N, bn),)](
+    fast_launcher(_sum_partials_kernel)[(cdiv(N, bn),)](
         part, dw, n_prog, N, BLOCK_N=bn, OUT_BF16=weight.dtype == torch.bfloat16, num_warps=4,
         enable_fp_fusion=False,
     )

@@ -72,7 +72,7 @@ from mxattn.formats import (
     quantize_mxfp8,
     row_scaled_from_float,
 )
-from mxattn.kernels.launch import fast_launcher
+from mxattn.kernels.launch import cdiv, fast_launcher
 from mxattn.kernels.quantize import (
     _NO_EXP,
     _NO_EXP_HOST,
@@ -158,7 +158,7 @@ class VarlenFP8:
         if self.role == "q":
             return RowScaledFP8(data, self.exp[t0:t1].unsqueeze(0), 3)
         g0 = int(self.cu_exp[b])
-        n = triton.cdiv(S, K_GROUP)
+        n = cdiv(S, K_GROUP)
         return RowScaledFP8(data, self.exp[g0 : g0 + n].unsqueeze(0), 3, group_dim=1, group=K_GROUP)
 
     def dequantize(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -193,7 +193,7 @@ def _k_groups_bound(T: int, B: int) -> int:
 
 
 def _v_columns_bound(T: int, B: int) -> int:
-    return max(V_ALIGN, triton.cdiv(T + (V_ALIGN - 1) * B, V_ALIGN) * V_ALIGN)
+    return max(V_ALIGN, cdiv(T + (V_ALIGN - 1) * B, V_ALIGN) * V_ALIGN)
 
 
 def _packed_input(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -352,7 +352,7 @@ def varlen_k_operand(k: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: 
     cu_g = cu_blocks(cu_seqlens_k, K_GROUP)
     data = torch.empty(T, H, D, dtype=torch.uint8, device=dev)
     exp = torch.zeros(_k_groups_bound(T, B), H, 1, dtype=torch.int32, device=dev)
-    n_tiles = triton.cdiv(max_seqlen_k, K_GROUP)
+    n_tiles = cdiv(max_seqlen_k, K_GROUP)
     if B * n_tiles * H * T > 0:
         dp = _d_pad(D)
         tile = _tile("k", dp, K_GROUP)
@@ -383,17 +383,17 @@ def varlen_v_operand(v: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: 
         dp = _d_pad(D)
         sxs, sxh = x4.stride(1), x4.stride(2)
         t1 = _tile("seqexp", dp)
-        n_s1 = triton.cdiv(max_seqlen_k, t1.block_s)
+        n_s1 = cdiv(max_seqlen_k, t1.block_s)
         if n_s1 > 0:
             per = _seq_chunk(B * H, max_seqlen_k, t1.block_s)
-            n_chunks = triton.cdiv(n_s1, per)
+            n_chunks = cdiv(n_s1, per)
             fast_launcher(_v_exp_varlen_kernel)[(B * n_chunks * H,)](
                 x4, sxs, sxh, cu_seqlens_k, exp, H, n_chunks, per,
                 D=D, NDP=dp // 32, BLOCK_S=t1.block_s, RCEIL=rceil,
                 IDX64=_needs_i64(t1.block_s * sxs, dp), num_warps=t1.num_warps,
             )
         t2 = _tile("quant", dp)
-        n_s2 = max(1, triton.cdiv(triton.cdiv(max_seqlen_k, V_ALIGN) * V_ALIGN, t2.block_s))
+        n_s2 = max(1, cdiv(cdiv(max_seqlen_k, V_ALIGN) * V_ALIGN, t2.block_s))
         idx64 = _needs_i64(t2.block_s * sxs, dp) or _needs_i64(dp * Tv, t2.block_s)
         fast_launcher(_v_data_varlen_kernel)[(B * n_s2 * H,)](
             x4, sxs, sxh, cu_seqlens_k, cu_v, exp, buf.view(torch.int32), H, Tv, n_s2,
@@ -578,7 +578,7 @@ def bench_varlen(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, heads
     # diagnostic: the dense kernel at (batch, mean_len) with V's channel rows as far apart as the jagged V's (one
     # channel row spans every sequence of the batch, Tv columns, instead of one sequence's S): does the longer row
     # stride (DRAM pages, TLB reach of a V tile) cost the jagged kernel its missing few %?
-    t_mean_vstride = dense_ms(mean_len, v_row=ops[2].data.stride(1))  # jagged V data: (Hkv, D, Tv), rows Tv long
+    t_mean_vstride = dense_ms(mean_len, v_row=_v_columns_bound(T, B))  # the jagged V's rows: Tv columns long
     sdpa = {}
     if with_sdpa:  # SDPA BF16 on the same batch padded to its longest sequence (B, H, smax, D)
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -683,7 +683,7 @@ def bench_varlen_bwd(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, h
     return {
         "B": B, "Hq": heads_q, "Hkv": heads_kv, "D": D, "causal": causal, "deterministic": deterministic,
         "mean_len": mean_len, "max_len": smax, "tokens": T, "fill": T / (B * smax),
-        "ms": {"varlen": t_var, "dense_padded": t_pad, "dense_mean": t_mean, "dense_mean_v_row_tv": t_mean_vstride,
+        "ms": {"varlen": t_var, "dense_padded": t_pad, "dense_mean": t_mean,
                "producers": t_prod, **sdpa},
         "tflops": {"varlen": tf(real, t_var), "dense_padded_real": tf(real, t_pad), "dense_mean": tf(dense_flops, t_mean),
                    **{k + "_real": tf(real, ms) for k, ms in sdpa.items()}},
