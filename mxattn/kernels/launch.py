@@ -90,6 +90,16 @@ class FastLauncher:
         self.hits = 0
         self.misses = 0
 
+    @functools.lru_cache(maxsize=None)  # noqa: B019  (one launcher per kernel, kept for the process anyway)
+    def _rest(self, n_args: int) -> tuple[tuple, frozenset]:
+        """The parameters after the first ``n_args`` with their defaults, and those without one. The launcher takes
+        every parameter in signature order (constexprs included, it skips them): after the positional ones, each
+        comes from the call's keywords or its default, never from the values of an earlier call."""
+        empty = inspect.Parameter.empty
+        params = list(self._sig.parameters.items())[n_args:]
+        return (tuple((name, None if p.default is empty else p.default) for name, p in params),
+                frozenset(name for name, p in params if p.default is empty))
+
     def __getitem__(self, grid) -> Callable[..., None]:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
@@ -122,14 +132,8 @@ class FastLauncher:
                 return  # compiled asynchronously: leave it to Triton next time too
             if len(self._cache) >= MAX_ENTRIES:
                 self._cache.clear()
-            # the launcher takes every parameter in signature order (constexprs included, it skips them): after
-            # the positional ones, each from this call's keywords or its default (never values of the first call)
-            empty = inspect.Parameter.empty
-            rest = tuple((name, None if p.default is empty else p.default)
-                         for name, p in list(self._sig.parameters.items())[len(args):])
-            missing = [name for name, p in list(self._sig.parameters.items())[len(args):]
-                       if p.default is empty and name not in kwargs]
-            if not missing:  # (Triton raised already if any were)
+            rest, required = self._rest(len(args))
+            if required.issubset(kwargs):  # (Triton raised already if not)
                 self._cache[key] = (kernel, rest)
             return
         kernel, rest = entry
