@@ -901,10 +901,7 @@ def attn_bwd_hopper(
         return ((lambda: dq) if defer_dq else dq), dk, dv
     doh, dos, delta = attn_bwd_preprocess(out, dout, dout_hdim, dout_seq)
     if use_gluon:
-        from mxattn.kernels.attn_bwd_dkdv_gluon import (
-            GluonDkdvConfig,
-            attn_bwd_dkdv_gluon,
-        )
+        from mxattn.kernels.attn_bwd_dkdv_gluon import GluonDkdvConfig, attn_bwd_dkdv_gluon
         from mxattn.kernels.attn_bwd_dq_gluon import GluonDqConfig, attn_bwd_dq_gluon
 
         split = gluon_split()

@@ -45,17 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mxattn.formats import (  # noqa: F401 (re-export)
-    MXTensor,
-    from_blackwell_scale_layout,
-    to_blackwell_scale_layout,
-)
-from mxattn.kernels.attn_fwd import (
-    LOG2E,
-    FwdConfig,
-    _round_e4m3_nonneg,
-    alloc_fwd_outputs,
-)
+from mxattn.formats import MXTensor, from_blackwell_scale_layout, to_blackwell_scale_layout  # noqa: F401 (re-export)
+from mxattn.kernels.attn_fwd import LOG2E, FwdConfig, _round_e4m3_nonneg, alloc_fwd_outputs
 from mxattn.kernels.launch import cdiv, fast_launcher
 
 __all__ = [

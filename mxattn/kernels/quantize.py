@@ -52,14 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxattn.formats import (
-    E8M0_NAN,
-    MXTensor,
-    MXTensorTiled,
-    RowScaledFP8,
-    ScaleMode,
-    blackwell_scale_bytes,
-)
+from mxattn.formats import E8M0_NAN, MXTensor, MXTensorTiled, RowScaledFP8, ScaleMode, blackwell_scale_bytes
 from mxattn.kernels.launch import cdiv, fast_launcher, next_pow2
 
 __all__ = [

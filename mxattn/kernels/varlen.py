@@ -66,12 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxattn.formats import (
-    RowScaledFP8,
-    ScaleMode,
-    quantize_mxfp8,
-    row_scaled_from_float,
-)
+from mxattn.formats import RowScaledFP8, ScaleMode, quantize_mxfp8, row_scaled_from_float
 from mxattn.kernels.launch import cdiv, fast_launcher
 from mxattn.kernels.quantize import (
     _NO_EXP,
@@ -638,12 +633,7 @@ def bench_varlen_bwd(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, h
         raise RuntimeError("bench_varlen_bwd needs a CUDA GPU")
     from triton.testing import do_bench
 
-    from mxattn.kernels.attn_bwd import (
-        Q_EXP_GROUP,
-        _time_sdpa_bwd,
-        attn_bwd_hopper,
-        attn_bwd_hopper_varlen,
-    )
+    from mxattn.kernels.attn_bwd import Q_EXP_GROUP, _time_sdpa_bwd, attn_bwd_hopper, attn_bwd_hopper_varlen
     from mxattn.kernels.attn_fwd import attn_fwd_hopper, attn_fwd_hopper_varlen
 
     lens = list(lengths) if lengths is not None else jagged_lengths(batch, mean_len, seed)
