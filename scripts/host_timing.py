@@ -48,18 +48,12 @@ def profile_calls(fn, calls: int, top: int) -> None:
 
 
 def triton_dispatch(fn):
-    """``fn`` with every fast launcher (mxattn/kernels/launch.py) switched off: Triton's own dispatch, same process."""
-    from mxattn.kernels import launch
+    """``fn`` through Triton's own dispatch (mxattn/kernels/launch.py's fast path off), in the same process."""
+    from mxattn.kernels.launch import triton_dispatch as off
 
     def run():
-        flags = {k: fl.enabled for k, fl in launch._LAUNCHERS.items()}
-        for fl in launch._LAUNCHERS.values():
-            fl.enabled = False
-        try:
+        with off():
             fn()
-        finally:
-            for k, fl in launch._LAUNCHERS.items():
-                fl.enabled = flags.get(k, fl.enabled)
 
     return run
 
@@ -69,12 +63,10 @@ def direct_launch(jit_fn, launch):
     ``CompiledKernel`` runner with the same bound arguments: what a launch costs without the JIT's dispatch
     (binding, specialization key, cache lookup).  Uses triton 3.x internals (``run``, ``device_caches``); a
     diagnostic only."""
-    from mxattn.kernels.launch import fast_launcher
+    from mxattn.kernels.launch import triton_dispatch as off
 
     captured = {}
     orig = jit_fn.run
-    fl = fast_launcher(jit_fn)
-    was, fl.enabled = fl.enabled, False  # through jit_fn.run, where the spy sees the arguments
 
     def spy(*args, grid, warmup, **kwargs):
         captured.update(args=args, kwargs=kwargs, grid=grid)
@@ -82,15 +74,14 @@ def direct_launch(jit_fn, launch):
 
     jit_fn.run = spy
     try:
-        launch()
+        with off():  # through jit_fn.run, where the spy sees the arguments
+            launch()
     finally:
         del jit_fn.run
-        fl.enabled = was
-    args, kwargs, grid = captured["args"], captured["kwargs"], captured["grid"]
+    args, kwargs, grid = captured["args"], captured["kwargs"], tuple(captured["grid"])
     bound, _, _ = jit_fn.device_caches[torch.cuda.current_device()][4](*args, **kwargs)
     kernel = jit_fn.run(*args, grid=grid, warmup=True, **kwargs)  # the cached compiled kernel, not launched
     values = list(bound.values())
-    grid = tuple(grid) if not callable(grid) else tuple(grid(bound))
     runner = kernel[grid + (1,) * (3 - len(grid))]  # the runner reads grid[0..2]
     return lambda: runner(*values)
 

@@ -23,6 +23,7 @@ GPU machine's CPU for a kernel of ~40 arguments, against ~17 us for the compiled
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -35,6 +36,7 @@ MAX_ENTRIES = 1024  # distinct keys per kernel before its cache starts over
 _MODE = os.environ.get("MXATTN_FAST_LAUNCH", "1").lower()
 _ENABLED = _MODE not in ("0", "false", "off") and os.environ.get("TRITON_INTERPRET", "0") != "1"
 _CHECK = _MODE == "check"
+_BYPASS = [False]  # set by ``triton_dispatch()``: every launcher takes Triton's own path
 _Tensor = torch.Tensor
 
 try:  # the Gluon host-side TMA descriptor (triton >= 3.5)
@@ -115,7 +117,7 @@ class FastLauncher:
         return (torch.cuda.current_device(), feats, kw)
 
     def launch(self, grid, args, kwargs) -> None:
-        if not self.enabled or callable(grid):  # a grid function takes Triton's bound arguments: Triton's path
+        if not self.enabled or _BYPASS[0] or callable(grid):  # a grid function takes Triton's bound arguments
             self.jit_fn[grid](*args, **kwargs)
             return
         try:
@@ -144,6 +146,17 @@ class FastLauncher:
                                    "to another kernel than Triton's own dispatch")
         self.hits += 1
         kernel[g + (1,) * (3 - len(g))](*args, *[kwargs.get(name, default) for name, default in rest])
+
+
+@contextlib.contextmanager
+def triton_dispatch():
+    """Within the block every launch takes Triton's own dispatch (``jit_fn[grid](...)``): host-time comparisons in
+    one process (scripts/host_timing.py) and tests of the fast path against Triton's."""
+    was, _BYPASS[0] = _BYPASS[0], True
+    try:
+        yield
+    finally:
+        _BYPASS[0] = was
 
 
 def fast_launcher(jit_fn) -> FastLauncher:
