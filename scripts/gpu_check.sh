@@ -7,7 +7,7 @@
 #   gluon      the warp-specialized Gluon forward: compile check, small tests, all tests, speed vs tl and cuDNN
 #   bwd        backward kernels vs SDPA (python -m mxattn.kernels.attn_bwd)
 #   bwdgluon   the Gluon dQ / dK-dV backward kernels: compile checks, small cases under a timeout, all GPU tests
-#   host       scripts/host_timing.py: host us per call of each layer (launch overhead), into OUTDIR/host_timing.txt
+#   host       scripts/host_timing.py: host us per call of each layer (launch overhead): host_timing JSON + .txt
 #   bwdsweep   backward tile sweep (SWEEP_CONFIGS) at S 8k, kernels only
 #   profile    scripts/profile_attn.py: kernel-by-kernel device time of one public call, fwd and fwd+bwd, vs cuDNN
 #   bench      `mxattn bench`: forward/backward vs SDPA cuDNN/flash BF16, JSON + PNG
@@ -105,7 +105,7 @@ print(write_result('attn_bwd_kernels', rows, sys.argv[1], extra={'note': 'Gluon 
 " "$OUT" ;;
     host)
       # host microseconds per call of each layer of the call stack, incl. a launch without the JIT's dispatch
-      run $PY scripts/host_timing.py ${HOST_ARGS:-} | tee "$OUT/host_timing.txt" ;;
+      run $PY scripts/host_timing.py --out "$OUT" ${HOST_ARGS:-} | tee "$OUT/host_timing.txt" ;;
     bwdsweep)
       run $PY -m mxattn.kernels.attn_bwd --out "$OUT" --sweep ;;
     profile)

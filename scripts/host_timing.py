@@ -90,6 +90,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--profile", type=int, default=0, help="print the K costliest functions of each layer")
+    ap.add_argument("--out", default=None, help="folder for host_timing-<gpu>-<date>.json (rows: layer, us)")
     args = ap.parse_args(argv)
     from mxattn import mxfp8_attn_func
     from mxattn.interface import attn_bwd_op, attn_fwd_op
@@ -132,11 +133,15 @@ def main(argv=None) -> None:
     except Exception as e:  # triton internals moved: report and go on
         print(f"(no direct-launch row: {type(e).__name__}: {e})")
     print(f"host us per call, B{B} S{S} H{H} D{D}, {args.calls} calls each")
+    rows = []
     for name, fn in cases:
         try:
-            print(f"{host_us(fn, args.calls):9.1f}  {name}", flush=True)
+            us = host_us(fn, args.calls)
         except Exception as e:  # one broken row does not hide the others
             print(f"   failed  {name}: {type(e).__name__}: {e}", flush=True)
+            continue
+        print(f"{us:9.1f}  {name}", flush=True)
+        rows.append({"layer": name, "host_us_per_call": us})
     from mxattn.kernels import launch
 
     print("\nfast launch path, per kernel: hits / misses over the whole run (a miss per call would mean a key that "
@@ -144,6 +149,14 @@ def main(argv=None) -> None:
     for fl in launch._LAUNCHERS.values():
         if fl.hits or fl.misses:
             print(f"{fl.hits:8d} / {fl.misses:<6d} {getattr(fl.jit_fn, '__name__', fl.jit_fn)}")
+    if args.out:
+        from mxattn.bench.results import write_result
+
+        print(write_result("host_timing", rows, args.out, extra={
+            "shape": f"B{B} S{S} H{H} D{D} (GPU work negligible: time per call is the host's)",
+            "command": "PYTHONPATH=. python scripts/host_timing.py", "calls": args.calls,
+            "fast_launch": {getattr(fl.jit_fn, "__name__", "?"): [fl.hits, fl.misses]
+                            for fl in launch._LAUNCHERS.values() if fl.hits or fl.misses}}))
     if args.profile:
         for name, fn in cases:
             print(f"\n--- {name}: {args.profile} costliest functions (own time), {args.calls} calls")

@@ -3,7 +3,7 @@
 Triton's own launch (``kernel[grid](*args)``) binds the arguments, computes each one's specialization, builds a
 cache key from them and the options, and checks the kernel's globals: about 60 us of host time per launch on the
 GPU machine's CPU for a kernel of ~40 arguments, against ~17 us for the compiled kernel's own launcher
-(``benchmarks/results/host_timing-*-s6.txt``).  A call of the public attention API launches 5 kernels forward and
+(``benchmarks/results/host_timing-*-s6.json``).  A call of the public attention API launches 5 kernels forward and
 ~18 forward+backward, so at S <= 4k the calls were bound by the host, not the GPU.
 
 ``fast_launcher(jit_fn)[grid](*args, **constexprs)`` launches the same compiled kernel as ``jit_fn[grid](...)``:
