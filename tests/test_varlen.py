@@ -81,8 +81,12 @@ def _assert_same_operand(got, want, role):
     _same_int(got.exp, want.exp, f"{role} exp")
     if role == "v":
         used = int(want.cu_data[-1])
-        assert got.data.shape == want.data.shape
-        _same_bytes(got.data[:, :, :used], want.data[:, :, :used], f"{role} data (zero padding included)")
+        assert got.data.shape == want.data.shape and got.v_blocks == want.v_blocks
+        if want.v_blocks:  # per-sequence blocks, back to back: the first used * H * D elements
+            n = used * want.exp.shape[1] * want.exp.shape[2]
+            _same_bytes(got.data[:n], want.data[:n], f"{role} data, per-sequence blocks (zero padding included)")
+        else:
+            _same_bytes(got.data[:, :, :used], want.data[:, :, :used], f"{role} data (zero padding included)")
     else:
         _same_bytes(got.data, want.data, f"{role} data")
 
@@ -114,6 +118,35 @@ def test_producers_match_torch_twins(role, dtype, mode, seed):
     got = make(x.to(DEV), cu.to(DEV), max(LENS), mode)
     want = twin(x, cu, max(LENS), mode)
     _assert_same_operand(got, want, role)
+
+
+@pytest.mark.parametrize("dtype,mode", [(torch.bfloat16, "rceil"), (torch.float32, "floor")])
+def test_v_blocks_layout(dtype, mode, seed):
+    """V in per-sequence blocks (the forward's layout): the producer equals its twin byte for byte, every sequence
+    reads back as in the batch-wide row layout, and the forward kernel gives the same bits on either layout."""
+    require_kernels()
+    from mxattn.kernels import varlen as V
+    from mxattn.kernels.attn_fwd import attn_fwd_hopper_varlen
+
+    x = _adversarial(LENS, 2, 64, seed, dtype)
+    cu = _cu(LENS, "cpu")
+    got = V.varlen_v_operand(x.to(DEV), cu.to(DEV), max(LENS), mode, v_blocks=True)
+    _assert_same_operand(got, V.varlen_v_operand_torch(x, cu, max(LENS), mode, v_blocks=True), "v")
+    rows = V.varlen_v_operand(x.to(DEV), cu.to(DEV), max(LENS), mode)
+    for b, n in enumerate(LENS):
+        if n:
+            _same_bytes(got.sequence(b).data, rows.sequence(b).data, f"sequence {b}")
+    torch.testing.assert_close(got.dequantize(), rows.dequantize(), rtol=0, atol=0)
+    lq = [3, 40, 0, 33, 129, 2, 7, 64]
+    q = _packed(lq, 4, 64, seed + 1, device=DEV, dtype=torch.bfloat16)
+    k = _packed(LENS, 2, 64, seed + 2, device=DEV, dtype=torch.bfloat16)
+    cq, ck = _cu(lq, DEV), cu.to(DEV)
+    qo, ko = V.varlen_q_operand(q, cq, max(lq)), V.varlen_k_operand(k, ck, max(LENS))
+    for causal in (False, True):
+        a = attn_fwd_hopper_varlen(qo, ko, got, causal=causal)
+        b = attn_fwd_hopper_varlen(qo, ko, rows, causal=causal)
+        _same_bytes(a[0], b[0], f"out, causal={causal}")
+        _same_bytes(a[1], b[1], f"lse, causal={causal}")
 
 
 def test_producers_nan_inf_stay_in_their_sequence(seed):
@@ -525,6 +558,8 @@ def test_producers_gpu(gpu_rounding, seed, monkeypatch):
             got = getattr(V, f"varlen_{role}_operand")(x.cuda(), cu.cuda(), max(lens), mode)
             want = getattr(V, f"varlen_{role}_operand_torch")(x, cu, max(lens), mode)
             _assert_same_operand(got, want, role)
+        got = V.varlen_v_operand(x.cuda(), cu.cuda(), max(lens), mode, v_blocks=True)
+        _assert_same_operand(got, V.varlen_v_operand_torch(x, cu, max(lens), mode, v_blocks=True), "v")
 
 
 @pytest.mark.gpu
@@ -662,10 +697,10 @@ def _sm90_memory_ops() -> dict:
              "stride_vd", "stride_qeb", "stride_qem", "stride_keb", "stride_ket", "stride_veb", "stride_veh", "stride_ob",
              "stride_om", "stride_oh", "stride_lb", "stride_lh", "Hq", "Sq", "Sk"}
     res = {}
-    for varlen in (False, True):
+    for name, varlen, v_blocks in (("dense", False, False), ("varlen", True, True), ("varlen_v_rows", True, False)):
         consts = {"HEAD_DIM": 128, "BLOCK_M": 64, "BLOCK_N": 128, "CAUSAL": False, "EXPLICIT_ROUND": False,
-                  "VARLEN": varlen, "stride_qd": 1, "stride_kd": 1, "stride_vn": 1, "stride_od": 1, "stride_lm": 1,
-                  "stride_ved": 1}
+                  "VARLEN": varlen, "V_BLOCKS": v_blocks, "stride_qd": 1, "stride_kd": 1, "stride_vn": 1,
+                  "stride_od": 1, "stride_lm": 1, "stride_ved": 1}
         if not varlen:
             consts.update({"SLOTS": None})
         sig, attrs = {}, {}
@@ -679,7 +714,7 @@ def _sm90_memory_ops() -> dict:
         for m in re.findall(r"(?:cp\.async\.\w+\.shared\.global|ld\.global\S*|st\.global\S*|wgmma\.mma_async\S*)",
                             k.asm["ptx"]):
             ops[m] = ops.get(m, 0) + 1
-        res["varlen" if varlen else "dense"] = ops
+        res[name] = ops
     return res
 
 
@@ -700,13 +735,15 @@ def test_varlen_compiles_to_the_dense_memory_pattern():
     if r.returncode != 0:
         pytest.skip(f"cannot compile for sm90 here: {r.stderr.strip().splitlines()[-1:]}")
     ops = json.loads(r.stdout.strip().splitlines()[-1])
-    dense, varlen = ops["dense"], ops["varlen"]
-    assert not any(".b8" in k or ".u8" in k for k in varlen), varlen
-    for k, n in dense.items():
-        if not k.startswith("ld.global.b32"):
-            assert varlen.get(k) == n, f"{k}: dense {n}, varlen {varlen.get(k)}"
-    # the slot row: sequence, q (2), k (2), K exponent groups, V
-    assert varlen.get("ld.global.b32", 0) - dense.get("ld.global.b32", 0) == 7
+    dense = ops["dense"]
+    for name in ("varlen", "varlen_v_rows"):  # V in per-sequence blocks (the forward's) and in batch-wide rows
+        varlen = ops[name]
+        assert not any(".b8" in k or ".u8" in k for k in varlen), (name, varlen)
+        for k, n in dense.items():
+            if not k.startswith("ld.global.b32"):
+                assert varlen.get(k) == n, f"{name} {k}: dense {n}, varlen {varlen.get(k)}"
+        # the slot row: sequence, q (2), k (2), K exponent groups, V
+        assert varlen.get("ld.global.b32", 0) - dense.get("ld.global.b32", 0) == 7, name
 
 
 if __name__ == "__main__":

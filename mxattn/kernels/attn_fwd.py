@@ -138,6 +138,7 @@ def _attn_fwd_kernel(
     SLOTS,  # varlen: (B, 8) int32, row = grid slot (heaviest sequence first), see varlen_slots (None when dense)
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     EXPLICIT_ROUND: tl.constexpr, VARLEN: tl.constexpr = False,
+    V_BLOCKS: tl.constexpr = False,  # varlen V as one (Hkv, D, round16(len)) block per sequence (kernels/varlen.py)
 ):
     # heaviest query blocks first when causal (they see the most keys): shorter tail at the end of the grid
     if VARLEN:
@@ -186,8 +187,15 @@ def _attn_fwd_kernel(
         KE += kg_start.to(tl.int64) * stride_ket
         VE += b64 * stride_veb
         b64 = 0
-        # the head strides of V (D * Tv) and LSE (Tq) grow with the whole batch: their head offsets go in 64 bits
-        V += v_start.to(tl.int64) * stride_vn + hk.to(tl.int64) * stride_vh
+        if V_BLOCKS:
+            # the sequence's own block: rows of its channels are round16(len_k) keys long, not the whole batch's
+            # Tv, so a V tile spans 16x fewer DRAM pages when the batch holds 16 sequences
+            v_row = tl.multiple_of((Sk + 15) // 16 * 16, 16)
+            V += (v_start.to(tl.int64) * (Hq // group_size) + hk.to(tl.int64) * v_row) * HEAD_DIM
+            stride_vd = v_row
+        else:
+            # the head strides of V (D * Tv) and LSE (Tq) grow with the whole batch: head offsets in 64 bits
+            V += v_start.to(tl.int64) * stride_vn + hk.to(tl.int64) * stride_vh
         LSE += q_start * stride_lm + h.to(tl.int64) * stride_lh
         stride_vh = 0
         stride_lh = 0
@@ -349,6 +357,9 @@ def attn_fwd_hopper_varlen(q, k, v, *, causal: bool = False, softmax_scale: floa
         return out.zero_(), lse.fill_(float("-inf"))
     qd, kd, vd = q.data, k.data, v.data
     qe, ke, ve = q.exp, k.exp, v.exp
+    # V's strides (key, head, channel): channel-major rows over the whole batch, or per-sequence blocks whose
+    # strides the kernel derives from each sequence's length
+    v_strides = (1, 0, 0) if v.v_blocks else (vd.stride(2), vd.stride(0), vd.stride(1))
     # heaviest sequences (Sq * Sk) first, on the device (no host sync): a long sequence scheduled last would leave
     # the rest of the GPU idle while its q-blocks finish
     slots = varlen_slots(q.cu_data, k.cu_data, k.cu_exp, v.cu_data)
@@ -356,7 +367,7 @@ def attn_fwd_hopper_varlen(q, k, v, *, causal: bool = False, softmax_scale: floa
         qd, kd, vd, qe, ke, ve, out, lse,
         0, qd.stride(0), qd.stride(1), qd.stride(2),
         0, kd.stride(0), kd.stride(1), kd.stride(2),
-        0, vd.stride(2), vd.stride(0), vd.stride(1),
+        0, *v_strides,
         0, qe.stride(0), qe.stride(1),
         0, ke.stride(0), ke.stride(1),
         ve.stride(0), ve.stride(1), ve.stride(2),
@@ -365,6 +376,6 @@ def attn_fwd_hopper_varlen(q, k, v, *, causal: bool = False, softmax_scale: floa
         Hq, q.max_seqlen, k.max_seqlen, Hq // Hkv, softmax_scale * LOG2E,
         slots,
         HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, EXPLICIT_ROUND=INTERPRETER,
-        VARLEN=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        VARLEN=True, V_BLOCKS=v.v_blocks, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse

@@ -19,6 +19,10 @@ Layouts (``VarlenFP8``; B sequences, ``cu_data`` / ``cu_exp`` are (B + 1) int32 
      zero.  MX blocks along the sequence start at each sequence's first key (a block never spans two sequences; the
      last block of a sequence may be partial).
      exp  (B, Hkv, D) int32: one exponent per channel over the whole sequence.  cu_exp is None (row b).
+     ``v_blocks`` (the forward's V, ``varlen_operands``): the same bytes regrouped per sequence, a flat buffer
+     whose sequence b is one (Hkv, D, round16(len_b)) block at element ``cu_data[b] * Hkv * D``, so a V tile's
+     channel rows are one sequence long (not Tv: fewer DRAM pages per tile); the backward's channel-major Q, K
+     and dO keep the batch-wide rows.
   Sizes do not need a host sync: G = floor((Tk + 127 B) / 128) and Tv = Tk + 15 B rounded up to 16 are upper
   bounds of the rows / columns used (at least 1 / 16); rows and columns past the last sequence are never read
   (K's unused exponent rows are zero, V's unused columns are left unwritten).
@@ -133,6 +137,7 @@ class VarlenFP8:
     cu_data: torch.Tensor
     cu_exp: Optional[torch.Tensor]
     max_seqlen: int
+    v_blocks: bool = False  # v only: one (H, D, round16(len)) block per sequence at element cu_data[b] * H * D
 
     @property
     def batch(self) -> int:
@@ -147,7 +152,13 @@ class VarlenFP8:
         S = t1 - t0
         if self.role == "v":
             c0 = int(self.cu_data[b])
-            data = self.data[:, :, c0 : c0 + S].permute(2, 0, 1).unsqueeze(0)
+            if self.v_blocks:
+                H, D = self.exp.shape[1:]
+                s_pad = int(self.cu_data[b + 1]) - c0
+                block = self.data[c0 * H * D : (c0 + s_pad) * H * D].view(H, D, s_pad)
+                data = block[:, :, :S].permute(2, 0, 1).unsqueeze(0)
+            else:
+                data = self.data[:, :, c0 : c0 + S].permute(2, 0, 1).unsqueeze(0)
             return RowScaledFP8(data, self.exp[b].unsqueeze(0).unsqueeze(0), 1)
         data = self.data[t0:t1].unsqueeze(0)
         if self.role == "q":
@@ -159,7 +170,7 @@ class VarlenFP8:
     def dequantize(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """The packed (T, H, D) values ``data * 2^exp`` (per sequence)."""
         T = int(self.cu_seqlens[-1])
-        H, D = (self.data.shape[0], self.data.shape[1]) if self.role == "v" else self.data.shape[1:]
+        H, D = self.exp.shape[1:] if self.role == "v" else self.data.shape[1:]
         out = torch.zeros(T, H, D, dtype=dtype, device=self.data.device)
         cu = self.cu_seqlens.tolist()
         for b in range(self.batch):
@@ -279,6 +290,7 @@ def _v_data_varlen_kernel(
     H, Tv, n_s_tiles,
     D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr,
     RCEIL: tl.constexpr, SOFT: tl.constexpr, IDX64: tl.constexpr,
+    V_BLOCKS: tl.constexpr = False,  # one (H, D, S_pad) block per sequence instead of (H, D, Tv) rows
 ):
     """V pass 2: BLOCK_S keys of one sequence and head, blocked along the sequence from its start, re-expressed to
     the per-channel exponents and stored channel-major, zeros up to the sequence's 16-aligned end.
@@ -318,8 +330,12 @@ def _v_data_varlen_kernel(
     wd |= _seq_bytes(x2r, x2, m2, e, E, fin, s0 + q4 + 2 >= S, bad, True, SOFT) << 16
     wd |= _seq_bytes(x3r, x3, m3, e, E, fin, s0 + q4 + 3 >= S, bad, True, SOFT) << 24
     c0 = tl.multiple_of(tl.load(cuv_ptr + b), 16)
-    row_w = Tv // 4  # int32 words per channel row (Tv is a multiple of 16: 16-byte aligned rows)
-    cbase = cw_ptr + h64 * D * row_w + ((c0 + s0) // 4).to(tl.int64)
+    if V_BLOCKS:
+        row_w = S_pad // 4  # int32 words per channel row of this sequence's block
+        cbase = cw_ptr + (c0.to(tl.int64) * H * D) // 4 + h64 * D * row_w + s0 // 4
+    else:
+        row_w = Tv // 4  # int32 words per channel row (Tv is a multiple of 16: 16-byte aligned rows)
+        cbase = cw_ptr + h64 * D * row_w + ((c0 + s0) // 4).to(tl.int64)
     tl.store(cbase + d * row_w + w, wd, mask=(s0 // 4 + w < S_pad // 4) & in_d)
 
 
@@ -362,9 +378,11 @@ def varlen_k_operand(k: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: 
 
 
 def varlen_v_operand(v: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: int,
-                     scale_mode: Union[str, ScaleMode] = "rceil") -> VarlenFP8:
+                     scale_mode: Union[str, ScaleMode] = "rceil", v_blocks: bool = False) -> VarlenFP8:
     """V of a jagged batch (layout: module docstring): pass 1 the per-(sequence, head, channel) exponents, pass 2
-    the channel-major data with 16-aligned sequence starts."""
+    the channel-major data with 16-aligned sequence starts: (H, D, Tv) rows over the whole batch, or with
+    ``v_blocks`` one (H, D, round16(len)) block per sequence starting at element 16-aligned-start * H * D (the
+    forward's layout: a V tile's channel rows are then one sequence long, not the batch's Tv)."""
     rceil = ScaleMode.parse(scale_mode) is ScaleMode.RCEIL
     x4 = _packed_input(v, "v")
     _, T, H, D = x4.shape
@@ -372,7 +390,7 @@ def varlen_v_operand(v: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: 
     dev = x4.device
     cu_v = V_ALIGN * cu_blocks(cu_seqlens_k, V_ALIGN)
     Tv = _v_columns_bound(T, B)
-    buf = torch.empty(H, D, Tv, dtype=torch.uint8, device=dev)
+    buf = torch.empty(H * D * Tv if v_blocks else (H, D, Tv), dtype=torch.uint8, device=dev)
     exp = torch.full((B, H, D), _NO_EXP_HOST, dtype=torch.int32, device=dev)
     if B * H > 0:
         dp = _d_pad(D)
@@ -393,18 +411,19 @@ def varlen_v_operand(v: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: 
         fast_launcher(_v_data_varlen_kernel)[(B * n_s2 * H,)](
             x4, sxs, sxh, cu_seqlens_k, cu_v, exp, buf.view(torch.int32), H, Tv, n_s2,
             D=D, NDP=dp // 32, BLOCK_S=t2.block_s, RCEIL=rceil, SOFT=_soft(dev), IDX64=idx64,
-            num_warps=t2.num_warps,
+            V_BLOCKS=v_blocks, num_warps=t2.num_warps,
         )
-    return VarlenFP8("v", buf.view(torch.float8_e4m3fn), exp, cu_seqlens_k, cu_v, None, max_seqlen_k)
+    return VarlenFP8("v", buf.view(torch.float8_e4m3fn), exp, cu_seqlens_k, cu_v, None, max_seqlen_k, v_blocks)
 
 
 def varlen_operands(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                     scale_mode: Union[str, ScaleMode] = "rceil") -> tuple[VarlenFP8, VarlenFP8, VarlenFP8]:
-    """The forward's three operands of a jagged batch from packed float q, k, v (four launches in all)."""
+    """The forward's three operands of a jagged batch from packed float q, k, v (four launches in all); V in
+    per-sequence blocks."""
     return (
         varlen_q_operand(q, cu_seqlens_q, max_seqlen_q, scale_mode),
         varlen_k_operand(k, cu_seqlens_k, max_seqlen_k, scale_mode),
-        varlen_v_operand(v, cu_seqlens_k, max_seqlen_k, scale_mode),
+        varlen_v_operand(v, cu_seqlens_k, max_seqlen_k, scale_mode, v_blocks=True),
     )
 
 
@@ -466,20 +485,27 @@ def varlen_k_operand_torch(k, cu_seqlens_k, max_seqlen_k: int, scale_mode="rceil
     return VarlenFP8("k", data, exp, cu_seqlens_k, cu_seqlens_k, cu_g, max_seqlen_k)
 
 
-def varlen_v_operand_torch(v, cu_seqlens_k, max_seqlen_k: int, scale_mode="rceil") -> VarlenFP8:
+def varlen_v_operand_torch(v, cu_seqlens_k, max_seqlen_k: int, scale_mode="rceil", v_blocks: bool = False) -> VarlenFP8:
     """PyTorch twin of ``varlen_v_operand``: blocks along each sequence from its start, one exponent per channel
     and sequence; unused columns (past the last sequence) are zero here."""
     T, H, D = v.shape
     B = cu_seqlens_k.numel() - 1
     cu_v = V_ALIGN * cu_blocks(cu_seqlens_k, V_ALIGN)
-    buf = torch.zeros(H, D, _v_columns_bound(T, B), dtype=torch.float8_e4m3fn, device=v.device)
+    Tv = _v_columns_bound(T, B)
+    buf = torch.zeros(H * D * Tv if v_blocks else (H, D, Tv), dtype=torch.float8_e4m3fn, device=v.device)
     exp = torch.zeros(B, H, D, dtype=torch.int32, device=v.device)
-    for b, ((t0, t1), c0) in enumerate(zip(_bounds(cu_seqlens_k), cu_v.tolist())):
+    cv = cu_v.tolist()
+    for b, (t0, t1) in enumerate(_bounds(cu_seqlens_k)):
         if t1 > t0:
             rs = row_scaled_from_float(v[t0:t1], dim=0, scale_mode=scale_mode)
-            buf[:, :, c0 : c0 + t1 - t0] = rs.data.permute(1, 2, 0)
+            c0 = cv[b]
+            if v_blocks:
+                s_pad = cv[b + 1] - c0
+                buf[c0 * H * D : (c0 + s_pad) * H * D].view(H, D, s_pad)[:, :, : t1 - t0] = rs.data.permute(1, 2, 0)
+            else:
+                buf[:, :, c0 : c0 + t1 - t0] = rs.data.permute(1, 2, 0)
             exp[b] = rs.exp[0]
-    return VarlenFP8("v", buf, exp, cu_seqlens_k, cu_v, None, max_seqlen_k)
+    return VarlenFP8("v", buf, exp, cu_seqlens_k, cu_v, None, max_seqlen_k, v_blocks)
 
 
 def varlen_bwd_operands_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
