@@ -581,8 +581,8 @@ def test_varlen_gpu_equals_dense_kernel_per_sequence(seed):
 
 @pytest.mark.gpu
 def test_varlen_gpu_beyond_int32_head_offsets(seed):
-    """Tk ~ 2.66M tokens, Hkv 8, d128: V's head offset hk * D * Tv passes 2^31 (64-bit offsets in the varlen
-    prologue).  The last sequences (the largest offsets) equal the dense kernel on them alone."""
+    """Tk ~ 2.66M tokens, Hkv 8, d128: V's element offsets pass 2^31 (the last sequences' blocks, or the last head's
+    row hk * D * Tv in the row layout: 64-bit offsets in the varlen prologue).  The last sequences (the largest offsets) equal the dense kernel on them alone."""
     from mxattn.kernels.attn_fwd import attn_fwd_hopper, attn_fwd_hopper_varlen
     from mxattn.kernels.quantize import row_scaled_triton
     from mxattn.kernels.varlen import varlen_operands
@@ -592,7 +592,8 @@ def test_varlen_gpu_beyond_int32_head_offsets(seed):
     q, k, v = (torch.randn(sum(lens), H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     cu = _cu(lens)
     ops = varlen_operands(q, k, v, cu, cu, 2048, 2048)
-    assert (H - 1) * D * ops[2].data.shape[2] > 2**31  # the last head's offset
+    v_op = ops[2]  # per-sequence V blocks: the last block starts at element cu_data[-2] * H * D
+    assert int(v_op.cu_data[-2]) * H * D > 2**31 if v_op.v_blocks else (H - 1) * D * v_op.data.shape[2] > 2**31
     out, lse = attn_fwd_hopper_varlen(*ops, causal=True)
     for s in _seq_slices(cu)[-2:]:
         dense = [row_scaled_triton(t.unsqueeze(0), r) for t, r in ((q[s], "q"), (k[s], "k"), (v[s], "v"))]
