@@ -8,12 +8,16 @@ Layout
     Constraint: S divisible by 2W (zigzag) or W; every rank has the same S_local.
 
 What travels (forward): K blocked along the head dim and V blocked along the sequence, as MXFP8 bytes
-    (e4m3 data + E8M0 scales) packed in one flat uint8 buffer per rank.  V's sequence blocks of 32 start at
-    each *chunk*'s first token (the last block of a chunk is partial when c % 32 != 0).  When c is a multiple
-    of 32 this is bit-identical to quantizing the whole gathered sequence, so the ring computes on exactly
-    the operands of single-process ``mxfp8_attn_func``.  Bytes per rank and step: 2N (1 + 1/32) against 4N
-    for a BF16 ring, N = B * S_local * Hkv * D: 0.516x (``ring_step_bytes``).
-    The buffer goes to rank r+1 with ``batch_isend_irecv`` while rank r computes on the block it holds.
+    (e4m3 data + E8M0 scales), each tensor sent as it is (one point-to-point op per tensor in one batch: no packing
+    copy; sequence-blocked data keeps its channel-major layout).  V's sequence blocks of 32 start at each *chunk*'s
+    first token (the last block of a chunk is partial when c % 32 != 0).  When c is a multiple of 32 this is
+    bit-identical to quantizing the whole gathered sequence, so the ring computes on exactly the operands of
+    single-process ``mxfp8_attn_func``; the shard is then quantized in one launch per tensor and calls take views
+    of it.  Bytes per rank and step: 2N (1 + 1/32) against 4N for a BF16 ring, N = B * S_local * Hkv * D: 0.516x
+    (``ring_step_bytes``).  ``KernelBlock`` with c a multiple of 128 sends the Hopper operands instead (made once
+    per pass by the owner from the float shard; ``KernelBlock.kv_operands``): 2N plus int32 exponents, and no
+    visiting rank re-expresses anything.
+    The tensors go to rank r+1 with ``batch_isend_irecv`` while rank r computes on the block it holds.
 
 Per step and per (q chunk, k chunk) pair: ``full`` (the q chunk is later in the sequence than the k chunk, or
     not causal), ``diag`` (the same chunk: square causal block) or skipped.  Each computed pair gives a partial
@@ -28,12 +32,13 @@ Per step and per (q chunk, k chunk) pair: ``full`` (the q chunk is later in the 
     forward agrees with single-process attention statistically, at the same error level, not bit for bit.
 
 Backward (``torch.autograd.Function``): K (head dim and sequence blocked) and V (head dim blocked) circulate
-    again as MXFP8, and the dK/dV partial sums of the visiting shard (fp32, or bf16 with ``grad_comm_dtype``)
-    travel with them: after W hops each shard's sums arrive back at its owner.  Each block's gradients use the
-    global ``out`` and the global lse (``lse_bwd``: the exact lse on the CPU reference path, which is what the
-    single-process reference backward recomputes; the forward lse on the kernel path, which is what the kernel
-    backward takes), so they are the block's exact share of the merged softmax's gradients: the result equals
-    the single-process backward on the same ``out`` up to accumulation order (c % 32 == 0).
+    again (MXFP8, or the Hopper operands as above), and the dK/dV partial sums of the visiting shard (fp32, or bf16
+    with ``grad_comm_dtype``) travel with them: a rank's sums for its own shard (step 0) stay with it, the others'
+    arrive after W-1 hops and are added to them and cast to the inputs' dtype in one pass.  Each block's gradients
+    use the global ``out`` and the global lse (``lse_bwd``: the exact lse on the CPU reference path, which is what
+    the single-process reference backward recomputes; the forward lse on the kernel path, which is what the kernel
+    backward takes), so they are the block's exact share of the merged softmax's gradients: the result equals the
+    single-process backward on the same ``out`` up to accumulation order (c % 32 == 0).
 
 Nothing here is CUDA-specific: on GPUs use the nccl backend (launcher: ``python -m mxattn.distributed``).
 """
@@ -51,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from mxattn import formats, reference
-from mxattn.formats import MXTensor
+from mxattn.formats import MXTensor, RowScaledFP8
 
 __all__ = [
     "ring_mxfp8_attn_func",
@@ -118,28 +123,80 @@ def _block_kind(q_chunk: int, k_chunk: int, causal: bool) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def _pack(tensors: Sequence[MXTensor]) -> tuple[torch.Tensor, list]:
-    """One flat uint8 buffer with each tensor's e4m3 data bytes then its E8M0 scale bytes, and the spec to
-    rebuild views of it (``_unpack``)."""
-    parts, spec = [], []
-    for t in tensors:
-        parts.append(t.data.contiguous().view(torch.uint8).reshape(-1))
-        parts.append(t.scale_bytes.contiguous().reshape(-1))
-        spec.append((tuple(t.data.shape), tuple(t.scale.shape), t.dim))
-    return torch.cat(parts), spec
+def _is_channel_major(data: torch.Tensor) -> bool:
+    """Whether (B, S, H, D) ``data`` is the view of a channel-major (B, H, D, S_pad) buffer (unit stride along S),
+    the layout the Triton quantizer gives sequence-blocked tensors and the Hopper kernels read V in."""
+    return data.ndim == 4 and data.shape[1] > 1 and data.stride(1) == 1 and not data.is_contiguous()
 
 
-def _unpack(buf: torch.Tensor, spec: list) -> list[MXTensor]:
-    """MXTensors viewing ``buf`` (no copy)."""
-    out, off = [], 0
-    for dshape, sshape, dim in spec:
-        nd, ns = math.prod(dshape), math.prod(sshape)
-        data = buf[off : off + nd].view(torch.float8_e4m3fn).view(dshape)
-        off += nd
-        scale = buf[off : off + ns].view(sshape)
-        off += ns
-        out.append(MXTensor(data, scale, dim))
-    return out
+def _wire_parts(op) -> tuple[list[torch.Tensor], tuple]:
+    """The two contiguous tensors that carry ``op`` (an ``MXTensor``: data, scale bytes; a ``RowScaledFP8``: data,
+    int32 exponents) and the spec that rebuilds it (``_rebuild``).  Channel-major data travels in its own
+    (B, H, D, S) layout: no copy when the buffer has no padding (S a multiple of 16), no transposition ever."""
+    if isinstance(op, MXTensor):
+        meta, side = ("mx", op.dim), op.scale_bytes
+    else:
+        meta, side = ("rs", op.dim, op.group_dim, op.group), op.exp
+    cm = _is_channel_major(op.data)
+    body = op.data.permute(0, 2, 3, 1) if cm else op.data
+    tensors = [body.contiguous(), side.contiguous()]
+    return tensors, (meta, cm, [(tuple(t.shape), t.dtype) for t in tensors])
+
+
+def _rebuild(flat: Sequence[torch.Tensor], spec: tuple):
+    """The operand ``_wire_parts`` took apart, viewing the received uint8 tensors ``flat`` (no copy)."""
+    meta, cm, shapes = spec
+    data, side = (f.view(dt).view(shape) for f, (shape, dt) in zip(flat, shapes))
+    if cm:
+        data = data.permute(0, 3, 1, 2)
+    if meta[0] == "mx":
+        return MXTensor(data, side, meta[1])
+    return RowScaledFP8(data, side, meta[1], group_dim=meta[2], group=meta[3])
+
+
+def _to_wire(ops: Sequence[Sequence]) -> tuple[list[torch.Tensor], list]:
+    """Flat uint8 views of every part of every role of ``ops`` (``_kv_operands``) and the spec to rebuild them.
+    They are sent as they are, one point-to-point op each in one batch (no packing copy)."""
+    flat, spec = [], []
+    for parts in ops:
+        role = []
+        for op in parts:
+            tensors, s = _wire_parts(op)
+            flat += [t.reshape(-1).view(torch.uint8) for t in tensors]
+            role.append(s)
+        spec.append(role)
+    return flat, spec
+
+
+def _from_wire(flat: Sequence[torch.Tensor], spec: list) -> list[list]:
+    """Inverse of ``_to_wire`` on the received tensors: the operands per role, views of ``flat``."""
+    it = iter(flat)
+    return [[_rebuild([next(it), next(it)], s) for s in role] for role in spec]
+
+
+def _rows(op, a: int, b: int):
+    """Tokens a..b (dim 1) of a (B, S, H, D) ``MXTensor`` or ``RowScaledFP8`` as views (no copy).
+
+    Blocks and exponent groups along the sequence must not straddle a or b (MX sequence blocks: multiples of 32;
+    the K layout's groups: multiples of the group).  The V layout's one exponent per channel over the whole
+    operand is kept: the slice is re-expressed to the exponent of the whole shard."""
+    S = op.data.shape[1]
+    if (a, b) == (0, S):
+        return op
+    data = op.data[:, a:b]
+    if isinstance(op, MXTensor):
+        if op.dim != 1:
+            return MXTensor(data, op.scale[:, a:b], op.dim)
+        g = op.block_size
+        if a % g or (b % g and b != S):
+            raise ValueError(f"tokens {a}..{b} cut MX sequence blocks of {g}")
+        return MXTensor(data, op.scale[:, a // g : -(-b // g)], 1)
+    if op.dim == 1:
+        return RowScaledFP8(data, op.exp, 1)
+    g = op.group if op.group_dim == 1 else 1
+    if a % g or (b % g and b != S):
+        raise ValueError(f"tokens {a}..{b} cut exponent groups of {g}")
+    return RowScaledFP8(data, op.exp[:, a // g : -(-b // g)], op.dim, group_dim=op.group_dim, group=op.group)
 
 
 @dataclass
@@ -160,12 +217,12 @@ def last_ring_stats() -> RingStats:
 
 
 class _Pending:
-    """A started exchange; holds the send buffer until ``wait`` so that it outlives the transfer."""
+    """A started exchange; holds the send tensors until ``wait`` so that they outlive the transfer."""
 
-    def __init__(self, send: torch.Tensor, recv: torch.Tensor, works: list):
+    def __init__(self, send: list, recv: list, works: list):
         self.send, self.recv, self.works = send, recv, works
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> list:
         for w in self.works:
             w.wait()
         return self.recv
@@ -182,16 +239,18 @@ class _Ring:
         self.next = glob((self.rank + 1) % self.world)
         self.prev = glob((self.rank - 1) % self.world)
 
-    def exchange(self, send: torch.Tensor, tag: int, log: list) -> _Pending:
-        """Start sending ``send`` to the next rank and receiving a tensor like it from the previous one."""
-        log.append(send.numel() * send.element_size())
+    def exchange(self, send: Sequence[torch.Tensor], tag: int, log: list) -> _Pending:
+        """Start sending the contiguous tensors ``send`` to the next rank and receiving tensors like them from the
+        previous one, all in one batch (one NCCL group); ``wait`` gives the received list."""
+        send = list(send)
+        log.append(sum(t.numel() * t.element_size() for t in send))
         if self.world == 1:
             return _Pending(send, send, [])
-        recv = torch.empty_like(send)
-        ops = [
-            dist.P2POp(dist.isend, send, self.next, self.group, tag),
-            dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
-        ]
+        recv = [torch.empty_like(t) for t in send]
+        ops = []
+        for i, (s, r) in enumerate(zip(send, recv)):  # distinct tags per tensor (gloo matches on them)
+            ops.append(dist.P2POp(dist.isend, s, self.next, self.group, tag + 2 * i))
+            ops.append(dist.P2POp(dist.irecv, r, self.prev, self.group, tag + 2 * i))
         return _Pending(send, recv, dist.batch_isend_irecv(ops))
 
 
@@ -199,7 +258,10 @@ def ring_step_bytes(batch: int, seqlen_local: int, kv_heads: int, head_dim: int,
     """Bytes one rank sends per ring step, MXFP8 against a BF16 ring (shapes of one rank's k/v shard).
 
     fwd: K (head-dim blocks) + V (sequence blocks per chunk).  bwd_kv: K in both orientations + V (head dim).
-    Gradient partial sums (dK, dV) add 8 bytes per element pair in fp32 (4 in bf16) to either backward."""
+    Gradient partial sums (dK, dV) add 8 bytes per element pair in fp32 (4 in bf16) to either backward.
+    ``*_row_scaled``: the same operands in the Hopper format ``KernelBlock`` sends when chunks are a multiple of 128
+    tokens (e4m3 data, int32 exponents: one per 128 keys and head for the head-dim orientation, one per channel
+    and head for the sequence orientation)."""
     chunks = 2 if zigzag else 1
     c = seqlen_local // chunks
     n = batch * seqlen_local * kv_heads * head_dim
@@ -207,6 +269,8 @@ def ring_step_bytes(batch: int, seqlen_local: int, kv_heads: int, head_dim: int,
     seq_scales = chunks * batch * -(-c // 32) * kv_heads * head_dim
     fwd = 2 * n + hdim_scales + seq_scales
     bwd_kv = 3 * n + 2 * hdim_scales + seq_scales
+    k_exps = 4 * batch * -(-seqlen_local // 128) * kv_heads
+    v_exps = 4 * batch * kv_heads * head_dim
     return {
         "fwd_mxfp8": fwd,
         "fwd_bf16": 4 * n,
@@ -215,6 +279,8 @@ def ring_step_bytes(batch: int, seqlen_local: int, kv_heads: int, head_dim: int,
         "bwd_kv_bf16": 4 * n,
         "bwd_grad_fp32": 8 * n,
         "bwd_grad_bf16": 4 * n,
+        "fwd_row_scaled": 2 * n + k_exps + v_exps,
+        "bwd_kv_row_scaled": 3 * n + 2 * k_exps + v_exps,
     }
 
 
@@ -307,16 +373,29 @@ class ReferenceBlock:
 
 
 class KernelBlock:
-    """Block function on the Hopper FP8 kernels (CUDA): MX operands re-expressed per row
-    (``row_scaled_triton``), ``attn_fwd_hopper`` / ``attn_bwd_hopper`` with the global out and lse.
+    """Block function on the Hopper FP8 kernels (CUDA): row-scaled operands (``row_scaled_triton``),
+    ``attn_fwd_hopper`` / ``attn_fwd_gluon`` / ``attn_bwd_hopper`` with the global out and lse.
 
-    A query chunk meets several key chunks in one ring pass; its operands (Q per row for the forward; Q in both
-    orientations, dO in both and delta's inputs for the backward) are made once per pass and kept until
-    ``begin`` (called by the ring at the start of each pass, and ``end`` after it).  CPU tests run it through the
-    Triton interpreter (tests/test_distributed.py); on GPUs ``python -m mxattn.distributed --check``."""
+    Visiting K/V: when chunks are a multiple of 128 tokens (``kv_operands``), each rank makes the Hopper operands of
+    its own K/V shard once per pass, straight from the float tensors, and those travel round the ring (no MX on the
+    wire, no per-step re-expression; one exponent per 128 keys for the head-dim orientation, one per channel over
+    the shard for the sequence orientation).  Otherwise MXFP8 travels and each call re-expresses what it gets.
 
-    def __init__(self):
+    The query side (Q per row for the forward; Q and dO in both orientations for the backward) is made once per
+    pass for the whole shard and sliced per call (``takes_rows``: the ring passes the full q, out, dout, lse and the
+    call's ``rows``); it is kept until ``begin`` (called by the ring at the start of each pass, and ``end`` after
+    it).  Rows that cut the backward's 128-row exponent groups get their own operands.  The sequence-orientation
+    operands of a slice keep the whole shard's per-channel exponent (re-expression lemma, DESIGN §3).
+    ``row_scaled_wire=False``: MXFP8 on the wire and per-call re-expression (what the ring did up to session 6;
+    the tests compare the two).  CPU tests run it through the Triton interpreter (tests/test_distributed.py); on
+    GPUs ``python -m mxattn.distributed --check``."""
+
+    takes_rows = True  # forward/backward take the whole shard's q (out, dout, lse) and rows=
+    writes_grads_into = True  # backward(..., dk_out=, dv_out=) writes dK, dV there (fp32 views of the ring buffer)
+
+    def __init__(self, row_scaled_wire: bool = True):
         self._cache: dict = {}
+        self.row_scaled_wire = row_scaled_wire
 
     def begin(self) -> None:
         self._cache.clear()
@@ -328,37 +407,61 @@ class KernelBlock:
             self._cache[key] = make()
         return self._cache[key]
 
-    def forward(self, q, k: MXTensor, v: MXTensor, causal: bool, scale: float):
+    def kv_operands(self, k, v, backward: bool, chunk: int):
+        """This rank's K/V shard as the operands that travel (whole shard; the ring slices them per call):
+        forward [K head-dim (K layout), V sequence (V layout)], backward [K head-dim, K sequence, V head-dim];
+        None (MXFP8 travels instead) unless chunks are a multiple of the 128-key exponent group."""
+        from mxattn.kernels.attn_bwd import EXP_GROUP
+        from mxattn.kernels.attn_fwd import K_EXP_GROUP
+        from mxattn.kernels.quantize import row_scaled_triton
+
+        if not self.row_scaled_wire or chunk % EXP_GROUP or chunk % K_EXP_GROUP:
+            return None
+        if backward:
+            return [row_scaled_triton(k, "k"), row_scaled_triton(k, "v"), row_scaled_triton(v, "k")]
+        return [row_scaled_triton(k, "k"), row_scaled_triton(v, "v")]
+
+    def forward(self, q, k, v, causal: bool, scale: float, rows: slice | None = None):
         from mxattn.interface import forward_kernel_for
         from mxattn.kernels.attn_fwd import attn_fwd_hopper
         from mxattn.kernels.quantize import row_scaled_triton
 
-        qr = self._once(("fq", q.data_ptr(), tuple(q.shape)), lambda: row_scaled_triton(q.contiguous(), "q"))
+        rows = slice(0, q.shape[1]) if rows is None else rows
+        full = self._once(("fq", q.data_ptr(), tuple(q.shape)), lambda: row_scaled_triton(q.contiguous(), "q"))
+        qr = _rows(full, rows.start, rows.stop)  # one exponent per row: any slice is exact
+        kr = k if isinstance(k, RowScaledFP8) else row_scaled_triton(k, "k")
+        vr = v if isinstance(v, RowScaledFP8) else row_scaled_triton(v, "v")
         kernel = attn_fwd_hopper
-        if q.is_cuda and forward_kernel_for(q.shape, k.shape, q.device) == "gluon":  # the single-GPU API's choice
+        if q.is_cuda and forward_kernel_for(qr.data.shape, kr.data.shape, q.device) == "gluon":  # single-GPU choice
             from mxattn.kernels.attn_fwd_gluon import attn_fwd_gluon as kernel
-        out, lse = kernel(qr, row_scaled_triton(k, "k"), row_scaled_triton(v, "v"),
-                          causal=causal, softmax_scale=scale, out_dtype=torch.float32)
+        out, lse = kernel(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=torch.float32)
         return out, lse, lse
 
-    writes_grads_into = True  # backward(..., dk_out=, dv_out=) writes dK, dV there (fp32 views of the ring buffer)
-
-    def backward(self, q, k: MXTensor, k_seq: MXTensor, v_hdim: MXTensor, out, dout, lse, causal: bool, scale: float,
-                 dk_out=None, dv_out=None):
+    def backward(self, q, k, k_seq, v_hdim, out, dout, lse, causal: bool, scale: float,
+                 dk_out=None, dv_out=None, rows: slice | None = None):
         from mxattn.kernels.attn_bwd import DO_EXP_GROUP, Q_EXP_GROUP, attn_bwd_hopper
         from mxattn.kernels.quantize import row_scaled_triton
 
-        def q_side():
-            qc, dc = q.contiguous(), dout.contiguous()
-            return (row_scaled_triton(qc, "k", k_group=Q_EXP_GROUP), row_scaled_triton(qc, "v"),
-                    row_scaled_triton(dc, "k", k_group=DO_EXP_GROUP), row_scaled_triton(dc, "v"),
-                    out.contiguous(), dc, lse.contiguous())
+        S = q.shape[1]
+        rows = slice(0, S) if rows is None else rows
+        g = math.lcm(Q_EXP_GROUP, DO_EXP_GROUP)
+        whole = rows.start % g == 0 and (rows.stop % g == 0 or rows.stop == S)
+        src = slice(0, S) if whole else rows  # the rows the query-side operands are made of
 
-        qh, qs, doh, dos, o, d, l = self._once(("bq", q.data_ptr(), dout.data_ptr(), tuple(q.shape)), q_side)
+        def q_side():
+            qc, dc = q[:, src].contiguous(), dout[:, src].contiguous()
+            return (row_scaled_triton(qc, "k", k_group=Q_EXP_GROUP), row_scaled_triton(qc, "v"),
+                    row_scaled_triton(dc, "k", k_group=DO_EXP_GROUP), row_scaled_triton(dc, "v"))
+
+        made = self._once(("bq", q.data_ptr(), dout.data_ptr(), tuple(q.shape), src.start, src.stop), q_side)
+        a, b = (rows.start, rows.stop) if whole else (0, rows.stop - rows.start)
+        qh, qs, doh, dos = (_rows(t, a, b) for t in made)
+        as_k = lambda t: t if isinstance(t, RowScaledFP8) else row_scaled_triton(t, "k")
+        ks = k_seq if isinstance(k_seq, RowScaledFP8) else row_scaled_triton(k_seq, "v")
         # dq as a callable that launches the dQ kernel: the ring sends dK/dV on before it runs
         return attn_bwd_hopper(
-            qh, row_scaled_triton(k, "k"), row_scaled_triton(v_hdim, "k"), qs, row_scaled_triton(k_seq, "v"),
-            o, d, l, causal=causal, softmax_scale=scale, grad_dtype=torch.float32, dout_hdim=doh, dout_seq=dos,
+            qh, as_k(k), as_k(v_hdim), qs, ks, out[:, rows], dout[:, rows], lse[:, :, rows].contiguous(),
+            causal=causal, softmax_scale=scale, grad_dtype=torch.float32, dout_hdim=doh, dout_seq=dos,
             defer_dq=True, dk_out=dk_out, dv_out=dv_out,
         )
 
@@ -368,9 +471,11 @@ class KernelBlock:
 # ----------------------------------------------------------------------------------------------
 
 
-def _merge_into(acc, rows: slice, o, lse, lse_bwd) -> None:
+def _merge_into(acc, rows: slice, o, lse, lse_bwd, dest: torch.Tensor | None = None) -> None:
     """Log-sum-exp merge of a block's partial (out, lse) over query ``rows`` into the running (out, lse, lse_bwd)
-    ``acc`` in place (fp32; out (B, S, H, D), lse (B, H, S)); a side whose lse is -inf (it saw nothing) weighs 0."""
+    ``acc`` in place (fp32; out (B, S, H, D), lse (B, H, S)); a side whose lse is -inf (it saw nothing) weighs 0.
+    ``dest`` (the rows' final output, any float dtype): the merged rows are written there instead of into acc's
+    out (the last merge of those rows: no fp32 store and no separate cast pass; the same numbers, cast once)."""
     out, acc_lse, acc_bwd = acc
     a, al = out[:, rows], acc_lse[:, :, rows]
     lse = lse.float()
@@ -380,7 +485,11 @@ def _merge_into(acc, rows: slice, o, lse, lse_bwd) -> None:
         w = torch.where(torch.isneginf(x), torch.zeros_like(x), torch.exp(x - new))
         return w.transpose(1, 2).unsqueeze(-1)
 
-    a.mul_(weight(al)).addcmul_(o.float(), weight(lse))
+    a.mul_(weight(al))
+    if dest is None:
+        a.addcmul_(o.float(), weight(lse))
+    else:
+        torch.addcmul(a, o.float(), weight(lse), out=dest)
     al.copy_(new)
     acc_bwd[:, :, rows] = torch.logaddexp(acc_bwd[:, :, rows], lse_bwd.float())
 
@@ -395,6 +504,36 @@ def _cat_mx(parts: Sequence[MXTensor]) -> MXTensor:
         return parts[0]
     data = torch.cat([t.data.view(torch.uint8) for t in parts], 1).view(torch.float8_e4m3fn)
     return MXTensor(data, torch.cat([t.scale_bytes for t in parts], 1), parts[0].dim)
+
+
+def _kv_operands(block, k, v, n: int, c: int, merge: bool, backward: bool) -> list[list]:
+    """The K/V operands this rank sends round the ring, per role (forward: K head-dim blocks, V sequence blocks;
+    backward: K head-dim, K sequence, V head-dim), each a list of parts.
+
+    With ``merge`` (chunks of a multiple of 32 tokens) one part covers the whole shard: the block's own operands
+    (``block.kv_operands``, e.g. ``KernelBlock``'s Hopper format) or MXFP8 of the whole shard from one quantizer
+    launch per tensor, byte for byte the per-chunk MXFP8 (sequence blocks start at every chunk border).  Calls take
+    views of it (``_cols``).  Otherwise one MXFP8 part per chunk (sequence blocks restart at each chunk)."""
+    make = getattr(block, "kv_operands", None)
+    if merge and make is not None:
+        got = make(k, v, backward, c)
+        if got is not None:
+            return [[op] for op in got]
+    pairs = [(k, v)] if merge else list(zip(_chunks(k, n, 1), _chunks(v, n, 1)))
+    roles = [[] for _ in range(3 if backward else 2)]
+    for kj, vj in pairs:
+        got = _quantize(kj, (3, 1)) + _quantize(vj, (3,)) if backward else _quantize(kj, (3,)) + _quantize(vj, (1,))
+        for role, op in zip(roles, got):
+            role.append(op)
+    return roles
+
+
+def _cols(parts: Sequence, j0: int, j1: int, c: int):
+    """The operand of local chunks j0..j1 of a visiting shard: a view of the whole-shard part, or the chunk's own
+    part (a concatenation only if a call ever spanned several per-chunk parts, which ``_step_calls`` never makes)."""
+    if len(parts) == 1:
+        return _rows(parts[0], j0 * c, j1 * c)
+    return parts[j0] if j1 - j0 == 1 else _cat_mx(parts[j0:j1])
 
 
 def _step_calls(mine: Sequence[int], theirs: Sequence[int], causal: bool, merge: bool) -> list[tuple]:
@@ -426,64 +565,89 @@ def _empty_state(q: torch.Tensor, head_dim_v: int) -> list[torch.Tensor]:
             q.new_full((B, H, S), float("-inf"), dtype=torch.float32)]
 
 
+def _copy_rows_except(dest: torch.Tensor, src: torch.Tensor, rows: slice) -> None:
+    """``dest[:, i] = src[:, i]`` (cast to dest's dtype) for every row i outside ``rows`` (dim 1)."""
+    for other in (slice(0, rows.start), slice(rows.stop, src.shape[1])):
+        if other.stop > other.start:
+            dest[:, other].copy_(src[:, other])
+
+
 def _ring_forward(q, k, v, ring: _Ring, causal, scale, zigzag, block):
+    """This rank's (out in q's dtype, lse, lse_bwd) after W ring steps."""
     W, r = ring.world, ring.rank
     n = 2 if zigzag else 1
     getattr(block, "begin", lambda: None)()
-    kc, vc = (_chunks(t, n, 1) for t in (k, v))
-    c = q.shape[1] // n
+    S = q.shape[1]
+    c = S // n
     merge = c % 32 == 0
     mine = _chunk_ids(r, W, zigzag)
-    mx = []
-    for kj, vj in zip(kc, vc):
-        mx += _quantize(kj, (3,)) + _quantize(vj, (1,))
-    buf, spec = _pack(mx)
+    takes_rows = getattr(block, "takes_rows", False)
+    ops = _kv_operands(block, k, v, n, c, merge, backward=False)
+    wire, spec = _to_wire(ops)
     # the running (out, lse, lse_bwd) of every query row, fp32: the first call that covers every row gives it (a
-    # rank's own pair at step 0 when steps are merged: no copy); otherwise it starts empty (zeros, -inf)
-    acc = None
+    # rank's own pair at step 0 when steps are merged: no copy); otherwise it starts empty (zeros, -inf).  The last
+    # step's merge writes the output in q's dtype directly when that step is one call (always, with merged steps).
+    acc, out = None, None
     for step in range(W):
-        pending = ring.exchange(buf, _TAG_KV, _LAST_STATS.fwd_kv_bytes) if step + 1 < W else None
-        visiting = _unpack(buf, spec)
+        pending = ring.exchange(wire, _TAG_KV, _LAST_STATS.fwd_kv_bytes) if step + 1 < W else None
+        visiting = ops if step == 0 else _from_wire(wire, spec)
         theirs = _chunk_ids((r - step) % W, W, zigzag)
-        for (i0, i1), (j0, j1), diag in _step_calls(mine, theirs, causal, merge):
-            kk = _cat_mx([visiting[2 * j] for j in range(j0, j1)])
-            vv = _cat_mx([visiting[2 * j + 1] for j in range(j0, j1)])
-            o, lse, lse_bwd = block.forward(q[:, i0 * c : i1 * c], kk, vv, diag, scale)
+        calls = _step_calls(mine, theirs, causal, merge)
+        for (i0, i1), (j0, j1), diag in calls:
             rows = slice(i0 * c, i1 * c)
-            if acc is None and rows == slice(0, q.shape[1]):
+            kk, vv = (_cols(visiting[t], j0, j1, c) for t in range(2))
+            if takes_rows:
+                o, lse, lse_bwd = block.forward(q, kk, vv, diag, scale, rows=rows)
+            else:
+                o, lse, lse_bwd = block.forward(q[:, rows], kk, vv, diag, scale)
+            if acc is None and rows == slice(0, S):
                 acc = [o.float(), lse.float(), lse_bwd.float().clone() if lse_bwd is lse else lse_bwd.float()]
                 continue
             if acc is None:
                 acc = _empty_state(q, v.shape[-1])
-            _merge_into(acc, rows, o, lse, lse_bwd)
+            if step == W - 1 and len(calls) == 1:  # the last merge of these rows
+                out = torch.empty(acc[0].shape, dtype=q.dtype, device=q.device)
+                _merge_into(acc, rows, o, lse, lse_bwd, dest=out[:, rows])
+                _copy_rows_except(out, acc[0], rows)
+            else:
+                _merge_into(acc, rows, o, lse, lse_bwd)
         if pending is not None:
-            buf = pending.wait()
+            wire = pending.wait()
     getattr(block, "end", lambda: None)()
-    return tuple(acc if acc is not None else _empty_state(q, v.shape[-1]))  # None: no row saw a key
+    if acc is None:  # no row saw a key
+        acc = _empty_state(q, v.shape[-1])
+    return (out if out is not None else acc[0].to(q.dtype)), acc[1], acc[2]
 
 
 def _ring_backward(q, k, v, out, dout, lse_bwd, ring: _Ring, causal, scale, zigzag, block, grad_comm_dtype):
+    """dq, dk, dv of this rank's shard, in the inputs' dtypes.
+
+    dK/dV: the partial sums a rank makes for its own shard at step 0 stay with it; at steps 1..W-1 each rank makes
+    those of the visiting shard, adds what the previous rank sent for that shard (from step 2) and sends the sum
+    on; after step W-1 the sums of every other rank arrive at the owner, which adds its own, cast to the inputs'
+    dtype in the same pass.  W-1 hops of partial sums per rank."""
     W, r = ring.world, ring.rank
     n = 2 if zigzag else 1
     getattr(block, "begin", lambda: None)()
-    kc, vc = (_chunks(t, n, 1) for t in (k, v))
-    c = q.shape[1] // n
+    S = q.shape[1]
+    c = S // n
     merge = c % 32 == 0
     mine = _chunk_ids(r, W, zigzag)
-    mx = []
-    for kj, vj in zip(kc, vc):
-        mx += _quantize(kj, (3, 1)) + _quantize(vj, (3,))
-    buf, spec = _pack(mx)
+    takes_rows = getattr(block, "takes_rows", False)
+    ops = _kv_operands(block, k, v, n, c, merge, backward=True)
+    wire, spec = _to_wire(ops)
     dq = None  # fp32; the first call that covers every query row gives it (a rank's own pair at step 0)
+    dq_final = None  # in q's dtype, written by the last step's add when that step is one call
+    own = None  # this rank's own dK/dV partial sums (step 0), fp32
     grad_pending = None
     for step in range(W):
-        kv_pending = ring.exchange(buf, _TAG_KV, _LAST_STATS.bwd_kv_bytes) if step + 1 < W else None
-        visiting = _unpack(buf, spec)
+        kv_pending = ring.exchange(wire, _TAG_KV, _LAST_STATS.bwd_kv_bytes) if step + 1 < W else None
+        visiting = ops if step == 0 else _from_wire(wire, spec)
         theirs = _chunk_ids((r - step) % W, W, zigzag)
         calls = _step_calls(mine, theirs, causal, merge)
-        # this step's dK, dV partial sums of the visiting shard, in the one flat buffer that travels on.  A block
-        # that writes into given tensors (KernelBlock) stores them straight into it when no two calls of the step
-        # share key columns (the merged steps: one call); columns no call covers are zeroed.  Otherwise the
+        # this step's dK, dV partial sums of the visiting shard, in one flat buffer (the one that travels on).  A
+        # block that writes into given tensors (KernelBlock) stores them straight into it when no two calls of the
+        # step share key columns (the merged steps: one call); columns no call covers are zeroed.  Otherwise the
         # buffer starts at zero and each call's result is added.
         cols_of = [set(range(j0, j1)) for _, (j0, j1), _ in calls]
         direct = getattr(block, "writes_grads_into", False) and sum(map(len, cols_of)) == len(set().union(*cols_of))
@@ -496,36 +660,51 @@ def _ring_backward(q, k, v, out, dout, lse_bwd, ring: _Ring, causal, scale, zigz
         dq_parts = []
         for (i0, i1), (j0, j1), diag in calls:
             rows, cols = slice(i0 * c, i1 * c), slice(j0 * c, j1 * c)
-            outs = dict(dk_out=dk[:, cols], dv_out=dv[:, cols]) if direct else {}
-            bq, bk, bv = block.backward(
-                q[:, rows], *(_cat_mx([visiting[3 * j + t] for j in range(j0, j1)]) for t in range(3)),
-                out[:, rows], dout[:, rows], lse_bwd[:, :, rows], diag, scale, **outs,
-            )
+            kw = dict(dk_out=dk[:, cols], dv_out=dv[:, cols]) if direct else {}
+            kvs = [_cols(visiting[t], j0, j1, c) for t in range(3)]
+            if takes_rows:
+                bq, bk, bv = block.backward(q, *kvs, out, dout, lse_bwd, diag, scale, rows=rows, **kw)
+            else:
+                bq, bk, bv = block.backward(q[:, rows], *kvs, out[:, rows], dout[:, rows], lse_bwd[:, :, rows],
+                                            diag, scale, **kw)
             if not direct:
                 dk[:, cols] += bk
                 dv[:, cols] += bv
             dq_parts.append((rows, bq))
-        if grad_pending is not None:  # partial sums of this shard from the ranks it visited before
-            acc += grad_pending.wait().float()
-        grad_pending = ring.exchange(acc.to(grad_comm_dtype), _TAG_GRAD, _LAST_STATS.bwd_grad_bytes)
+        if step == 0:
+            own = acc  # stays here: added to the others' sums at the end
+        else:
+            if grad_pending is not None:  # partial sums of this shard from the ranks it visited before
+                acc += grad_pending.wait()[0].float()
+            grad_pending = ring.exchange([acc.to(grad_comm_dtype)], _TAG_GRAD, _LAST_STATS.bwd_grad_bytes)
         # dQ after the send: a block may return it as a callable that launches its kernel (KernelBlock), so that
         # the dK/dV hop (the last one is otherwise exposed) travels while dQ is computed
         for rows, bq in dq_parts:
             bq = bq() if callable(bq) else bq
-            if dq is None and rows == slice(0, q.shape[1]) and bq.dtype == torch.float32:
+            if dq is None and rows == slice(0, S) and bq.dtype == torch.float32:
                 dq = bq  # the first contribution to every row: no zero-fill, no add
                 continue
             if dq is None:
                 dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-            dq[:, rows] += bq
+            if step == W - 1 and len(dq_parts) == 1:  # the last contribution: add and cast in one pass
+                dq_final = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+                torch.add(dq[:, rows], bq, out=dq_final[:, rows])
+                _copy_rows_except(dq_final, dq, rows)
+            else:
+                dq[:, rows] += bq
         if kv_pending is not None:
-            buf = kv_pending.wait()
+            wire = kv_pending.wait()
     getattr(block, "end", lambda: None)()
-    if dq is None:  # no call saw a query row (not possible in self-attention)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    acc = grad_pending.wait().float()  # after W hops: this rank's own shard, summed over every rank
-    dk, dv = acc.split([k.numel(), v.numel()])
-    return dq, dk.view(k.shape), dv.view(v.shape)
+    if dq_final is None:
+        dq_final = (dq.to(q.dtype) if dq is not None  # (dq None: no call saw a query row, not in self-attention)
+                    else torch.zeros(q.shape, dtype=q.dtype, device=q.device))
+    grads = torch.empty(k.numel() + v.numel(), dtype=k.dtype, device=k.device)
+    if grad_pending is not None:  # the other ranks' sums of this rank's shard, plus its own, cast in one pass
+        torch.add(own, grad_pending.wait()[0], out=grads)
+    else:
+        grads.copy_(own)
+    dk, dv = grads.split([k.numel(), v.numel()])
+    return dq_final, dk.view(k.shape), dv.view(v.shape)
 
 
 class _RingMXFP8Attention(torch.autograd.Function):
@@ -651,7 +830,7 @@ def _time_per_iter(fn, iters: int, together: bool = True) -> float:
 def _wire_time(nbytes: int, ring: _Ring, iters: int) -> float:
     """Seconds one ring hop of an ``nbytes`` uint8 buffer takes (all ranks send and receive at once)."""
     buf = torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
-    return _time_per_iter(lambda: ring.exchange(buf, _TAG_KV, []).wait(), iters)
+    return _time_per_iter(lambda: ring.exchange([buf], _TAG_KV, []).wait(), iters)
 
 
 def bench_ring(
@@ -679,8 +858,9 @@ def bench_ring(
     Rows: per-GPU TFLOP/s (4·B·H·S²·D, half when causal, ×2.5 for the backward, divided by W), milliseconds;
     with ``single``, rank 0 also times single-GPU ``mxfp8_attn_func`` on the whole sequence (the other ranks
     wait) and the row gets ``speedup_vs_1gpu`` = single time / ring time.  Wire: the bytes this rank sent per
-    forward step (``last_ring_stats``, measured) against a BF16 ring's K+V, and the time of one ring hop of
-    each payload.  Rank 0 writes ``ring_attn-<gpu>-x<W>-<date>.json`` to ``outdir``.  With ``profile``, every rank
+    forward step (``last_ring_stats``, measured; ``format``: the Hopper operands ``KernelBlock`` sends when chunks are
+    a multiple of 128 tokens, else MXFP8; the key keeps its old name) against a BF16 ring's K+V, and the time of
+    one ring hop of each payload.  Rank 0 writes ``ring_attn-<gpu>-x<W>-<date>.json`` to ``outdir``.  With ``profile``, every rank
     also runs two forward+backward passes under ``torch.profiler`` and rank 0's row gets its device time per kernel
     (``profile_fwd_bwd``: where the time over half the single-GPU time goes; NCCL kernels overlap the others).
     ``check_rows`` (``check_ring``'s rows from the same process group) go into the JSON under ``check``.
@@ -724,7 +904,9 @@ def bench_ring(
             "tflops_per_gpu": {"fwd": flops / W / t_fwd / 1e12, "fwd_bwd": 3.5 * flops / W / t_all / 1e12},
             "wire_bytes_per_step": ring_step_bytes(batch, sl, kv_heads, head_dim),
             "wire_measured": {"fwd_step_bytes_mxfp8": mx_step, "fwd_step_bytes_bf16": bf16_step,
-                              "ratio": mx_step / bf16_step},
+                              "ratio": mx_step / bf16_step,  # what traveled: the Hopper operands or MXFP8
+                              "format": ("row_scaled" if mx_step == ring_step_bytes(batch, sl, kv_heads, head_dim)
+                                         ["fwd_row_scaled"] else "mxfp8")},
         }
         if profile:
             row["profile_fwd_bwd"] = prof
