@@ -12,6 +12,7 @@ Chunks of 32 tokens make the per-chunk sequence blocks equal the global ones; th
 12 tokens and compare with the reference on per-chunk quantized operands.
 """
 
+import contextlib
 import math
 
 import pytest
@@ -234,7 +235,102 @@ def test_needs_process_group():
             ring_mxfp8_attn_func(x, x, x)
 
 
-def _kernel_block_worker(rank, world, init_file, seed, result_file, chunk=64):
+def _gluon_host_importable() -> bool:
+    """Whether this Triton loads the Gluon kernel modules (their host side runs without a GPU); off triton 3.6,
+    which they target, they may not (conftest.import_gluon_module)."""
+    from conftest import triton_version
+
+    try:
+        from mxattn.kernels import attn_bwd_dkdv_gluon, attn_bwd_dq_gluon, attn_fwd_gluon  # noqa: F401
+    except Exception:  # noqa: BLE001
+        if triton_version().startswith("3.6"):
+            raise
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _gluon_host_side(msgs: list, calls: dict):
+    """While active, every ``attn_fwd_hopper`` / ``attn_bwd_hopper`` launch of ``KernelBlock`` first runs the Gluon
+    kernels' host side on the same operands (what the GPU takes at the bench shapes; the CPU runs only the ``tl``
+    kernels): their ``_check`` functions and TMA descriptors (16-byte aligned base, 16-byte non-last strides,
+    unit last stride: Triton's own validation), descriptor extents equal to the operands' (slice) shapes, so that
+    TMA zero-fills at the end of a slice rather than reading on into the rest of the shard, and no copy of any
+    operand at B = 1.  Problems go to ``msgs``; ``calls`` counts launches and those on part of a shard."""
+    import mxattn.kernels.attn_bwd as ab
+    import mxattn.kernels.attn_fwd as af
+    from mxattn.kernels import attn_bwd_dkdv_gluon as kvg
+    from mxattn.kernels import attn_bwd_dq_gluon as dqg
+    from mxattn.kernels import attn_fwd_gluon as fg
+
+    fwd0, bwd0 = af.attn_fwd_hopper, ab.attn_bwd_hopper
+
+    def views(B, **pairs):  # name=(descriptor, operand)
+        for name, (d, t) in pairs.items():
+            if B == 1 and d.base.data_ptr() != t.data.data_ptr():
+                msgs.append(f"{name}: the Gluon launcher copied the operand")
+
+    def parted(q, k):
+        return q.data.storage_offset() != 0 or k.data.storage_offset() != 0 or \
+            q.data.stride(0) != q.data[0].numel() or k.data.stride(0) != k.data[0].numel()
+
+    def fwd(q, k, v, **kw):
+        B, Sq, _, D = q.data.shape
+        Sk, Hkv = k.data.shape[1], k.data.shape[2]
+        calls["fwd"] = calls.get("fwd", 0) + 1
+        calls["fwd_part"] = calls.get("fwd_part", 0) + parted(q, k)
+        try:
+            qd, kd, vd = fg._descriptors(q, k, v, fg.default_config(D, kw.get("causal", False)).block_n)
+            if (qd.shape[0], kd.shape[0], list(vd.shape)) != (B * Sq, B * Sk, [B * Hkv * D, Sk]):
+                msgs.append(f"fwd descriptor extents {qd.shape} {kd.shape} {vd.shape} for q {Sq}, k {Sk}")
+            views(B, q=(qd, q), k=(kd, k), v=(vd, v))
+        except Exception as e:  # noqa: BLE001
+            msgs.append(f"fwd Gluon host side: {type(e).__name__}: {e}")
+        return fwd0(q, k, v, **kw)
+
+    def bwd(q, k, v_hdim, q_seq, k_seq, out, dout, lse, **kw):
+        B, Sq, Hq, D = q.data.shape
+        Sk, Hkv = k.data.shape[1], k.data.shape[2]
+        doh, dos = kw["dout_hdim"], kw["dout_seq"]
+        delta = torch.empty(B, Hq, Sq)
+        calls["bwd"] = calls.get("bwd", 0) + 1
+        calls["bwd_part"] = calls.get("bwd_part", 0) + parted(q, k)
+        try:
+            kvg._check(q, k, v_hdim, q_seq, doh, dos, lse, delta, torch.float32)
+            dqg._check(q, k, v_hdim, k_seq, doh, lse, delta, torch.float32)
+            for split in (False, True):
+                qd, dd, qsd, dsd, kd, vd = kvg._descriptors(q, k, v_hdim, q_seq, doh, dos, split)
+                ksd = dqg._descriptors(q, k, v_hdim, k_seq, doh, split)[4]
+                got = [qd.shape[0], dd.shape[0], list(qsd.shape), list(dsd.shape), kd.shape[0], vd.shape[0],
+                       list(ksd.shape)]
+                want = [B * Sq, B * Sq, [B * Hq * D, Sq], [B * Hq * D, Sq], B * Sk, B * Sk, [B * Hkv * D, Sk]]
+                if got != want:
+                    msgs.append(f"bwd descriptor extents {got}, expected {want}")
+                views(B, q=(qd, q), k=(kd, k), v_hdim=(vd, v_hdim), q_seq=(qsd, q_seq), dout_hdim=(dd, doh),
+                      dout_seq=(dsd, dos), k_seq=(ksd, k_seq))
+        except Exception as e:  # noqa: BLE001
+            msgs.append(f"bwd Gluon host side: {type(e).__name__}: {e}")
+        return bwd0(q, k, v_hdim, q_seq, k_seq, out, dout, lse, **kw)
+
+    af.attn_fwd_hopper, ab.attn_bwd_hopper = fwd, bwd
+    try:
+        yield
+    finally:
+        af.attn_fwd_hopper, ab.attn_bwd_hopper = fwd0, bwd0
+
+
+def _quantize_as_on_gpu(x, dims):
+    """``distributed._quantize`` as it runs on CUDA (the Triton quantizer, here through the interpreter): sequence
+    blocks come back channel-major (the reference quantizer the CPU path takes gives contiguous data)."""
+    from mxattn.kernels.quantize import quantize_mxfp8_triton
+
+    kind = {(3,): "hdim", (1,): "seq", (3, 1): "both"}[tuple(dims)]
+    got = quantize_mxfp8_triton(x, kind, seq_dim=1)
+    return list(got) if kind == "both" else [got]
+
+
+def _kernel_block_worker(rank, world, init_file, seed, result_file, chunk=64, gluon_host=False):
+    import mxattn.distributed as md
     from mxattn.distributed import KernelBlock, ReferenceBlock
 
     torch.set_num_threads(1)
@@ -248,17 +344,32 @@ def _kernel_block_worker(rank, world, init_file, seed, result_file, chunk=64):
         g = torch.Generator().manual_seed(seed)
         S, Hq, Hkv = 2 * chunk * world, 2, 1
         full = [torch.randn(1, S, h, D, generator=g) for h in (Hq, Hkv, Hkv, Hq)]
-        got, sent = {}, {}
+        got, sent, calls = {}, {}, {}
+        quantize = md._quantize
         blocks = [("kernel", KernelBlock()), ("reference", ReferenceBlock())]
         if chunk % 128 == 0:  # the Hopper operands travel: compare with MXFP8 on the wire (the path before)
             blocks.append(("kernel_mx_wire", KernelBlock(row_scaled_wire=False)))
+        else:  # MXFP8 travels: again with the MX layouts of a GPU run (channel-major sequence blocks)
+            blocks.append(("kernel_gpu_layout", KernelBlock()))
         for name, block in blocks:
             ql, kl, vl = (zigzag_shard(t, rank, world).contiguous().requires_grad_() for t in full[:3])
-            out = ring_mxfp8_attn_func(ql, kl, vl, causal=True, block=block)
-            fwd_bytes = list(last_ring_stats().fwd_kv_bytes)
-            out.backward(zigzag_shard(full[3], rank, world).contiguous())
+            md._quantize = _quantize_as_on_gpu if name == "kernel_gpu_layout" else quantize
+            host = _gluon_host_side(msgs, calls) if gluon_host and name == "kernel" else contextlib.nullcontext()
+            try:
+                with host:
+                    out = ring_mxfp8_attn_func(ql, kl, vl, causal=True, block=block)
+                    fwd_bytes = list(last_ring_stats().fwd_kv_bytes)
+                    out.backward(zigzag_shard(full[3], rank, world).contiguous())
+            finally:
+                md._quantize = quantize
             got[name] = [out.detach(), ql.grad, kl.grad, vl.grad]
             sent[name] = (fwd_bytes, list(last_ring_stats().bwd_kv_bytes))
+        if gluon_host and not (calls.get("fwd_part") and calls.get("bwd_part")):
+            msgs.append(f"rank {rank}: no kernel call on part of a shard reached the Gluon host-side check: {calls}")
+        if "kernel_gpu_layout" in got:  # the same MX bytes in other layouts: the same results, bit for bit
+            for n, a, b in zip(("out", "dq", "dk", "dv"), got["kernel"], got["kernel_gpu_layout"]):
+                if not torch.equal(a, b):
+                    msgs.append(f"rank {rank} {n}: the GPU's MX layouts change the result")
         for n, a, b in zip(("out", "dq", "dk", "dv"), got["kernel"], got["reference"]):
             db = reference.sqnr_db(a, b)
             if not db > 25.0:
@@ -293,13 +404,18 @@ def test_ring_kernel_block_matches_reference_block(chunk, seed, tmp_path):
     reference blocks, causal zig-zag over two processes; chunks of 128 tokens (the Hopper operands travel, checked
     against MXFP8 on the wire), of 64 (MXFP8 travels, one call per step, query rows that cut the 128-row exponent
     groups) and of 12 (one call per block: steps with several calls, some sharing key columns); on CPUs through the
-    Triton interpreter (GPU runs: ``python -m mxattn.distributed --check``)."""
+    Triton interpreter (GPU runs: ``python -m mxattn.distributed --check``).  What differs on a GPU and can be run
+    here: with MXFP8 on the wire, the MX layouts of the Triton quantizer (channel-major sequence blocks) must give
+    the same results bit for bit; with the Hopper operands on the wire, every kernel call's operands (views of the
+    shard's) must pass the Gluon kernels' host side (``_gluon_host_side``)."""
     from conftest import require_kernels
 
     if require_kernels() != "cpu":
         pytest.skip("the GPU check is python -m mxattn.distributed --check under torchrun")
+    gluon_host = chunk % 128 == 0 and _gluon_host_importable()
     result = tmp_path / "kb"
-    mp.spawn(_kernel_block_worker, args=(2, str(tmp_path / "store"), seed, str(result), chunk), nprocs=2, join=True)
+    mp.spawn(_kernel_block_worker, args=(2, str(tmp_path / "store"), seed, str(result), chunk, gluon_host), nprocs=2,
+             join=True)
     text = "\n".join((tmp_path / f"kb.{r}").read_text() for r in range(2)).strip()
     assert text == "", "\n" + text
 
