@@ -846,6 +846,7 @@ def bench_ring(
     progress: bool = True,
     profile: bool = False,
     check_rows: Optional[list[dict]] = None,
+    wires: Sequence[str] = ("row_scaled",),
 ) -> list[dict]:
     """Time ring MXFP8 attention forward and forward+backward on the initialised (nccl) process group.
 
@@ -864,7 +865,14 @@ def bench_ring(
     also runs two forward+backward passes under ``torch.profiler`` and rank 0's row gets its device time per kernel
     (``profile_fwd_bwd``: where the time over half the single-GPU time goes; NCCL kernels overlap the others).
     ``check_rows`` (``check_ring``'s rows from the same process group) go into the JSON under ``check``.
+    ``wires``: one row per wire format and sequence length, all against the same single-GPU time:
+    ``"row_scaled"`` (``KernelBlock()``: the kernels' operands travel) and ``"mxfp8"``
+    (``KernelBlock(row_scaled_wire=False)``: FP8 with one E8M0 scale per 32 elements travels, each call
+    re-expresses it).
     """
+    for w in wires:
+        if w not in ("row_scaled", "mxfp8"):
+            raise ValueError(f"wire format {w!r}: expected 'row_scaled' or 'mxfp8'")
     W, rank = dist.get_world_size(), dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
     ring = _Ring(None)
@@ -885,37 +893,48 @@ def bench_ring(
             for h in (heads, kv_heads, kv_heads)
         )
         dout = torch.randn(batch, sl, heads, head_dim, device=dev, dtype=torch.bfloat16, generator=gen)
-
-        t_fwd = _time_per_iter(lambda: ring_mxfp8_attn_func(q, k, v, causal=causal), iters)
-        t_all = _time_per_iter(lambda: ring_mxfp8_attn_func(q, k, v, causal=causal).backward(dout), iters)
-        t_bf16 = _time_per_iter(lambda: ring_mxfp8_attn_func(q, k, v, causal=causal, grad_comm_dtype=torch.bfloat16)
-                                .backward(dout), iters)  # dK/dV partial sums sent as BF16 (half the grad bytes)
-        if profile:  # every rank profiles (the ring needs all of them); rank 0 keeps its table
-            from mxattn.bench.profiling import profile_kernels
-
-            prof = profile_kernels(lambda: ring_mxfp8_attn_func(q, k, v, causal=causal).backward(dout))
-        sent = last_ring_stats().fwd_kv_bytes
-        mx_step = max(sent) if sent else 0
         bf16_step = 2 * k.numel() * 2
         flops = 4 * batch * heads * S * S * head_dim * (0.5 if causal else 1.0)
-        row = {
-            "B": batch, "Hq": heads, "Hkv": kv_heads, "S": S, "D": head_dim, "causal": causal, "world": W,
-            "ms": {"fwd": t_fwd * 1e3, "fwd_bwd": t_all * 1e3, "fwd_bwd_bf16_grad_comm": t_bf16 * 1e3},
-            "tflops_per_gpu": {"fwd": flops / W / t_fwd / 1e12, "fwd_bwd": 3.5 * flops / W / t_all / 1e12},
-            "wire_bytes_per_step": ring_step_bytes(batch, sl, kv_heads, head_dim),
-            "wire_measured": {"fwd_step_bytes_mxfp8": mx_step, "fwd_step_bytes_bf16": bf16_step,
-                              "ratio": mx_step / bf16_step,  # what traveled: the Hopper operands or MXFP8
-                              "format": ("row_scaled" if mx_step == ring_step_bytes(batch, sl, kv_heads, head_dim)
-                                         ["fwd_row_scaled"] else "mxfp8")},
-        }
-        if profile:
-            row["profile_fwd_bwd"] = prof
+        s_rows = []
+        for wire in wires:
+            blk = KernelBlock(row_scaled_wire=wire == "row_scaled")
+
+            def ring_call(**kw):
+                return ring_mxfp8_attn_func(q, k, v, causal=causal, block=blk, **kw)
+
+            t_fwd = _time_per_iter(ring_call, iters)
+            t_all = _time_per_iter(lambda: ring_call().backward(dout), iters)
+            # dK/dV partial sums sent as BF16 (half the grad bytes)
+            t_bf16 = _time_per_iter(lambda: ring_call(grad_comm_dtype=torch.bfloat16).backward(dout), iters)
+            if profile:  # every rank profiles (the ring needs all of them); rank 0 keeps its table
+                from mxattn.bench.profiling import profile_kernels
+
+                prof = profile_kernels(lambda: ring_call().backward(dout))
+            sent = last_ring_stats().fwd_kv_bytes
+            mx_step = max(sent) if sent else 0
+            row = {
+                "B": batch, "Hq": heads, "Hkv": kv_heads, "S": S, "D": head_dim, "causal": causal, "world": W,
+                "wire": wire,
+                "ms": {"fwd": t_fwd * 1e3, "fwd_bwd": t_all * 1e3, "fwd_bwd_bf16_grad_comm": t_bf16 * 1e3},
+                "tflops_per_gpu": {"fwd": flops / W / t_fwd / 1e12, "fwd_bwd": 3.5 * flops / W / t_all / 1e12},
+                "wire_bytes_per_step": ring_step_bytes(batch, sl, kv_heads, head_dim),
+                "wire_measured": {"fwd_step_bytes_mxfp8": mx_step, "fwd_step_bytes_bf16": bf16_step,
+                                  "ratio": mx_step / bf16_step,  # what traveled: the Hopper operands or MXFP8
+                                  "format": ("row_scaled" if mx_step == ring_step_bytes(batch, sl, kv_heads, head_dim)
+                                             ["fwd_row_scaled"] else "mxfp8")},
+            }
+            if profile:
+                row["profile_fwd_bwd"] = prof
+            s_rows.append(row)
         q = k = v = dout = None  # free before the single-GPU baseline
         if W > 1:
-            t_mx = _wire_time(mx_step, ring, iters)
-            t_bf = _wire_time(bf16_step, ring, iters)
-            row["wire_measured"] |= {"hop_ms_mxfp8": t_mx * 1e3, "hop_ms_bf16": t_bf * 1e3,
-                                     "hop_GBps_mxfp8": mx_step / t_mx / 1e9, "hop_GBps_bf16": bf16_step / t_bf / 1e9}
+            for row in s_rows:
+                mx_step = row["wire_measured"]["fwd_step_bytes_mxfp8"]
+                t_mx = _wire_time(mx_step, ring, iters)
+                t_bf = _wire_time(bf16_step, ring, iters)
+                row["wire_measured"] |= {"hop_ms_mxfp8": t_mx * 1e3, "hop_ms_bf16": t_bf * 1e3,
+                                         "hop_GBps_mxfp8": mx_step / t_mx / 1e9,
+                                         "hop_GBps_bf16": bf16_step / t_bf / 1e9}
         if single:
             if rank == 0:
                 from mxattn.interface import mxfp8_attn_func
@@ -928,12 +947,15 @@ def bench_ring(
                                        together=False)
                 del gq, gk, gv, gd
                 torch.cuda.empty_cache()
-                row["single_gpu_ms"] = {"fwd": s_fwd * 1e3, "fwd_bwd": s_all * 1e3}
-                row["speedup_vs_1gpu"] = {"fwd": s_fwd / t_fwd, "fwd_bwd": s_all / t_all}
+                for row in s_rows:
+                    row["single_gpu_ms"] = {"fwd": s_fwd * 1e3, "fwd_bwd": s_all * 1e3}
+                    row["speedup_vs_1gpu"] = {"fwd": s_fwd * 1e3 / row["ms"]["fwd"],
+                                              "fwd_bwd": s_all * 1e3 / row["ms"]["fwd_bwd"]}
             dist.barrier()
-        rows.append(row)
+        rows.extend(s_rows)
         if show:
-            print(json.dumps(row), flush=True)
+            for row in s_rows:
+                print(json.dumps(row), flush=True)
     if rank == 0 and outdir:
         from mxattn.bench.results import env_info, gpu_slug
 
@@ -1021,6 +1043,8 @@ def _main(argv=None) -> None:
     p.add_argument("--check-only", action="store_true", help="only the check, no timing")
     p.add_argument("--no-single", action="store_true", help="skip the single-GPU baseline on rank 0")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--wire", nargs="+", default=["row_scaled"], choices=["row_scaled", "mxfp8"],
+                   help="what travels: the kernels' row-scaled operands or MXFP8 (one row per format)")
     p.add_argument("--profile", action="store_true",
                    help="device time per kernel of one rank's fwd+bwd (torch.profiler)")
     a = p.parse_args(argv)
@@ -1033,7 +1057,8 @@ def _main(argv=None) -> None:
         if a.check_only:
             return
         bench_ring(a.seqlen, a.batch, a.heads, a.kv_heads or a.heads, a.head_dim, a.causal, a.iters, a.outdir,
-                   single=not a.no_single, progress=not a.no_progress, profile=a.profile, check_rows=checks)
+                   single=not a.no_single, progress=not a.no_progress, profile=a.profile, check_rows=checks,
+                   wires=a.wire)
     finally:
         dist.destroy_process_group()
 
