@@ -376,24 +376,26 @@ class KernelBlock:
     """Block function on the Hopper FP8 kernels (CUDA): row-scaled operands (``row_scaled_triton``),
     ``attn_fwd_hopper`` / ``attn_fwd_gluon`` / ``attn_bwd_hopper`` with the global out and lse.
 
-    Visiting K/V: when chunks are a multiple of 128 tokens (``kv_operands``), each rank makes the Hopper operands of
-    its own K/V shard once per pass, straight from the float tensors, and those travel round the ring (no MX on the
-    wire, no per-step re-expression; one exponent per 128 keys for the head-dim orientation, one per channel over
-    the shard for the sequence orientation).  Otherwise MXFP8 travels and each call re-expresses what it gets.
+    Visiting K/V travel as MXFP8 (FP8 data and one E8M0 scale per 32 elements, 0.516x BF16's bytes) and each call
+    re-expresses what it gets.  ``row_scaled_wire=True``, when chunks are a multiple of 128 tokens (``kv_operands``):
+    each rank makes the Hopper operands of its own K/V shard once per pass, straight from the float tensors, and
+    those travel instead (0.500x BF16's bytes, no per-step re-expression; one exponent per 128 keys for the head-dim
+    orientation, one per channel over the shard for the sequence orientation).  On 2 H200 both run at the same speed
+    (1.86x one GPU at 64k, ``benchmarks/results/ring_attn-nvidia-h200-x2-2026-11-30-wires.json``), so the default is
+    the MX contract's wire.
 
     The query side (Q per row for the forward; Q and dO in both orientations for the backward) is made once per
     pass for the whole shard and sliced per call (``takes_rows``: the ring passes the full q, out, dout, lse and the
     call's ``rows``); it is kept until ``begin`` (called by the ring at the start of each pass, and ``end`` after
     it).  Rows that cut the backward's 128-row exponent groups get their own operands.  The sequence-orientation
     operands of a slice keep the whole shard's per-channel exponent (re-expression lemma, DESIGN §3).
-    ``row_scaled_wire=False``: MXFP8 on the wire and per-call re-expression (what the ring did up to session 6;
-    the tests compare the two).  CPU tests run it through the Triton interpreter (tests/test_distributed.py); on
+    The tests compare the two wires.  CPU tests run it through the Triton interpreter (tests/test_distributed.py); on
     GPUs ``python -m mxattn.distributed --check``."""
 
     takes_rows = True  # forward/backward take the whole shard's q (out, dout, lse) and rows=
     writes_grads_into = True  # backward(..., dk_out=, dv_out=) writes dK, dV there (fp32 views of the ring buffer)
 
-    def __init__(self, row_scaled_wire: bool = True):
+    def __init__(self, row_scaled_wire: bool = False):
         self._cache: dict = {}
         self.row_scaled_wire = row_scaled_wire
 
@@ -410,7 +412,8 @@ class KernelBlock:
     def kv_operands(self, k, v, backward: bool, chunk: int):
         """This rank's K/V shard as the operands that travel (whole shard; the ring slices them per call):
         forward [K head-dim (K layout), V sequence (V layout)], backward [K head-dim, K sequence, V head-dim];
-        None (MXFP8 travels instead) unless chunks are a multiple of the 128-key exponent group."""
+        None (MXFP8 travels instead) unless ``row_scaled_wire`` and chunks are a multiple of the 128-key exponent
+        group."""
         from mxattn.kernels.attn_bwd import EXP_GROUP
         from mxattn.kernels.attn_fwd import K_EXP_GROUP
         from mxattn.kernels.quantize import row_scaled_triton
@@ -846,7 +849,7 @@ def bench_ring(
     progress: bool = True,
     profile: bool = False,
     check_rows: Optional[list[dict]] = None,
-    wires: Sequence[str] = ("row_scaled",),
+    wires: Sequence[str] = ("mxfp8",),
 ) -> list[dict]:
     """Time ring MXFP8 attention forward and forward+backward on the initialised (nccl) process group.
 
@@ -866,9 +869,8 @@ def bench_ring(
     (``profile_fwd_bwd``: where the time over half the single-GPU time goes; NCCL kernels overlap the others).
     ``check_rows`` (``check_ring``'s rows from the same process group) go into the JSON under ``check``.
     ``wires``: one row per wire format and sequence length, all against the same single-GPU time:
-    ``"row_scaled"`` (``KernelBlock()``: the kernels' operands travel) and ``"mxfp8"``
-    (``KernelBlock(row_scaled_wire=False)``: FP8 with one E8M0 scale per 32 elements travels, each call
-    re-expresses it).
+    ``"row_scaled"`` (``KernelBlock(row_scaled_wire=True)``: the kernels' operands travel) and ``"mxfp8"``
+    (``KernelBlock()``: FP8 with one E8M0 scale per 32 elements travels, each call re-expresses it).
     """
     for w in wires:
         if w not in ("row_scaled", "mxfp8"):
@@ -1043,7 +1045,7 @@ def _main(argv=None) -> None:
     p.add_argument("--check-only", action="store_true", help="only the check, no timing")
     p.add_argument("--no-single", action="store_true", help="skip the single-GPU baseline on rank 0")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--wire", nargs="+", default=["row_scaled"], choices=["row_scaled", "mxfp8"],
+    p.add_argument("--wire", nargs="+", default=["mxfp8"], choices=["row_scaled", "mxfp8"],
                    help="what travels: the kernels' row-scaled operands or MXFP8 (one row per format)")
     p.add_argument("--profile", action="store_true",
                    help="device time per kernel of one rank's fwd+bwd (torch.profiler)")

@@ -346,7 +346,7 @@ def _kernel_block_worker(rank, world, init_file, seed, result_file, chunk=64, gl
         full = [torch.randn(1, S, h, D, generator=g) for h in (Hq, Hkv, Hkv, Hq)]
         got, sent, calls = {}, {}, {}
         quantize = md._quantize
-        blocks = [("kernel", KernelBlock()), ("reference", ReferenceBlock())]
+        blocks = [("kernel", KernelBlock(row_scaled_wire=True)), ("reference", ReferenceBlock())]
         if chunk % 128 == 0:  # the Hopper operands travel: compare with MXFP8 on the wire (the path before)
             blocks.append(("kernel_mx_wire", KernelBlock(row_scaled_wire=False)))
         else:  # MXFP8 travels: again with the MX layouts of a GPU run (channel-major sequence blocks)
