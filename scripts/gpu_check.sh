@@ -15,6 +15,7 @@
 #   quant      quantization kernels vs device copy
 #   producers  rmsnorm_quant / linear_quant vs unfused and cuBLAS FP8
 #   varlen     jagged forward vs the dense kernel at 50 % fill
+#   varlensweep  the same over several length draws, d128 and d64, and d64 tile configs
 #   graph      `mxattn bench --cuda-graph`: forward as CUDA-graph replays (no host launch overhead), S 2k/4k
 #   ring       ring attention over every GPU (torchrun, nccl): check against single-GPU mxattn, then timing
 #   train      examples/train_gpt.py (TRAIN_ATTENTION=sdpa|mxfp8|both, TRAIN_ARGS), into OUTDIR/train
@@ -138,6 +139,29 @@ rows += [dict(bench_varlen(causal=c, lengths=[2048] * 16, with_sdpa=False), leng
 print(json.dumps(rows, indent=1))
 print(write_result('varlen_fwd', rows, sys.argv[1]))
 " "$OUT" ;;
+    varlensweep)
+      # issue 8: rate_vs_dense over several length draws (seeds), both head dims, causal and not, and tile configs
+      # for d64 (VARLEN_SEEDS, default 0 1 2 3): is a row under 0.95 the draw, the noise, or the tile?
+      run $PY -c "
+import json, sys
+from mxattn.kernels.attn_fwd import FwdConfig
+from mxattn.kernels.varlen import bench_varlen
+from mxattn.bench.results import write_result
+seeds = [int(s) for s in sys.argv[2].split()]
+cases = [dict(head_dim=d, causal=c, seed=s) for d in (128, 64) for c in (False, True) for s in seeds]
+cases += [dict(head_dim=64, causal=c, seed=0, config=cfg) for c in (False, True)
+          for cfg in (FwdConfig(64, 64, 4, 3), FwdConfig(64, 128, 4, 3), FwdConfig(128, 64, 8, 3), FwdConfig(128, 128, 8, 2))]
+rows = []
+for kw in cases:
+    try:
+        r = bench_varlen(with_sdpa=False, **kw)
+    except Exception as e:  # a tile the kernel refuses: say so, keep the other rows
+        print('failed', kw, repr(e)[:200])
+        continue
+    rows.append(r)
+    print(r['D'], r['causal'], r['seed'], r['config'], 'fill %.2f' % r['fill'], 'rate_vs_dense %.3f' % r['rate_vs_dense'], flush=True)
+print(write_result('varlen_fwd', rows, sys.argv[1]))
+" "$OUT" "${VARLEN_SEEDS:-0 1 2 3}" ;;
     graph)
       run $PY -m mxattn bench --cuda-graph --out "$OUT" --no-plot --no-progress ${GRAPH_ARGS:---seqlens 2k,4k --head-dims 128,64} ;;
     ring)

@@ -63,7 +63,7 @@ kernels with ``VARLEN=True``).  Speed helpers: ``bench_varlen``, ``bench_varlen_
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Optional, Union
 
 import torch
@@ -551,7 +551,7 @@ def jagged_lengths(batch: int, mean: int, seed: int = 0) -> list[int]:
 
 def bench_varlen(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, heads_kv: int = 16, head_dim: int = 128,
                  causal: bool = False, seed: int = 0, lengths: Optional[list[int]] = None,
-                 with_sdpa: bool = True) -> dict:
+                 with_sdpa: bool = True, config=None) -> dict:
     """Time the jagged forward on a ~50%-fill batch against the dense kernel (CUDA).
 
     Lengths uniform in [1, 2 mean_len - 1] (or ``lengths``).  Timed, kernel only (operands made once): the varlen
@@ -561,11 +561,12 @@ def bench_varlen(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, heads
     times in ms, TFLOP/s on real FLOPs, ``speedup_vs_padded`` (padded dense time / varlen time) and
     ``rate_vs_dense`` (varlen TFLOP/s / dense TFLOP/s at (batch, mean_len)).  Also the producers' time and, with
     ``with_sdpa``, SDPA cuDNN / flash BF16 on the batch padded to its longest sequence
-    (``speedup_vs_sdpa_cudnn_padded``: SDPA time / varlen time).
+    (``speedup_vs_sdpa_cudnn_padded``: SDPA time / varlen time).  ``config``: an ``attn_fwd.FwdConfig`` for both
+    the jagged and the dense kernel (default: ``default_config``); the row names it.
     """
     from triton.testing import do_bench
 
-    from mxattn.kernels.attn_fwd import attn_fwd_hopper, attn_fwd_hopper_varlen
+    from mxattn.kernels.attn_fwd import attn_fwd_hopper, attn_fwd_hopper_varlen, default_config
 
     lens = list(lengths) if lengths is not None else jagged_lengths(batch, mean_len, seed)
     B, D = len(lens), head_dim
@@ -579,7 +580,7 @@ def bench_varlen(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, heads
     smax = max(lens)
     ops = varlen_operands(q, k, v, cu, cu, smax, smax)
     t_prod = do_bench(lambda: varlen_operands(q, k, v, cu, cu, smax, smax))
-    t_var = do_bench(lambda: attn_fwd_hopper_varlen(*ops, causal=causal))
+    t_var = do_bench(lambda: attn_fwd_hopper_varlen(*ops, causal=causal, config=config))
 
     def dense_ms(S: int, v_row: Optional[int] = None) -> float:
         shape = lambda h: (B, S, h, D)
@@ -592,7 +593,7 @@ def bench_varlen(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, heads
             buf[..., :S] = vr.data.permute(0, 2, 3, 1).view(torch.uint8)
             vr = RowScaledFP8(buf[..., :S].permute(0, 3, 1, 2).view(torch.float8_e4m3fn), vr.exp, vr.dim)
         dops = (row_scaled_triton(qd, "q"), row_scaled_triton(kd, "k"), vr)
-        return do_bench(lambda: attn_fwd_hopper(*dops, causal=causal))
+        return do_bench(lambda: attn_fwd_hopper(*dops, causal=causal, config=config))
 
     t_pad = dense_ms(smax)
     t_mean = dense_ms(mean_len)
@@ -621,7 +622,8 @@ def bench_varlen(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, heads
     cu_ms = sdpa.get("sdpa_cudnn_bf16_padded")
     return {
         "B": B, "Hq": heads_q, "Hkv": heads_kv, "D": D, "causal": causal, "mean_len": mean_len, "max_len": smax,
-        "tokens": T, "fill": T / (B * smax),
+        "tokens": T, "fill": T / (B * smax), "seed": seed,
+        "config": asdict(config or default_config(D, causal)),
         "ms": {"varlen": t_var, "dense_padded": t_pad, "dense_mean": t_mean, "dense_mean_v_row_tv": t_mean_vstride,
                "producers": t_prod, **sdpa},
         "tflops": {"varlen": tf(real, t_var), "dense_padded_real": tf(real, t_pad), "dense_mean": tf(dense_flops, t_mean),
