@@ -562,11 +562,12 @@ def bench_varlen(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, heads
     ``rate_vs_dense`` (varlen TFLOP/s / dense TFLOP/s at (batch, mean_len)).  Also the producers' time and, with
     ``with_sdpa``, SDPA cuDNN / flash BF16 on the batch padded to its longest sequence
     (``speedup_vs_sdpa_cudnn_padded``: SDPA time / varlen time).  ``config``: an ``attn_fwd.FwdConfig`` for both
-    the jagged and the dense kernel (default: ``default_config``); the row names it.
+    the jagged and the dense kernel (default: each its own, ``varlen_config`` and ``default_config``); the row
+    names them.
     """
     from triton.testing import do_bench
 
-    from mxattn.kernels.attn_fwd import attn_fwd_hopper, attn_fwd_hopper_varlen, default_config
+    from mxattn.kernels.attn_fwd import attn_fwd_hopper, attn_fwd_hopper_varlen, default_config, varlen_config
 
     lens = list(lengths) if lengths is not None else jagged_lengths(batch, mean_len, seed)
     B, D = len(lens), head_dim
@@ -623,7 +624,8 @@ def bench_varlen(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, heads
     return {
         "B": B, "Hq": heads_q, "Hkv": heads_kv, "D": D, "causal": causal, "mean_len": mean_len, "max_len": smax,
         "tokens": T, "fill": T / (B * smax), "seed": seed,
-        "config": asdict(config or default_config(D, causal)),
+        "config": asdict(config) if config else {"varlen": asdict(varlen_config(D, causal)),
+                                                  "dense": asdict(default_config(D, causal))},
         "ms": {"varlen": t_var, "dense_padded": t_pad, "dense_mean": t_mean, "dense_mean_v_row_tv": t_mean_vstride,
                "producers": t_prod, **sdpa},
         "tflops": {"varlen": tf(real, t_var), "dense_padded_real": tf(real, t_pad), "dense_mean": tf(dense_flops, t_mean),
