@@ -9,7 +9,8 @@
 # runs under a sanitizer; a case that fails here is not sanitized); 2. every (tool, case) pair in its own process
 # under `timeout`, MXATTN_SANITIZE_JOBS at a time. Writes OUTDIR/<tool>-<case>.log (sanitizer report),
 # OUTDIR/<tool>-<case>.out (the driver's output) and OUTDIR/summary.txt (one line per run, then a verdict).
-# Exit status 0 only when every run is clean. Environment:
+# Exit status 0 only when every run is clean; a racecheck run whose every report lies on the lines Triton's
+# gl.warp_specialize lowering is attributed to (scripts/racecheck_classify.py) counts as clean, marked ok-ws. Environment:
 #   MXATTN_SANITIZE_TOOLS    default "memcheck racecheck synccheck" (initcheck also works)
 #   MXATTN_SANITIZE_TIMEOUT  seconds per run, default 300
 #   MXATTN_SANITIZE_JOBS     runs at once, default 4 (tiny launches: the GPU is mostly idle under a sanitizer)
@@ -97,6 +98,7 @@ done
 wait
 
 clean=1
+ws_only=0
 for tool in $TOOLS; do
   for c in $RUN_CASES; do
     rc=$(cat "$OUT/$tool-$c.rc" 2>/dev/null || echo "?")
@@ -105,13 +107,24 @@ for tool in $TOOLS; do
     [ "$rc" = 0 ] || verdict="FAIL"
     [ "$rc" = 124 ] && verdict="TIMEOUT"
     case $summ in *" 0 errors"*|*" 0 hazards"*) ;; *) verdict="FAIL" ;; esac
-    [ "$verdict" = ok ] || clean=0
+    # racecheck's reports on Triton's gl.warp_specialize lowering (state word, capture slots: docs/racecheck-gluon.md)
+    # are sorted out by scripts/racecheck_classify.py; any report on another line keeps the FAIL
+    if [ "$tool" = racecheck ] && [ "$verdict" = FAIL ] && [ "$rc" = 99 ] && \
+       "$PY" "$HERE/racecheck_classify.py" "$OUT/$tool-$c.log" --json "$OUT/$tool-$c.classified.json" \
+         > "$OUT/$tool-$c.classified.txt" 2>&1; then
+      verdict="ok-ws"; ws_only=1
+      summ="$summ; all on Triton warp-specialize lowering lines (racecheck_classify)"
+    fi
+    [ "$verdict" = ok ] || [ "$verdict" = ok-ws ] || clean=0
     printf '%-10s %-10s %-7s rc=%-3s %s\n' "$tool" "$c" "$verdict" "$rc" "${summ:-no summary line}" >> "$OUT/summary.txt"
   done
 done
 [ -n "$RUN_CASES" ] || clean=0
 for c in $CASES; do case " $RUN_CASES " in *" $c "*) ;; *) clean=0 ;; esac; done
-if [ $clean = 1 ]; then echo "CLEAN: every case ran under every tool with 0 errors" >> "$OUT/summary.txt"
+if [ $clean = 1 ] && [ $ws_only = 1 ]; then
+  echo "CLEAN: every case ran under every tool; 0 errors except racecheck reports that all lie on Triton's" \
+       "gl.warp_specialize lowering lines (ok-ws; the wsprobe control kernel gets the same)" >> "$OUT/summary.txt"
+elif [ $clean = 1 ]; then echo "CLEAN: every case ran under every tool with 0 errors" >> "$OUT/summary.txt"
 else echo "NOT CLEAN: see the FAIL/TIMEOUT lines and OUTDIR/<tool>-<case>.log" >> "$OUT/summary.txt"; fi
 cat "$OUT/summary.txt"
 [ $clean = 1 ]

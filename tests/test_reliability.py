@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -484,3 +485,63 @@ def test_memory_is_linear_in_sequence_length(causal, seed):
         doc["rows"] += rows
         with open(path, "w") as f:
             json.dump(doc, f, indent=1)
+
+
+# ---------------------------------------------------------------------------------------------- racecheck reports
+def _racecheck_classify():
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "racecheck_classify.py"
+    spec = importlib.util.spec_from_file_location("racecheck_classify", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _line_of(path: Path, needle: str, after: int = 0) -> int:
+    for i, line in enumerate(path.read_text().splitlines()[after:], start=after + 1):
+        if needle in line:
+            return i
+    raise AssertionError(f"{needle!r} not in {path.name}")
+
+
+def _hazard(addr: str, kernel: str, write: tuple, read: tuple) -> str:
+    return (f"========= Error: Potential RAW hazard detected at __shared__ {addr} in block (0,0,0) :\n"
+            f"=========     Write Thread (31,0,0) at {kernel}+0x70d0 in {write[0]}:{write[1]}\n"
+            f"=========     Read Thread (160,0,0) at {kernel}+0x130 in {read[0]}:{read[1]}\n"
+            f"=========     Current Value : 2\n=========\n")
+
+
+def test_racecheck_classify_sorts_ws_lowering_from_kernel_lines(tmp_path):
+    """scripts/racecheck_classify.py (sanitize.sh's racecheck verdict): a report whose two accesses lie on the lines
+    Triton's gl.warp_specialize lowering is attributed to (the kernel's def line, the call and the block header
+    around it) is "ws_lowering"; one access on a kernel-body line (an mbarrier wait, a tile) makes it "other" and
+    the script fail.  Line numbers are found in the current source, as the GPU run's tree has them."""
+    rc = _racecheck_classify()
+    src = Path(__file__).resolve().parent.parent / "mxattn" / "kernels" / "attn_bwd_dkdv_gluon.py"
+    name, kern = src.name, "_attn_bwd_dkdv_ws_kernel"
+    def_line = _line_of(src, f"def {kern}(")
+    ws_call = _line_of(src, "gl.warp_specialize(", after=def_line)
+    header = _line_of(src, "if SPLIT:", after=def_line)
+    assert header < ws_call
+    body = _line_of(src, "mbarrier.wait(")  # a partition's line: never lowering
+    ws_log = (_hazard("0xc5e8", kern, (name, header), (name, def_line))
+              + _hazard("0xc5e9", kern, (name, ws_call), (name, def_line))
+              + f"========= Error: Race reported between Read access at {kern}+0x130 in {name}:{def_line}\n"
+                f"=========     and Write access at {kern}+0x70d0 in {name}:{header} [2 hazards]\n"
+              + "========= RACECHECK SUMMARY: 3 hazards displayed (3 errors, 0 warnings)\n")
+    r = rc.classify(ws_log, rc._Sources([src.parent]))
+    assert r["hazards"] == {"ws_lowering": 2} and r["summarised_hazards"] == {"ws_lowering": 2}
+    (tmp_path / "ws.log").write_text(ws_log)
+    assert rc.main([str(tmp_path / "ws.log")]) == 0
+
+    bad_log = ws_log.replace("RACECHECK SUMMARY: 3", "RACECHECK SUMMARY: 4").replace("(3 errors", "(4 errors") \
+        + _hazard("0xc100", kern, (name, body), (name, def_line))
+    r = rc.classify(bad_log, rc._Sources([src.parent]))
+    assert r["hazards"] == {"ws_lowering": 2, "other": 1} and len(r["other_examples"]) == 1
+    (tmp_path / "bad.log").write_text(bad_log)
+    assert rc.main([str(tmp_path / "bad.log")]) == 1
+    # reports cut by --print-limit cannot be cleared
+    cut = ws_log.replace("(3 errors", "(176 errors")
+    (tmp_path / "cut.log").write_text(cut)
+    assert rc.main([str(tmp_path / "cut.log")]) == 1

@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import require_kernels
 
-from mxattn import formats, interface, reference
+from mxattn import formats, reference
 from mxattn.interface import mxfp8_attn_func, mxfp8_attn_varlen_func
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -302,9 +302,10 @@ def test_varlen_kernel_interpreter(case, seed):
 
 
 def test_varlen_kernel_equals_dense_kernel_per_sequence(seed):
-    """Same kernel, same tiles: every sequence's rows equal the dense kernel on that sequence alone, bit for bit."""
+    """Same kernel, same tiles (the dense call takes the jagged default, ``varlen_config``): every sequence's rows
+    equal the dense kernel on that sequence alone, bit for bit."""
     require_kernels()
-    from mxattn.kernels.attn_fwd import attn_fwd_hopper, attn_fwd_hopper_varlen
+    from mxattn.kernels.attn_fwd import attn_fwd_hopper, attn_fwd_hopper_varlen, varlen_config
     from mxattn.kernels.quantize import row_scaled_triton
     from mxattn.kernels.varlen import varlen_operands
 
@@ -315,7 +316,7 @@ def test_varlen_kernel_equals_dense_kernel_per_sequence(seed):
         out, lse = attn_fwd_hopper_varlen(*varlen_operands(q, k, v, cu_q, cu_k, 70, 129), causal=causal)
         for sq, sk in zip(_seq_slices(cu_q), _seq_slices(cu_k)):
             dense = [row_scaled_triton(t.unsqueeze(0), r) for t, r in ((q[sq], "q"), (k[sk], "k"), (v[sk], "v"))]
-            od, ld = attn_fwd_hopper(*dense, causal=causal)
+            od, ld = attn_fwd_hopper(*dense, causal=causal, config=varlen_config(64, causal))
             assert torch.equal(out[sq], od[0]), f"out of rows {sq} differs from the dense kernel (causal={causal})"
             assert torch.equal(lse[:, sq], ld[0]), f"lse of rows {sq} differs from the dense kernel (causal={causal})"
 
@@ -604,7 +605,7 @@ def test_varlen_gpu_beyond_int32_head_offsets(seed):
 @pytest.mark.gpu
 def test_varlen_gpu_many_short_sequences(seed):
     """5000 sequences x 16 heads: batch * heads passes 65535 (the kernel's grid is 1-D)."""
-    from mxattn.kernels.attn_fwd import attn_fwd_hopper, attn_fwd_hopper_varlen
+    from mxattn.kernels.attn_fwd import attn_fwd_hopper, attn_fwd_hopper_varlen, varlen_config
     from mxattn.kernels.quantize import row_scaled_triton
     from mxattn.kernels.varlen import varlen_operands
 
@@ -622,7 +623,7 @@ def test_varlen_gpu_many_short_sequences(seed):
         if s.stop == s.start:
             continue
         dense = [row_scaled_triton(t.unsqueeze(0), r) for t, r in ((q[s], "q"), (k[s], "k"), (v[s], "v"))]
-        od, ld = attn_fwd_hopper(*dense, causal=True)
+        od, ld = attn_fwd_hopper(*dense, causal=True, config=varlen_config(64, True))
         assert torch.equal(out[s], od[0]) and torch.equal(lse[:, s], ld[0]), f"sequence {i}"
 
 
