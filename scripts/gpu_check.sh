@@ -16,6 +16,7 @@
 #   producers  rmsnorm_quant / linear_quant vs unfused and cuBLAS FP8
 #   varlen     jagged forward vs the dense kernel at 50 % fill
 #   varlensweep  the same over several length draws, d128 and d64, and d64 tile configs
+#   varlenbwd  jagged backward vs the dense default backward (Gluon on Hopper) and SDPA, two draws, causal and not
 #   graph      `mxattn bench --cuda-graph`: forward as CUDA-graph replays (no host launch overhead), S 2k/4k
 #   ring       ring attention over every GPU (torchrun, nccl): check against single-GPU mxattn, then timing
 #   train      examples/train_gpt.py (TRAIN_ATTENTION=sdpa|mxfp8|both, TRAIN_ARGS), into OUTDIR/train
@@ -162,6 +163,18 @@ for kw in cases:
     print(r['D'], r['causal'], r['seed'], r['config'], 'fill %.2f' % r['fill'], 'rate_vs_dense %.3f' % r['rate_vs_dense'], flush=True)
 print(write_result('varlen_fwd', rows, sys.argv[1]))
 " "$OUT" "${VARLEN_SEEDS:-0 1 2 3}" ;;
+    varlenbwd)
+      # issue 8: the jagged backward (tl kernels) against the dense default (the Gluon backward on Hopper since
+      # session 5; session 3's 0.95-0.98 was against the tl dense backward)
+      run $PY -c "
+import json, sys
+from mxattn.kernels.varlen import bench_varlen_bwd
+from mxattn.bench.results import write_result
+rows = [bench_varlen_bwd(causal=c, seed=s) for c in (False, True) for s in (0, 1)]
+for r in rows:
+    print(r['causal'], 'rate_vs_dense %.3f' % r['rate_vs_dense'], 'vs sdpa cudnn padded', r['speedup_vs_sdpa_cudnn_padded'], flush=True)
+print(write_result('varlen_bwd', rows, sys.argv[1]))
+" "$OUT" ;;
     graph)
       run $PY -m mxattn bench --cuda-graph --out "$OUT" --no-plot --no-progress ${GRAPH_ARGS:---seqlens 2k,4k --head-dims 128,64} ;;
     ring)
