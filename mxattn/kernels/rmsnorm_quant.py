@@ -96,6 +96,10 @@ class FwdTile:
     block_m: int  # rows per program: a power of two; a multiple of 32 when a seq orientation is emitted
     block_n: int  # columns per chunk: a power of two >= 32
     num_warps: int
+    # register cap per thread (ptxas ``.maxnreg``), None = the compiler's choice.  The sm_90a builds of one
+    # 4096/8192-wide row per program take 95/96 registers: 5 CTAs of 4 warps / 2 CTAs of 8 warps per SM, while the
+    # kernel is latency-bound (docs/perf-notes-producers.md, session 7); 80 costs one spilled word.
+    maxnreg: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -493,7 +497,7 @@ def rmsnorm_quant_fwd(
         S, N, s_pad, n_s_tiles, float(eps), float(N),
         MB=bm // mi, MI=mi, BLOCK_N=bn, LOG_BN=_log2(bn), NCHUNK=nchunk, NPC=npc, LOG_NPC=_log2(npc),
         HDIM=hdim, SEQ=seq, ROWSCALED=row_scaled, RCEIL=rceil, SOFT=_soft(dev), SWZ=tiled_scales,
-        num_warps=tile.num_warps, enable_fp_fusion=False,
+        num_warps=tile.num_warps, enable_fp_fusion=False, **({"maxnreg": tile.maxnreg} if tile.maxnreg else {}),
     )
     return out
 
