@@ -14,9 +14,9 @@ What travels (forward): K blocked along the head dim and V blocked along the seq
     bit-identical to quantizing the whole gathered sequence, so the ring computes on exactly the operands of
     single-process ``mxfp8_attn_func``; the shard is then quantized in one launch per tensor and calls take views
     of it.  Bytes per rank and step: 2N (1 + 1/32) against 4N for a BF16 ring, N = B * S_local * Hkv * D: 0.516x
-    (``ring_step_bytes``).  ``KernelBlock`` with c a multiple of 128 sends the Hopper operands instead (made once
-    per pass by the owner from the float shard; ``KernelBlock.kv_operands``): 2N plus int32 exponents, and no
-    visiting rank re-expresses anything.
+    (``ring_step_bytes``).  ``KernelBlock(row_scaled_wire=True)`` with c a multiple of 128 sends the Hopper operands
+    instead (made once per pass by the owner from the float shard; ``KernelBlock.kv_operands``): 2N plus int32
+    exponents, and no visiting rank re-expresses anything.
     The tensors go to rank r+1 with ``batch_isend_irecv`` while rank r computes on the block it holds.
 
 Per step and per (q chunk, k chunk) pair: ``full`` (the q chunk is later in the sequence than the k chunk, or
@@ -862,9 +862,9 @@ def bench_ring(
     Rows: per-GPU TFLOP/s (4·B·H·S²·D, half when causal, ×2.5 for the backward, divided by W), milliseconds;
     with ``single``, rank 0 also times single-GPU ``mxfp8_attn_func`` on the whole sequence (the other ranks
     wait) and the row gets ``speedup_vs_1gpu`` = single time / ring time.  Wire: the bytes this rank sent per
-    forward step (``last_ring_stats``, measured; ``format``: the Hopper operands ``KernelBlock`` sends when chunks are
-    a multiple of 128 tokens, else MXFP8; the key keeps its old name) against a BF16 ring's K+V, and the time of
-    one ring hop of each payload.  Rank 0 writes ``ring_attn-<gpu>-x<W>-<date>.json`` to ``outdir``.  With ``profile``, every rank
+    forward step (``last_ring_stats``, measured; ``format``: what traveled, MXFP8 or the Hopper operands of
+    ``row_scaled_wire``; the byte key keeps its old name) against a BF16 ring's K+V, and the time of one ring hop
+    of each payload.  Rank 0 writes ``ring_attn-<gpu>-x<W>-<date>.json`` to ``outdir``.  With ``profile``, every rank
     also runs two forward+backward passes under ``torch.profiler`` and rank 0's row gets its device time per kernel
     (``profile_fwd_bwd``: where the time over half the single-GPU time goes; NCCL kernels overlap the others).
     ``check_rows`` (``check_ring``'s rows from the same process group) go into the JSON under ``check``.
@@ -896,6 +896,7 @@ def bench_ring(
         )
         dout = torch.randn(batch, sl, heads, head_dim, device=dev, dtype=torch.bfloat16, generator=gen)
         bf16_step = 2 * k.numel() * 2
+        step_bytes = ring_step_bytes(batch, sl, kv_heads, head_dim)
         flops = 4 * batch * heads * S * S * head_dim * (0.5 if causal else 1.0)
         s_rows = []
         for wire in wires:
@@ -919,11 +920,10 @@ def bench_ring(
                 "wire": wire,
                 "ms": {"fwd": t_fwd * 1e3, "fwd_bwd": t_all * 1e3, "fwd_bwd_bf16_grad_comm": t_bf16 * 1e3},
                 "tflops_per_gpu": {"fwd": flops / W / t_fwd / 1e12, "fwd_bwd": 3.5 * flops / W / t_all / 1e12},
-                "wire_bytes_per_step": ring_step_bytes(batch, sl, kv_heads, head_dim),
+                "wire_bytes_per_step": step_bytes,
                 "wire_measured": {"fwd_step_bytes_mxfp8": mx_step, "fwd_step_bytes_bf16": bf16_step,
                                   "ratio": mx_step / bf16_step,  # what traveled: the Hopper operands or MXFP8
-                                  "format": ("row_scaled" if mx_step == ring_step_bytes(batch, sl, kv_heads, head_dim)
-                                             ["fwd_row_scaled"] else "mxfp8")},
+                                  "format": "row_scaled" if mx_step == step_bytes["fwd_row_scaled"] else "mxfp8"},
             }
             if profile:
                 row["profile_fwd_bwd"] = prof
