@@ -323,15 +323,18 @@ def _reexpress(q, e, E, fin, bad, SOFT: tl.constexpr):
 def _seq_bytes(xr, xf, mag, e, E, fin, keep, bad, SEQ_RS: tl.constexpr, SOFT: tl.constexpr):
     """Bytes (int32 0..255) of rows blocked along S: MX (``SEQ_RS`` False) or re-expressed to E."""
     y = xf * _pow2(-e)
+    # widened to int32 before the `bad` branch: an i8 tensor carried through the branch became packed <N x i8> phis
+    # with undef lanes at BLOCK_S 128, NDP >= 4, the builds whose V bytes came out wrong on the H200
+    # (docs/quantize-seq-block128-investigation.md, hypothesis 1)
     if SEQ_RS:
-        out = _e4m3_bytes(_e4m3_value(y, SOFT) * _pow2(tl.minimum(tl.maximum(e - E, -31), 0)), SOFT)
+        out = _e4m3_bytes(_e4m3_value(y, SOFT) * _pow2(tl.minimum(tl.maximum(e - E, -31), 0)), SOFT).to(tl.int32)
         if bad:
-            out = tl.where(fin | keep, out, 127).to(tl.uint8)  # NaN blocks; `keep` = padding stays 0
+            out = tl.where(fin | keep, out, 127)  # NaN blocks; `keep` = padding stays 0
     else:
-        out = _e4m3_bytes(y, SOFT)
+        out = _e4m3_bytes(y, SOFT).to(tl.int32)
         if bad:
-            out = tl.where(mag > 0x7F800000, _nan_bytes(xr), out)
-    return out.to(tl.int32)
+            out = tl.where(mag > 0x7F800000, _nan_bytes(xr).to(tl.int32), out)
+    return out
 
 
 @triton.jit
