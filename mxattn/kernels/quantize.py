@@ -320,20 +320,22 @@ def _reexpress(q, e, E, fin, bad, SOFT: tl.constexpr):
 
 
 @triton.jit
-def _seq_bytes(xr, xf, mag, e, E, fin, keep, bad, SEQ_RS: tl.constexpr, SOFT: tl.constexpr):
-    """Bytes (int32 0..255) of rows blocked along S: MX (``SEQ_RS`` False) or re-expressed to E."""
+def _seq_bytes(xr, xf, mag, e, E, fin, keep, SEQ_RS: tl.constexpr, SOFT: tl.constexpr):
+    """Bytes (int32 0..255) of rows blocked along S: MX (``SEQ_RS`` False) or re-expressed to E.
+
+    No ``if bad:`` branch here (unlike ``_hdim_mx`` / ``_reexpress``): the NaN patch is a select on every
+    tile.  With the branch, LLVM carried the bytes through the branch's phi as <2 x i16> pairs
+    {cvt, cvt >> 8} of one e4m3x2 conversion; ptxas 12.8 (triton 3.6's) folds such a pair into one
+    F2FP.PACK_AB_MERGE_C and leaves the `>> 8` reading a register that never holds the conversion, so on the
+    H200 byte 3 of the V words (tokens 4w+3) at 5 channels in 16 came out as a constant garbage byte in the
+    fused K+V pass (docs/quantize-both-byte3.md).  Every tile pays one select per byte instead."""
     y = xf * _pow2(-e)
-    # widened to int32 before the `bad` branch: an i8 tensor carried through the branch became packed <N x i8> phis
-    # with undef lanes at BLOCK_S 128, NDP >= 4, the builds whose V bytes came out wrong on the H200
-    # (docs/quantize-seq-block128-investigation.md, hypothesis 1)
     if SEQ_RS:
         out = _e4m3_bytes(_e4m3_value(y, SOFT) * _pow2(tl.minimum(tl.maximum(e - E, -31), 0)), SOFT).to(tl.int32)
-        if bad:
-            out = tl.where(fin | keep, out, 127)  # NaN blocks; `keep` = padding stays 0
+        out = tl.where(fin | keep, out, 127)  # NaN blocks; `keep` = padding stays 0
     else:
         out = _e4m3_bytes(y, SOFT).to(tl.int32)
-        if bad:
-            out = tl.where(mag > 0x7F800000, _nan_bytes(xr).to(tl.int32), out)
+        out = tl.where(mag > 0x7F800000, _nan_bytes(xr).to(tl.int32), out)
     return out
 
 
@@ -471,10 +473,10 @@ def _quantize_kernel(
                 sbase = ce_ptr + ((b64 * NSB + st * (BLOCK_S // 32)) * H + h64) * D
                 sc = tl.where(fin, e + 127, 255).to(tl.uint8)
                 tl.store(sbase + sbk * (H * D) + d, sc, mask=(st * (BLOCK_S // 32) + sbk < NSB) & in_d)
-        wd = _seq_bytes(x0r, x0, m0, e, E, fin, s0 + q4 >= S, bad, SEQ_RS, SOFT)
-        wd |= _seq_bytes(x1r, x1, m1, e, E, fin, s0 + q4 + 1 >= S, bad, SEQ_RS, SOFT) << 8
-        wd |= _seq_bytes(x2r, x2, m2, e, E, fin, s0 + q4 + 2 >= S, bad, SEQ_RS, SOFT) << 16
-        wd |= _seq_bytes(x3r, x3, m3, e, E, fin, s0 + q4 + 3 >= S, bad, SEQ_RS, SOFT) << 24
+        wd = _seq_bytes(x0r, x0, m0, e, E, fin, s0 + q4 >= S, SEQ_RS, SOFT)
+        wd |= _seq_bytes(x1r, x1, m1, e, E, fin, s0 + q4 + 1 >= S, SEQ_RS, SOFT) << 8
+        wd |= _seq_bytes(x2r, x2, m2, e, E, fin, s0 + q4 + 2 >= S, SEQ_RS, SOFT) << 16
+        wd |= _seq_bytes(x3r, x3, m3, e, E, fin, s0 + q4 + 3 >= S, SEQ_RS, SOFT) << 24
         row_w = S_pad // 4  # int32 words per channel-major row
         cbase = cw_ptr + (b64 * H + h64) * D * row_w + st * (BLOCK_S // 4)
         tl.store(cbase + d * row_w + w, wd, mask=(st * (BLOCK_S // 4) + w < row_w) & in_d)  # word mask: 16 B stores
