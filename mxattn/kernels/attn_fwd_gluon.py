@@ -133,12 +133,17 @@ def _softmax_tile(qk, m_i, l_i, rs, offs_m, n0, masked, Sk, causal_off,
                   BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """Online softmax of one S tile (fp32, wgmma accumulator layout) -> (p = 2^x <= 256 in fp32, new row max,
     alpha = 2^(m_old - m_new), new row sum).  ``masked`` (runtime) selects the bounds / causal path."""
+    # exp2 in each branch, not after the join: with one exp2 after the join, ptxas hoisted the P V wait
+    # (warpgroup_mma_wait(0) after this call) above 63 of the 64 exp2s, so they never ran under the P V product
+    # (docs/perf-notes-attn-fwd-gluon.md, session 7).  The masked branch's select (the same values: 2^-inf = 0,
+    # NaN stays NaN) keeps LLVM from merging the two exp2s back into the join block.
     if masked:
         x, m_new = _scores(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N, True, CAUSAL)
+        p = gl.where(x == float("-inf"), 0.0, gl.exp2(x))
     else:
         x, m_new = _scores(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N, False, CAUSAL)
+        p = gl.exp2(x)  # <= 256: fits e4m3 with the constant scale 2^-8
     alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(x)  # <= 256: fits e4m3 with the constant scale 2^-8
     l_i = l_i * alpha + gl.sum(p, 1)  # from the fp32 p (summing p8 back in fp32 gave NaNs on triton 3.6)
     return p, m_new, alpha, l_i
 
@@ -191,11 +196,12 @@ def _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bar
     for j in range(1, n_tiles):
         s = j % STAGES
         sv = (j - 1) % STAGES
-        p8 = _to_operand(p, p_layout)
         mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
-        mbarrier.wait(v_ready.index(sv), ((j - 1) // STAGES) & 1)
         _turn_wait(turn_bars, WG, j, PINGPONG)
         qk = warpgroup_mma(q_tile, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        # P_{j-1} to the A operand (and the V wait) after S_j is issued: the conversion runs under S_j
+        p8 = _to_operand(p, p_layout)
+        mbarrier.wait(v_ready.index(sv), ((j - 1) // STAGES) & 1)
         acc = warpgroup_mma(p8, v_smem.index(sv).permute((1, 0)), acc, is_async=True)
         _turn_pass(turn_bars, WG, PINGPONG)
         n0 = j * BLOCK_N
