@@ -53,13 +53,15 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None, spli
     lay = lambda shape: gl.NVMMASharedLayout.get_default_for(shape, gl.float8e4nv)  # noqa: E731
     bm, bn = m.BLOCK_M.value, (m.BLOCK_N_WG if split else m.BLOCK_N).value
     row, key, seq = fp8_desc([bm, head_dim], lay), fp8_desc([bn, head_dim], lay), fp8_desc([head_dim, bm], lay)
-    descs = {"q_desc": row, "do_desc": row, "qs_desc": seq, "dos_desc": seq, "k_desc": key, "v_desc": key}
+    vec = ([1, bm], m._vector_layout(), "fp32")  # lse and delta rows, as ``_vector_descriptors`` makes them
+    descs = {"q_desc": row, "do_desc": row, "qs_desc": seq, "dos_desc": seq, "k_desc": key, "v_desc": key,
+             "lse_desc": vec, "dl_desc": vec}
     ptrs = {"QE": "*i32", "DOE": "*i32", "KE": "*i32", "VE": "*i32", "QSE": "*i32", "DOSE": "*i32",
-            "LSE": "*fp32", "DELTA": "*fp32", "DK": "*bf16", "DV": "*bf16"}
+            "DK": "*bf16", "DV": "*bf16"}
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs, SPLIT=split,
                   CONSUMER_REGS=cfg.consumer_regs)
     # the JIT specializes integer arguments equal to 1 as constexpr; the launcher makes these strides 1 (contiguous
-    # exponent tensors, lse, delta, dk, dv), so every launch compiles this variant
+    # exponent tensors, dk, dv), so every launch compiles this variant
     consts |= {name: 1 for name in m.UNIT_STRIDES}
     return compile_sm90(m._attn_bwd_dkdv_ws_kernel, consts, descs, ptrs, ("qk_scale", "grad_scale"),
                         4 if split else 8, cfg.maxnreg)
