@@ -589,8 +589,8 @@ def _row_pitch(t: torch.Tensor) -> Optional[int]:
 
 
 def _vector_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(tensor, pitch): ``t`` itself where ``_row_pitch`` allows, else a copy of it whose rows are padded to a
-    multiple of VEC_PITCH elements.  The copy (the launch's only one: B*H*S*4 bytes read and written, ~2 MB and a
+    """(tensor, pitch): ``t`` itself where ``_row_pitch`` allows, else a copy of it, the (B, H, S) view of a buffer
+    whose rows are padded to a multiple of VEC_PITCH elements.  The copy (the launch's only one: B*H*S*4 bytes read and written, ~2 MB and a
     few microseconds for lse and δ together at B2 H16 S8k, against a kernel of milliseconds) happens for S not a
     multiple of 4 on the contiguous lse / δ the forward and attn_bwd_preprocess make, and for views TMA cannot
     address (misaligned or strided slices); the padding columns are never read (TMA zero fills past S)."""
@@ -599,9 +599,9 @@ def _vector_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
         return t, pitch
     B, H, S = t.shape
     pitch = cdiv(S, VEC_PITCH) * VEC_PITCH
-    buf = torch.empty(B, H, pitch, dtype=t.dtype, device=t.device)
-    buf[:, :, :S].copy_(t)
-    return buf, pitch
+    rows = torch.empty(B, H, pitch, dtype=t.dtype, device=t.device)[:, :, :S]
+    rows.copy_(t)
+    return rows, pitch
 
 
 def _vector_descriptors(lse: torch.Tensor, delta: torch.Tensor):
