@@ -39,8 +39,9 @@ def fp8_desc(block_shape, layout_for) -> tuple:
 
 def compile_sm90(fn, consts: dict, descs: dict, ptrs: dict, floats: tuple, num_warps: int, maxnreg: int):
     """``triton.compile`` of the Gluon kernel ``fn`` for sm_90a without a GPU.  Arguments by name: ``consts``
-    constexpr values, ``descs`` e4m3 TMA descriptors (name -> (block shape, layout)), ``ptrs`` pointer types (with
-    16-byte divisibility, as the launchers' tensors have), ``floats`` fp32 scalars; every other argument is i32."""
+    constexpr values, ``descs`` TMA descriptors (name -> (block shape, layout), e4m3, or (block shape, layout,
+    element type) such as "fp32"), ``ptrs`` pointer types (with 16-byte divisibility, as the launchers' tensors
+    have), ``floats`` fp32 scalars; every other argument is i32."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     sig, attrs = {}, {}
@@ -48,8 +49,8 @@ def compile_sm90(fn, consts: dict, descs: dict, ptrs: dict, floats: tuple, num_w
         if name in consts:
             sig[name] = "constexpr"
         elif name in descs:
-            shape, layout = descs[name]
-            sig[name] = f"tensordesc<fp8e4nv[{', '.join(map(str, shape))}],{layout!r}>"
+            shape, layout, *elem = descs[name]
+            sig[name] = f"tensordesc<{elem[0] if elem else 'fp8e4nv'}[{', '.join(map(str, shape))}],{layout!r}>"
         elif name in ptrs:
             sig[name] = ptrs[name]
             attrs[(i,)] = [["tt.divisibility", 16]]

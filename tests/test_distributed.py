@@ -308,6 +308,12 @@ def _gluon_host_side(msgs: list, calls: dict):
                     msgs.append(f"bwd descriptor extents {got}, expected {want}")
                 views(B, q=(qd, q), k=(kd, k), v_hdim=(vd, v_hdim), q_seq=(qsd, q_seq), dout_hdim=(dd, doh),
                       dout_seq=(dsd, dos), k_seq=(ksd, k_seq))
+            # the dK/dV kernel's lse / delta rows (TMA, zero fill past Sq); copied only if their pitch is unaligned
+            ld, dl = kvg._vector_descriptors(lse, delta)
+            if [list(ld.shape), list(dl.shape)] != [[B * Hq, Sq]] * 2:
+                msgs.append(f"bwd lse / delta descriptor extents {ld.shape} {dl.shape}, expected {[B * Hq, Sq]}")
+            if Sq % 4 == 0 and lse.is_contiguous() and ld.base.data_ptr() != lse.data_ptr():
+                msgs.append("bwd: the Gluon dK/dV launcher copied a contiguous lse with an aligned pitch")
         except Exception as e:  # noqa: BLE001
             msgs.append(f"bwd Gluon host side: {type(e).__name__}: {e}")
         return bwd0(q, k, v_hdim, q_seq, k_seq, out, dout, lse, **kw)

@@ -24,13 +24,14 @@ exponent sequence and every e4m3 P and dS value are the ``tl`` kernel's: the res
 summation order of the products (and 1-ulp FMA contraction differences in Sᵀ and dSᵀ).
 
 One CTA per (128 keys, batch * kv head), two partitions:
-  producer  1 warp, 24 registers: TMA loads of the K and V_hdim tiles (128 x D, once) and, per query step, Q and
-            dO_hdim (64 x D; one ready / one empty mbarrier per stage) and Q_seq and dO_seq (D x 64 of the
-            channel-major buffers; their own ready / empty mbarriers: they are read by the later products) into
-            STAGES-deep rings.
+  producer  1 warp, 24 registers: TMA loads of the K and V_hdim tiles (128 x D, once) and, per query step, into
+            one STAGES-deep ring with one ready and one empty mbarrier per stage: Q and dO_hdim (64 x D), Q_seq and
+            dO_seq (D x 64 of the channel-major buffers), and the tile's lse and δ (64 fp32 each).
   consumer  the default partition: 8 warps = two warpgroups.  With the wgmma layout ``warps_per_cta=[8, 1]`` each
             warpgroup issues m64 wgmma over its own 64 keys (keys 0..63 and 64..127 of the CTA).
-lse, δ (vectors over the 64 queries) and the scalar exponents qe, doe are loaded by the consumers with gl.load.
+The consumers read lse and δ from the ring's shared memory (since session 7; before, 16 + 16 predicated scalar
+global loads per thread and step sat on each step's serial chain) and load only the scalar exponents qe, doe with
+gl.load.
 Deviation from the brief's "consumer warpgroups ... own 64 keys" as separate partitions: as in attn_bwd_dq_gluon,
 the two warpgroups are one 8-warp partition, because the dS exponent is a maximum over the whole 128-key x 64-query
 tile (the ``tl`` kernel's rule, kept for equal numerics): the tile-wide ``gl.max`` is the compiler's cross-warp
@@ -39,12 +40,17 @@ reduction (shared memory + a named barrier of the partition's 256 threads).  The
 
 Consumer step j (query tile j of the flattened (head, start_m) sequence; stage s = j % STAGES):
   1. head change (first tile of a head, j > 0): dK, dV *= 2^(qse_prev − qse) / 2^(dose_prev − dose) per channel;
-  2. wait Q_j / dO_j ready; issue Sᵀ_j = K Q_jᵀ and dPᵀ_j = V dO_jᵀ (A = K, V from shared memory), two groups;
-  3. wait for Sᵀ_j only (dPᵀ_j runs on); Pᵀ_j (masked or not: the branches join fp32 values), e4m3 in the A layout;
-  4. wait dO_seq_j / Q_seq_j ready; issue dV += Pᵀ_j dO_seq_j;
-  5. wait for dPᵀ_j (dV runs on); release Q_j / dO_j;
-  6. dSᵀ_j, the tile's amax and exponent, dK rescale if it moved, e4m3 dSᵀ, while dV's product runs;
-  7. issue dK += dSᵀ_j Q_seq_j; wait for everything; release Q_seq_j / dO_seq_j.
+  2. wait for stage s (all six loads of tile j); lse_j from shared memory; issue Sᵀ_j = K Q_jᵀ and dPᵀ_j = V dO_jᵀ
+     (A = K, V from shared memory), two groups;
+  3. wait for Sᵀ_j only (dPᵀ_j runs on); Pᵀ_j (masked or not: the branches join fp32 values); δ_j from shared
+     memory;
+  4. wait for dPᵀ_j; dSᵀ_j (fp32), then e4m3 Pᵀ_j in the A layout; issue dV += Pᵀ_j dO_seq_j;
+  5. the tile's dS amax and exponent, dK rescale if it moved, e4m3 dSᵀ, while dV's product runs;
+  6. issue dK += dSᵀ_j Q_seq_j; wait for everything; release stage s.
+One ready / one empty barrier per stage (until session 7 Q / dO and Q_seq / dO_seq had a ring each, Q / dO
+released after step 5): each wait and release in a consumer partition costs a named barrier of the partition
+around it, so the merged ring has 4 ``BAR.SYNC`` per step instead of 6; a stage now stays taken until the step's
+end, which with 2 stages still leaves the producer a whole step to refill it.
 Every wgmma is waited in the step that issued it (perf-notes-attn-fwd-gluon.md: in flight across the loop edge
 made ptxas serialize all wgmma); three ``WARPGROUP.DEPBAR`` per step (the forward and dQ kernels have two).  The
 overlap is the exp2 of Pᵀ under dPᵀ's product and the dS math under dV's; the two products of one step are not
@@ -53,9 +59,12 @@ accumulator registers, and e4m3 tensors crossing a loop edge are moved as loose 
 
 TMA views (2-D, 16-byte aligned row strides): Q and dO as (B*Sq, Hq*D), K and V_hdim as (B*Sk, Hkv*D), Q_seq and
 dO_seq as (B*Hq*D, Sq) over the channel-major buffers (row stride S_pad).  Query rows past Sq read the next
-sequence in Q / dO (or TMA zero fill) and are zero-filled in the seq operands: their lse is loaded as −inf, so
-P = dS = 0 there.  Keys past Sk read the next sequence (masked: every step of a partial key block takes the masked
-path, as in the ``tl`` kernel) and are not stored.  Keys that no query sees get dk = dv = 0 (no step, or P = 0).
+sequence in Q / dO (or TMA zero fill) and are zero-filled in the seq operands: their lse is taken as −inf, so
+P = dS = 0 there.  lse and δ as (B*Hq, Sq) with [1, 64] boxes: columns past Sq are TMA zero fill (δ = 0.0 there,
+as the masked load before had it; lse is replaced by −inf for them).  Their row pitch must be a multiple of 4
+elements: the launcher uses lse and δ in place when it is, else copies them with padded rows (``_vector_rows``).
+Keys past Sk read the next sequence (masked: every step of a partial key block takes the masked path, as in the
+``tl`` kernel) and are not stored.  Keys that no query sees get dk = dv = 0 (no step, or P = 0).
 
 Layout requirements (``attn_bwd_dkdv_gluon`` raises ValueError otherwise): q and dout_hdim grouped along the
 sequence with a group that is a multiple of 64 (one scalar exponent per query tile; the fast layout
@@ -64,12 +73,13 @@ v_hdim the K layout (128 keys per exponent), q_seq and dout_seq the V layout (ch
 (head, channel)).  D is 64 or 128.
 
 Compile check without a GPU (triton 3.6): ``python scripts/compile_check_bwd_dkdv_gluon.py``.  sm_90a, 2 stages,
-maxnreg 168 -> setmaxnreg 240 (consumers) / 24 (producer); highest SASS register R237 (d128, d128 causal) / R178
-(d64) / R218 (d64 causal); spills 0 except d128 causal: 16 bytes (one value stored and two reloaded per step, at
-240 registers with both 64 x 128 fp32 accumulators live; the check allows exactly that); shared memory 98 652 B
-(d128) / 49 500 B (d64); per query step and warpgroup 4 + 4 ``m64n64k32`` (Sᵀ, dPᵀ; 2 + 2 at d64) and 2 + 2
-``m64nDk32`` (dV, dK) e4m3 wgmma, three ``WARPGROUP.DEPBAR`` per step.  Register savings that made d128 fit:
-unit strides specialized (the launcher makes exponents, lse, delta contiguous, ``UNIT_STRIDES``), one stride set
+maxnreg 168 -> setmaxnreg 240 (consumers) / 24 (producer); highest SASS register R237 (d128, d128 causal) / R172
+(d64) / R184 (d64 causal); spills 0 (before session 7's lse / δ through TMA: 16 bytes at d128 causal, one value
+stored and two reloaded per step); shared memory 99 676 B (d128) / 50 524 B (d64); per query step and warpgroup
+4 + 4 ``m64n64k32`` (Sᵀ, dPᵀ; 2 + 2 at d64) and 2 + 2 ``m64nDk32`` (dV, dK) e4m3 wgmma, three
+``WARPGROUP.DEPBAR`` per step; a step without head change, mask or dK rescale executes 636 SASS instructions at
+d128 (730 before session 7), 4 ``BAR.SYNC``, 2 LDG (qe, doe), 16 LDS.64 (lse, δ).  Register savings that made
+d128 fit: unit strides specialized (the launcher makes exponents contiguous, ``UNIT_STRIDES``), one stride set
 for each same-shape pair, q / dO exponents expanded to one per 64-row tile (no group division in the loop), the
 key bound dropped from the causal mask (implied), Pᵀ cast to e4m3 only after dSᵀ took its fp32 value.
 Run on the H200 since session 4 (all GPU tests pass; 1.25x / 1.66x the tl kernel at S8k d128, non-causal /
@@ -85,14 +95,16 @@ exponent per (64 keys x 64 queries) tile, i.e. the tl kernel with 64-key blocks 
 tests compare it with.  The ring of query-side tiles is shared: its empty barriers count two arrivals.  The point:
 the unsplit consumer's warpgroups meet at the tile-wide dS max and at each ring release (256-thread partition
 barriers, several per step), so one's exp2 / dS math cannot run under the other's products; split, only the shared
-tiles couple them.  Per-warp instructions per step are the same (1371-1377 SASS per loop at d128); triton 3.6
-spills a few loop-invariant values (72 B at d128, outside the loop) and, at d128 causal, 11 LDL/STL per step
-inside it (the unsplit build: 3).  Found on the way: a tuple of partition arguments held in a variable turns its
-constexprs into runtime values, so each partition's tuple is written out in the call.
+tiles couple them.  Per-warp instructions per step are the same (1270-1272 SASS per loop at d128, both paths; 616-618
+on a common step's path); triton 3.6 spills 40 B of loop-invariant values at d128 causal (outside the loop) and
+nothing else (before session 7: 72 B at d128, and at d128 causal 11 LDL/STL per step inside the loop).  Found on
+the way: a tuple of partition arguments held in a variable turns its constexprs into runtime values, so each
+partition's tuple is written out in the call.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -116,7 +128,6 @@ from mxattn.kernels.attn_bwd_dq_gluon import (
     _mma_layout,
     _pow2,
     _rceil_exp,
-    _ring_barriers,
     _row_group,
     _static_tiles,
     _sticky_exp,
@@ -136,10 +147,9 @@ BLOCK_M = gl.constexpr(64)  # queries per step: the tl kernel's block_m
 KV_EXP_GROUP = 128  # keys sharing one exponent in k and v_hdim (== BLOCK_N: one scalar per CTA)
 ROW_GROUP = 64  # q / dout_hdim rows per exponent must be a multiple of this (one scalar per query tile)
 
-# kernel arguments the launcher guarantees to be 1 (contiguous exponents, lse, delta, dk, dv): the JIT specializes
-# them as constexpr, which turns the per-channel and per-query vector addresses into one base plus immediates
-UNIT_STRIDES = ("stride_qeh", "stride_deh", "stride_keh", "stride_veh", "stride_qsed", "stride_qsed", "stride_lm",
-                "stride_lm", "stride_dkd", "stride_dkd")
+# kernel arguments the launcher guarantees to be 1 (contiguous exponents, dk, dv): the JIT specializes them as
+# constexpr, which turns the per-channel vector addresses into one base plus immediates
+UNIT_STRIDES = ("stride_qeh", "stride_deh", "stride_keh", "stride_veh", "stride_qsed", "stride_dkd")
 
 
 @dataclass(frozen=True)
@@ -210,66 +220,83 @@ def _head_rescale(dk, dv, QSE, DOSE, stride_qseh, stride_qsed, hh,
 
 # ------------------------------------------------------------------------------------------------- producer
 @gluon.jit
-def _producer_steps(q_desc, do_desc, qs_desc, dos_desc, q_smem, do_smem, qs_smem, dos_smem,
-                    qd_ready, qd_empty, sq_ready, sq_empty, q_row, seq_row, h0, lo, n_m, n_steps,
+def _step_barriers(STAGES: gl.constexpr, SPLIT: gl.constexpr):
+    """The kernel's mbarriers: one for the K / V_hdim tiles (loaded once) and one ready / one empty per ring stage
+    (ready: count 1 with expect-tx, all six loads of a query step on it; empty: one arrival per consumer
+    partition, the 8-warp consumer or each warpgroup when split).  Returns (kv_bar, ready, empty)."""
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2 if SPLIT else 1)
+    return kv_bar, ready, empty
+
+
+@gluon.jit
+def _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_smem, do_smem, qs_smem, dos_smem,
+                    lse_smem, dl_smem, ready, empty, q_row, seq_row, vec_row, h0, lo, n_m, n_steps,
                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    """Per query step: Q, dO_hdim (64 x D) and Q_seq, dO_seq (D x 64) into the STAGES-deep rings."""
+    """Per query step, into stage i % STAGES of the ring, all on its one ready barrier: Q and dO_hdim (64 x D),
+    Q_seq and dO_seq (D x 64), and the tile's 64 lse and 64 δ (fp32 rows of the (B*Hq, Sq) views; columns past
+    Sq are TMA zero fill)."""
+    nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + qs_desc.block_type.nbytes
+                            + dos_desc.block_type.nbytes + lse_desc.block_type.nbytes + dl_desc.block_type.nbytes)
     for i in range(n_steps):
         s = i % STAGES
         hh = h0 + i // n_m
         m0 = lo + (i % n_m) * BLOCK_M
+        bar = ready.index(s)
         # a fresh mbarrier counts as having completed the phase before phase 0: the first pass does not wait
-        ph = ((i // STAGES) & 1) ^ 1
-        mbarrier.wait(qd_empty.index(s), ph)
-        mbarrier.expect(qd_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row + m0, hh * HEAD_DIM], qd_ready.index(s), q_smem.index(s))
-        tma.async_copy_global_to_shared(do_desc, [q_row + m0, hh * HEAD_DIM], qd_ready.index(s), do_smem.index(s))
-        mbarrier.wait(sq_empty.index(s), ph)
-        mbarrier.expect(sq_ready.index(s), qs_desc.block_type.nbytes + dos_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(qs_desc, [seq_row + hh * HEAD_DIM, m0], sq_ready.index(s),
-                                        qs_smem.index(s))
-        tma.async_copy_global_to_shared(dos_desc, [seq_row + hh * HEAD_DIM, m0], sq_ready.index(s),
-                                        dos_smem.index(s))
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(bar, nbytes)
+        tma.async_copy_global_to_shared(lse_desc, [vec_row + hh, m0], bar, lse_smem.index(s))
+        tma.async_copy_global_to_shared(dl_desc, [vec_row + hh, m0], bar, dl_smem.index(s))
+        tma.async_copy_global_to_shared(q_desc, [q_row + m0, hh * HEAD_DIM], bar, q_smem.index(s))
+        tma.async_copy_global_to_shared(do_desc, [q_row + m0, hh * HEAD_DIM], bar, do_smem.index(s))
+        tma.async_copy_global_to_shared(qs_desc, [seq_row + hh * HEAD_DIM, m0], bar, qs_smem.index(s))
+        tma.async_copy_global_to_shared(dos_desc, [seq_row + hh * HEAD_DIM, m0], bar, dos_smem.index(s))
 
 
 @gluon.jit
-def _producer(q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc, q_smem, do_smem, qs_smem, dos_smem, k_smem,
-              v_smem, kv_bar, qd_ready, qd_empty, sq_ready, sq_empty,
-              k_row, k_col, q_row, seq_row, h0, lo, n_m, n_steps,
+def _producer(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem, do_smem, qs_smem,
+              dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
+              k_row, k_col, q_row, seq_row, vec_row, h0, lo, n_m, n_steps,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [k_row, k_col], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [k_row, k_col], kv_bar, v_smem)
-    _producer_steps(q_desc, do_desc, qs_desc, dos_desc, q_smem, do_smem, qs_smem, dos_smem,
-                    qd_ready, qd_empty, sq_ready, sq_empty, q_row, seq_row, h0, lo, n_m, n_steps, HEAD_DIM, STAGES)
+    _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_smem, do_smem, qs_smem, dos_smem,
+                    lse_smem, dl_smem, ready, empty, q_row, seq_row, vec_row, h0, lo, n_m, n_steps, HEAD_DIM, STAGES)
 
 
 @gluon.jit
-def _producer_split(q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc, q_smem, do_smem, qs_smem, dos_smem, k_smem,
-                    v_smem, kv_bar, qd_ready, qd_empty, sq_ready, sq_empty,
-                    k_row, k_col, q_row, seq_row, h0, lo, n_m, n_steps,
+def _producer_split(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem, do_smem,
+                    qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
+                    k_row, k_col, q_row, seq_row, vec_row, h0, lo, n_m, n_steps,
                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     """The split kernel's producer: a 64-key K and V tile per consumer warpgroup, then the same query steps."""
     mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for w in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [k_row + w * BLOCK_N_WG, k_col], kv_bar, k_smem.index(w))
         tma.async_copy_global_to_shared(v_desc, [k_row + w * BLOCK_N_WG, k_col], kv_bar, v_smem.index(w))
-    _producer_steps(q_desc, do_desc, qs_desc, dos_desc, q_smem, do_smem, qs_smem, dos_smem,
-                    qd_ready, qd_empty, sq_ready, sq_empty, q_row, seq_row, h0, lo, n_m, n_steps, HEAD_DIM, STAGES)
+    _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_smem, do_smem, qs_smem, dos_smem,
+                    lse_smem, dl_smem, ready, empty, q_row, seq_row, vec_row, h0, lo, n_m, n_steps, HEAD_DIM, STAGES)
 
 
 # ------------------------------------------------------------------------------------------------- consumer
 @gluon.jit
-def _consumer(q_smem, do_smem, qs_smem, dos_smem, k_tile, v_tile, kv_bar, qd_ready, qd_empty, sq_ready, sq_empty,
-              QE, DOE, QSE, DOSE, LSE, DELTA, DK, DV,
-              stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_lh, stride_lm,
-              stride_dkn, stride_dkd, KE, VE, key_lim, diag, Sq, h0, h_last, lo, mid, n_m, n_steps,
-              qk_scale, grad_scale,
+def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_tile, kv_bar, ready, empty,
+              QE, DOE, QSE, DOSE, DK, DV,
+              stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn, stride_dkd,
+              KE, VE, key_lim, diag, Sq, h0, h_last, lo, mid, n_m, n_steps, qk_scale, grad_scale,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
               WARPS: gl.constexpr):
     """Keys n0 .. n0 + ROWS − 1 of one (b, hk), ROWS = 128 on 8 warps (the whole CTA's keys) or 64 on one warpgroup
     (split: keys n0 + 64·w ..); k_tile / v_tile their K and V_hdim tiles.  Pointers already moved to b (QE, DOE,
-    QSE, DOSE, LSE, DELTA) and to (b, hk, first key) (DK, DV).  key_lim = Sk − first key (local keys below it
+    QSE, DOSE) and to (b, hk, first key) (DK, DV); lse and δ of each query tile come through the ring
+    (lse_smem, dl_smem: [STAGES, 1, 64] fp32, zero past Sq).  key_lim = Sk − first key (local keys below it
     exist), diag = Sk − Sq − first key (local key r sees local query c of the tile at m0 iff r − c <= m0 + diag).
     The dS exponent is one per (ROWS keys x 64 queries) tile: the tl kernel's with block_n = ROWS.
 
@@ -301,28 +328,27 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, k_tile, v_tile, kv_bar, qd_rea
             if j > 0:
                 dk, dv = _head_rescale(dk, dv, QSE, DOSE, stride_qseh, stride_qsed, hh,
                                        o_layout, HEAD_DIM)
-        # query-side scalars and vectors of this tile (before the waits: their latency hides under them)
+        # query-side scalars of this tile (before the wait: their latency hides under it)
         offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_s)
         row_ok = offs_m < Sq
-        lse = gl.load(LSE + hh * stride_lh + offs_m * stride_lm, mask=row_ok, other=float("-inf"))
         qe = gl.load(QE + hh * stride_qeh + (m0 // BLOCK_M) * stride_qeg)
         doe = gl.load(DOE + hh * stride_deh + (m0 // BLOCK_M) * stride_deg)
-        # exponent of p*256 = s*log2e*scale - lse*log2e + 8; rows that see nothing (lse = -inf), rows past Sq: -inf
-        b_row = gl.where(lse == float("-inf"), float("-inf"), 8.0 - lse * 1.4426950408889634)
         a = qk_scale * _pow2(qe + ke)
 
-        mbarrier.wait(qd_ready.index(st), ph)
+        mbarrier.wait(ready.index(st), ph)  # Q, dO, Q_seq, dO_seq, lse, δ of tile j
+        # rows past Sq hold TMA's zero fill: −inf there, as the masked global load had it
+        lse = gl.where(row_ok, lse_smem.index(st).reshape([BLOCK_M]).load(col_s), float("-inf"))
+        # exponent of p*256 = s*log2e*scale - lse*log2e + 8; rows that see nothing (lse = -inf), rows past Sq: -inf
+        b_row = gl.where(lse == float("-inf"), float("-inf"), 8.0 - lse * 1.4426950408889634)
         s = warpgroup_mma(k_tile, q_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp = warpgroup_mma(v_tile, do_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # Sᵀ_j; dPᵀ_j runs on
         p = _p_step(s, a, b_row, m0, key_lim, diag, m0 < mid, CAUSAL, ROWS)
-        delta = gl.load(DELTA + hh * stride_lh + offs_m * stride_lm, mask=row_ok, other=0.0)
+        delta = dl_smem.index(st).reshape([BLOCK_M]).load(col_s)  # 0.0 past Sq (TMA zero fill), as before
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))  # dPᵀ_j
-        mbarrier.arrive(qd_empty.index(st), count=1)
         ds = p * gl.fma(dp, _pow2(doe + ve), -gl.expand_dims(delta, 0))  # 256 * dSᵀ
         # Pᵀ to e4m3 only now (after dSᵀ took its fp32 value): Pᵀ, dPᵀ and the e4m3 Pᵀ are never live together
         p8 = gl.convert_layout(p.to(gl.float8e4nv), a_layout)
-        mbarrier.wait(sq_ready.index(st), ph)
         dv = warpgroup_mma(p8, dos_smem.index(st).permute((1, 0)), dv, is_async=True)
         # the tile's exponent (a cross-warp max), its e4m3 dSᵀ and the rare dK rescale, under dV's product
         amax = gl.max(gl.max(gl.abs(ds), 1), 0)
@@ -340,7 +366,7 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, k_tile, v_tile, kv_bar, qd_rea
         dk_e = e
         dk = warpgroup_mma(ds8, qs_smem.index(st).permute((1, 0)), dk, is_async=True)
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-        mbarrier.arrive(sq_empty.index(st), count=1)
+        mbarrier.arrive(empty.index(st), count=1)  # stage st free: every read of it is done
 
     # ---- epilogue (attn_bwd._bwd_dkdv_kernel): the last head's seq exponents, dK's tile exponent, 2^-8 of P
     offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
@@ -359,13 +385,12 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, k_tile, v_tile, kv_bar, qd_rea
 # ------------------------------------------------------------------------------------------------- kernel
 @gluon.jit
 def _attn_bwd_dkdv_ws_kernel(
-    q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc, QE, DOE, KE, VE, QSE, DOSE, LSE, DELTA, DK, DV,
+    q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, QE, DOE, KE, VE, QSE, DOSE, DK, DV,
     stride_qeb, stride_qeg, stride_qeh,
     stride_deb, stride_deg, stride_deh,
     stride_keb, stride_ket, stride_keh,
     stride_veb, stride_vet, stride_veh,
     stride_qseb, stride_qseh, stride_qsed,  # q_seq's and dout_seq's exponents (same shape, contiguous)
-    stride_lb, stride_lh, stride_lm,  # lse's and delta's (same shape, contiguous)
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,  # dk's and dv's
     Hq, Hkv, Sq, Sk, group_size, qk_scale, grad_scale,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -400,8 +425,11 @@ def _attn_bwd_dkdv_ws_kernel(
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     qs_smem = gl.allocate_shared_memory(qs_desc.dtype, [STAGES] + qs_desc.block_type.shape, qs_desc.layout)
     dos_smem = gl.allocate_shared_memory(dos_desc.dtype, [STAGES] + dos_desc.block_type.shape, dos_desc.layout)
+    # lse and δ of each step's query tile: [1, 64] fp32 boxes of the (B*Hq, Sq) views (256 B each per stage)
+    lse_smem = gl.allocate_shared_memory(lse_desc.dtype, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
+    dl_smem = gl.allocate_shared_memory(dl_desc.dtype, [STAGES] + dl_desc.block_type.shape, dl_desc.layout)
     k_smem, v_smem = _static_tiles(k_desc, v_desc, SPLIT)  # 64-key boxes when split
-    kv_bar, qd_ready, qd_empty, sq_ready, sq_empty = _ring_barriers(STAGES, SPLIT)
+    kv_bar, ready, empty = _step_barriers(STAGES, SPLIT)
 
     b64 = b.to(gl.int64)
     QE_b = QE + b64 * stride_qeb
@@ -410,40 +438,40 @@ def _attn_bwd_dkdv_ws_kernel(
     VE_t = VE + b64 * stride_veb + hk * stride_veh + pid_n * stride_vet
     QSE_b = QSE + b64 * stride_qseb
     DOSE_b = DOSE + b64 * stride_qseb
-    LSE_b = LSE + b64 * stride_lb
-    DELTA_b = DELTA + b64 * stride_lb
     DK_t = DK + b64 * stride_dkb + hk * stride_dkh + n0.to(gl.int64) * stride_dkn
     DV_t = DV + b64 * stride_dkb + hk * stride_dkh + n0.to(gl.int64) * stride_dkn
     if SPLIT:
         wg_off = BLOCK_N_WG * stride_dkn
         gl.warp_specialize([
-            (_consumer, (q_smem, do_smem, qs_smem, dos_smem, k_smem.index(0), v_smem.index(0), kv_bar, qd_ready, qd_empty, sq_ready,
-                            sq_empty, QE_b, DOE_b, QSE_b, DOSE_b, LSE_b, DELTA_b, DK_t, DV_t,
-                            stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_lh,
-                            stride_lm, stride_dkn, stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0,
-                            h0 + group_size - 1, lo, mid, n_m, n_steps, qk_scale, grad_scale,
-                            HEAD_DIM, STAGES, CAUSAL, 64, 4)),
-            (_consumer, (q_smem, do_smem, qs_smem, dos_smem, k_smem.index(1), v_smem.index(1), kv_bar, qd_ready, qd_empty, sq_ready,
-                            sq_empty, QE_b, DOE_b, QSE_b, DOSE_b, LSE_b, DELTA_b, DK_t + wg_off, DV_t + wg_off,
-                            stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_lh,
-                            stride_lm, stride_dkn, stride_dkd, KE_t, VE_t, Sk - n0 - BLOCK_N_WG,
-                            causal_off - n0 - BLOCK_N_WG, Sq, h0, h0 + group_size - 1, lo, mid, n_m, n_steps,
-                            qk_scale, grad_scale, HEAD_DIM, STAGES, CAUSAL, 64, 4)),
-            (_producer_split, (q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc, q_smem, do_smem, qs_smem, dos_smem,
-                           k_smem, v_smem, kv_bar, qd_ready, qd_empty, sq_ready, sq_empty, b * Sk + n0, hk * HEAD_DIM,
-                           b * Sq, b * Hq * HEAD_DIM, h0, lo, n_m, n_steps, HEAD_DIM, STAGES)),
+            (_consumer, (q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem.index(0), v_smem.index(0),
+                         kv_bar, ready, empty, QE_b, DOE_b, QSE_b, DOSE_b, DK_t, DV_t,
+                         stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
+                         stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0,
+                         h0 + group_size - 1, lo, mid, n_m, n_steps, qk_scale, grad_scale,
+                         HEAD_DIM, STAGES, CAUSAL, 64, 4)),
+            (_consumer, (q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem.index(1), v_smem.index(1),
+                         kv_bar, ready, empty, QE_b, DOE_b, QSE_b, DOSE_b, DK_t + wg_off, DV_t + wg_off,
+                         stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
+                         stride_dkd, KE_t, VE_t, Sk - n0 - BLOCK_N_WG,
+                         causal_off - n0 - BLOCK_N_WG, Sq, h0, h0 + group_size - 1, lo, mid, n_m, n_steps,
+                         qk_scale, grad_scale, HEAD_DIM, STAGES, CAUSAL, 64, 4)),
+            (_producer_split, (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem,
+                               do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
+                               b * Sk + n0, hk * HEAD_DIM, b * Sq, b * Hq * HEAD_DIM, b * Hq, h0, lo, n_m, n_steps,
+                               HEAD_DIM, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (q_smem, do_smem, qs_smem, dos_smem, k_smem, v_smem, kv_bar, qd_ready, qd_empty, sq_ready,
-                         sq_empty, QE_b, DOE_b, QSE_b, DOSE_b, LSE_b, DELTA_b, DK_t, DV_t,
-                         stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_lh,
-                         stride_lm, stride_dkn, stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0,
+            (_consumer, (q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready,
+                         empty, QE_b, DOE_b, QSE_b, DOSE_b, DK_t, DV_t,
+                         stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
+                         stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0,
                          h0 + group_size - 1, lo, mid, n_m, n_steps, qk_scale, grad_scale,
                          HEAD_DIM, STAGES, CAUSAL, 128, 8)),
-            (_producer, (q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc, q_smem, do_smem, qs_smem, dos_smem,
-                           k_smem, v_smem, kv_bar, qd_ready, qd_empty, sq_ready, sq_empty, b * Sk + n0, hk * HEAD_DIM,
-                           b * Sq, b * Hq * HEAD_DIM, h0, lo, n_m, n_steps, HEAD_DIM, STAGES)),
+            (_producer, (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem, do_smem,
+                         qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
+                         b * Sk + n0, hk * HEAD_DIM, b * Sq, b * Hq * HEAD_DIM, b * Hq, h0, lo, n_m, n_steps,
+                         HEAD_DIM, STAGES)),
         ], [1], [PRODUCER_REGS])
 
 
@@ -531,6 +559,62 @@ def _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq, split: bool = False):
     return q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc
 
 
+VEC_PITCH = 4  # fp32 elements per 16 bytes: a TMA row stride is a multiple of this
+
+
+@functools.lru_cache(maxsize=None)
+def _vector_layout():
+    """The shared layout of a [1, 64] fp32 lse / δ box: unswizzled (one 256-byte row, read back as a vector)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
+def _row_pitch(t: torch.Tensor) -> Optional[int]:
+    """Row pitch (elements) of a (B, H, S) tensor seen as B*H rows of S, if TMA can read it in place: one pitch
+    between all rows, a multiple of VEC_PITCH (16-byte strides), rows not overlapping, unit element stride, base
+    16-byte aligned; else None."""
+    B, H, S = t.shape
+    if S > 1 and t.stride(2) != 1:
+        return None
+    if H > 1:
+        pitch = t.stride(1)
+        if B > 1 and t.stride(0) != H * pitch:
+            return None
+    elif B > 1:
+        pitch = t.stride(0)
+    else:
+        pitch = cdiv(S, VEC_PITCH) * VEC_PITCH  # one row: any pitch will do
+    if pitch % VEC_PITCH or pitch < S or t.data_ptr() % 16:
+        return None
+    return pitch
+
+
+def _vector_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(tensor, pitch): ``t`` itself where ``_row_pitch`` allows, else a copy of it, the (B, H, S) view of a buffer
+    whose rows are padded to a multiple of VEC_PITCH elements.  The copy (the launch's only one: B*H*S*4 bytes read and written, ~2 MB and a
+    few microseconds for lse and δ together at B2 H16 S8k, against a kernel of milliseconds) happens for S not a
+    multiple of 4 on the contiguous lse / δ the forward and attn_bwd_preprocess make, and for views TMA cannot
+    address (misaligned or strided slices); the padding columns are never read (TMA zero fills past S)."""
+    pitch = _row_pitch(t)
+    if pitch is not None:
+        return t, pitch
+    B, H, S = t.shape
+    pitch = cdiv(S, VEC_PITCH) * VEC_PITCH
+    rows = torch.empty(B, H, pitch, dtype=t.dtype, device=t.device)[:, :, :S]
+    rows.copy_(t)
+    return rows, pitch
+
+
+def _vector_descriptors(lse: torch.Tensor, delta: torch.Tensor):
+    """TMA descriptors of lse and δ, (B, Hq, Sq) fp32, as (B*Hq, Sq) with [1, 64] boxes: the producer loads row
+    b*Hq + h, columns m0 .. m0+63 per query step; columns past Sq read as 0.0 (TMA zero fill)."""
+    descs = []
+    for t in (lse, delta):
+        B, H, S = t.shape
+        base, pitch = _vector_rows(t)
+        descs.append(TensorDescriptor(base, [B * H, S], [pitch, 1], [1, BLOCK_M.value], _vector_layout()))
+    return tuple(descs)
+
+
 def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, q_seq: RowScaledFP8,
                         dout_hdim: RowScaledFP8, dout_seq: RowScaledFP8, lse: torch.Tensor, delta: torch.Tensor, *,
                         causal: bool = False, softmax_scale: Optional[float] = None,
@@ -561,23 +645,24 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
     dk, dv = grad_outputs(dk_out, dv_out, (B, Sk, Hkv, D), grad_dtype, dev)
     if Sq == 0 or B * Hkv == 0 or Sk == 0:
         return dk.zero_(), dv.zero_()
-    descs = _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq, cfg.split)
-    # contiguous exponents, lse and delta: the unit strides the compiled variant is specialized for (UNIT_STRIDES)
+    q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc = _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq,
+                                                                     cfg.split)
+    lse_desc, dl_desc = _vector_descriptors(lse, delta)
+    # contiguous exponents: the unit strides the compiled variant is specialized for (UNIT_STRIDES)
     # q's and dout_hdim's exponents expanded to one per 64-row query tile (their groups are multiples of 64): the
     # kernel indexes them by m0 // 64, with no per-operand group argument (fewer live scalars in the consumer)
     qe, de = (_tile_exps(t, Sq) for t in (q, dout_hdim))
     ke, ve = (t.exp.contiguous() for t in (k, v_hdim))
     qse, dse = q_seq.exp.contiguous(), dout_seq.exp.contiguous()
-    lse, delta = lse.contiguous(), delta.contiguous()
-    # the kernel takes one set of strides for q_seq's / dout_seq's exponents, lse / delta and dk / dv
-    assert qse.stride() == dse.stride() and lse.stride() == delta.stride() and dk.stride() == dv.stride()
+    # the kernel takes one set of strides for q_seq's / dout_seq's exponents and for dk / dv
+    assert qse.stride() == dse.stride() and dk.stride() == dv.stride()
     row_e = lambda e: (e.stride(0), e.stride(1), e.stride(2))  # noqa: E731  (B, S or groups, H)
     chan_e = lambda e: (e.stride(0), e.stride(2), e.stride(3))  # noqa: E731  (B, H, D)
     grid = (cdiv(Sk, BLOCK_N.value), B * Hkv)
     kernel = _attn_bwd_dkdv_ws_kernel_sq1 if Sq == 1 else _attn_bwd_dkdv_ws_kernel
     fast_launcher(kernel)[grid](
-        *descs, qe, de, ke, ve, qse, dse, lse, delta, dk, dv,
-        *row_e(qe), *row_e(de), *row_e(ke), *row_e(ve), *chan_e(qse), *lse.stride(), *dk.stride(),
+        q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, qe, de, ke, ve, qse, dse, dk, dv,
+        *row_e(qe), *row_e(de), *row_e(ke), *row_e(ve), *chan_e(qse), *dk.stride(),
         Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
         HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
         SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs,
