@@ -460,7 +460,8 @@ if __name__ == "__main__":
     ap.add_argument("--quick", action="store_true", help="d128 at S 4k and 8k only")
     ap.add_argument("--out", help="write the rows and the environment to this JSON file")
     ap.add_argument("--sweep", action="store_true",
-                    help="also time stages 2/4 and ping-pong off (d128 S8k, both causal flags, unless --quick)")
+                    help="also time stages 2/4, ping-pong and the 2-D K path (k_perm off) (d128 S8k, both causal "
+                         "flags, unless --quick)")
     args = ap.parse_args()
     bench_configs = None
     bench_shapes = default_bench_shapes(args.quick)
@@ -469,7 +470,7 @@ if __name__ == "__main__":
         from mxattn.kernels.attn_fwd_gluon import GluonFwdConfig
 
         bench_configs = {"stages2": GluonFwdConfig(stages=2), "stages4": GluonFwdConfig(stages=4),
-                         "pingpong": GluonFwdConfig(pingpong=True)}
+                         "pingpong": GluonFwdConfig(pingpong=True), "k2d": GluonFwdConfig(k_perm=False)}
         if not args.quick:
             bench_shapes = grid_shapes(2, 16, None, (128, 64), (8192,))
     result_rows = bench_gluon_vs_tl(bench_shapes, configs=bench_configs)
