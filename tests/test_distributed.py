@@ -280,8 +280,9 @@ def _gluon_host_side(msgs: list, calls: dict):
         calls["fwd"] = calls.get("fwd", 0) + 1
         calls["fwd_part"] = calls.get("fwd_part", 0) + parted(q, k)
         try:
-            qd, kd, vd = fg._descriptors(q, k, v, fg.default_config(D, kw.get("causal", False)).block_n)
-            if (qd.shape[0], kd.shape[0], list(vd.shape)) != (B * Sq, B * Sk, [B * Hkv * D, Sk]):
+            qd, kd, vd, k_perm = fg._descriptors(q, k, v, fg.default_config(D, kw.get("causal", False)).block_n)
+            k_rows = kd.shape[0] * 16 if k_perm else kd.shape[0]  # K_PERM: 16-key groups
+            if (qd.shape[0], k_rows, list(vd.shape)) != (B * Sq, B * Sk, [B * Hkv * D, Sk]):
                 msgs.append(f"fwd descriptor extents {qd.shape} {kd.shape} {vd.shape} for q {Sq}, k {Sk}")
             views(B, q=(qd, q), k=(kd, k), v=(vd, v))
         except Exception as e:  # noqa: BLE001
