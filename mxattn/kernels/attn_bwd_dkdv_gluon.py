@@ -156,7 +156,9 @@ UNIT_STRIDES = ("stride_qeh", "stride_deh", "stride_keh", "stride_veh", "stride_
 class GluonDkdvConfig:
     """Ring depth and register split (not tuned on the GPU yet)."""
 
-    stages: int = 2  # Q / dO / Q_seq / dO_seq ring depth (4 x 8 KB per stage at d128)
+    stages: int = 3  # ring depth (Q, dO, Q_seq, dO_seq, lse, δ: 4 x 8 KB + 512 B per stage at d128)
+    # dK_j's product issued in step j+1 with Sᵀ_{j+1} / dPᵀ_{j+1} (session 7); stage j stays taken until then, so
+    # the producer prefetches only with stages >= 3.  Ignored (not deferred) with stages = 1, which would deadlock
     maxnreg: int = 168  # 12 warps (8 consumers + the producer's warpgroup) * 32 * 168 <= 65536
     producer_regs: int = 24
     # split: the two consumer warpgroups as two 4-warp partitions, 64 keys each, with a dS exponent per
@@ -165,6 +167,12 @@ class GluonDkdvConfig:
     # other's products.  Compiled for sm_90a; not yet run on a GPU: opt-in until its GPU tests pass.
     split: bool = False
     consumer_regs: int = 240  # registers per thread of consumer warpgroup 1 (a worker partition) when split
+    defer_dk: bool = True
+
+    @property
+    def defers_dk(self) -> bool:
+        """Whether the kernel is built with DEFER_DK (the deferral needs two stages: j − 1's and j's)."""
+        return self.defer_dk and self.stages >= 2
 
 
 def default_config(head_dim: int, causal: bool) -> GluonDkdvConfig:
@@ -216,6 +224,37 @@ def _head_rescale(dk, dv, QSE, DOSE, stride_qseh, stride_qsed, hh,
     dk = dk * gl.expand_dims(_pow2(qse_prev - qse), 0)
     dv = dv * gl.expand_dims(_pow2(dose_prev - dose), 0)
     return dk, dv
+
+
+@gluon.jit
+def _lse_row(lse_smem, st, row_ok, col_s: gl.constexpr):
+    """Exponent offsets of one query tile's P·256 = 2^(s·log2e·scale − lse·log2e + 8), from lse in stage st's
+    shared memory: −inf for rows that see nothing (lse = −inf) and for rows past Sq (TMA's zero fill there, made
+    −inf as the masked global load had it)."""
+    lse = gl.where(row_ok, lse_smem.index(st).reshape([BLOCK_M]).load(col_s), float("-inf"))
+    return gl.where(lse == float("-inf"), float("-inf"), 8.0 - lse * 1.4426950408889634)
+
+
+@gluon.jit
+def _chan_rescale(acc, E, stride_qseh, stride_qsed, hh, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """One accumulator of ``_head_rescale``: acc * 2^(E[hh − 1] − E[hh]) per channel (the same two loads and
+    multiply), for the deferred dK, whose head rescale waits for dK_{j−1}."""
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    prev = gl.load(E + (hh - 1) * stride_qseh + offs_d * stride_qsed)
+    cur = gl.load(E + hh * stride_qseh + offs_d * stride_qsed)
+    return acc * gl.expand_dims(_pow2(prev - cur), 0)
+
+
+@gluon.jit
+def _dk_pending(dk, dk_hh, dk_sh, QSE, stride_qseh, stride_qsed, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """DEFER_DK: a step's dK rescales, once the previous step's deferred product is in: to head dk_hh's seq
+    exponents (dk_hh >= 0: the step began a head), then by 2^dk_sh (the tile exponent moved) — the undeferred
+    step's order (head rescale, then exponent rescale), both rare branches."""
+    if dk_hh >= 0:
+        dk = _chan_rescale(dk, QSE, stride_qseh, stride_qsed, dk_hh, o_layout, HEAD_DIM)
+    if dk_sh != 0:
+        dk = dk * _pow2(dk_sh)
+    return dk
 
 
 # ------------------------------------------------------------------------------------------------- producer
@@ -292,7 +331,7 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
               stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn, stride_dkd,
               KE, VE, key_lim, diag, Sq, h0, h_last, lo, mid, n_m, n_steps, qk_scale, grad_scale,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
-              WARPS: gl.constexpr):
+              WARPS: gl.constexpr, DEFER_DK: gl.constexpr):
     """Keys n0 .. n0 + ROWS − 1 of one (b, hk), ROWS = 128 on 8 warps (the whole CTA's keys) or 64 on one warpgroup
     (split: keys n0 + 64·w ..); k_tile / v_tile their K and V_hdim tiles.  Pointers already moved to b (QE, DOE,
     QSE, DOSE) and to (b, hk, first key) (DK, DV); lse and δ of each query tile come through the ring
@@ -302,7 +341,12 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
 
     Split, warpgroup 1's first causal query tiles of each head can lie wholly before its keys (the tl kernel with
     64-key blocks starts later): P = dS = 0 there, the exponent stays (amax 0 keeps it) and the bound of
-    ``_bounded_exp`` is not started by them, so the exponent sequence is the tl kernel's."""
+    ``_bounded_exp`` is not started by them, so the exponent sequence is the tl kernel's.
+
+    DEFER_DK: dK_j += dSᵀ_j Q_seq_j is issued in step j + 1 after Sᵀ_{j+1} and dPᵀ_{j+1} (and after the loop for
+    the last step) and waited with dV_{j+1} at that step's end; stage j is released then.  dK's head rescale and
+    tile-exponent rescale of step j + 1 follow that wait, so dK sees the same operations in the same order as
+    without the deferral (add dK_j, head rescale, exponent rescale, add dK_{j+1}): bit-identical results."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_M, WARPS)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM, WARPS)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
@@ -315,6 +359,12 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
     dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
     dk_e = 0
     dk_hi = -1000  # no bound until the accumulator holds something (_bounded_exp)
+    # DEFER_DK: dSᵀ_{j-1}·2^-e_{j-1} (fp32, the value the undeferred step casts to e4m3), zeros before step 0 (whose
+    # deferred product, on stage 0's Q_seq, adds exact zeros); and dK's rescales of step j-1 that wait for
+    # dK_{j-2}: the head to rescale to (-1: none) and the exponent shift e_{j-2} − e_{j-1}
+    dsc = s_zero
+    dk_hh = -1
+    dk_sh = 0
     ke = gl.load(KE)
     ve = gl.load(VE)
     mbarrier.wait(kv_bar, 0)
@@ -324,10 +374,19 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
         t = j // n_m
         hh = h0 + t
         m0 = lo + (j - t * n_m) * BLOCK_M
-        if j - t * n_m == 0:
-            if j > 0:
-                dk, dv = _head_rescale(dk, dv, QSE, DOSE, stride_qseh, stride_qsed, hh,
-                                       o_layout, HEAD_DIM)
+        if DEFER_DK:
+            # e4m3 dSᵀ_{j-1} first: its fp32 tile is then dead before the rescales' exponent vectors load and
+            # before Sᵀ_j / dPᵀ_j take their accumulators (with both live, d128 spills inside the loop)
+            ds8 = gl.convert_layout(dsc.to(gl.float8e4nv), a_layout)
+            dk = _dk_pending(dk, dk_hh, dk_sh, QSE, stride_qseh, stride_qsed, o_layout, HEAD_DIM)
+            if j - t * n_m == 0:
+                if j > 0:  # dV's head rescale; dK's waits for dK_{j-1} (applied at the top of step j + 1)
+                    dv = _chan_rescale(dv, DOSE, stride_qseh, stride_qsed, hh, o_layout, HEAD_DIM)
+        else:
+            if j - t * n_m == 0:
+                if j > 0:
+                    dk, dv = _head_rescale(dk, dv, QSE, DOSE, stride_qseh, stride_qsed, hh,
+                                           o_layout, HEAD_DIM)
         # query-side scalars of this tile (before the wait: their latency hides under it)
         offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_s)
         row_ok = offs_m < Sq
@@ -336,16 +395,23 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
         a = qk_scale * _pow2(qe + ke)
 
         mbarrier.wait(ready.index(st), ph)  # Q, dO, Q_seq, dO_seq, lse, δ of tile j
-        # rows past Sq hold TMA's zero fill: −inf there, as the masked global load had it
-        lse = gl.where(row_ok, lse_smem.index(st).reshape([BLOCK_M]).load(col_s), float("-inf"))
-        # exponent of p*256 = s*log2e*scale - lse*log2e + 8; rows that see nothing (lse = -inf), rows past Sq: -inf
-        b_row = gl.where(lse == float("-inf"), float("-inf"), 8.0 - lse * 1.4426950408889634)
+        b_row = _lse_row(lse_smem, st, row_ok, col_s)
         s = warpgroup_mma(k_tile, q_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp = warpgroup_mma(v_tile, do_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # Sᵀ_j; dPᵀ_j runs on
+        if DEFER_DK:
+            # dK_{j-1} += dSᵀ_{j-1} Q_seq_{j-1} behind them (step 0: zeros on stage 0): it runs under Pᵀ's exp2 and
+            # the dSᵀ math and is waited with dV_j at the step's end
+            sp = gl.maximum(j - 1, 0) % STAGES
+            dk = warpgroup_mma(ds8, qs_smem.index(sp).permute((1, 0)), dk, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=2, deps=(s,))  # Sᵀ_j; dPᵀ_j and dK_{j-1} run on
+        else:
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # Sᵀ_j; dPᵀ_j runs on
         p = _p_step(s, a, b_row, m0, key_lim, diag, m0 < mid, CAUSAL, ROWS)
         delta = dl_smem.index(st).reshape([BLOCK_M]).load(col_s)  # 0.0 past Sq (TMA zero fill), as before
-        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))  # dPᵀ_j
+        if DEFER_DK:
+            dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))  # dPᵀ_j; dK_{j-1} runs on
+        else:
+            dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))  # dPᵀ_j
         ds = p * gl.fma(dp, _pow2(doe + ve), -gl.expand_dims(delta, 0))  # 256 * dSᵀ
         # Pᵀ to e4m3 only now (after dSᵀ took its fp32 value): Pᵀ, dPᵀ and the e4m3 Pᵀ are never live together
         p8 = gl.convert_layout(p.to(gl.float8e4nv), a_layout)
@@ -360,13 +426,35 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
                 dk_hi = gl.maximum(dk_hi, e)
         else:
             dk_hi = gl.maximum(dk_hi, e)
-        ds8 = gl.convert_layout((ds * _pow2(-e)).to(gl.float8e4nv), a_layout)
-        if e != dk_e:  # rare: only when the tile's exponent leaves the hysteresis window
-            dk = dk * _pow2(dk_e - e)
-        dk_e = e
-        dk = warpgroup_mma(ds8, qs_smem.index(st).permute((1, 0)), dk, is_async=True)
-        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-        mbarrier.arrive(empty.index(st), count=1)  # stage st free: every read of it is done
+        if DEFER_DK:
+            dsc = ds * _pow2(-e)  # cast to e4m3 and multiplied in step j + 1
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))  # dV_j, dK_{j-1}
+            if j > 0:
+                mbarrier.arrive(empty.index(sp), count=1)  # stage j-1 free: its Q_seq was dK_{j-1}'s last read
+            # this step's dK rescales (head change, exponent move), in the undeferred order: after dK_{j-1} is in,
+            # before dK_j is added; applied at the top of step j + 1 (or before the flush)
+            dk_hh = -1
+            if j - t * n_m == 0:
+                if j > 0:
+                    dk_hh = hh
+            dk_sh = dk_e - e
+            dk_e = e
+        else:
+            ds8 = gl.convert_layout((ds * _pow2(-e)).to(gl.float8e4nv), a_layout)
+            if e != dk_e:  # rare: only when the tile's exponent leaves the hysteresis window
+                dk = dk * _pow2(dk_e - e)
+            dk_e = e
+            dk = warpgroup_mma(ds8, qs_smem.index(st).permute((1, 0)), dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            mbarrier.arrive(empty.index(st), count=1)  # stage st free: every read of it is done
+    if DEFER_DK:
+        if n_steps > 0:  # the last step's deferred dK (n_steps >= 1 whenever Sq >= 1)
+            sp = (n_steps - 1) % STAGES
+            ds8 = gl.convert_layout(dsc.to(gl.float8e4nv), a_layout)
+            dk = _dk_pending(dk, dk_hh, dk_sh, QSE, stride_qseh, stride_qsed, o_layout, HEAD_DIM)
+            dk = warpgroup_mma(ds8, qs_smem.index(sp).permute((1, 0)), dk, is_async=True)
+            dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
+            mbarrier.arrive(empty.index(sp), count=1)
 
     # ---- epilogue (attn_bwd._bwd_dkdv_kernel): the last head's seq exponents, dK's tile exponent, 2^-8 of P
     offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
@@ -394,7 +482,7 @@ def _attn_bwd_dkdv_ws_kernel(
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,  # dk's and dv's
     Hq, Hkv, Sq, Sk, group_size, qk_scale, grad_scale,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr, DEFER_DK: gl.constexpr,
 ):
     # key blocks fastest within one (b, kv head), as the tl kernel: the heaviest causal blocks (first keys) start
     # first and neighbouring CTAs stream the same query-side tiles through L2
@@ -448,13 +536,13 @@ def _attn_bwd_dkdv_ws_kernel(
                          stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
                          stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0,
                          h0 + group_size - 1, lo, mid, n_m, n_steps, qk_scale, grad_scale,
-                         HEAD_DIM, STAGES, CAUSAL, 64, 4)),
+                         HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK)),
             (_consumer, (q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem.index(1), v_smem.index(1),
                          kv_bar, ready, empty, QE_b, DOE_b, QSE_b, DOSE_b, DK_t + wg_off, DV_t + wg_off,
                          stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
                          stride_dkd, KE_t, VE_t, Sk - n0 - BLOCK_N_WG,
                          causal_off - n0 - BLOCK_N_WG, Sq, h0, h0 + group_size - 1, lo, mid, n_m, n_steps,
-                         qk_scale, grad_scale, HEAD_DIM, STAGES, CAUSAL, 64, 4)),
+                         qk_scale, grad_scale, HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK)),
             (_producer_split, (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem,
                                do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
                                b * Sk + n0, hk * HEAD_DIM, b * Sq, b * Hq * HEAD_DIM, b * Hq, h0, lo, n_m, n_steps,
@@ -467,7 +555,7 @@ def _attn_bwd_dkdv_ws_kernel(
                          stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
                          stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0,
                          h0 + group_size - 1, lo, mid, n_m, n_steps, qk_scale, grad_scale,
-                         HEAD_DIM, STAGES, CAUSAL, 128, 8)),
+                         HEAD_DIM, STAGES, CAUSAL, 128, 8, DEFER_DK)),
             (_producer, (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem, do_smem,
                          qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
                          b * Sk + n0, hk * HEAD_DIM, b * Sq, b * Hq * HEAD_DIM, b * Hq, h0, lo, n_m, n_steps,
@@ -665,7 +753,7 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
         *row_e(qe), *row_e(de), *row_e(ke), *row_e(ve), *chan_e(qse), *dk.stride(),
         Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
         HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
-        SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs,
+        SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=cfg.defers_dk,
         num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg,
     )
     return dk, dv
