@@ -38,24 +38,39 @@ tile (the ``tl`` kernel's rule, kept for equal numerics): the tile-wide ``gl.max
 reduction (shared memory + a named barrier of the partition's 256 threads).  The per-key dS scale
 (``BwdConfig(ds_tile_scale=False)``) is left out: only the default per-tile path exists here.
 
-Consumer step j (query tile j of the flattened (head, start_m) sequence; stage s = j % STAGES):
-  1. head change (first tile of a head, j > 0): dK, dV *= 2^(qse_prev − qse) / 2^(dose_prev − dose) per channel;
+Consumer step j (query tile j of the flattened (head, start_m) sequence; stage s = j % STAGES), with dK deferred
+one step (``DEFER_DK``, the default since session 7; ``GluonDkdvConfig(defer_dk=False)`` for the step before it):
+  1. e4m3 dSᵀ_{j-1} in the A layout (carried as fp32 dSᵀ_{j-1}·2^-e_{j-1}; zeros at j = 0); dK's pending rescales
+     of step j-1 (head change: dK *= 2^(qse_prev − qse) per channel; then 2^(e_{j-2} − e_{j-1}) if the tile
+     exponent moved); head change at j (j > 0): dV *= 2^(dose_prev − dose) per channel;
   2. wait for stage s (all six loads of tile j); lse_j from shared memory; issue Sᵀ_j = K Q_jᵀ and dPᵀ_j = V dO_jᵀ
-     (A = K, V from shared memory), two groups;
-  3. wait for Sᵀ_j only (dPᵀ_j runs on); Pᵀ_j (masked or not: the branches join fp32 values); δ_j from shared
-     memory;
-  4. wait for dPᵀ_j; dSᵀ_j (fp32), then e4m3 Pᵀ_j in the A layout; issue dV += Pᵀ_j dO_seq_j;
-  5. the tile's dS amax and exponent, dK rescale if it moved, e4m3 dSᵀ, while dV's product runs;
-  6. issue dK += dSᵀ_j Q_seq_j; wait for everything; release stage s.
+     (A = K, V from shared memory), then dK += dSᵀ_{j-1} Q_seq_{j-1} (stage j-1; step 0: zeros on stage 0);
+  3. wait for Sᵀ_j only (dPᵀ_j and dK_{j-1} run on); Pᵀ_j (masked or not: the branches join fp32 values); δ_j from
+     shared memory;
+  4. wait for dPᵀ_j (dK_{j-1} runs on); dSᵀ_j (fp32), then e4m3 Pᵀ_j in the A layout; issue dV += Pᵀ_j dO_seq_j;
+  5. the tile's dS amax and exponent e_j, dSᵀ_j·2^-e_j (fp32, carried), while dV's and dK_{j-1}'s products run;
+  6. wait for everything (dV_j, dK_{j-1}); release stage j-1 (j > 0: its Q_seq was dK_{j-1}'s last read); dK's
+     rescales of step j (head change at j, exponent move) become pending for step 1 of j + 1.
+  After the loop: step n-1's pending rescales, dK += dSᵀ_{n-1} Q_seq_{n-1}, wait, release.
+dK therefore sees the undeferred order (dK_{j-1} added, head rescale, exponent rescale, dK_j added) with the same
+operands and the same multiplications, so dK / dV are bit-identical to the undeferred kernel's.  The rescales are
+applied at the top of the next step, after dSᵀ's fp32 tile became 8 e4m3 registers: at step 6 with the fp32 tile
+live, the exponent vectors of a head change made d128 spill inside the loop.  Stage j stays taken until step j+1's
+end, so prefetching needs 3 stages (j-1, j, j+1; the default); 2 work without prefetch, and 1 would deadlock
+(``GluonDkdvConfig.defers_dk`` is False there: the undeferred step).
+The undeferred step (DEFER_DK False) is as before session 7's deferral: head change rescales dK and dV at step 1,
+no dK product in step 2, step 5 also the dK rescale and e4m3 dSᵀ_j, step 6 issues dK += dSᵀ_j Q_seq_j, waits for
+everything and releases stage s.
 One ready / one empty barrier per stage (until session 7 Q / dO and Q_seq / dO_seq had a ring each, Q / dO
 released after step 5): each wait and release in a consumer partition costs a named barrier of the partition
 around it, so the merged ring has 4 ``BAR.SYNC`` per step instead of 6; a stage now stays taken until the step's
 end, which with 2 stages still leaves the producer a whole step to refill it.
 Every wgmma is waited in the step that issued it (perf-notes-attn-fwd-gluon.md: in flight across the loop edge
 made ptxas serialize all wgmma); three ``WARPGROUP.DEPBAR`` per step (the forward and dQ kernels have two).  The
-overlap is the exp2 of Pᵀ under dPᵀ's product and the dS math under dV's; the two products of one step are not
-pipelined across steps (no Pᵀ / dSᵀ carried over the loop edge: their fp32 tiles would not fit with the 128
-accumulator registers, and e4m3 tensors crossing a loop edge are moved as loose bytes).
+overlap is the exp2 of Pᵀ under dPᵀ's product and the dS math under dV's, and (deferred) dK_{j-1}'s product under
+both; before the deferral dK's product was fully exposed at the step's end.  dSᵀ crosses the loop edge as its fp32
+tile (32 registers per thread; e4m3 tensors crossing a loop edge are moved as loose bytes), converted first thing
+in the next step.
 
 TMA views (2-D, 16-byte aligned row strides): Q and dO as (B*Sq, Hq*D), K and V_hdim as (B*Sk, Hkv*D), Q_seq and
 dO_seq as (B*Hq*D, Sq) over the channel-major buffers (row stride S_pad).  Query rows past Sq read the next
@@ -72,7 +87,13 @@ sequence with a group that is a multiple of 64 (one scalar exponent per query ti
 v_hdim the K layout (128 keys per exponent), q_seq and dout_seq the V layout (channel-major, one exponent per
 (head, channel)).  D is 64 or 128.
 
-Compile check without a GPU (triton 3.6): ``python scripts/compile_check_bwd_dkdv_gluon.py``.  sm_90a, 2 stages,
+Compile check without a GPU (triton 3.6): ``python scripts/compile_check_bwd_dkdv_gluon.py [--split] [--no-defer]``.
+Deferred dK (session 7, 3 stages; not yet run on a GPU): highest register R237 (d128, d128 causal) / R181 (d64) /
+R195 (d64 causal), no spill whole-tile; split 24 B (d128) / 64 B (d128 causal) spilled outside the loops, no
+LDL / STL inside; shared memory 132 988 B (d128) / 67 452 B (d64), split 133 136 / 67 600; 4 + 4 + 2 + 2 wgmma per
+step and warpgroup at d128 (dK's from the previous step), three ``WARPGROUP.DEPBAR``, 4 ``BAR.SYNC``, 663 SASS
+instructions on a common step's path at d128 (648-654 split).  The numbers below are the undeferred kernel's
+(``--no-defer``, before session 7's deferral): sm_90a, 2 stages,
 maxnreg 168 -> setmaxnreg 240 (consumers) / 24 (producer); highest SASS register R237 (d128, d128 causal) / R172
 (d64) / R184 (d64 causal); spills 0 (before session 7's lse / δ through TMA: 16 bytes at d128 causal, one value
 stored and two reloaded per step); shared memory 99 676 B (d128) / 50 524 B (d64); per query step and warpgroup
