@@ -5,7 +5,7 @@ the launcher rejects bad operands before any launch; lse and δ reach the kernel
 row pitch is not 16-byte aligned, as padded copies, and a box read through the descriptor (with TMA's zero fill)
 gives the values the consumers' masked loads gave before session 7; a pure-Python model of the kernel's mbarrier
 protocol (the producer's ring of Q, dO, Q_seq, dO_seq, lse and δ, the consumer's order of waits and releases, same
-parity formulas) runs under random interleavings without deadlock and never lets TMA overwrite a buffer a wgmma or
+parity formulas; with dK deferred one step, stage j-1 released at step j's end, and without) runs under random interleavings without deadlock and never lets TMA overwrite a buffer a wgmma or
 a shared-memory load still reads; and, where
 triton 3.6 is installed, the kernel compiles for sm_90a with the rules of
 ``scripts/compile_check_bwd_dkdv_gluon.py`` (marker ``slow``).
@@ -217,11 +217,14 @@ def test_compiles_for_sm90_without_gpu(capsys):
 RING = ("q", "do", "lse", "dl", "qs", "dos")  # the six loads of a query step, all on the stage's ready barrier
 
 
-def _protocol_model(n_steps: int, stages: int, rng: random.Random, mutant: str = "", consumers: int = 1):
+def _protocol_model(n_steps: int, stages: int, rng: random.Random, mutant: str = "", consumers: int = 1,
+                    defer: bool = True):
     """Run the kernel's protocol (``_producer_steps`` and ``_consumer``'s loop; ``consumers=2``: the split kernel,
     two warpgroup partitions on one ring, empty barriers counting two arrivals) under a random interleaving
     (``conftest.SharedTilesModel``); returns the log of reads.  Reads: wgmma (Q, dO, Q_seq, dO_seq) and the
-    consumers' shared-memory loads of lse and δ."""
+    consumers' shared-memory loads of lse and δ.  ``defer`` (DEFER_DK, the default build): dK_{j-1}'s product reads
+    Q_seq of stage j-1 in step j (step 0: stage 0's tile 0 with dS = 0, a logged read), stage j-1 is released at
+    step j's end, the last step's dK product after the loop; else the undeferred step (release at its own end)."""
     S = stages
     empty_count = 1 if mutant == "split_empty_count_1" else consumers
     ready = [MBarrierModel(1) for _ in range(S)]
@@ -251,48 +254,104 @@ def _protocol_model(n_steps: int, stages: int, rng: random.Random, mutant: str =
             smem.done_read(("lse", st))
             smem.start_read(("q", st), j)  # Sᵀ_j, dPᵀ_j issued
             smem.start_read(("do", st), j)
-            yield ("step",)  # wait(1): Sᵀ_j; P
+            if defer:
+                jp = max(j - 1, 0)
+                sp = jp % S
+                smem.start_read(("qs", sp), jp)  # dK_{j-1} issued behind them (step 0: zeros on tile 0)
+                if mutant == "release_before_dk_wait" and j > 0:
+                    empty[sp].arrive()
+            yield ("step",)  # wait: Sᵀ_j
             smem.start_read(("dl", st), j)  # δ_j to registers
             smem.done_read(("dl", st))
-            yield ("step",)  # wait(0): dPᵀ_j
-            if mutant == "early_release":  # the old Q/dO release point, with Q_seq / dO_seq still to be read
+            yield ("step",)  # wait: dPᵀ_j
+            if mutant == "early_release" and not defer:  # the old Q/dO release point, Q_seq / dO_seq still read
                 empty[st].arrive()
-            smem.start_read(("dos", st), j)  # dV_j issued, then dK_j
+            smem.start_read(("dos", st), j)  # dV_j issued (undeferred: then dK_j)
             yield ("step",)
-            smem.start_read(("qs", st), j)
-            yield ("step",)  # wait(0): all
-            for r in ("q", "do", "qs", "dos"):
+            if not defer:
+                smem.start_read(("qs", st), j)
+                yield ("step",)
+            # wait(0): everything issued in this step
+            for r in ("q", "do", "dos") if defer else ("q", "do", "qs", "dos"):
                 smem.done_read((r, st))
-            if mutant != "early_release":
+            if defer:
+                smem.done_read(("qs", sp))
+                if mutant == "early_release":  # the undeferred release point: stage j, whose Q_seq dK_j still reads
+                    empty[st].arrive()
+                elif j > 0 and mutant != "release_before_dk_wait":
+                    empty[sp].arrive()  # stage j-1: its Q_seq was dK_{j-1}'s last read
+            elif mutant != "early_release":
                 empty[st].arrive()
+        if defer and n_steps > 0 and mutant != "no_flush":  # the last step's dK after the loop
+            sp = (n_steps - 1) % S
+            smem.start_read(("qs", sp), n_steps - 1)
+            yield ("step",)
+            smem.done_read(("qs", sp))
+            empty[sp].arrive()
 
     return smem.run({"producer": producer(), **{f"consumer{c}": consumer() for c in range(consumers)}}, rng)
 
 
+def _expected_reads(buf: str, n_steps: int, consumers: int, defer: bool) -> list:
+    """Tiles each buffer is read with: every step's once per consumer; deferred, Q_seq's tile 0 once more (step 0's
+    product of zeros)."""
+    extra = [0] if defer and buf == "qs" and n_steps > 0 else []
+    return sorted((list(range(n_steps)) + extra) * consumers)
+
+
+@pytest.mark.parametrize("defer", [True, False], ids=["defer", "nodefer"])
 @pytest.mark.parametrize("consumers", [1, 2], ids=["whole", "split"])
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
-def test_barrier_protocol_model(stages, consumers, seed):
+def test_barrier_protocol_model(stages, consumers, defer, seed):
+    """The protocol the kernel is built with: DEFER_DK where ``GluonDkdvConfig.defers_dk`` (stages >= 2)."""
+    m = _mod()
+    defer = m.GluonDkdvConfig(stages=stages, defer_dk=defer).defers_dk
     rng = random.Random(seed)
     for n_steps in (0, 1, 2, 3, stages, stages + 1, 2 * stages + 3, 17):
         for _ in range(30):
-            log = _protocol_model(n_steps, stages, rng, consumers=consumers)
+            log = _protocol_model(n_steps, stages, rng, consumers=consumers, defer=defer)
             for buf in RING:
                 reads = [t for kind, b, t in log if b[0] == buf]
-                assert sorted(reads) == sorted(list(range(n_steps)) * consumers)
+                assert sorted(reads) == _expected_reads(buf, n_steps, consumers, defer), buf
 
 
-@pytest.mark.parametrize("mutant,consumers", [("no_empty_wait", 1), ("ready_parity", 1), ("early_release", 1),
-                                              ("no_empty_wait", 2), ("early_release", 2),
-                                              ("split_empty_count_1", 2)])
-def test_barrier_protocol_model_catches_mutants(mutant, consumers, seed):
+def test_deferred_dk_needs_two_stages(seed):
+    """Why ``defers_dk`` is False with one stage: the deferred release of stage j-1 at step j's end deadlocks a
+    one-stage ring (the producer waits for step j's release before loading tile j + 1, which step j + 1 needs
+    first).  The model finds the deadlock; the config does not defer."""
+    m = _mod()
+    assert not m.GluonDkdvConfig(stages=1).defers_dk and m.GluonDkdvConfig(stages=2).defers_dk
+    assert m.GluonDkdvConfig().defers_dk and m.GluonDkdvConfig().stages == 3
+    with pytest.raises(AssertionError, match="deadlock"):
+        _protocol_model(3, 1, random.Random(seed), defer=True)
+
+
+@pytest.mark.parametrize("mutant,consumers,defer",
+                         [("no_empty_wait", 1, True), ("ready_parity", 1, True), ("early_release", 1, True),
+                          ("release_before_dk_wait", 1, True), ("no_empty_wait", 2, True),
+                          ("early_release", 2, True), ("release_before_dk_wait", 2, True),
+                          ("split_empty_count_1", 2, True),
+                          ("no_empty_wait", 1, False), ("ready_parity", 1, False), ("early_release", 1, False),
+                          ("early_release", 2, False), ("split_empty_count_1", 2, False)])
+def test_barrier_protocol_model_catches_mutants(mutant, consumers, defer, seed):
     """The model is not vacuous: a producer that does not wait for the stage's release, a consumer waiting with
-    the wrong parity, a release before Q_seq / dO_seq were read (where the two-ring kernel released Q / dO), or
-    (split) empty barriers counting one arrival for two warpgroups, is caught (deadlock, a TMA into a buffer being
-    read, a wrong tile, or too many arrivals)."""
+    the wrong parity, a release before Q_seq / dO_seq were read (deferred: stage j released at step j's end, where
+    the undeferred kernel releases it, while dK_j still reads its Q_seq in step j + 1; or stage j-1 released as
+    soon as dK_{j-1} is issued; undeferred: where the two-ring kernel released Q / dO), or (split) empty barriers
+    counting one arrival for two warpgroups, is caught (deadlock, a TMA into a buffer being read, a wrong tile, or
+    too many arrivals)."""
     rng = random.Random(seed)
     with pytest.raises(AssertionError):
         for _ in range(200):
-            _protocol_model(9, 2, rng, mutant, consumers=consumers)
+            _protocol_model(9, 2, rng, mutant, consumers=consumers, defer=defer)
+
+
+def test_barrier_protocol_model_flush_reads_last_tile(seed):
+    """Without the flush after the loop the last step's Q_seq is never read by a dK product (the read check of
+    ``test_barrier_protocol_model`` catches that)."""
+    log = _protocol_model(5, 3, random.Random(seed), "no_flush", defer=True)
+    reads = [t for kind, b, t in log if b[0] == "qs"]
+    assert sorted(reads) != _expected_reads("qs", 5, 1, True)
 
 
 # ---------------------------------------------------------------------------------------------------- GPU

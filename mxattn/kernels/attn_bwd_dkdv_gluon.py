@@ -38,24 +38,39 @@ tile (the ``tl`` kernel's rule, kept for equal numerics): the tile-wide ``gl.max
 reduction (shared memory + a named barrier of the partition's 256 threads).  The per-key dS scale
 (``BwdConfig(ds_tile_scale=False)``) is left out: only the default per-tile path exists here.
 
-Consumer step j (query tile j of the flattened (head, start_m) sequence; stage s = j % STAGES):
-  1. head change (first tile of a head, j > 0): dK, dV *= 2^(qse_prev − qse) / 2^(dose_prev − dose) per channel;
+Consumer step j (query tile j of the flattened (head, start_m) sequence; stage s = j % STAGES), with dK deferred
+one step (``DEFER_DK``, the default since session 7; ``GluonDkdvConfig(defer_dk=False)`` for the step before it):
+  1. e4m3 dSᵀ_{j-1} in the A layout (carried as fp32 dSᵀ_{j-1}·2^-e_{j-1}; zeros at j = 0); dK's pending rescales
+     of step j-1 (head change: dK *= 2^(qse_prev − qse) per channel; then 2^(e_{j-2} − e_{j-1}) if the tile
+     exponent moved); head change at j (j > 0): dV *= 2^(dose_prev − dose) per channel;
   2. wait for stage s (all six loads of tile j); lse_j from shared memory; issue Sᵀ_j = K Q_jᵀ and dPᵀ_j = V dO_jᵀ
-     (A = K, V from shared memory), two groups;
-  3. wait for Sᵀ_j only (dPᵀ_j runs on); Pᵀ_j (masked or not: the branches join fp32 values); δ_j from shared
-     memory;
-  4. wait for dPᵀ_j; dSᵀ_j (fp32), then e4m3 Pᵀ_j in the A layout; issue dV += Pᵀ_j dO_seq_j;
-  5. the tile's dS amax and exponent, dK rescale if it moved, e4m3 dSᵀ, while dV's product runs;
-  6. issue dK += dSᵀ_j Q_seq_j; wait for everything; release stage s.
+     (A = K, V from shared memory), then dK += dSᵀ_{j-1} Q_seq_{j-1} (stage j-1; step 0: zeros on stage 0);
+  3. wait for Sᵀ_j only (dPᵀ_j and dK_{j-1} run on); Pᵀ_j (masked or not: the branches join fp32 values); δ_j from
+     shared memory;
+  4. wait for dPᵀ_j (dK_{j-1} runs on); dSᵀ_j (fp32), then e4m3 Pᵀ_j in the A layout; issue dV += Pᵀ_j dO_seq_j;
+  5. the tile's dS amax and exponent e_j, dSᵀ_j·2^-e_j (fp32, carried), while dV's and dK_{j-1}'s products run;
+  6. wait for everything (dV_j, dK_{j-1}); release stage j-1 (j > 0: its Q_seq was dK_{j-1}'s last read); dK's
+     rescales of step j (head change at j, exponent move) become pending for step 1 of j + 1.
+  After the loop: step n-1's pending rescales, dK += dSᵀ_{n-1} Q_seq_{n-1}, wait, release.
+dK therefore sees the undeferred order (dK_{j-1} added, head rescale, exponent rescale, dK_j added) with the same
+operands and the same multiplications, so dK / dV are bit-identical to the undeferred kernel's.  The rescales are
+applied at the top of the next step, after dSᵀ's fp32 tile became 8 e4m3 registers: at step 6 with the fp32 tile
+live, the exponent vectors of a head change made d128 spill inside the loop.  Stage j stays taken until step j+1's
+end, so prefetching needs 3 stages (j-1, j, j+1; the default); 2 work without prefetch, and 1 would deadlock
+(``GluonDkdvConfig.defers_dk`` is False there: the undeferred step).
+The undeferred step (DEFER_DK False) is as before session 7's deferral: head change rescales dK and dV at step 1,
+no dK product in step 2, step 5 also the dK rescale and e4m3 dSᵀ_j, step 6 issues dK += dSᵀ_j Q_seq_j, waits for
+everything and releases stage s.
 One ready / one empty barrier per stage (until session 7 Q / dO and Q_seq / dO_seq had a ring each, Q / dO
 released after step 5): each wait and release in a consumer partition costs a named barrier of the partition
 around it, so the merged ring has 4 ``BAR.SYNC`` per step instead of 6; a stage now stays taken until the step's
 end, which with 2 stages still leaves the producer a whole step to refill it.
 Every wgmma is waited in the step that issued it (perf-notes-attn-fwd-gluon.md: in flight across the loop edge
 made ptxas serialize all wgmma); three ``WARPGROUP.DEPBAR`` per step (the forward and dQ kernels have two).  The
-overlap is the exp2 of Pᵀ under dPᵀ's product and the dS math under dV's; the two products of one step are not
-pipelined across steps (no Pᵀ / dSᵀ carried over the loop edge: their fp32 tiles would not fit with the 128
-accumulator registers, and e4m3 tensors crossing a loop edge are moved as loose bytes).
+overlap is the exp2 of Pᵀ under dPᵀ's product and the dS math under dV's, and (deferred) dK_{j-1}'s product under
+both; before the deferral dK's product was fully exposed at the step's end.  dSᵀ crosses the loop edge as its fp32
+tile (32 registers per thread; e4m3 tensors crossing a loop edge are moved as loose bytes), converted first thing
+in the next step.
 
 TMA views (2-D, 16-byte aligned row strides): Q and dO as (B*Sq, Hq*D), K and V_hdim as (B*Sk, Hkv*D), Q_seq and
 dO_seq as (B*Hq*D, Sq) over the channel-major buffers (row stride S_pad).  Query rows past Sq read the next
@@ -72,7 +87,13 @@ sequence with a group that is a multiple of 64 (one scalar exponent per query ti
 v_hdim the K layout (128 keys per exponent), q_seq and dout_seq the V layout (channel-major, one exponent per
 (head, channel)).  D is 64 or 128.
 
-Compile check without a GPU (triton 3.6): ``python scripts/compile_check_bwd_dkdv_gluon.py``.  sm_90a, 2 stages,
+Compile check without a GPU (triton 3.6): ``python scripts/compile_check_bwd_dkdv_gluon.py [--split] [--no-defer]``.
+Deferred dK (session 7, 3 stages; not yet run on a GPU): highest register R237 (d128, d128 causal) / R181 (d64) /
+R195 (d64 causal), no spill whole-tile; split 24 B (d128) / 64 B (d128 causal) spilled outside the loops, no
+LDL / STL inside; shared memory 132 988 B (d128) / 67 452 B (d64), split 133 136 / 67 600; 4 + 4 + 2 + 2 wgmma per
+step and warpgroup at d128 (dK's from the previous step), three ``WARPGROUP.DEPBAR``, 4 ``BAR.SYNC``, 663 SASS
+instructions on a common step's path at d128 (648-654 split).  The numbers below are the undeferred kernel's
+(``--no-defer``, before session 7's deferral): sm_90a, 2 stages,
 maxnreg 168 -> setmaxnreg 240 (consumers) / 24 (producer); highest SASS register R237 (d128, d128 causal) / R172
 (d64) / R184 (d64 causal); spills 0 (before session 7's lse / δ through TMA: 16 bytes at d128 causal, one value
 stored and two reloaded per step); shared memory 99 676 B (d128) / 50 524 B (d64); per query step and warpgroup
@@ -156,7 +177,9 @@ UNIT_STRIDES = ("stride_qeh", "stride_deh", "stride_keh", "stride_veh", "stride_
 class GluonDkdvConfig:
     """Ring depth and register split (not tuned on the GPU yet)."""
 
-    stages: int = 2  # Q / dO / Q_seq / dO_seq ring depth (4 x 8 KB per stage at d128)
+    stages: int = 3  # ring depth (Q, dO, Q_seq, dO_seq, lse, δ: 4 x 8 KB + 512 B per stage at d128)
+    # dK_j's product issued in step j+1 with Sᵀ_{j+1} / dPᵀ_{j+1} (session 7); stage j stays taken until then, so
+    # the producer prefetches only with stages >= 3.  Ignored (not deferred) with stages = 1, which would deadlock
     maxnreg: int = 168  # 12 warps (8 consumers + the producer's warpgroup) * 32 * 168 <= 65536
     producer_regs: int = 24
     # split: the two consumer warpgroups as two 4-warp partitions, 64 keys each, with a dS exponent per
@@ -165,6 +188,12 @@ class GluonDkdvConfig:
     # other's products.  Compiled for sm_90a; not yet run on a GPU: opt-in until its GPU tests pass.
     split: bool = False
     consumer_regs: int = 240  # registers per thread of consumer warpgroup 1 (a worker partition) when split
+    defer_dk: bool = True
+
+    @property
+    def defers_dk(self) -> bool:
+        """Whether the kernel is built with DEFER_DK (the deferral needs two stages: j − 1's and j's)."""
+        return self.defer_dk and self.stages >= 2
 
 
 def default_config(head_dim: int, causal: bool) -> GluonDkdvConfig:
@@ -216,6 +245,37 @@ def _head_rescale(dk, dv, QSE, DOSE, stride_qseh, stride_qsed, hh,
     dk = dk * gl.expand_dims(_pow2(qse_prev - qse), 0)
     dv = dv * gl.expand_dims(_pow2(dose_prev - dose), 0)
     return dk, dv
+
+
+@gluon.jit
+def _lse_row(lse_smem, st, row_ok, col_s: gl.constexpr):
+    """Exponent offsets of one query tile's P·256 = 2^(s·log2e·scale − lse·log2e + 8), from lse in stage st's
+    shared memory: −inf for rows that see nothing (lse = −inf) and for rows past Sq (TMA's zero fill there, made
+    −inf as the masked global load had it)."""
+    lse = gl.where(row_ok, lse_smem.index(st).reshape([BLOCK_M]).load(col_s), float("-inf"))
+    return gl.where(lse == float("-inf"), float("-inf"), 8.0 - lse * 1.4426950408889634)
+
+
+@gluon.jit
+def _chan_rescale(acc, E, stride_qseh, stride_qsed, hh, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """One accumulator of ``_head_rescale``: acc * 2^(E[hh − 1] − E[hh]) per channel (the same two loads and
+    multiply), for the deferred dK, whose head rescale waits for dK_{j−1}."""
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    prev = gl.load(E + (hh - 1) * stride_qseh + offs_d * stride_qsed)
+    cur = gl.load(E + hh * stride_qseh + offs_d * stride_qsed)
+    return acc * gl.expand_dims(_pow2(prev - cur), 0)
+
+
+@gluon.jit
+def _dk_pending(dk, dk_hh, dk_sh, QSE, stride_qseh, stride_qsed, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """DEFER_DK: a step's dK rescales, once the previous step's deferred product is in: to head dk_hh's seq
+    exponents (dk_hh >= 0: the step began a head), then by 2^dk_sh (the tile exponent moved) — the undeferred
+    step's order (head rescale, then exponent rescale), both rare branches."""
+    if dk_hh >= 0:
+        dk = _chan_rescale(dk, QSE, stride_qseh, stride_qsed, dk_hh, o_layout, HEAD_DIM)
+    if dk_sh != 0:
+        dk = dk * _pow2(dk_sh)
+    return dk
 
 
 # ------------------------------------------------------------------------------------------------- producer
@@ -292,7 +352,7 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
               stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn, stride_dkd,
               KE, VE, key_lim, diag, Sq, h0, h_last, lo, mid, n_m, n_steps, qk_scale, grad_scale,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
-              WARPS: gl.constexpr):
+              WARPS: gl.constexpr, DEFER_DK: gl.constexpr):
     """Keys n0 .. n0 + ROWS − 1 of one (b, hk), ROWS = 128 on 8 warps (the whole CTA's keys) or 64 on one warpgroup
     (split: keys n0 + 64·w ..); k_tile / v_tile their K and V_hdim tiles.  Pointers already moved to b (QE, DOE,
     QSE, DOSE) and to (b, hk, first key) (DK, DV); lse and δ of each query tile come through the ring
@@ -302,7 +362,12 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
 
     Split, warpgroup 1's first causal query tiles of each head can lie wholly before its keys (the tl kernel with
     64-key blocks starts later): P = dS = 0 there, the exponent stays (amax 0 keeps it) and the bound of
-    ``_bounded_exp`` is not started by them, so the exponent sequence is the tl kernel's."""
+    ``_bounded_exp`` is not started by them, so the exponent sequence is the tl kernel's.
+
+    DEFER_DK: dK_j += dSᵀ_j Q_seq_j is issued in step j + 1 after Sᵀ_{j+1} and dPᵀ_{j+1} (and after the loop for
+    the last step) and waited with dV_{j+1} at that step's end; stage j is released then.  dK's head rescale and
+    tile-exponent rescale of step j + 1 follow that wait, so dK sees the same operations in the same order as
+    without the deferral (add dK_j, head rescale, exponent rescale, add dK_{j+1}): bit-identical results."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_M, WARPS)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM, WARPS)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
@@ -315,6 +380,12 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
     dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
     dk_e = 0
     dk_hi = -1000  # no bound until the accumulator holds something (_bounded_exp)
+    # DEFER_DK: dSᵀ_{j-1}·2^-e_{j-1} (fp32, the value the undeferred step casts to e4m3), zeros before step 0 (whose
+    # deferred product, on stage 0's Q_seq, adds exact zeros); and dK's rescales of step j-1 that wait for
+    # dK_{j-2}: the head to rescale to (-1: none) and the exponent shift e_{j-2} − e_{j-1}
+    dsc = s_zero
+    dk_hh = -1
+    dk_sh = 0
     ke = gl.load(KE)
     ve = gl.load(VE)
     mbarrier.wait(kv_bar, 0)
@@ -324,10 +395,19 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
         t = j // n_m
         hh = h0 + t
         m0 = lo + (j - t * n_m) * BLOCK_M
-        if j - t * n_m == 0:
-            if j > 0:
-                dk, dv = _head_rescale(dk, dv, QSE, DOSE, stride_qseh, stride_qsed, hh,
-                                       o_layout, HEAD_DIM)
+        if DEFER_DK:
+            # e4m3 dSᵀ_{j-1} first: its fp32 tile is then dead before the rescales' exponent vectors load and
+            # before Sᵀ_j / dPᵀ_j take their accumulators (with both live, d128 spills inside the loop)
+            ds8 = gl.convert_layout(dsc.to(gl.float8e4nv), a_layout)
+            dk = _dk_pending(dk, dk_hh, dk_sh, QSE, stride_qseh, stride_qsed, o_layout, HEAD_DIM)
+            if j - t * n_m == 0:
+                if j > 0:  # dV's head rescale; dK's waits for dK_{j-1} (applied at the top of step j + 1)
+                    dv = _chan_rescale(dv, DOSE, stride_qseh, stride_qsed, hh, o_layout, HEAD_DIM)
+        else:
+            if j - t * n_m == 0:
+                if j > 0:
+                    dk, dv = _head_rescale(dk, dv, QSE, DOSE, stride_qseh, stride_qsed, hh,
+                                           o_layout, HEAD_DIM)
         # query-side scalars of this tile (before the wait: their latency hides under it)
         offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_s)
         row_ok = offs_m < Sq
@@ -336,16 +416,23 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
         a = qk_scale * _pow2(qe + ke)
 
         mbarrier.wait(ready.index(st), ph)  # Q, dO, Q_seq, dO_seq, lse, δ of tile j
-        # rows past Sq hold TMA's zero fill: −inf there, as the masked global load had it
-        lse = gl.where(row_ok, lse_smem.index(st).reshape([BLOCK_M]).load(col_s), float("-inf"))
-        # exponent of p*256 = s*log2e*scale - lse*log2e + 8; rows that see nothing (lse = -inf), rows past Sq: -inf
-        b_row = gl.where(lse == float("-inf"), float("-inf"), 8.0 - lse * 1.4426950408889634)
+        b_row = _lse_row(lse_smem, st, row_ok, col_s)
         s = warpgroup_mma(k_tile, q_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp = warpgroup_mma(v_tile, do_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # Sᵀ_j; dPᵀ_j runs on
+        if DEFER_DK:
+            # dK_{j-1} += dSᵀ_{j-1} Q_seq_{j-1} behind them (step 0: zeros on stage 0): it runs under Pᵀ's exp2 and
+            # the dSᵀ math and is waited with dV_j at the step's end
+            sp = gl.maximum(j - 1, 0) % STAGES
+            dk = warpgroup_mma(ds8, qs_smem.index(sp).permute((1, 0)), dk, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=2, deps=(s,))  # Sᵀ_j; dPᵀ_j and dK_{j-1} run on
+        else:
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # Sᵀ_j; dPᵀ_j runs on
         p = _p_step(s, a, b_row, m0, key_lim, diag, m0 < mid, CAUSAL, ROWS)
         delta = dl_smem.index(st).reshape([BLOCK_M]).load(col_s)  # 0.0 past Sq (TMA zero fill), as before
-        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))  # dPᵀ_j
+        if DEFER_DK:
+            dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))  # dPᵀ_j; dK_{j-1} runs on
+        else:
+            dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))  # dPᵀ_j
         ds = p * gl.fma(dp, _pow2(doe + ve), -gl.expand_dims(delta, 0))  # 256 * dSᵀ
         # Pᵀ to e4m3 only now (after dSᵀ took its fp32 value): Pᵀ, dPᵀ and the e4m3 Pᵀ are never live together
         p8 = gl.convert_layout(p.to(gl.float8e4nv), a_layout)
@@ -360,13 +447,35 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
                 dk_hi = gl.maximum(dk_hi, e)
         else:
             dk_hi = gl.maximum(dk_hi, e)
-        ds8 = gl.convert_layout((ds * _pow2(-e)).to(gl.float8e4nv), a_layout)
-        if e != dk_e:  # rare: only when the tile's exponent leaves the hysteresis window
-            dk = dk * _pow2(dk_e - e)
-        dk_e = e
-        dk = warpgroup_mma(ds8, qs_smem.index(st).permute((1, 0)), dk, is_async=True)
-        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-        mbarrier.arrive(empty.index(st), count=1)  # stage st free: every read of it is done
+        if DEFER_DK:
+            dsc = ds * _pow2(-e)  # cast to e4m3 and multiplied in step j + 1
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))  # dV_j, dK_{j-1}
+            if j > 0:
+                mbarrier.arrive(empty.index(sp), count=1)  # stage j-1 free: its Q_seq was dK_{j-1}'s last read
+            # this step's dK rescales (head change, exponent move), in the undeferred order: after dK_{j-1} is in,
+            # before dK_j is added; applied at the top of step j + 1 (or before the flush)
+            dk_hh = -1
+            if j - t * n_m == 0:
+                if j > 0:
+                    dk_hh = hh
+            dk_sh = dk_e - e
+            dk_e = e
+        else:
+            ds8 = gl.convert_layout((ds * _pow2(-e)).to(gl.float8e4nv), a_layout)
+            if e != dk_e:  # rare: only when the tile's exponent leaves the hysteresis window
+                dk = dk * _pow2(dk_e - e)
+            dk_e = e
+            dk = warpgroup_mma(ds8, qs_smem.index(st).permute((1, 0)), dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            mbarrier.arrive(empty.index(st), count=1)  # stage st free: every read of it is done
+    if DEFER_DK:
+        if n_steps > 0:  # the last step's deferred dK (n_steps >= 1 whenever Sq >= 1)
+            sp = (n_steps - 1) % STAGES
+            ds8 = gl.convert_layout(dsc.to(gl.float8e4nv), a_layout)
+            dk = _dk_pending(dk, dk_hh, dk_sh, QSE, stride_qseh, stride_qsed, o_layout, HEAD_DIM)
+            dk = warpgroup_mma(ds8, qs_smem.index(sp).permute((1, 0)), dk, is_async=True)
+            dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
+            mbarrier.arrive(empty.index(sp), count=1)
 
     # ---- epilogue (attn_bwd._bwd_dkdv_kernel): the last head's seq exponents, dK's tile exponent, 2^-8 of P
     offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
@@ -394,7 +503,7 @@ def _attn_bwd_dkdv_ws_kernel(
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,  # dk's and dv's
     Hq, Hkv, Sq, Sk, group_size, qk_scale, grad_scale,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr, DEFER_DK: gl.constexpr,
 ):
     # key blocks fastest within one (b, kv head), as the tl kernel: the heaviest causal blocks (first keys) start
     # first and neighbouring CTAs stream the same query-side tiles through L2
@@ -448,13 +557,13 @@ def _attn_bwd_dkdv_ws_kernel(
                          stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
                          stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0,
                          h0 + group_size - 1, lo, mid, n_m, n_steps, qk_scale, grad_scale,
-                         HEAD_DIM, STAGES, CAUSAL, 64, 4)),
+                         HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK)),
             (_consumer, (q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem.index(1), v_smem.index(1),
                          kv_bar, ready, empty, QE_b, DOE_b, QSE_b, DOSE_b, DK_t + wg_off, DV_t + wg_off,
                          stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
                          stride_dkd, KE_t, VE_t, Sk - n0 - BLOCK_N_WG,
                          causal_off - n0 - BLOCK_N_WG, Sq, h0, h0 + group_size - 1, lo, mid, n_m, n_steps,
-                         qk_scale, grad_scale, HEAD_DIM, STAGES, CAUSAL, 64, 4)),
+                         qk_scale, grad_scale, HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK)),
             (_producer_split, (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem,
                                do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
                                b * Sk + n0, hk * HEAD_DIM, b * Sq, b * Hq * HEAD_DIM, b * Hq, h0, lo, n_m, n_steps,
@@ -467,7 +576,7 @@ def _attn_bwd_dkdv_ws_kernel(
                          stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
                          stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0,
                          h0 + group_size - 1, lo, mid, n_m, n_steps, qk_scale, grad_scale,
-                         HEAD_DIM, STAGES, CAUSAL, 128, 8)),
+                         HEAD_DIM, STAGES, CAUSAL, 128, 8, DEFER_DK)),
             (_producer, (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem, do_smem,
                          qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
                          b * Sk + n0, hk * HEAD_DIM, b * Sq, b * Hq * HEAD_DIM, b * Hq, h0, lo, n_m, n_steps,
@@ -665,7 +774,7 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
         *row_e(qe), *row_e(de), *row_e(ke), *row_e(ve), *chan_e(qse), *dk.stride(),
         Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
         HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
-        SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs,
+        SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=cfg.defers_dk,
         num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg,
     )
     return dk, dv
