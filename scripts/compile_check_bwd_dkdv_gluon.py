@@ -1,8 +1,11 @@
 """Compile the Gluon backward dK/dV kernel (``mxattn/kernels/attn_bwd_dkdv_gluon.py``) for sm_90a without a GPU.
 
     python scripts/compile_check_bwd_dkdv_gluon.py [--dump DIR] [--only d128,d64_causal] [--stages N] [--split]
+        [--no-defer]
 
 ``--split`` compiles the split variant (``GluonDkdvConfig(split=True)``: two 4-warp consumer partitions of 64 keys).
+``--no-defer`` compiles without the deferred dK product (``GluonDkdvConfig(defer_dk=False)``, the kernel before
+session 7's deferral); the default config defers it (with ``--stages 1`` it is never deferred).
 
 Needs triton 3.6 (the GPU machine's version).  Same approach as ``scripts/compile_check_bwd_dq_gluon.py``:
 ``triton.compile(GluonASTSource(...), target=GPUTarget("cuda", 90, 32))`` with TMA descriptor signatures, then the
@@ -32,17 +35,17 @@ from compile_check_gluon import check as gluon_check  # noqa: E402
 from compile_check_gluon import compile_sm90, fp8_desc  # noqa: E402
 
 MAX_DEPBAR = 3
-# spill bytes (ptxas -v, stores + loads) accepted per variant, each explained; anything above fails.  d128 causal:
-# one 32-bit value stored and two reloaded per query step (1 STL + 2 LDL in the loop's SASS, L1 hits), at 240
-# registers with both 64 x 128 fp32 accumulators live; the masked diagonal path is where it runs out.
-SPILL_ALLOWANCE = {"d128_causal": 16}
-# split variants (rule: LDL / STL inside the query-step loops, see ``check``): d128 causal keeps 11 of them per step
-# (both warpgroups together) with triton 3.6 -- the masked diagonal path at 240 registers, like the 8-warp build's
-# 3.  Measure it against the unsplit kernel before making split the default there.
-SPLIT_LOOP_LOCAL_ALLOWANCE = {"d128_causal": 11}
+# spill bytes (ptxas -v, stores + loads) accepted per variant, each explained; anything above fails.  None since
+# session 7 (lse / δ through TMA freed the registers of the per-thread load addresses): until then d128 causal had
+# 16 bytes (1 STL + 2 LDL per query step on the masked diagonal path at 240 registers).
+SPILL_ALLOWANCE: dict[str, int] = {}
+# split variants (rule: LDL / STL inside the query-step loops, see ``check``): none since session 7 (before: 11 per
+# step at d128 causal, both warpgroups together, with triton 3.6).
+SPLIT_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {}
 
 
-def compile_variant(head_dim: int, causal: bool, stages: int | None = None, split: bool = False):
+def compile_variant(head_dim: int, causal: bool, stages: int | None = None, split: bool = False,
+                    defer_dk: bool | None = None):
     """triton.compile of ``_attn_bwd_dkdv_ws_kernel`` for sm_90a, with the launcher's constexprs and options."""
     from triton.experimental.gluon import language as gl
 
@@ -53,13 +56,16 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None, spli
     lay = lambda shape: gl.NVMMASharedLayout.get_default_for(shape, gl.float8e4nv)  # noqa: E731
     bm, bn = m.BLOCK_M.value, (m.BLOCK_N_WG if split else m.BLOCK_N).value
     row, key, seq = fp8_desc([bm, head_dim], lay), fp8_desc([bn, head_dim], lay), fp8_desc([head_dim, bm], lay)
-    descs = {"q_desc": row, "do_desc": row, "qs_desc": seq, "dos_desc": seq, "k_desc": key, "v_desc": key}
+    vec = ([1, bm], m._vector_layout(), "fp32")  # lse and delta rows, as ``_vector_descriptors`` makes them
+    descs = {"q_desc": row, "do_desc": row, "qs_desc": seq, "dos_desc": seq, "k_desc": key, "v_desc": key,
+             "lse_desc": vec, "dl_desc": vec}
     ptrs = {"QE": "*i32", "DOE": "*i32", "KE": "*i32", "VE": "*i32", "QSE": "*i32", "DOSE": "*i32",
-            "LSE": "*fp32", "DELTA": "*fp32", "DK": "*bf16", "DV": "*bf16"}
+            "DK": "*bf16", "DV": "*bf16"}
+    defer = (cfg.defer_dk if defer_dk is None else defer_dk) and stages >= 2  # as GluonDkdvConfig.defers_dk
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs, SPLIT=split,
-                  CONSUMER_REGS=cfg.consumer_regs)
+                  CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=defer)
     # the JIT specializes integer arguments equal to 1 as constexpr; the launcher makes these strides 1 (contiguous
-    # exponent tensors, lse, delta, dk, dv), so every launch compiles this variant
+    # exponent tensors, dk, dv), so every launch compiles this variant
     consts |= {name: 1 for name in m.UNIT_STRIDES}
     return compile_sm90(m._attn_bwd_dkdv_ws_kernel, consts, descs, ptrs, ("qk_scale", "grad_scale"),
                         4 if split else 8, cfg.maxnreg)
@@ -69,8 +75,9 @@ def check(k, name: str, dump: str | None, max_depbar: int = MAX_DEPBAR, spill_al
           split: bool = False) -> bool:
     """``compile_check_gluon.check`` with ``max_depbar`` DEPBARs per loop iteration and the variant's documented
     spill allowance (``SPILL_ALLOWANCE``); prints the report.  Split variants: ptxas spills a few loop-invariant
-    values of each warpgroup (the epilogue's pointers: stored before the query-step loop, reloaded after it; 72 B
-    at d128, 200 B at d128 causal with triton 3.6), so the rule there is no LDL / STL inside the loops."""
+    values of each warpgroup (the epilogue's pointers: stored before the query-step loop, reloaded after it; 40 B
+    at d128 causal with triton 3.6 since session 7, 72 B at d128 and 184 B at d128 causal before), so the rule there
+    is no LDL / STL inside the loops."""
     allowed = SPILL_ALLOWANCE.get(name, 0) if spill_allowance is None else spill_allowance
     return gluon_check(k, name, dump, max_depbar=max_depbar, allowed_spill_bytes=None if split else allowed,
                        allowed_loop_local=SPLIT_LOOP_LOCAL_ALLOWANCE.get(name, 0) if split else 0)
@@ -81,7 +88,11 @@ def main(argv=None) -> int:
     split = "--split" in argv
     if split:
         argv.remove("--split")
-    return run_variants(argv, __doc__, lambda d, c, st: compile_variant(d, c, st, split=split),
+    defer = None
+    if "--no-defer" in argv:
+        argv.remove("--no-defer")
+        defer = False
+    return run_variants(argv, __doc__, lambda d, c, st: compile_variant(d, c, st, split=split, defer_dk=defer),
                         lambda k, name, dump: check(k, name, dump, split=split), consumer_threads=128 if split else 256)
 
 

@@ -39,8 +39,9 @@ def fp8_desc(block_shape, layout_for) -> tuple:
 
 def compile_sm90(fn, consts: dict, descs: dict, ptrs: dict, floats: tuple, num_warps: int, maxnreg: int):
     """``triton.compile`` of the Gluon kernel ``fn`` for sm_90a without a GPU.  Arguments by name: ``consts``
-    constexpr values, ``descs`` e4m3 TMA descriptors (name -> (block shape, layout)), ``ptrs`` pointer types (with
-    16-byte divisibility, as the launchers' tensors have), ``floats`` fp32 scalars; every other argument is i32."""
+    constexpr values, ``descs`` TMA descriptors (name -> (block shape, layout), e4m3, or (block shape, layout,
+    element type) such as "fp32"), ``ptrs`` pointer types (with 16-byte divisibility, as the launchers' tensors
+    have), ``floats`` fp32 scalars; every other argument is i32."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     sig, attrs = {}, {}
@@ -48,8 +49,8 @@ def compile_sm90(fn, consts: dict, descs: dict, ptrs: dict, floats: tuple, num_w
         if name in consts:
             sig[name] = "constexpr"
         elif name in descs:
-            shape, layout = descs[name]
-            sig[name] = f"tensordesc<fp8e4nv[{', '.join(map(str, shape))}],{layout!r}>"
+            shape, layout, *elem = descs[name]
+            sig[name] = f"tensordesc<{elem[0] if elem else 'fp8e4nv'}[{', '.join(map(str, shape))}],{layout!r}>"
         elif name in ptrs:
             sig[name] = ptrs[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -62,7 +63,9 @@ def compile_sm90(fn, consts: dict, descs: dict, ptrs: dict, floats: tuple, num_w
 
 
 def compile_variant(head_dim: int, causal: bool, pingpong: bool, block_n: int = 128, stages: int | None = None,
-                    module=None):
+                    module=None, k_perm: bool = True):
+    """The forward kernel as the launcher builds it.  ``k_perm``: K through the 5-D key-permuted descriptor
+    (``K_PERM``, the launcher's path when Sk % 16 == 0), else the 2-D one (its fallback)."""
     from triton.experimental.gluon import language as gl
 
     if module is None:
@@ -72,11 +75,12 @@ def compile_variant(head_dim: int, causal: bool, pingpong: bool, block_n: int = 
     cfg = m.default_config(head_dim, causal)
     stages = stages or cfg.stages
     lay = lambda shape: gl.NVMMASharedLayout.get_default_for(shape, gl.float8e4nv)  # noqa: E731
-    descs = {"q_desc": fp8_desc([m.WG_ROWS.value, head_dim], lay), "k_desc": fp8_desc([block_n, head_dim], lay),
+    k_box = [block_n // 16, 2, 4, 2, head_dim] if k_perm else [block_n, head_dim]
+    descs = {"q_desc": fp8_desc([m.WG_ROWS.value, head_dim], lay), "k_desc": fp8_desc(k_box, lay),
              "v_desc": fp8_desc([head_dim, block_n], lay)}
     ptrs = {"QE": "*i32", "KE": "*i32", "VE": "*i32", "O": "*bf16", "LSE": "*fp32"}
     consts = dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
-                  CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+                  CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, K_PERM=k_perm)
     return compile_sm90(m._attn_fwd_ws_kernel, consts, descs, ptrs, ("qk_scale",), 4, cfg.maxnreg)
 
 
@@ -144,7 +148,9 @@ def steady_loops(sass: str) -> list[dict]:
             continue
         counts = collections.Counter(_opcode(x) for _, x in body)
         depbar = sum(1 for _, x in body if "WARPGROUP.DEPBAR" in x)
-        loops.append({"start": body[0][0], "end": a, "instrs": len(body), "depbar": depbar, "counts": counts})
+        shfl_idx = sum(1 for _, x in body if "SHFL.IDX" in x)  # P's quad shuffles (the reductions use BFLY)
+        loops.append({"start": body[0][0], "end": a, "instrs": len(body), "depbar": depbar, "counts": counts,
+                      "shfl_idx": shfl_idx})
     # for each P V wgmma, the smallest range around it: the out-of-line retry paths of mbarrier waits branch
     # back into the loop from far below and make larger spurious ranges
     pv = [a for a, t in ins if re.search(r"GMMA\S*\s+R\d+,\s*R\d+,", t)]
@@ -199,6 +205,9 @@ def check(k, name: str, dump: str | None, max_depbar: int = 2, allowed_spill_byt
         top = ", ".join(f"{op} {c}" for op, c in lp["counts"].most_common(12))
         print(f"   consumer loop at {lp['start']}: {lp['instrs']} SASS instrs (masked + unmasked paths), "
               f"WARPGROUP.DEPBAR {lp['depbar']} (max {max_depbar}); {top}")
+        c = lp["counts"]
+        print(f"      P conversion ops in the loop (both paths): SHFL.IDX {lp['shfl_idx']} (all SHFL {c['SHFL']}), "
+              f"SEL {c['SEL']}, PRMT {c['PRMT']}, F2FP {c['F2FP']}")
     counts = {label: len(re.findall(pat, ptx)) for label, pat in (
         ("ex2", r"ex2\.approx"), ("tma", r"cp\.async\.bulk\.tensor"), ("mbar_wait", r"mbarrier\.try_wait"),
         ("mbar_arrive", r"mbarrier\.arrive"), ("bar_sync", r"\bbar\.sync|barrier\.sync"), ("shfl", r"shfl\.sync"),
@@ -220,18 +229,20 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not triton.__version__.startswith("3.6"):
         print(f"warning: triton {triton.__version__}; this check targets triton 3.6 (the GPU machine's version)")
-    variants = []
-    for d in (128, 64):
-        for causal in (False, True):
-            for pp in (True, False):
-                variants.append((f"d{d}{'_causal' if causal else ''}{'' if pp else '_nopingpong'}", d, causal, pp))
+    variants = []  # K key-permuted (the launcher's path when Sk % 16 == 0), then the 2-D K fallback (_k2d)
+    for kp in (True, False):
+        for d in (128, 64):
+            for causal in (False, True):
+                for pp in (True, False):
+                    variants.append((f"d{d}{'_causal' if causal else ''}{'' if pp else '_nopingpong'}"
+                                     f"{'' if kp else '_k2d'}", d, causal, pp, kp))
     if args.only:
         keep = set(args.only.split(","))
         variants = [v for v in variants if v[0] in keep]
     ok = True
-    for name, d, causal, pp in variants:
+    for name, d, causal, pp, kp in variants:
         try:
-            k = compile_variant(d, causal, pp, stages=args.stages)
+            k = compile_variant(d, causal, pp, stages=args.stages, k_perm=kp)
         except Exception as e:  # noqa: BLE001 - report every variant
             print(f"== {name}: COMPILE ERROR\n{type(e).__name__}: {e}")
             ok = False

@@ -91,20 +91,7 @@ for st in $STAGES; do
       # both through loss.backward() (MXATTN_BWD_KERNEL=gluon) against the tl kernels
       run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_bwd.py -k "gluon_through_the_api"
       # the timings as one JSON: each Gluon kernel against its tl twin on the same operands
-      run $PY -c "
-import sys
-from mxattn.bench.results import write_result
-from mxattn.kernels.attn_bwd_dq_gluon import bench_attn_bwd_dq_gluon
-from mxattn.kernels.attn_bwd_dkdv_gluon import GluonDkdvConfig, bench_attn_bwd_dkdv_gluon
-rows = [dict(r, kernel='dq') for r in bench_attn_bwd_dq_gluon()] + [dict(r, kernel='dkdv') for r in bench_attn_bwd_dkdv_gluon()]
-from mxattn.kernels.attn_bwd_dq_gluon import GluonDqConfig
-rows += [dict(r, kernel='dkdv_split', tl='64-key blocks') for r in bench_attn_bwd_dkdv_gluon(config=GluonDkdvConfig(split=True))]
-rows += [dict(r, kernel='dkdv_stages3') for r in bench_attn_bwd_dkdv_gluon(config=GluonDkdvConfig(stages=3))]
-rows += [dict(r, kernel='dq_stages2') for r in bench_attn_bwd_dq_gluon(config=GluonDqConfig(stages=2))]
-rows += [dict(r, kernel='dq_split', tl='64-row blocks') for r in bench_attn_bwd_dq_gluon(config=GluonDqConfig(split=True))]
-for r in rows: print(r)
-print(write_result('attn_bwd_kernels', rows, sys.argv[1], extra={'note': 'Gluon backward kernels vs their tl twins'}))
-" "$OUT" ;;
+      run $PY scripts/bench_bwd_gluon_kernels.py "$OUT" ;;
     host)
       # host microseconds per call of each layer of the call stack, incl. a launch without the JIT's dispatch
       run $PY scripts/host_timing.py --out "$OUT" ${HOST_ARGS:-} | tee "$OUT/host_timing.txt" ;;

@@ -1,9 +1,12 @@
 """The warp-specialized Gluon dK/dV kernel of the backward (``mxattn/kernels/attn_bwd_dkdv_gluon.py``).
 
 CPU: the module imports (under triton 3.6 it must; under another triton Gluon's API may differ and the tests skip);
-the launcher rejects bad operands before any launch; a pure-Python model of the kernel's mbarrier protocol (the
-producer's Q/dO and Q_seq/dO_seq rings, the consumer's order of waits and releases, same parity formulas) runs
-under random interleavings without deadlock and never lets TMA overwrite a buffer a wgmma still reads; and, where
+the launcher rejects bad operands before any launch; lse and δ reach the kernel as TMA rows in place or, when their
+row pitch is not 16-byte aligned, as padded copies, and a box read through the descriptor (with TMA's zero fill)
+gives the values the consumers' masked loads gave before session 7; a pure-Python model of the kernel's mbarrier
+protocol (the producer's ring of Q, dO, Q_seq, dO_seq, lse and δ, the consumer's order of waits and releases, same
+parity formulas; with dK deferred one step, stage j-1 released at step j's end, and without) runs under random interleavings without deadlock and never lets TMA overwrite a buffer a wgmma or
+a shared-memory load still reads; and, where
 triton 3.6 is installed, the kernel compiles for sm_90a with the rules of
 ``scripts/compile_check_bwd_dkdv_gluon.py`` (marker ``slow``).
 
@@ -110,6 +113,91 @@ def test_tile_exponents_expand_groups():
             assert torch.equal(te[:, i], t.exp[:, (i * 64) // rows])
 
 
+def _tma_box(desc, row: int, col: int) -> torch.Tensor:
+    """What TMA loads for a 2-D descriptor's box at (row, col): elements inside ``desc.shape`` read at ``base +
+    row * strides[0] + col`` (the descriptor's own view of the memory), the rest zero fill."""
+    (rows, cols), (pitch, unit), (br, bc) = desc.shape, desc.strides, desc.block_shape
+    assert unit == 1
+    flat = desc.base.as_strided((desc.base.untyped_storage().nbytes() // desc.base.element_size(),), (1,), 0)
+    out = torch.zeros(br, bc, dtype=desc.base.dtype)
+    off = desc.base.storage_offset()
+    for r in range(br):
+        for c in range(bc):
+            if row + r < rows and col + c < cols:
+                out[r, c] = flat[off + (row + r) * pitch + col + c]
+    return out
+
+
+def _vectors(B, H, S, pitch=None, offset=0, gen=None):
+    """A (B, H, S) fp32 tensor with -inf rows sprinkled in, as a view of a buffer of row pitch ``pitch`` starting
+    ``offset`` elements in (a slice such as the ring's per-call lse would be)."""
+    pitch = pitch or S
+    buf = torch.randn(B * H * pitch + offset + 8, generator=gen)
+    t = buf[offset: offset + B * H * pitch].view(B, H, pitch)[:, :, :S]
+    t[..., ::7] = float("-inf")
+    return t
+
+
+def test_lse_delta_rows_in_place_or_padded():
+    """``_vector_rows``: lse / δ used in place when TMA can address them (B*H rows of one 16-byte-multiple pitch,
+    16-byte aligned base), else copied into rows padded to a multiple of 4 elements, values equal."""
+    m = _mod()
+    g = torch.Generator().manual_seed(1)
+    in_place = [
+        _vectors(2, 3, 128, gen=g),  # contiguous, S a multiple of 4: the forward's lse at training shapes
+        _vectors(2, 3, 130, pitch=132, gen=g),  # a slice of a wider buffer, pitch a multiple of 4
+        _vectors(2, 3, 61, pitch=64, offset=4, gen=g),  # ... starting 16 bytes in
+        _vectors(1, 1, 5, gen=g),  # one row: any pitch
+        _vectors(3, 1, 8, gen=g),  # one head: the batch stride is the pitch
+    ]
+    copied = [
+        _vectors(2, 3, 130, gen=g),  # contiguous, S not a multiple of 4
+        _vectors(1, 4, 1, gen=g),  # Sq = 1
+        _vectors(2, 3, 64, pitch=64, offset=1, gen=g),  # base not 16-byte aligned
+        _vectors(2, 3, 64, pitch=66, gen=g),  # pitch of 264 bytes
+        torch.randn(2, 64, 3, generator=g).transpose(1, 2),  # strided along the sequence
+        torch.randn(2, 1, 64, generator=g).expand(2, 3, 64),  # heads broadcast (stride 0)
+        torch.randn(3, 2, 64, generator=g).transpose(0, 1),  # heads outside batches: no single pitch
+    ]
+    for t, kept in [(t, True) for t in in_place] + [(t, False) for t in copied]:
+        B, H, S = t.shape
+        got, pitch = m._vector_rows(t)
+        assert got.shape == (B, H, S) and pitch % 4 == 0 and pitch >= S and got.data_ptr() % 16 == 0
+        assert torch.equal(got, t)
+        if kept:
+            assert got is t, tuple(t.stride())
+        else:
+            assert got.data_ptr() != t.data_ptr() and got.stride() == (H * pitch, pitch, 1), tuple(t.stride())
+            assert pitch == -(-S // 4) * 4
+
+
+@pytest.mark.parametrize("S", [1, 63, 64, 130, 200])
+def test_lse_delta_descriptor_boxes_match_masked_loads(S):
+    """The producer's box for (batch b, head h, query tile at m0), read through ``_vector_descriptors`` with TMA's
+    zero fill, and the consumer's rule (lse: −inf past Sq; δ: as loaded) give, bit for bit, what the masked loads
+    of the kernel before session 7 gave: lse[b, h, m0 + c] (−inf past Sq) and δ[b, h, m0 + c] (0.0 past Sq)."""
+    m = _mod()
+    g = torch.Generator().manual_seed(S)
+    B, H = 2, 3
+    lse, delta = _vectors(B, H, S, gen=g), _vectors(B, H, S, pitch=-(-S // 4) * 4 + 4, gen=g)
+    lse_desc, dl_desc = m._vector_descriptors(lse, delta)
+    for d in (lse_desc, dl_desc):
+        assert list(d.shape) == [B * H, S] and list(d.block_shape) == [1, m.BLOCK_M.value]
+        assert d.strides[0] % 4 == 0 and d.strides[1] == 1 and d.layout.swizzle_byte_width == 0
+    for b in range(B):
+        for h in range(H):
+            for m0 in range(0, S, m.BLOCK_M.value):
+                cols = m0 + torch.arange(m.BLOCK_M.value)
+                row_ok = cols < S
+                idx = cols.clamp(max=S - 1)
+                want_lse = torch.where(row_ok, lse[b, h, idx], float("-inf"))
+                want_dl = torch.where(row_ok, delta[b, h, idx], 0.0)
+                got_lse = torch.where(row_ok, _tma_box(lse_desc, b * H + h, m0)[0], float("-inf"))
+                got_dl = _tma_box(dl_desc, b * H + h, m0)[0]
+                assert torch.equal(got_lse.view(torch.int32), want_lse.view(torch.int32))
+                assert torch.equal(got_dl.view(torch.int32), want_dl.view(torch.int32))
+
+
 @pytest.mark.slow
 def test_compiles_for_sm90_without_gpu(capsys):
     """Where triton 3.6 is installed (the GPU machine), the d128 causal and d64 kernels compile for sm_90a with the
@@ -126,16 +214,23 @@ def test_compiles_for_sm90_without_gpu(capsys):
         assert cc.check(kernel, f"d{d}{'_causal' if causal else ''}", None, split=split), capsys.readouterr().out
 
 
-def _protocol_model(n_steps: int, stages: int, rng: random.Random, mutant: str = "", consumers: int = 1):
-    """Run the kernel's protocol (``_producer`` and ``_consumer``'s loop; ``consumers=2``: the split kernel, two
-    warpgroup partitions on one ring, empty barriers counting two arrivals) under a random interleaving
-    (``conftest.SharedTilesModel``); returns the log of reads."""
+RING = ("q", "do", "lse", "dl", "qs", "dos")  # the six loads of a query step, all on the stage's ready barrier
+
+
+def _protocol_model(n_steps: int, stages: int, rng: random.Random, mutant: str = "", consumers: int = 1,
+                    defer: bool = True):
+    """Run the kernel's protocol (``_producer_steps`` and ``_consumer``'s loop; ``consumers=2``: the split kernel,
+    two warpgroup partitions on one ring, empty barriers counting two arrivals) under a random interleaving
+    (``conftest.SharedTilesModel``); returns the log of reads.  Reads: wgmma (Q, dO, Q_seq, dO_seq) and the
+    consumers' shared-memory loads of lse and δ.  ``defer`` (DEFER_DK, the default build): dK_{j-1}'s product reads
+    Q_seq of stage j-1 in step j (step 0: stage 0's tile 0 with dS = 0, a logged read), stage j-1 is released at
+    step j's end, the last step's dK product after the loop; else the undeferred step (release at its own end)."""
     S = stages
     empty_count = 1 if mutant == "split_empty_count_1" else consumers
-    bars = {name: [MBarrierModel(empty_count if name.endswith("empty") else 1) for _ in range(S)]
-            for name in ("qd_ready", "qd_empty", "sq_ready", "sq_empty")}
+    ready = [MBarrierModel(1) for _ in range(S)]
+    empty = [MBarrierModel(empty_count) for _ in range(S)]
     kv_bar = MBarrierModel(1)
-    smem = SharedTilesModel([(r, s) for r in ("qd", "sq") for s in range(S)] + [("kv", 0)])
+    smem = SharedTilesModel([(r, s) for r in RING for s in range(S)] + [("kv", 0)])
 
     def producer():
         kv_bar.expect_arrive(2 * consumers)  # K and V_hdim, once (a 64-key tile of each per warpgroup when split)
@@ -143,59 +238,120 @@ def _protocol_model(n_steps: int, stages: int, rng: random.Random, mutant: str =
             smem.tma(("kv", 0), 0, kv_bar)
         for i in range(n_steps):
             s = i % S
-            ph = ((i // S) & 1) ^ 1
-            if mutant != "no_qd_empty_wait":
-                yield ("wait", bars["qd_empty"][s], ph)
-            bars["qd_ready"][s].expect_arrive(2)  # Q and dO_hdim
-            smem.tma(("qd", s), i, bars["qd_ready"][s])
-            smem.tma(("qd", s), i, bars["qd_ready"][s])
-            yield ("wait", bars["sq_empty"][s], ph)
-            bars["sq_ready"][s].expect_arrive(2)  # Q_seq and dO_seq
-            smem.tma(("sq", s), i, bars["sq_ready"][s])
-            smem.tma(("sq", s), i, bars["sq_ready"][s])
+            if mutant != "no_empty_wait":
+                yield ("wait", empty[s], ((i // S) & 1) ^ 1)
+            ready[s].expect_arrive(len(RING))
+            for r in RING:
+                smem.tma((r, s), i, ready[s])
 
     def consumer():
         yield ("wait", kv_bar, 0)
         assert smem.content[("kv", 0)] == 0
         for j in range(n_steps):
             st, ph = j % S, (j // S) & 1
-            yield ("wait", bars["qd_ready"][st], ph)
-            smem.start_read(("qd", st), j)  # Sᵀ_j, dPᵀ_j issued
-            yield ("step",)  # wait(1): Sᵀ_j; P
-            yield ("step",)  # wait(0): dPᵀ_j
-            smem.done_read(("qd", st))
-            bars["qd_empty"][st].arrive()
-            yield ("wait", bars["sq_ready"][st], ((j + 1) // S) & 1 if mutant == "sq_parity" else ph)
-            smem.start_read(("sq", st), j)  # dV_j issued, then dK_j
-            yield ("step",)  # wait(0): both
-            smem.done_read(("sq", st))
-            bars["sq_empty"][st].arrive()
+            yield ("wait", ready[st], ((j + 1) // S) & 1 if mutant == "ready_parity" else ph)
+            smem.start_read(("lse", st), j)  # lse_j to registers
+            smem.done_read(("lse", st))
+            smem.start_read(("q", st), j)  # Sᵀ_j, dPᵀ_j issued
+            smem.start_read(("do", st), j)
+            if defer:
+                jp = max(j - 1, 0)
+                sp = jp % S
+                smem.start_read(("qs", sp), jp)  # dK_{j-1} issued behind them (step 0: zeros on tile 0)
+                if mutant == "release_before_dk_wait" and j > 0:
+                    empty[sp].arrive()
+            yield ("step",)  # wait: Sᵀ_j
+            smem.start_read(("dl", st), j)  # δ_j to registers
+            smem.done_read(("dl", st))
+            yield ("step",)  # wait: dPᵀ_j
+            if mutant == "early_release" and not defer:  # the old Q/dO release point, Q_seq / dO_seq still read
+                empty[st].arrive()
+            smem.start_read(("dos", st), j)  # dV_j issued (undeferred: then dK_j)
+            yield ("step",)
+            if not defer:
+                smem.start_read(("qs", st), j)
+                yield ("step",)
+            # wait(0): everything issued in this step
+            for r in ("q", "do", "dos") if defer else ("q", "do", "qs", "dos"):
+                smem.done_read((r, st))
+            if defer:
+                smem.done_read(("qs", sp))
+                if mutant == "early_release":  # the undeferred release point: stage j, whose Q_seq dK_j still reads
+                    empty[st].arrive()
+                elif j > 0 and mutant != "release_before_dk_wait":
+                    empty[sp].arrive()  # stage j-1: its Q_seq was dK_{j-1}'s last read
+            elif mutant != "early_release":
+                empty[st].arrive()
+        if defer and n_steps > 0 and mutant != "no_flush":  # the last step's dK after the loop
+            sp = (n_steps - 1) % S
+            smem.start_read(("qs", sp), n_steps - 1)
+            yield ("step",)
+            smem.done_read(("qs", sp))
+            empty[sp].arrive()
 
     return smem.run({"producer": producer(), **{f"consumer{c}": consumer() for c in range(consumers)}}, rng)
 
 
+def _expected_reads(buf: str, n_steps: int, consumers: int, defer: bool) -> list:
+    """Tiles each buffer is read with: every step's once per consumer; deferred, Q_seq's tile 0 once more (step 0's
+    product of zeros)."""
+    extra = [0] if defer and buf == "qs" and n_steps > 0 else []
+    return sorted((list(range(n_steps)) + extra) * consumers)
+
+
+@pytest.mark.parametrize("defer", [True, False], ids=["defer", "nodefer"])
 @pytest.mark.parametrize("consumers", [1, 2], ids=["whole", "split"])
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
-def test_barrier_protocol_model(stages, consumers, seed):
+def test_barrier_protocol_model(stages, consumers, defer, seed):
+    """The protocol the kernel is built with: DEFER_DK where ``GluonDkdvConfig.defers_dk`` (stages >= 2)."""
+    m = _mod()
+    defer = m.GluonDkdvConfig(stages=stages, defer_dk=defer).defers_dk
     rng = random.Random(seed)
     for n_steps in (0, 1, 2, 3, stages, stages + 1, 2 * stages + 3, 17):
         for _ in range(30):
-            log = _protocol_model(n_steps, stages, rng, consumers=consumers)
-            for ring in ("qd", "sq"):
-                reads = [t for kind, buf, t in log if buf[0] == ring]
-                assert sorted(reads) == sorted(list(range(n_steps)) * consumers)
+            log = _protocol_model(n_steps, stages, rng, consumers=consumers, defer=defer)
+            for buf in RING:
+                reads = [t for kind, b, t in log if b[0] == buf]
+                assert sorted(reads) == _expected_reads(buf, n_steps, consumers, defer), buf
 
 
-@pytest.mark.parametrize("mutant,consumers", [("no_qd_empty_wait", 1), ("sq_parity", 1), ("no_qd_empty_wait", 2),
-                                              ("split_empty_count_1", 2)])
-def test_barrier_protocol_model_catches_mutants(mutant, consumers, seed):
-    """The model is not vacuous: a producer that does not wait for the Q/dO release, a consumer waiting
-    Q_seq/dO_seq with the wrong parity, or (split) empty barriers counting one arrival for two warpgroups, is
-    caught (deadlock, a TMA into a buffer being read, a wrong tile, or too many arrivals)."""
+def test_deferred_dk_needs_two_stages(seed):
+    """Why ``defers_dk`` is False with one stage: the deferred release of stage j-1 at step j's end deadlocks a
+    one-stage ring (the producer waits for step j's release before loading tile j + 1, which step j + 1 needs
+    first).  The model finds the deadlock; the config does not defer."""
+    m = _mod()
+    assert not m.GluonDkdvConfig(stages=1).defers_dk and m.GluonDkdvConfig(stages=2).defers_dk
+    assert m.GluonDkdvConfig().defers_dk and m.GluonDkdvConfig().stages == 3
+    with pytest.raises(AssertionError, match="deadlock"):
+        _protocol_model(3, 1, random.Random(seed), defer=True)
+
+
+@pytest.mark.parametrize("mutant,consumers,defer",
+                         [("no_empty_wait", 1, True), ("ready_parity", 1, True), ("early_release", 1, True),
+                          ("release_before_dk_wait", 1, True), ("no_empty_wait", 2, True),
+                          ("early_release", 2, True), ("release_before_dk_wait", 2, True),
+                          ("split_empty_count_1", 2, True),
+                          ("no_empty_wait", 1, False), ("ready_parity", 1, False), ("early_release", 1, False),
+                          ("early_release", 2, False), ("split_empty_count_1", 2, False)])
+def test_barrier_protocol_model_catches_mutants(mutant, consumers, defer, seed):
+    """The model is not vacuous: a producer that does not wait for the stage's release, a consumer waiting with
+    the wrong parity, a release before Q_seq / dO_seq were read (deferred: stage j released at step j's end, where
+    the undeferred kernel releases it, while dK_j still reads its Q_seq in step j + 1; or stage j-1 released as
+    soon as dK_{j-1} is issued; undeferred: where the two-ring kernel released Q / dO), or (split) empty barriers
+    counting one arrival for two warpgroups, is caught (deadlock, a TMA into a buffer being read, a wrong tile, or
+    too many arrivals)."""
     rng = random.Random(seed)
     with pytest.raises(AssertionError):
         for _ in range(200):
-            _protocol_model(9, 2, rng, mutant, consumers=consumers)
+            _protocol_model(9, 2, rng, mutant, consumers=consumers, defer=defer)
+
+
+def test_barrier_protocol_model_flush_reads_last_tile(seed):
+    """Without the flush after the loop the last step's Q_seq is never read by a dK product (the read check of
+    ``test_barrier_protocol_model`` catches that)."""
+    log = _protocol_model(5, 3, random.Random(seed), "no_flush", defer=True)
+    reads = [t for kind, b, t in log if b[0] == "qs"]
+    assert sorted(reads) != _expected_reads("qs", 5, 1, True)
 
 
 # ---------------------------------------------------------------------------------------------------- GPU

@@ -57,6 +57,71 @@ def test_compiles_for_sm90_without_gpu(capsys):
     assert cc.check(kernel, "d128_causal", None), capsys.readouterr().out
 
 
+def _host_operands(B, Sq, Sk, Hq, Hkv, D, k_heads_alloc=None):
+    """CPU operands shaped like the launcher's (only ``.data`` is read by ``_descriptors``); K optionally a
+    head slice of a wider buffer (row pitch k_heads_alloc * D > Hkv * D)."""
+    from types import SimpleNamespace
+
+    from mxattn.formats import channel_major
+
+    f8 = torch.float8_e4m3fn
+    q = torch.zeros(B, Sq, Hq, D, dtype=f8)
+    k = torch.zeros(B, Sk, k_heads_alloc or Hkv, D, dtype=f8)[:, :, :Hkv]
+    v = channel_major(torch.zeros(B, Sk, Hkv, D, dtype=f8))
+    return SimpleNamespace(data=q), SimpleNamespace(data=k), SimpleNamespace(data=v)
+
+
+def _sigma(c: int) -> int:
+    """Key held by S column / K tile row c under K_PERM (mirror of ``_key_of_column``)."""
+    return (c & ~15) | (((c >> 1) & 3) << 2) | (((c >> 3) & 1) << 1) | (c & 1)
+
+
+@pytest.mark.parametrize("B,Sk,Hkv,D,k_heads_alloc,block_n,k_perm,expect_perm", [
+    (2, 1024, 2, 128, None, 128, True, True),
+    (1, 4224, 2, 64, None, 128, True, True),
+    (3, 16, 1, 128, 3, 128, True, True),  # one 16-key group per sequence; padded row pitch (3 heads allocated)
+    (2, 1024, 2, 128, None, 64, True, True),
+    (2, 1000, 2, 128, None, 128, True, False),  # Sk % 16 = 8: B * Sk % 16 == 0 but odd b starts mid-group
+    (1, 203, 4, 64, None, 128, True, False),
+    (2, 1024, 2, 128, None, 128, False, False),  # GluonFwdConfig(k_perm=False)
+])
+def test_k_descriptor_paths(B, Sk, Hkv, D, k_heads_alloc, block_n, k_perm, expect_perm):
+    """Host side of K_PERM: which K descriptor the launcher builds (5-D key-permuted when Sk % 16 == 0, else the
+    2-D fallback), its shape / strides / block / layout, and that the box's row order is the permutation the kernel
+    assumes (masks by ``_key_of_column``, P relabelled into V's natural key order by ``_to_operand``)."""
+    m = _gluon()
+    q, k, v = _host_operands(B, 5, Sk, Hkv, Hkv, D, k_heads_alloc)
+    _, kd, _, use_perm = m._descriptors(q, k, v, block_n, k_perm)
+    assert use_perm == expect_perm == (k_perm and m.k_perm_ok(Sk, block_n))
+    r = (k_heads_alloc or Hkv) * D  # row pitch of K's (B*Sk, r) view
+    assert kd.base.data_ptr() == k.data.data_ptr()  # no copy of K on either path
+    if not use_perm:
+        assert (list(kd.shape), list(kd.strides), list(kd.block_shape)) == ([B * Sk, r], [r, 1], [block_n, D])
+        assert kd.layout.rank == 2
+        return
+    assert list(kd.shape) == [B * Sk // 16, 2, 4, 2, r]
+    assert list(kd.strides) == [16 * r, 2 * r, 4 * r, r, 1]
+    assert list(kd.block_shape) == [block_n // 16, 2, 4, 2, D]
+    two_d = m.nvmma_fp8_layout(block_n, D)
+    assert kd.layout.rank == 5 and kd.layout.swizzle_byte_width == two_d.swizzle_byte_width
+    # the box stores its elements row-major: box row c = 16 G + 8 a + 2 b + e reads global row G*16 + 2a + 4b + e
+    rows = []
+    for G in range(block_n // 16):
+        for a in range(2):
+            for b in range(4):
+                for e in range(2):
+                    off = G * kd.strides[0] + a * kd.strides[1] + b * kd.strides[2] + e * kd.strides[3]
+                    assert off % r == 0
+                    rows.append(off // r)
+    assert rows == [_sigma(c) for c in range(block_n)]
+    assert sorted(rows) == list(range(block_n))  # a permutation inside the tile: same keys, same K exponent
+    assert all(rows[c] // 16 == c // 16 for c in range(block_n))  # inside 16-key groups
+    # _to_operand's relabel: reshape [N/16, 2, 4, 2], swap dims 1 and 2, reshape back; new column n takes old
+    # column perm[n], which must hold key n (P V then pairs P's key n with V's row n, natural order)
+    perm = torch.arange(block_n).reshape(block_n // 16, 2, 4, 2).permute(0, 2, 1, 3).reshape(block_n).tolist()
+    assert [_sigma(c) for c in perm] == list(range(block_n))
+
+
 def _protocol_model(n_tiles: int, stages: int, pingpong: bool, rng: random.Random) -> list:
     """Run producer + consumers 0/1 as generators under a random scheduler; TMA loads land at random later
     times.  Mirrors ``_producer``, ``_attend`` and ``_turn_wait`` / ``_turn_pass``.  Returns the issue order."""
@@ -285,6 +350,31 @@ def test_attn_fwd_gluon_matches_tl(causal, seed):
     assert (lse_g[fin] - lse_t[fin]).abs().max().item() < 1e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_attn_fwd_gluon_k_perm_matches_2d(causal, seed):
+    """K_PERM (K key-permuted, Sk % 16 == 0) against the 2-D K path on the same operands: P V's operands are the
+    same bytes in the same key order, the row max is exact; only the fp32 row sum adds in another order (ulps)."""
+    if not _is_hopper():
+        pytest.skip("the Gluon forward needs an sm_90 GPU")
+    import dataclasses
+
+    from mxattn.kernels.quantize import row_scaled_triton
+
+    m = _gluon()
+    for B, Sq, Sk, D in ((2, 700, 1024, 128), (1, 300, 2064, 64), (3, 129, 48, 128)):
+        q, k, v = _inputs(B, Sq, Sk, 4, 2, D, "cuda", seed + Sk)
+        ops = row_scaled_triton(q, "q"), row_scaled_triton(k, "k"), row_scaled_triton(v, "v")
+        cfg = m.default_config(D, causal)
+        assert m.k_perm_ok(Sk, cfg.block_n)
+        out_p, lse_p = m.attn_fwd_gluon(*ops, causal=causal, config=dataclasses.replace(cfg, k_perm=True))
+        out_2, lse_2 = m.attn_fwd_gluon(*ops, causal=causal, config=dataclasses.replace(cfg, k_perm=False))
+        fin = torch.isfinite(lse_2)
+        assert torch.equal(fin, torch.isfinite(lse_p))
+        assert (lse_p[fin] - lse_2[fin]).abs().max().item() < 1e-5
+        assert (out_p.float() - out_2.float()).abs().max().item() <= 1e-2 * out_2.float().abs().max().item()
+
+
 # ---------------------------------------------------------------------------------------------------- speed
 def bench_gluon_vs_tl(shapes, seed: int = 0, progress: bool = True, configs: dict | None = None) -> list[dict]:
     """TFLOP/s of the Gluon kernel, the ``tl`` kernel (both on FP8 operands prepared once, untimed) and SDPA
@@ -370,7 +460,8 @@ if __name__ == "__main__":
     ap.add_argument("--quick", action="store_true", help="d128 at S 4k and 8k only")
     ap.add_argument("--out", help="write the rows and the environment to this JSON file")
     ap.add_argument("--sweep", action="store_true",
-                    help="also time stages 2/4 and ping-pong off (d128 S8k, both causal flags, unless --quick)")
+                    help="also time stages 2/4, ping-pong and the 2-D K path (k_perm off) (d128 S8k, both causal "
+                         "flags, unless --quick)")
     args = ap.parse_args()
     bench_configs = None
     bench_shapes = default_bench_shapes(args.quick)
@@ -379,7 +470,7 @@ if __name__ == "__main__":
         from mxattn.kernels.attn_fwd_gluon import GluonFwdConfig
 
         bench_configs = {"stages2": GluonFwdConfig(stages=2), "stages4": GluonFwdConfig(stages=4),
-                         "pingpong": GluonFwdConfig(pingpong=True)}
+                         "pingpong": GluonFwdConfig(pingpong=True), "k2d": GluonFwdConfig(k_perm=False)}
         if not args.quick:
             bench_shapes = grid_shapes(2, 16, None, (128, 64), (8192,))
     result_rows = bench_gluon_vs_tl(bench_shapes, configs=bench_configs)

@@ -280,8 +280,9 @@ def _gluon_host_side(msgs: list, calls: dict):
         calls["fwd"] = calls.get("fwd", 0) + 1
         calls["fwd_part"] = calls.get("fwd_part", 0) + parted(q, k)
         try:
-            qd, kd, vd = fg._descriptors(q, k, v, fg.default_config(D, kw.get("causal", False)).block_n)
-            if (qd.shape[0], kd.shape[0], list(vd.shape)) != (B * Sq, B * Sk, [B * Hkv * D, Sk]):
+            qd, kd, vd, k_perm = fg._descriptors(q, k, v, fg.default_config(D, kw.get("causal", False)).block_n)
+            k_rows = kd.shape[0] * 16 if k_perm else kd.shape[0]  # K_PERM: 16-key groups
+            if (qd.shape[0], k_rows, list(vd.shape)) != (B * Sq, B * Sk, [B * Hkv * D, Sk]):
                 msgs.append(f"fwd descriptor extents {qd.shape} {kd.shape} {vd.shape} for q {Sq}, k {Sk}")
             views(B, q=(qd, q), k=(kd, k), v=(vd, v))
         except Exception as e:  # noqa: BLE001
@@ -308,6 +309,12 @@ def _gluon_host_side(msgs: list, calls: dict):
                     msgs.append(f"bwd descriptor extents {got}, expected {want}")
                 views(B, q=(qd, q), k=(kd, k), v_hdim=(vd, v_hdim), q_seq=(qsd, q_seq), dout_hdim=(dd, doh),
                       dout_seq=(dsd, dos), k_seq=(ksd, k_seq))
+            # the dK/dV kernel's lse / delta rows (TMA, zero fill past Sq); copied only if their pitch is unaligned
+            ld, dl = kvg._vector_descriptors(lse, delta)
+            if [list(ld.shape), list(dl.shape)] != [[B * Hq, Sq]] * 2:
+                msgs.append(f"bwd lse / delta descriptor extents {ld.shape} {dl.shape}, expected {[B * Hq, Sq]}")
+            if Sq % 4 == 0 and lse.is_contiguous() and ld.base.data_ptr() != lse.data_ptr():
+                msgs.append("bwd: the Gluon dK/dV launcher copied a contiguous lse with an aligned pitch")
         except Exception as e:  # noqa: BLE001
             msgs.append(f"bwd Gluon host side: {type(e).__name__}: {e}")
         return bwd0(q, k, v_hdim, q_seq, k_seq, out, dout, lse, **kw)

@@ -340,6 +340,30 @@ def test_quantize_pinned_bytes():
         assert_same_mx(got, F.quantize_mxfp8(x, -1, mode), f"pinned table {mode}")
 
 
+def check_row_scaled_both(shape, mode, kind, gen, group=128):
+    """``row_scaled_triton_both`` equals the two single-role operands (K layout, V layout) bit for bit."""
+    x = make_input(shape, torch.bfloat16, kind, gen)
+    sd = 0 if len(shape) == 3 else 1
+    hdim, seq = kq.row_scaled_triton_both(x.to(DEVICE), mode, seq_dim=sd, k_group=group)
+    assert_same_rs(hdim, ref_rs_mode(x, "k", mode, group, sd), f"both: K layout {mode} {kind} {shape}")
+    assert_same_rs(seq, ref_rs_mode(x, "v", mode, group, sd), f"both: V layout {mode} {kind} {shape}")
+    assert_channel_major(seq.data, sd == 0)
+    assert hdim.data.is_contiguous()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape,group", [((1, 33, 2, 64), 128), ((2, 130, 1, 96), 32), ((70, 2, 64), 64)], ids=str)
+def test_row_scaled_both(shape, group, mode, gen):
+    check_row_scaled_both(shape, mode, "adversarial", gen, group)
+
+
+def test_row_scaled_both_no_tokens():
+    x = torch.empty(2, 0, 3, 64, dtype=torch.bfloat16, device=DEVICE)
+    hdim, seq = kq.row_scaled_triton_both(x)
+    for got, want in ((hdim, kq.row_scaled_triton(x, "k")), (seq, kq.row_scaled_triton(x, "v"))):
+        assert got.data.shape == want.data.shape and torch.equal(got.exp, want.exp)
+
+
 @pytest.mark.parametrize("role", ["q", "k", "v"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape", [(1, 33, 2, 64), (2, 130, 1, 96)], ids=str)
@@ -500,6 +524,14 @@ def test_gpu_quantize_blackwell_scale_layout(shape, mode, gen):
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
 def test_gpu_row_scaled(shape, kind, mode, role, gpu_rounding, gen):
     check_row_scaled(shape, torch.bfloat16, mode, kind, role, gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", ["adversarial", "outliers"])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+def test_gpu_row_scaled_both(shape, kind, mode, gpu_rounding, gen):
+    check_row_scaled_both(shape, mode, kind, gen)
 
 
 @pytest.mark.gpu

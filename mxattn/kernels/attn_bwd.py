@@ -57,7 +57,7 @@ import triton.language as tl
 
 from mxattn.formats import RowScaledFP8
 from mxattn.kernels.launch import cdiv, fast_launcher
-from mxattn.kernels.quantize import _round_to_e4m3_grid, row_scaled_triton
+from mxattn.kernels.quantize import _round_to_e4m3_grid, row_scaled_triton, row_scaled_triton_both
 
 __all__ = [
     "BwdConfig", "backward_kernel", "default_config", "DO_EXP_GROUP", "Q_EXP_GROUP", "attn_bwd_hopper", "attn_bwd_preprocess",
@@ -717,6 +717,8 @@ def attn_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, dout_hdim: Option
     (``row_scaled_triton(dout, "k", k_group=128)``; the per-row Q layout works too, slower);
     ``dout_seq``: the V layout (``row_scaled_triton(dout, "v")``, channel-major).  Either may be given (e.g. by a
     fused producer); the missing ones are made from ``dout`` here.  Returns (dout_hdim, dout_seq, delta)."""
+    if dout_hdim is None and dout_seq is None:
+        dout_hdim, dout_seq = row_scaled_triton_both(dout, k_group=DO_EXP_GROUP)  # one read of dO for both
     if dout_hdim is None:
         dout_hdim = row_scaled_triton(dout, "k", k_group=DO_EXP_GROUP)
     if dout_seq is None:

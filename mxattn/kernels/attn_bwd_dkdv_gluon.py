@@ -24,38 +24,62 @@ exponent sequence and every e4m3 P and dS value are the ``tl`` kernel's: the res
 summation order of the products (and 1-ulp FMA contraction differences in Sᵀ and dSᵀ).
 
 One CTA per (128 keys, batch * kv head), two partitions:
-  producer  1 warp, 24 registers: TMA loads of the K and V_hdim tiles (128 x D, once) and, per query step, Q and
-            dO_hdim (64 x D; one ready / one empty mbarrier per stage) and Q_seq and dO_seq (D x 64 of the
-            channel-major buffers; their own ready / empty mbarriers: they are read by the later products) into
-            STAGES-deep rings.
+  producer  1 warp, 24 registers: TMA loads of the K and V_hdim tiles (128 x D, once) and, per query step, into
+            one STAGES-deep ring with one ready and one empty mbarrier per stage: Q and dO_hdim (64 x D), Q_seq and
+            dO_seq (D x 64 of the channel-major buffers), and the tile's lse and δ (64 fp32 each).
   consumer  the default partition: 8 warps = two warpgroups.  With the wgmma layout ``warps_per_cta=[8, 1]`` each
             warpgroup issues m64 wgmma over its own 64 keys (keys 0..63 and 64..127 of the CTA).
-lse, δ (vectors over the 64 queries) and the scalar exponents qe, doe are loaded by the consumers with gl.load.
+The consumers read lse and δ from the ring's shared memory (since session 7; before, 16 + 16 predicated scalar
+global loads per thread and step sat on each step's serial chain) and load only the scalar exponents qe, doe with
+gl.load.
 Deviation from the brief's "consumer warpgroups ... own 64 keys" as separate partitions: as in attn_bwd_dq_gluon,
 the two warpgroups are one 8-warp partition, because the dS exponent is a maximum over the whole 128-key x 64-query
 tile (the ``tl`` kernel's rule, kept for equal numerics): the tile-wide ``gl.max`` is the compiler's cross-warp
 reduction (shared memory + a named barrier of the partition's 256 threads).  The per-key dS scale
 (``BwdConfig(ds_tile_scale=False)``) is left out: only the default per-tile path exists here.
 
-Consumer step j (query tile j of the flattened (head, start_m) sequence; stage s = j % STAGES):
-  1. head change (first tile of a head, j > 0): dK, dV *= 2^(qse_prev − qse) / 2^(dose_prev − dose) per channel;
-  2. wait Q_j / dO_j ready; issue Sᵀ_j = K Q_jᵀ and dPᵀ_j = V dO_jᵀ (A = K, V from shared memory), two groups;
-  3. wait for Sᵀ_j only (dPᵀ_j runs on); Pᵀ_j (masked or not: the branches join fp32 values), e4m3 in the A layout;
-  4. wait dO_seq_j / Q_seq_j ready; issue dV += Pᵀ_j dO_seq_j;
-  5. wait for dPᵀ_j (dV runs on); release Q_j / dO_j;
-  6. dSᵀ_j, the tile's amax and exponent, dK rescale if it moved, e4m3 dSᵀ, while dV's product runs;
-  7. issue dK += dSᵀ_j Q_seq_j; wait for everything; release Q_seq_j / dO_seq_j.
+Consumer step j (query tile j of the flattened (head, start_m) sequence; stage s = j % STAGES), with dK deferred
+one step (``DEFER_DK``, the default since session 7; ``GluonDkdvConfig(defer_dk=False)`` for the step before it):
+  1. e4m3 dSᵀ_{j-1} in the A layout (carried as fp32 dSᵀ_{j-1}·2^-e_{j-1}; zeros at j = 0); dK's pending rescales
+     of step j-1 (head change: dK *= 2^(qse_prev − qse) per channel; then 2^(e_{j-2} − e_{j-1}) if the tile
+     exponent moved); head change at j (j > 0): dV *= 2^(dose_prev − dose) per channel;
+  2. wait for stage s (all six loads of tile j); lse_j from shared memory; issue Sᵀ_j = K Q_jᵀ and dPᵀ_j = V dO_jᵀ
+     (A = K, V from shared memory), then dK += dSᵀ_{j-1} Q_seq_{j-1} (stage j-1; step 0: zeros on stage 0);
+  3. wait for Sᵀ_j only (dPᵀ_j and dK_{j-1} run on); Pᵀ_j (masked or not: the branches join fp32 values); δ_j from
+     shared memory;
+  4. wait for dPᵀ_j (dK_{j-1} runs on); dSᵀ_j (fp32), then e4m3 Pᵀ_j in the A layout; issue dV += Pᵀ_j dO_seq_j;
+  5. the tile's dS amax and exponent e_j, dSᵀ_j·2^-e_j (fp32, carried), while dV's and dK_{j-1}'s products run;
+  6. wait for everything (dV_j, dK_{j-1}); release stage j-1 (j > 0: its Q_seq was dK_{j-1}'s last read); dK's
+     rescales of step j (head change at j, exponent move) become pending for step 1 of j + 1.
+  After the loop: step n-1's pending rescales, dK += dSᵀ_{n-1} Q_seq_{n-1}, wait, release.
+dK therefore sees the undeferred order (dK_{j-1} added, head rescale, exponent rescale, dK_j added) with the same
+operands and the same multiplications, so dK / dV are bit-identical to the undeferred kernel's.  The rescales are
+applied at the top of the next step, after dSᵀ's fp32 tile became 8 e4m3 registers: at step 6 with the fp32 tile
+live, the exponent vectors of a head change made d128 spill inside the loop.  Stage j stays taken until step j+1's
+end, so prefetching needs 3 stages (j-1, j, j+1; the default); 2 work without prefetch, and 1 would deadlock
+(``GluonDkdvConfig.defers_dk`` is False there: the undeferred step).
+The undeferred step (DEFER_DK False) is as before session 7's deferral: head change rescales dK and dV at step 1,
+no dK product in step 2, step 5 also the dK rescale and e4m3 dSᵀ_j, step 6 issues dK += dSᵀ_j Q_seq_j, waits for
+everything and releases stage s.
+One ready / one empty barrier per stage (until session 7 Q / dO and Q_seq / dO_seq had a ring each, Q / dO
+released after step 5): each wait and release in a consumer partition costs a named barrier of the partition
+around it, so the merged ring has 4 ``BAR.SYNC`` per step instead of 6; a stage now stays taken until the step's
+end, which with 2 stages still leaves the producer a whole step to refill it.
 Every wgmma is waited in the step that issued it (perf-notes-attn-fwd-gluon.md: in flight across the loop edge
 made ptxas serialize all wgmma); three ``WARPGROUP.DEPBAR`` per step (the forward and dQ kernels have two).  The
-overlap is the exp2 of Pᵀ under dPᵀ's product and the dS math under dV's; the two products of one step are not
-pipelined across steps (no Pᵀ / dSᵀ carried over the loop edge: their fp32 tiles would not fit with the 128
-accumulator registers, and e4m3 tensors crossing a loop edge are moved as loose bytes).
+overlap is the exp2 of Pᵀ under dPᵀ's product and the dS math under dV's, and (deferred) dK_{j-1}'s product under
+both; before the deferral dK's product was fully exposed at the step's end.  dSᵀ crosses the loop edge as its fp32
+tile (32 registers per thread; e4m3 tensors crossing a loop edge are moved as loose bytes), converted first thing
+in the next step.
 
 TMA views (2-D, 16-byte aligned row strides): Q and dO as (B*Sq, Hq*D), K and V_hdim as (B*Sk, Hkv*D), Q_seq and
 dO_seq as (B*Hq*D, Sq) over the channel-major buffers (row stride S_pad).  Query rows past Sq read the next
-sequence in Q / dO (or TMA zero fill) and are zero-filled in the seq operands: their lse is loaded as −inf, so
-P = dS = 0 there.  Keys past Sk read the next sequence (masked: every step of a partial key block takes the masked
-path, as in the ``tl`` kernel) and are not stored.  Keys that no query sees get dk = dv = 0 (no step, or P = 0).
+sequence in Q / dO (or TMA zero fill) and are zero-filled in the seq operands: their lse is taken as −inf, so
+P = dS = 0 there.  lse and δ as (B*Hq, Sq) with [1, 64] boxes: columns past Sq are TMA zero fill (δ = 0.0 there,
+as the masked load before had it; lse is replaced by −inf for them).  Their row pitch must be a multiple of 4
+elements: the launcher uses lse and δ in place when it is, else copies them with padded rows (``_vector_rows``).
+Keys past Sk read the next sequence (masked: every step of a partial key block takes the masked path, as in the
+``tl`` kernel) and are not stored.  Keys that no query sees get dk = dv = 0 (no step, or P = 0).
 
 Layout requirements (``attn_bwd_dkdv_gluon`` raises ValueError otherwise): q and dout_hdim grouped along the
 sequence with a group that is a multiple of 64 (one scalar exponent per query tile; the fast layout
@@ -63,13 +87,20 @@ sequence with a group that is a multiple of 64 (one scalar exponent per query ti
 v_hdim the K layout (128 keys per exponent), q_seq and dout_seq the V layout (channel-major, one exponent per
 (head, channel)).  D is 64 or 128.
 
-Compile check without a GPU (triton 3.6): ``python scripts/compile_check_bwd_dkdv_gluon.py``.  sm_90a, 2 stages,
-maxnreg 168 -> setmaxnreg 240 (consumers) / 24 (producer); highest SASS register R237 (d128, d128 causal) / R178
-(d64) / R218 (d64 causal); spills 0 except d128 causal: 16 bytes (one value stored and two reloaded per step, at
-240 registers with both 64 x 128 fp32 accumulators live; the check allows exactly that); shared memory 98 652 B
-(d128) / 49 500 B (d64); per query step and warpgroup 4 + 4 ``m64n64k32`` (Sᵀ, dPᵀ; 2 + 2 at d64) and 2 + 2
-``m64nDk32`` (dV, dK) e4m3 wgmma, three ``WARPGROUP.DEPBAR`` per step.  Register savings that made d128 fit:
-unit strides specialized (the launcher makes exponents, lse, delta contiguous, ``UNIT_STRIDES``), one stride set
+Compile check without a GPU (triton 3.6): ``python scripts/compile_check_bwd_dkdv_gluon.py [--split] [--no-defer]``.
+Deferred dK (session 7, 3 stages; not yet run on a GPU): highest register R237 (d128, d128 causal) / R181 (d64) /
+R195 (d64 causal), no spill whole-tile; split 24 B (d128) / 64 B (d128 causal) spilled outside the loops, no
+LDL / STL inside; shared memory 132 988 B (d128) / 67 452 B (d64), split 133 136 / 67 600; 4 + 4 + 2 + 2 wgmma per
+step and warpgroup at d128 (dK's from the previous step), three ``WARPGROUP.DEPBAR``, 4 ``BAR.SYNC``, 663 SASS
+instructions on a common step's path at d128 (648-654 split).  The numbers below are the undeferred kernel's
+(``--no-defer``, before session 7's deferral): sm_90a, 2 stages,
+maxnreg 168 -> setmaxnreg 240 (consumers) / 24 (producer); highest SASS register R237 (d128, d128 causal) / R172
+(d64) / R184 (d64 causal); spills 0 (before session 7's lse / δ through TMA: 16 bytes at d128 causal, one value
+stored and two reloaded per step); shared memory 99 676 B (d128) / 50 524 B (d64); per query step and warpgroup
+4 + 4 ``m64n64k32`` (Sᵀ, dPᵀ; 2 + 2 at d64) and 2 + 2 ``m64nDk32`` (dV, dK) e4m3 wgmma, three
+``WARPGROUP.DEPBAR`` per step; a step without head change, mask or dK rescale executes 636 SASS instructions at
+d128 (730 before session 7), 4 ``BAR.SYNC``, 2 LDG (qe, doe), 16 LDS.64 (lse, δ).  Register savings that made
+d128 fit: unit strides specialized (the launcher makes exponents contiguous, ``UNIT_STRIDES``), one stride set
 for each same-shape pair, q / dO exponents expanded to one per 64-row tile (no group division in the loop), the
 key bound dropped from the causal mask (implied), Pᵀ cast to e4m3 only after dSᵀ took its fp32 value.
 Run on the H200 since session 4 (all GPU tests pass; 1.25x / 1.66x the tl kernel at S8k d128, non-causal /
@@ -85,14 +116,16 @@ exponent per (64 keys x 64 queries) tile, i.e. the tl kernel with 64-key blocks 
 tests compare it with.  The ring of query-side tiles is shared: its empty barriers count two arrivals.  The point:
 the unsplit consumer's warpgroups meet at the tile-wide dS max and at each ring release (256-thread partition
 barriers, several per step), so one's exp2 / dS math cannot run under the other's products; split, only the shared
-tiles couple them.  Per-warp instructions per step are the same (1371-1377 SASS per loop at d128); triton 3.6
-spills a few loop-invariant values (72 B at d128, outside the loop) and, at d128 causal, 11 LDL/STL per step
-inside it (the unsplit build: 3).  Found on the way: a tuple of partition arguments held in a variable turns its
-constexprs into runtime values, so each partition's tuple is written out in the call.
+tiles couple them.  Per-warp instructions per step are the same (1270-1272 SASS per loop at d128, both paths; 616-618
+on a common step's path); triton 3.6 spills 40 B of loop-invariant values at d128 causal (outside the loop) and
+nothing else (before session 7: 72 B at d128, and at d128 causal 11 LDL/STL per step inside the loop).  Found on
+the way: a tuple of partition arguments held in a variable turns its constexprs into runtime values, so each
+partition's tuple is written out in the call.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -116,7 +149,6 @@ from mxattn.kernels.attn_bwd_dq_gluon import (
     _mma_layout,
     _pow2,
     _rceil_exp,
-    _ring_barriers,
     _row_group,
     _static_tiles,
     _sticky_exp,
@@ -136,17 +168,18 @@ BLOCK_M = gl.constexpr(64)  # queries per step: the tl kernel's block_m
 KV_EXP_GROUP = 128  # keys sharing one exponent in k and v_hdim (== BLOCK_N: one scalar per CTA)
 ROW_GROUP = 64  # q / dout_hdim rows per exponent must be a multiple of this (one scalar per query tile)
 
-# kernel arguments the launcher guarantees to be 1 (contiguous exponents, lse, delta, dk, dv): the JIT specializes
-# them as constexpr, which turns the per-channel and per-query vector addresses into one base plus immediates
-UNIT_STRIDES = ("stride_qeh", "stride_deh", "stride_keh", "stride_veh", "stride_qsed", "stride_qsed", "stride_lm",
-                "stride_lm", "stride_dkd", "stride_dkd")
+# kernel arguments the launcher guarantees to be 1 (contiguous exponents, dk, dv): the JIT specializes them as
+# constexpr, which turns the per-channel vector addresses into one base plus immediates
+UNIT_STRIDES = ("stride_qeh", "stride_deh", "stride_keh", "stride_veh", "stride_qsed", "stride_dkd")
 
 
 @dataclass(frozen=True)
 class GluonDkdvConfig:
     """Ring depth and register split (not tuned on the GPU yet)."""
 
-    stages: int = 2  # Q / dO / Q_seq / dO_seq ring depth (4 x 8 KB per stage at d128)
+    stages: int = 3  # ring depth (Q, dO, Q_seq, dO_seq, lse, δ: 4 x 8 KB + 512 B per stage at d128)
+    # dK_j's product issued in step j+1 with Sᵀ_{j+1} / dPᵀ_{j+1} (session 7); stage j stays taken until then, so
+    # the producer prefetches only with stages >= 3.  Ignored (not deferred) with stages = 1, which would deadlock
     maxnreg: int = 168  # 12 warps (8 consumers + the producer's warpgroup) * 32 * 168 <= 65536
     producer_regs: int = 24
     # split: the two consumer warpgroups as two 4-warp partitions, 64 keys each, with a dS exponent per
@@ -155,6 +188,12 @@ class GluonDkdvConfig:
     # other's products.  Compiled for sm_90a; not yet run on a GPU: opt-in until its GPU tests pass.
     split: bool = False
     consumer_regs: int = 240  # registers per thread of consumer warpgroup 1 (a worker partition) when split
+    defer_dk: bool = True
+
+    @property
+    def defers_dk(self) -> bool:
+        """Whether the kernel is built with DEFER_DK (the deferral needs two stages: j − 1's and j's)."""
+        return self.defer_dk and self.stages >= 2
 
 
 def default_config(head_dim: int, causal: bool) -> GluonDkdvConfig:
@@ -208,74 +247,127 @@ def _head_rescale(dk, dv, QSE, DOSE, stride_qseh, stride_qsed, hh,
     return dk, dv
 
 
+@gluon.jit
+def _lse_row(lse_smem, st, row_ok, col_s: gl.constexpr):
+    """Exponent offsets of one query tile's P·256 = 2^(s·log2e·scale − lse·log2e + 8), from lse in stage st's
+    shared memory: −inf for rows that see nothing (lse = −inf) and for rows past Sq (TMA's zero fill there, made
+    −inf as the masked global load had it)."""
+    lse = gl.where(row_ok, lse_smem.index(st).reshape([BLOCK_M]).load(col_s), float("-inf"))
+    return gl.where(lse == float("-inf"), float("-inf"), 8.0 - lse * 1.4426950408889634)
+
+
+@gluon.jit
+def _chan_rescale(acc, E, stride_qseh, stride_qsed, hh, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """One accumulator of ``_head_rescale``: acc * 2^(E[hh − 1] − E[hh]) per channel (the same two loads and
+    multiply), for the deferred dK, whose head rescale waits for dK_{j−1}."""
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    prev = gl.load(E + (hh - 1) * stride_qseh + offs_d * stride_qsed)
+    cur = gl.load(E + hh * stride_qseh + offs_d * stride_qsed)
+    return acc * gl.expand_dims(_pow2(prev - cur), 0)
+
+
+@gluon.jit
+def _dk_pending(dk, dk_hh, dk_sh, QSE, stride_qseh, stride_qsed, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """DEFER_DK: a step's dK rescales, once the previous step's deferred product is in: to head dk_hh's seq
+    exponents (dk_hh >= 0: the step began a head), then by 2^dk_sh (the tile exponent moved) — the undeferred
+    step's order (head rescale, then exponent rescale), both rare branches."""
+    if dk_hh >= 0:
+        dk = _chan_rescale(dk, QSE, stride_qseh, stride_qsed, dk_hh, o_layout, HEAD_DIM)
+    if dk_sh != 0:
+        dk = dk * _pow2(dk_sh)
+    return dk
+
+
 # ------------------------------------------------------------------------------------------------- producer
 @gluon.jit
-def _producer_steps(q_desc, do_desc, qs_desc, dos_desc, q_smem, do_smem, qs_smem, dos_smem,
-                    qd_ready, qd_empty, sq_ready, sq_empty, q_row, seq_row, h0, lo, n_m, n_steps,
+def _step_barriers(STAGES: gl.constexpr, SPLIT: gl.constexpr):
+    """The kernel's mbarriers: one for the K / V_hdim tiles (loaded once) and one ready / one empty per ring stage
+    (ready: count 1 with expect-tx, all six loads of a query step on it; empty: one arrival per consumer
+    partition, the 8-warp consumer or each warpgroup when split).  Returns (kv_bar, ready, empty)."""
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2 if SPLIT else 1)
+    return kv_bar, ready, empty
+
+
+@gluon.jit
+def _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_smem, do_smem, qs_smem, dos_smem,
+                    lse_smem, dl_smem, ready, empty, q_row, seq_row, vec_row, h0, lo, n_m, n_steps,
                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    """Per query step: Q, dO_hdim (64 x D) and Q_seq, dO_seq (D x 64) into the STAGES-deep rings."""
+    """Per query step, into stage i % STAGES of the ring, all on its one ready barrier: Q and dO_hdim (64 x D),
+    Q_seq and dO_seq (D x 64), and the tile's 64 lse and 64 δ (fp32 rows of the (B*Hq, Sq) views; columns past
+    Sq are TMA zero fill)."""
+    nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + qs_desc.block_type.nbytes
+                            + dos_desc.block_type.nbytes + lse_desc.block_type.nbytes + dl_desc.block_type.nbytes)
     for i in range(n_steps):
         s = i % STAGES
         hh = h0 + i // n_m
         m0 = lo + (i % n_m) * BLOCK_M
+        bar = ready.index(s)
         # a fresh mbarrier counts as having completed the phase before phase 0: the first pass does not wait
-        ph = ((i // STAGES) & 1) ^ 1
-        mbarrier.wait(qd_empty.index(s), ph)
-        mbarrier.expect(qd_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row + m0, hh * HEAD_DIM], qd_ready.index(s), q_smem.index(s))
-        tma.async_copy_global_to_shared(do_desc, [q_row + m0, hh * HEAD_DIM], qd_ready.index(s), do_smem.index(s))
-        mbarrier.wait(sq_empty.index(s), ph)
-        mbarrier.expect(sq_ready.index(s), qs_desc.block_type.nbytes + dos_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(qs_desc, [seq_row + hh * HEAD_DIM, m0], sq_ready.index(s),
-                                        qs_smem.index(s))
-        tma.async_copy_global_to_shared(dos_desc, [seq_row + hh * HEAD_DIM, m0], sq_ready.index(s),
-                                        dos_smem.index(s))
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(bar, nbytes)
+        tma.async_copy_global_to_shared(lse_desc, [vec_row + hh, m0], bar, lse_smem.index(s))
+        tma.async_copy_global_to_shared(dl_desc, [vec_row + hh, m0], bar, dl_smem.index(s))
+        tma.async_copy_global_to_shared(q_desc, [q_row + m0, hh * HEAD_DIM], bar, q_smem.index(s))
+        tma.async_copy_global_to_shared(do_desc, [q_row + m0, hh * HEAD_DIM], bar, do_smem.index(s))
+        tma.async_copy_global_to_shared(qs_desc, [seq_row + hh * HEAD_DIM, m0], bar, qs_smem.index(s))
+        tma.async_copy_global_to_shared(dos_desc, [seq_row + hh * HEAD_DIM, m0], bar, dos_smem.index(s))
 
 
 @gluon.jit
-def _producer(q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc, q_smem, do_smem, qs_smem, dos_smem, k_smem,
-              v_smem, kv_bar, qd_ready, qd_empty, sq_ready, sq_empty,
-              k_row, k_col, q_row, seq_row, h0, lo, n_m, n_steps,
+def _producer(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem, do_smem, qs_smem,
+              dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
+              k_row, k_col, q_row, seq_row, vec_row, h0, lo, n_m, n_steps,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [k_row, k_col], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [k_row, k_col], kv_bar, v_smem)
-    _producer_steps(q_desc, do_desc, qs_desc, dos_desc, q_smem, do_smem, qs_smem, dos_smem,
-                    qd_ready, qd_empty, sq_ready, sq_empty, q_row, seq_row, h0, lo, n_m, n_steps, HEAD_DIM, STAGES)
+    _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_smem, do_smem, qs_smem, dos_smem,
+                    lse_smem, dl_smem, ready, empty, q_row, seq_row, vec_row, h0, lo, n_m, n_steps, HEAD_DIM, STAGES)
 
 
 @gluon.jit
-def _producer_split(q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc, q_smem, do_smem, qs_smem, dos_smem, k_smem,
-                    v_smem, kv_bar, qd_ready, qd_empty, sq_ready, sq_empty,
-                    k_row, k_col, q_row, seq_row, h0, lo, n_m, n_steps,
+def _producer_split(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem, do_smem,
+                    qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
+                    k_row, k_col, q_row, seq_row, vec_row, h0, lo, n_m, n_steps,
                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     """The split kernel's producer: a 64-key K and V tile per consumer warpgroup, then the same query steps."""
     mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for w in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [k_row + w * BLOCK_N_WG, k_col], kv_bar, k_smem.index(w))
         tma.async_copy_global_to_shared(v_desc, [k_row + w * BLOCK_N_WG, k_col], kv_bar, v_smem.index(w))
-    _producer_steps(q_desc, do_desc, qs_desc, dos_desc, q_smem, do_smem, qs_smem, dos_smem,
-                    qd_ready, qd_empty, sq_ready, sq_empty, q_row, seq_row, h0, lo, n_m, n_steps, HEAD_DIM, STAGES)
+    _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_smem, do_smem, qs_smem, dos_smem,
+                    lse_smem, dl_smem, ready, empty, q_row, seq_row, vec_row, h0, lo, n_m, n_steps, HEAD_DIM, STAGES)
 
 
 # ------------------------------------------------------------------------------------------------- consumer
 @gluon.jit
-def _consumer(q_smem, do_smem, qs_smem, dos_smem, k_tile, v_tile, kv_bar, qd_ready, qd_empty, sq_ready, sq_empty,
-              QE, DOE, QSE, DOSE, LSE, DELTA, DK, DV,
-              stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_lh, stride_lm,
-              stride_dkn, stride_dkd, KE, VE, key_lim, diag, Sq, h0, h_last, lo, mid, n_m, n_steps,
-              qk_scale, grad_scale,
+def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_tile, kv_bar, ready, empty,
+              QE, DOE, QSE, DOSE, DK, DV,
+              stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn, stride_dkd,
+              KE, VE, key_lim, diag, Sq, h0, h_last, lo, mid, n_m, n_steps, qk_scale, grad_scale,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
-              WARPS: gl.constexpr):
+              WARPS: gl.constexpr, DEFER_DK: gl.constexpr):
     """Keys n0 .. n0 + ROWS − 1 of one (b, hk), ROWS = 128 on 8 warps (the whole CTA's keys) or 64 on one warpgroup
     (split: keys n0 + 64·w ..); k_tile / v_tile their K and V_hdim tiles.  Pointers already moved to b (QE, DOE,
-    QSE, DOSE, LSE, DELTA) and to (b, hk, first key) (DK, DV).  key_lim = Sk − first key (local keys below it
+    QSE, DOSE) and to (b, hk, first key) (DK, DV); lse and δ of each query tile come through the ring
+    (lse_smem, dl_smem: [STAGES, 1, 64] fp32, zero past Sq).  key_lim = Sk − first key (local keys below it
     exist), diag = Sk − Sq − first key (local key r sees local query c of the tile at m0 iff r − c <= m0 + diag).
     The dS exponent is one per (ROWS keys x 64 queries) tile: the tl kernel's with block_n = ROWS.
 
     Split, warpgroup 1's first causal query tiles of each head can lie wholly before its keys (the tl kernel with
     64-key blocks starts later): P = dS = 0 there, the exponent stays (amax 0 keeps it) and the bound of
-    ``_bounded_exp`` is not started by them, so the exponent sequence is the tl kernel's."""
+    ``_bounded_exp`` is not started by them, so the exponent sequence is the tl kernel's.
+
+    DEFER_DK: dK_j += dSᵀ_j Q_seq_j is issued in step j + 1 after Sᵀ_{j+1} and dPᵀ_{j+1} (and after the loop for
+    the last step) and waited with dV_{j+1} at that step's end; stage j is released then.  dK's head rescale and
+    tile-exponent rescale of step j + 1 follow that wait, so dK sees the same operations in the same order as
+    without the deferral (add dK_j, head rescale, exponent rescale, add dK_{j+1}): bit-identical results."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_M, WARPS)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM, WARPS)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
@@ -288,6 +380,12 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, k_tile, v_tile, kv_bar, qd_rea
     dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
     dk_e = 0
     dk_hi = -1000  # no bound until the accumulator holds something (_bounded_exp)
+    # DEFER_DK: dSᵀ_{j-1}·2^-e_{j-1} (fp32, the value the undeferred step casts to e4m3), zeros before step 0 (whose
+    # deferred product, on stage 0's Q_seq, adds exact zeros); and dK's rescales of step j-1 that wait for
+    # dK_{j-2}: the head to rescale to (-1: none) and the exponent shift e_{j-2} − e_{j-1}
+    dsc = s_zero
+    dk_hh = -1
+    dk_sh = 0
     ke = gl.load(KE)
     ve = gl.load(VE)
     mbarrier.wait(kv_bar, 0)
@@ -297,32 +395,47 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, k_tile, v_tile, kv_bar, qd_rea
         t = j // n_m
         hh = h0 + t
         m0 = lo + (j - t * n_m) * BLOCK_M
-        if j - t * n_m == 0:
-            if j > 0:
-                dk, dv = _head_rescale(dk, dv, QSE, DOSE, stride_qseh, stride_qsed, hh,
-                                       o_layout, HEAD_DIM)
-        # query-side scalars and vectors of this tile (before the waits: their latency hides under them)
+        if DEFER_DK:
+            # e4m3 dSᵀ_{j-1} first: its fp32 tile is then dead before the rescales' exponent vectors load and
+            # before Sᵀ_j / dPᵀ_j take their accumulators (with both live, d128 spills inside the loop)
+            ds8 = gl.convert_layout(dsc.to(gl.float8e4nv), a_layout)
+            dk = _dk_pending(dk, dk_hh, dk_sh, QSE, stride_qseh, stride_qsed, o_layout, HEAD_DIM)
+            if j - t * n_m == 0:
+                if j > 0:  # dV's head rescale; dK's waits for dK_{j-1} (applied at the top of step j + 1)
+                    dv = _chan_rescale(dv, DOSE, stride_qseh, stride_qsed, hh, o_layout, HEAD_DIM)
+        else:
+            if j - t * n_m == 0:
+                if j > 0:
+                    dk, dv = _head_rescale(dk, dv, QSE, DOSE, stride_qseh, stride_qsed, hh,
+                                           o_layout, HEAD_DIM)
+        # query-side scalars of this tile (before the wait: their latency hides under it)
         offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_s)
         row_ok = offs_m < Sq
-        lse = gl.load(LSE + hh * stride_lh + offs_m * stride_lm, mask=row_ok, other=float("-inf"))
         qe = gl.load(QE + hh * stride_qeh + (m0 // BLOCK_M) * stride_qeg)
         doe = gl.load(DOE + hh * stride_deh + (m0 // BLOCK_M) * stride_deg)
-        # exponent of p*256 = s*log2e*scale - lse*log2e + 8; rows that see nothing (lse = -inf), rows past Sq: -inf
-        b_row = gl.where(lse == float("-inf"), float("-inf"), 8.0 - lse * 1.4426950408889634)
         a = qk_scale * _pow2(qe + ke)
 
-        mbarrier.wait(qd_ready.index(st), ph)
+        mbarrier.wait(ready.index(st), ph)  # Q, dO, Q_seq, dO_seq, lse, δ of tile j
+        b_row = _lse_row(lse_smem, st, row_ok, col_s)
         s = warpgroup_mma(k_tile, q_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp = warpgroup_mma(v_tile, do_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # Sᵀ_j; dPᵀ_j runs on
+        if DEFER_DK:
+            # dK_{j-1} += dSᵀ_{j-1} Q_seq_{j-1} behind them (step 0: zeros on stage 0): it runs under Pᵀ's exp2 and
+            # the dSᵀ math and is waited with dV_j at the step's end
+            sp = gl.maximum(j - 1, 0) % STAGES
+            dk = warpgroup_mma(ds8, qs_smem.index(sp).permute((1, 0)), dk, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=2, deps=(s,))  # Sᵀ_j; dPᵀ_j and dK_{j-1} run on
+        else:
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # Sᵀ_j; dPᵀ_j runs on
         p = _p_step(s, a, b_row, m0, key_lim, diag, m0 < mid, CAUSAL, ROWS)
-        delta = gl.load(DELTA + hh * stride_lh + offs_m * stride_lm, mask=row_ok, other=0.0)
-        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))  # dPᵀ_j
-        mbarrier.arrive(qd_empty.index(st), count=1)
+        delta = dl_smem.index(st).reshape([BLOCK_M]).load(col_s)  # 0.0 past Sq (TMA zero fill), as before
+        if DEFER_DK:
+            dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))  # dPᵀ_j; dK_{j-1} runs on
+        else:
+            dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))  # dPᵀ_j
         ds = p * gl.fma(dp, _pow2(doe + ve), -gl.expand_dims(delta, 0))  # 256 * dSᵀ
         # Pᵀ to e4m3 only now (after dSᵀ took its fp32 value): Pᵀ, dPᵀ and the e4m3 Pᵀ are never live together
         p8 = gl.convert_layout(p.to(gl.float8e4nv), a_layout)
-        mbarrier.wait(sq_ready.index(st), ph)
         dv = warpgroup_mma(p8, dos_smem.index(st).permute((1, 0)), dv, is_async=True)
         # the tile's exponent (a cross-warp max), its e4m3 dSᵀ and the rare dK rescale, under dV's product
         amax = gl.max(gl.max(gl.abs(ds), 1), 0)
@@ -334,13 +447,35 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, k_tile, v_tile, kv_bar, qd_rea
                 dk_hi = gl.maximum(dk_hi, e)
         else:
             dk_hi = gl.maximum(dk_hi, e)
-        ds8 = gl.convert_layout((ds * _pow2(-e)).to(gl.float8e4nv), a_layout)
-        if e != dk_e:  # rare: only when the tile's exponent leaves the hysteresis window
-            dk = dk * _pow2(dk_e - e)
-        dk_e = e
-        dk = warpgroup_mma(ds8, qs_smem.index(st).permute((1, 0)), dk, is_async=True)
-        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-        mbarrier.arrive(sq_empty.index(st), count=1)
+        if DEFER_DK:
+            dsc = ds * _pow2(-e)  # cast to e4m3 and multiplied in step j + 1
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))  # dV_j, dK_{j-1}
+            if j > 0:
+                mbarrier.arrive(empty.index(sp), count=1)  # stage j-1 free: its Q_seq was dK_{j-1}'s last read
+            # this step's dK rescales (head change, exponent move), in the undeferred order: after dK_{j-1} is in,
+            # before dK_j is added; applied at the top of step j + 1 (or before the flush)
+            dk_hh = -1
+            if j - t * n_m == 0:
+                if j > 0:
+                    dk_hh = hh
+            dk_sh = dk_e - e
+            dk_e = e
+        else:
+            ds8 = gl.convert_layout((ds * _pow2(-e)).to(gl.float8e4nv), a_layout)
+            if e != dk_e:  # rare: only when the tile's exponent leaves the hysteresis window
+                dk = dk * _pow2(dk_e - e)
+            dk_e = e
+            dk = warpgroup_mma(ds8, qs_smem.index(st).permute((1, 0)), dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            mbarrier.arrive(empty.index(st), count=1)  # stage st free: every read of it is done
+    if DEFER_DK:
+        if n_steps > 0:  # the last step's deferred dK (n_steps >= 1 whenever Sq >= 1)
+            sp = (n_steps - 1) % STAGES
+            ds8 = gl.convert_layout(dsc.to(gl.float8e4nv), a_layout)
+            dk = _dk_pending(dk, dk_hh, dk_sh, QSE, stride_qseh, stride_qsed, o_layout, HEAD_DIM)
+            dk = warpgroup_mma(ds8, qs_smem.index(sp).permute((1, 0)), dk, is_async=True)
+            dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
+            mbarrier.arrive(empty.index(sp), count=1)
 
     # ---- epilogue (attn_bwd._bwd_dkdv_kernel): the last head's seq exponents, dK's tile exponent, 2^-8 of P
     offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
@@ -359,17 +494,16 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, k_tile, v_tile, kv_bar, qd_rea
 # ------------------------------------------------------------------------------------------------- kernel
 @gluon.jit
 def _attn_bwd_dkdv_ws_kernel(
-    q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc, QE, DOE, KE, VE, QSE, DOSE, LSE, DELTA, DK, DV,
+    q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, QE, DOE, KE, VE, QSE, DOSE, DK, DV,
     stride_qeb, stride_qeg, stride_qeh,
     stride_deb, stride_deg, stride_deh,
     stride_keb, stride_ket, stride_keh,
     stride_veb, stride_vet, stride_veh,
     stride_qseb, stride_qseh, stride_qsed,  # q_seq's and dout_seq's exponents (same shape, contiguous)
-    stride_lb, stride_lh, stride_lm,  # lse's and delta's (same shape, contiguous)
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,  # dk's and dv's
     Hq, Hkv, Sq, Sk, group_size, qk_scale, grad_scale,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr, DEFER_DK: gl.constexpr,
 ):
     # key blocks fastest within one (b, kv head), as the tl kernel: the heaviest causal blocks (first keys) start
     # first and neighbouring CTAs stream the same query-side tiles through L2
@@ -400,8 +534,11 @@ def _attn_bwd_dkdv_ws_kernel(
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     qs_smem = gl.allocate_shared_memory(qs_desc.dtype, [STAGES] + qs_desc.block_type.shape, qs_desc.layout)
     dos_smem = gl.allocate_shared_memory(dos_desc.dtype, [STAGES] + dos_desc.block_type.shape, dos_desc.layout)
+    # lse and δ of each step's query tile: [1, 64] fp32 boxes of the (B*Hq, Sq) views (256 B each per stage)
+    lse_smem = gl.allocate_shared_memory(lse_desc.dtype, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
+    dl_smem = gl.allocate_shared_memory(dl_desc.dtype, [STAGES] + dl_desc.block_type.shape, dl_desc.layout)
     k_smem, v_smem = _static_tiles(k_desc, v_desc, SPLIT)  # 64-key boxes when split
-    kv_bar, qd_ready, qd_empty, sq_ready, sq_empty = _ring_barriers(STAGES, SPLIT)
+    kv_bar, ready, empty = _step_barriers(STAGES, SPLIT)
 
     b64 = b.to(gl.int64)
     QE_b = QE + b64 * stride_qeb
@@ -410,40 +547,40 @@ def _attn_bwd_dkdv_ws_kernel(
     VE_t = VE + b64 * stride_veb + hk * stride_veh + pid_n * stride_vet
     QSE_b = QSE + b64 * stride_qseb
     DOSE_b = DOSE + b64 * stride_qseb
-    LSE_b = LSE + b64 * stride_lb
-    DELTA_b = DELTA + b64 * stride_lb
     DK_t = DK + b64 * stride_dkb + hk * stride_dkh + n0.to(gl.int64) * stride_dkn
     DV_t = DV + b64 * stride_dkb + hk * stride_dkh + n0.to(gl.int64) * stride_dkn
     if SPLIT:
         wg_off = BLOCK_N_WG * stride_dkn
         gl.warp_specialize([
-            (_consumer, (q_smem, do_smem, qs_smem, dos_smem, k_smem.index(0), v_smem.index(0), kv_bar, qd_ready, qd_empty, sq_ready,
-                            sq_empty, QE_b, DOE_b, QSE_b, DOSE_b, LSE_b, DELTA_b, DK_t, DV_t,
-                            stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_lh,
-                            stride_lm, stride_dkn, stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0,
-                            h0 + group_size - 1, lo, mid, n_m, n_steps, qk_scale, grad_scale,
-                            HEAD_DIM, STAGES, CAUSAL, 64, 4)),
-            (_consumer, (q_smem, do_smem, qs_smem, dos_smem, k_smem.index(1), v_smem.index(1), kv_bar, qd_ready, qd_empty, sq_ready,
-                            sq_empty, QE_b, DOE_b, QSE_b, DOSE_b, LSE_b, DELTA_b, DK_t + wg_off, DV_t + wg_off,
-                            stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_lh,
-                            stride_lm, stride_dkn, stride_dkd, KE_t, VE_t, Sk - n0 - BLOCK_N_WG,
-                            causal_off - n0 - BLOCK_N_WG, Sq, h0, h0 + group_size - 1, lo, mid, n_m, n_steps,
-                            qk_scale, grad_scale, HEAD_DIM, STAGES, CAUSAL, 64, 4)),
-            (_producer_split, (q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc, q_smem, do_smem, qs_smem, dos_smem,
-                           k_smem, v_smem, kv_bar, qd_ready, qd_empty, sq_ready, sq_empty, b * Sk + n0, hk * HEAD_DIM,
-                           b * Sq, b * Hq * HEAD_DIM, h0, lo, n_m, n_steps, HEAD_DIM, STAGES)),
+            (_consumer, (q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem.index(0), v_smem.index(0),
+                         kv_bar, ready, empty, QE_b, DOE_b, QSE_b, DOSE_b, DK_t, DV_t,
+                         stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
+                         stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0,
+                         h0 + group_size - 1, lo, mid, n_m, n_steps, qk_scale, grad_scale,
+                         HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK)),
+            (_consumer, (q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem.index(1), v_smem.index(1),
+                         kv_bar, ready, empty, QE_b, DOE_b, QSE_b, DOSE_b, DK_t + wg_off, DV_t + wg_off,
+                         stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
+                         stride_dkd, KE_t, VE_t, Sk - n0 - BLOCK_N_WG,
+                         causal_off - n0 - BLOCK_N_WG, Sq, h0, h0 + group_size - 1, lo, mid, n_m, n_steps,
+                         qk_scale, grad_scale, HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK)),
+            (_producer_split, (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem,
+                               do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
+                               b * Sk + n0, hk * HEAD_DIM, b * Sq, b * Hq * HEAD_DIM, b * Hq, h0, lo, n_m, n_steps,
+                               HEAD_DIM, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (q_smem, do_smem, qs_smem, dos_smem, k_smem, v_smem, kv_bar, qd_ready, qd_empty, sq_ready,
-                         sq_empty, QE_b, DOE_b, QSE_b, DOSE_b, LSE_b, DELTA_b, DK_t, DV_t,
-                         stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_lh,
-                         stride_lm, stride_dkn, stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0,
+            (_consumer, (q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready,
+                         empty, QE_b, DOE_b, QSE_b, DOSE_b, DK_t, DV_t,
+                         stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
+                         stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0,
                          h0 + group_size - 1, lo, mid, n_m, n_steps, qk_scale, grad_scale,
-                         HEAD_DIM, STAGES, CAUSAL, 128, 8)),
-            (_producer, (q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc, q_smem, do_smem, qs_smem, dos_smem,
-                           k_smem, v_smem, kv_bar, qd_ready, qd_empty, sq_ready, sq_empty, b * Sk + n0, hk * HEAD_DIM,
-                           b * Sq, b * Hq * HEAD_DIM, h0, lo, n_m, n_steps, HEAD_DIM, STAGES)),
+                         HEAD_DIM, STAGES, CAUSAL, 128, 8, DEFER_DK)),
+            (_producer, (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem, do_smem,
+                         qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
+                         b * Sk + n0, hk * HEAD_DIM, b * Sq, b * Hq * HEAD_DIM, b * Hq, h0, lo, n_m, n_steps,
+                         HEAD_DIM, STAGES)),
         ], [1], [PRODUCER_REGS])
 
 
@@ -531,6 +668,62 @@ def _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq, split: bool = False):
     return q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc
 
 
+VEC_PITCH = 4  # fp32 elements per 16 bytes: a TMA row stride is a multiple of this
+
+
+@functools.lru_cache(maxsize=None)
+def _vector_layout():
+    """The shared layout of a [1, 64] fp32 lse / δ box: unswizzled (one 256-byte row, read back as a vector)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
+def _row_pitch(t: torch.Tensor) -> Optional[int]:
+    """Row pitch (elements) of a (B, H, S) tensor seen as B*H rows of S, if TMA can read it in place: one pitch
+    between all rows, a multiple of VEC_PITCH (16-byte strides), rows not overlapping, unit element stride, base
+    16-byte aligned; else None."""
+    B, H, S = t.shape
+    if S > 1 and t.stride(2) != 1:
+        return None
+    if H > 1:
+        pitch = t.stride(1)
+        if B > 1 and t.stride(0) != H * pitch:
+            return None
+    elif B > 1:
+        pitch = t.stride(0)
+    else:
+        pitch = cdiv(S, VEC_PITCH) * VEC_PITCH  # one row: any pitch will do
+    if pitch % VEC_PITCH or pitch < S or t.data_ptr() % 16:
+        return None
+    return pitch
+
+
+def _vector_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(tensor, pitch): ``t`` itself where ``_row_pitch`` allows, else a copy of it, the (B, H, S) view of a buffer
+    whose rows are padded to a multiple of VEC_PITCH elements.  The copy (the launch's only one: B*H*S*4 bytes read and written, ~2 MB and a
+    few microseconds for lse and δ together at B2 H16 S8k, against a kernel of milliseconds) happens for S not a
+    multiple of 4 on the contiguous lse / δ the forward and attn_bwd_preprocess make, and for views TMA cannot
+    address (misaligned or strided slices); the padding columns are never read (TMA zero fills past S)."""
+    pitch = _row_pitch(t)
+    if pitch is not None:
+        return t, pitch
+    B, H, S = t.shape
+    pitch = cdiv(S, VEC_PITCH) * VEC_PITCH
+    rows = torch.empty(B, H, pitch, dtype=t.dtype, device=t.device)[:, :, :S]
+    rows.copy_(t)
+    return rows, pitch
+
+
+def _vector_descriptors(lse: torch.Tensor, delta: torch.Tensor):
+    """TMA descriptors of lse and δ, (B, Hq, Sq) fp32, as (B*Hq, Sq) with [1, 64] boxes: the producer loads row
+    b*Hq + h, columns m0 .. m0+63 per query step; columns past Sq read as 0.0 (TMA zero fill)."""
+    descs = []
+    for t in (lse, delta):
+        B, H, S = t.shape
+        base, pitch = _vector_rows(t)
+        descs.append(TensorDescriptor(base, [B * H, S], [pitch, 1], [1, BLOCK_M.value], _vector_layout()))
+    return tuple(descs)
+
+
 def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, q_seq: RowScaledFP8,
                         dout_hdim: RowScaledFP8, dout_seq: RowScaledFP8, lse: torch.Tensor, delta: torch.Tensor, *,
                         causal: bool = False, softmax_scale: Optional[float] = None,
@@ -561,26 +754,27 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
     dk, dv = grad_outputs(dk_out, dv_out, (B, Sk, Hkv, D), grad_dtype, dev)
     if Sq == 0 or B * Hkv == 0 or Sk == 0:
         return dk.zero_(), dv.zero_()
-    descs = _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq, cfg.split)
-    # contiguous exponents, lse and delta: the unit strides the compiled variant is specialized for (UNIT_STRIDES)
+    q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc = _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq,
+                                                                     cfg.split)
+    lse_desc, dl_desc = _vector_descriptors(lse, delta)
+    # contiguous exponents: the unit strides the compiled variant is specialized for (UNIT_STRIDES)
     # q's and dout_hdim's exponents expanded to one per 64-row query tile (their groups are multiples of 64): the
     # kernel indexes them by m0 // 64, with no per-operand group argument (fewer live scalars in the consumer)
     qe, de = (_tile_exps(t, Sq) for t in (q, dout_hdim))
     ke, ve = (t.exp.contiguous() for t in (k, v_hdim))
     qse, dse = q_seq.exp.contiguous(), dout_seq.exp.contiguous()
-    lse, delta = lse.contiguous(), delta.contiguous()
-    # the kernel takes one set of strides for q_seq's / dout_seq's exponents, lse / delta and dk / dv
-    assert qse.stride() == dse.stride() and lse.stride() == delta.stride() and dk.stride() == dv.stride()
+    # the kernel takes one set of strides for q_seq's / dout_seq's exponents and for dk / dv
+    assert qse.stride() == dse.stride() and dk.stride() == dv.stride()
     row_e = lambda e: (e.stride(0), e.stride(1), e.stride(2))  # noqa: E731  (B, S or groups, H)
     chan_e = lambda e: (e.stride(0), e.stride(2), e.stride(3))  # noqa: E731  (B, H, D)
     grid = (cdiv(Sk, BLOCK_N.value), B * Hkv)
     kernel = _attn_bwd_dkdv_ws_kernel_sq1 if Sq == 1 else _attn_bwd_dkdv_ws_kernel
     fast_launcher(kernel)[grid](
-        *descs, qe, de, ke, ve, qse, dse, lse, delta, dk, dv,
-        *row_e(qe), *row_e(de), *row_e(ke), *row_e(ve), *chan_e(qse), *lse.stride(), *dk.stride(),
+        q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, qe, de, ke, ve, qse, dse, dk, dv,
+        *row_e(qe), *row_e(de), *row_e(ke), *row_e(ve), *chan_e(qse), *dk.stride(),
         Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
         HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
-        SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs,
+        SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=cfg.defers_dk,
         num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg,
     )
     return dk, dv

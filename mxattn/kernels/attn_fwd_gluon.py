@@ -20,7 +20,10 @@ rescales O.  With ``PINGPONG`` the two consumers also take turns issuing their w
 and forth), so one warpgroup's softmax runs while the other's products occupy the tensor cores.
 
 TMA views (2-D, 16-byte aligned row strides): Q as (B*Sq, Hq*D), K as (B*Sk, Hkv*D), V as (B*Hkv*D, Sk) over
-the channel-major buffer (row stride S_pad).  Q rows and K keys past a sequence's end read the next sequence
+the channel-major buffer (row stride S_pad).  When Sk % 16 == 0, K is loaded key-permuted instead (``K_PERM``): a 5-D
+view (B*Sk/16, 2, 4, 2, Hkv*D) of the same rows, strides (16r, 2r, 4r, r, 1) with r the row pitch, so that K tile
+row c holds key sigma(c) = 16*(c//16) + 4*((c>>1)&3) + 2*((c>>3)&1) + (c&1) of its tile.  S's accumulator registers
+then hold P in the order of P V's A operand: P needs no shuffles, only a relabel of its columns (``_to_operand``).  Q rows and K keys past a sequence's end read the next sequence
 (or TMA zero fill past the tensor): such query rows are never stored, such keys are masked in the last tile.
 V columns past Sk are zero-filled by TMA.  Only the last (and, causal, the diagonal) tiles are masked.
 
@@ -30,6 +33,7 @@ Notes, budget and what to measure: docs/perf-notes-attn-fwd-gluon.md.  Compile c
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -66,6 +70,8 @@ class GluonFwdConfig:
     maxnreg: int = 168  # 12 warps * 32 * 168 = 64512 <= 65536 registers: consumers 240, producer 24
     consumer_regs: int = 240  # registers per thread requested for consumer 1 (a worker partition)
     producer_regs: int = 24
+    # load K key-permuted when Sk % 16 == 0 (module docstring): P's conversion to the A operand without shuffles
+    k_perm: bool = True
 
 
 def default_config(head_dim: int, causal: bool) -> GluonFwdConfig:
@@ -81,11 +87,32 @@ def _mma_layout(n):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 32])
 
 
+# ------------------------------------------------------------------------------------------------- K permutation
+# K_PERM: a K tile's shared-memory row c = 16 G + 8 a + 2 b + e (the 5-D box [G, a, b, e, D] stored row-major)
+# holds key sigma(c) = 16 G + 4 b + 2 a + e of the tile (the global strides of dims a and b are swapped).  In
+# wgmma's accumulator layout, thread t of a quad holds S columns 8 i + 2 (t % 4) + {0, 1}, i.e. keys
+# 16 G + 4 (t % 4) + {0, 1, 2, 3}: four consecutive keys, which is what the e4m3 A operand (k_width 4) wants.
+@gluon.jit
+def _key_of_column(c):
+    """Key index (within the tile) that S column / K tile row ``c`` holds when K is loaded key-permuted."""
+    return (c & ~15) | (((c >> 1) & 3) << 2) | (((c >> 3) & 1) << 1) | (c & 1)
+
+
+@gluon.jit
+def _k_operand(k_buf, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, K_PERM: gl.constexpr):
+    """One K ring buffer as wgmma's B operand of Q Kᵀ ([HEAD_DIM, BLOCK_N]).  The 5-D buffer of ``K_PERM``
+    collapses to [BLOCK_N, HEAD_DIM] without moving anything: the NVMMA swizzle depends on the row address only."""
+    if K_PERM:
+        return k_buf.reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+    else:
+        return k_buf.permute((1, 0))
+
+
 # ------------------------------------------------------------------------------------------------- producer
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
               q_row, q_col, k_row, k_col, v_row, n_tiles,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, K_PERM: gl.constexpr):
     # Q: both warpgroups' 64-row tiles on one barrier
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
@@ -96,7 +123,12 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_
         ph = ((i // STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(s), ph)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [k_row + i * BLOCK_N, k_col], k_ready.index(s), k_smem.index(s))
+        if K_PERM:  # 16-key group index (k_row is b * Sk, Sk % 16 == 0)
+            tma.async_copy_global_to_shared(k_desc, [(k_row + i * BLOCK_N) // 16, 0, 0, 0, k_col], k_ready.index(s),
+                                            k_smem.index(s))
+        else:
+            tma.async_copy_global_to_shared(k_desc, [k_row + i * BLOCK_N, k_col], k_ready.index(s),
+                                            k_smem.index(s))
         mbarrier.wait(v_empty.index(s), ph)
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [v_row, i * BLOCK_N], v_ready.index(s), v_smem.index(s))
@@ -105,7 +137,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_
 # ------------------------------------------------------------------------------------------------- consumer
 @gluon.jit
 def _scores(qk, m_i, rs, offs_m, n0, Sk, causal_off,
-            BLOCK_N: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+            BLOCK_N: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, K_PERM: gl.constexpr):
     """Scores of one S tile in log2 units, shifted so that 2^x <= 256: (x, new row max).  rs > 0 per row.
 
     Kept apart from the exp2 / e4m3 part so that the masked / unmasked branch only joins fp32 values (a branch
@@ -113,7 +145,10 @@ def _scores(qk, m_i, rs, offs_m, n0, Sk, causal_off,
     rs2 = gl.expand_dims(rs, 1)
     if MASKED:
         # local key index against scalar bounds: one compare per element for Sk and one for the diagonal
-        cols = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk.type.layout)), 0)
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk.type.layout))
+        if K_PERM:
+            cols = _key_of_column(cols)  # column c holds key sigma(c)
+        cols = gl.expand_dims(cols, 0)
         keep = cols < Sk - n0
         if CAUSAL:
             keep = keep & (cols <= gl.expand_dims(offs_m + (causal_off - n0), 1))
@@ -130,23 +165,39 @@ def _scores(qk, m_i, rs, offs_m, n0, Sk, causal_off,
 
 @gluon.jit
 def _softmax_tile(qk, m_i, l_i, rs, offs_m, n0, masked, Sk, causal_off,
-                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, K_PERM: gl.constexpr):
     """Online softmax of one S tile (fp32, wgmma accumulator layout) -> (p = 2^x <= 256 in fp32, new row max,
     alpha = 2^(m_old - m_new), new row sum).  ``masked`` (runtime) selects the bounds / causal path."""
+    # exp2 in each branch, not after the join: with one exp2 after the join, ptxas hoisted the P V wait
+    # (warpgroup_mma_wait(0) after this call) above 63 of the 64 exp2s, so they never ran under the P V product
+    # (docs/perf-notes-attn-fwd-gluon.md, session 7).  The masked branch's select (the same values: 2^-inf = 0,
+    # NaN stays NaN) keeps LLVM from merging the two exp2s back into the join block.
     if masked:
-        x, m_new = _scores(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N, True, CAUSAL)
+        x, m_new = _scores(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N, True, CAUSAL, K_PERM)
+        p = gl.where(x == float("-inf"), 0.0, gl.exp2(x))
     else:
-        x, m_new = _scores(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N, False, CAUSAL)
+        x, m_new = _scores(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N, False, CAUSAL, K_PERM)
+        p = gl.exp2(x)  # <= 256: fits e4m3 with the constant scale 2^-8
     alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(x)  # <= 256: fits e4m3 with the constant scale 2^-8
     l_i = l_i * alpha + gl.sum(p, 1)  # from the fp32 p (summing p8 back in fp32 gave NaNs on triton 3.6)
     return p, m_new, alpha, l_i
 
 
 @gluon.jit
-def _to_operand(p, p_layout: gl.constexpr):
-    """P (fp32) -> e4m3 in the register layout of wgmma's A operand (quad shuffles + byte permutes)."""
-    return gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+def _to_operand(p, p_layout: gl.constexpr, K_PERM: gl.constexpr):
+    """P (fp32, S accumulator layout) -> e4m3 in the register layout of wgmma's A operand, columns in natural key
+    order (V's rows).  Without K_PERM: quad shuffles + byte permutes.  With K_PERM, column c holds key sigma(c):
+    relabelling the columns by key ((G, a, b, e) -> (G, b, a, e)) is a change of layout only, and the result is
+    already in the A operand's registers (the conversion is asserted trivial)."""
+    if K_PERM:
+        M: gl.constexpr = p.shape[0]
+        N: gl.constexpr = p.shape[1]
+        q = gl.reshape(p, [M, N // 16, 2, 4, 2])
+        q = gl.permute(q, (0, 1, 3, 2, 4))
+        q = gl.reshape(q, [M, N])
+        return gl.convert_layout(q.to(gl.float8e4nv), p_layout, assert_trivial=True)
+    else:
+        return gl.convert_layout(p.to(gl.float8e4nv), p_layout)
 
 
 @gluon.jit
@@ -170,7 +221,8 @@ def _turn_pass(turn_bars, WG: gl.constexpr, PINGPONG: gl.constexpr):
 def _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bars, KE, stride_ket,
             acc, l_i, m_i, qscale, offs_m, Sk, causal_off, n_tiles, n_full,
             WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-            PINGPONG: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr):
+            PINGPONG: gl.constexpr, K_PERM: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr,
+            row_o: gl.constexpr):
     """The KV loop of one warpgroup (n_tiles >= 1), FA3 intra-warpgroup overlap (issue block k = 0 .. n_tiles).
 
     Iteration j: issue S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} (async, S first), wait for S_j only, softmax of tile
@@ -179,23 +231,28 @@ def _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bar
     P crosses the loop edge in fp32 and becomes e4m3 just before its wgmma: carried as e4m3, LLVM moved the tensor
     as 64 loose bytes and repacked it every iteration (~100 LOP3/PRMT per tile)."""
     s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    HEAD_DIM: gl.constexpr = q_tile.shape[1]
     # issue block 0: S_0 alone
     mbarrier.wait(k_ready.index(0), 0)
     _turn_wait(turn_bars, WG, 0, PINGPONG)
-    qk = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    qk = warpgroup_mma(q_tile, _k_operand(k_smem.index(0), BLOCK_N, HEAD_DIM, K_PERM), s_zero, use_acc=False,
+                       is_async=True)
     _turn_pass(turn_bars, WG, PINGPONG)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
     mbarrier.arrive(k_empty.index(0), count=1)
     rs = qscale * gl.exp2(gl.load(KE).to(gl.float32))
-    p, m_i, alpha, l_i = _softmax_tile(qk, m_i, l_i, rs, offs_m, 0, n_full == 0, Sk, causal_off, BLOCK_N, CAUSAL)
+    p, m_i, alpha, l_i = _softmax_tile(qk, m_i, l_i, rs, offs_m, 0, n_full == 0, Sk, causal_off, BLOCK_N, CAUSAL,
+                                       K_PERM)
     for j in range(1, n_tiles):
         s = j % STAGES
         sv = (j - 1) % STAGES
-        p8 = _to_operand(p, p_layout)
         mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
-        mbarrier.wait(v_ready.index(sv), ((j - 1) // STAGES) & 1)
         _turn_wait(turn_bars, WG, j, PINGPONG)
-        qk = warpgroup_mma(q_tile, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma(q_tile, _k_operand(k_smem.index(s), BLOCK_N, HEAD_DIM, K_PERM), s_zero, use_acc=False,
+                           is_async=True)
+        # P_{j-1} to the A operand (and the V wait) after S_j is issued: the conversion runs under S_j
+        p8 = _to_operand(p, p_layout, K_PERM)
+        mbarrier.wait(v_ready.index(sv), ((j - 1) // STAGES) & 1)
         acc = warpgroup_mma(p8, v_smem.index(sv).permute((1, 0)), acc, is_async=True)
         _turn_pass(turn_bars, WG, PINGPONG)
         n0 = j * BLOCK_N
@@ -203,14 +260,14 @@ def _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bar
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))  # S_j; P_{j-1} V_{j-1} runs on
         mbarrier.arrive(k_empty.index(s), count=1)
         p, m_new, alpha, l_i = _softmax_tile(qk, m_i, l_i, rs, offs_m, n0, j >= n_full, Sk, causal_off,
-                                             BLOCK_N, CAUSAL)
+                                             BLOCK_N, CAUSAL, K_PERM)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(v_empty.index(sv), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         m_i = m_new
     # issue block n_tiles: O += P_{n-1} V_{n-1}
     sv = (n_tiles - 1) % STAGES
-    p8 = _to_operand(p, p_layout)
+    p8 = _to_operand(p, p_layout, K_PERM)
     mbarrier.wait(v_ready.index(sv), ((n_tiles - 1) // STAGES) & 1)
     _turn_wait(turn_bars, WG, n_tiles, PINGPONG)
     acc = warpgroup_mma(p8, v_smem.index(sv).permute((1, 0)), acc, is_async=True)
@@ -226,7 +283,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
               stride_qem, stride_ket, stride_ved, stride_om, stride_od, stride_lm,
               row0, Sq, Sk, causal_off, n_tiles, n_full, qk_scale,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+              CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, K_PERM: gl.constexpr):
     """One warpgroup: query rows row0 .. row0 + 63 of the sequence (pointers already moved to (b, h))."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
@@ -247,7 +304,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
     if n_tiles > 0:
         acc, l_i, m_i = _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bars, KE,
                                 stride_ket, acc, l_i, m_i, qscale, offs_m, Sk, causal_off, n_tiles, n_full,
-                                WG, BLOCK_N, STAGES, CAUSAL, PINGPONG, s_layout, p_layout, row_o)
+                                WG, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, s_layout, p_layout, row_o)
 
     # ---- output: out = acc / l * 2^ve, lse = (m - 8 + log2 l) ln 2; rows that saw nothing: 0 and -inf
     empty = l_i == 0.0
@@ -274,7 +331,7 @@ def _attn_fwd_ws_kernel(
     stride_lb, stride_lh, stride_lm,
     Hq, Hkv, Sq, Sk, group_size, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-    PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, K_PERM: gl.constexpr,
 ):
     # heaviest query blocks first when causal (they see the most keys): shorter tail at the end of the grid
     pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
@@ -324,20 +381,35 @@ def _attn_fwd_ws_kernel(
         (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_bars,
                      QE_bh, KE_bh, VE_bh, O_bh, LSE_bh, stride_qem, stride_ket, stride_ved, stride_om, stride_od,
                      stride_lm, start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale,
-                     0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
+                     0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM)),
         (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_bars,
                      QE_bh, KE_bh, VE_bh, O_bh, LSE_bh, stride_qem, stride_ket, stride_ved, stride_om, stride_od,
                      stride_lm, start_m + WG_ROWS, Sq, Sk, causal_off, n_tiles, n_full, qk_scale,
-                     1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
+                     1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                      b * Sq + start_m, h * HEAD_DIM, b * Sk, hk * HEAD_DIM, (b * Hkv + hk) * HEAD_DIM, n_tiles,
-                     BLOCK_N, STAGES)),
+                     BLOCK_N, STAGES, K_PERM)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ------------------------------------------------------------------------------------------------- launcher
-def _descriptors(q, k, v, block_n: int):
-    """TMA descriptors over 2-D views of the operands (module docstring)."""
+@functools.lru_cache(maxsize=None)
+def _k_perm_layout(block_n: int, head_dim: int):
+    """NVMMA shared layout of the key-permuted K box [block_n/16, 2, 4, 2, D]: the same swizzle as the 2-D
+    [block_n, D] box (it depends on the contiguous dim), rank 5."""
+    return gl.NVMMASharedLayout.get_default_for([block_n // 16, 2, 4, 2, head_dim], gl.float8e4nv)
+
+
+def k_perm_ok(Sk: int, block_n: int) -> bool:
+    """Whether K can be loaded key-permuted: every 16-key group lies inside one sequence (Sk % 16 == 0, so the
+    tile start b * Sk + i * block_n is a whole group index; B * Sk % 16 == 0 alone would not do for odd b), and a
+    tile is whole groups.  The row pitch is 16-byte aligned on both paths (``_descriptors`` copies K otherwise)."""
+    return Sk % 16 == 0 and block_n % 16 == 0
+
+
+def _descriptors(q, k, v, block_n: int, k_perm: bool = True):
+    """TMA descriptors over 2-D views of the operands (module docstring); K's over the 5-D key-permuted view
+    when ``k_perm`` and ``k_perm_ok``.  Returns (q_desc, k_desc, v_desc, K_PERM)."""
     qd, kd, vd = q.data, k.data, v.data
     B, Sq, Hq, D = qd.shape
     Sk, Hkv = kd.shape[1], kd.shape[2]
@@ -351,12 +423,18 @@ def _descriptors(q, k, v, block_n: int):
                          "S_pad a multiple of 16 (formats.channel_major)")
     wg = WG_ROWS.value
     q_layout = nvmma_fp8_layout(wg, D)
-    k_layout = nvmma_fp8_layout(block_n, D)
     v_layout = nvmma_fp8_layout(D, block_n)
     q_desc = TensorDescriptor(qd, [B * Sq, qd.stride(1)], [qd.stride(1), 1], [wg, D], q_layout)
-    k_desc = TensorDescriptor(kd, [B * Sk, kd.stride(1)], [kd.stride(1), 1], [block_n, D], k_layout)
+    r = kd.stride(1)  # row pitch of the (B*Sk, r) view: Hkv*D, or more for a padded K
+    use_perm = k_perm and k_perm_ok(Sk, block_n)
+    if use_perm:
+        # dims (group G, a, b, e, channel): row 16 G + 2 a + 4 b + e, stored in the box row-major as 16 G + 8 a + 2 b + e
+        k_desc = TensorDescriptor(kd, [B * Sk // 16, 2, 4, 2, r], [16 * r, 2 * r, 4 * r, r, 1],
+                                  [block_n // 16, 2, 4, 2, D], _k_perm_layout(block_n, D))
+    else:
+        k_desc = TensorDescriptor(kd, [B * Sk, r], [r, 1], [block_n, D], nvmma_fp8_layout(block_n, D))
     v_desc = TensorDescriptor(vd, [B * Hkv * D, Sk], [s_pad, 1], [D, block_n], v_layout)
-    return q_desc, k_desc, v_desc
+    return q_desc, k_desc, v_desc, use_perm
 
 
 def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
@@ -380,7 +458,7 @@ def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None
     out, lse = alloc_fwd_outputs(q.data, out_dtype)
     if out.numel() == 0:
         return out, lse
-    q_desc, k_desc, v_desc = _descriptors(q, k, v, cfg.block_n)
+    q_desc, k_desc, v_desc, k_perm = _descriptors(q, k, v, cfg.block_n, cfg.k_perm)
     qe, ke, ve = q.exp, k.exp, v.exp
     grid = (cdiv(Sq, BLOCK_M.value), B * Hq)
     fast_launcher(_attn_fwd_ws_kernel)[grid](
@@ -391,7 +469,7 @@ def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None
         *out.stride(), *lse.stride(),
         Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E,
         HEAD_DIM=D, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal, PINGPONG=cfg.pingpong,
-        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, K_PERM=k_perm,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
     return out, lse

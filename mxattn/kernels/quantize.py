@@ -59,6 +59,7 @@ __all__ = [
     "quantize_mxfp8_triton",
     "dequantize_mxfp8_triton",
     "row_scaled_triton",
+    "row_scaled_triton_both",
     "ROLES",
     "SOFT_ROUND_ON_GPU",
 ]
@@ -319,18 +320,23 @@ def _reexpress(q, e, E, fin, bad, SOFT: tl.constexpr):
 
 
 @triton.jit
-def _seq_bytes(xr, xf, mag, e, E, fin, keep, bad, SEQ_RS: tl.constexpr, SOFT: tl.constexpr):
-    """Bytes (int32 0..255) of rows blocked along S: MX (``SEQ_RS`` False) or re-expressed to E."""
+def _seq_bytes(xr, xf, mag, e, E, fin, keep, SEQ_RS: tl.constexpr, SOFT: tl.constexpr):
+    """Bytes (int32 0..255) of rows blocked along S: MX (``SEQ_RS`` False) or re-expressed to E.
+
+    No ``if bad:`` branch here (unlike ``_hdim_mx`` / ``_reexpress``): the NaN patch is a select on every
+    tile.  With the branch, LLVM carried the bytes through the branch's phi as <2 x i16> pairs
+    {cvt, cvt >> 8} of one e4m3x2 conversion; ptxas 12.8 (triton 3.6's) folds such a pair into one
+    F2FP.PACK_AB_MERGE_C and leaves the `>> 8` reading a register that never holds the conversion, so on the
+    H200 byte 3 of the V words (tokens 4w+3) at 5 channels in 16 came out as a constant garbage byte in the
+    fused K+V pass (docs/quantize-both-byte3.md).  Every tile pays one select per byte instead."""
     y = xf * _pow2(-e)
     if SEQ_RS:
-        out = _e4m3_bytes(_e4m3_value(y, SOFT) * _pow2(tl.minimum(tl.maximum(e - E, -31), 0)), SOFT)
-        if bad:
-            out = tl.where(fin | keep, out, 127).to(tl.uint8)  # NaN blocks; `keep` = padding stays 0
+        out = _e4m3_bytes(_e4m3_value(y, SOFT) * _pow2(tl.minimum(tl.maximum(e - E, -31), 0)), SOFT).to(tl.int32)
+        out = tl.where(fin | keep, out, 127)  # NaN blocks; `keep` = padding stays 0
     else:
-        out = _e4m3_bytes(y, SOFT)
-        if bad:
-            out = tl.where(mag > 0x7F800000, _nan_bytes(xr), out)
-    return out.to(tl.int32)
+        out = _e4m3_bytes(y, SOFT).to(tl.int32)
+        out = tl.where(mag > 0x7F800000, _nan_bytes(xr).to(tl.int32), out)
+    return out
 
 
 @triton.jit
@@ -467,10 +473,10 @@ def _quantize_kernel(
                 sbase = ce_ptr + ((b64 * NSB + st * (BLOCK_S // 32)) * H + h64) * D
                 sc = tl.where(fin, e + 127, 255).to(tl.uint8)
                 tl.store(sbase + sbk * (H * D) + d, sc, mask=(st * (BLOCK_S // 32) + sbk < NSB) & in_d)
-        wd = _seq_bytes(x0r, x0, m0, e, E, fin, s0 + q4 >= S, bad, SEQ_RS, SOFT)
-        wd |= _seq_bytes(x1r, x1, m1, e, E, fin, s0 + q4 + 1 >= S, bad, SEQ_RS, SOFT) << 8
-        wd |= _seq_bytes(x2r, x2, m2, e, E, fin, s0 + q4 + 2 >= S, bad, SEQ_RS, SOFT) << 16
-        wd |= _seq_bytes(x3r, x3, m3, e, E, fin, s0 + q4 + 3 >= S, bad, SEQ_RS, SOFT) << 24
+        wd = _seq_bytes(x0r, x0, m0, e, E, fin, s0 + q4 >= S, SEQ_RS, SOFT)
+        wd |= _seq_bytes(x1r, x1, m1, e, E, fin, s0 + q4 + 1 >= S, SEQ_RS, SOFT) << 8
+        wd |= _seq_bytes(x2r, x2, m2, e, E, fin, s0 + q4 + 2 >= S, SEQ_RS, SOFT) << 16
+        wd |= _seq_bytes(x3r, x3, m3, e, E, fin, s0 + q4 + 3 >= S, SEQ_RS, SOFT) << 24
         row_w = S_pad // 4  # int32 words per channel-major row
         cbase = cw_ptr + (b64 * H + h64) * D * row_w + st * (BLOCK_S // 4)
         tl.store(cbase + d * row_w + w, wd, mask=(st * (BLOCK_S // 4) + w < row_w) & in_d)  # word mask: 16 B stores
@@ -911,6 +917,37 @@ def row_scaled_triton(
     if role == "q":
         return RowScaledFP8(data, _unpack(exp, packed), x.ndim - 1)
     return RowScaledFP8(data, _unpack(exp, packed), x.ndim - 1, group_dim=sd, group=group)
+
+
+def row_scaled_triton_both(
+    x: torch.Tensor,
+    scale_mode: Union[str, ScaleMode] = "rceil",
+    seq_dim: Optional[int] = None,
+    k_group: int = 128,
+) -> tuple[RowScaledFP8, RowScaledFP8]:
+    """``(row_scaled_triton(x, "k", k_group=k_group), row_scaled_triton(x, "v"))``, bit for bit, from two
+    launches instead of three: the V layout's per-channel exponent pass, then one pass that reads ``x`` once and
+    writes both the head-dim (K layout) and the channel-major sequence operand.  The backward needs Q, K and dO
+    in both orientations; each launch costs ~70-90 us of host time on the H200 (scripts/host_timing.py), which
+    dominates small calls.  Float input only (bf16/fp16/fp32, (B, S, H, D) or packed (T, H, D))."""
+    group = _check_group(k_group)
+    mode = ScaleMode.parse(scale_mode)
+    x4, packed = _check_float_input(x, "x", seq_dim)
+    B, S, H, D = x4.shape
+    if S == 0:  # no token: the fused pass would still cover the seq padding, where the K layout has no group
+        return (row_scaled_triton(x, "k", mode, seq_dim, group), row_scaled_triton(x, "v", mode, seq_dim))
+    dev = x4.device
+    rceil = mode is ScaleMode.RCEIL
+    sd = 0 if packed else 1
+    vexp = _v_exponents(x4, None, from_mx=False, rceil=rceil)
+    cd, s_pad = _channel_major_buffer(B, H, D, S, dev)
+    hd = torch.empty(B, S, H, D, dtype=torch.uint8, device=dev)
+    kexp = torch.empty(B, cdiv(S, group), H, 1, dtype=torch.int32, device=dev)
+    _launch_quantize(x4, hd, kexp, cd, vexp, s_pad, HDIM=True, SEQ=True, HDIM_GROUP=group, SEQ_RS=True,
+                     rceil=rceil, group=group)
+    hdim = RowScaledFP8(_unpack(hd, packed).view(torch.float8_e4m3fn), _unpack(kexp, packed), x.ndim - 1,
+                        group_dim=sd, group=group)
+    return hdim, RowScaledFP8(_seq_view(cd, S, packed), _unpack(vexp, packed), sd)
 
 
 def _row_scaled_from_mx(mx: MXTensor, role: str, seq_dim: Optional[int], group: int) -> RowScaledFP8:

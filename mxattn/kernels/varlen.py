@@ -321,14 +321,13 @@ def _v_data_varlen_kernel(
     x2r, x2, m2 = _load_rows(xp, sxs, q4, 2, s0, S, d, in_d)
     x3r, x3, m3 = _load_rows(xp, sxs, q4, 3, s0, S, d, in_d)
     mall = tl.maximum(tl.maximum(m0, m1), tl.maximum(m2, m3))
-    bad = tl.max(mall) >= 0x7F800000
     amax = tl.max(mall, axis=1, keep_dims=True)  # one per 32 keys and channel
     fin = amax < 0x7F800000
     e = _mx_exponent(amax, RCEIL)
-    wd = _seq_bytes(x0r, x0, m0, e, E, fin, s0 + q4 >= S, bad, True, SOFT)
-    wd |= _seq_bytes(x1r, x1, m1, e, E, fin, s0 + q4 + 1 >= S, bad, True, SOFT) << 8
-    wd |= _seq_bytes(x2r, x2, m2, e, E, fin, s0 + q4 + 2 >= S, bad, True, SOFT) << 16
-    wd |= _seq_bytes(x3r, x3, m3, e, E, fin, s0 + q4 + 3 >= S, bad, True, SOFT) << 24
+    wd = _seq_bytes(x0r, x0, m0, e, E, fin, s0 + q4 >= S, True, SOFT)
+    wd |= _seq_bytes(x1r, x1, m1, e, E, fin, s0 + q4 + 1 >= S, True, SOFT) << 8
+    wd |= _seq_bytes(x2r, x2, m2, e, E, fin, s0 + q4 + 2 >= S, True, SOFT) << 16
+    wd |= _seq_bytes(x3r, x3, m3, e, E, fin, s0 + q4 + 3 >= S, True, SOFT) << 24
     c0 = tl.multiple_of(tl.load(cuv_ptr + b), 16)
     if V_BLOCKS:
         row_w = S_pad // 4  # int32 words per channel row of this sequence's block
