@@ -919,7 +919,7 @@ def sweep_rmsnorm_tiles(M: int = 16384, Ns=(4096, 8192), rep_ms: int = 100, outd
     at N = 4096 the kernel moved half the bytes of N = 8192 in the same time (31 % vs 57 % of copy), which points
     at per-program latency.  Tried here: 1, 2, 4 (and 8) whole rows per program with 4, 8, 16 warps for hdim, and
     32 tokens x 128 / 256 / 512 columns for seq.  One row per (N, orientation, tile) with ``pct_of_copy`` and the
-    default tile's time as ``default_ms``; with ``outdir``, written as what="rmsnorm_quant" (note: tile sweep)."""
+    default tile's time as ``default_ms``; with ``outdir``, written as what="rmsnorm_quant_sweep"."""
     from mxattn.kernels import rmsnorm_quant as kr
 
     if not torch.cuda.is_available():
@@ -972,5 +972,5 @@ def sweep_rmsnorm_tiles(M: int = 16384, Ns=(4096, 8192), rep_ms: int = 100, outd
     if outdir is not None:
         from mxattn.bench.results import write_result
 
-        print(write_result("rmsnorm_quant", rows, outdir, extra={"note": "forward tile sweep"}))
+        print(write_result("rmsnorm_quant_sweep", rows, outdir, extra={"note": "forward tile sweep"}))
     return rows

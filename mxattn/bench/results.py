@@ -36,6 +36,7 @@ WHATS = (
     "memory",
     "quantize",
     "rmsnorm_quant",
+    "rmsnorm_quant_sweep",
     "linear_quant",
     "varlen_fwd",
     "varlen_bwd",
