@@ -563,3 +563,61 @@ def test_gpu_beyond_int32_offsets(gen):
     del v
     deq = kq.dequantize_mxfp8_triton(s)
     assert_same_float(deq[-1:], F.dequantize_mxfp8(F.quantize_mxfp8(tail, 1), torch.bfloat16), "dequant tail")
+
+
+# ----------------------------------------------------------------------------------------------
+# host fast path: per-signature plans (row_scaled_triton / row_scaled_triton_both on float input)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("role", ["q", "k", "v", "both"])
+@pytest.mark.parametrize("layout", ["bshd", "packed", "strided"])
+def test_row_scaled_plan_repeats_with_fresh_data(role, layout, gen):
+    """The second and third calls of one signature take the recorded plan: each equals the reference on its own
+    (new) data, so nothing of the first call's tensors or values leaks into the next."""
+    kq._PLANS.clear()
+    shape = (70, 2, 64) if layout == "packed" else (2, 45, 3, 64)
+    sd = 0 if layout == "packed" else 1
+    for i in range(3):
+        x = make_input(shape, torch.bfloat16, "adversarial" if i % 2 else "random", gen)
+        xd = x.to(DEVICE)
+        if layout == "strided":  # D not unit-stride: the plan repeats _check_float_input's copy
+            xd = xd.transpose(-1, -2).contiguous().transpose(-1, -2)
+            assert xd.stride(-1) != 1
+        if role == "both":
+            hdim, seq = kq.row_scaled_triton_both(xd, "rceil", seq_dim=sd, k_group=64)
+            assert_same_rs(hdim, ref_rs_mode(x, "k", "rceil", 64, sd), f"plan call {i}: both K layout")
+            assert_same_rs(seq, ref_rs_mode(x, "v", "rceil", 64, sd), f"plan call {i}: both V layout")
+            assert_channel_major(seq.data, layout == "packed")
+        else:
+            got = kq.row_scaled_triton(xd, role, "rceil", seq_dim=sd, k_group=64)
+            assert_same_rs(got, ref_rs_mode(x, role, "rceil", 64, sd), f"plan call {i}: {role} {layout}")
+        assert len(kq._PLANS) == 1, "one signature, one plan"
+
+
+def test_row_scaled_plan_keys_and_validation(gen):
+    """A plan never answers for another signature: dtype, shape, mode and group each make their own (or fail
+    validation on the slow path first); bad arguments raise on every call; tile overrides bypass the plans."""
+    kq._PLANS.clear()
+    x = make_input((1, 40, 2, 64), torch.bfloat16, "random", gen).to(DEVICE)
+    kq.row_scaled_triton(x, "k")
+    kq.row_scaled_triton(x.float(), "k")
+    kq.row_scaled_triton(x, "k", "floor")
+    kq.row_scaled_triton(x, "k", k_group=64)
+    kq.row_scaled_triton(x[:, :33], "k")
+    assert len(kq._PLANS) == 5
+    for _ in range(2):
+        with pytest.raises(ValueError, match="scale_mode"):
+            kq.row_scaled_triton(x, "k", "nearest")
+        with pytest.raises(ValueError, match="k_group"):
+            kq.row_scaled_triton(x, "k", k_group=48)
+        with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
+            kq.row_scaled_triton(x.to(torch.int32), "q")
+    n = len(kq._PLANS)
+    kq.TILE_OVERRIDES["quant"] = kq.Tile(64, 4)
+    try:
+        got = kq.row_scaled_triton(x, "q")
+        assert_same_rs(got, ref_rs(x.cpu(), "q"), "q under a tile override")
+        assert len(kq._PLANS) == n, "no plan is made while tiles are overridden"
+    finally:
+        kq.TILE_OVERRIDES.clear()

@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from mxattn.formats import E8M0_NAN, MXTensor, MXTensorTiled, RowScaledFP8, ScaleMode, blackwell_scale_bytes
-from mxattn.kernels.launch import cdiv, fast_launcher, next_pow2
+from mxattn.kernels.launch import BoundLaunch, cdiv, fast_launcher, next_pow2
 
 __all__ = [
     "quantize_mxfp8_triton",
@@ -811,39 +811,48 @@ def quantize_mxfp8_triton(
     return res[0] if len(res) == 1 else tuple(res)
 
 
-def _launch_quantize(x4, hd, he, cd, ce, s_pad, *, HDIM, SEQ, HDIM_GROUP, SEQ_RS, rceil, group, swz=False):
+def _quantize_spec(x4, s_pad, *, HDIM, SEQ, HDIM_GROUP, SEQ_RS, rceil, group, swz=False):
+    """One ``_quantize_kernel`` launch without its tensors: (grid, the scalars after ``x``, the scalars after the
+    four outputs, the constexprs), or None when there is no work."""
     B, S, H, D = x4.shape
     if B * H == 0:
-        return
+        return None
     dp = _d_pad(D)
     tile = _tile("k" if HDIM_GROUP > 1 else "quant", dp, group)
     bs = tile.block_s
     # seq outputs cover the zero padding up to s_pad, so tiles run over max(S, s_pad) when SEQ
     s_cover = max(S, s_pad) if SEQ else S
     if s_cover == 0:
-        return
+        return None
     n_s_tiles = cdiv(s_cover, bs)
     n_groups = cdiv(S, group) if group else 1
     sxb, sxs, sxh, _ = x4.stride()
     idx64 = _needs_i64(bs * sxs, dp) or _needs_i64(bs * H * D, dp) or _needs_i64(dp * s_pad, bs)
+    return ((B * n_s_tiles * H,), (S, H, sxb, sxs, sxh), (s_pad, cdiv(S, 32), n_s_tiles, n_groups),
+            dict(D=D, NDP=dp // 32, BLOCK_S=bs, HDIM=HDIM, SEQ=SEQ, HDIM_GROUP=HDIM_GROUP, SEQ_RS=SEQ_RS,
+                 RCEIL=rceil, SOFT=_soft(x4.device), IDX64=idx64, SWZ=swz, num_warps=tile.num_warps))
+
+
+def _launch_quantize(x4, hd, he, cd, ce, s_pad, **flags):
+    spec = _quantize_spec(x4, s_pad, **flags)
+    if spec is None:
+        return
+    grid, head, tail, constexprs = spec
     dummy = x4.new_empty(4, dtype=torch.uint8)
-    grid = (B * n_s_tiles * H,)
     fast_launcher(_quantize_kernel)[grid](
-        x4, S, H, sxb, sxs, sxh,
+        x4, *head,
         hd if hd is not None else dummy, he if he is not None else dummy,
         cd.view(torch.int32) if cd is not None else dummy, ce if ce is not None else dummy,
-        s_pad, cdiv(S, 32), n_s_tiles, n_groups,
-        D=D, NDP=dp // 32, BLOCK_S=bs, HDIM=HDIM, SEQ=SEQ, HDIM_GROUP=HDIM_GROUP, SEQ_RS=SEQ_RS,
-        RCEIL=rceil, SOFT=_soft(x4.device), IDX64=idx64, SWZ=swz, num_warps=tile.num_warps,
+        *tail, **constexprs,
     )
 
 
-def _v_exponents(src4, sc4, *, from_mx: bool, rceil: bool) -> torch.Tensor:
-    """Pass 1 of V: int32 (B, 1, H, D) per-channel maxima over S (``_NO_EXP`` where none is nonzero)."""
+def _v_exponents_spec(src4, sc4, *, from_mx: bool, rceil: bool):
+    """One ``_seq_exponent_kernel`` launch without its tensors: (grid, the scalars after ``src``, the scale
+    strides, the scalars after ``exp``, the constexprs), or None when there is no work."""
     B, S, H, D = src4.shape
-    exp = torch.full((B, 1, H, D), _NO_EXP_HOST, dtype=torch.int32, device=src4.device)
     if B * H * S == 0:
-        return exp
+        return None
     dp = _d_pad(D)
     tile = _tile("seqexp", dp)
     bs = tile.block_s
@@ -853,13 +862,21 @@ def _v_exponents(src4, sc4, *, from_mx: bool, rceil: bool) -> torch.Tensor:
     st = src4.stride()
     scs = sc4.stride() if sc4 is not None else (0, 0, 0, 0)
     idx64 = _needs_i64(bs * abs(st[1]), dp * abs(st[3]))
-    fast_launcher(_seq_exponent_kernel)[(B * n_chunks * H,)](
-        src4, S, H, st[0], st[1], st[2], st[3],
-        sc4 if sc4 is not None else exp, *scs,
-        exp, n_s_tiles, per, _s_load_bound(src4) if from_mx else S,
-        D=D, NDP=dp // 32, BLOCK_S=bs, FROM_MX=from_mx, RCEIL=rceil, IDX64=idx64,
-        QU=_unit(src4), SU=_unit(sc4) if sc4 is not None else 0,
-        num_warps=tile.num_warps,
+    return ((B * n_chunks * H,), (S, H, *st), tuple(scs), (n_s_tiles, per, _s_load_bound(src4) if from_mx else S),
+            dict(D=D, NDP=dp // 32, BLOCK_S=bs, FROM_MX=from_mx, RCEIL=rceil, IDX64=idx64,
+                 QU=_unit(src4), SU=_unit(sc4) if sc4 is not None else 0, num_warps=tile.num_warps))
+
+
+def _v_exponents(src4, sc4, *, from_mx: bool, rceil: bool) -> torch.Tensor:
+    """Pass 1 of V: int32 (B, 1, H, D) per-channel maxima over S (``_NO_EXP`` where none is nonzero)."""
+    B, S, H, D = src4.shape
+    exp = torch.full((B, 1, H, D), _NO_EXP_HOST, dtype=torch.int32, device=src4.device)
+    spec = _v_exponents_spec(src4, sc4, from_mx=from_mx, rceil=rceil)
+    if spec is None:
+        return exp
+    grid, head, scs, tail, constexprs = spec
+    fast_launcher(_seq_exponent_kernel)[grid](
+        src4, *head, sc4 if sc4 is not None else exp, *scs, exp, *tail, **constexprs,
     )
     return exp
 
@@ -868,6 +885,122 @@ def _check_group(k_group: int) -> int:
     if not isinstance(k_group, int) or k_group not in (32, 64, 128, 256):
         raise ValueError(f"k_group must be 32, 64, 128 or 256, got {k_group!r}")
     return k_group
+
+
+# ----------------------------------------------------------------------------------------------
+# Host fast path.  The attention API calls these wrappers 3-7 times per call with the same shapes; their
+# Python (validation, tile choice, index-width checks, the launcher's key) cost ~40-80 us of host time each on
+# the GPU machine, more than the kernels take at S <= 2k.  A plan per call signature keeps everything that
+# depends only on the signature; a call with a known signature allocates its outputs and launches.
+# ----------------------------------------------------------------------------------------------
+
+_PLANS: dict = {}
+_MAX_PLANS = 512  # distinct signatures before the table starts over (shapes that keep changing)
+_Tensor = torch.Tensor
+
+
+def _plan_key(kind: str, x, scale_mode, seq_dim, k_group):
+    """The plan table's key of a float-input call, or None where plans do not apply (another type than a plain
+    tensor, tile overrides set for a sweep)."""
+    if type(x) is not _Tensor or TILE_OVERRIDES:
+        return None
+    return (kind, x.shape, x.stride(), x.dtype, x.device, scale_mode, seq_dim, k_group, x.data_ptr() & 15,
+            SEQEXP_MIN_PROGRAMS, SOFT_ROUND_ON_GPU)
+
+
+def _trusted_row_scaled(data, exp, dim, group_dim=None, group=1) -> RowScaledFP8:
+    """A ``RowScaledFP8`` whose fields a plan has already checked once for this signature (no ``__post_init__``)."""
+    r = object.__new__(RowScaledFP8)
+    r.data, r.exp, r.dim, r.group_dim, r.group = data, exp, dim, group_dim, group
+    return r
+
+
+class _RowScaledPlan:
+    """``row_scaled_triton`` (roles q, k, v) or ``row_scaled_triton_both`` on float input of one signature.
+
+    Built by the validated slow path on its first call, with the values that path computed; ``__call__`` repeats it
+    for a tensor of the same signature (``_plan_key``): the same launches, outputs freshly allocated, so every
+    tensor argument keeps its dtype and alignment and each ``BoundLaunch`` keys the same kernel."""
+
+    __slots__ = ("kind", "packed", "contig", "B", "S", "H", "D", "dev", "sd", "ndim", "group", "rceil", "s_pad",
+                 "qspec", "espec", "qlaunch", "elaunch", "dummy")
+
+    def __init__(self, kind: str, x4: torch.Tensor, packed: bool, contig: bool, ndim: int, rceil: bool, group: int):
+        self.kind, self.packed, self.contig, self.ndim, self.rceil, self.group = kind, packed, contig, ndim, rceil, group
+        self.B, self.S, self.H, self.D = x4.shape
+        self.dev = x4.device
+        self.sd = 0 if packed else 1
+        self.s_pad = cdiv(max(self.S, 1), SEQ_ALIGN) * SEQ_ALIGN
+        v_side = kind in ("v", "both")
+        if kind == "v":
+            flags = dict(HDIM=False, SEQ=True, HDIM_GROUP=0, SEQ_RS=True, group=0)
+        elif kind == "both":
+            flags = dict(HDIM=True, SEQ=True, HDIM_GROUP=group, SEQ_RS=True, group=group)
+        else:
+            flags = dict(HDIM=True, SEQ=False, HDIM_GROUP=group if kind == "k" else 1, SEQ_RS=False,
+                         group=group if kind == "k" else 0)
+        self.qspec = _quantize_spec(x4, self.s_pad if v_side else SEQ_ALIGN, rceil=rceil, **flags)
+        self.espec = _v_exponents_spec(x4, None, from_mx=False, rceil=rceil) if v_side else None
+        self.qlaunch = self.elaunch = None
+        self.dummy = x4.new_empty(4, dtype=torch.uint8)
+
+    def _quantize(self, x4, hd, he, cd, ce) -> None:
+        grid, head, tail, constexprs = self.qspec
+        args = (x4, *head, hd if hd is not None else self.dummy, he if he is not None else self.dummy,
+                cd.view(torch.int32) if cd is not None else self.dummy, ce if ce is not None else self.dummy, *tail)
+        if self.qlaunch is None:
+            self.qlaunch = BoundLaunch(fast_launcher(_quantize_kernel), grid, args, constexprs)
+        else:
+            self.qlaunch(*args)
+
+    def _v_exponents(self, x4) -> torch.Tensor:
+        exp = torch.full((self.B, 1, self.H, self.D), _NO_EXP_HOST, dtype=torch.int32, device=self.dev)
+        grid, head, scs, tail, constexprs = self.espec
+        args = (x4, *head, exp, *scs, exp, *tail)
+        if self.elaunch is None:
+            self.elaunch = BoundLaunch(fast_launcher(_seq_exponent_kernel), grid, args, constexprs)
+        else:
+            self.elaunch(*args)
+        return exp
+
+    def __call__(self, x: torch.Tensor):
+        x4 = x.unsqueeze(0) if self.packed else x
+        if self.contig:
+            x4 = x4.contiguous()
+        B, S, H, D, dev, packed = self.B, self.S, self.H, self.D, self.dev, self.packed
+        kind, sd = self.kind, self.sd
+        u8 = torch.uint8
+        if kind in ("v", "both"):
+            vexp = self._v_exponents(x4)
+            cd = torch.empty(B, H, D, self.s_pad, dtype=u8, device=dev)
+            hd = kexp = None
+            if kind == "both":
+                hd = torch.empty(B, S, H, D, dtype=u8, device=dev)
+                kexp = torch.empty(B, cdiv(S, self.group), H, 1, dtype=torch.int32, device=dev)
+            self._quantize(x4, hd, kexp, cd, vexp)
+            seq = _trusted_row_scaled(_seq_view(cd, S, packed), _unpack(vexp, packed), sd)
+            if kind == "v":
+                return seq
+            hdim = _trusted_row_scaled(_unpack(hd, packed).view(torch.float8_e4m3fn), _unpack(kexp, packed),
+                                       self.ndim - 1, sd, self.group)
+            return hdim, seq
+        hd = torch.empty(B, S, H, D, dtype=u8, device=dev)
+        rows = S if kind == "q" else cdiv(S, self.group)
+        exp = torch.empty(B, rows, H, 1, dtype=torch.int32, device=dev)
+        self._quantize(x4, hd, exp, None, None)
+        data = _unpack(hd, packed).view(torch.float8_e4m3fn)
+        if kind == "q":
+            return _trusted_row_scaled(data, _unpack(exp, packed), self.ndim - 1)
+        return _trusted_row_scaled(data, _unpack(exp, packed), self.ndim - 1, sd, self.group)
+
+
+def _new_plan(key, kind: str, x: torch.Tensor, x4: torch.Tensor, packed: bool, rceil: bool, group: int):
+    """Record the plan of a validated call (``x4`` the canonical, D-contiguous view of ``x``) and run it."""
+    plan = _RowScaledPlan(kind, x4, packed, x.stride(-1) != 1, x.ndim, rceil, group)  # (_check_float_input's copy)
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan(x)
 
 
 def row_scaled_triton(
@@ -889,6 +1022,10 @@ def row_scaled_triton(
     """
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    key = _plan_key(role, x, scale_mode, seq_dim, k_group)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is not None:
+        return plan(x)
     group = _check_group(k_group) if role == "k" else 1
     if isinstance(x, MXTensor):
         return _row_scaled_from_mx(x, role, seq_dim, group)
@@ -897,6 +1034,8 @@ def row_scaled_triton(
     B, S, H, D = x4.shape
     dev = x4.device
     rceil = mode is ScaleMode.RCEIL
+    if key is not None and B * H * S > 0:
+        return _new_plan(key, role, x, x4, packed, rceil, group)
     sd = 0 if packed else 1
     if role == "v":
         exp = _v_exponents(x4, None, from_mx=False, rceil=rceil)
@@ -930,10 +1069,16 @@ def row_scaled_triton_both(
     writes both the head-dim (K layout) and the channel-major sequence operand.  The backward needs Q, K and dO
     in both orientations; each launch costs ~70-90 us of host time on the H200 (scripts/host_timing.py), which
     dominates small calls.  Float input only (bf16/fp16/fp32, (B, S, H, D) or packed (T, H, D))."""
+    key = _plan_key("both", x, scale_mode, seq_dim, k_group)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is not None:
+        return plan(x)
     group = _check_group(k_group)
     mode = ScaleMode.parse(scale_mode)
     x4, packed = _check_float_input(x, "x", seq_dim)
     B, S, H, D = x4.shape
+    if key is not None and B * H * S > 0:
+        return _new_plan(key, "both", x, x4, packed, mode is ScaleMode.RCEIL, group)
     if S == 0:  # no token: the fused pass would still cover the seq padding, where the K layout has no group
         return (row_scaled_triton(x, "k", mode, seq_dim, group), row_scaled_triton(x, "v", mode, seq_dim))
     dev = x4.device
