@@ -173,6 +173,10 @@ def has_fast_backward(device) -> bool:
 # op returning the backward's operands could not tell whether a gradient will be asked for, so inference would
 # pay for them; here the forward makes only what it uses.  Recomputing also lets the backward take Q with one
 # exponent per 128 rows (``Q_EXP_GROUP``, the kernel's fast layout) instead of the forward's per-row Q.
+# Eager autograd (``_EagerAttention``, which runs only when a gradient is wanted) does otherwise since session 8:
+# its forward makes K and V in both orientations from one read each and saves those FP8 operands (1 + 1 bytes per
+# k / v element, as bf16) instead of k and v, so the backward re-quantizes only q (and dO): two launches fewer per
+# step, which matters where the host bounds the step (S <= 4k).
 # ``deterministic`` only affects the backward; the forward op takes it so that its autograd formula can pass it on.
 # ``backend`` (a str with a default, so older 7-argument calls still bind) only picks the CUDA forward kernel; the
 # backward op is the same for every backend (it re-quantizes the saved float q, k, v for the Hopper FP8 backward).
