@@ -265,12 +265,17 @@ def _load_bytes(ptr, s, S, S_ld, in_d, QU: tl.constexpr):
 
 
 @triton.jit
-def _pid_bsh(n_s_tiles, H):
-    """Program -> (b, s tile, h), heads fastest so that neighbouring programs read one token row."""
-    pid = tl.program_id(0)
+def _split_pid(pid, n_s_tiles, H):
+    """Program index -> (b, s tile, h), heads fastest so that neighbouring programs read one token row."""
     h = pid % H
     t = pid // H
     return t // n_s_tiles, t % n_s_tiles, h
+
+
+@triton.jit
+def _pid_bsh(n_s_tiles, H):
+    """This program's (b, s tile, h) (``_split_pid`` of its id)."""
+    return _split_pid(tl.program_id(0), n_s_tiles, H)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -348,6 +353,19 @@ def _tiled_offset(r, c, n_col_tiles):
 
 @triton.jit
 def _quantize_kernel(
+    x_ptr, S, H, sxb, sxs, sxh, hd_ptr, he_ptr, cw_ptr, ce_ptr, S_pad, NSB, n_s_tiles, n_groups,
+    D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr, HDIM: tl.constexpr, SEQ: tl.constexpr,
+    HDIM_GROUP: tl.constexpr, SEQ_RS: tl.constexpr, RCEIL: tl.constexpr, SOFT: tl.constexpr, IDX64: tl.constexpr,
+    SWZ: tl.constexpr = False,
+):
+    """One ``_quantize_tile`` per program (the arguments are documented there)."""
+    _quantize_tile(tl.program_id(0), x_ptr, S, H, sxb, sxs, sxh, hd_ptr, he_ptr, cw_ptr, ce_ptr, S_pad, NSB,
+                   n_s_tiles, n_groups, D, NDP, BLOCK_S, HDIM, SEQ, HDIM_GROUP, SEQ_RS, RCEIL, SOFT, IDX64, SWZ)
+
+
+@triton.jit
+def _quantize_tile(
+    pid,  # the tile: (b, s tile, h) = _split_pid(pid, n_s_tiles, H)
     x_ptr, S, H, sxb, sxs, sxh,  # input (B, S, H, D), unit stride along D
     hd_ptr, he_ptr,  # hdim data (B, S, H, D) u8; hdim scales u8 (B, S, H, ND) or exponents i32 (Q/K)
     cw_ptr, ce_ptr,  # seq data: channel-major (B, H, D, S_pad) as int32 words; seq scales u8 (B, NSB, H, D) or V exps
@@ -357,7 +375,7 @@ def _quantize_kernel(
     HDIM_GROUP: tl.constexpr,  # 0: MX scales; 1: Q (exponent per row); >1: K (exponent per tile = group)
     SEQ_RS: tl.constexpr,  # False: MX scales; True: V, re-expressed to the per-channel exponents in ce_ptr
     RCEIL: tl.constexpr, SOFT: tl.constexpr, IDX64: tl.constexpr,
-    SWZ: tl.constexpr = False,  # MX scales in the 128x4-tiled layout of Blackwell MMA, per (b, h) (he_ptr, ce_ptr)
+    SWZ: tl.constexpr,  # MX scales in the 128x4-tiled layout of Blackwell MMA, per (b, h) (he_ptr, ce_ptr)
 ):
     """Quantize BLOCK_S tokens x D channels of one (b, h).
 
@@ -365,7 +383,7 @@ def _quantize_kernel(
     (BLOCK_S/32, 8, 1, 1); channels d, shape (1, 1, NDP, 32)): the same thread then holds 4 consecutive tokens
     of a channel, so the four seq-orientation bytes pack into one int32 word of the channel-major row before
     the transposing store (a 4-byte transpose instead of a byte transpose)."""
-    b, st, h = _pid_bsh(n_s_tiles, H)
+    b, st, h = _split_pid(pid, n_s_tiles, H)
     s0 = st * BLOCK_S
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
@@ -484,6 +502,18 @@ def _quantize_kernel(
 
 @triton.jit
 def _seq_exponent_kernel(
+    x_ptr, S, H, sxb, sxs, sxh, sxd, sc_ptr, scb, scs, sch, scd, exp_ptr, n_s_tiles, tiles_per_prog, S_ld,
+    D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr,
+    FROM_MX: tl.constexpr, RCEIL: tl.constexpr, IDX64: tl.constexpr, QU: tl.constexpr, SU: tl.constexpr,
+):
+    """One ``_seq_exponent_tile`` per program (the arguments are documented there)."""
+    _seq_exponent_tile(tl.program_id(0), x_ptr, S, H, sxb, sxs, sxh, sxd, sc_ptr, scb, scs, sch, scd, exp_ptr,
+                       n_s_tiles, tiles_per_prog, S_ld, D, NDP, BLOCK_S, FROM_MX, RCEIL, IDX64, QU, SU)
+
+
+@triton.jit
+def _seq_exponent_tile(
+    pid,  # the program's chunk: (b, chunk, h) = _split_pid(pid, n_chunks, H)
     x_ptr, S, H, sxb, sxs, sxh, sxd,  # float input, or MX data bytes (any strides) when FROM_MX
     sc_ptr, scb, scs, sch, scd,  # MX scale bytes (B, NSB, H, D) when FROM_MX
     exp_ptr,  # int32 (B, 1, H, D), pre-filled with _NO_EXP; receives the max exponent of nonzero blocks
@@ -493,7 +523,7 @@ def _seq_exponent_kernel(
 ):
     """Pass 1 of V: per channel, the largest exponent among the seq blocks that hold a nonzero element."""
     n_chunks = tl.cdiv(n_s_tiles, tiles_per_prog)
-    b, ch, h = _pid_bsh(n_chunks, H)
+    b, ch, h = _split_pid(pid, n_chunks, H)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     sl, d = _tile_coords(0, BLOCK_S, NDP, IDX64)
