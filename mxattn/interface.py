@@ -124,9 +124,12 @@ def _default_scale(D: int, softmax_scale) -> float:
 
 
 def _hopper_forward_operands(q: Operand, k: Operand, v: Operand, scale_mode: str):
-    """Float or MX inputs -> the forward's Hopper operands (one Triton pass each): Q, K hdim; V seq."""
-    from mxattn.kernels.quantize import row_scaled_triton
+    """Float or MX inputs -> the forward's Hopper operands: Q, K hdim; V seq.  Float q, k, v: two launches for the
+    three (``forward_operands_triton``); MX inputs: one Triton pass each."""
+    from mxattn.kernels.quantize import forward_operands_triton, row_scaled_triton
 
+    if not isinstance(q, MXTensor):
+        return forward_operands_triton(q, k, v, scale_mode, k_group=K_EXP_GROUP)[:3]
     return (
         row_scaled_triton(q, "q", scale_mode=scale_mode),
         row_scaled_triton(k, "k", scale_mode=scale_mode, k_group=K_EXP_GROUP),
@@ -275,25 +278,23 @@ def _hopper_forward_keeping_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                scale_mode: str, backend: str = "auto"):
     """The CUDA forward of a call whose gradient will be asked for: (out, lse, kv), where ``kv`` holds the backward's
     K and V operands (``_bwd_impl``'s K hdim, K seq, V hdim) made here from the same single read of k and of v that
-    the forward's own K and V come from (``row_scaled_triton_both``, bit for bit the separate passes), so that the
-    backward does not read k and v again: two quantize launches fewer per training step, and the FP8 operands
+    the forward's own K and V come from (``forward_operands_triton(keep_kv=True)``: two launches for all of them, bit
+    for bit the separate passes), so that the backward does not read k and v again, and the FP8 operands
     (2 bytes per k / v element, as bf16) are saved instead of k and v.  ``kv`` is None where the block-scaled kernel
     runs (its backward takes the float tensors)."""
     kernel = forward_kernel_for(q.shape, k.shape, q.device, backend)
     if kernel == "blockscaled":
         out, lse = _blockscaled_forward(q, k, v, causal, scale, scale_mode, q.dtype)
         return out, lse, None
-    from mxattn.kernels.quantize import row_scaled_triton, row_scaled_triton_both
+    from mxattn.kernels.quantize import forward_operands_triton
 
-    qr = row_scaled_triton(q, "q", scale_mode=scale_mode)
-    kr, k_seq = row_scaled_triton_both(k, scale_mode, k_group=K_EXP_GROUP)
-    v_hdim, vr = row_scaled_triton_both(v, scale_mode, k_group=K_EXP_GROUP)
+    qr, kr, vr, kv = forward_operands_triton(q, k, v, scale_mode, k_group=K_EXP_GROUP, keep_kv=True)
     if kernel == "gluon":
         from mxattn.kernels.attn_fwd_gluon import attn_fwd_gluon as fwd
     else:
         from mxattn.kernels.attn_fwd import attn_fwd_hopper as fwd
     out, lse = fwd(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=q.dtype)
-    return out, lse, (kr, k_seq, v_hdim)
+    return out, lse, kv
 
 
 def _fwd_impl(q, k, v, causal: bool, scale: float, scale_mode: str, backend: str = "auto"):

@@ -621,3 +621,46 @@ def test_row_scaled_plan_keys_and_validation(gen):
         assert len(kq._PLANS) == n, "no plan is made while tiles are overridden"
     finally:
         kq.TILE_OVERRIDES.clear()
+
+
+def _same_rs_layout(got, want, what):
+    assert (got.dim, got.group_dim, got.group) == (want.dim, want.group_dim, want.group), what
+    assert got.data.shape == want.data.shape and got.data.stride() == want.data.stride(), what
+    assert_same_bytes(got.data, want.data, what)
+    assert_same_int(got.exp, want.exp, what)
+
+
+@pytest.mark.parametrize("keep_kv", [False, True])
+@pytest.mark.parametrize("dims", [(1, 37, 70, 4, 2, 64), (2, 130, 33, 2, 1, 128), (1, 1, 5, 3, 3, 64)], ids=str)
+def test_forward_operands_in_two_launches(dims, keep_kv, gen):
+    """``forward_operands_triton`` (Q, K and V's exponents in one launch, V in the next; with ``keep_kv`` the
+    backward's K/V orientations too) equals the single passes bit for bit, on fresh data at each call of one
+    signature (the second and third take the plan), NaN/Inf blocks included."""
+    B, Sq, Sk, Hq, Hkv, D = dims
+    kq._PLANS.clear()
+    for i in range(3):
+        kind = "adversarial" if i == 1 else "random"
+        q, k, v = (make_input(s, torch.bfloat16, kind, gen).to(DEVICE)
+                   for s in ((B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D)))
+        qr, kr, vr, kv = kq.forward_operands_triton(q, k, v, keep_kv=keep_kv)
+        _same_rs_layout(qr, kq.row_scaled_triton(q, "q"), f"call {i}: Q")
+        _same_rs_layout(kr, kq.row_scaled_triton(k, "k"), f"call {i}: K")
+        _same_rs_layout(vr, kq.row_scaled_triton(v, "v"), f"call {i}: V")
+        if keep_kv:
+            for got, want, name in zip(kv, (*kq.row_scaled_triton_both(k), kq.row_scaled_triton_both(v)[0]),
+                                       ("K hdim", "K seq", "V hdim")):
+                _same_rs_layout(got, want, f"call {i}: kept {name}")
+        else:
+            assert kv is None
+
+
+def test_forward_operands_checks_its_inputs(gen):
+    q = make_input((1, 16, 2, 64), torch.bfloat16, "random", gen).to(DEVICE)
+    with pytest.raises(ValueError, match="one dtype"):
+        kq.forward_operands_triton(q, q.float(), q)
+    with pytest.raises(ValueError, match="k and v must have one shape"):
+        kq.forward_operands_triton(q, q, q[:, :8])
+    with pytest.raises(ValueError, match="k_group"):
+        kq.forward_operands_triton(q, q, q, k_group=3)
+    out = kq.forward_operands_triton(q[:, :0], q, q)  # no query: the single passes
+    assert out[0].data.shape == (1, 0, 2, 64)

@@ -60,6 +60,7 @@ __all__ = [
     "dequantize_mxfp8_triton",
     "row_scaled_triton",
     "row_scaled_triton_both",
+    "forward_operands_triton",
     "ROLES",
     "SOFT_ROUND_ON_GPU",
 ]
@@ -554,6 +555,44 @@ def _seq_exponent_tile(
 
 
 @triton.jit
+def _operands_kernel(
+    # two quantize jobs (``_quantize_tile``): A and B
+    ax, aS, aH, asxb, asxs, asxh, ahd, ahe, acw, ace, aS_pad, aNSB, an_tiles, an_groups,
+    bx, bS, bH, bsxb, bsxs, bsxh, bhd, bhe, bcw, bce, bS_pad, bNSB, bn_tiles, bn_groups,
+    # two V-exponent jobs (``_seq_exponent_tile`` on float input): E and F
+    ex, eS, eH, esxb, esxs, esxh, esxd, eexp, en_tiles, eper,
+    fx, fS, fH, fsxb, fsxs, fsxh, fsxd, fexp, fn_tiles, fper,
+    n_a, n_b, n_e,  # programs of A, B and E; F takes the rest of the grid
+    D: tl.constexpr, NDP: tl.constexpr, RCEIL: tl.constexpr, SOFT: tl.constexpr, IDX64: tl.constexpr,
+    A: tl.constexpr, A_BS: tl.constexpr, A_HDIM: tl.constexpr, A_SEQ: tl.constexpr, A_GROUP: tl.constexpr,
+    A_RS: tl.constexpr,
+    B: tl.constexpr, B_BS: tl.constexpr, B_HDIM: tl.constexpr, B_SEQ: tl.constexpr, B_GROUP: tl.constexpr,
+    B_RS: tl.constexpr,
+    E: tl.constexpr, E_BS: tl.constexpr, F: tl.constexpr, F_BS: tl.constexpr,
+):
+    """Up to four independent jobs of one attention call in one launch (the host's cost is per launch): each
+    program runs one tile of one job, the jobs laid end to end on the grid.  A job is exactly the tile its own
+    kernel would run (``_quantize_kernel``, ``_seq_exponent_kernel``), so the results are the same bit for bit."""
+    pid = tl.program_id(0)
+    if pid < n_a:
+        if A:
+            _quantize_tile(pid, ax, aS, aH, asxb, asxs, asxh, ahd, ahe, acw, ace, aS_pad, aNSB, an_tiles, an_groups,
+                           D, NDP, A_BS, A_HDIM, A_SEQ, A_GROUP, A_RS, RCEIL, SOFT, IDX64, False)
+    elif pid < n_a + n_b:
+        if B:
+            _quantize_tile(pid - n_a, bx, bS, bH, bsxb, bsxs, bsxh, bhd, bhe, bcw, bce, bS_pad, bNSB, bn_tiles,
+                           bn_groups, D, NDP, B_BS, B_HDIM, B_SEQ, B_GROUP, B_RS, RCEIL, SOFT, IDX64, False)
+    elif pid < n_a + n_b + n_e:
+        if E:
+            _seq_exponent_tile(pid - n_a - n_b, ex, eS, eH, esxb, esxs, esxh, esxd, eexp, 0, 0, 0, 0, eexp,
+                               en_tiles, eper, eS, D, NDP, E_BS, False, RCEIL, IDX64, 1, 0)
+    else:
+        if F:
+            _seq_exponent_tile(pid - n_a - n_b - n_e, fx, fS, fH, fsxb, fsxs, fsxh, fsxd, fexp, 0, 0, 0, 0, fexp,
+                               fn_tiles, fper, fS, D, NDP, F_BS, False, RCEIL, IDX64, 1, 0)
+
+
+@triton.jit
 def _rescale_mx_kernel(
     q_ptr, sqb, sqs, sqh, sqd,  # MX data bytes, logical (B, S, H, D), any strides
     sc_ptr, scb, scs, sch, scd,  # MX scale bytes in plain layout
@@ -1031,6 +1070,157 @@ def _new_plan(key, kind: str, x: torch.Tensor, x4: torch.Tensor, packed: bool, r
         _PLANS.clear()
     _PLANS[key] = plan
     return plan(x)
+
+
+def _quant_slot(spec, x4, hd, he, cd, ce, dummy) -> tuple[tuple, dict, int]:
+    """A ``_quantize_spec`` as one quantize job of ``_operands_kernel``: (arguments, constexprs, programs)."""
+    grid, head, tail, c = spec
+    args = (x4, *head, hd if hd is not None else dummy, he if he is not None else dummy,
+            cd.view(torch.int32) if cd is not None else dummy, ce if ce is not None else dummy, *tail)
+    return args, c, grid[0]
+
+
+def _exp_slot(spec, x4, exp) -> tuple[tuple, dict, int]:
+    """A ``_v_exponents_spec`` (float input) as one exponent job of ``_operands_kernel``."""
+    grid, head, _, tail, c = spec
+    return (x4, *head, exp, *tail[:2]), c, grid[0]
+
+
+# the arguments of an unused job (None: a pointer, given the launch's dummy tensor; the job's code is not compiled)
+_NO_QUANT_JOB = (None, 0, 0, 0, 0, 0, None, None, None, None, 0, 0, 0, 0)
+_NO_EXP_JOB = (None, 0, 0, 0, 0, 0, 0, None, 0, 0)
+
+
+def _operands_launch(state: dict, name: str, quant: list, exps: list, D: int, rceil: bool, soft: bool,
+                     dummy: torch.Tensor) -> None:
+    """Launch up to two quantize jobs and two exponent jobs (``_quant_slot`` / ``_exp_slot`` results) as one
+    ``_operands_kernel`` grid, bound in ``state[name]`` after the first call."""
+    qa = list(quant) + [None] * (2 - len(quant))
+    ea = list(exps) + [None] * (2 - len(exps))
+    args, n = [], []
+    for job, empty in ((qa[0], _NO_QUANT_JOB), (qa[1], _NO_QUANT_JOB), (ea[0], _NO_EXP_JOB), (ea[1], _NO_EXP_JOB)):
+        a = job[0] if job is not None else empty
+        args.extend(dummy if x is None else x for x in a)
+        n.append(job[2] if job is not None else 0)
+    args.extend(n[:3])
+    total = sum(n)
+    jobs = [j for j in qa + ea if j is not None]
+    c = dict(D=D, NDP=_d_pad(D) // 32, RCEIL=rceil, SOFT=soft, IDX64=any(j[1]["IDX64"] for j in jobs),
+             num_warps=max(j[1]["num_warps"] for j in jobs))
+    for tag, job in (("A", qa[0]), ("B", qa[1])):
+        jc = job[1] if job is not None else dict(BLOCK_S=32, HDIM=False, SEQ=False, HDIM_GROUP=0, SEQ_RS=False)
+        c.update({tag: job is not None, f"{tag}_BS": jc["BLOCK_S"], f"{tag}_HDIM": jc["HDIM"], f"{tag}_SEQ": jc["SEQ"],
+                  f"{tag}_GROUP": jc["HDIM_GROUP"], f"{tag}_RS": jc["SEQ_RS"]})
+    for tag, job in (("E", ea[0]), ("F", ea[1])):
+        c.update({tag: job is not None, f"{tag}_BS": job[1]["BLOCK_S"] if job is not None else 32})
+    bound = state.get(name)
+    if bound is None:
+        state[name] = BoundLaunch(fast_launcher(_operands_kernel), (total,), tuple(args), c)
+    else:
+        bound(*args)
+
+
+class _ForwardOperandsPlan:
+    """``forward_operands_triton`` for one signature of (q, k, v): specs computed once, two launches per call."""
+
+    def __init__(self, q4, k4, v4, rceil: bool, keep_kv: bool, group: int):
+        self.rceil, self.keep_kv, self.group = rceil, keep_kv, group
+        self.shapes = (q4.shape, k4.shape)
+        self.dev = q4.device
+        self.D = q4.shape[3]
+        self.soft = _soft(self.dev)
+        Sk = k4.shape[1]
+        self.s_pad = cdiv(max(Sk, 1), SEQ_ALIGN) * SEQ_ALIGN
+        self.q_spec = _quantize_spec(q4, SEQ_ALIGN, HDIM=True, SEQ=False, HDIM_GROUP=1, SEQ_RS=False, rceil=rceil,
+                                     group=0)
+        self.v_exp_spec = _v_exponents_spec(v4, None, from_mx=False, rceil=rceil)
+        if keep_kv:
+            self.k_exp_spec = _v_exponents_spec(k4, None, from_mx=False, rceil=rceil)
+            both = dict(HDIM=True, SEQ=True, HDIM_GROUP=group, SEQ_RS=True, rceil=rceil, group=group)
+            self.k_spec = _quantize_spec(k4, self.s_pad, **both)
+            self.v_spec = _quantize_spec(v4, self.s_pad, **both)
+        else:
+            self.k_spec = _quantize_spec(k4, SEQ_ALIGN, HDIM=True, SEQ=False, HDIM_GROUP=group, SEQ_RS=False,
+                                         rceil=rceil, group=group)
+            self.v_spec = _quantize_spec(v4, self.s_pad, HDIM=False, SEQ=True, HDIM_GROUP=0, SEQ_RS=True,
+                                         rceil=rceil, group=0)
+        self.dummy = q4.new_empty(4, dtype=torch.uint8)
+        self.bound: dict = {}
+
+    def __call__(self, q4, k4, v4):
+        (B, Sq, Hq, D), (_, Sk, Hkv, _) = self.shapes
+        dev, u8, i32, G, dummy = self.dev, torch.uint8, torch.int32, self.group, self.dummy
+        qd = torch.empty(B, Sq, Hq, D, dtype=u8, device=dev)
+        qe = torch.empty(B, Sq, Hq, 1, dtype=i32, device=dev)
+        q_job = _quant_slot(self.q_spec, q4, qd, qe, None, None, dummy)
+        vexp = torch.full((B, 1, Hkv, D), _NO_EXP_HOST, dtype=i32, device=dev)
+        kd = torch.empty(B, Sk, Hkv, D, dtype=u8, device=dev)
+        ke = torch.empty(B, cdiv(Sk, G), Hkv, 1, dtype=i32, device=dev)
+        vcd = torch.empty(B, Hkv, D, self.s_pad, dtype=u8, device=dev)
+        f8 = torch.float8_e4m3fn
+        if not self.keep_kv:
+            k_job = _quant_slot(self.k_spec, k4, kd, ke, None, None, dummy)
+            _operands_launch(self.bound, "first", [q_job, k_job], [_exp_slot(self.v_exp_spec, v4, vexp)], D,
+                             self.rceil, self.soft, dummy)
+            _operands_launch(self.bound, "second", [_quant_slot(self.v_spec, v4, None, None, vcd, vexp, dummy)], [],
+                             D, self.rceil, self.soft, dummy)
+            return (_trusted_row_scaled(qd.view(f8), qe, 3), _trusted_row_scaled(kd.view(f8), ke, 3, 1, G),
+                    _trusted_row_scaled(_seq_view(vcd, Sk, False), vexp, 1), None)
+        kexp_s = torch.full((B, 1, Hkv, D), _NO_EXP_HOST, dtype=i32, device=dev)
+        _operands_launch(self.bound, "first", [q_job],
+                         [_exp_slot(self.k_exp_spec, k4, kexp_s), _exp_slot(self.v_exp_spec, v4, vexp)], D,
+                         self.rceil, self.soft, dummy)
+        kcd = torch.empty(B, Hkv, D, self.s_pad, dtype=u8, device=dev)
+        vd = torch.empty(B, Sk, Hkv, D, dtype=u8, device=dev)
+        ve = torch.empty(B, cdiv(Sk, G), Hkv, 1, dtype=i32, device=dev)
+        _operands_launch(self.bound, "second", [_quant_slot(self.k_spec, k4, kd, ke, kcd, kexp_s, dummy),
+                                                _quant_slot(self.v_spec, v4, vd, ve, vcd, vexp, dummy)], [],
+                         D, self.rceil, self.soft, dummy)
+        kr = _trusted_row_scaled(kd.view(f8), ke, 3, 1, G)
+        k_seq = _trusted_row_scaled(_seq_view(kcd, Sk, False), kexp_s, 1)
+        v_hdim = _trusted_row_scaled(vd.view(f8), ve, 3, 1, G)
+        vr = _trusted_row_scaled(_seq_view(vcd, Sk, False), vexp, 1)
+        return _trusted_row_scaled(qd.view(f8), qe, 3), kr, vr, (kr, k_seq, v_hdim)
+
+
+def forward_operands_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            scale_mode: Union[str, ScaleMode] = "rceil", k_group: int = 128, keep_kv: bool = False):
+    """The attention forward's three Hopper operands from float (B, S, H, D) q, k, v in two launches instead of
+    four: ``(row_scaled_triton(q, "q"), row_scaled_triton(k, "k", k_group=k_group), row_scaled_triton(v, "v"),
+    kv)``, bit for bit.  The first launch quantizes Q and K and finds V's per-channel exponents; the second writes V.
+    ``keep_kv``: also the backward's K and V operands, ``kv = (K hdim, K seq, V hdim)`` as
+    ``row_scaled_triton_both`` makes them (each tensor still read once per pass); else ``kv`` is None."""
+    key = None
+    if type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and not TILE_OVERRIDES:
+        key = ("forward", keep_kv, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
+               v.dtype, q.device, scale_mode, k_group, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15,
+               SEQEXP_MIN_PROGRAMS, SOFT_ROUND_ON_GPU)
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return plan(*(x if x.stride(3) == 1 else x.contiguous() for x in (q, k, v)))
+    group = _check_group(k_group)
+    mode = ScaleMode.parse(scale_mode)
+    q4, pq = _check_float_input(q, "q", None)
+    k4, pk = _check_float_input(k, "k", None)
+    v4, pv = _check_float_input(v, "v", None)
+    if pq or pk or pv or not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise ValueError("forward_operands_triton takes (B, S, H, D) q, k, v of one dtype on one device")
+    if q4.shape[3] != k4.shape[3] or tuple(k4.shape) != tuple(v4.shape) or q4.shape[0] != k4.shape[0]:
+        raise ValueError(f"q {tuple(q4.shape)}, k {tuple(k4.shape)}, v {tuple(v4.shape)}: k and v must have one "
+                         "shape, q the same batch and head dim")
+    if q4.numel() == 0 or k4.numel() == 0:  # nothing to fuse: the single passes handle empty tensors
+        qr = row_scaled_triton(q, "q", mode)
+        if keep_kv:
+            kr, k_seq = row_scaled_triton_both(k, mode, k_group=group)
+            v_hdim, vr = row_scaled_triton_both(v, mode, k_group=group)
+            return qr, kr, vr, (kr, k_seq, v_hdim)
+        return qr, row_scaled_triton(k, "k", mode, k_group=group), row_scaled_triton(v, "v", mode), None
+    plan = _ForwardOperandsPlan(q4, k4, v4, mode is ScaleMode.RCEIL, keep_kv, group)
+    if key is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan(q4, k4, v4)
 
 
 def row_scaled_triton(
