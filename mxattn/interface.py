@@ -342,19 +342,25 @@ def _bwd_impl(dout, q, k, v, out, lse, causal: bool, scale: float, scale_mode: s
     if kv is None and q.device.type == "cuda" and forward_kernel_for(q.shape, k.shape, q.device, backend) == "blockscaled":
         return _blockscaled_backward(dout, q, k, v, out, lse, causal, scale, scale_mode)
     if q.device.type == "cuda":
-        from mxattn.kernels.attn_bwd import Q_EXP_GROUP, attn_bwd_hopper
-        from mxattn.kernels.quantize import row_scaled_triton, row_scaled_triton_both
+        from mxattn.kernels.attn_bwd import DO_EXP_GROUP, Q_EXP_GROUP, attn_bwd_hopper
+        from mxattn.kernels.quantize import row_scaled_triton, row_scaled_triton_both, row_scaled_triton_both_pair
 
-        # Q and K in both orientations from one read each (two launches instead of three: host time)
-        qr, q_seq = row_scaled_triton_both(q, scale_mode, k_group=Q_EXP_GROUP)
+        dout = dout.contiguous()
+        doh = dos = None
+        if formats.ScaleMode.parse(scale_mode) is formats.ScaleMode.RCEIL and dout.dtype == q.dtype \
+                and DO_EXP_GROUP == Q_EXP_GROUP:
+            # Q and dO (whose quantization is RCEIL) in both orientations: two launches for the four operands
+            (qr, q_seq), (doh, dos) = row_scaled_triton_both_pair(q, dout, scale_mode, k_group=Q_EXP_GROUP)
+        else:  # Q in both orientations from one read (attn_bwd_hopper quantizes dO)
+            qr, q_seq = row_scaled_triton_both(q, scale_mode, k_group=Q_EXP_GROUP)
         if kv is None:
             kr, k_seq = row_scaled_triton_both(k, scale_mode, k_group=K_EXP_GROUP)
             v_hdim = row_scaled_triton(v, "k", scale_mode=scale_mode, k_group=K_EXP_GROUP)
         else:
             kr, k_seq, v_hdim = kv
         return attn_bwd_hopper(
-            qr, kr, v_hdim, q_seq, k_seq, out, dout.contiguous(), lse, causal=causal, softmax_scale=scale,
-            deterministic=deterministic, grad_dtype=q.dtype,
+            qr, kr, v_hdim, q_seq, k_seq, out, dout, lse, causal=causal, softmax_scale=scale,
+            deterministic=deterministic, grad_dtype=q.dtype, dout_hdim=doh, dout_seq=dos,
         )
     from mxattn import reference
 

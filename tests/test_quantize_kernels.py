@@ -664,3 +664,19 @@ def test_forward_operands_checks_its_inputs(gen):
         kq.forward_operands_triton(q, q, q, k_group=3)
     out = kq.forward_operands_triton(q[:, :0], q, q)  # no query: the single passes
     assert out[0].data.shape == (1, 0, 2, 64)
+
+
+@pytest.mark.parametrize("shape", [(1, 37, 4, 64), (2, 130, 2, 128)], ids=str)
+def test_both_pair_in_two_launches(shape, gen):
+    """``row_scaled_triton_both_pair`` (the backward's q and dO: both exponent passes in one launch, both quantize
+    passes in the next) equals two ``row_scaled_triton_both`` calls bit for bit, at every call of one signature."""
+    kq._PLANS.clear()
+    for i in range(3):
+        x, y = (make_input(shape, torch.bfloat16, "adversarial" if i == 1 else "random", gen).to(DEVICE)
+                for _ in range(2))
+        got = kq.row_scaled_triton_both_pair(x, y, k_group=128)
+        for t, pair, name in ((x, got[0], "x"), (y, got[1], "y")):
+            for g, w, o in zip(pair, kq.row_scaled_triton_both(t, k_group=128), ("hdim", "seq")):
+                _same_rs_layout(g, w, f"call {i}: {name} {o}")
+    with pytest.raises(ValueError, match="one shape"):
+        kq.row_scaled_triton_both_pair(x, y[:, :5])
