@@ -124,9 +124,12 @@ def _default_scale(D: int, softmax_scale) -> float:
 
 
 def _hopper_forward_operands(q: Operand, k: Operand, v: Operand, scale_mode: str):
-    """Float or MX inputs -> the forward's Hopper operands (one Triton pass each): Q, K hdim; V seq."""
-    from mxattn.kernels.quantize import row_scaled_triton
+    """Float or MX inputs -> the forward's Hopper operands: Q, K hdim; V seq.  Float q, k, v: two launches for the
+    three (``forward_operands_triton``); MX inputs: one Triton pass each."""
+    from mxattn.kernels.quantize import forward_operands_triton, row_scaled_triton
 
+    if not isinstance(q, MXTensor):
+        return forward_operands_triton(q, k, v, scale_mode, k_group=K_EXP_GROUP)[:3]
     return (
         row_scaled_triton(q, "q", scale_mode=scale_mode),
         row_scaled_triton(k, "k", scale_mode=scale_mode, k_group=K_EXP_GROUP),
@@ -173,6 +176,10 @@ def has_fast_backward(device) -> bool:
 # op returning the backward's operands could not tell whether a gradient will be asked for, so inference would
 # pay for them; here the forward makes only what it uses.  Recomputing also lets the backward take Q with one
 # exponent per 128 rows (``Q_EXP_GROUP``, the kernel's fast layout) instead of the forward's per-row Q.
+# Eager autograd (``_EagerAttention``, which runs only when a gradient is wanted) does otherwise since session 8:
+# its forward makes K and V in both orientations from one read each and saves those FP8 operands (1 + 1 bytes per
+# k / v element, as bf16) instead of k and v, so the backward re-quantizes only q (and dO): two launches fewer per
+# step, which matters where the host bounds the step (S <= 4k).
 # ``deterministic`` only affects the backward; the forward op takes it so that its autograd formula can pass it on.
 # ``backend`` (a str with a default, so older 7-argument calls still bind) only picks the CUDA forward kernel; the
 # backward op is the same for every backend (it re-quantizes the saved float q, k, v for the Hopper FP8 backward).
@@ -267,6 +274,29 @@ def _hopper_forward(q: Operand, k: Operand, v: Operand, causal: bool, scale: flo
     return attn_fwd_hopper(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
 
 
+def _hopper_forward_keeping_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                               scale_mode: str, backend: str = "auto"):
+    """The CUDA forward of a call whose gradient will be asked for: (out, lse, kv), where ``kv`` holds the backward's
+    K and V operands (``_bwd_impl``'s K hdim, K seq, V hdim) made here from the same single read of k and of v that
+    the forward's own K and V come from (``forward_operands_triton(keep_kv=True)``: two launches for all of them, bit
+    for bit the separate passes), so that the backward does not read k and v again, and the FP8 operands
+    (2 bytes per k / v element, as bf16) are saved instead of k and v.  ``kv`` is None where the block-scaled kernel
+    runs (its backward takes the float tensors)."""
+    kernel = forward_kernel_for(q.shape, k.shape, q.device, backend)
+    if kernel == "blockscaled":
+        out, lse = _blockscaled_forward(q, k, v, causal, scale, scale_mode, q.dtype)
+        return out, lse, None
+    from mxattn.kernels.quantize import forward_operands_triton
+
+    qr, kr, vr, kv = forward_operands_triton(q, k, v, scale_mode, k_group=K_EXP_GROUP, keep_kv=True)
+    if kernel == "gluon":
+        from mxattn.kernels.attn_fwd_gluon import attn_fwd_gluon as fwd
+    else:
+        from mxattn.kernels.attn_fwd import attn_fwd_hopper as fwd
+    out, lse = fwd(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=q.dtype)
+    return out, lse, kv
+
+
 def _fwd_impl(q, k, v, causal: bool, scale: float, scale_mode: str, backend: str = "auto"):
     if q.device.type == "cuda":
         return _hopper_forward(q, k, v, causal, scale, scale_mode, q.dtype, backend)
@@ -306,20 +336,31 @@ def _blockscaled_backward(dout, q, k, v, out, lse, causal: bool, scale: float, s
 
 
 def _bwd_impl(dout, q, k, v, out, lse, causal: bool, scale: float, scale_mode: str, deterministic: bool,
-              backend: str = "auto"):
-    if q.device.type == "cuda" and forward_kernel_for(q.shape, k.shape, q.device, backend) == "blockscaled":
+              backend: str = "auto", kv=None):
+    """Gradients on float q, k, v; ``kv``: the K hdim, K seq and V hdim operands the forward kept
+    (``_hopper_forward_keeping_kv``), in which case k and v are not read (they may be None)."""
+    if kv is None and q.device.type == "cuda" and forward_kernel_for(q.shape, k.shape, q.device, backend) == "blockscaled":
         return _blockscaled_backward(dout, q, k, v, out, lse, causal, scale, scale_mode)
     if q.device.type == "cuda":
-        from mxattn.kernels.attn_bwd import Q_EXP_GROUP, attn_bwd_hopper
-        from mxattn.kernels.quantize import row_scaled_triton, row_scaled_triton_both
+        from mxattn.kernels.attn_bwd import DO_EXP_GROUP, Q_EXP_GROUP, attn_bwd_hopper
+        from mxattn.kernels.quantize import row_scaled_triton, row_scaled_triton_both, row_scaled_triton_both_pair
 
-        # Q and K in both orientations from one read each (two launches instead of three: host time)
-        qr, q_seq = row_scaled_triton_both(q, scale_mode, k_group=Q_EXP_GROUP)
-        kr, k_seq = row_scaled_triton_both(k, scale_mode, k_group=K_EXP_GROUP)
-        v_hdim = row_scaled_triton(v, "k", scale_mode=scale_mode, k_group=K_EXP_GROUP)
+        dout = dout.contiguous()
+        doh = dos = None
+        if formats.ScaleMode.parse(scale_mode) is formats.ScaleMode.RCEIL and dout.dtype == q.dtype \
+                and DO_EXP_GROUP == Q_EXP_GROUP:
+            # Q and dO (whose quantization is RCEIL) in both orientations: two launches for the four operands
+            (qr, q_seq), (doh, dos) = row_scaled_triton_both_pair(q, dout, scale_mode, k_group=Q_EXP_GROUP)
+        else:  # Q in both orientations from one read (attn_bwd_hopper quantizes dO)
+            qr, q_seq = row_scaled_triton_both(q, scale_mode, k_group=Q_EXP_GROUP)
+        if kv is None:
+            kr, k_seq = row_scaled_triton_both(k, scale_mode, k_group=K_EXP_GROUP)
+            v_hdim = row_scaled_triton(v, "k", scale_mode=scale_mode, k_group=K_EXP_GROUP)
+        else:
+            kr, k_seq, v_hdim = kv
         return attn_bwd_hopper(
-            qr, kr, v_hdim, q_seq, k_seq, out, dout.contiguous(), lse, causal=causal, softmax_scale=scale,
-            deterministic=deterministic, grad_dtype=q.dtype,
+            qr, kr, v_hdim, q_seq, k_seq, out, dout, lse, causal=causal, softmax_scale=scale,
+            deterministic=deterministic, grad_dtype=q.dtype, dout_hdim=doh, dout_seq=dos,
         )
     from mxattn import reference
 
@@ -350,12 +391,13 @@ def _attn_bwd_fake(dout, q, k, v, out, lse, causal, scale, scale_mode, determini
     return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape)
 
 
-def _attn_fwd_setup_context(ctx, inputs, output):
+def _attn_fwd_setup_context(ctx, inputs, output, save: bool = True):
     q, k, v, causal, scale, scale_mode, deterministic, backend = inputs  # the backward re-quantizes q, k, v
     out, lse = output
     ctx.causal, ctx.scale, ctx.scale_mode, ctx.deterministic = causal, scale, scale_mode, deterministic
     ctx.backend = backend
-    ctx.save_for_backward(q, k, v, out, lse)
+    if save:
+        ctx.save_for_backward(q, k, v, out, lse)
     ctx.mark_non_differentiable(lse)
 
 
@@ -374,20 +416,38 @@ class _EagerAttention(torch.autograd.Function):
 
     Measured on the H200 (scripts/host_timing.py, commit 805a087): going through ``torch.library`` costs ~280 us
     of host time per forward and ~400 us per backward on top of the kernels' launches, which made small calls
-    (S <= 2k) host-bound.  Eager calls take this Function (same implementation functions, same saved tensors);
-    torch.compile (``torch.compiler.is_compiling()``) keeps tracing the custom ops."""
+    (S <= 2k) host-bound.  Eager calls take this Function (same implementation functions); torch.compile
+    (``torch.compiler.is_compiling()``) keeps tracing the custom ops.
+
+    On CUDA the forward also keeps the backward's K and V operands (``_hopper_forward_keeping_kv``: this Function
+    runs only when a gradient is wanted) and saves them in place of k and v."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, scale_mode, deterministic, backend):
-        out, lse = _fwd_impl(q, k, v, causal, scale, scale_mode, backend)
-        _attn_fwd_setup_context(ctx, (q, k, v, causal, scale, scale_mode, deterministic, backend), (out, lse))
+        kv = None
+        if q.device.type == "cuda":
+            out, lse, kv = _hopper_forward_keeping_kv(q, k, v, causal, scale, scale_mode, backend)
+        else:
+            out, lse = _fwd_impl(q, k, v, causal, scale, scale_mode, backend)
+        _attn_fwd_setup_context(ctx, (q, k, v, causal, scale, scale_mode, deterministic, backend), (out, lse),
+                                save=kv is None)
+        ctx.kv_meta = None
+        if kv is not None:  # the FP8 operands instead of k and v (same bytes as bf16 k, v)
+            ctx.kv_meta = tuple((t.dim, t.group_dim, t.group) for t in kv)
+            ctx.save_for_backward(q, out, lse, *(x for t in kv for x in (t.data, t.exp)))
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        if ctx.kv_meta is None:
+            q, k, v, out, lse = ctx.saved_tensors
+            kv = None
+        else:
+            q, out, lse, *parts = ctx.saved_tensors
+            k = v = None
+            kv = tuple(RowScaledFP8(parts[2 * i], parts[2 * i + 1], *meta) for i, meta in enumerate(ctx.kv_meta))
         grads = _bwd_impl(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.scale_mode,
-                          ctx.deterministic, ctx.backend)
+                          ctx.deterministic, ctx.backend, kv)
         return (*grads, None, None, None, None, None)
 
 

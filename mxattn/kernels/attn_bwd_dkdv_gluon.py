@@ -643,8 +643,16 @@ def _check(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, grad_dtype):
 
 
 def _tile_exps(t: RowScaledFP8, Sq: int) -> torch.Tensor:
-    """(B, ceil(Sq / 64), H, 1) int32 exponents, one per 64-row query tile, of an operand grouped by a multiple of 64."""
-    return t.exp.repeat_interleave(t.group // BLOCK_M.value, dim=1)[:, : cdiv(Sq, BLOCK_M.value)].contiguous()
+    """Contiguous (B, n, H, 1) int32 exponents, one per 64-row query tile (row m0 // 64), of an operand grouped by a
+    multiple of 64; n >= ceil(Sq / 64) (the last group's tiles past Sq are never read).  One copy kernel (an
+    expanded view made contiguous), or none when the groups are the tiles: the host launches as few ATen kernels
+    as it can (``repeat_interleave`` + slice + copy took three)."""
+    e = t.exp
+    r = t.group // BLOCK_M.value
+    if r == 1:
+        return e.contiguous()
+    B, G, H, one = e.shape
+    return e.unsqueeze(2).expand(B, G, r, H, one).reshape(B, G * r, H, one)
 
 
 def _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq, split: bool = False):

@@ -148,6 +148,50 @@ class FastLauncher:
         kernel[g + (1,) * (3 - len(g))](*args, *[kwargs.get(name, default) for name, default in rest])
 
 
+class BoundLaunch:
+    """One launch site with everything but its tensors fixed, for host paths that repeat with the same shapes.
+
+    ``BoundLaunch(launcher, grid, args, kwargs)`` launches ``launcher[grid](*args, **kwargs)`` once (compiling or
+    finding the kernel) and keeps the compiled kernel's runner.  ``bound(*args)`` then launches that kernel with new
+    positional arguments and the same keywords, skipping the launcher's key.  The caller guarantees that the new
+    arguments key the same kernel: equal non-tensor values, tensors of the same dtypes and 16-byte alignment (a plan
+    cache keyed on shapes, strides, dtypes and the input's alignment, whose other tensors are fresh allocations).
+    Where the launcher would not have cached the kernel (interpreter, ``MXATTN_FAST_LAUNCH=0``, an asynchronous
+    compile), and under ``triton_dispatch()``, each call takes ``launcher.launch``; ``MXATTN_FAST_LAUNCH=check``
+    asks Triton's own dispatch for the kernel on each call and raises if it is not the bound one.
+    """
+
+    __slots__ = ("launcher", "grid", "kwargs", "kernel", "runner", "rest")
+
+    def __init__(self, launcher: "FastLauncher", grid, args: tuple, kwargs: dict):
+        self.launcher, self.grid, self.kwargs = launcher, tuple(grid), kwargs
+        self.kernel = self.runner = None
+        self.rest = ()
+        launcher.launch(self.grid, args, kwargs)
+        if not launcher.enabled or _BYPASS[0]:
+            return
+        try:
+            entry = launcher._cache.get(launcher._key(args, kwargs))
+        except TypeError:
+            return
+        if entry is not None:
+            self.kernel, rest = entry
+            self.runner = self.kernel[self.grid + (1,) * (3 - len(self.grid))]
+            self.rest = tuple(kwargs.get(name, default) for name, default in rest)
+
+    def __call__(self, *args) -> None:
+        if self.runner is None or _BYPASS[0]:
+            self.launcher.launch(self.grid, args, self.kwargs)
+            return
+        if _CHECK:  # Triton's own dispatch must pick the bound kernel for these arguments
+            ref = self.launcher.jit_fn.run(*args, grid=self.grid, warmup=True, **self.kwargs)
+            if ref is not self.kernel:
+                raise RuntimeError(f"bound launch of {getattr(self.launcher.jit_fn, '__name__', '?')}: these "
+                                   "arguments key another kernel than the one bound (a plan key misses something)")
+        self.launcher.hits += 1
+        self.runner(*args, *self.rest)
+
+
 @contextlib.contextmanager
 def triton_dispatch():
     """Within the block every launch takes Triton's own dispatch (``jit_fn[grid](...)``): host-time comparisons in
