@@ -1004,15 +1004,15 @@ def _check_varlen_seq(t, name: str, H: int, D: int, B: int) -> None:
 def attn_bwd_preprocess_varlen(out: torch.Tensor, dout: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
                                dout_hdim=None, dout_seq=None):
     """``attn_bwd_preprocess`` for a jagged batch: dO (Tq, Hq, D) in both orientations as ``VarlenFP8`` (hdim in
-    the K layout: one exponent per 128 rows from each sequence's start, ``varlen_k_operand``; seq in the V layout,
-    ``varlen_v_operand``) and ``delta`` (Hq, Tq) fp32, contiguous like the forward's lse.
+    the K layout: one exponent per 128 rows from each sequence's start, ``varlen_k_operand``; seq in the V layout
+    with 64-aligned sequence starts, ``varlen_v_operand(align=BWD_SEQ_ALIGN)``) and ``delta`` (Hq, Tq) fp32, contiguous like the forward's lse.
     Returns (dout_hdim, dout_seq, delta)."""
-    from mxattn.kernels.varlen import varlen_k_operand, varlen_v_operand
+    from mxattn.kernels.varlen import BWD_SEQ_ALIGN, varlen_k_operand, varlen_v_operand
 
     if dout_hdim is None:
         dout_hdim = varlen_k_operand(dout, cu_seqlens_q, max_seqlen_q)
-    if dout_seq is None:
-        dout_seq = varlen_v_operand(dout, cu_seqlens_q, max_seqlen_q)
+    if dout_seq is None:  # q_seq's column layout (varlen_bwd_operands), which the Gluon kernels need
+        dout_seq = varlen_v_operand(dout, cu_seqlens_q, max_seqlen_q, align=BWD_SEQ_ALIGN)
     g = _varlen_row_group(dout_hdim, "dout_hdim")
     Tq, Hq, D = out.shape
     B = cu_seqlens_q.numel() - 1
@@ -1050,7 +1050,8 @@ def attn_bwd_hopper_varlen(
     v_hdim: V along the head dim, K layout: ``varlen_k_operand(v, cu_seqlens_k, max_seqlen_k)`` (k's group
             offsets ``k.cu_exp`` are used for it).
     q_seq:  Q along the sequence, V layout over cu_seqlens_q (``varlen_v_operand(q, cu_seqlens_q, max_seqlen_q)``:
-            channel-major (Hq, D, Tqv), 16-aligned sequence starts, zero tails, exp (B, Hq, D)).
+            channel-major (Hq, D, Tqv), 64-aligned sequence starts (BWD_SEQ_ALIGN; the tl kernels take 16), zero
+            tails, exp (B, Hq, D)).  The Gluon kernels (below) need the 64-aligned layout.
     k_seq:  K along the sequence, V layout over cu_seqlens_k.
     out, dout: (Tq, Hq, D); lse: (Hq, Tq) float32 (the varlen forward's).  dO is quantized here
             (``attn_bwd_preprocess_varlen``) unless ``dout_hdim`` (K or Q layout over cu_seqlens_q) and ``dout_seq``
