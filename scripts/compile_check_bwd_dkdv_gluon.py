@@ -1,11 +1,13 @@
 """Compile the Gluon backward dK/dV kernel (``mxattn/kernels/attn_bwd_dkdv_gluon.py``) for sm_90a without a GPU.
 
     python scripts/compile_check_bwd_dkdv_gluon.py [--dump DIR] [--only d128,d64_causal] [--stages N] [--split]
-        [--no-defer]
+        [--no-defer] [--varlen]
 
 ``--split`` compiles the split variant (``GluonDkdvConfig(split=True)``: two 4-warp consumer partitions of 64 keys).
 ``--no-defer`` compiles without the deferred dK product (``GluonDkdvConfig(defer_dk=False)``, the kernel before
 session 7's deferral); the default config defers it (with ``--stages 1`` it is never deferred).
+``--varlen`` compiles the jagged mode (``VARLEN``: tile table, packed operands) as ``attn_bwd_dkdv_gluon_varlen``
+launches it.
 
 Needs triton 3.6 (the GPU machine's version).  Same approach as ``scripts/compile_check_bwd_dq_gluon.py``:
 ``triton.compile(GluonASTSource(...), target=GPUTarget("cuda", 90, 32))`` with TMA descriptor signatures, then the
@@ -45,8 +47,9 @@ SPLIT_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {}
 
 
 def compile_variant(head_dim: int, causal: bool, stages: int | None = None, split: bool = False,
-                    defer_dk: bool | None = None):
-    """triton.compile of ``_attn_bwd_dkdv_ws_kernel`` for sm_90a, with the launcher's constexprs and options."""
+                    defer_dk: bool | None = None, varlen: bool = False):
+    """triton.compile of ``_attn_bwd_dkdv_ws_kernel`` for sm_90a, with the launcher's constexprs and options
+    (``varlen``: the jagged build, SLOTS a pointer)."""
     from triton.experimental.gluon import language as gl
 
     from mxattn.kernels import attn_bwd_dkdv_gluon as m
@@ -63,7 +66,11 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None, spli
             "DK": "*bf16", "DV": "*bf16"}
     defer = (cfg.defer_dk if defer_dk is None else defer_dk) and stages >= 2  # as GluonDkdvConfig.defers_dk
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs, SPLIT=split,
-                  CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=defer)
+                  CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=defer, VARLEN=varlen)
+    if varlen:
+        ptrs["SLOTS"] = "*i32"
+    else:
+        consts["SLOTS"] = None
     # the JIT specializes integer arguments equal to 1 as constexpr; the launcher makes these strides 1 (contiguous
     # exponent tensors, dk, dv), so every launch compiles this variant
     consts |= {name: 1 for name in m.UNIT_STRIDES}
@@ -92,7 +99,11 @@ def main(argv=None) -> int:
     if "--no-defer" in argv:
         argv.remove("--no-defer")
         defer = False
-    return run_variants(argv, __doc__, lambda d, c, st: compile_variant(d, c, st, split=split, defer_dk=defer),
+    varlen = "--varlen" in argv
+    if varlen:
+        argv.remove("--varlen")
+    return run_variants(argv, __doc__,
+                        lambda d, c, st: compile_variant(d, c, st, split=split, defer_dk=defer, varlen=varlen),
                         lambda k, name, dump: check(k, name, dump, split=split), consumer_threads=128 if split else 256)
 
 

@@ -9,7 +9,7 @@ CTA (r, h) computes and where that tile's sequence lives in every packed operand
 programs start first and the grid ends with light ones (a short tail), and for non-causal batches the tiles of one
 sequence stay neighbours (they share K / V, or Q / dO, in L2).
 
-Row layout (``SLOT_COLS`` int32; the kernels read columns 0-9):
+Row layout (``SLOT_COLS`` int32; the kernels read columns 0-10):
   0 b        the sequence (row b of the seq operands' per-(sequence, head, channel) exponents)
   1 t0       the tile's first query row (dQ) or key (dK/dV) within its sequence, a multiple of 128
   2, 3       q_start, q_end: the sequence's rows of the packed (Tq, H, D) tensors (cu_seqlens_q[b], [b + 1])
@@ -18,6 +18,8 @@ Row layout (``SLOT_COLS`` int32; the kernels read columns 0-9):
   7 kg       the same for k and v_hdim (k.cu_exp[b])
   8 col      the seq operand's columns begin at col (dQ: k_seq.cu_data[b], dK/dV: q_seq.cu_data[b]; 64-aligned)
   9 dog      dout_hdim's exponent groups begin at row dog (dout_hdim.cu_exp[b])
+  10 dcol    δ's columns begin at dcol (the padded δ of ``attn_bwd_preprocess_varlen(delta_padded=True)``:
+             dout_seq.cu_data[b])
 Rows of tiles past their sequence's end (the table has one row per candidate (sequence, tile < max_seqlen / 128))
 come last and are all zero: t0 = 0 >= len = 0, the kernel returns at once.  The launch needs only the first
 ``tile_rows_bound`` rows: at least as many as there are real tiles, computed without a device sync.
@@ -80,7 +82,7 @@ def _tile_candidates(CU_Q, CU_K, idx, N, n_max, KEY_TILES: tl.constexpr, CAUSAL:
 
 
 @triton.jit
-def _bwd_tile_slots_kernel(CU_Q, CU_K, CU_QG, CU_KG, CU_COL, CU_DOG, SLOTS, N, n_max,
+def _bwd_tile_slots_kernel(CU_Q, CU_K, CU_QG, CU_KG, CU_COL, CU_DOG, CU_DCOL, SLOTS, N, n_max,
                            KEY_TILES: tl.constexpr, CAUSAL: tl.constexpr, BLOCK: tl.constexpr,
                            COLS: tl.constexpr):
     """Candidates pid*BLOCK .. +BLOCK-1: each one's rank (candidates with more work, or as much and a lower index,
@@ -108,7 +110,8 @@ def _bwd_tile_slots_kernel(CU_Q, CU_K, CU_QG, CU_KG, CU_COL, CU_DOG, SLOTS, N, n
     tl.store(row + 7, tl.load(CU_KG + b, mask=mb, other=0), mask=mi)
     tl.store(row + 8, tl.load(CU_COL + b, mask=mb, other=0), mask=mi)
     tl.store(row + 9, tl.load(CU_DOG + b, mask=mb, other=0), mask=mi)
-    for c in tl.static_range(10, COLS):
+    tl.store(row + 10, tl.load(CU_DCOL + b, mask=mb, other=0), mask=mi)
+    for c in tl.static_range(11, COLS):
         tl.store(row + c, zero, mask=mi)
 
 
@@ -131,11 +134,11 @@ def _check_offsets(*cus: torch.Tensor) -> int:
     return B
 
 
-def bwd_tile_slots_torch(cu_q, cu_k, cu_qg, cu_kg, cu_col, cu_dog, max_seqlen: int, key_tiles: bool,
+def bwd_tile_slots_torch(cu_q, cu_k, cu_qg, cu_kg, cu_col, cu_dog, cu_dcol, max_seqlen: int, key_tiles: bool,
                          causal: bool) -> torch.Tensor:
     """PyTorch twin of ``bwd_tile_slots`` (and its path above ``RANK_MAX`` candidates): (B * n_max, SLOT_COLS)
     int32, n_max = ceil(max_seqlen / 128), max_seqlen the tiled side's (keys for ``key_tiles``)."""
-    B = _check_offsets(cu_q, cu_k, cu_qg, cu_kg, cu_col, cu_dog)
+    B = _check_offsets(cu_q, cu_k, cu_qg, cu_kg, cu_col, cu_dog, cu_dcol)
     n_max = _n_max(max_seqlen)
     dev = cu_q.device
     N = B * n_max
@@ -155,28 +158,29 @@ def bwd_tile_slots_torch(cu_q, cu_k, cu_qg, cu_kg, cu_col, cu_dog, max_seqlen: i
         work = (hi + 63) // 64
     key = torch.where(valid, work, torch.full_like(work, -1))
     order = torch.argsort(key, descending=True, stable=True)
-    cols = [b, t0, q0, q1, k0, k1, cu_qg[:-1][b], cu_kg[:-1][b], cu_col[:-1][b], cu_dog[:-1][b]]
+    cols = [b, t0, q0, q1, k0, k1, cu_qg[:-1][b], cu_kg[:-1][b], cu_col[:-1][b], cu_dog[:-1][b], cu_dcol[:-1][b]]
     rows = torch.stack([c.to(torch.int32) for c in cols], 1) * valid.to(torch.int32)[:, None]
     table = torch.zeros(N, SLOT_COLS, dtype=torch.int32, device=dev)
     table[:, : len(cols)] = rows[order]
     return table
 
 
-def bwd_tile_slots(cu_q, cu_k, cu_qg, cu_kg, cu_col, cu_dog, max_seqlen: int, key_tiles: bool,
+def bwd_tile_slots(cu_q, cu_k, cu_qg, cu_kg, cu_col, cu_dog, cu_dcol, max_seqlen: int, key_tiles: bool,
                    causal: bool) -> torch.Tensor:
     """The (B * n_max, SLOT_COLS) int32 tile table (module docstring) on the offsets' device, no host sync.
 
     cu_q, cu_k: the sequences' offsets; cu_qg, cu_kg, cu_dog: the exponent group offsets of q, k (and v_hdim), and
-    dout_hdim; cu_col: the seq operand's column offsets (k_seq's for dQ tiles, q_seq's for dK/dV tiles);
+    dout_hdim; cu_col: the seq operand's column offsets (k_seq's for dQ tiles, q_seq's for dK/dV tiles); cu_dcol:
+    the padded δ's column offsets (dout_seq's);
     ``max_seqlen`` at least the tiled side's longest sequence (queries for dQ, keys for ``key_tiles``)."""
-    B = _check_offsets(cu_q, cu_k, cu_qg, cu_kg, cu_col, cu_dog)
+    B = _check_offsets(cu_q, cu_k, cu_qg, cu_kg, cu_col, cu_dog, cu_dcol)
     N = B * _n_max(max_seqlen)
     interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if N > RANK_MAX or (cu_q.device.type != "cuda" and not interpreting):
-        return bwd_tile_slots_torch(cu_q, cu_k, cu_qg, cu_kg, cu_col, cu_dog, max_seqlen, key_tiles, causal)
+        return bwd_tile_slots_torch(cu_q, cu_k, cu_qg, cu_kg, cu_col, cu_dog, cu_dcol, max_seqlen, key_tiles, causal)
     table = torch.empty(N, SLOT_COLS, dtype=torch.int32, device=cu_q.device)
     fast_launcher(_bwd_tile_slots_kernel)[(cdiv(N, _RANK_BLOCK),)](
-        cu_q, cu_k, cu_qg, cu_kg, cu_col, cu_dog, table, N, _n_max(max_seqlen),
+        cu_q, cu_k, cu_qg, cu_kg, cu_col, cu_dog, cu_dcol, table, N, _n_max(max_seqlen),
         KEY_TILES=key_tiles, CAUSAL=causal, BLOCK=_RANK_BLOCK, COLS=SLOT_COLS,
     )
     return table
