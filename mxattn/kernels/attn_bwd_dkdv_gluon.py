@@ -298,12 +298,16 @@ def _step_barriers(STAGES: gl.constexpr, SPLIT: gl.constexpr):
 @gluon.jit
 def _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_smem, do_smem, qs_smem, dos_smem,
                     lse_smem, dl_smem, ready, empty, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m,
-                    n_steps, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                    n_steps, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr):
     """Per query step, into stage i % STAGES of the ring, all on its one ready barrier: Q and dO_hdim (64 x D),
     Q_seq and dO_seq (D x 64), and the tile's 64 lse and 64 δ (fp32 rows of the (B*Hq, Sq) views; columns past
     Sq are TMA zero fill).  seq_col / vec_col / dl_col: the first column of the seq operands / lse / δ (0 dense;
     jagged: the sequence's first seq column, its first query row, and its first column of the padded δ, whose
     columns past the sequence's end are zero)."""
+    if not VARLEN:  # the dense build: literal zeros (not captured values the partition cannot fold)
+        seq_col = 0
+        vec_col = 0
+        dl_col = 0
     nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + qs_desc.block_type.nbytes
                             + dos_desc.block_type.nbytes + lse_desc.block_type.nbytes + dl_desc.block_type.nbytes)
     for i in range(n_steps):
@@ -326,20 +330,20 @@ def _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_sme
 def _producer(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem, do_smem, qs_smem,
               dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
               k_row, k_col, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m, n_steps,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr):
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [k_row, k_col], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [k_row, k_col], kv_bar, v_smem)
     _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_smem, do_smem, qs_smem, dos_smem,
                     lse_smem, dl_smem, ready, empty, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m,
-                    n_steps, HEAD_DIM, STAGES)
+                    n_steps, HEAD_DIM, STAGES, VARLEN)
 
 
 @gluon.jit
 def _producer_split(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem, do_smem,
                     qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
                     k_row, k_col, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m, n_steps,
-                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr):
     """The split kernel's producer: a 64-key K and V tile per consumer warpgroup, then the same query steps."""
     mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for w in gl.static_range(2):
@@ -347,7 +351,7 @@ def _producer_split(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_des
         tma.async_copy_global_to_shared(v_desc, [k_row + w * BLOCK_N_WG, k_col], kv_bar, v_smem.index(w))
     _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_smem, do_smem, qs_smem, dos_smem,
                     lse_smem, dl_smem, ready, empty, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m,
-                    n_steps, HEAD_DIM, STAGES)
+                    n_steps, HEAD_DIM, STAGES, VARLEN)
 
 
 # ------------------------------------------------------------------------------------------------- consumer
@@ -358,17 +362,19 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
               KE, VE, key_lim, diag, Sq, h0, h_last, lo, mid, n_m, n_steps, qk_scale, grad_scale,
               qe_row, de_row, seq_h, key_row,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
-              WARPS: gl.constexpr, DEFER_DK: gl.constexpr):
+              WARPS: gl.constexpr, DEFER_DK: gl.constexpr, VARLEN: gl.constexpr):
     """Keys n0 .. n0 + ROWS − 1 of one (b, hk), ROWS = 128 on 8 warps (the whole CTA's keys) or 64 on one warpgroup
     (split: keys n0 + 64·w ..); k_tile / v_tile their K and V_hdim tiles.  Pointers already moved to b (QE, DOE,
     QSE, DOSE) and to (b, hk, first key) (DK, DV); lse and δ of each query tile come through the ring
     (lse_smem, dl_smem: [STAGES, 1, 64] fp32, zero past Sq).  key_lim = Sk − first key (local keys below it
     exist), diag = Sk − Sq − first key (local key r sees local query c of the tile at m0 iff r − c <= m0 + diag).
     The dS exponent is one per (ROWS keys x 64 queries) tile: the tl kernel's with block_n = ROWS.
-    qe_row, de_row, seq_h, key_row: 0 dense; jagged, the sequence's parts of the offsets as integers (first
-    64-row exponent tile of q / dO, first head row b * Hq of the seq exponents, first key row of dk / dv), added
-    where they are used: pointers moved by values loaded from the tile table would be per-thread registers live
-    across the loop (the dense kernel's are uniform), and made the split d128 build spill inside it.
+    qe_row, de_row, seq_h, key_row (VARLEN only; the dense build never reads them): the sequence's parts of the
+    offsets as integers (first 64-row exponent tile of q / dO, first head row b * Hq of the seq exponents, first
+    key row of dk / dv), added where they are used: pointers moved by values loaded from the tile table would be
+    per-thread registers live across the loop (the dense kernel's are uniform), and made the split d128 build
+    spill inside it.  (The dense build gets literal zeros here, used only behind VARLEN: a zero passed to a
+    partition becomes a captured runtime value, which changed the dense split build.)
 
     Split, warpgroup 1's first causal query tiles of each head can lie wholly before its keys (the tl kernel with
     64-key blocks starts later): P = dS = 0 there, the exponent stays (amax 0 keeps it) and the bound of
@@ -385,6 +391,16 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
 
+    if VARLEN:
+        h_sh = seq_h
+        qe_0 = qe_row
+        de_0 = de_row
+        n_sh = key_row
+    else:
+        h_sh = 0
+        qe_0 = 0
+        de_0 = 0
+        n_sh = 0
     s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=s_layout)
     dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
     dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
@@ -412,17 +428,17 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
             dk = _dk_pending(dk, dk_hh, dk_sh, QSE, stride_qseh, stride_qsed, o_layout, HEAD_DIM)
             if j - t * n_m == 0:
                 if j > 0:  # dV's head rescale; dK's waits for dK_{j-1} (applied at the top of step j + 1)
-                    dv = _chan_rescale(dv, DOSE, stride_qseh, stride_qsed, seq_h + hh, o_layout, HEAD_DIM)
+                    dv = _chan_rescale(dv, DOSE, stride_qseh, stride_qsed, h_sh + hh, o_layout, HEAD_DIM)
         else:
             if j - t * n_m == 0:
                 if j > 0:
-                    dk, dv = _head_rescale(dk, dv, QSE, DOSE, stride_qseh, stride_qsed, seq_h + hh,
+                    dk, dv = _head_rescale(dk, dv, QSE, DOSE, stride_qseh, stride_qsed, h_sh + hh,
                                            o_layout, HEAD_DIM)
         # query-side scalars of this tile (before the wait: their latency hides under it)
         offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_s)
         row_ok = offs_m < Sq
-        qe = gl.load(QE + hh * stride_qeh + (qe_row + m0 // BLOCK_M) * stride_qeg)
-        doe = gl.load(DOE + hh * stride_deh + (de_row + m0 // BLOCK_M) * stride_deg)
+        qe = gl.load(QE + hh * stride_qeh + (qe_0 + m0 // BLOCK_M) * stride_qeg)
+        doe = gl.load(DOE + hh * stride_deh + (de_0 + m0 // BLOCK_M) * stride_deg)
         a = qk_scale * _pow2(qe + ke)
 
         mbarrier.wait(ready.index(st), ph)  # Q, dO, Q_seq, dO_seq, lse, δ of tile j
@@ -467,7 +483,7 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
             dk_hh = -1
             if j - t * n_m == 0:
                 if j > 0:
-                    dk_hh = seq_h + hh
+                    dk_hh = h_sh + hh
             dk_sh = dk_e - e
             dk_e = e
         else:
@@ -489,15 +505,15 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
 
     # ---- epilogue (attn_bwd._bwd_dkdv_kernel): the last head's seq exponents, dK's tile exponent, 2^-8 of P
     offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
-    qse = gl.load(QSE + (seq_h + h_last) * stride_qseh + offs_d * stride_qsed)
+    qse = gl.load(QSE + (h_sh + h_last) * stride_qseh + offs_d * stride_qsed)
     dk = dk * gl.expand_dims(_pow2(qse) * (grad_scale * _pow2(dk_e)), 0)
     offs_n = gl.arange(0, ROWS, layout=row_o)
     key_ok = gl.expand_dims(offs_n < key_lim, 1)
-    ptrs = DK + gl.expand_dims((key_row + offs_n).to(gl.int64) * stride_dkn, 1) + gl.expand_dims(offs_d * stride_dkd, 0)
+    ptrs = DK + gl.expand_dims((n_sh + offs_n).to(gl.int64) * stride_dkn, 1) + gl.expand_dims(offs_d * stride_dkd, 0)
     gl.store(ptrs, dk.to(DK.dtype.element_ty), mask=key_ok)
-    dose = gl.load(DOSE + (seq_h + h_last) * stride_qseh + offs_d * stride_qsed)
+    dose = gl.load(DOSE + (h_sh + h_last) * stride_qseh + offs_d * stride_qsed)
     dv = dv * gl.expand_dims(_pow2(dose) * 0.00390625, 0)  # 2^-8: P entered as P * 256
-    ptrs = DV + gl.expand_dims((key_row + offs_n).to(gl.int64) * stride_dkn, 1) + gl.expand_dims(offs_d * stride_dkd, 0)
+    ptrs = DV + gl.expand_dims((n_sh + offs_n).to(gl.int64) * stride_dkn, 1) + gl.expand_dims(offs_d * stride_dkd, 0)
     gl.store(ptrs, dv.to(DV.dtype.element_ty), mask=key_ok)
 
 
@@ -629,18 +645,18 @@ def _attn_bwd_dkdv_ws_kernel(
                          stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
                          stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0,
                          h0 + group_size - 1, lo, mid, n_m, n_steps, qk_scale, grad_scale,
-                         qe_row, de_row, seq_h, key_row, HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK)),
+                         qe_row, de_row, seq_h, key_row, HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK, VARLEN)),
             (_consumer, (q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem.index(1), v_smem.index(1),
                          kv_bar, ready, empty, QE_b, DOE_b, QSE_b, DOSE_b, DK_t + wg_off, DV_t + wg_off,
                          stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
                          stride_dkd, KE_t, VE_t, Sk - n0 - BLOCK_N_WG,
                          causal_off - n0 - BLOCK_N_WG, Sq, h0, h0 + group_size - 1, lo, mid, n_m, n_steps,
                          qk_scale, grad_scale, qe_row, de_row, seq_h, key_row,
-                         HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK)),
+                         HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK, VARLEN)),
             (_producer_split, (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem,
                                do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
                                k_row, hk * HEAD_DIM, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo,
-                               n_m, n_steps, HEAD_DIM, STAGES)),
+                               n_m, n_steps, HEAD_DIM, STAGES, VARLEN)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -649,11 +665,11 @@ def _attn_bwd_dkdv_ws_kernel(
                          stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
                          stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0,
                          h0 + group_size - 1, lo, mid, n_m, n_steps, qk_scale, grad_scale,
-                         qe_row, de_row, seq_h, key_row, HEAD_DIM, STAGES, CAUSAL, 128, 8, DEFER_DK)),
+                         qe_row, de_row, seq_h, key_row, HEAD_DIM, STAGES, CAUSAL, 128, 8, DEFER_DK, VARLEN)),
             (_producer, (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem, do_smem,
                          qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
                          k_row, hk * HEAD_DIM, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m,
-                         n_steps, HEAD_DIM, STAGES)),
+                         n_steps, HEAD_DIM, STAGES, VARLEN)),
         ], [1], [PRODUCER_REGS])
 
 

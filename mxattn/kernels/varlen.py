@@ -673,12 +673,23 @@ def bench_varlen_bwd(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, h
     real tokens only: 2.5 * sum_b 4 Hq len_b^2 D (half when causal).  Returns a row for ``benchmarks/results``
     (what="varlen_bwd"): times in ms, TFLOP/s on real FLOPs, ``speedup_vs_padded`` (dense padded / varlen),
     ``speedup_vs_sdpa_cudnn_padded`` and ``rate_vs_dense`` (varlen TFLOP/s / dense TFLOP/s at (batch, mean_len)).
+    The jagged backward is timed as dispatched (``attn_bwd.varlen_backward_kernel``: the Gluon jagged kernels on
+    Hopper, named in ``varlen_kernel``) and once more on the ``tl`` kernels (``ms["varlen_tl"]``,
+    ``rate_vs_dense_tl``), both against the dense default backward (the Gluon kernels on Hopper).
     """
     if not torch.cuda.is_available():
         raise RuntimeError("bench_varlen_bwd needs a CUDA GPU")
     from triton.testing import do_bench
 
-    from mxattn.kernels.attn_bwd import Q_EXP_GROUP, _time_sdpa_bwd, attn_bwd_hopper, attn_bwd_hopper_varlen
+    import os
+
+    from mxattn.kernels.attn_bwd import (
+        Q_EXP_GROUP,
+        _time_sdpa_bwd,
+        attn_bwd_hopper,
+        attn_bwd_hopper_varlen,
+        varlen_backward_kernel,
+    )
     from mxattn.kernels.attn_fwd import attn_fwd_hopper, attn_fwd_hopper_varlen
 
     lens = list(lengths) if lengths is not None else jagged_lengths(batch, mean_len, seed)
@@ -693,7 +704,18 @@ def bench_varlen_bwd(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, h
     out, lse = attn_fwd_hopper_varlen(*varlen_operands(q, k, v, cu, cu, smax, smax), causal=causal)
     ops = varlen_bwd_operands(q, k, v, cu, cu, smax, smax)
     t_prod = do_bench(lambda: varlen_bwd_operands(q, k, v, cu, cu, smax, smax))
-    t_var = do_bench(lambda: attn_bwd_hopper_varlen(*ops, out, do, lse, causal=causal, deterministic=deterministic))
+    run_var = lambda: attn_bwd_hopper_varlen(*ops, out, do, lse, causal=causal, deterministic=deterministic)  # noqa: E731
+    kernel = varlen_backward_kernel(torch.device(dev))
+    t_var = do_bench(run_var)
+    saved = os.environ.get("MXATTN_VARLEN_BWD_KERNEL")
+    os.environ["MXATTN_VARLEN_BWD_KERNEL"] = "tl"
+    try:
+        t_var_tl = do_bench(run_var)
+    finally:
+        if saved is None:
+            os.environ.pop("MXATTN_VARLEN_BWD_KERNEL")
+        else:
+            os.environ["MXATTN_VARLEN_BWD_KERNEL"] = saved
 
     def dense(S: int):
         qd, kd, vd, dod = mk(B, S, heads_q, D), mk(B, S, heads_kv, D), mk(B, S, heads_kv, D), mk(B, S, heads_q, D)
@@ -717,12 +739,13 @@ def bench_varlen_bwd(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, h
     cu_ms = sdpa.get("sdpa_cudnn_bf16_padded")
     return {
         "B": B, "Hq": heads_q, "Hkv": heads_kv, "D": D, "causal": causal, "deterministic": deterministic,
-        "mean_len": mean_len, "max_len": smax, "tokens": T, "fill": T / (B * smax),
-        "ms": {"varlen": t_var, "dense_padded": t_pad, "dense_mean": t_mean,
+        "mean_len": mean_len, "max_len": smax, "tokens": T, "fill": T / (B * smax), "varlen_kernel": kernel,
+        "ms": {"varlen": t_var, "varlen_tl": t_var_tl, "dense_padded": t_pad, "dense_mean": t_mean,
                "producers": t_prod, **sdpa},
-        "tflops": {"varlen": tf(real, t_var), "dense_padded_real": tf(real, t_pad), "dense_mean": tf(dense_flops, t_mean),
-                   **{k + "_real": tf(real, ms) for k, ms in sdpa.items()}},
+        "tflops": {"varlen": tf(real, t_var), "varlen_tl": tf(real, t_var_tl), "dense_padded_real": tf(real, t_pad),
+                   "dense_mean": tf(dense_flops, t_mean), **{k + "_real": tf(real, ms) for k, ms in sdpa.items()}},
         "speedup_vs_padded": t_pad / t_var,
         "speedup_vs_sdpa_cudnn_padded": (cu_ms / t_var) if cu_ms else None,
         "rate_vs_dense": tf(real, t_var) / tf(dense_flops, t_mean),
+        "rate_vs_dense_tl": tf(real, t_var_tl) / tf(dense_flops, t_mean),
     }
