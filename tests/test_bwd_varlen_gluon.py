@@ -396,7 +396,7 @@ def test_gluon_varlen_bwd_is_the_dense_gluon_bwd_per_sequence(case, seed, monkey
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=_cid)
+@pytest.mark.parametrize("case", [CASES[2], CASES[4]], ids=_cid)
 def test_gluon_varlen_bwd_against_the_reference(case, seed, monkeypatch):
     """test_varlen_bwd's accuracy bound (kernel error <= 2x the emulation's per sequence, +0.5 dB on the batch)
     with the dispatch's Gluon kernels, emulated with their twin tiles."""

@@ -40,7 +40,8 @@ Jagged batches (``VARLEN``, launcher ``attn_bwd_hopper_varlen``, operands ``kern
 the same three kernels: each program reads its sequence's offsets (``CU_*``), moves its base pointers there, sets
 ``Sq``, ``Sk`` to the sequence's lengths and exits when its tile is past them; the rest is the dense code at batch 0.
 The dense launches pass None for the offsets (constexpr), so the dense kernels compile to the same code as before
-(TTGIR and PTX compared for sm90: docs/perf-notes-varlen.md).
+(TTGIR and PTX compared for sm90: docs/perf-notes-varlen.md).  On Hopper the jagged backward runs the Gluon
+kernels' jagged mode by default (``varlen_backward_kernel``); these ``tl`` kernels are its fallback.
 """
 
 from __future__ import annotations

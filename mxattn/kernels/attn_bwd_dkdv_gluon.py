@@ -108,6 +108,14 @@ causal); the default of ``attn_bwd_hopper`` on Hopper.  Costs to look at first (
 head-change rescale loads 4 x D exponents in the loop body (a rare branch), the tile-wide dS max (256-thread barriers) once per step, and no cross-step overlap of
 the two consumer warpgroups (no ping-pong: the tile exponent couples them every step).
 
+Jagged mode (``VARLEN``, launcher ``attn_bwd_dkdv_gluon_varlen``, session 8; docs/perf-notes-varlen.md): grid (rows
+of a heaviest-first table of (sequence, 128-key tile), Hkv); each CTA reads its row once, then runs the dense code
+at its sequence's Sq, Sk on packed operands (2-D TMA views; Q_seq / dO_seq in (Hq·D, Tv) rows with 64-aligned,
+zero-padded sequence starts; lse packed (Hq, Tq), δ in dO_seq's padded columns, so the boxes past a sequence's end
+read zeros, never the next sequence's δ).  The sequence's offsets reach the consumers as integers (qe_row, de_row,
+seq_h, key_row) added at their uses, with uniform base pointers: pointers moved by table values made the split
+d128 build spill in the loop.  The dense build is unchanged (compile reports compared with main).
+
 Split variant (``GluonDkdvConfig(split=True)``; the default of ``attn_bwd_hopper`` since session 5, where it measured
 1.14-1.20x the whole-tile kernel at S8k d128, ``MXATTN_BWD_GLUON_SPLIT=0`` for the latter): the two consumer
 warpgroups become two 4-warp partitions (the default partition and a worker, as in attn_fwd_gluon), each over 64

@@ -63,6 +63,12 @@ tile-wide max, which a hand-made exchange of the eight warps' maxima through a d
 cut to one), and the tensor cores idle while both warpgroups compute dS (a ping-pong between them, as FA3,
 needs the tile exponent exchange to move out of the critical path).
 
+Jagged mode (``VARLEN``, launcher ``attn_bwd_dq_gluon_varlen``, session 8; docs/perf-notes-varlen.md): grid (rows
+of a heaviest-first tile table, Hq), each CTA reads its row (sequence, first query row, offsets) once and then runs
+the dense code at its sequence's Sq, Sk on packed operands (2-D TMA views of (Tq, Hq·D) / (Tk, Hkv·D); K_seq in
+(Hkv·D, Tv) rows with 64-aligned, zero-padded sequence starts; δ in the same padded columns).  The dense build is
+unchanged (compile reports compared with main).
+
 Split variant (``GluonDqConfig(split=True)``; the default of ``attn_bwd_hopper`` since session 5, 1.16-1.20x the
 whole-tile kernel at S8k d128): the two consumer
 warpgroups as two 4-warp partitions of 64 query rows (own Q / dO tiles, accumulator and dS exponent per 64 x 64

@@ -53,6 +53,9 @@ grouped per 128 rows from each sequence's start, the backward's fast Q layout), 
 q and k along the sequence in the V layout; ``varlen_dout_operands`` dO both ways.  PyTorch twins
 ``varlen_bwd_operands_torch``, ``varlen_dout_operands_torch``.
 
+The backward's seq operands (q_seq, k_seq, dout_seq) use ``align=BWD_SEQ_ALIGN`` (64) instead of 16: the Gluon
+backward reads them in 64-column TMA boxes, which must never reach another sequence's columns.
+
 Not here yet: MXTensor inputs (a jagged V blocked along each sequence needs a per-sequence scale layout that
 ``MXTensor``'s plain layout cannot express).
 
