@@ -160,6 +160,7 @@ from mxattn.kernels.attn_bwd_dq_gluon import (
     _row_group,
     _static_tiles,
     _sticky_exp,
+    _tile_row,
     backward_operands,
     split_tl_config,
     time_against_tl,
@@ -552,19 +553,8 @@ def _attn_bwd_dkdv_ws_kernel(
     Sk; the Q / dO boxes of the last query tile hold the next sequence's rows past Sq: lse = −inf there (the
     consumer's row_ok), so P = 0, and δ = 0, Q_seq = dO_seq = 0 in the padding."""
     if VARLEN:
-        # one 64-byte row, loaded once (key tiles heaviest first across the batch)
-        row = SLOTS + gl.program_id(0) * 16
-        b = gl.load(row)
-        n0 = gl.load(row + 1)
-        q_start = gl.load(row + 2)
-        Sq = gl.load(row + 3) - q_start
-        k_start = gl.load(row + 4)
-        Sk = gl.load(row + 5) - k_start
-        qg_start = gl.load(row + 6)
-        kg_start = gl.load(row + 7)
-        seq_col = gl.load(row + 8)
-        dog_start = gl.load(row + 9)
-        dl_col = gl.load(row + 10)
+        # key tiles heaviest first across the batch
+        b, n0, q_start, Sq, k_start, Sk, qg_start, kg_start, seq_col, dog_start, dl_col = _tile_row(SLOTS)
         if n0 >= Sk:  # rows past the real tiles are zero: 0 >= 0
             return
         hk = gl.program_id(1)

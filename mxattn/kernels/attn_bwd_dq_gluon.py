@@ -246,6 +246,18 @@ def _ring_barriers(STAGES: gl.constexpr, SPLIT: gl.constexpr):
     return once, a_ready, a_empty, b_ready, b_empty
 
 
+@gluon.jit
+def _tile_row(SLOTS):
+    """Row ``program_id(0)`` of a jagged tile table (kernels/bwd_varlen_tiles.py; 16 int32 per row), loaded once by
+    both backward kernels: (sequence, tile start, q_start, len_q, k_start, len_k, q / k exponent group starts, seq
+    column start, dout_hdim group start, δ column start)."""
+    row = SLOTS + gl.program_id(0) * 16
+    q_start = gl.load(row + 2)
+    k_start = gl.load(row + 4)
+    return (gl.load(row), gl.load(row + 1), q_start, gl.load(row + 3) - q_start, k_start, gl.load(row + 5) - k_start,
+            gl.load(row + 6), gl.load(row + 7), gl.load(row + 8), gl.load(row + 9), gl.load(row + 10))
+
+
 # ------------------------------------------------------------------------------------------------- producer
 @gluon.jit
 def _producer_steps(k_desc, v_desc, ks_desc, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
@@ -414,19 +426,8 @@ def _attn_bwd_dq_ws_kernel(
     past Sq (next sequence's rows in the Q / dO boxes) get lse = −inf (P = dS = 0) and are not stored, keys past
     Sk are masked in the last tile (and zero in K_seq)."""
     if VARLEN:
-        # one 64-byte row, loaded once; sequence order and tile order come from it (no heaviest-first flip)
-        row = SLOTS + gl.program_id(0) * 16
-        b = gl.load(row)
-        start_m = gl.load(row + 1)
-        q_start = gl.load(row + 2)
-        Sq = gl.load(row + 3) - q_start
-        k_start = gl.load(row + 4)
-        Sk = gl.load(row + 5) - k_start
-        qg_start = gl.load(row + 6)
-        kg_start = gl.load(row + 7)
-        ks_col = gl.load(row + 8)
-        dog_start = gl.load(row + 9)
-        d_col = gl.load(row + 10)
+        # sequence order and tile order come from the table (no heaviest-first flip here)
+        b, start_m, q_start, Sq, k_start, Sk, qg_start, kg_start, ks_col, dog_start, d_col = _tile_row(SLOTS)
         if start_m >= Sq:  # rows past the real tiles are zero: 0 >= 0
             return
         h = gl.program_id(1)
