@@ -631,9 +631,10 @@ def _varlen_mx_values(q, k, v, cu_k, scale_mode: str):
 
 class _MXFP8VarlenAttention(torch.autograd.Function):
     """Forward and backward of jagged MXFP8 attention.  CUDA: the Hopper kernels (forward ``attn_fwd_hopper_varlen``,
-    backward ``attn_bwd_hopper_varlen``: the dense FP8 kernels with ``VARLEN=True``, operands re-quantized from the
-    saved q, k, v as the dense backward does; dQ by fp32 atomics, or by the deterministic kernel when
-    ``torch.are_deterministic_algorithms_enabled()``).  CPU: the reference (FP8 emulation of P, dS, dO in fp32)."""
+    backward ``attn_bwd_hopper_varlen``, operands re-quantized from the saved q, k, v as the dense backward does: on
+    Hopper the Gluon backward kernels' jagged mode (deterministic), else the ``tl`` kernels with ``VARLEN=True``, dQ
+    by fp32 atomics or by the deterministic kernel when ``torch.are_deterministic_algorithms_enabled()``).  CPU: the
+    reference (FP8 emulation of P, dS, dO in fp32)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, scale_mode):

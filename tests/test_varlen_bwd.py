@@ -99,8 +99,13 @@ def _bound_ok(g, t, e, floor_norm, factor):
     return err_k <= err_e * factor + BF16_FLOOR * t.norm().item() + floor_norm, err_k
 
 
+_SAME = object()
+
+
 def _check_varlen_bwd(lq, lk, Hq, Hkv, D, causal, deterministic, seed, softmax_scale=None, config=None, extra_max=0,
-                      q_rows=128):
+                      q_rows=128, kernel_config=_SAME):
+    """``config``: the tiles the emulation reproduces; ``kernel_config``: what the kernel call gets (default the
+    same; None lets ``attn_bwd_hopper_varlen`` choose, e.g. the Gluon kernels, whose twin tiles ``config`` names)."""
     bwd = _bwd()
     q, k, v, do = _inputs(lq, lk, Hq, Hkv, D, seed)
     cu_q, cu_k = _cu(lq, q.device), _cu(lk, q.device)
@@ -120,7 +125,8 @@ def _check_varlen_bwd(lq, lk, Hq, Hkv, D, causal, deterministic, seed, softmax_s
 
         dout_ops = dict(zip(("dout_hdim", "dout_seq"), varlen_dout_operands_torch(do, cu_q, mq)))
     grads = bwd.attn_bwd_hopper_varlen(*ops, out, do, lse, causal=causal, softmax_scale=softmax_scale,
-                                       deterministic=deterministic, config=cfg, **dout_ops)
+                                       deterministic=deterministic, config=cfg if kernel_config is _SAME else
+                                       kernel_config, **dout_ops)
     shapes = (q.shape, k.shape, v.shape)
     for name, g, s in zip(GRADS, grads, shapes):
         assert g.dtype == torch.bfloat16 and g.shape == s and g.is_contiguous(), f"{name}: {g.dtype} {tuple(g.shape)}"
@@ -467,7 +473,7 @@ def test_bench_varlen_bwd_gpu(causal):
             for m in (512, 2048)]
     for r in rows:
         print({k: r[k] for k in ("B", "D", "causal", "mean_len", "max_len", "fill", "speedup_vs_padded",
-                                 "rate_vs_dense")}, r["ms"], r["tflops"])
+                                 "varlen_kernel", "rate_vs_dense", "rate_vs_dense_tl")}, r["ms"], r["tflops"])
     outdir = os.environ.get("MXATTN_RESULTS_DIR")
     if outdir:
         from mxattn.bench.results import write_result

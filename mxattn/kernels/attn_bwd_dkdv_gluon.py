@@ -108,6 +108,14 @@ causal); the default of ``attn_bwd_hopper`` on Hopper.  Costs to look at first (
 head-change rescale loads 4 x D exponents in the loop body (a rare branch), the tile-wide dS max (256-thread barriers) once per step, and no cross-step overlap of
 the two consumer warpgroups (no ping-pong: the tile exponent couples them every step).
 
+Jagged mode (``VARLEN``, launcher ``attn_bwd_dkdv_gluon_varlen``, session 8; docs/perf-notes-varlen.md): grid (rows
+of a heaviest-first table of (sequence, 128-key tile), Hkv); each CTA reads its row once, then runs the dense code
+at its sequence's Sq, Sk on packed operands (2-D TMA views; Q_seq / dO_seq in (Hq·D, Tv) rows with 64-aligned,
+zero-padded sequence starts; lse packed (Hq, Tq), δ in dO_seq's padded columns, so the boxes past a sequence's end
+read zeros, never the next sequence's δ).  The sequence's offsets reach the consumers as integers (qe_row, de_row,
+seq_h, key_row) added at their uses, with uniform base pointers: pointers moved by table values made the split
+d128 build spill in the loop.  The dense build is unchanged (compile reports compared with main).
+
 Split variant (``GluonDkdvConfig(split=True)``; the default of ``attn_bwd_hopper`` since session 5, where it measured
 1.14-1.20x the whole-tile kernel at S8k d128, ``MXATTN_BWD_GLUON_SPLIT=0`` for the latter): the two consumer
 warpgroups become two 4-warp partitions (the default partition and a worker, as in attn_fwd_gluon), each over 64
@@ -152,13 +160,15 @@ from mxattn.kernels.attn_bwd_dq_gluon import (
     _row_group,
     _static_tiles,
     _sticky_exp,
+    _tile_row,
     backward_operands,
     split_tl_config,
     time_against_tl,
 )
 from mxattn.kernels.launch import cdiv, fast_launcher, nvmma_fp8_layout
 
-__all__ = ["GluonDkdvConfig", "default_config", "attn_bwd_dkdv_gluon", "bench_attn_bwd_dkdv_gluon",
+__all__ = ["GluonDkdvConfig", "default_config", "attn_bwd_dkdv_gluon", "attn_bwd_dkdv_gluon_varlen",
+           "bench_attn_bwd_dkdv_gluon",
            "dkdv_operands"]
 
 LOG2E = 1.4426950408889634
@@ -296,11 +306,17 @@ def _step_barriers(STAGES: gl.constexpr, SPLIT: gl.constexpr):
 
 @gluon.jit
 def _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_smem, do_smem, qs_smem, dos_smem,
-                    lse_smem, dl_smem, ready, empty, q_row, seq_row, vec_row, h0, lo, n_m, n_steps,
-                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                    lse_smem, dl_smem, ready, empty, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m,
+                    n_steps, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr):
     """Per query step, into stage i % STAGES of the ring, all on its one ready barrier: Q and dO_hdim (64 x D),
     Q_seq and dO_seq (D x 64), and the tile's 64 lse and 64 δ (fp32 rows of the (B*Hq, Sq) views; columns past
-    Sq are TMA zero fill)."""
+    Sq are TMA zero fill).  seq_col / vec_col / dl_col: the first column of the seq operands / lse / δ (0 dense;
+    jagged: the sequence's first seq column, its first query row, and its first column of the padded δ, whose
+    columns past the sequence's end are zero)."""
+    if not VARLEN:  # the dense build: literal zeros (not captured values the partition cannot fold)
+        seq_col = 0
+        vec_col = 0
+        dl_col = 0
     nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + qs_desc.block_type.nbytes
                             + dos_desc.block_type.nbytes + lse_desc.block_type.nbytes + dl_desc.block_type.nbytes)
     for i in range(n_steps):
@@ -311,38 +327,40 @@ def _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_sme
         # a fresh mbarrier counts as having completed the phase before phase 0: the first pass does not wait
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(bar, nbytes)
-        tma.async_copy_global_to_shared(lse_desc, [vec_row + hh, m0], bar, lse_smem.index(s))
-        tma.async_copy_global_to_shared(dl_desc, [vec_row + hh, m0], bar, dl_smem.index(s))
+        tma.async_copy_global_to_shared(lse_desc, [vec_row + hh, vec_col + m0], bar, lse_smem.index(s))
+        tma.async_copy_global_to_shared(dl_desc, [vec_row + hh, dl_col + m0], bar, dl_smem.index(s))
         tma.async_copy_global_to_shared(q_desc, [q_row + m0, hh * HEAD_DIM], bar, q_smem.index(s))
         tma.async_copy_global_to_shared(do_desc, [q_row + m0, hh * HEAD_DIM], bar, do_smem.index(s))
-        tma.async_copy_global_to_shared(qs_desc, [seq_row + hh * HEAD_DIM, m0], bar, qs_smem.index(s))
-        tma.async_copy_global_to_shared(dos_desc, [seq_row + hh * HEAD_DIM, m0], bar, dos_smem.index(s))
+        tma.async_copy_global_to_shared(qs_desc, [seq_row + hh * HEAD_DIM, seq_col + m0], bar, qs_smem.index(s))
+        tma.async_copy_global_to_shared(dos_desc, [seq_row + hh * HEAD_DIM, seq_col + m0], bar, dos_smem.index(s))
 
 
 @gluon.jit
 def _producer(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem, do_smem, qs_smem,
               dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
-              k_row, k_col, q_row, seq_row, vec_row, h0, lo, n_m, n_steps,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+              k_row, k_col, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m, n_steps,
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr):
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [k_row, k_col], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [k_row, k_col], kv_bar, v_smem)
     _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_smem, do_smem, qs_smem, dos_smem,
-                    lse_smem, dl_smem, ready, empty, q_row, seq_row, vec_row, h0, lo, n_m, n_steps, HEAD_DIM, STAGES)
+                    lse_smem, dl_smem, ready, empty, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m,
+                    n_steps, HEAD_DIM, STAGES, VARLEN)
 
 
 @gluon.jit
 def _producer_split(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem, do_smem,
                     qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
-                    k_row, k_col, q_row, seq_row, vec_row, h0, lo, n_m, n_steps,
-                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                    k_row, k_col, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m, n_steps,
+                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr):
     """The split kernel's producer: a 64-key K and V tile per consumer warpgroup, then the same query steps."""
     mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for w in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [k_row + w * BLOCK_N_WG, k_col], kv_bar, k_smem.index(w))
         tma.async_copy_global_to_shared(v_desc, [k_row + w * BLOCK_N_WG, k_col], kv_bar, v_smem.index(w))
     _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_smem, do_smem, qs_smem, dos_smem,
-                    lse_smem, dl_smem, ready, empty, q_row, seq_row, vec_row, h0, lo, n_m, n_steps, HEAD_DIM, STAGES)
+                    lse_smem, dl_smem, ready, empty, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m,
+                    n_steps, HEAD_DIM, STAGES, VARLEN)
 
 
 # ------------------------------------------------------------------------------------------------- consumer
@@ -351,14 +369,21 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
               QE, DOE, QSE, DOSE, DK, DV,
               stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn, stride_dkd,
               KE, VE, key_lim, diag, Sq, h0, h_last, lo, mid, n_m, n_steps, qk_scale, grad_scale,
+              qe_row, de_row, seq_h, key_row,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
-              WARPS: gl.constexpr, DEFER_DK: gl.constexpr):
+              WARPS: gl.constexpr, DEFER_DK: gl.constexpr, VARLEN: gl.constexpr):
     """Keys n0 .. n0 + ROWS − 1 of one (b, hk), ROWS = 128 on 8 warps (the whole CTA's keys) or 64 on one warpgroup
     (split: keys n0 + 64·w ..); k_tile / v_tile their K and V_hdim tiles.  Pointers already moved to b (QE, DOE,
     QSE, DOSE) and to (b, hk, first key) (DK, DV); lse and δ of each query tile come through the ring
     (lse_smem, dl_smem: [STAGES, 1, 64] fp32, zero past Sq).  key_lim = Sk − first key (local keys below it
     exist), diag = Sk − Sq − first key (local key r sees local query c of the tile at m0 iff r − c <= m0 + diag).
     The dS exponent is one per (ROWS keys x 64 queries) tile: the tl kernel's with block_n = ROWS.
+    qe_row, de_row, seq_h, key_row (VARLEN only; the dense build never reads them): the sequence's parts of the
+    offsets as integers (first 64-row exponent tile of q / dO, first head row b * Hq of the seq exponents, first
+    key row of dk / dv), added where they are used: pointers moved by values loaded from the tile table would be
+    per-thread registers live across the loop (the dense kernel's are uniform), and made the split d128 build
+    spill inside it.  (The dense build gets literal zeros here, used only behind VARLEN: a zero passed to a
+    partition becomes a captured runtime value, which changed the dense split build.)
 
     Split, warpgroup 1's first causal query tiles of each head can lie wholly before its keys (the tl kernel with
     64-key blocks starts later): P = dS = 0 there, the exponent stays (amax 0 keeps it) and the bound of
@@ -375,6 +400,16 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
 
+    if VARLEN:
+        h_sh = seq_h
+        qe_0 = qe_row
+        de_0 = de_row
+        n_sh = key_row
+    else:
+        h_sh = 0
+        qe_0 = 0
+        de_0 = 0
+        n_sh = 0
     s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=s_layout)
     dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
     dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
@@ -402,17 +437,17 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
             dk = _dk_pending(dk, dk_hh, dk_sh, QSE, stride_qseh, stride_qsed, o_layout, HEAD_DIM)
             if j - t * n_m == 0:
                 if j > 0:  # dV's head rescale; dK's waits for dK_{j-1} (applied at the top of step j + 1)
-                    dv = _chan_rescale(dv, DOSE, stride_qseh, stride_qsed, hh, o_layout, HEAD_DIM)
+                    dv = _chan_rescale(dv, DOSE, stride_qseh, stride_qsed, h_sh + hh, o_layout, HEAD_DIM)
         else:
             if j - t * n_m == 0:
                 if j > 0:
-                    dk, dv = _head_rescale(dk, dv, QSE, DOSE, stride_qseh, stride_qsed, hh,
+                    dk, dv = _head_rescale(dk, dv, QSE, DOSE, stride_qseh, stride_qsed, h_sh + hh,
                                            o_layout, HEAD_DIM)
         # query-side scalars of this tile (before the wait: their latency hides under it)
         offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_s)
         row_ok = offs_m < Sq
-        qe = gl.load(QE + hh * stride_qeh + (m0 // BLOCK_M) * stride_qeg)
-        doe = gl.load(DOE + hh * stride_deh + (m0 // BLOCK_M) * stride_deg)
+        qe = gl.load(QE + hh * stride_qeh + (qe_0 + m0 // BLOCK_M) * stride_qeg)
+        doe = gl.load(DOE + hh * stride_deh + (de_0 + m0 // BLOCK_M) * stride_deg)
         a = qk_scale * _pow2(qe + ke)
 
         mbarrier.wait(ready.index(st), ph)  # Q, dO, Q_seq, dO_seq, lse, δ of tile j
@@ -457,7 +492,7 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
             dk_hh = -1
             if j - t * n_m == 0:
                 if j > 0:
-                    dk_hh = hh
+                    dk_hh = h_sh + hh
             dk_sh = dk_e - e
             dk_e = e
         else:
@@ -479,15 +514,15 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
 
     # ---- epilogue (attn_bwd._bwd_dkdv_kernel): the last head's seq exponents, dK's tile exponent, 2^-8 of P
     offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
-    qse = gl.load(QSE + h_last * stride_qseh + offs_d * stride_qsed)
+    qse = gl.load(QSE + (h_sh + h_last) * stride_qseh + offs_d * stride_qsed)
     dk = dk * gl.expand_dims(_pow2(qse) * (grad_scale * _pow2(dk_e)), 0)
     offs_n = gl.arange(0, ROWS, layout=row_o)
     key_ok = gl.expand_dims(offs_n < key_lim, 1)
-    ptrs = DK + gl.expand_dims(offs_n.to(gl.int64) * stride_dkn, 1) + gl.expand_dims(offs_d * stride_dkd, 0)
+    ptrs = DK + gl.expand_dims((n_sh + offs_n).to(gl.int64) * stride_dkn, 1) + gl.expand_dims(offs_d * stride_dkd, 0)
     gl.store(ptrs, dk.to(DK.dtype.element_ty), mask=key_ok)
-    dose = gl.load(DOSE + h_last * stride_qseh + offs_d * stride_qsed)
+    dose = gl.load(DOSE + (h_sh + h_last) * stride_qseh + offs_d * stride_qsed)
     dv = dv * gl.expand_dims(_pow2(dose) * 0.00390625, 0)  # 2^-8: P entered as P * 256
-    ptrs = DV + gl.expand_dims(offs_n.to(gl.int64) * stride_dkn, 1) + gl.expand_dims(offs_d * stride_dkd, 0)
+    ptrs = DV + gl.expand_dims((n_sh + offs_n).to(gl.int64) * stride_dkn, 1) + gl.expand_dims(offs_d * stride_dkd, 0)
     gl.store(ptrs, dv.to(DV.dtype.element_ty), mask=key_ok)
 
 
@@ -504,14 +539,34 @@ def _attn_bwd_dkdv_ws_kernel(
     Hq, Hkv, Sq, Sk, group_size, qk_scale, grad_scale,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr, DEFER_DK: gl.constexpr,
+    SLOTS=None,  # jagged: the (rows, SLOT_COLS) int32 tile table of kernels/bwd_varlen_tiles.py (None: dense)
+    VARLEN: gl.constexpr = False,
 ):
-    # key blocks fastest within one (b, kv head), as the tl kernel: the heaviest causal blocks (first keys) start
-    # first and neighbouring CTAs stream the same query-side tiles through L2
-    pid_n = gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    b = pid_bh // Hkv
-    hk = pid_bh % Hkv
-    n0 = pid_n * BLOCK_N
+    """Dense: grid (cdiv(Sk, 128), B * Hkv).  Jagged (VARLEN): grid (table rows, Hkv); CTA (r, hk) computes the
+    key tile of row r of SLOTS (heaviest first) for kv head hk, on packed operands: k / v_hdim (Tk, Hkv, D) and
+    q / dout_hdim (Tq, Hq, D) as 2-D TMA views; q's / dout_hdim's exponents expanded to one per 64-row tile
+    ((2 G, Hq, 1): the sequence's tiles from row 2 SLOTS[r, 6] / 2 SLOTS[r, 9]), k's / v_hdim's (G, Hkv, 1) from
+    row SLOTS[r, 7]; q_seq / dout_seq channel-major (Hq, D, Tv) with the sequence's 64-aligned, zero-padded
+    columns from SLOTS[r, 8] (so no box reads another sequence), their exponents (B, Hq, D); lse packed (Hq, Tq)
+    rows from column SLOTS[r, 2], δ (Hq, Tv) in the padded layout from column SLOTS[r, 10] (zero past the
+    sequence's end); dk / dv (Tk, Hkv, D).  After the prologue the code is the dense code at that sequence's Sq,
+    Sk; the Q / dO boxes of the last query tile hold the next sequence's rows past Sq: lse = −inf there (the
+    consumer's row_ok), so P = 0, and δ = 0, Q_seq = dO_seq = 0 in the padding."""
+    if VARLEN:
+        # key tiles heaviest first across the batch
+        b, n0, q_start, Sq, k_start, Sk, qg_start, kg_start, seq_col, dog_start, dl_col = _tile_row(SLOTS)
+        if n0 >= Sk:  # rows past the real tiles are zero: 0 >= 0
+            return
+        hk = gl.program_id(1)
+        pid_n = n0 // BLOCK_N
+    else:
+        # key blocks fastest within one (b, kv head), as the tl kernel: the heaviest causal blocks (first keys)
+        # start first and neighbouring CTAs stream the same query-side tiles through L2
+        pid_n = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        b = pid_bh // Hkv
+        hk = pid_bh % Hkv
+        n0 = pid_n * BLOCK_N
 
     # the query tiles this key block visits (attn_bwd._bwd_dkdv_kernel): lo .. mid masked, mid .. m_end not
     causal_off = Sk - Sq
@@ -540,15 +595,46 @@ def _attn_bwd_dkdv_ws_kernel(
     k_smem, v_smem = _static_tiles(k_desc, v_desc, SPLIT)  # 64-key boxes when split
     kv_bar, ready, empty = _step_barriers(STAGES, SPLIT)
 
-    b64 = b.to(gl.int64)
-    QE_b = QE + b64 * stride_qeb
-    DOE_b = DOE + b64 * stride_deb
-    KE_t = KE + b64 * stride_keb + hk * stride_keh + pid_n * stride_ket  # BLOCK_N == KV_EXP_GROUP
-    VE_t = VE + b64 * stride_veb + hk * stride_veh + pid_n * stride_vet
-    QSE_b = QSE + b64 * stride_qseb
-    DOSE_b = DOSE + b64 * stride_qseb
-    DK_t = DK + b64 * stride_dkb + hk * stride_dkh + n0.to(gl.int64) * stride_dkn
-    DV_t = DV + b64 * stride_dkb + hk * stride_dkh + n0.to(gl.int64) * stride_dkn
+    if VARLEN:
+        k_row = k_start + n0
+        q_row = q_start
+        seq_row = 0
+        vec_row = 0
+        vec_col = q_start
+        # the consumers' pointers stay uniform (moved by the kv head only); the sequence's parts are integers
+        qe_row = 2 * qg_start  # one exponent per 64 rows: two per group of 128
+        de_row = 2 * dog_start
+        seq_h = b * Hq  # seq exponents (B, Hq, D) contiguous: row b * Hq + hh
+        key_row = k_start + n0
+        QE_b = QE
+        DOE_b = DOE
+        QSE_b = QSE
+        DOSE_b = DOSE
+        KE_t = KE + hk * stride_keh + (kg_start + pid_n) * stride_ket  # BLOCK_N == KV_EXP_GROUP
+        VE_t = VE + hk * stride_veh + (kg_start + pid_n) * stride_vet
+        DK_t = DK + hk * stride_dkh
+        DV_t = DV + hk * stride_dkh
+    else:
+        k_row = b * Sk + n0
+        q_row = b * Sq
+        seq_row = b * Hq * HEAD_DIM
+        seq_col = 0
+        vec_row = b * Hq
+        vec_col = 0
+        dl_col = 0
+        b64 = b.to(gl.int64)
+        QE_b = QE + b64 * stride_qeb
+        DOE_b = DOE + b64 * stride_deb
+        KE_t = KE + b64 * stride_keb + hk * stride_keh + pid_n * stride_ket  # BLOCK_N == KV_EXP_GROUP
+        VE_t = VE + b64 * stride_veb + hk * stride_veh + pid_n * stride_vet
+        DK_t = DK + b64 * stride_dkb + hk * stride_dkh + n0.to(gl.int64) * stride_dkn
+        DV_t = DV + b64 * stride_dkb + hk * stride_dkh + n0.to(gl.int64) * stride_dkn
+        QSE_b = QSE + b64 * stride_qseb
+        DOSE_b = DOSE + b64 * stride_qseb
+        qe_row = 0
+        de_row = 0
+        seq_h = 0
+        key_row = 0
     if SPLIT:
         wg_off = BLOCK_N_WG * stride_dkn
         gl.warp_specialize([
@@ -557,17 +643,18 @@ def _attn_bwd_dkdv_ws_kernel(
                          stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
                          stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0,
                          h0 + group_size - 1, lo, mid, n_m, n_steps, qk_scale, grad_scale,
-                         HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK)),
+                         qe_row, de_row, seq_h, key_row, HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK, VARLEN)),
             (_consumer, (q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem.index(1), v_smem.index(1),
                          kv_bar, ready, empty, QE_b, DOE_b, QSE_b, DOSE_b, DK_t + wg_off, DV_t + wg_off,
                          stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
                          stride_dkd, KE_t, VE_t, Sk - n0 - BLOCK_N_WG,
                          causal_off - n0 - BLOCK_N_WG, Sq, h0, h0 + group_size - 1, lo, mid, n_m, n_steps,
-                         qk_scale, grad_scale, HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK)),
+                         qk_scale, grad_scale, qe_row, de_row, seq_h, key_row,
+                         HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK, VARLEN)),
             (_producer_split, (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem,
                                do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
-                               b * Sk + n0, hk * HEAD_DIM, b * Sq, b * Hq * HEAD_DIM, b * Hq, h0, lo, n_m, n_steps,
-                               HEAD_DIM, STAGES)),
+                               k_row, hk * HEAD_DIM, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo,
+                               n_m, n_steps, HEAD_DIM, STAGES, VARLEN)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -576,11 +663,11 @@ def _attn_bwd_dkdv_ws_kernel(
                          stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
                          stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0,
                          h0 + group_size - 1, lo, mid, n_m, n_steps, qk_scale, grad_scale,
-                         HEAD_DIM, STAGES, CAUSAL, 128, 8, DEFER_DK)),
+                         qe_row, de_row, seq_h, key_row, HEAD_DIM, STAGES, CAUSAL, 128, 8, DEFER_DK, VARLEN)),
             (_producer, (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem, do_smem,
                          qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
-                         b * Sk + n0, hk * HEAD_DIM, b * Sq, b * Hq * HEAD_DIM, b * Hq, h0, lo, n_m, n_steps,
-                         HEAD_DIM, STAGES)),
+                         k_row, hk * HEAD_DIM, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m,
+                         n_steps, HEAD_DIM, STAGES, VARLEN)),
         ], [1], [PRODUCER_REGS])
 
 
@@ -783,6 +870,80 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
         Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
         HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
         SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=cfg.defers_dk,
+        num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg,
+    )
+    return dk, dv
+
+
+def attn_bwd_dkdv_gluon_varlen(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse: torch.Tensor, delta: torch.Tensor, *,
+                               causal: bool = False, softmax_scale: Optional[float] = None,
+                               grad_dtype: torch.dtype = torch.bfloat16, config: Optional[GluonDkdvConfig] = None):
+    """(dk, dv) of a jagged batch with the warp-specialized Gluon kernel in its jagged mode (``VARLEN``): the
+    operands ``attn_bwd.attn_bwd_hopper_varlen`` passes to it (``kernels.varlen.VarlenFP8``).
+
+    q, dout_hdim:     (Tq, Hq, D), the K layout over cu_seqlens_q (``varlen_k_operand``);
+    k, v_hdim:        (Tk, Hkv, D), the K layout over cu_seqlens_k;
+    q_seq, dout_seq:  channel-major (Hq, D, Tv) with 64-aligned, zero-padded sequence starts
+                      (``varlen_v_operand(..., align=BWD_SEQ_ALIGN)``; the same column offsets for both);
+    lse:              (Hq, Tq) float32, the jagged forward's;
+    delta:            (Hq, Tv) float32 in dout_seq's columns, zero in the padding
+                      (``attn_bwd_preprocess_varlen(..., delta_padded=True)``).
+    One CTA per (key tile of 128 keys of one sequence, kv head), tiles heaviest first
+    (``bwd_varlen_tiles.bwd_tile_slots``).  dK and dV are summed over the query heads of each kv head's group.
+    Returns dk, dv (Tk, Hkv, D) in ``grad_dtype``; each sequence's rows are ``attn_bwd_dkdv_gluon`` on that
+    sequence alone (same tiles, same arithmetic).  Needs an sm_90 GPU and triton 3.6's Gluon."""
+    from mxattn.kernels.attn_bwd_dq_gluon import _packed_view, check_varlen_operands
+    from mxattn.kernels.bwd_varlen_tiles import bwd_tile_slots, tile_rows_bound
+
+    Tq, Hq, _ = q.data.shape
+    Tk, Hkv, _ = k.data.shape
+    B, D = check_varlen_operands(dict(q=q, k=k, v_hdim=v_hdim, dout_hdim=dout_hdim),
+                                 dict(q_seq=q_seq, dout_seq=dout_seq), dict(lse=lse), Hq, Hkv, grad_dtype)
+    Tv = q_seq.data.shape[2]
+    if dout_seq.data.shape[2] != Tv or q_seq.align != dout_seq.align:
+        raise ValueError(f"q_seq and dout_seq must share one column layout (Tv {Tv} / {dout_seq.data.shape[2]}, "
+                         f"align {q_seq.align} / {dout_seq.align})")
+    if not isinstance(delta, torch.Tensor) or delta.dtype != torch.float32 or tuple(delta.shape) != (Hq, Tv):
+        raise ValueError(f"delta must be the padded float32 {(Hq, Tv)} (attn_bwd_preprocess_varlen(delta_padded="
+                         f"True)), got {getattr(delta, 'dtype', type(delta).__name__)} "
+                         f"{tuple(getattr(delta, 'shape', ()))}")
+    cfg = config or default_config(D, causal)
+    if cfg.stages < 1:
+        raise ValueError(f"stages must be >= 1, got {cfg.stages}")
+    softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    dev = q.data.device
+    if Tq == 0 or Tk == 0 or B * Hkv == 0:  # no query anywhere: no key is seen
+        z = torch.zeros(Tk, Hkv, D, dtype=grad_dtype, device=dev)
+        return z, z.clone()
+    dk = torch.empty(Tk, Hkv, D, dtype=grad_dtype, device=dev)
+    dv = torch.empty(Tk, Hkv, D, dtype=grad_dtype, device=dev)
+    slots = bwd_tile_slots(q.cu_seqlens, k.cu_seqlens, q.cu_exp, k.cu_exp, q_seq.cu_data, dout_hdim.cu_exp,
+                           dout_seq.cu_data, k.max_seqlen, key_tiles=True, causal=causal)
+    bm, bn = BLOCK_M.value, (BLOCK_N_WG if cfg.split else BLOCK_N).value
+    row_layout, key_layout, seq_layout = nvmma_fp8_layout(bm, D), nvmma_fp8_layout(bn, D), nvmma_fp8_layout(D, bm)
+    qd, dd = _packed_view(q.data, "q"), _packed_view(dout_hdim.data, "dout_hdim")
+    kd, vd = _packed_view(k.data, "k"), _packed_view(v_hdim.data, "v_hdim")
+    q_desc = TensorDescriptor(qd, [Tq, Hq * D], [Hq * D, 1], [bm, D], row_layout)
+    do_desc = TensorDescriptor(dd, [Tq, Hq * D], [Hq * D, 1], [bm, D], row_layout)
+    qs_desc = TensorDescriptor(q_seq.data, [Hq * D, Tv], [Tv, 1], [D, bm], seq_layout)
+    dos_desc = TensorDescriptor(dout_seq.data, [Hq * D, Tv], [Tv, 1], [D, bm], seq_layout)
+    k_desc = TensorDescriptor(kd, [Tk, Hkv * D], [Hkv * D, 1], [bn, D], key_layout)
+    v_desc = TensorDescriptor(vd, [Tk, Hkv * D], [Hkv * D, 1], [bn, D], key_layout)
+    # lse (Hq, Tq) and the padded δ (Hq, Tv) as (B=1, H, S) rows for the [1, 64] boxes
+    lse_desc, dl_desc = _vector_descriptors(lse.unsqueeze(0), delta.unsqueeze(0))
+    # exponents: q's / dout_hdim's one per 64-row tile (each group of 128 rows from a sequence's start is two
+    # tiles: rows 2 cu_exp[b] + m0 / 64); all contiguous (the kernel's UNIT_STRIDES)
+    qe, de = (t.exp.repeat_interleave(2, dim=0) for t in (q, dout_hdim))
+    ke, ve = (t.exp.contiguous() for t in (k, v_hdim))
+    qse, dse = q_seq.exp.contiguous(), dout_seq.exp.contiguous()
+    grp = lambda e: (0, e.stride(0), e.stride(1))  # noqa: E731  (groups, H, 1), no batch dim
+    grid = (tile_rows_bound(Tk, B, k.max_seqlen), Hkv)
+    fast_launcher(_attn_bwd_dkdv_ws_kernel)[grid](
+        q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, qe, de, ke, ve, qse, dse, dk, dv,
+        *grp(qe), *grp(de), *grp(ke), *grp(ve), *qse.stride(), 0, *dk.stride(),
+        Hq, Hkv, 0, 0, Hq // Hkv, softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
+        HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
+        SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=cfg.defers_dk, SLOTS=slots, VARLEN=True,
         num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg,
     )
     return dk, dv
