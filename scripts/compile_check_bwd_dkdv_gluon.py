@@ -1,11 +1,12 @@
 """Compile the Gluon backward dK/dV kernel (``mxattn/kernels/attn_bwd_dkdv_gluon.py``) for sm_90a without a GPU.
 
     python scripts/compile_check_bwd_dkdv_gluon.py [--dump DIR] [--only d128,d64_causal] [--stages N] [--split]
-        [--no-defer]
+        [--no-defer] [--ds-exp=key|tile]
 
 ``--split`` compiles the split variant (``GluonDkdvConfig(split=True)``: two 4-warp consumer partitions of 64 keys).
 ``--no-defer`` compiles without the deferred dK product (``GluonDkdvConfig(defer_dk=False)``, the kernel before
-session 7's deferral); the default config defers it (with ``--stages 1`` it is never deferred).
+session 7's deferral); the default config defers it (with ``--stages 1`` it is never deferred).  ``--ds-exp=tile``
+compiles the dS exponent per (keys x 64 queries) tile (the rule before session 8), ``--ds-exp=key`` one per key.
 
 Needs triton 3.6 (the GPU machine's version).  Same approach as ``scripts/compile_check_bwd_dq_gluon.py``:
 ``triton.compile(GluonASTSource(...), target=GPUTarget("cuda", 90, 32))`` with TMA descriptor signatures, then the
@@ -35,6 +36,7 @@ from compile_check_gluon import check as gluon_check  # noqa: E402
 from compile_check_gluon import compile_sm90, fp8_desc  # noqa: E402
 
 MAX_DEPBAR = 3
+DS_EXP_FLAGS = ("key", "tile")  # --ds-exp=MODE: GluonDkdvConfig(ds_exp=MODE); default: the config's default
 # spill bytes (ptxas -v, stores + loads) accepted per variant, each explained; anything above fails.  None since
 # session 7 (lse / δ through TMA freed the registers of the per-thread load addresses): until then d128 causal had
 # 16 bytes (1 STL + 2 LDL per query step on the masked diagonal path at 240 registers).
@@ -45,7 +47,7 @@ SPLIT_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {}
 
 
 def compile_variant(head_dim: int, causal: bool, stages: int | None = None, split: bool = False,
-                    defer_dk: bool | None = None):
+                    defer_dk: bool | None = None, ds_exp: str | None = None):
     """triton.compile of ``_attn_bwd_dkdv_ws_kernel`` for sm_90a, with the launcher's constexprs and options."""
     from triton.experimental.gluon import language as gl
 
@@ -62,8 +64,9 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None, spli
     ptrs = {"QE": "*i32", "DOE": "*i32", "KE": "*i32", "VE": "*i32", "QSE": "*i32", "DOSE": "*i32",
             "DK": "*bf16", "DV": "*bf16"}
     defer = (cfg.defer_dk if defer_dk is None else defer_dk) and stages >= 2  # as GluonDkdvConfig.defers_dk
+    key_exp = (ds_exp or cfg.ds_exp) == "key"  # as GluonDkdvConfig.key_exp
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs, SPLIT=split,
-                  CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=defer)
+                  CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=defer, DS_KEY_EXP=key_exp)
     # the JIT specializes integer arguments equal to 1 as constexpr; the launcher makes these strides 1 (contiguous
     # exponent tensors, dk, dv), so every launch compiles this variant
     consts |= {name: 1 for name in m.UNIT_STRIDES}
@@ -92,7 +95,13 @@ def main(argv=None) -> int:
     if "--no-defer" in argv:
         argv.remove("--no-defer")
         defer = False
-    return run_variants(argv, __doc__, lambda d, c, st: compile_variant(d, c, st, split=split, defer_dk=defer),
+    ds_exp = None
+    for mode in DS_EXP_FLAGS:
+        if f"--ds-exp={mode}" in argv:
+            argv.remove(f"--ds-exp={mode}")
+            ds_exp = mode
+    return run_variants(argv, __doc__, lambda d, c, st: compile_variant(d, c, st, split=split, defer_dk=defer,
+                                                                        ds_exp=ds_exp),
                         lambda k, name, dump: check(k, name, dump, split=split), consumer_threads=128 if split else 256)
 
 

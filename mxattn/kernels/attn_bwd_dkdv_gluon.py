@@ -127,7 +127,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
@@ -158,7 +158,7 @@ from mxattn.kernels.attn_bwd_dq_gluon import (
 )
 from mxattn.kernels.launch import cdiv, fast_launcher, nvmma_fp8_layout
 
-__all__ = ["GluonDkdvConfig", "default_config", "attn_bwd_dkdv_gluon", "bench_attn_bwd_dkdv_gluon",
+__all__ = ["GluonDkdvConfig", "default_config", "tl_twin_config", "attn_bwd_dkdv_gluon", "bench_attn_bwd_dkdv_gluon",
            "dkdv_operands"]
 
 LOG2E = 1.4426950408889634
@@ -167,6 +167,7 @@ BLOCK_N = gl.constexpr(128)  # keys per CTA: two warpgroups of 64 (the tl kernel
 BLOCK_M = gl.constexpr(64)  # queries per step: the tl kernel's block_m
 KV_EXP_GROUP = 128  # keys sharing one exponent in k and v_hdim (== BLOCK_N: one scalar per CTA)
 ROW_GROUP = 64  # q / dout_hdim rows per exponent must be a multiple of this (one scalar per query tile)
+DS_EXPS = ("key", "tile")  # GluonDkdvConfig.ds_exp
 
 # kernel arguments the launcher guarantees to be 1 (contiguous exponents, dk, dv): the JIT specializes them as
 # constexpr, which turns the per-channel vector addresses into one base plus immediates
@@ -189,15 +190,40 @@ class GluonDkdvConfig:
     split: bool = False
     consumer_regs: int = 240  # registers per thread of consumer warpgroup 1 (a worker partition) when split
     defer_dk: bool = True
+    # the dS exponent of dK's product (session 8): "key", one RCEIL power of two per key (row of dSᵀ, output row
+    # of dK) and query tile, a row reduction inside each quad of threads, dK rescaled per row every step; "tile",
+    # one per (keys x 64 queries) tile with hysteresis, a cross-warp reduction (the rule before session 8).  The
+    # tl twin of each: ``tl_twin_config``
+    ds_exp: str = "key"
+
+    def __post_init__(self):
+        if self.ds_exp not in DS_EXPS:
+            raise ValueError(f"ds_exp must be one of {DS_EXPS}, got {self.ds_exp!r}")
 
     @property
     def defers_dk(self) -> bool:
         """Whether the kernel is built with DEFER_DK (the deferral needs two stages: j − 1's and j's)."""
         return self.defer_dk and self.stages >= 2
 
+    @property
+    def key_exp(self) -> bool:
+        """Whether the kernel is built with DS_KEY_EXP (one dS exponent per key and query tile)."""
+        return self.ds_exp == "key"
+
 
 def default_config(head_dim: int, causal: bool) -> GluonDkdvConfig:
     return GluonDkdvConfig()
+
+
+def tl_twin_config(config: Optional[GluonDkdvConfig] = None):
+    """The ``attn_bwd.BwdConfig`` whose dK/dV kernel has this Gluon build's numerics (the same tile visits, dS
+    exponents and e4m3 P / dS values; only the fp32 summation order differs): 128-key blocks on 8 warps, or 64-key
+    blocks (``split_tl_config``) for the split build; ``ds_tile_scale`` False for ``ds_exp="key"``."""
+    from mxattn.kernels.attn_bwd import BwdConfig
+
+    cfg = config or default_config(128, False)
+    base = split_tl_config() if cfg.split else BwdConfig()
+    return replace(base, ds_tile_scale=not cfg.key_exp)
 
 
 # ------------------------------------------------------------------------------------------------- helpers
@@ -278,6 +304,30 @@ def _dk_pending(dk, dk_hh, dk_sh, QSE, stride_qseh, stride_qsed, o_layout: gl.co
     return dk
 
 
+@gluon.jit
+def _key_exp(ds, dk_e, dk_hi):
+    """DS_KEY_EXP: the dS exponent of each key (row of the 256·dSᵀ tile ``ds``) for this query tile, with the row
+    bounds: (e, dk_hi).  e = RCEIL of the row's amax (``dk_e``, the row's previous exponent, where the row is all
+    zero), raised to at least dk_hi − 64 (``attn_bwd._bounded_exp``, per row).  A row that is all zero (no query
+    of the tile sees the key, or P = 0) changes nothing: e stays dk_e (>= dk_hi − 64 by construction), dk_hi stays,
+    so tiles a kernel visits and its twin does not (split, causal: tiles wholly before a warpgroup's keys) leave
+    the row's sequence as the twin's.  The amax is a reduction over the row's 64 queries: in the wgmma layout a row
+    lives in one quad of threads (16 values each), so it is 15 FMNMX and two quad shuffles, no shared memory and
+    no barrier.  No hysteresis: dK is rescaled per row every step anyway (a per-row branch does not exist in
+    Gluon, and a partition-wide "any row moved" would be the cross-warp reduction this mode removes), so the
+    exponent may as well follow each row's amax exactly."""
+    amax = gl.max(gl.abs(ds), 1)
+    e = gl.maximum(_rceil_exp(amax, dk_e), dk_hi - 64)
+    dk_hi = gl.where(amax > 0.0, gl.maximum(dk_hi, e), dk_hi)
+    return e, dk_hi
+
+
+@gluon.jit
+def _row_scale(acc, f, o_layout: gl.constexpr):
+    """acc * f per row (f: [rows] fp32 in the dSᵀ tile's row layout; the same rows in the accumulator's)."""
+    return acc * gl.expand_dims(gl.convert_layout(f, gl.SliceLayout(1, o_layout)), 1)
+
+
 # ------------------------------------------------------------------------------------------------- producer
 @gluon.jit
 def _step_barriers(STAGES: gl.constexpr, SPLIT: gl.constexpr):
@@ -352,13 +402,14 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
               stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn, stride_dkd,
               KE, VE, key_lim, diag, Sq, h0, h_last, lo, mid, n_m, n_steps, qk_scale, grad_scale,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
-              WARPS: gl.constexpr, DEFER_DK: gl.constexpr):
+              WARPS: gl.constexpr, DEFER_DK: gl.constexpr, DS_KEY_EXP: gl.constexpr):
     """Keys n0 .. n0 + ROWS − 1 of one (b, hk), ROWS = 128 on 8 warps (the whole CTA's keys) or 64 on one warpgroup
     (split: keys n0 + 64·w ..); k_tile / v_tile their K and V_hdim tiles.  Pointers already moved to b (QE, DOE,
     QSE, DOSE) and to (b, hk, first key) (DK, DV); lse and δ of each query tile come through the ring
     (lse_smem, dl_smem: [STAGES, 1, 64] fp32, zero past Sq).  key_lim = Sk − first key (local keys below it
     exist), diag = Sk − Sq − first key (local key r sees local query c of the tile at m0 iff r − c <= m0 + diag).
-    The dS exponent is one per (ROWS keys x 64 queries) tile: the tl kernel's with block_n = ROWS.
+    The dS exponent is one per (ROWS keys x 64 queries) tile: the tl kernel's with block_n = ROWS; with DS_KEY_EXP
+    one per key and query tile (``_key_exp``): the tl kernel's ``DS_TILE_SCALE=False`` rule for dK.
 
     Split, warpgroup 1's first causal query tiles of each head can lie wholly before its keys (the tl kernel with
     64-key blocks starts later): P = dS = 0 there, the exponent stays (amax 0 keeps it) and the bound of
@@ -367,7 +418,9 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
     DEFER_DK: dK_j += dSᵀ_j Q_seq_j is issued in step j + 1 after Sᵀ_{j+1} and dPᵀ_{j+1} (and after the loop for
     the last step) and waited with dV_{j+1} at that step's end; stage j is released then.  dK's head rescale and
     tile-exponent rescale of step j + 1 follow that wait, so dK sees the same operations in the same order as
-    without the deferral (add dK_j, head rescale, exponent rescale, add dK_{j+1}): bit-identical results."""
+    without the deferral (add dK_j, head rescale, exponent rescale, add dK_{j+1}): bit-identical results.
+    DS_KEY_EXP deferred: the per-row exponent rescale of step j (a factor per row, every step) is applied at the
+    top of step j + 1 after the head rescale, before Sᵀ_{j+1}'s wgmma: the same order as the undeferred step."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_M, WARPS)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM, WARPS)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
@@ -378,8 +431,14 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
     s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=s_layout)
     dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
     dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-    dk_e = 0
-    dk_hi = -1000  # no bound until the accumulator holds something (_bounded_exp)
+    if DS_KEY_EXP:  # per key (row): exponent, bound (_key_exp), and the pending rescale factor of DEFER_DK
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        dk_e = gl.full([ROWS], 0, gl.int32, layout=row_s)
+        dk_hi = gl.full([ROWS], -1000, gl.int32, layout=row_s)
+        dk_f = gl.full([ROWS], 1.0, gl.float32, layout=row_s)
+    else:
+        dk_e = 0
+        dk_hi = -1000  # no bound until the accumulator holds something (_bounded_exp)
     # DEFER_DK: dSᵀ_{j-1}·2^-e_{j-1} (fp32, the value the undeferred step casts to e4m3), zeros before step 0 (whose
     # deferred product, on stage 0's Q_seq, adds exact zeros); and dK's rescales of step j-1 that wait for
     # dK_{j-2}: the head to rescale to (-1: none) and the exponent shift e_{j-2} − e_{j-1}
@@ -399,7 +458,15 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
             # e4m3 dSᵀ_{j-1} first: its fp32 tile is then dead before the rescales' exponent vectors load and
             # before Sᵀ_j / dPᵀ_j take their accumulators (with both live, d128 spills inside the loop)
             ds8 = gl.convert_layout(dsc.to(gl.float8e4nv), a_layout)
-            dk = _dk_pending(dk, dk_hh, dk_sh, QSE, stride_qseh, stride_qsed, o_layout, HEAD_DIM)
+            if DS_KEY_EXP:
+                # the head rescale, then the rows to e_{j-1} (64 FMUL a thread at d128, every step).  Here, before
+                # Sᵀ_j's wgmma: written between the issue of Sᵀ_j / dPᵀ_j and dK's, ptxas interleaves the FMULs with
+                # Sᵀ_j's wgmma and then waits for Sᵀ_j and dPᵀ_j before dK's (a fourth WARPGROUP.DEPBAR, exp2 of
+                # Pᵀ_j behind dPᵀ_j's product)
+                dk = _dk_pending(dk, dk_hh, 0, QSE, stride_qseh, stride_qsed, o_layout, HEAD_DIM)
+                dk = _row_scale(dk, dk_f, o_layout)
+            else:
+                dk = _dk_pending(dk, dk_hh, dk_sh, QSE, stride_qseh, stride_qsed, o_layout, HEAD_DIM)
             if j - t * n_m == 0:
                 if j > 0:  # dV's head rescale; dK's waits for dK_{j-1} (applied at the top of step j + 1)
                     dv = _chan_rescale(dv, DOSE, stride_qseh, stride_qsed, hh, o_layout, HEAD_DIM)
@@ -437,18 +504,26 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
         # Pᵀ to e4m3 only now (after dSᵀ took its fp32 value): Pᵀ, dPᵀ and the e4m3 Pᵀ are never live together
         p8 = gl.convert_layout(p.to(gl.float8e4nv), a_layout)
         dv = warpgroup_mma(p8, dos_smem.index(st).permute((1, 0)), dv, is_async=True)
-        # the tile's exponent (a cross-warp max), its e4m3 dSᵀ and the rare dK rescale, under dV's product
-        amax = gl.max(gl.max(gl.abs(ds), 1), 0)
-        e = gl.maximum(_sticky_exp(_rceil_exp(amax, dk_e), dk_e), dk_hi - 64)  # _bounded_exp(_sticky_exp(...))
-        if ROWS == 64 and CAUSAL:
-            # split: a query tile wholly before this warpgroup's keys (local key 0 does not see query 63) is one
-            # the tl kernel's 64-key block does not visit: all masked (amax 0 keeps e), it must not start the bound
-            if m0 + diag > -BLOCK_M:
-                dk_hi = gl.maximum(dk_hi, e)
+        # the tile's exponent (a cross-warp max) or the keys' (DS_KEY_EXP: row maxima), its e4m3 dSᵀ and the dK
+        # rescale (rare per tile, every step per key), under dV's product
+        if DS_KEY_EXP:
+            e, dk_hi = _key_exp(ds, dk_e, dk_hi)  # the bound too (all-zero rows leave it: no split special case)
         else:
-            dk_hi = gl.maximum(dk_hi, e)
+            amax = gl.max(gl.max(gl.abs(ds), 1), 0)
+            e = gl.maximum(_sticky_exp(_rceil_exp(amax, dk_e), dk_e), dk_hi - 64)  # _bounded_exp(_sticky_exp(...))
+            if ROWS == 64 and CAUSAL:
+                # split: a query tile wholly before this warpgroup's keys (local key 0 does not see query 63) is
+                # one the tl kernel's 64-key block does not visit: all masked (amax 0 keeps e), it must not start
+                # the bound
+                if m0 + diag > -BLOCK_M:
+                    dk_hi = gl.maximum(dk_hi, e)
+            else:
+                dk_hi = gl.maximum(dk_hi, e)
         if DEFER_DK:
-            dsc = ds * _pow2(-e)  # cast to e4m3 and multiplied in step j + 1
+            if DS_KEY_EXP:
+                dsc = ds * gl.expand_dims(_pow2(-e), 1)  # cast to e4m3 and multiplied in step j + 1
+            else:
+                dsc = ds * _pow2(-e)  # cast to e4m3 and multiplied in step j + 1
             dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))  # dV_j, dK_{j-1}
             if j > 0:
                 mbarrier.arrive(empty.index(sp), count=1)  # stage j-1 free: its Q_seq was dK_{j-1}'s last read
@@ -458,12 +533,19 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
             if j - t * n_m == 0:
                 if j > 0:
                     dk_hh = hh
-            dk_sh = dk_e - e
+            if DS_KEY_EXP:
+                dk_f = _pow2(dk_e - e)
+            else:
+                dk_sh = dk_e - e
             dk_e = e
         else:
-            ds8 = gl.convert_layout((ds * _pow2(-e)).to(gl.float8e4nv), a_layout)
-            if e != dk_e:  # rare: only when the tile's exponent leaves the hysteresis window
-                dk = dk * _pow2(dk_e - e)
+            if DS_KEY_EXP:
+                ds8 = gl.convert_layout((ds * gl.expand_dims(_pow2(-e), 1)).to(gl.float8e4nv), a_layout)
+                dk = _row_scale(dk, _pow2(dk_e - e), o_layout)
+            else:
+                ds8 = gl.convert_layout((ds * _pow2(-e)).to(gl.float8e4nv), a_layout)
+                if e != dk_e:  # rare: only when the tile's exponent leaves the hysteresis window
+                    dk = dk * _pow2(dk_e - e)
             dk_e = e
             dk = warpgroup_mma(ds8, qs_smem.index(st).permute((1, 0)), dk, is_async=True)
             dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
@@ -472,7 +554,11 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
         if n_steps > 0:  # the last step's deferred dK (n_steps >= 1 whenever Sq >= 1)
             sp = (n_steps - 1) % STAGES
             ds8 = gl.convert_layout(dsc.to(gl.float8e4nv), a_layout)
-            dk = _dk_pending(dk, dk_hh, dk_sh, QSE, stride_qseh, stride_qsed, o_layout, HEAD_DIM)
+            if DS_KEY_EXP:
+                dk = _dk_pending(dk, dk_hh, 0, QSE, stride_qseh, stride_qsed, o_layout, HEAD_DIM)
+                dk = _row_scale(dk, dk_f, o_layout)
+            else:
+                dk = _dk_pending(dk, dk_hh, dk_sh, QSE, stride_qseh, stride_qsed, o_layout, HEAD_DIM)
             dk = warpgroup_mma(ds8, qs_smem.index(sp).permute((1, 0)), dk, is_async=True)
             dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
             mbarrier.arrive(empty.index(sp), count=1)
@@ -480,7 +566,10 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
     # ---- epilogue (attn_bwd._bwd_dkdv_kernel): the last head's seq exponents, dK's tile exponent, 2^-8 of P
     offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
     qse = gl.load(QSE + h_last * stride_qseh + offs_d * stride_qsed)
-    dk = dk * gl.expand_dims(_pow2(qse) * (grad_scale * _pow2(dk_e)), 0)
+    if DS_KEY_EXP:  # the tl kernel's order: rows by 2^e, then channels by 2^qse · scale · 2^-8
+        dk = _row_scale(dk, _pow2(dk_e), o_layout) * gl.expand_dims(_pow2(qse) * grad_scale, 0)
+    else:
+        dk = dk * gl.expand_dims(_pow2(qse) * (grad_scale * _pow2(dk_e)), 0)
     offs_n = gl.arange(0, ROWS, layout=row_o)
     key_ok = gl.expand_dims(offs_n < key_lim, 1)
     ptrs = DK + gl.expand_dims(offs_n.to(gl.int64) * stride_dkn, 1) + gl.expand_dims(offs_d * stride_dkd, 0)
@@ -503,7 +592,7 @@ def _attn_bwd_dkdv_ws_kernel(
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,  # dk's and dv's
     Hq, Hkv, Sq, Sk, group_size, qk_scale, grad_scale,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr, DEFER_DK: gl.constexpr,
+    SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr, DEFER_DK: gl.constexpr, DS_KEY_EXP: gl.constexpr,
 ):
     # key blocks fastest within one (b, kv head), as the tl kernel: the heaviest causal blocks (first keys) start
     # first and neighbouring CTAs stream the same query-side tiles through L2
@@ -557,13 +646,13 @@ def _attn_bwd_dkdv_ws_kernel(
                          stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
                          stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0,
                          h0 + group_size - 1, lo, mid, n_m, n_steps, qk_scale, grad_scale,
-                         HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK)),
+                         HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK, DS_KEY_EXP)),
             (_consumer, (q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem.index(1), v_smem.index(1),
                          kv_bar, ready, empty, QE_b, DOE_b, QSE_b, DOSE_b, DK_t + wg_off, DV_t + wg_off,
                          stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
                          stride_dkd, KE_t, VE_t, Sk - n0 - BLOCK_N_WG,
                          causal_off - n0 - BLOCK_N_WG, Sq, h0, h0 + group_size - 1, lo, mid, n_m, n_steps,
-                         qk_scale, grad_scale, HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK)),
+                         qk_scale, grad_scale, HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK, DS_KEY_EXP)),
             (_producer_split, (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem,
                                do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
                                b * Sk + n0, hk * HEAD_DIM, b * Sq, b * Hq * HEAD_DIM, b * Hq, h0, lo, n_m, n_steps,
@@ -576,7 +665,7 @@ def _attn_bwd_dkdv_ws_kernel(
                          stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
                          stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0,
                          h0 + group_size - 1, lo, mid, n_m, n_steps, qk_scale, grad_scale,
-                         HEAD_DIM, STAGES, CAUSAL, 128, 8, DEFER_DK)),
+                         HEAD_DIM, STAGES, CAUSAL, 128, 8, DEFER_DK, DS_KEY_EXP)),
             (_producer, (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem, do_smem,
                          qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
                          b * Sk + n0, hk * HEAD_DIM, b * Sq, b * Hq * HEAD_DIM, b * Hq, h0, lo, n_m, n_steps,
@@ -774,7 +863,7 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
         *row_e(qe), *row_e(de), *row_e(ke), *row_e(ve), *chan_e(qse), *dk.stride(),
         Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
         HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
-        SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=cfg.defers_dk,
+        SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=cfg.defers_dk, DS_KEY_EXP=cfg.key_exp,
         num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg,
     )
     return dk, dv
@@ -784,8 +873,9 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
 def _tl_dkdv(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, *, causal=False, softmax_scale=None,
              grad_dtype=torch.bfloat16, tl_config=None):
     """The ``tl`` dK/dV kernel (``attn_bwd._bwd_dkdv_kernel``, ``ATOMIC_DQ=False``) alone, launched as
-    ``attn_bwd_hopper`` launches it on the deterministic path (default tiles 64 x 128, 8 warps, 2 stages, or
-    ``tl_config``: ``split_tl_config()`` is the split Gluon kernel's twin), on grouped q / dO operands."""
+    ``attn_bwd_hopper`` launches it on the deterministic path (default tiles 64 x 128, 8 warps, 2 stages, dS
+    exponent per tile, or ``tl_config``: ``tl_twin_config(cfg)`` is the twin of the Gluon build ``cfg``), on grouped
+    q / dO operands."""
     from mxattn.kernels import attn_bwd as ab
 
     cfg = tl_config or ab.BwdConfig()
@@ -808,7 +898,7 @@ def _tl_dkdv(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, *, causal=Fal
         Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
         ab._seq_load_bound(qsd), ab._seq_load_bound(dsd), None, None, None, None, None, None, None,
         HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, ATOMIC_DQ=False,
-        DS_TILE_SCALE=True, Q_GROUP=q.group, DO_GROUP=dout_hdim.group, EXPLICIT_ROUND=False,
+        DS_TILE_SCALE=cfg.ds_tile_scale, Q_GROUP=q.group, DO_GROUP=dout_hdim.group, EXPLICIT_ROUND=False,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return dk, dv
@@ -827,6 +917,6 @@ def bench_attn_bwd_dkdv_gluon(shapes: Sequence[tuple] = ((2, 16, 16, 8192, 128, 
     """Time the Gluon dK/dV kernel against the ``tl`` dK/dV-only kernel on the same prepared operands (GPU,
     ``attn_bwd_dq_gluon.time_against_tl``).  TFLOP/s count the kernel's 4 products (Sᵀ, dPᵀ, dV, dK):
     4 * 2 * B * Hq * S^2 * D, half when causal."""
-    tl_config = split_tl_config() if config is not None and config.split else None
+    tl_config = tl_twin_config(config)
     return time_against_tl(shapes, dkdv_operands, lambda **ops: attn_bwd_dkdv_gluon(**ops, config=config),
                            lambda **ops: _tl_dkdv(**ops, tl_config=tl_config), products=4, rep_ms=rep_ms)
