@@ -37,6 +37,12 @@ from compile_check_gluon import compile_sm90, fp8_desc  # noqa: E402
 
 MAX_DEPBAR = 3
 DS_EXP_FLAGS = ("key", "tile")  # --ds-exp=MODE: GluonDkdvConfig(ds_exp=MODE); default: the config's default
+# named barriers (BAR.SYNC) on a common query step's path (``compile_check_gluon.step_path``): the two around the
+# ring's mbarrier wait and release, which Triton inserts, plus with ds_exp="tile" the two of the tile-wide dS amax
+# (a cross-warp reduction through shared memory); with "key" the amax is a row reduction inside each quad of
+# threads, so a barrier more means the reduction crossed warps again
+STEP_BAR_KEY = 2
+STEP_BAR_TILE = 4
 # spill bytes (ptxas -v, stores + loads) accepted per variant, each explained; anything above fails.  None since
 # session 7 (lse / δ through TMA freed the registers of the per-thread load addresses): until then d128 causal had
 # 16 bytes (1 STL + 2 LDL per query step on the masked diagonal path at 240 registers).
@@ -75,15 +81,21 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None, spli
 
 
 def check(k, name: str, dump: str | None, max_depbar: int = MAX_DEPBAR, spill_allowance: int | None = None,
-          split: bool = False) -> bool:
+          split: bool = False, key_exp: bool | None = None) -> bool:
     """``compile_check_gluon.check`` with ``max_depbar`` DEPBARs per loop iteration and the variant's documented
     spill allowance (``SPILL_ALLOWANCE``); prints the report.  Split variants: ptxas spills a few loop-invariant
     values of each warpgroup (the epilogue's pointers: stored before the query-step loop, reloaded after it; 40 B
     at d128 causal with triton 3.6 since session 7, 72 B at d128 and 184 B at d128 causal before), so the rule there
-    is no LDL / STL inside the loops."""
+    is no LDL / STL inside the loops.  ``key_exp`` (the build's DS_KEY_EXP; the default config's when None): a common
+    step may hold at most ``STEP_BAR_KEY`` BAR.SYNC, else ``STEP_BAR_TILE``."""
     allowed = SPILL_ALLOWANCE.get(name, 0) if spill_allowance is None else spill_allowance
+    if key_exp is None:
+        from mxattn.kernels.attn_bwd_dkdv_gluon import default_config
+
+        key_exp = default_config(128, False).key_exp
     return gluon_check(k, name, dump, max_depbar=max_depbar, allowed_spill_bytes=None if split else allowed,
-                       allowed_loop_local=SPLIT_LOOP_LOCAL_ALLOWANCE.get(name, 0) if split else 0)
+                       allowed_loop_local=SPLIT_LOOP_LOCAL_ALLOWANCE.get(name, 0) if split else 0,
+                       max_step_bar=STEP_BAR_KEY if key_exp else STEP_BAR_TILE)
 
 
 def main(argv=None) -> int:
@@ -100,9 +112,11 @@ def main(argv=None) -> int:
         if f"--ds-exp={mode}" in argv:
             argv.remove(f"--ds-exp={mode}")
             ds_exp = mode
+    key_exp = None if ds_exp is None else ds_exp == "key"
     return run_variants(argv, __doc__, lambda d, c, st: compile_variant(d, c, st, split=split, defer_dk=defer,
                                                                         ds_exp=ds_exp),
-                        lambda k, name, dump: check(k, name, dump, split=split), consumer_threads=128 if split else 256)
+                        lambda k, name, dump: check(k, name, dump, split=split, key_exp=key_exp),
+                        consumer_threads=128 if split else 256)
 
 
 if __name__ == "__main__":
