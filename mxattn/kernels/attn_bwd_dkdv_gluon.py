@@ -2,7 +2,8 @@
 "Plan for the warp-specialized backward").
 
 It replaces the ``tl`` kernel ``attn_bwd._bwd_dkdv_kernel`` on the "dQ from a separate kernel" path
-(``ATOMIC_DQ=False``, ``DS_TILE_SCALE=True``) with the same operands and the same arithmetic.  Per 128 keys of one
+(``ATOMIC_DQ=False``; ``DS_TILE_SCALE`` False for ``ds_exp="key"``, True for "tile") with the same operands and
+the same arithmetic.  Per 128 keys of one
 (batch, kv head), looping over the query heads of the GQA group and, per head, over query tiles of BLOCK_M = 64:
 
   Sᵀ  = K Qᵀ            k (hdim, one exponent per 128 keys) x q (hdim, one exponent per 64+ rows), FP8 wgmma
@@ -12,11 +13,20 @@ It replaces the ``tl`` kernel ``attn_bwd._bwd_dkdv_kernel`` on the "dQ from a se
   dSᵀ = Pᵀ ∘ (dPᵀ·2^(doe+ve) − δ)                          (256·dS, fp32)
   dK += e4m3(dSᵀ·2^-e) Q_seq                                register A operand x channel-major q_seq, FP8 wgmma
   dk = dK · 2^e · 2^qse[channel] · scale · 2^-8,  dv = dV · 2^dose[channel] · 2^-8   (epilogue, grad_dtype)
+  (e: one per key, a vector over dK's rows, with ``ds_exp="key"``; one scalar per tile with "tile")
 
 Keys are on the MMA's M dimension, so Pᵀ and dSᵀ are ready as register A operands: no transpose, no shared
-memory round trip.  The dS exponent ``e`` is the ``tl`` kernel's rule, unchanged: one RCEIL power of two per
-(128 keys x 64 queries) tile, kept with hysteresis (``_sticky_exp``) and a bounded total drop (``_bounded_exp``),
-the dK accumulator rescaled by 2^(e_old − e_new) (exact) when it changes.  The seq operands' exponents are per
+memory round trip.  The dS exponent ``e`` is the ``tl`` kernel's rule, per ``GluonDkdvConfig.ds_exp``:
+  "key" (default since session 8): one RCEIL power of two per key (row of dSᵀ = output row of dK) and query tile,
+        with a bounded total drop per key (``_key_exp``), no hysteresis; dK's rows rescaled by 2^(e_old − e_new)
+        (exact) every step.  A per-row power of two commutes with dK = dSᵀ Q_seq (it scales an output row), so it
+        is exact to factor out (DESIGN §3), and its amax is a row reduction inside the quad of threads that holds
+        the row: no shared memory, no barrier.  The tl twin: ``BwdConfig(ds_tile_scale=False)``.
+  "tile": one per (128 keys x 64 queries) tile (64 keys split), kept with hysteresis (``_sticky_exp``) and a
+        bounded total drop (``_bounded_exp``), the dK accumulator rescaled by 2^(e_old − e_new) (exact) when it
+        changes; its amax is a cross-warp reduction (shared memory, two named barriers per step).  Compiles to the
+        same SASS as before session 8.
+The seq operands' exponents are per
 (query head, channel): dK and dV are kept in units of the current head's and rescaled by 2^(prev − new) per channel
 when the head changes, as the ``tl`` kernel does.  The query tiles are visited in the ``tl`` kernel's order (heads
 h0 .. h0+G-1; per head the masked tiles lo .. mid, then the unmasked mid .. m_end, i.e. increasing start_m), so the
@@ -33,10 +43,11 @@ The consumers read lse and δ from the ring's shared memory (since session 7; be
 global loads per thread and step sat on each step's serial chain) and load only the scalar exponents qe, doe with
 gl.load.
 Deviation from the brief's "consumer warpgroups ... own 64 keys" as separate partitions: as in attn_bwd_dq_gluon,
-the two warpgroups are one 8-warp partition, because the dS exponent is a maximum over the whole 128-key x 64-query
-tile (the ``tl`` kernel's rule, kept for equal numerics): the tile-wide ``gl.max`` is the compiler's cross-warp
-reduction (shared memory + a named barrier of the partition's 256 threads).  The per-key dS scale
-(``BwdConfig(ds_tile_scale=False)``) is left out: only the default per-tile path exists here.
+the two warpgroups are one 8-warp partition in the whole-tile build, because the "tile" dS exponent is a maximum
+over the whole 128-key x 64-query tile (the ``tl`` kernel's rule, kept for equal numerics): the tile-wide ``gl.max``
+is the compiler's cross-warp reduction (shared memory + a named barrier of the partition's 256 threads).  The split
+build (below) and the per-key exponent (``ds_exp="key"``, the ``tl`` kernel's ``ds_tile_scale=False`` rule for dK)
+each remove that coupling.
 
 Consumer step j (query tile j of the flattened (head, start_m) sequence; stage s = j % STAGES), with dK deferred
 one step (``DEFER_DK``, the default since session 7; ``GluonDkdvConfig(defer_dk=False)`` for the step before it):
@@ -48,9 +59,12 @@ one step (``DEFER_DK``, the default since session 7; ``GluonDkdvConfig(defer_dk=
   3. wait for Sᵀ_j only (dPᵀ_j and dK_{j-1} run on); Pᵀ_j (masked or not: the branches join fp32 values); δ_j from
      shared memory;
   4. wait for dPᵀ_j (dK_{j-1} runs on); dSᵀ_j (fp32), then e4m3 Pᵀ_j in the A layout; issue dV += Pᵀ_j dO_seq_j;
-  5. the tile's dS amax and exponent e_j, dSᵀ_j·2^-e_j (fp32, carried), while dV's and dK_{j-1}'s products run;
+  5. the tile's dS amax and exponent e_j (per key with ``ds_exp="key"``: row maxima), dSᵀ_j·2^-e_j (fp32,
+     carried), while dV's and dK_{j-1}'s products run;
   6. wait for everything (dV_j, dK_{j-1}); release stage j-1 (j > 0: its Q_seq was dK_{j-1}'s last read); dK's
-     rescales of step j (head change at j, exponent move) become pending for step 1 of j + 1.
+     rescales of step j (head change at j, exponent move) become pending for step 1 of j + 1 (per key: the row
+     factors 2^(e_{j-1} − e_j), applied every step after the head rescale, before Sᵀ_{j+1}'s wgmma, where ptxas
+     issues most of the 64 FMUL (d128) between Sᵀ's k-steps).
   After the loop: step n-1's pending rescales, dK += dSᵀ_{n-1} Q_seq_{n-1}, wait, release.
 dK therefore sees the undeferred order (dK_{j-1} added, head rescale, exponent rescale, dK_j added) with the same
 operands and the same multiplications, so dK / dV are bit-identical to the undeferred kernel's.  The rescales are
@@ -87,7 +101,13 @@ sequence with a group that is a multiple of 64 (one scalar exponent per query ti
 v_hdim the K layout (128 keys per exponent), q_seq and dout_seq the V layout (channel-major, one exponent per
 (head, channel)).  D is 64 or 128.
 
-Compile check without a GPU (triton 3.6): ``python scripts/compile_check_bwd_dkdv_gluon.py [--split] [--no-defer]``.
+Compile check without a GPU (triton 3.6): ``python scripts/compile_check_bwd_dkdv_gluon.py [--split] [--no-defer]
+[--ds-exp=key|tile]``.
+Per-key dS exponent (session 8, deferred dK, 3 stages; not yet run on a GPU), before (tile) -> after (key): a
+common step's named barriers 4 -> 2, STS 2 -> 0, LDS 18 -> 16, SHFL 25 -> 20, FMUL 65 -> 129 (d128; 97 at d64);
+step SASS 648-654 -> 707-712 (split d128), 668-669 -> 722-723 (split d128 causal), 627-629 -> 656 (split d64),
+663 -> 720 (whole d128); highest register and shared memory unchanged (R237 at d128), split spills 24 -> 56 B at
+d128 and 64 -> 56 B at d128 causal, all outside the loops; three ``WARPGROUP.DEPBAR`` per step as before.
 Deferred dK (session 7, 3 stages; not yet run on a GPU): highest register R237 (d128, d128 causal) / R181 (d64) /
 R195 (d64 causal), no spill whole-tile; split 24 B (d128) / 64 B (d128 causal) spilled outside the loops, no
 LDL / STL inside; shared memory 132 988 B (d128) / 67 452 B (d64), split 133 136 / 67 600; 4 + 4 + 2 + 2 wgmma per
@@ -460,9 +480,11 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
             ds8 = gl.convert_layout(dsc.to(gl.float8e4nv), a_layout)
             if DS_KEY_EXP:
                 # the head rescale, then the rows to e_{j-1} (64 FMUL a thread at d128, every step).  Here, before
-                # Sᵀ_j's wgmma: written between the issue of Sᵀ_j / dPᵀ_j and dK's, ptxas interleaves the FMULs with
-                # Sᵀ_j's wgmma and then waits for Sᵀ_j and dPᵀ_j before dK's (a fourth WARPGROUP.DEPBAR, exp2 of
-                # Pᵀ_j behind dPᵀ_j's product)
+                # Sᵀ_j's wgmma, ptxas (triton 3.6, sm_90a) issues most of them between Sᵀ_j's first k-steps, under
+                # its product.  Tried and worse: between the issue of Sᵀ_j / dPᵀ_j and dK's (ptxas then waits for
+                # Sᵀ_j and dPᵀ_j before issuing dK: a fourth WARPGROUP.DEPBAR, Pᵀ_j's exp2 behind dPᵀ_j); at the
+                # end of step j after dK_{j-1}'s wait, under dV_j (ptxas sinks them below the final wait, onto the
+                # step's tail, and with the wait before dV_j's issue it hoists that wait up to dPᵀ_j's)
                 dk = _dk_pending(dk, dk_hh, 0, QSE, stride_qseh, stride_qsed, o_layout, HEAD_DIM)
                 dk = _row_scale(dk, dk_f, o_layout)
             else:
