@@ -216,22 +216,27 @@ def test_lse_delta_descriptor_boxes_match_masked_loads(S):
 
 
 @pytest.mark.slow
-def test_compiles_for_sm90_without_gpu(capsys):
+def test_compiles_for_sm90_without_gpu():
     """Where triton 3.6 is installed (the GPU machine), the d128 causal and d64 kernels compile for sm_90a with the
     checks of ``scripts/compile_check_bwd_dkdv_gluon.py`` (spills within the documented allowance, e4m3 k32
     wgmma, no ptxas serialization, at most 3 DEPBAR per step, and on a common step's path at most 2 named barriers
-    with ``ds_exp="key"``, 4 with "tile")."""
+    with ``ds_exp="key"``, 4 with "tile").  The script runs in a subprocess without TRITON_INTERPRET: conftest sets
+    it on machines without CUDA, and under it ``gl.max``'s combine function is an interpreter object that Gluon
+    cannot compile (in-process, the check passed only where triton's cache already held the kernel)."""
     if not triton_version().startswith("3.6"):
         pytest.skip(f"compile check targets triton 3.6 (installed: {triton_version() or 'none'})")
     _mod()
-    sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "scripts"))
-    import compile_check_bwd_dkdv_gluon as cc
+    import subprocess
 
-    for d, causal, split, ds_exp in ((128, True, False, "key"), (64, False, False, "key"), (128, False, True, "key"),
-                                     (128, True, True, "key"), (128, True, True, "tile"), (64, True, False, "tile")):
-        kernel = cc.compile_variant(d, causal, split=split, ds_exp=ds_exp)
-        assert cc.check(kernel, f"d{d}{'_causal' if causal else ''}", None, split=split, key_exp=ds_exp == "key"), \
-            capsys.readouterr().out
+    root = os.path.dirname(_HERE)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    for args in (["--only", "d128_causal,d64", "--ds-exp=key"],
+                 ["--split", "--only", "d128,d128_causal", "--ds-exp=key"],
+                 ["--split", "--only", "d128_causal", "--ds-exp=tile"], ["--only", "d64_causal", "--ds-exp=tile"]):
+        r = subprocess.run([sys.executable, os.path.join(root, "scripts", "compile_check_bwd_dkdv_gluon.py"), *args],
+                           capture_output=True, text=True, env=env, cwd=root)
+        assert r.returncode == 0 and "all variants OK" in r.stdout, (args, r.stdout[-4000:], r.stderr[-2000:])
 
 
 RING = ("q", "do", "lse", "dl", "qs", "dos")  # the six loads of a query step, all on the stage's ready barrier
