@@ -486,6 +486,37 @@ def test_attn_bwd_dkdv_gluon_matches_tl(case, split, ds_exp, seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+def test_attn_bwd_dkdv_gluon_key_exp_keeps_small_keys(split, causal, seed):
+    """The input on which the two dS rules differ (on ordinary inputs they agree to ~0.01 dB, so the twin tests
+    alone would not tell a key build that fell back to one exponent per tile): odd keys score ~14 below even keys
+    (P ~2^-20), so with one exponent per tile their dSᵀ flush under e4m3's subnormals.  The key build agrees with its
+    tl twin on the odd keys' dK rows alone; the tile build's odd rows are ~0 against them."""
+    if not _is_hopper():
+        pytest.skip("the Gluon dK/dV kernel needs an sm_90 GPU")
+    m = _mod()
+    g = torch.Generator().manual_seed(seed)
+    B, S, H, D = 1, 512, 2, 128
+    q = torch.randn(B, S, H, D, generator=g).abs() + 1.0
+    sign = torch.where(torch.arange(S) % 2 == 0, 1.0, -1.0).view(1, S, 1, 1)
+    k = 0.5 * sign + 0.1 * torch.randn(B, S, H, D, generator=g)
+    v, dout = torch.randn(B, S, H, D, generator=g), torch.randn(B, S, H, D, generator=g)
+    q, k, v, dout = (t.to("cuda", torch.bfloat16) for t in (q, k, v, dout))
+    ops, _ = m.dkdv_operands(q, k, v, dout, causal)
+    key = m.GluonDkdvConfig(split=split, ds_exp="key")
+    dk, _ = m.attn_bwd_dkdv_gluon(**ops, causal=causal, config=key)
+    want, _ = m._tl_dkdv(**ops, causal=causal, tl_config=m.tl_twin_config(key))
+    dk_tile, _ = m.attn_bwd_dkdv_gluon(**ops, causal=causal, config=m.GluonDkdvConfig(split=split, ds_exp="tile"))
+    torch.cuda.synchronize()
+    _assert_agree(dk, want, f"small keys split={split} dk")
+    small, small_want = dk[:, 1::2].contiguous(), want[:, 1::2].contiguous()
+    _assert_agree(small, small_want, f"small keys split={split} dk, odd rows")
+    assert small_want.float().norm() > 0
+    assert dk_tile[:, 1::2].float().norm() < 1e-3 * small_want.float().norm()
+
+
+@pytest.mark.gpu
 def test_attn_bwd_dkdv_gluon_unseen_keys_zero(seed):
     """Keys that no query sees get dk = dv = 0 exactly: every query row empty (lse = −inf, as the forward returns
     for rows that see nothing).  (Bottom-right causal with Sq >= 1 lets the last query see every key.)"""
