@@ -84,8 +84,10 @@ for st in $STAGES; do
         [ -f "tests/test_attn_bwd_${part}_gluon.py" ] || continue
         run $PY "scripts/compile_check_bwd_${part}_gluon.py"
         run $PY "scripts/compile_check_bwd_${part}_gluon.py" --split
+        # dK/dV: the dS exponent per tile too (the rule before session 8; the default is per key)
+        [ "$part" = dkdv ] && run $PY scripts/compile_check_bwd_dkdv_gluon.py --split --ds-exp=tile
         T=120 run $PY -m pytest -m gpu -q -x -rfE -p no:cacheprovider "tests/test_attn_bwd_${part}_gluon.py" \
-          -k "1x1x1x2x2x128c or 2x113x203"
+          -k "1x1x1x2x2x128c or 2x113x203 or key_exp_tiny"
         run $PY -m pytest -m gpu -q -rfE -s -p no:cacheprovider "tests/test_attn_bwd_${part}_gluon.py" \
           2>&1 | tee "$OUT/bwd_${part}_gluon_tests.log" | tail -40
       done

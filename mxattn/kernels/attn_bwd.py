@@ -28,7 +28,9 @@ that is a skipped branch on most tiles.  The atomic dQ tile is multiplied by 2^e
 dQ kernel keeps its accumulator like dK, along the kv tiles.  Because e4m3 rounding is relative, the block size of
 a power-of-two scale only matters for elements that fall to subnormals: this scheme and the reference's MX blocks
 of 32 give gradients that agree to ~100 dB, i.e. the same dS.  ``BwdConfig(ds_tile_scale=False)`` uses one scale
-per key (a quad-shuffle row reduction of the dSᵀ tile) for dK instead, and a separate per-tile cast for dQ.
+per key and query tile (a quad-shuffle row reduction of the dSᵀ tile, no hysteresis, dK rescaled per row every tile;
+the rule of the Gluon dK/dV kernel's ``ds_exp="key"``, whose twin it is) for dK instead, and a separate per-tile
+cast for dQ; ``reference.attention_backward(..., ds_q_block=block_m)`` emulates it.
 
 P·256 is at most 256 (P <= 1): e4m3 without saturation, the constant 2^-8 folds into dV's epilogue.  dS is also
 computed from the fp32 P·256 (as the reference, which keeps P unrounded for dS); its 256 folds into dK and dQ.
@@ -93,7 +95,7 @@ class BwdConfig:
     dq_block_n: int = 64
     dq_num_warps: int = 8
     dq_num_stages: int = 2
-    ds_tile_scale: bool = True  # one dS scale per tile; False: per key for dK (module docstring)
+    ds_tile_scale: bool = True  # one dS scale per tile; False: per key and q tile for dK (module docstring)
     # dQ from the second kernel (the deterministic path) even when atomics are allowed: faster for some shapes
     dq_kernel: bool = False
 
@@ -342,7 +344,10 @@ def _kv_step(
     else:  # dK: one scale per key (rows of dSᵀ: a quad-shuffle reduction); dQ: one per tile
         amax_k = tl.max(absds, 1)
         e_k = _bounded_exp(_rceil_exp(amax_k, dk_e), dk_hi)
-        dk_hi = tl.maximum(dk_hi, e_k)
+        # a key whose dS is all zero in this tile leaves its bound (and, by _rceil_exp's keep, its exponent): the
+        # Gluon twin's split build visits such tiles (causal, before a warpgroup's keys) where this kernel with
+        # 64-key blocks does not, and both must see the same exponent sequence
+        dk_hi = tl.where(amax_k > 0.0, tl.maximum(dk_hi, e_k), dk_hi)
         dsk8 = _to_e4m3(dsT * _pow2(-e_k)[:, None], EXPLICIT_ROUND)
         dk = dk * _pow2(dk_e - e_k)[:, None]
         dk = tl.dot(dsk8, qs, dk)
@@ -1090,7 +1095,10 @@ def attn_bwd_hopper_varlen(
     their jagged mode (``attn_bwd_dkdv_gluon_varlen``, ``attn_bwd_dq_gluon_varlen``; always deterministic, split
     variants unless ``MXATTN_BWD_GLUON_SPLIT=0``) when ``config`` is None, D is 64 or 128, q / dout_hdim have the K
     layout and the seq operands 64-aligned columns (``varlen_bwd_operands`` makes them so); else the ``tl``
-    kernels with ``VARLEN=True``.  Each sequence's gradients are then those of the dense Gluon backward on it.
+    kernels with ``VARLEN=True``.  Each sequence's gradients are then those of the dense Gluon backward on it: the
+    jagged dK/dV kernel gets the dense dispatch's config, so its dS exponent is per key (``GluonDkdvConfig``'s
+    default ``ds_exp="key"``), whose tl twin is ``ds_tile_scale=False`` (``attn_bwd_dkdv_gluon.tl_twin_config``);
+    the tl path keeps its config's rule (per tile by default).
     """
     Tq, Hq, D = q.data.shape
     Tk, Hkv = k.data.shape[0], k.data.shape[1]
