@@ -1095,30 +1095,34 @@ _NO_EXP_JOB = (None, 0, 0, 0, 0, 0, 0, None, 0, 0)
 def _operands_launch(state: dict, name: str, quant: list, exps: list, D: int, rceil: bool, soft: bool,
                      dummy: torch.Tensor) -> None:
     """Launch up to two quantize jobs and two exponent jobs (``_quant_slot`` / ``_exp_slot`` results) as one
-    ``_operands_kernel`` grid, bound in ``state[name]`` after the first call."""
+    ``_operands_kernel`` grid, bound in ``state[name]`` by the first call (which also works out the constexprs)."""
+    args = []
+    n = []
+    for jobs, empty in ((quant, _NO_QUANT_JOB), (exps, _NO_EXP_JOB)):
+        for i in range(2):
+            if i < len(jobs):
+                args += jobs[i][0]
+                n.append(jobs[i][2])
+            else:
+                args += (dummy if x is None else x for x in empty)
+                n.append(0)
+    args += n[:3]
+    bound = state.get(name)
+    if bound is not None:
+        bound(*args)
+        return
     qa = list(quant) + [None] * (2 - len(quant))
     ea = list(exps) + [None] * (2 - len(exps))
-    args, n = [], []
-    for job, empty in ((qa[0], _NO_QUANT_JOB), (qa[1], _NO_QUANT_JOB), (ea[0], _NO_EXP_JOB), (ea[1], _NO_EXP_JOB)):
-        a = job[0] if job is not None else empty
-        args.extend(dummy if x is None else x for x in a)
-        n.append(job[2] if job is not None else 0)
-    args.extend(n[:3])
-    total = sum(n)
-    jobs = [j for j in qa + ea if j is not None]
-    c = dict(D=D, NDP=_d_pad(D) // 32, RCEIL=rceil, SOFT=soft, IDX64=any(j[1]["IDX64"] for j in jobs),
-             num_warps=max(j[1]["num_warps"] for j in jobs))
+    present = [j for j in qa + ea if j is not None]
+    c = dict(D=D, NDP=_d_pad(D) // 32, RCEIL=rceil, SOFT=soft, IDX64=any(j[1]["IDX64"] for j in present),
+             num_warps=max(j[1]["num_warps"] for j in present))
     for tag, job in (("A", qa[0]), ("B", qa[1])):
         jc = job[1] if job is not None else dict(BLOCK_S=32, HDIM=False, SEQ=False, HDIM_GROUP=0, SEQ_RS=False)
         c.update({tag: job is not None, f"{tag}_BS": jc["BLOCK_S"], f"{tag}_HDIM": jc["HDIM"], f"{tag}_SEQ": jc["SEQ"],
                   f"{tag}_GROUP": jc["HDIM_GROUP"], f"{tag}_RS": jc["SEQ_RS"]})
     for tag, job in (("E", ea[0]), ("F", ea[1])):
         c.update({tag: job is not None, f"{tag}_BS": job[1]["BLOCK_S"] if job is not None else 32})
-    bound = state.get(name)
-    if bound is None:
-        state[name] = BoundLaunch(fast_launcher(_operands_kernel), (total,), tuple(args), c)
-    else:
-        bound(*args)
+    state[name] = BoundLaunch(fast_launcher(_operands_kernel), (sum(n),), tuple(args), c)
 
 
 class _ForwardOperandsPlan:
