@@ -969,13 +969,18 @@ _MAX_PLANS = 512  # distinct signatures before the table starts over (shapes tha
 _Tensor = torch.Tensor
 
 
+def _current_device(x: torch.Tensor) -> int:
+    """The current CUDA device for a CUDA tensor (a bound launch runs on it: part of every plan key), else -1."""
+    return torch.cuda.current_device() if x.is_cuda else -1
+
+
 def _plan_key(kind: str, x, scale_mode, seq_dim, k_group):
     """The plan table's key of a float-input call, or None where plans do not apply (another type than a plain
-    tensor, tile overrides set for a sweep)."""
-    if type(x) is not _Tensor or TILE_OVERRIDES:
+    tensor, a k_group that is not an int (validated on the slow path), tile overrides set for a sweep)."""
+    if type(x) is not _Tensor or type(k_group) is not int or TILE_OVERRIDES:
         return None
-    return (kind, x.shape, x.stride(), x.dtype, x.device, scale_mode, seq_dim, k_group, x.data_ptr() & 15,
-            SEQEXP_MIN_PROGRAMS, SOFT_ROUND_ON_GPU)
+    return (kind, x.shape, x.stride(), x.dtype, x.device, _current_device(x), scale_mode, seq_dim, k_group,
+            x.data_ptr() & 15, SEQEXP_MIN_PROGRAMS, SOFT_ROUND_ON_GPU)
 
 
 def _trusted_row_scaled(data, exp, dim, group_dim=None, group=1) -> RowScaledFP8:
@@ -1226,9 +1231,10 @@ def row_scaled_triton_both_pair(x: torch.Tensor, y: torch.Tensor, scale_mode: Un
     """``(row_scaled_triton_both(x), row_scaled_triton_both(y))`` for two float (B, S, H, D) tensors of one shape and
     dtype (the backward's q and dO) in two launches instead of four, bit for bit."""
     key = None
-    if type(x) is _Tensor and type(y) is _Tensor and not TILE_OVERRIDES:
-        key = ("pair", x.shape, x.stride(), y.shape, y.stride(), x.dtype, y.dtype, x.device, y.device, scale_mode,
-               k_group, x.data_ptr() & 15, y.data_ptr() & 15, SEQEXP_MIN_PROGRAMS, SOFT_ROUND_ON_GPU)
+    if type(x) is _Tensor and type(y) is _Tensor and type(k_group) is int and not TILE_OVERRIDES:
+        key = ("pair", x.shape, x.stride(), y.shape, y.stride(), x.dtype, y.dtype, x.device, y.device,
+               _current_device(x), scale_mode, k_group, x.data_ptr() & 15, y.data_ptr() & 15, SEQEXP_MIN_PROGRAMS,
+               SOFT_ROUND_ON_GPU)
         plan = _PLANS.get(key)
         if plan is not None:
             return plan(*(t if t.stride(3) == 1 else t.contiguous() for t in (x, y)))
@@ -1257,10 +1263,11 @@ def forward_operands_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``keep_kv``: also the backward's K and V operands, ``kv = (K hdim, K seq, V hdim)`` as
     ``row_scaled_triton_both`` makes them (each tensor still read once per pass); else ``kv`` is None."""
     key = None
-    if type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and not TILE_OVERRIDES:
+    if type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and type(k_group) is int \
+            and not TILE_OVERRIDES:
         key = ("forward", keep_kv, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
-               v.dtype, q.device, scale_mode, k_group, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15,
-               SEQEXP_MIN_PROGRAMS, SOFT_ROUND_ON_GPU)
+               v.dtype, q.device, k.device, v.device, _current_device(q), scale_mode, k_group, q.data_ptr() & 15,
+               k.data_ptr() & 15, v.data_ptr() & 15, SEQEXP_MIN_PROGRAMS, SOFT_ROUND_ON_GPU)
         plan = _PLANS.get(key)
         if plan is not None:
             return plan(*(x if x.stride(3) == 1 else x.contiguous() for x in (q, k, v)))
