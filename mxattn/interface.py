@@ -177,9 +177,9 @@ def has_fast_backward(device) -> bool:
 # pay for them; here the forward makes only what it uses.  Recomputing also lets the backward take Q with one
 # exponent per 128 rows (``Q_EXP_GROUP``, the kernel's fast layout) instead of the forward's per-row Q.
 # Eager autograd (``_EagerAttention``, which runs only when a gradient is wanted) does otherwise since session 8:
-# its forward makes K and V in both orientations from one read each and saves those FP8 operands (1 + 1 bytes per
-# k / v element, as bf16) instead of k and v, so the backward re-quantizes only q (and dO): two launches fewer per
-# step, which matters where the host bounds the step (S <= 4k).
+# its forward makes K and V in both orientations and saves the FP8 operands the backward needs (K hdim, K seq,
+# V hdim: 3 bytes per k / v element pair, against bf16's 4) instead of k and v, so the backward quantizes only q
+# and dO: fewer launches per step, which matters where the host bounds the step (S <= 4k).
 # ``deterministic`` only affects the backward; the forward op takes it so that its autograd formula can pass it on.
 # ``backend`` (a str with a default, so older 7-argument calls still bind) only picks the CUDA forward kernel; the
 # backward op is the same for every backend (it re-quantizes the saved float q, k, v for the Hopper FP8 backward).
@@ -280,7 +280,8 @@ def _hopper_forward_keeping_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     K and V operands (``_bwd_impl``'s K hdim, K seq, V hdim) made here from the same single read of k and of v that
     the forward's own K and V come from (``forward_operands_triton(keep_kv=True)``: two launches for all of them, bit
     for bit the separate passes), so that the backward does not read k and v again, and the FP8 operands
-    (2 bytes per k / v element, as bf16) are saved instead of k and v.  ``kv`` is None where the block-scaled kernel
+    (K in both orientations, V along the head dim: 3 bytes per k / v element pair against bf16's 4) are saved
+    instead of k and v.  ``kv`` is None where the block-scaled kernel
     runs (its backward takes the float tensors)."""
     kernel = forward_kernel_for(q.shape, k.shape, q.device, backend)
     if kernel == "blockscaled":
@@ -339,6 +340,8 @@ def _bwd_impl(dout, q, k, v, out, lse, causal: bool, scale: float, scale_mode: s
               backend: str = "auto", kv=None):
     """Gradients on float q, k, v; ``kv``: the K hdim, K seq and V hdim operands the forward kept
     (``_hopper_forward_keeping_kv``), in which case k and v are not read (they may be None)."""
+    if kv is not None and q.device.type != "cuda":
+        raise RuntimeError("kept K/V operands come from the CUDA forward only")
     if kv is None and q.device.type == "cuda" and forward_kernel_for(q.shape, k.shape, q.device, backend) == "blockscaled":
         return _blockscaled_backward(dout, q, k, v, out, lse, causal, scale, scale_mode)
     if q.device.type == "cuda":
@@ -411,6 +414,18 @@ def _attn_fwd_backward(ctx, dout, _dlse):
 attn_fwd_op.register_autograd(_attn_fwd_backward, setup_context=_attn_fwd_setup_context)
 
 
+def _channel_major_buffer_of(seq_data: torch.Tensor) -> torch.Tensor:
+    """The (B, H, D, S_pad) buffer behind a seq operand's (B, S, H, D) view (``quantize._seq_view``): unit stride
+    along S, S_pad = the stride along D; the view's own allocation, so storage offset 0."""
+    B, S, H, D = seq_data.shape
+    s_pad = seq_data.stride(3)
+    want = (H * D * s_pad, 1, D * s_pad, s_pad)
+    if seq_data.storage_offset() != 0 or (B * S * H * D and tuple(seq_data.stride()) != want):
+        raise RuntimeError(f"a seq operand's data must be the view of a fresh channel-major buffer, got strides "
+                           f"{seq_data.stride()} (offset {seq_data.storage_offset()})")
+    return seq_data.as_strided((B, H, D, s_pad), (H * D * s_pad, D * s_pad, s_pad, 1))
+
+
 class _EagerAttention(torch.autograd.Function):
     """The eager path of ``attn_fwd_op`` + its autograd formula, without the custom-op dispatch.
 
@@ -432,20 +447,27 @@ class _EagerAttention(torch.autograd.Function):
         _attn_fwd_setup_context(ctx, (q, k, v, causal, scale, scale_mode, deterministic, backend), (out, lse),
                                 save=kv is None)
         ctx.kv_meta = None
-        if kv is not None:  # the FP8 operands instead of k and v (same bytes as bf16 k, v)
-            ctx.kv_meta = tuple((t.dim, t.group_dim, t.group) for t in kv)
-            ctx.save_for_backward(q, out, lse, *(x for t in kv for x in (t.data, t.exp)))
+        if kv is not None:  # the FP8 operands instead of k and v: 3 bytes per (k, v) element pair against bf16's 4
+            kr, k_seq, v_hdim = kv
+            ctx.kv_meta = (kr.group, k_seq.data.shape[1])
+            # K seq as its whole channel-major buffer, a contiguous tensor: a saved-tensor hook that copies
+            # (save_on_cpu, offloading) keeps its layout, where a copy of the (B, S, H, D) view would not
+            ctx.save_for_backward(q, out, lse, kr.data, kr.exp, _channel_major_buffer_of(k_seq.data), k_seq.exp,
+                                  v_hdim.data, v_hdim.exp)
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
         if ctx.kv_meta is None:
             q, k, v, out, lse = ctx.saved_tensors
             kv = None
         else:
-            q, out, lse, *parts = ctx.saved_tensors
+            q, out, lse, kd, ke, ks_buf, kse, vd, ve = ctx.saved_tensors
             k = v = None
-            kv = tuple(RowScaledFP8(parts[2 * i], parts[2 * i + 1], *meta) for i, meta in enumerate(ctx.kv_meta))
+            group, Sk = ctx.kv_meta
+            ks_data = ks_buf[..., :Sk].permute(0, 3, 1, 2)  # the (B, S, H, D) view of the channel-major buffer
+            kv = (RowScaledFP8(kd, ke, 3, 1, group), RowScaledFP8(ks_data, kse, 1), RowScaledFP8(vd, ve, 3, 1, group))
         grads = _bwd_impl(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.scale_mode,
                           ctx.deterministic, ctx.backend, kv)
         return (*grads, None, None, None, None, None)

@@ -251,3 +251,39 @@ def test_gpu_eager_training_path_equals_the_custom_op_path(causal, seed):
     assert torch.equal(out, out_op)
     for name, a, b in zip("qkv", grads, grads_op):
         assert torch.equal(a, b), f"d{name} differs between the eager and the custom-op backward"
+
+
+@pytest.mark.gpu
+def test_gpu_eager_training_path_under_a_copying_saved_tensor_hook(seed):
+    """Activation offloading (``save_on_cpu``) copies every saved tensor; the kept FP8 K/V operands must come back
+    in the layouts the backward kernels take, and give the same gradients as without the hook."""
+    q, k, v = _qkv(B=1, Sq=300, Sk=300, Hq=4, Hkv=2, D=128, device="cuda", requires_grad=True)
+    dout = torch.randn_like(q)
+    want = torch.autograd.grad(mxfp8_attn_func(q, k, v, causal=True, deterministic=True), (q, k, v), dout)
+    for pin in (False, True):
+        with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+            out = mxfp8_attn_func(q, k, v, causal=True, deterministic=True)
+        got = torch.autograd.grad(out, (q, k, v), dout)
+        for name, a, b in zip("qkv", got, want):
+            assert torch.equal(a, b), f"d{name} differs under save_on_cpu(pin_memory={pin})"
+
+
+@pytest.mark.gpu
+def test_gpu_paired_q_dout_quantization_equals_the_launcher_s_own(seed):
+    """The backward quantizes q and dO together (``row_scaled_triton_both_pair``); ``attn_bwd_hopper`` quantizing
+    dO itself (``attn_bwd_preprocess``) must give the same gradients bit for bit."""
+    from mxattn.interface import K_EXP_GROUP, _bwd_impl
+    from mxattn.kernels.attn_bwd import Q_EXP_GROUP, attn_bwd_hopper
+    from mxattn.kernels.quantize import row_scaled_triton, row_scaled_triton_both
+
+    q, k, v = _qkv(B=2, Sq=200, Sk=260, Hq=4, Hkv=2, D=64, device="cuda")
+    out, lse = mxfp8_attn_func(q, k, v, return_lse=True)
+    dout = torch.randn_like(q)
+    got = _bwd_impl(dout, q, k, v, out, lse, False, 0.125, "rceil", True)
+    qr, q_seq = row_scaled_triton_both(q, k_group=Q_EXP_GROUP)
+    kr, k_seq = row_scaled_triton_both(k, k_group=K_EXP_GROUP)
+    v_hdim = row_scaled_triton(v, "k", k_group=K_EXP_GROUP)
+    want = attn_bwd_hopper(qr, kr, v_hdim, q_seq, k_seq, out, dout, lse, softmax_scale=0.125, deterministic=True,
+                           grad_dtype=q.dtype)
+    for name, a, b in zip("qkv", got, want):
+        assert torch.equal(a, b), f"d{name}: paired and separate dO quantization differ"

@@ -680,3 +680,32 @@ def test_both_pair_in_two_launches(shape, gen):
                 _same_rs_layout(g, w, f"call {i}: {name} {o}")
     with pytest.raises(ValueError, match="one shape"):
         kq.row_scaled_triton_both_pair(x, y[:, :5])
+
+
+def test_plan_hit_still_refuses_a_float_group(gen):
+    """k_group=128.0 equals 128 as a key: plans only serve int groups, so the slow path's check still runs."""
+    kq._PLANS.clear()
+    x = make_input((1, 40, 2, 64), torch.bfloat16, "random", gen).to(DEVICE)
+    kq.row_scaled_triton(x, "k", k_group=128)
+    with pytest.raises(ValueError, match="k_group"):
+        kq.row_scaled_triton(x, "k", k_group=128.0)
+    with pytest.raises(ValueError, match="k_group"):
+        kq.row_scaled_triton_both_pair(x, x, k_group=128.0)
+
+
+def test_channel_major_buffer_survives_a_copying_hook(gen):
+    """The eager training path saves K seq as its whole (B, H, D, S_pad) buffer: a contiguous copy of that (what
+    save_on_cpu makes) still gives the channel-major view back, unlike a copy of the (B, S, H, D) view."""
+    from mxattn.interface import _channel_major_buffer_of
+
+    x = make_input((2, 37, 3, 64), torch.bfloat16, "random", gen).to(DEVICE)
+    seq = kq.row_scaled_triton(x, "v")
+    buf = _channel_major_buffer_of(seq.data)
+    assert buf.is_contiguous() and buf.data_ptr() == seq.data.data_ptr() and buf.shape[-1] % 16 == 0
+    copied = buf.clone()
+    view = copied[..., :37].permute(0, 3, 1, 2)
+    assert view.stride() == seq.data.stride()
+    assert torch.equal(view.view(torch.uint8), seq.data.view(torch.uint8))
+    assert seq.data.contiguous().stride() != seq.data.stride()  # what saving the view itself would have given
+    with pytest.raises(RuntimeError, match="fresh channel-major buffer"):
+        _channel_major_buffer_of(x.view(torch.uint8).view(torch.float8_e4m3fn))

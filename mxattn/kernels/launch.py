@@ -167,6 +167,12 @@ class BoundLaunch:
         self.launcher, self.grid, self.kwargs = launcher, tuple(grid), kwargs
         self.kernel = self.runner = None
         self.rest = ()
+        self._launch_and_bind(args)
+
+    def _launch_and_bind(self, args: tuple) -> None:
+        """Launch through the launcher, then bind the kernel it cached (not under ``triton_dispatch()``: a later
+        call binds then)."""
+        launcher, kwargs = self.launcher, self.kwargs
         launcher.launch(self.grid, args, kwargs)
         if not launcher.enabled or _BYPASS[0]:
             return
@@ -180,8 +186,11 @@ class BoundLaunch:
             self.rest = tuple(kwargs.get(name, default) for name, default in rest)
 
     def __call__(self, *args) -> None:
-        if self.runner is None or _BYPASS[0]:
+        if _BYPASS[0]:
             self.launcher.launch(self.grid, args, self.kwargs)
+            return
+        if self.runner is None:
+            self._launch_and_bind(args)
             return
         if _CHECK:  # Triton's own dispatch must pick the bound kernel for these arguments
             ref = self.launcher.jit_fn.run(*args, grid=self.grid, warmup=True, **self.kwargs)

@@ -969,13 +969,18 @@ _MAX_PLANS = 512  # distinct signatures before the table starts over (shapes tha
 _Tensor = torch.Tensor
 
 
+def _current_device(x: torch.Tensor) -> int:
+    """The current CUDA device for a CUDA tensor (a bound launch runs on it: part of every plan key), else -1."""
+    return torch.cuda.current_device() if x.is_cuda else -1
+
+
 def _plan_key(kind: str, x, scale_mode, seq_dim, k_group):
     """The plan table's key of a float-input call, or None where plans do not apply (another type than a plain
-    tensor, tile overrides set for a sweep)."""
-    if type(x) is not _Tensor or TILE_OVERRIDES:
+    tensor, a k_group that is not an int (validated on the slow path), tile overrides set for a sweep)."""
+    if type(x) is not _Tensor or type(k_group) is not int or TILE_OVERRIDES:
         return None
-    return (kind, x.shape, x.stride(), x.dtype, x.device, scale_mode, seq_dim, k_group, x.data_ptr() & 15,
-            SEQEXP_MIN_PROGRAMS, SOFT_ROUND_ON_GPU)
+    return (kind, x.shape, x.stride(), x.dtype, x.device, _current_device(x), scale_mode, seq_dim, k_group,
+            x.data_ptr() & 15, SEQEXP_MIN_PROGRAMS, SOFT_ROUND_ON_GPU)
 
 
 def _trusted_row_scaled(data, exp, dim, group_dim=None, group=1) -> RowScaledFP8:
@@ -1095,30 +1100,34 @@ _NO_EXP_JOB = (None, 0, 0, 0, 0, 0, 0, None, 0, 0)
 def _operands_launch(state: dict, name: str, quant: list, exps: list, D: int, rceil: bool, soft: bool,
                      dummy: torch.Tensor) -> None:
     """Launch up to two quantize jobs and two exponent jobs (``_quant_slot`` / ``_exp_slot`` results) as one
-    ``_operands_kernel`` grid, bound in ``state[name]`` after the first call."""
+    ``_operands_kernel`` grid, bound in ``state[name]`` by the first call (which also works out the constexprs)."""
+    args = []
+    n = []
+    for jobs, empty in ((quant, _NO_QUANT_JOB), (exps, _NO_EXP_JOB)):
+        for i in range(2):
+            if i < len(jobs):
+                args += jobs[i][0]
+                n.append(jobs[i][2])
+            else:
+                args += (dummy if x is None else x for x in empty)
+                n.append(0)
+    args += n[:3]
+    bound = state.get(name)
+    if bound is not None:
+        bound(*args)
+        return
     qa = list(quant) + [None] * (2 - len(quant))
     ea = list(exps) + [None] * (2 - len(exps))
-    args, n = [], []
-    for job, empty in ((qa[0], _NO_QUANT_JOB), (qa[1], _NO_QUANT_JOB), (ea[0], _NO_EXP_JOB), (ea[1], _NO_EXP_JOB)):
-        a = job[0] if job is not None else empty
-        args.extend(dummy if x is None else x for x in a)
-        n.append(job[2] if job is not None else 0)
-    args.extend(n[:3])
-    total = sum(n)
-    jobs = [j for j in qa + ea if j is not None]
-    c = dict(D=D, NDP=_d_pad(D) // 32, RCEIL=rceil, SOFT=soft, IDX64=any(j[1]["IDX64"] for j in jobs),
-             num_warps=max(j[1]["num_warps"] for j in jobs))
+    present = [j for j in qa + ea if j is not None]
+    c = dict(D=D, NDP=_d_pad(D) // 32, RCEIL=rceil, SOFT=soft, IDX64=any(j[1]["IDX64"] for j in present),
+             num_warps=max(j[1]["num_warps"] for j in present))
     for tag, job in (("A", qa[0]), ("B", qa[1])):
         jc = job[1] if job is not None else dict(BLOCK_S=32, HDIM=False, SEQ=False, HDIM_GROUP=0, SEQ_RS=False)
         c.update({tag: job is not None, f"{tag}_BS": jc["BLOCK_S"], f"{tag}_HDIM": jc["HDIM"], f"{tag}_SEQ": jc["SEQ"],
                   f"{tag}_GROUP": jc["HDIM_GROUP"], f"{tag}_RS": jc["SEQ_RS"]})
     for tag, job in (("E", ea[0]), ("F", ea[1])):
         c.update({tag: job is not None, f"{tag}_BS": job[1]["BLOCK_S"] if job is not None else 32})
-    bound = state.get(name)
-    if bound is None:
-        state[name] = BoundLaunch(fast_launcher(_operands_kernel), (total,), tuple(args), c)
-    else:
-        bound(*args)
+    state[name] = BoundLaunch(fast_launcher(_operands_kernel), (sum(n),), tuple(args), c)
 
 
 class _ForwardOperandsPlan:
@@ -1222,9 +1231,10 @@ def row_scaled_triton_both_pair(x: torch.Tensor, y: torch.Tensor, scale_mode: Un
     """``(row_scaled_triton_both(x), row_scaled_triton_both(y))`` for two float (B, S, H, D) tensors of one shape and
     dtype (the backward's q and dO) in two launches instead of four, bit for bit."""
     key = None
-    if type(x) is _Tensor and type(y) is _Tensor and not TILE_OVERRIDES:
-        key = ("pair", x.shape, x.stride(), y.shape, y.stride(), x.dtype, y.dtype, x.device, y.device, scale_mode,
-               k_group, x.data_ptr() & 15, y.data_ptr() & 15, SEQEXP_MIN_PROGRAMS, SOFT_ROUND_ON_GPU)
+    if type(x) is _Tensor and type(y) is _Tensor and type(k_group) is int and not TILE_OVERRIDES:
+        key = ("pair", x.shape, x.stride(), y.shape, y.stride(), x.dtype, y.dtype, x.device, y.device,
+               _current_device(x), scale_mode, k_group, x.data_ptr() & 15, y.data_ptr() & 15, SEQEXP_MIN_PROGRAMS,
+               SOFT_ROUND_ON_GPU)
         plan = _PLANS.get(key)
         if plan is not None:
             return plan(*(t if t.stride(3) == 1 else t.contiguous() for t in (x, y)))
@@ -1253,10 +1263,11 @@ def forward_operands_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``keep_kv``: also the backward's K and V operands, ``kv = (K hdim, K seq, V hdim)`` as
     ``row_scaled_triton_both`` makes them (each tensor still read once per pass); else ``kv`` is None."""
     key = None
-    if type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and not TILE_OVERRIDES:
+    if type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and type(k_group) is int \
+            and not TILE_OVERRIDES:
         key = ("forward", keep_kv, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
-               v.dtype, q.device, scale_mode, k_group, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15,
-               SEQEXP_MIN_PROGRAMS, SOFT_ROUND_ON_GPU)
+               v.dtype, q.device, k.device, v.device, _current_device(q), scale_mode, k_group, q.data_ptr() & 15,
+               k.data_ptr() & 15, v.data_ptr() & 15, SEQEXP_MIN_PROGRAMS, SOFT_ROUND_ON_GPU)
         plan = _PLANS.get(key)
         if plan is not None:
             return plan(*(x if x.stride(3) == 1 else x.contiguous() for x in (q, k, v)))
