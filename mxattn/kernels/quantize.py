@@ -1101,15 +1101,19 @@ def _operands_launch(state: dict, name: str, quant: list, exps: list, D: int, rc
                      dummy: torch.Tensor) -> None:
     """Launch up to two quantize jobs and two exponent jobs (``_quant_slot`` / ``_exp_slot`` results) as one
     ``_operands_kernel`` grid, bound in ``state[name]`` by the first call (which also works out the constexprs)."""
+    empties = state.get("empty jobs")
+    if empties is None:  # the unused jobs' arguments, made once per plan
+        empties = state["empty jobs"] = tuple(tuple(dummy if x is None else x for x in e)
+                                              for e in (_NO_QUANT_JOB, _NO_EXP_JOB))
     args = []
     n = []
-    for jobs, empty in ((quant, _NO_QUANT_JOB), (exps, _NO_EXP_JOB)):
+    for jobs, empty in ((quant, empties[0]), (exps, empties[1])):
         for i in range(2):
             if i < len(jobs):
                 args += jobs[i][0]
                 n.append(jobs[i][2])
             else:
-                args += (dummy if x is None else x for x in empty)
+                args += empty
                 n.append(0)
     args += n[:3]
     bound = state.get(name)
