@@ -606,3 +606,51 @@ def test_bench_attn_bwd_dkdv_gluon_split():
               f"unsplit {w.get('gluon_ms', float('nan')):.3f} ms, tl 64-key {r.get('tl_ms', float('nan')):.3f} ms "
               f"{r.get('gluon_error', '')}")
     assert all(r.get("gluon_ms") for r in split + whole), split + whole
+
+
+def _recorded_launches(monkeypatch, call, n=3):
+    """``call()`` n times with every launch recorded instead of run (CPU: the host side of the launcher only)."""
+    from mxattn.kernels import launch as L
+
+    seen = []
+    monkeypatch.setattr(L.FastLauncher, "launch", lambda self, grid, args, kwargs: seen.append((grid, args, kwargs)))
+    for _ in range(n):
+        call()
+    return seen
+
+
+def _same_launch(a, b):
+    """Two recorded launches carry the same grid, keywords and arguments: tensors by dtype, shape and strides,
+    descriptors by every field but the base tensor (compared the same way)."""
+    (ga, aa, ka), (gb, ab, kb) = a, b
+    assert ga == gb and ka == kb and len(aa) == len(ab)
+    for x, y in zip(aa, ab):
+        if isinstance(x, torch.Tensor):
+            assert (x.dtype, x.shape, x.stride()) == (y.dtype, y.shape, y.stride())
+        elif hasattr(x, "block_shape"):
+            fx, fy = dict(vars(x)), dict(vars(y))
+            bx, by = fx.pop("base"), fy.pop("base")
+            assert fx == fy and (bx.dtype, bx.shape, bx.stride()) == (by.dtype, by.shape, by.stride())
+        else:
+            assert x == y
+
+
+def test_launch_plan_repeats_the_checked_launch(monkeypatch):
+    """The second and later calls of one signature take the plan (no checks, descriptors rebased, bound launch):
+    what they launch equals the first call's, on their own tensors; another signature makes another plan."""
+    m = _mod()
+    m._PLANS.clear()
+    ops = _cpu_operands()
+    seen = _recorded_launches(monkeypatch, lambda: m.attn_bwd_dkdv_gluon(**ops, causal=True))
+    assert len(seen) == 3 and len(m._PLANS) == 1
+    _same_launch(seen[0], seen[1])
+    _same_launch(seen[0], seen[2])
+    monkeypatch.setattr(m, "_check", lambda *a: pytest.fail("a plan hit runs no checks"))
+    other = _cpu_operands()  # fresh tensors, same signature
+    seen2 = _recorded_launches(monkeypatch, lambda: m.attn_bwd_dkdv_gluon(**other, causal=True), n=1)
+    _same_launch(seen[0], seen2[0])
+    assert seen2[0][1][0].base.data_ptr() == other["q"].data.data_ptr()  # the descriptor reads today's q
+    monkeypatch.undo()
+    ops_nc = _cpu_operands(Sq=70)
+    seen3 = _recorded_launches(monkeypatch, lambda: m.attn_bwd_dkdv_gluon(**ops_nc), n=1)
+    assert len(m._PLANS) == 2 and seen3[0][1][-5] == 70  # Sq among the scalars

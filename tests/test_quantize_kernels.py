@@ -709,3 +709,16 @@ def test_channel_major_buffer_survives_a_copying_hook(gen):
     assert seq.data.contiguous().stride() != seq.data.stride()  # what saving the view itself would have given
     with pytest.raises(RuntimeError, match="fresh channel-major buffer"):
         _channel_major_buffer_of(x.view(torch.uint8).view(torch.float8_e4m3fn))
+
+
+def test_launch_plans_switch_off(monkeypatch, gen):
+    """MXATTN_LAUNCH_PLANS=0 (``launch.PLANS``): no plan is made, the checked path runs every call."""
+    from mxattn.kernels import launch as L
+
+    monkeypatch.setattr(L, "PLANS", False)
+    kq._PLANS.clear()
+    x = make_input((1, 40, 2, 64), torch.bfloat16, "random", gen).to(DEVICE)
+    for _ in range(2):
+        assert_same_rs(kq.row_scaled_triton(x, "k"), ref_rs(x.cpu(), "k"), "k without plans")
+        kq.forward_operands_triton(x, x, x)
+    assert not kq._PLANS

@@ -96,7 +96,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxattn.formats import RowScaledFP8
-from mxattn.kernels.launch import cdiv, fast_launcher, nvmma_fp8_layout
+from mxattn.kernels import launch
+from mxattn.kernels.launch import BoundLaunch, cdiv, fast_launcher, nvmma_fp8_layout, rebased, tensor_sig
 
 __all__ = ["GluonDqConfig", "default_config", "split_tl_config", "attn_bwd_dq_gluon", "attn_bwd_dq_gluon_varlen",
            "check_varlen_operands", "backward_operands",
@@ -607,6 +608,21 @@ def _descriptors(q, k, v_hdim, k_seq, dout_hdim, split: bool = False):
     return q_desc, do_desc, k_desc, v_desc, ks_desc
 
 
+# Launch plans per call signature, as the dK/dV launcher's (attn_bwd_dkdv_gluon.py): a repeated call rebuilds its
+# descriptors over its own tensors and launches the bound kernel, skipping the checks and the launcher's key.
+_PLANS: dict = {}
+_MAX_PLANS = 256
+
+
+def _launch_key(q, k, v_hdim, k_seq, dout_hdim, lse, delta, causal, softmax_scale, grad_dtype, config):
+    ops = tuple((tensor_sig(t.data), tensor_sig(t.exp), t.dim, t.group_dim, t.group) if _is_rs(t) else None
+                for t in (q, k, v_hdim, k_seq, dout_hdim))
+    if None in ops or not isinstance(lse, torch.Tensor) or not isinstance(delta, torch.Tensor) or not launch.PLANS:
+        return None  # (bad operands: the checks on the slow path say what is wrong)
+    dev = torch.cuda.current_device() if q.data.is_cuda else -1
+    return (ops, tensor_sig(lse), tensor_sig(delta), causal, softmax_scale, grad_dtype, config, dev)
+
+
 def attn_bwd_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, k_seq: RowScaledFP8,
                       dout_hdim: RowScaledFP8, lse: torch.Tensor, delta: torch.Tensor, *, causal: bool = False,
                       softmax_scale: Optional[float] = None, grad_dtype: torch.dtype = torch.bfloat16,
@@ -624,6 +640,16 @@ def attn_bwd_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, k_
     D is 64 or 128, Hq a multiple of Hkv; causal masks are aligned bottom-right.  Returns dq (B, Sq, Hq, D) in
     ``grad_dtype``, contiguous.  Needs an sm_90 GPU and triton 3.6's Gluon.
     """
+    key = _launch_key(q, k, v_hdim, k_seq, dout_hdim, lse, delta, causal, softmax_scale, grad_dtype, config)
+    plan = _PLANS.get(key)
+    if plan is not None:  # a signature seen before: checked then; rebuild the descriptors on today's tensors
+        bound, templates, scalars = plan
+        dq = torch.empty(q.data.shape, dtype=grad_dtype, device=q.data.device)
+        bases = (_hdim_view(q.data, "q"), _hdim_view(dout_hdim.data, "dout_hdim"), _hdim_view(k.data, "k"),
+                 _hdim_view(v_hdim.data, "v_hdim"), k_seq.data)
+        bound(*(rebased(t, b) for t, b in zip(templates, bases)), q.exp, dout_hdim.exp, k.exp, v_hdim.exp,
+               k_seq.exp, lse, delta, dq, *scalars)
+        return dq
     _check(q, k, v_hdim, k_seq, dout_hdim, lse, delta, grad_dtype)
     B, Sq, Hq, D = q.data.shape
     Sk, Hkv = k.data.shape[1], k.data.shape[2]
@@ -638,8 +664,7 @@ def attn_bwd_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, k_
     descs = _descriptors(q, k, v_hdim, k_seq, dout_hdim, cfg.split)
     qe, de, ke, ve, kse = q.exp, dout_hdim.exp, k.exp, v_hdim.exp, k_seq.exp
     grid = (cdiv(Sq, BLOCK_M.value), B * Hq)
-    fast_launcher(_attn_bwd_dq_ws_kernel)[grid](
-        *descs, qe, de, ke, ve, kse, lse, delta, dq,
+    scalars = (
         qe.stride(0), qe.stride(1), qe.stride(2),
         de.stride(0), de.stride(1), de.stride(2),
         ke.stride(0), ke.stride(1), ke.stride(2),
@@ -648,10 +673,17 @@ def attn_bwd_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, k_
         *lse.stride(), *delta.stride(), *dq.stride(),
         Hq, Hkv, Sq, Sk, Hq // Hkv, q.group, dout_hdim.group,
         softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
-        HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
-        SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs,
-        num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg,
     )
+    constexprs = dict(HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
+                      SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, num_warps=4 if cfg.split else 8,
+                      maxnreg=cfg.maxnreg)
+    args = (*descs, qe, de, ke, ve, kse, lse, delta, dq, *scalars)
+    if key is None:
+        fast_launcher(_attn_bwd_dq_ws_kernel)[grid](*args, **constexprs)
+        return dq
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = (BoundLaunch(fast_launcher(_attn_bwd_dq_ws_kernel), grid, args, constexprs), descs, scalars)
     return dq
 
 

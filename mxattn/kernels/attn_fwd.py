@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mxattn.kernels import launch as launch_mod
 from mxattn.kernels.launch import BoundLaunch, cdiv, fast_launcher
 
 LOG2E = 1.4426950408889634
@@ -318,8 +319,8 @@ _MAX_BOUND = 256
 
 def _fwd_bound_key(q, k, v, causal, softmax_scale, out_dtype):
     qd, kd, vd, qe, ke, ve = q.data, k.data, v.data, q.exp, k.exp, v.exp
-    if not (qd.is_cuda or INTERPRETER):  # (under the interpreter the bound launch takes the launcher's path)
-        return None
+    if not (qd.is_cuda or INTERPRETER) or not launch_mod.PLANS:  # (interpreter: the bound launch takes the
+        return None  # launcher's path, so CPU tests run the plan's arguments)
     dev = torch.cuda.current_device() if qd.is_cuda else -1
     return (qd.shape, qd.stride(), kd.shape, kd.stride(), vd.stride(), qe.shape, qe.stride(), ke.shape, ke.stride(),
             ve.shape, ve.stride(), qd.dtype, kd.dtype, vd.dtype, qd.device, dev, causal,

@@ -24,6 +24,7 @@ GPU machine's CPU for a kernel of ~40 arguments, against ~17 us for the compiled
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import os
@@ -37,6 +38,9 @@ _MODE = os.environ.get("MXATTN_FAST_LAUNCH", "1").lower()
 _ENABLED = _MODE not in ("0", "false", "off") and os.environ.get("TRITON_INTERPRET", "0") != "1"
 _CHECK = _MODE == "check"
 _BYPASS = [False]  # set by ``triton_dispatch()``: every launcher takes Triton's own path
+# MXATTN_LAUNCH_PLANS=0: no launch plans anywhere (quantize wrappers, the tl forward, the Gluon backward launchers):
+# every call takes its checked path, for telling a plan's fault from a kernel's
+PLANS = os.environ.get("MXATTN_LAUNCH_PLANS", "1").lower() not in ("0", "false", "off")
 _Tensor = torch.Tensor
 
 try:  # the Gluon host-side TMA descriptor (triton >= 3.5)
@@ -199,6 +203,24 @@ class BoundLaunch:
                                    "arguments key another kernel than the one bound (a plan key misses something)")
         self.launcher.hits += 1
         self.runner(*args, *self.rest)
+
+
+def rebased(desc, base):
+    """A copy of the Gluon ``TensorDescriptor`` ``desc`` over ``base``, without its constructor's checks: for a launch
+    plan whose template descriptor was built (and checked) on a tensor of the same dtype, shape, strides and 16-byte
+    alignment as ``base``."""
+    try:
+        d = object.__new__(type(desc))
+        d.__dict__.update(desc.__dict__)
+    except (AttributeError, TypeError):  # a descriptor class without a __dict__: build it the checked way
+        return dataclasses.replace(desc, base=base)
+    d.base = base
+    return d
+
+
+def tensor_sig(t: torch.Tensor) -> tuple:
+    """What a launch plan's key holds of a tensor argument: dtype, shape, strides, 16-byte alignment."""
+    return (t.dtype, t.shape, t.stride(), t.data_ptr() & 15)
 
 
 @contextlib.contextmanager

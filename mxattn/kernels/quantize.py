@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 from mxattn.formats import E8M0_NAN, MXTensor, MXTensorTiled, RowScaledFP8, ScaleMode, blackwell_scale_bytes
+from mxattn.kernels import launch as _launch
 from mxattn.kernels.launch import BoundLaunch, cdiv, fast_launcher, next_pow2
 
 __all__ = [
@@ -977,7 +978,7 @@ def _current_device(x: torch.Tensor) -> int:
 def _plan_key(kind: str, x, scale_mode, seq_dim, k_group):
     """The plan table's key of a float-input call, or None where plans do not apply (another type than a plain
     tensor, a k_group that is not an int (validated on the slow path), tile overrides set for a sweep)."""
-    if type(x) is not _Tensor or type(k_group) is not int or TILE_OVERRIDES:
+    if type(x) is not _Tensor or type(k_group) is not int or TILE_OVERRIDES or not _launch.PLANS:
         return None
     return (kind, x.shape, x.stride(), x.dtype, x.device, _current_device(x), scale_mode, seq_dim, k_group,
             x.data_ptr() & 15, SEQEXP_MIN_PROGRAMS, SOFT_ROUND_ON_GPU)
@@ -1235,7 +1236,7 @@ def row_scaled_triton_both_pair(x: torch.Tensor, y: torch.Tensor, scale_mode: Un
     """``(row_scaled_triton_both(x), row_scaled_triton_both(y))`` for two float (B, S, H, D) tensors of one shape and
     dtype (the backward's q and dO) in two launches instead of four, bit for bit."""
     key = None
-    if type(x) is _Tensor and type(y) is _Tensor and type(k_group) is int and not TILE_OVERRIDES:
+    if type(x) is _Tensor and type(y) is _Tensor and type(k_group) is int and not TILE_OVERRIDES and _launch.PLANS:
         key = ("pair", x.shape, x.stride(), y.shape, y.stride(), x.dtype, y.dtype, x.device, y.device,
                _current_device(x), scale_mode, k_group, x.data_ptr() & 15, y.data_ptr() & 15, SEQEXP_MIN_PROGRAMS,
                SOFT_ROUND_ON_GPU)
@@ -1268,7 +1269,7 @@ def forward_operands_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``row_scaled_triton_both`` makes them (each tensor still read once per pass); else ``kv`` is None."""
     key = None
     if type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and type(k_group) is int \
-            and not TILE_OVERRIDES:
+            and not TILE_OVERRIDES and _launch.PLANS:
         key = ("forward", keep_kv, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
                v.dtype, q.device, k.device, v.device, _current_device(q), scale_mode, k_group, q.data_ptr() & 15,
                k.data_ptr() & 15, v.data_ptr() & 15, SEQEXP_MIN_PROGRAMS, SOFT_ROUND_ON_GPU)
