@@ -108,7 +108,8 @@ common step's named barriers 4 -> 2, STS 2 -> 0, LDS 18 -> 16, SHFL 25 -> 20, FM
 step SASS 648-654 -> 707-712 (split d128), 668-669 -> 722-723 (split d128 causal), 627-629 -> 656 (split d64),
 663 -> 720 (whole d128); highest register and shared memory unchanged (R237 at d128), split spills 24 -> 56 B at
 d128 and 64 -> 56 B at d128 causal, all outside the loops; three ``WARPGROUP.DEPBAR`` per step as before.
-Deferred dK (session 7, 3 stages; not yet run on a GPU): highest register R237 (d128, d128 causal) / R181 (d64) /
+Deferred dK (session 7, 3 stages; GPU tests pass, 3.41 vs 3.72 ms undeferred at B2 H16 S8k d128,
+`attn_bwd_kernels-…-s8.json`): highest register R237 (d128, d128 causal) / R181 (d64) /
 R195 (d64 causal), no spill whole-tile; split 24 B (d128) / 64 B (d128 causal) spilled outside the loops, no
 LDL / STL inside; shared memory 132 988 B (d128) / 67 452 B (d64), split 133 136 / 67 600; 4 + 4 + 2 + 2 wgmma per
 step and warpgroup at d128 (dK's from the previous step), three ``WARPGROUP.DEPBAR``, 4 ``BAR.SYNC``, 663 SASS
@@ -219,7 +220,7 @@ class GluonDkdvConfig:
     # split: the two consumer warpgroups as two 4-warp partitions, 64 keys each, with a dS exponent per
     # (64 keys x 64 queries) tile, i.e. the tl kernel with block_n=64 (``split_tl_config``).  They share the ring
     # (empty barriers count two arrivals) but meet at no barrier, so one's exp2 / dS math can run under the
-    # other's products.  Compiled for sm_90a; not yet run on a GPU: opt-in until its GPU tests pass.
+    # other's products.  The API's default (``attn_bwd.gluon_split``) since it measured faster.
     split: bool = False
     consumer_regs: int = 240  # registers per thread of consumer warpgroup 1 (a worker partition) when split
     defer_dk: bool = True

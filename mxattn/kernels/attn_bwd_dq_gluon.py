@@ -121,7 +121,7 @@ class GluonDqConfig:
     producer_regs: int = 24
     # split: the two consumer warpgroups as two 4-warp partitions of 64 query rows, each with its own dS exponent
     # per (64 x 64) tile, i.e. the tl dQ kernel with 64-row blocks (``split_tl_config``); they share the K / V ring
-    # (empty barriers count two arrivals).  Compiled for sm_90a, not yet run on a GPU: opt-in.
+    # (empty barriers count two arrivals).  The API's default (``attn_bwd.gluon_split``) since it measured faster.
     split: bool = False
     consumer_regs: int = 240  # registers per thread of consumer warpgroup 1 (a worker partition) when split
 
