@@ -1,0 +1,107 @@
+"""Which launch of the Gluon jagged backward faults, and how: one subprocess per variant, CUDA_LAUNCH_BLOCKING=1.
+
+    PYTHONPATH=. python scripts/diag_varlen_bwd_gluon.py [--sanitize]
+
+Each variant runs the jagged forward, the padded preprocess, then one launcher (dK/dV whole / split, dS rule key /
+tile; dQ whole / split) on a small jagged batch, synchronizing after every step, and prints the step that failed
+with its error.  ``--sanitize`` reruns the first failing variant under compute-sanitizer (memcheck) so its report
+names the kernel and the faulting instruction.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = ["tiles", "dkdv:split:key", "dkdv:split:tile", "dkdv:whole:key", "dkdv:whole:tile", "dq:split", "dq:whole"]
+
+
+def _packed(lens, heads, dim, seed, spread=0.0):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(sum(lens), heads, dim, generator=g, device="cuda")
+    if spread:
+        x = x * torch.exp2(spread * torch.rand(sum(lens), 1, 1, generator=g, device="cuda"))
+    return x.to(torch.bfloat16)
+
+
+def one(variant: str, lens=(1000, 129), Hq=2, Hkv=1, D=128, causal=False) -> None:
+    import torch
+
+    from mxattn.kernels import varlen as V
+    from mxattn.kernels.attn_bwd import attn_bwd_preprocess_varlen
+    from mxattn.kernels.attn_bwd_dkdv_gluon import (
+        GluonDkdvConfig,
+        attn_bwd_dkdv_gluon_varlen,
+    )
+    from mxattn.kernels.attn_bwd_dq_gluon import GluonDqConfig, attn_bwd_dq_gluon_varlen
+    from mxattn.kernels.attn_fwd import attn_fwd_hopper_varlen
+
+    step = "operands"
+    try:
+        lens = list(lens)
+        q, k, v, do = (_packed(lens, h, D, 7 + i, spread=2 * (i > 0)) for i, h in enumerate((Hq, Hkv, Hkv, Hq)))
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device="cuda")
+        m = max(lens)
+        step = "forward"
+        out, lse = attn_fwd_hopper_varlen(*V.varlen_operands(q, k, v, cu, cu, m, m), causal=causal)
+        torch.cuda.synchronize()
+        step = "bwd operands"
+        qv, kv, v_hdim, q_seq, k_seq = V.varlen_bwd_operands(q, k, v, cu, cu, m, m)
+        torch.cuda.synchronize()
+        step = "preprocess"
+        doh, dos, delta = attn_bwd_preprocess_varlen(out, do, cu, m, delta_padded=True)
+        torch.cuda.synchronize()
+        kind, *rest = variant.split(":")
+        if kind == "tiles":  # the dQ launcher's tile table alone
+            from mxattn.kernels.bwd_varlen_tiles import bwd_tile_slots
+
+            step = "tile table"
+            slots = bwd_tile_slots(qv.cu_seqlens, kv.cu_seqlens, qv.cu_exp, kv.cu_exp, k_seq.cu_data, doh.cu_exp,
+                                   dos.cu_data, qv.max_seqlen, key_tiles=False, causal=causal)
+            torch.cuda.synchronize()
+            print(f"OK {variant}: {tuple(slots.shape)} {slots[:4].tolist()}")
+            return
+        if kind == "dkdv":
+            step = f"dkdv {rest}"
+            cfg = GluonDkdvConfig(split=rest[0] == "split", ds_exp=rest[1])
+            dk, dv = attn_bwd_dkdv_gluon_varlen(qv, kv, v_hdim, q_seq, doh, dos, lse, delta, causal=causal, config=cfg)
+            torch.cuda.synchronize()
+            print(f"OK {variant}: |dk| {dk.float().norm():.4g} |dv| {dv.float().norm():.4g}")
+        else:
+            step = f"dq {rest}"
+            dq = attn_bwd_dq_gluon_varlen(qv, kv, v_hdim, k_seq, doh, lse, delta, dos.cu_data, causal=causal,
+                                          config=GluonDqConfig(split=rest[0] == "split"))
+            torch.cuda.synchronize()
+            print(f"OK {variant}: |dq| {dq.float().norm():.4g}")
+    except Exception as e:  # noqa: BLE001 -- report the step, then fail
+        print(f"FAIL {variant} at {step}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        traceback.print_exc(limit=-6)
+        sys.exit(1)
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--one":
+        one(sys.argv[2])
+        return
+    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    failed = []
+    for v in VARIANTS:
+        r = subprocess.run([sys.executable, __file__, "--one", v], check=False, capture_output=True, text=True, env=env,
+                           timeout=240)
+        print(f"--- {v}: rc={r.returncode}\n{r.stdout[-1500:]}{r.stderr[-2500:] if r.returncode else ''}", flush=True)
+        if r.returncode:
+            failed.append(v)
+    print("failed:", failed or "none")
+    if failed and "--sanitize" in sys.argv:
+        r = subprocess.run(["compute-sanitizer", "--tool", "memcheck", "--print-limit", "8", sys.executable, __file__,
+                            "--one", failed[0]], check=False, capture_output=True, text=True, env=env, timeout=300)
+        print(f"--- compute-sanitizer memcheck {failed[0]}: rc={r.returncode}")
+        print(r.stdout[-8000:], r.stderr[-3000:])
+
+
+if __name__ == "__main__":
+    main()
