@@ -1,6 +1,7 @@
 """Which launch of the Gluon jagged backward faults, and how: one subprocess per variant, CUDA_LAUNCH_BLOCKING=1.
 
-    PYTHONPATH=. python scripts/diag_varlen_bwd_gluon.py [--sanitize]
+    DIAG_LQ=4095,1,129 DIAG_LK=4095,7,129 DIAG_H=8,2 DIAG_D=128 DIAG_CAUSAL=0 \\
+    PYTHONPATH=. python scripts/diag_varlen_bwd_gluon.py [--sanitize] [--noblock]
 
 Each variant runs the jagged forward, the padded preprocess, then one launcher (dK/dV whole / split, dS rule key /
 tile; dQ whole / split) on a small jagged batch, synchronizing after every step, and prints the step that failed
@@ -15,7 +16,7 @@ import sys
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ["tiles", "dkdv:split:key", "dkdv:split:tile", "dkdv:whole:key", "dkdv:whole:tile", "dq:split", "dq:whole"]
+VARIANTS = ["public", "tiles", "dkdv:split:key", "dkdv:split:tile", "dkdv:whole:key", "dkdv:whole:tile", "dq:split", "dq:whole"]
 
 
 def _packed(lens, heads, dim, seed, spread=0.0):
@@ -28,7 +29,11 @@ def _packed(lens, heads, dim, seed, spread=0.0):
     return x.to(torch.bfloat16)
 
 
-def one(variant: str, lens=(1000, 129), Hq=2, Hkv=1, D=128, causal=False) -> None:
+def one(variant: str) -> None:
+    lq = [int(x) for x in os.environ.get("DIAG_LQ", "1000,129").split(",")]
+    lk = [int(x) for x in os.environ.get("DIAG_LK", ",".join(map(str, lq))).split(",")]
+    Hq, Hkv = (int(x) for x in os.environ.get("DIAG_H", "2,1").split(","))
+    D, causal = int(os.environ.get("DIAG_D", "128")), os.environ.get("DIAG_CAUSAL", "0") == "1"
     import torch
 
     from mxattn.kernels import varlen as V
@@ -42,18 +47,29 @@ def one(variant: str, lens=(1000, 129), Hq=2, Hkv=1, D=128, causal=False) -> Non
 
     step = "operands"
     try:
-        lens = list(lens)
-        q, k, v, do = (_packed(lens, h, D, 7 + i, spread=2 * (i > 0)) for i, h in enumerate((Hq, Hkv, Hkv, Hq)))
-        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device="cuda")
-        m = max(lens)
+        q, k, v, do = (_packed(ls, h, D, 7 + i, spread=2 * (i > 0))
+                       for i, (ls, h) in enumerate(((lq, Hq), (lk, Hkv), (lk, Hkv), (lq, Hq))))
+        cq, ck = (torch.tensor([0] + torch.tensor(ls).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+                  for ls in (lq, lk))
+        mq, mk = max(lq), max(lk)
         step = "forward"
-        out, lse = attn_fwd_hopper_varlen(*V.varlen_operands(q, k, v, cu, cu, m, m), causal=causal)
+        out, lse = attn_fwd_hopper_varlen(*V.varlen_operands(q, k, v, cq, ck, mq, mk), causal=causal)
         torch.cuda.synchronize()
         step = "bwd operands"
-        qv, kv, v_hdim, q_seq, k_seq = V.varlen_bwd_operands(q, k, v, cu, cu, m, m)
+        ops = V.varlen_bwd_operands(q, k, v, cq, ck, mq, mk)
+        qv, kv, v_hdim, q_seq, k_seq = ops
         torch.cuda.synchronize()
+        if variant == "public":  # the dispatch the tests call
+            from mxattn.kernels.attn_bwd import attn_bwd_hopper_varlen
+
+            os.environ["MXATTN_VARLEN_BWD_KERNEL"] = "gluon"
+            step = "attn_bwd_hopper_varlen"
+            dq, dk, dv = attn_bwd_hopper_varlen(*ops, out, do, lse, causal=causal)
+            torch.cuda.synchronize()
+            print(f"OK public: |dq| {dq.float().norm():.4g} |dk| {dk.float().norm():.4g}")
+            return
         step = "preprocess"
-        doh, dos, delta = attn_bwd_preprocess_varlen(out, do, cu, m, delta_padded=True)
+        doh, dos, delta = attn_bwd_preprocess_varlen(out, do, cq, mq, delta_padded=True)
         torch.cuda.synchronize()
         kind, *rest = variant.split(":")
         if kind == "tiles":  # the dQ launcher's tile table alone
@@ -87,7 +103,7 @@ def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--one":
         one(sys.argv[2])
         return
-    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="0" if "--noblock" in sys.argv else "1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     failed = []
     for v in VARIANTS:
         r = subprocess.run([sys.executable, __file__, "--one", v], check=False, capture_output=True, text=True, env=env,
