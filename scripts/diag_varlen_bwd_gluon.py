@@ -83,7 +83,8 @@ def one(variant: str) -> None:
             return
         if kind == "dkdv":
             step = f"dkdv {rest}"
-            cfg = GluonDkdvConfig(split=rest[0] == "split", ds_exp=rest[1])
+            extra = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in rest[2:]}  # e.g. stages=1 defer_dk=0
+            cfg = GluonDkdvConfig(split=rest[0] == "split", ds_exp=rest[1], **extra)
             dk, dv = attn_bwd_dkdv_gluon_varlen(qv, kv, v_hdim, q_seq, doh, dos, lse, delta, causal=causal, config=cfg)
             torch.cuda.synchronize()
             print(f"OK {variant}: |dk| {dk.float().norm():.4g} |dv| {dv.float().norm():.4g}")
@@ -103,9 +104,10 @@ def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--one":
         one(sys.argv[2])
         return
+    variants = [a for a in sys.argv[1:] if not a.startswith("--")] or VARIANTS
     env = dict(os.environ, CUDA_LAUNCH_BLOCKING="0" if "--noblock" in sys.argv else "1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     failed = []
-    for v in VARIANTS:
+    for v in variants:
         r = subprocess.run([sys.executable, __file__, "--one", v], check=False, capture_output=True, text=True, env=env,
                            timeout=240)
         print(f"--- {v}: rc={r.returncode}\n{r.stdout[-1500:]}{r.stderr[-2500:] if r.returncode else ''}", flush=True)
