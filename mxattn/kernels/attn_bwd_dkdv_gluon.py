@@ -132,7 +132,7 @@ the two consumer warpgroups (no ping-pong: the tile exponent couples them every 
 Jagged mode (``VARLEN``, launcher ``attn_bwd_dkdv_gluon_varlen``, session 8; docs/perf-notes-varlen.md): grid (rows
 of a heaviest-first table of (sequence, 128-key tile), Hkv); each CTA reads its row once, then runs the dense code
 at its sequence's Sq, Sk on packed operands (2-D TMA views; Q_seq / dO_seq in (Hq·D, Tv) rows with 64-aligned,
-zero-padded sequence starts; lse packed (Hq, Tq), δ in dO_seq's padded columns, so the boxes past a sequence's end
+zero-padded sequence starts; lse and δ in dO_seq's padded columns (``padded_lse``), so the boxes past a sequence's end
 read zeros, never the next sequence's δ).  The sequence's offsets reach the consumers as integers (qe_row, de_row,
 seq_h, key_row) added at their uses, with uniform base pointers: pointers moved by table values made the split
 d128 build spill in the loop.  The dense build is unchanged (compile reports compared with main).  Both dS rules
@@ -662,8 +662,8 @@ def _attn_bwd_dkdv_ws_kernel(
     q / dout_hdim (Tq, Hq, D) as 2-D TMA views; q's / dout_hdim's exponents expanded to one per 64-row tile
     ((2 G, Hq, 1): the sequence's tiles from row 2 SLOTS[r, 6] / 2 SLOTS[r, 9]), k's / v_hdim's (G, Hkv, 1) from
     row SLOTS[r, 7]; q_seq / dout_seq channel-major (Hq, D, Tv) with the sequence's 64-aligned, zero-padded
-    columns from SLOTS[r, 8] (so no box reads another sequence), their exponents (B, Hq, D); lse packed (Hq, Tq)
-    rows from column SLOTS[r, 2], δ (Hq, Tv) in the padded layout from column SLOTS[r, 10] (zero past the
+    columns from SLOTS[r, 8] (so no box reads another sequence), their exponents (B, Hq, D); lse and δ (Hq, Tv) both
+    in the padded layout (``padded_lse``) from column SLOTS[r, 10] (zero past the
     sequence's end); dk / dv (Tk, Hkv, D).  After the prologue the code is the dense code at that sequence's Sq,
     Sk; the Q / dO boxes of the last query tile hold the next sequence's rows past Sq: lse = −inf there (the
     consumer's row_ok), so P = 0, and δ = 0, Q_seq = dO_seq = 0 in the padding."""
@@ -715,7 +715,9 @@ def _attn_bwd_dkdv_ws_kernel(
         q_row = q_start
         seq_row = 0
         vec_row = 0
-        vec_col = q_start
+        # lse in δ's padded columns (``padded_lse``): a TMA box's first column must be 16-byte aligned (the H200
+        # faults with "illegal instruction" at a packed row start such as 129), and δ's columns are 64-aligned
+        vec_col = dl_col
         # the consumers' pointers stay uniform (moved by the kv head only); the sequence's parts are integers
         qe_row = 2 * qg_start  # one exponent per 64 rows: two per group of 128
         de_row = 2 * dog_start
@@ -925,6 +927,20 @@ def _vector_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     return rows, pitch
 
 
+def padded_lse(lse: torch.Tensor, cu_seqlens: torch.Tensor, cu_cols: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """The jagged batch's lse (Hq, Tq), packed, moved to the padded column layout of δ and the seq operands:
+    (Hq, n_cols) fp32, sequence b's rows at columns ``cu_cols[b]`` on (64-aligned), zero in the padding (rows the
+    consumer masks).  The jagged dK/dV kernel reads lse in [1, 64] TMA boxes from a sequence's first column, and
+    a box must start 16-byte aligned, which a packed start (any row) is not.  Device ops only, no host sync."""
+    Hq, Tq = lse.shape
+    out = lse.new_zeros(Hq, n_cols)
+    if Tq and Hq:
+        rows = torch.arange(Tq, device=lse.device)
+        b = torch.searchsorted(cu_seqlens[1:].long(), rows, right=True)  # the sequence of each packed row
+        out.index_copy_(1, cu_cols.long()[b] + rows - cu_seqlens.long()[b], lse)
+    return out
+
+
 def _vector_descriptors(lse: torch.Tensor, delta: torch.Tensor):
     """TMA descriptors of lse and δ, (B, Hq, Sq) fp32, as (B*Hq, Sq) with [1, 64] boxes: the producer loads row
     b*Hq + h, columns m0 .. m0+63 per query step; columns past Sq read as 0.0 (TMA zero fill)."""
@@ -1088,8 +1104,9 @@ def attn_bwd_dkdv_gluon_varlen(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse: to
     dos_desc = TensorDescriptor(dout_seq.data, [Hq * D, Tv], [Tv, 1], [D, bm], seq_layout)
     k_desc = TensorDescriptor(kd, [Tk, Hkv * D], [Hkv * D, 1], [bn, D], key_layout)
     v_desc = TensorDescriptor(vd, [Tk, Hkv * D], [Hkv * D, 1], [bn, D], key_layout)
-    # lse (Hq, Tq) and the padded δ (Hq, Tv) as (B=1, H, S) rows for the [1, 64] boxes
-    lse_desc, dl_desc = _vector_descriptors(lse.unsqueeze(0), delta.unsqueeze(0))
+    # lse and δ both (Hq, Tv) in dout_seq's padded columns, as (B=1, H, S) rows for the [1, 64] boxes
+    lse_desc, dl_desc = _vector_descriptors(padded_lse(lse, q.cu_seqlens, dout_seq.cu_data, Tv).unsqueeze(0),
+                                            delta.unsqueeze(0))
     # exponents: q's / dout_hdim's one per 64-row tile (each group of 128 rows from a sequence's start is two
     # tiles: rows 2 cu_exp[b] + m0 / 64); all contiguous (the kernel's UNIT_STRIDES)
     qe, de = (t.exp.repeat_interleave(2, dim=0) for t in (q, dout_hdim))
