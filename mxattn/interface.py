@@ -123,13 +123,27 @@ def _default_scale(D: int, softmax_scale) -> float:
     return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D)
 
 
+# Float q, k, v up to this many elements together: the forward makes its operands in two launches
+# (``forward_operands_triton``); above it, in the three single passes (four launches).  The fused first launch runs
+# Q's tile with K's warps and registers: on the H200 (session 9, attn_fwd-...-s9.json against -s8.json) the public
+# forward with it took 0.19 ms more at B2 H16 S8k d128 (1.61 -> 1.80 ms; 6.07 vs 5.73 ms at S16k, the FP8-operand
+# kernel's rate unchanged), while host-bound calls gained (S2k 0.58 -> 0.22 ms).  2**25 keeps the fused launch up to
+# B2 H16 S2k d128 (25M elements); MXATTN_FUSED_OPERANDS_MAX overrides it (the bench's sweep).
+FUSED_OPERANDS_MAX_ELEMS = int(os.environ.get("MXATTN_FUSED_OPERANDS_MAX", 1 << 25))
+
+
 def _hopper_forward_operands(q: Operand, k: Operand, v: Operand, scale_mode: str):
     """Float or MX inputs -> the forward's Hopper operands: Q, K hdim; V seq.  Float q, k, v: two launches for the
-    three (``forward_operands_triton``); MX inputs: one Triton pass each."""
+    three (``forward_operands_triton``) while they are small (``FUSED_OPERANDS_MAX_ELEMS``), else the single passes,
+    the same bytes; MX inputs: one Triton pass each."""
     from mxattn.kernels.quantize import forward_operands_triton, row_scaled_triton
 
     if not isinstance(q, MXTensor):
-        return forward_operands_triton(q, k, v, scale_mode, k_group=K_EXP_GROUP)[:3]
+        if q.numel() + k.numel() + v.numel() <= FUSED_OPERANDS_MAX_ELEMS:
+            return forward_operands_triton(q, k, v, scale_mode, k_group=K_EXP_GROUP)[:3]
+        return (row_scaled_triton(q, "q", scale_mode=scale_mode),
+                row_scaled_triton(k, "k", scale_mode=scale_mode, k_group=K_EXP_GROUP),
+                row_scaled_triton(v, "v", scale_mode=scale_mode))
     return (
         row_scaled_triton(q, "q", scale_mode=scale_mode),
         row_scaled_triton(k, "k", scale_mode=scale_mode, k_group=K_EXP_GROUP),

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from mxattn import formats, interface, reference
+from mxattn import interface, reference
 
 MARGIN_DB = 0.5
 

@@ -206,6 +206,31 @@ def test_padded_delta(seed):
     assert not padded.cpu()[:, ~keep].any(), "padding of the padded δ must be 0.0"
 
 
+def test_padded_lse_shares_the_padded_delta_columns(seed):
+    """padded_lse: the packed lse moved to dout_seq's 64-aligned columns (the jagged dK/dV kernel's lse boxes must
+    start 16-byte aligned: a packed start such as row 129 faulted on the H200), 0.0 in the padding; every
+    sequence's first column is a multiple of 4 fp32 elements."""
+    from mxattn.kernels.attn_bwd_dkdv_gluon import padded_lse
+    from mxattn.kernels.varlen import BWD_SEQ_ALIGN, varlen_v_operand_torch
+
+    lens = [2, 0, 129, 1, 4095, 33]
+    cu = _cu(lens, "cpu")
+    x = _packed(lens, 3, 64, seed, device="cpu")
+    cols = varlen_v_operand_torch(x, cu, max(lens), align=BWD_SEQ_ALIGN).cu_data
+    n_cols = int(cols[-1])  # (B + 1) offsets: the last is the padded total
+    lse = torch.randn(3, sum(lens), generator=torch.Generator().manual_seed(seed))
+    got = padded_lse(lse, cu, cols, n_cols)
+    assert got.shape == (3, n_cols) and got.dtype == torch.float32
+    keep = torch.zeros(n_cols, dtype=torch.bool)
+    for b, n in enumerate(lens):
+        c0, p0 = int(cols[b]), int(cu[b])
+        assert c0 % BWD_SEQ_ALIGN == 0
+        assert torch.equal(got[:, c0 : c0 + n], lse[:, p0 : p0 + n])
+        keep[c0 : c0 + n] = True
+    assert not got[:, ~keep].any()
+    assert padded_lse(lse[:, :0], cu.new_zeros(1), cols[:1], 64).abs().sum() == 0  # no rows: zeros
+
+
 def test_tl_varlen_bwd_same_on_16_and_64_aligned_seq_operands(seed):
     """The tl jagged kernels (the fallback) give the same bits on the new 64-aligned seq operands as on the
     16-aligned ones they were written for."""
@@ -234,12 +259,14 @@ def test_tl_varlen_bwd_same_on_16_and_64_aligned_seq_operands(seed):
 
 
 def test_varlen_backward_kernel_switch(monkeypatch):
-    """MXATTN_VARLEN_BWD_KERNEL: auto follows the dense choice (tl without a Hopper GPU), a bad value is refused,
+    """MXATTN_VARLEN_BWD_KERNEL: tl by default, auto follows the dense choice (tl without a Hopper GPU), a bad value is refused,
     and "gluon" without a GPU raises before any launch (no silent fallback when asked by name)."""
     from mxattn.kernels import attn_bwd
     from mxattn.kernels import varlen as V
 
     monkeypatch.delenv("MXATTN_BWD_KERNEL", raising=False)
+    monkeypatch.delenv("MXATTN_VARLEN_BWD_KERNEL", raising=False)  # the default: tl, GPU or not (opt-in Gluon)
+    assert attn_bwd.varlen_backward_kernel(torch.device("cuda", 0)) == "tl"
     monkeypatch.setenv("MXATTN_VARLEN_BWD_KERNEL", "auto")
     assert attn_bwd.varlen_backward_kernel(torch.device("cpu")) == "tl"
     monkeypatch.setenv("MXATTN_VARLEN_BWD_KERNEL", "tl")

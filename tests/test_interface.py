@@ -287,3 +287,21 @@ def test_gpu_paired_q_dout_quantization_equals_the_launcher_s_own(seed):
                            grad_dtype=q.dtype)
     for name, a, b in zip("qkv", got, want):
         assert torch.equal(a, b), f"d{name}: paired and separate dO quantization differ"
+
+
+@pytest.mark.parametrize("limit,want", [(1 << 25, "fused"), (100, "single")])
+def test_forward_operands_fused_only_while_small(limit, want, monkeypatch):
+    """Float q, k, v get their operands from the two-launch fused path up to FUSED_OPERANDS_MAX_ELEMS elements
+    together and from the three single passes above it (same bytes: test_quantize_kernels); MX inputs always take
+    the single passes."""
+    from mxattn import interface
+    from mxattn.kernels import quantize
+
+    calls = []
+    monkeypatch.setattr(quantize, "forward_operands_triton",
+                        lambda q, k, v, *a, **kw: calls.append("fused") or ("Q", "K", "V", None))
+    monkeypatch.setattr(quantize, "row_scaled_triton", lambda x, role, **kw: calls.append(role) or role.upper())
+    monkeypatch.setattr(interface, "FUSED_OPERANDS_MAX_ELEMS", limit)
+    q = torch.zeros(1, 16, 2, 64, dtype=torch.bfloat16)  # 3 x 2048 elements
+    assert interface._hopper_forward_operands(q, q, q, "rceil") == ("Q", "K", "V")
+    assert calls == (["fused"] if want == "fused" else ["q", "k", "v"])

@@ -42,8 +42,8 @@ Jagged batches (``VARLEN``, launcher ``attn_bwd_hopper_varlen``, operands ``kern
 the same three kernels: each program reads its sequence's offsets (``CU_*``), moves its base pointers there, sets
 ``Sq``, ``Sk`` to the sequence's lengths and exits when its tile is past them; the rest is the dense code at batch 0.
 The dense launches pass None for the offsets (constexpr), so the dense kernels compile to the same code as before
-(TTGIR and PTX compared for sm90: docs/perf-notes-varlen.md).  On Hopper the jagged backward runs the Gluon
-kernels' jagged mode by default (``varlen_backward_kernel``); these ``tl`` kernels are its fallback.
+(TTGIR and PTX compared for sm90: docs/perf-notes-varlen.md).  The jagged backward runs these ``tl`` kernels by
+default; the Gluon kernels' jagged mode is opt-in until it passes its GPU tests (``varlen_backward_kernel``).
 """
 
 from __future__ import annotations
@@ -830,12 +830,15 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def varlen_backward_kernel(device: Optional[torch.device] = None) -> str:
-    """The jagged backward's kernels on ``device``: ``MXATTN_VARLEN_BWD_KERNEL`` = "auto" (default), "tl" or
-    "gluon".  "auto" follows the dense choice (``backward_kernel``, i.e. ``MXATTN_BWD_KERNEL``): the Gluon kernels'
-    jagged mode on Hopper with a verified Triton, and ``attn_bwd_hopper_varlen`` falls back to the ``tl`` kernels
-    (``VARLEN=True``) for operands the Gluon kernels do not take; an explicit "gluon" (here or in
-    ``MXATTN_BWD_KERNEL``) raises there instead.  "tl" keeps the ``tl`` kernels.  Read at each call."""
-    choice = os.environ.get("MXATTN_VARLEN_BWD_KERNEL", "auto")
+    """The jagged backward's kernels on ``device``: ``MXATTN_VARLEN_BWD_KERNEL`` = "tl" (default), "auto" or
+    "gluon".  "tl" runs the ``tl`` kernels (``VARLEN=True``).  "auto" follows the dense choice (``backward_kernel``,
+    i.e. ``MXATTN_BWD_KERNEL``): the Gluon kernels' jagged mode on Hopper with a verified Triton, and
+    ``attn_bwd_hopper_varlen`` falls back to the ``tl`` kernels for operands the Gluon kernels do not take; an
+    explicit "gluon" raises there instead.  Read at each call.
+    The default stays "tl" until the Gluon jagged mode passes its GPU tests: its first H200 run (session 9) faulted
+    on batches whose sequences start at packed rows that are not a multiple of 4 (lse boxes not 16-byte aligned,
+    now read from δ's padded columns, not yet rerun on the GPU; docs/pending-gpu-checks.md)."""
+    choice = os.environ.get("MXATTN_VARLEN_BWD_KERNEL", "tl")
     if choice not in BWD_KERNELS:
         raise ValueError(f"MXATTN_VARLEN_BWD_KERNEL must be one of {', '.join(BWD_KERNELS)}, got {choice!r}")
     return backward_kernel(device) if choice == "auto" else choice
@@ -1091,8 +1094,8 @@ def attn_bwd_hopper_varlen(
     Causal masks are bottom-right per sequence; rows that see no key get dq = 0, keys that no query sees dk = dv = 0.
     Returns dq (Tq, Hq, D), dk, dv (Tk, Hkv, D) in ``grad_dtype``, contiguous.  Every sequence's gradients are
     those of ``attn_bwd_hopper`` on that sequence alone (same tiles, same arithmetic).
-    Kernels (``varlen_backward_kernel``): on Hopper, as the dense default, the warp-specialized Gluon kernels in
-    their jagged mode (``attn_bwd_dkdv_gluon_varlen``, ``attn_bwd_dq_gluon_varlen``; always deterministic, split
+    Kernels (``varlen_backward_kernel``; "tl" by default): with "auto" or "gluon" on Hopper the warp-specialized
+    Gluon kernels in their jagged mode (``attn_bwd_dkdv_gluon_varlen``, ``attn_bwd_dq_gluon_varlen``; always deterministic, split
     variants unless ``MXATTN_BWD_GLUON_SPLIT=0``) when ``config`` is None, D is 64 or 128, q / dout_hdim have the K
     layout and the seq operands 64-aligned columns (``varlen_bwd_operands`` makes them so); else the ``tl``
     kernels with ``VARLEN=True``.  Each sequence's gradients are then those of the dense Gluon backward on it: the
