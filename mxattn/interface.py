@@ -123,10 +123,27 @@ def _default_scale(D: int, softmax_scale) -> float:
     return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D)
 
 
-def _hopper_forward_operands(q: Operand, k: Operand, v: Operand, scale_mode: str):
-    """Float or MX inputs -> the forward's Hopper operands (one Triton pass each): Q, K hdim; V seq."""
-    from mxattn.kernels.quantize import row_scaled_triton
+# Float q, k, v up to this many elements together: the forward makes its operands in two launches
+# (``forward_operands_triton``); above it, in the three single passes (four launches).  The fused first launch runs
+# Q's tile with K's warps and registers: on the H200 (session 9, attn_fwd-...-s9.json against -s8.json) the public
+# forward with it took 0.19 ms more at B2 H16 S8k d128 (1.61 -> 1.80 ms; 6.07 vs 5.73 ms at S16k, the FP8-operand
+# kernel's rate unchanged), while host-bound calls gained (S2k 0.58 -> 0.22 ms).  2**25 keeps the fused launch up to
+# B2 H16 S2k d128 (25M elements); MXATTN_FUSED_OPERANDS_MAX overrides it (the bench's sweep).
+FUSED_OPERANDS_MAX_ELEMS = int(os.environ.get("MXATTN_FUSED_OPERANDS_MAX", 1 << 25))
 
+
+def _hopper_forward_operands(q: Operand, k: Operand, v: Operand, scale_mode: str):
+    """Float or MX inputs -> the forward's Hopper operands: Q, K hdim; V seq.  Float q, k, v: two launches for the
+    three (``forward_operands_triton``) while they are small (``FUSED_OPERANDS_MAX_ELEMS``), else the single passes,
+    the same bytes; MX inputs: one Triton pass each."""
+    from mxattn.kernels.quantize import forward_operands_triton, row_scaled_triton
+
+    if not isinstance(q, MXTensor):
+        if q.numel() + k.numel() + v.numel() <= FUSED_OPERANDS_MAX_ELEMS:
+            return forward_operands_triton(q, k, v, scale_mode, k_group=K_EXP_GROUP)[:3]
+        return (row_scaled_triton(q, "q", scale_mode=scale_mode),
+                row_scaled_triton(k, "k", scale_mode=scale_mode, k_group=K_EXP_GROUP),
+                row_scaled_triton(v, "v", scale_mode=scale_mode))
     return (
         row_scaled_triton(q, "q", scale_mode=scale_mode),
         row_scaled_triton(k, "k", scale_mode=scale_mode, k_group=K_EXP_GROUP),
@@ -173,6 +190,10 @@ def has_fast_backward(device) -> bool:
 # op returning the backward's operands could not tell whether a gradient will be asked for, so inference would
 # pay for them; here the forward makes only what it uses.  Recomputing also lets the backward take Q with one
 # exponent per 128 rows (``Q_EXP_GROUP``, the kernel's fast layout) instead of the forward's per-row Q.
+# Eager autograd (``_EagerAttention``, which runs only when a gradient is wanted) does otherwise since session 8:
+# its forward makes K and V in both orientations and saves the FP8 operands the backward needs (K hdim, K seq,
+# V hdim: 3 bytes per k / v element pair, against bf16's 4) instead of k and v, so the backward quantizes only q
+# and dO: fewer launches per step, which matters where the host bounds the step (S <= 4k).
 # ``deterministic`` only affects the backward; the forward op takes it so that its autograd formula can pass it on.
 # ``backend`` (a str with a default, so older 7-argument calls still bind) only picks the CUDA forward kernel; the
 # backward op is the same for every backend (it re-quantizes the saved float q, k, v for the Hopper FP8 backward).
@@ -267,6 +288,30 @@ def _hopper_forward(q: Operand, k: Operand, v: Operand, causal: bool, scale: flo
     return attn_fwd_hopper(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
 
 
+def _hopper_forward_keeping_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                               scale_mode: str, backend: str = "auto"):
+    """The CUDA forward of a call whose gradient will be asked for: (out, lse, kv), where ``kv`` holds the backward's
+    K and V operands (``_bwd_impl``'s K hdim, K seq, V hdim) made here from the same single read of k and of v that
+    the forward's own K and V come from (``forward_operands_triton(keep_kv=True)``: two launches for all of them, bit
+    for bit the separate passes), so that the backward does not read k and v again, and the FP8 operands
+    (K in both orientations, V along the head dim: 3 bytes per k / v element pair against bf16's 4) are saved
+    instead of k and v.  ``kv`` is None where the block-scaled kernel
+    runs (its backward takes the float tensors)."""
+    kernel = forward_kernel_for(q.shape, k.shape, q.device, backend)
+    if kernel == "blockscaled":
+        out, lse = _blockscaled_forward(q, k, v, causal, scale, scale_mode, q.dtype)
+        return out, lse, None
+    from mxattn.kernels.quantize import forward_operands_triton
+
+    qr, kr, vr, kv = forward_operands_triton(q, k, v, scale_mode, k_group=K_EXP_GROUP, keep_kv=True)
+    if kernel == "gluon":
+        from mxattn.kernels.attn_fwd_gluon import attn_fwd_gluon as fwd
+    else:
+        from mxattn.kernels.attn_fwd import attn_fwd_hopper as fwd
+    out, lse = fwd(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=q.dtype)
+    return out, lse, kv
+
+
 def _fwd_impl(q, k, v, causal: bool, scale: float, scale_mode: str, backend: str = "auto"):
     if q.device.type == "cuda":
         return _hopper_forward(q, k, v, causal, scale, scale_mode, q.dtype, backend)
@@ -306,20 +351,33 @@ def _blockscaled_backward(dout, q, k, v, out, lse, causal: bool, scale: float, s
 
 
 def _bwd_impl(dout, q, k, v, out, lse, causal: bool, scale: float, scale_mode: str, deterministic: bool,
-              backend: str = "auto"):
-    if q.device.type == "cuda" and forward_kernel_for(q.shape, k.shape, q.device, backend) == "blockscaled":
+              backend: str = "auto", kv=None):
+    """Gradients on float q, k, v; ``kv``: the K hdim, K seq and V hdim operands the forward kept
+    (``_hopper_forward_keeping_kv``), in which case k and v are not read (they may be None)."""
+    if kv is not None and q.device.type != "cuda":
+        raise RuntimeError("kept K/V operands come from the CUDA forward only")
+    if kv is None and q.device.type == "cuda" and forward_kernel_for(q.shape, k.shape, q.device, backend) == "blockscaled":
         return _blockscaled_backward(dout, q, k, v, out, lse, causal, scale, scale_mode)
     if q.device.type == "cuda":
-        from mxattn.kernels.attn_bwd import Q_EXP_GROUP, attn_bwd_hopper
-        from mxattn.kernels.quantize import row_scaled_triton, row_scaled_triton_both
+        from mxattn.kernels.attn_bwd import DO_EXP_GROUP, Q_EXP_GROUP, attn_bwd_hopper
+        from mxattn.kernels.quantize import row_scaled_triton, row_scaled_triton_both, row_scaled_triton_both_pair
 
-        # Q and K in both orientations from one read each (two launches instead of three: host time)
-        qr, q_seq = row_scaled_triton_both(q, scale_mode, k_group=Q_EXP_GROUP)
-        kr, k_seq = row_scaled_triton_both(k, scale_mode, k_group=K_EXP_GROUP)
-        v_hdim = row_scaled_triton(v, "k", scale_mode=scale_mode, k_group=K_EXP_GROUP)
+        dout = dout.contiguous()
+        doh = dos = None
+        if formats.ScaleMode.parse(scale_mode) is formats.ScaleMode.RCEIL and dout.dtype == q.dtype \
+                and DO_EXP_GROUP == Q_EXP_GROUP:
+            # Q and dO (whose quantization is RCEIL) in both orientations: two launches for the four operands
+            (qr, q_seq), (doh, dos) = row_scaled_triton_both_pair(q, dout, scale_mode, k_group=Q_EXP_GROUP)
+        else:  # Q in both orientations from one read (attn_bwd_hopper quantizes dO)
+            qr, q_seq = row_scaled_triton_both(q, scale_mode, k_group=Q_EXP_GROUP)
+        if kv is None:
+            kr, k_seq = row_scaled_triton_both(k, scale_mode, k_group=K_EXP_GROUP)
+            v_hdim = row_scaled_triton(v, "k", scale_mode=scale_mode, k_group=K_EXP_GROUP)
+        else:
+            kr, k_seq, v_hdim = kv
         return attn_bwd_hopper(
-            qr, kr, v_hdim, q_seq, k_seq, out, dout.contiguous(), lse, causal=causal, softmax_scale=scale,
-            deterministic=deterministic, grad_dtype=q.dtype,
+            qr, kr, v_hdim, q_seq, k_seq, out, dout, lse, causal=causal, softmax_scale=scale,
+            deterministic=deterministic, grad_dtype=q.dtype, dout_hdim=doh, dout_seq=dos,
         )
     from mxattn import reference
 
@@ -350,12 +408,13 @@ def _attn_bwd_fake(dout, q, k, v, out, lse, causal, scale, scale_mode, determini
     return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape)
 
 
-def _attn_fwd_setup_context(ctx, inputs, output):
+def _attn_fwd_setup_context(ctx, inputs, output, save: bool = True):
     q, k, v, causal, scale, scale_mode, deterministic, backend = inputs  # the backward re-quantizes q, k, v
     out, lse = output
     ctx.causal, ctx.scale, ctx.scale_mode, ctx.deterministic = causal, scale, scale_mode, deterministic
     ctx.backend = backend
-    ctx.save_for_backward(q, k, v, out, lse)
+    if save:
+        ctx.save_for_backward(q, k, v, out, lse)
     ctx.mark_non_differentiable(lse)
 
 
@@ -369,25 +428,62 @@ def _attn_fwd_backward(ctx, dout, _dlse):
 attn_fwd_op.register_autograd(_attn_fwd_backward, setup_context=_attn_fwd_setup_context)
 
 
+def _channel_major_buffer_of(seq_data: torch.Tensor) -> torch.Tensor:
+    """The (B, H, D, S_pad) buffer behind a seq operand's (B, S, H, D) view (``quantize._seq_view``): unit stride
+    along S, S_pad = the stride along D; the view's own allocation, so storage offset 0."""
+    B, S, H, D = seq_data.shape
+    s_pad = seq_data.stride(3)
+    want = (H * D * s_pad, 1, D * s_pad, s_pad)
+    if seq_data.storage_offset() != 0 or (B * S * H * D and tuple(seq_data.stride()) != want):
+        raise RuntimeError(f"a seq operand's data must be the view of a fresh channel-major buffer, got strides "
+                           f"{seq_data.stride()} (offset {seq_data.storage_offset()})")
+    return seq_data.as_strided((B, H, D, s_pad), (H * D * s_pad, D * s_pad, s_pad, 1))
+
+
 class _EagerAttention(torch.autograd.Function):
     """The eager path of ``attn_fwd_op`` + its autograd formula, without the custom-op dispatch.
 
     Measured on the H200 (scripts/host_timing.py, commit 805a087): going through ``torch.library`` costs ~280 us
     of host time per forward and ~400 us per backward on top of the kernels' launches, which made small calls
-    (S <= 2k) host-bound.  Eager calls take this Function (same implementation functions, same saved tensors);
-    torch.compile (``torch.compiler.is_compiling()``) keeps tracing the custom ops."""
+    (S <= 2k) host-bound.  Eager calls take this Function (same implementation functions); torch.compile
+    (``torch.compiler.is_compiling()``) keeps tracing the custom ops.
+
+    On CUDA the forward also keeps the backward's K and V operands (``_hopper_forward_keeping_kv``: this Function
+    runs only when a gradient is wanted) and saves them in place of k and v."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, scale_mode, deterministic, backend):
-        out, lse = _fwd_impl(q, k, v, causal, scale, scale_mode, backend)
-        _attn_fwd_setup_context(ctx, (q, k, v, causal, scale, scale_mode, deterministic, backend), (out, lse))
+        kv = None
+        if q.device.type == "cuda":
+            out, lse, kv = _hopper_forward_keeping_kv(q, k, v, causal, scale, scale_mode, backend)
+        else:
+            out, lse = _fwd_impl(q, k, v, causal, scale, scale_mode, backend)
+        _attn_fwd_setup_context(ctx, (q, k, v, causal, scale, scale_mode, deterministic, backend), (out, lse),
+                                save=kv is None)
+        ctx.kv_meta = None
+        if kv is not None:  # the FP8 operands instead of k and v: 3 bytes per (k, v) element pair against bf16's 4
+            kr, k_seq, v_hdim = kv
+            ctx.kv_meta = (kr.group, k_seq.data.shape[1])
+            # K seq as its whole channel-major buffer, a contiguous tensor: a saved-tensor hook that copies
+            # (save_on_cpu, offloading) keeps its layout, where a copy of the (B, S, H, D) view would not
+            ctx.save_for_backward(q, out, lse, kr.data, kr.exp, _channel_major_buffer_of(k_seq.data), k_seq.exp,
+                                  v_hdim.data, v_hdim.exp)
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        if ctx.kv_meta is None:
+            q, k, v, out, lse = ctx.saved_tensors
+            kv = None
+        else:
+            q, out, lse, kd, ke, ks_buf, kse, vd, ve = ctx.saved_tensors
+            k = v = None
+            group, Sk = ctx.kv_meta
+            ks_data = ks_buf[..., :Sk].permute(0, 3, 1, 2)  # the (B, S, H, D) view of the channel-major buffer
+            kv = (RowScaledFP8(kd, ke, 3, 1, group), RowScaledFP8(ks_data, kse, 1), RowScaledFP8(vd, ve, 3, 1, group))
         grads = _bwd_impl(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.scale_mode,
-                          ctx.deterministic, ctx.backend)
+                          ctx.deterministic, ctx.backend, kv)
         return (*grads, None, None, None, None, None)
 
 
@@ -571,9 +667,10 @@ def _varlen_mx_values(q, k, v, cu_k, scale_mode: str):
 
 class _MXFP8VarlenAttention(torch.autograd.Function):
     """Forward and backward of jagged MXFP8 attention.  CUDA: the Hopper kernels (forward ``attn_fwd_hopper_varlen``,
-    backward ``attn_bwd_hopper_varlen``: the dense FP8 kernels with ``VARLEN=True``, operands re-quantized from the
-    saved q, k, v as the dense backward does; dQ by fp32 atomics, or by the deterministic kernel when
-    ``torch.are_deterministic_algorithms_enabled()``).  CPU: the reference (FP8 emulation of P, dS, dO in fp32)."""
+    backward ``attn_bwd_hopper_varlen``, operands re-quantized from the saved q, k, v as the dense backward does: on
+    Hopper the Gluon backward kernels' jagged mode (deterministic), else the ``tl`` kernels with ``VARLEN=True``, dQ
+    by fp32 atomics or by the deterministic kernel when ``torch.are_deterministic_algorithms_enabled()``).  CPU: the
+    reference (FP8 emulation of P, dS, dO in fp32)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, scale_mode):

@@ -16,7 +16,8 @@
 #   producers  rmsnorm_quant / linear_quant vs unfused and cuBLAS FP8
 #   varlen     jagged forward vs the dense kernel at 50 % fill
 #   varlensweep  the same over several length draws, d128 and d64, and d64 tile configs
-#   varlenbwd  jagged backward vs the dense default backward (Gluon on Hopper) and SDPA, two draws, causal and not
+#   varlenbwd  jagged backward (Gluon jagged mode: compile checks, tiny cases, its GPU tests) vs the dense default
+#              backward (Gluon on Hopper), the tl jagged path and SDPA, two draws, causal and not
 #   graph      `mxattn bench --cuda-graph`: forward as CUDA-graph replays (no host launch overhead), S 2k/4k
 #   ring       ring attention over every GPU (torchrun, nccl): check against single-GPU mxattn, then timing
 #   train      examples/train_gpt.py (TRAIN_ATTENTION=sdpa|mxfp8|both, TRAIN_ARGS), into OUTDIR/train
@@ -83,8 +84,10 @@ for st in $STAGES; do
         [ -f "tests/test_attn_bwd_${part}_gluon.py" ] || continue
         run $PY "scripts/compile_check_bwd_${part}_gluon.py"
         run $PY "scripts/compile_check_bwd_${part}_gluon.py" --split
+        # dK/dV: the dS exponent per tile too (the rule before session 8; the default is per key)
+        [ "$part" = dkdv ] && run $PY scripts/compile_check_bwd_dkdv_gluon.py --split --ds-exp=tile
         T=120 run $PY -m pytest -m gpu -q -x -rfE -p no:cacheprovider "tests/test_attn_bwd_${part}_gluon.py" \
-          -k "1x1x1x2x2x128c or 2x113x203"
+          -k "1x1x1x2x2x128c or 2x113x203 or key_exp_tiny"
         run $PY -m pytest -m gpu -q -rfE -s -p no:cacheprovider "tests/test_attn_bwd_${part}_gluon.py" \
           2>&1 | tee "$OUT/bwd_${part}_gluon_tests.log" | tail -40
       done
@@ -151,15 +154,24 @@ for kw in cases:
 print(write_result('varlen_fwd', rows, sys.argv[1]))
 " "$OUT" "${VARLEN_SEEDS:-0 1 2 3}" ;;
     varlenbwd)
-      # issue 8: the jagged backward (tl kernels) against the dense default (the Gluon backward on Hopper since
-      # session 5; session 3's 0.95-0.98 was against the tl dense backward)
+      # issue 8: the jagged backward against the dense default (the Gluon backward on Hopper since session 5).
+      # Since session 8 the jagged backward runs the Gluon kernels' jagged mode (VARLEN) by default: compile checks,
+      # two tiny cases under a short timeout (a barrier bug hangs rather than fails), its GPU tests, then the
+      # timings (each row: the Gluon jagged path and the tl jagged path, both against the dense Gluon backward)
+      run $PY scripts/compile_check_bwd_dq_gluon.py --varlen --split
+      run $PY scripts/compile_check_bwd_dkdv_gluon.py --varlen --split
+      T=120 run $PY -m pytest -m gpu -q -x -rfE -p no:cacheprovider tests/test_bwd_varlen_gluon.py \
+        -k "matches_tl and (1seq-h1 or 2seq-h2)"
+      run $PY -m pytest -m gpu -q -rfE -s -p no:cacheprovider tests/test_bwd_varlen_gluon.py \
+        2>&1 | tee "$OUT/bwd_varlen_gluon_tests.log" | tail -40
       run $PY -c "
 import json, sys
 from mxattn.kernels.varlen import bench_varlen_bwd
 from mxattn.bench.results import write_result
 rows = [bench_varlen_bwd(causal=c, seed=s) for c in (False, True) for s in (0, 1)]
 for r in rows:
-    print(r['causal'], 'rate_vs_dense %.3f' % r['rate_vs_dense'], 'vs sdpa cudnn padded', r['speedup_vs_sdpa_cudnn_padded'], flush=True)
+    print(r['causal'], r['varlen_kernel'], 'rate_vs_dense %.3f' % r['rate_vs_dense'], 'tl %.3f' % r['rate_vs_dense_tl'],
+          'vs sdpa cudnn padded', r['speedup_vs_sdpa_cudnn_padded'], flush=True)
 print(write_result('varlen_bwd', rows, sys.argv[1]))
 " "$OUT" ;;
     graph)

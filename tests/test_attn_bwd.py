@@ -218,9 +218,12 @@ def _check(q, k, v, dout, causal, *, deterministic=False, softmax_scale=None, co
                                 causal=causal, softmax_scale=softmax_scale, deterministic=deterministic, config=cfg)
     truth = reference.attention_backward(mx["q"], mx["k"], mx["v"], out_exact, dout, causal=causal,
                                          softmax_scale=scale)
+    # the reference emulates dK's dS with MX blocks of 32 queries per key, or, for the per-key rule
+    # (ds_tile_scale=False), with the kernel's blocks: one exponent per key per q tile (ds_q_block)
     emul = reference.attention_backward(
         mx["q"], mx["k"], mx["v"], out, dout, causal=causal, softmax_scale=scale, quantize_p=True, quantize_ds=True,
-        quantize_do=True, q_seq=mx["q_seq"], k_seq=mx["k_seq"], v_hdim=mx["v_hdim"])
+        quantize_do=True, q_seq=mx["q_seq"], k_seq=mx["k_seq"], v_hdim=mx["v_hdim"],
+        ds_q_block=32 if cfg.ds_tile_scale else cfg.block_m)
     own = _emulate(ops, dout, out, lse, causal, scale, cfg, deterministic or cfg.dq_kernel)
     abs_floor = zero_gradient_floors(q, k, dout, ops["v_hdim"], ops["q_seq"], ops["k_seq"], scale, on_gpu)
     res = {}
@@ -331,18 +334,29 @@ def test_backward_kernel_auto_is_gluon_on_hopper(monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 def test_backward_kernel_gluon_through_the_api(causal, seed, monkeypatch):
     """MXATTN_BWD_KERNEL=gluon through loss.backward(): the whole-tile Gluon kernels' (MXATTN_BWD_GLUON_SPLIT=0)
-    gradients equal the tl dQ-kernel path's up to fp32 summation order (same P and dS bits)."""
+    gradients equal the tl dQ-kernel path's up to fp32 summation order (same P and dS bits).  The tl run takes the
+    dS rule of the Gluon dK/dV kernel's default (``ds_exp="key"``: ``ds_tile_scale=False``) through a patched
+    ``default_config``: the tl path's own default keeps one dS exponent per tile."""
+    from dataclasses import replace
+
     from conftest import assert_same_up_to_summation_order
 
     from mxattn import mxfp8_attn_func
+    from mxattn.kernels.attn_bwd_dkdv_gluon import GluonDkdvConfig
 
+    bwd = _bwd()
     q, k, v, do = _inputs(2, 700, 900, 8, 2, 128, "cuda", seed)
     monkeypatch.setenv("MXATTN_BWD_GLUON_SPLIT", "0")
+    tl_default = bwd.default_config
     grads = {}
     for kind in ("tl", "gluon"):
         monkeypatch.setenv("MXATTN_BWD_KERNEL", kind)
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        mxfp8_attn_func(*leaves, causal=causal, deterministic=True).backward(do)
+        with monkeypatch.context() as mp:
+            if kind == "tl":
+                mp.setattr(bwd, "default_config", lambda *a, **kw: replace(
+                    tl_default(*a, **kw), ds_tile_scale=not GluonDkdvConfig().key_exp))
+            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+            mxfp8_attn_func(*leaves, causal=causal, deterministic=True).backward(do)
         grads[kind] = [t.grad for t in leaves]
     for name, a, b in zip(("dq", "dk", "dv"), grads["gluon"], grads["tl"]):
         assert_same_up_to_summation_order(a, b, name)
@@ -352,11 +366,11 @@ def test_backward_kernel_gluon_through_the_api(causal, seed, monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 def test_backward_gluon_split_equals_tl_64_tiles(causal, seed, monkeypatch):
     """MXATTN_BWD_GLUON_SPLIT=1 (the split Gluon dQ and dK/dV kernels, the default) in attn_bwd_hopper equals the
-    tl kernels with 64-row / 64-key blocks (``split_tl_config``: the same dS exponent tiles) up to fp32 summation
-    order."""
+    tl kernels with 64-row / 64-key blocks (``split_tl_config``: the same dS exponent tiles for dQ; for dK the
+    rule of the Gluon dK/dV default, ``tl_twin_config``) up to fp32 summation order."""
     from conftest import assert_same_up_to_summation_order
 
-    from mxattn.kernels.attn_bwd_dq_gluon import split_tl_config
+    from mxattn.kernels.attn_bwd_dkdv_gluon import GluonDkdvConfig, tl_twin_config
 
     bwd = _bwd()
     q, k, v, do = _inputs(2, 700, 900, 8, 2, 128, "cuda", seed)
@@ -366,7 +380,8 @@ def test_backward_gluon_split_equals_tl_64_tiles(causal, seed, monkeypatch):
     monkeypatch.setenv("MXATTN_BWD_KERNEL", "gluon")
     monkeypatch.setenv("MXATTN_BWD_GLUON_SPLIT", "1")
     got = bwd.attn_bwd_hopper(*args, causal=causal)
-    want = bwd.attn_bwd_hopper(*args, causal=causal, config=split_tl_config())  # explicit config: tl kernels
+    # explicit config: tl kernels
+    want = bwd.attn_bwd_hopper(*args, causal=causal, config=tl_twin_config(GluonDkdvConfig(split=True)))
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert_same_up_to_summation_order(a, b, name)
 
@@ -451,6 +466,58 @@ def test_attn_bwd_interpreter_per_key_scale(det, seed):
     q, k, v, do = _inputs(1, 100, 140, 2, 1, 64, dev, seed)
     cfg = bwd.BwdConfig(ds_tile_scale=False)
     _check(q, k, v, do, True, deterministic=det, config=cfg)
+
+
+@pytest.mark.parametrize("block_n", [128, 64])
+def test_attn_bwd_interpreter_per_key_zero_rows_leave_the_bound(block_n, seed):
+    """Per-key dS exponents (the Gluon ``ds_exp="key"`` twin): a key whose dS is all zero in a query tile keeps
+    its exponent and does not start the bound of ``_bounded_exp``.  dO is 0 for the first 64 queries and ~2^-100
+    after: had the zero tile set the key's bound from the initial exponent 0, the tiny dS would be raised to
+    exponent -64 and flush to zero (dK = 0); with the rule, dK follows them (against the emulation, at 45 dB)."""
+    require_kernels()
+    bwd = _bwd()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v, do = _inputs(1, 128, 64, 1, 1, 64, dev, seed)
+    do[:, :64] = 0.0
+    do[:, 64:] *= 2.0**-100
+    cfg = bwd.BwdConfig(block_n=block_n, num_warps=4 if block_n == 64 else 8, ds_tile_scale=False)
+    _check(q, k, v, do, False, config=cfg, deterministic=True)
+
+
+def test_attn_bwd_interpreter_per_key_keeps_small_keys(seed):
+    """Why one dS exponent per key: keys whose scores sit ~14 below the others' (P, so dS, ~2^-20 of theirs) lose
+    their whole dK to one exponent per 128-key tile (flushed below e4m3's subnormals) and keep it per key.  Over
+    those keys' rows dK's SQNR against the exact gradients is > 20 dB per key, < 3 dB per tile; over all keys both
+    rules pass the calibrated bound (the per-key one against the reference's emulation with 64-query blocks)."""
+    require_kernels()
+    bwd = _bwd()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(seed)
+    B, Sq, Sk, D = 1, 96, 80, 64
+    q = (torch.randn(B, Sq, 1, D, generator=g).abs() + 1.0).to(dev, torch.bfloat16)
+    sign = torch.where(torch.arange(Sk) % 2 == 0, 1.0, -1.0).view(1, Sk, 1, 1)  # odd keys: the small ones
+    k = (0.5 * sign + 0.1 * torch.randn(B, Sk, 1, D, generator=g)).to(dev, torch.bfloat16)
+    v = torch.randn(B, Sk, 1, D, generator=g).to(dev, torch.bfloat16)
+    do = torch.randn(B, Sq, 1, D, generator=g).to(dev, torch.bfloat16)
+    mx = _operands(q, k, v, q.is_cuda)[0]
+    truth = reference.attention_backward(mx["q"], mx["k"], mx["v"], reference.attention_forward(
+        mx["q"], mx["k"], mx["v"])[0], do, quantize_do=True)[1][:, 1::2]
+    small = {}
+    for tile in (False, True):
+        cfg = bwd.BwdConfig(ds_tile_scale=tile)
+        _check(q, k, v, do, False, config=cfg, deterministic=True)
+        args = _kernel_args_from(q, k, v, do)
+        dk = bwd.attn_bwd_hopper(*args, deterministic=True, config=cfg)[1]
+        small[tile] = reference.sqnr_db(dk[:, 1::2].double().cpu(), truth)
+    assert small[False] > 20.0 and small[True] < 3.0, small
+
+
+def _kernel_args_from(q, k, v, do):
+    """``attn_bwd_hopper``'s positional arguments for these inputs with the reference forward's out and lse."""
+    mx, ops = _operands(q, k, v, q.is_cuda)
+    out, lse = reference.attention_forward(mx["q"], mx["k"], mx["v"])
+    out, lse = out.to(q.device, torch.bfloat16), lse.to(q.device, torch.float32)
+    return ops["q"], ops["k"], ops["v_hdim"], ops["q_seq"], ops["k_seq"], out, do, lse
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["atomic", "deterministic"])

@@ -16,7 +16,6 @@ from mxattn.formats import (
     MXTensor,
     RowScaledFP8,
     channel_major,
-    dequantize_mxfp8,
     quantize_mxfp8,
     row_scaled_from_float,
     to_row_scaled,

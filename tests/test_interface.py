@@ -209,3 +209,99 @@ def test_mx_inputs_from_producers_are_differentiable(device, seed):
     ref.backward(dout)
     # MXFP8 attention gradients are ~23 dB from exact (DESIGN §2); through the projection they stay well aligned
     assert reference.cosine(gx, x.grad) > 0.97 and reference.cosine(gw, W.grad) > 0.97
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_forward_keeping_kv_matches_the_plain_forward(device, seed):
+    """The training forward (``_hopper_forward_keeping_kv``: K and V in both orientations from one read each) gives
+    the plain forward's out and lse bit for bit, and kept operands equal to the backward's own re-quantization.
+    CPU: the kernels under the interpreter."""
+    from conftest import require_kernels
+
+    if device == "cpu" and (torch.cuda.is_available() or require_kernels() != "cpu"):
+        pytest.skip("the CPU case runs the kernels under the interpreter (machines without a GPU)")
+    from mxattn import interface as itf
+    from mxattn.kernels.quantize import row_scaled_triton, row_scaled_triton_both
+
+    q, k, v = _qkv(B=1, Sq=37, Sk=70, Hq=4, Hkv=2, D=64, device=device)
+    out, lse, (kr, k_seq, v_hdim) = itf._hopper_forward_keeping_kv(q, k, v, True, 0.125, "rceil")
+    out0, lse0 = itf._hopper_forward(q, k, v, True, 0.125, "rceil", q.dtype)
+    assert torch.equal(out, out0) and torch.equal(lse, lse0)
+    kr0, k_seq0 = row_scaled_triton_both(k, "rceil", k_group=itf.K_EXP_GROUP)
+    v_hdim0 = row_scaled_triton(v, "k", k_group=itf.K_EXP_GROUP)
+    for got, want in ((kr, kr0), (k_seq, k_seq0), (v_hdim, v_hdim0)):
+        assert (got.dim, got.group_dim, got.group) == (want.dim, want.group_dim, want.group)
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+        assert torch.equal(got.exp, want.exp)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_eager_training_path_equals_the_custom_op_path(causal, seed):
+    """Eager autograd saves the forward's FP8 K/V operands; the custom op (torch.compile's path) saves bf16 k, v
+    and re-quantizes them in its backward.  Same out and gradients, bit for bit (deterministic backward)."""
+    from mxattn.interface import attn_fwd_op
+
+    q, k, v = _qkv(B=2, Sq=300, Sk=260, Hq=8, Hkv=2, D=128, device="cuda", requires_grad=True)
+    dout = torch.randn_like(q)
+    out = mxfp8_attn_func(q, k, v, causal=causal, deterministic=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    out_op, _ = attn_fwd_op(q, k, v, causal, 1.0 / 128**0.5, "rceil", True)
+    grads_op = torch.autograd.grad(out_op, (q, k, v), dout)
+    assert torch.equal(out, out_op)
+    for name, a, b in zip("qkv", grads, grads_op):
+        assert torch.equal(a, b), f"d{name} differs between the eager and the custom-op backward"
+
+
+@pytest.mark.gpu
+def test_gpu_eager_training_path_under_a_copying_saved_tensor_hook(seed):
+    """Activation offloading (``save_on_cpu``) copies every saved tensor; the kept FP8 K/V operands must come back
+    in the layouts the backward kernels take, and give the same gradients as without the hook."""
+    q, k, v = _qkv(B=1, Sq=300, Sk=300, Hq=4, Hkv=2, D=128, device="cuda", requires_grad=True)
+    dout = torch.randn_like(q)
+    want = torch.autograd.grad(mxfp8_attn_func(q, k, v, causal=True, deterministic=True), (q, k, v), dout)
+    for pin in (False, True):
+        with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+            out = mxfp8_attn_func(q, k, v, causal=True, deterministic=True)
+        got = torch.autograd.grad(out, (q, k, v), dout)
+        for name, a, b in zip("qkv", got, want):
+            assert torch.equal(a, b), f"d{name} differs under save_on_cpu(pin_memory={pin})"
+
+
+@pytest.mark.gpu
+def test_gpu_paired_q_dout_quantization_equals_the_launcher_s_own(seed):
+    """The backward quantizes q and dO together (``row_scaled_triton_both_pair``); ``attn_bwd_hopper`` quantizing
+    dO itself (``attn_bwd_preprocess``) must give the same gradients bit for bit."""
+    from mxattn.interface import K_EXP_GROUP, _bwd_impl
+    from mxattn.kernels.attn_bwd import Q_EXP_GROUP, attn_bwd_hopper
+    from mxattn.kernels.quantize import row_scaled_triton, row_scaled_triton_both
+
+    q, k, v = _qkv(B=2, Sq=200, Sk=260, Hq=4, Hkv=2, D=64, device="cuda")
+    out, lse = mxfp8_attn_func(q, k, v, return_lse=True)
+    dout = torch.randn_like(q)
+    got = _bwd_impl(dout, q, k, v, out, lse, False, 0.125, "rceil", True)
+    qr, q_seq = row_scaled_triton_both(q, k_group=Q_EXP_GROUP)
+    kr, k_seq = row_scaled_triton_both(k, k_group=K_EXP_GROUP)
+    v_hdim = row_scaled_triton(v, "k", k_group=K_EXP_GROUP)
+    want = attn_bwd_hopper(qr, kr, v_hdim, q_seq, k_seq, out, dout, lse, softmax_scale=0.125, deterministic=True,
+                           grad_dtype=q.dtype)
+    for name, a, b in zip("qkv", got, want):
+        assert torch.equal(a, b), f"d{name}: paired and separate dO quantization differ"
+
+
+@pytest.mark.parametrize("limit,want", [(1 << 25, "fused"), (100, "single")])
+def test_forward_operands_fused_only_while_small(limit, want, monkeypatch):
+    """Float q, k, v get their operands from the two-launch fused path up to FUSED_OPERANDS_MAX_ELEMS elements
+    together and from the three single passes above it (same bytes: test_quantize_kernels); MX inputs always take
+    the single passes."""
+    from mxattn import interface
+    from mxattn.kernels import quantize
+
+    calls = []
+    monkeypatch.setattr(quantize, "forward_operands_triton",
+                        lambda q, k, v, *a, **kw: calls.append("fused") or ("Q", "K", "V", None))
+    monkeypatch.setattr(quantize, "row_scaled_triton", lambda x, role, **kw: calls.append(role) or role.upper())
+    monkeypatch.setattr(interface, "FUSED_OPERANDS_MAX_ELEMS", limit)
+    q = torch.zeros(1, 16, 2, 64, dtype=torch.bfloat16)  # 3 x 2048 elements
+    assert interface._hopper_forward_operands(q, q, q, "rceil") == ("Q", "K", "V")
+    assert calls == (["fused"] if want == "fused" else ["q", "k", "v"])
