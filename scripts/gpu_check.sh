@@ -57,14 +57,20 @@ for st in $STAGES; do
       $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/env.txt" ;;
     tests)
       # one pytest process per test file, MXATTN_TEST_JOBS at a time (Triton compiles on the CPU cores in parallel);
-      # MXATTN_TEST_K / MXATTN_TEST_FILES narrow the run. Logs are joined into gpu_tests.log, summary lines printed.
+      # MXATTN_TEST_K / MXATTN_TEST_FILES narrow the run ("file@n": that file as n processes, each every n-th test).
+      # Logs are joined into gpu_tests.log, summary lines printed.
       mkdir -p "$OUT/tests"
       files=${MXATTN_TEST_FILES:-$(ls tests/test_*.py | grep -v test_attn_fwd_gluon.py)}
       # tests that measure something (memory at S 16k/32k) write their rows to $OUT
       # MXATTN_FAST_LAUNCH=check: the fast launch path checked against Triton's own dispatch on every launch
       # (mxattn/kernels/launch.py); set for the tests only, not the stages that time
-      printf '%s\n' $files | MXATTN_FAST_LAUNCH=${MXATTN_FAST_LAUNCH:-check} MXATTN_RESULTS_DIR="$OUT" T=$T PY=$PY K="${MXATTN_TEST_K:-}" D="$OUT/tests" xargs -P "${MXATTN_TEST_JOBS:-6}" -I{} \
-        bash -c 'n=$(basename {} .py); timeout $T $PY -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider {} ${K:+-k "$K"} \
+      # "file@n": the file as n processes, each every n-th test (MXATTN_TEST_SHARD, tests/conftest.py)
+      jobs=$(for f in $files; do
+        case $f in *@*) n=${f##*@}; for ((i = 0; i < n; i++)); do echo "${f%@*}@$i/$n"; done ;; *) echo "$f" ;; esac
+      done)
+      printf '%s\n' $jobs | MXATTN_FAST_LAUNCH=${MXATTN_FAST_LAUNCH:-check} MXATTN_RESULTS_DIR="$OUT" T=$T PY=$PY K="${MXATTN_TEST_K:-}" D="$OUT/tests" xargs -P "${MXATTN_TEST_JOBS:-6}" -I{} \
+        bash -c 'j={}; f=${j%@*}; sh=; [ "$f" = "$j" ] || sh=${j##*@}; n=$(basename "$f" .py)${sh:+-${sh/\//of}};
+                 MXATTN_TEST_SHARD=$sh timeout $T $PY -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider "$f" ${K:+-k "$K"} \
                  >"$D/$n.log" 2>&1; rc=$?; echo "$n rc=$rc: $(tail -1 "$D/$n.log")"; [ $rc -eq 0 ] || [ $rc -eq 5 ]' \
         || status=1
       cat "$OUT"/tests/*.log > "$OUT/gpu_tests.log"; rm -rf "$OUT/tests"
@@ -88,8 +94,16 @@ for st in $STAGES; do
         [ "$part" = dkdv ] && run $PY scripts/compile_check_bwd_dkdv_gluon.py --split --ds-exp=tile
         T=120 run $PY -m pytest -m gpu -q -x -rfE -p no:cacheprovider "tests/test_attn_bwd_${part}_gluon.py" \
           -k "1x1x1x2x2x128c or 2x113x203 or key_exp_tiny"
-        run $PY -m pytest -m gpu -q -rfE -s -p no:cacheprovider "tests/test_attn_bwd_${part}_gluon.py" \
-          2>&1 | tee "$OUT/bwd_${part}_gluon_tests.log" | tail -40
+        # MXATTN_BWDGLUON_SHARDS processes per file side by side (the dK/dV file alone took > 560 s in one process)
+        nsh=${MXATTN_BWDGLUON_SHARDS:-3}
+        for ((i = 0; i < nsh; i++)); do
+          MXATTN_TEST_SHARD=$i/$nsh run $PY -m pytest -m gpu -q -rfE -s -p no:cacheprovider \
+            "tests/test_attn_bwd_${part}_gluon.py" > "$OUT/bwd_${part}_gluon_tests.$i.log" 2>&1 &
+        done
+        wait
+        cat "$OUT"/bwd_${part}_gluon_tests.*.log > "$OUT/bwd_${part}_gluon_tests.log"; rm -f "$OUT"/bwd_${part}_gluon_tests.*.log
+        grep -E "passed|failed|^FAILED|^ERROR" "$OUT/bwd_${part}_gluon_tests.log" | tail -40
+        grep -qE "^(FAILED|ERROR)|!! " "$OUT/bwd_${part}_gluon_tests.log" && status=1
       done
       # both through loss.backward() (MXATTN_BWD_KERNEL=gluon) against the tl kernels
       run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_bwd.py -k "gluon_through_the_api"
