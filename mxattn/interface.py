@@ -128,8 +128,18 @@ def _default_scale(D: int, softmax_scale) -> float:
 # Q's tile with K's warps and registers: on the H200 (session 9, attn_fwd-...-s9.json against -s8.json) the public
 # forward with it took 0.19 ms more at B2 H16 S8k d128 (1.61 -> 1.80 ms; 6.07 vs 5.73 ms at S16k, the FP8-operand
 # kernel's rate unchanged), while host-bound calls gained (S2k 0.58 -> 0.22 ms).  2**25 keeps the fused launch up to
-# B2 H16 S2k d128 (25M elements); MXATTN_FUSED_OPERANDS_MAX overrides it (the bench's sweep).
-FUSED_OPERANDS_MAX_ELEMS = int(os.environ.get("MXATTN_FUSED_OPERANDS_MAX", 1 << 25))
+# B2 H16 S2k d128 (25M elements); MXATTN_FUSED_OPERANDS_MAX overrides it at each call (the bench's sweep).
+FUSED_OPERANDS_MAX_ELEMS = 1 << 25
+
+
+def _fused_operands_max() -> int:
+    value = os.environ.get("MXATTN_FUSED_OPERANDS_MAX")
+    if value is None:
+        return FUSED_OPERANDS_MAX_ELEMS
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"MXATTN_FUSED_OPERANDS_MAX must be an integer (elements), got {value!r}") from None
 
 
 def _hopper_forward_operands(q: Operand, k: Operand, v: Operand, scale_mode: str):
@@ -139,7 +149,7 @@ def _hopper_forward_operands(q: Operand, k: Operand, v: Operand, scale_mode: str
     from mxattn.kernels.quantize import forward_operands_triton, row_scaled_triton
 
     if not isinstance(q, MXTensor):
-        if q.numel() + k.numel() + v.numel() <= FUSED_OPERANDS_MAX_ELEMS:
+        if q.numel() + k.numel() + v.numel() <= _fused_operands_max():
             return forward_operands_triton(q, k, v, scale_mode, k_group=K_EXP_GROUP)[:3]
         return (row_scaled_triton(q, "q", scale_mode=scale_mode),
                 row_scaled_triton(k, "k", scale_mode=scale_mode, k_group=K_EXP_GROUP),

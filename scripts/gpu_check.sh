@@ -16,8 +16,8 @@
 #   producers  rmsnorm_quant / linear_quant vs unfused and cuBLAS FP8
 #   varlen     jagged forward vs the dense kernel at 50 % fill
 #   varlensweep  the same over several length draws, d128 and d64, and d64 tile configs
-#   varlenbwd  jagged backward (Gluon jagged mode: compile checks, tiny cases, its GPU tests) vs the dense default
-#              backward (Gluon on Hopper), the tl jagged path and SDPA, two draws, causal and not
+#   varlenbwd  jagged backward (Gluon jagged mode, opt-in, asked here by name: compile checks, tiny cases, its GPU
+#              tests) vs the dense default backward (Gluon on Hopper), the tl jagged path and SDPA, two draws
 #   graph      `mxattn bench --cuda-graph`: forward as CUDA-graph replays (no host launch overhead), S 2k/4k
 #   ring       ring attention over every GPU (torchrun, nccl): check against single-GPU mxattn, then timing
 #   train      examples/train_gpt.py (TRAIN_ATTENTION=sdpa|mxfp8|both, TRAIN_ARGS), into OUTDIR/train
@@ -38,6 +38,7 @@ PY=${MXATTN_PYTHON:-python3}
 export PYTHONPATH=${PYTHONPATH:-.}
 export PYTHONUNBUFFERED=1
 T=${MXATTN_STAGE_TIMEOUT:-420}
+unset MXATTN_TEST_SHARD  # set per test process below ("file@n", bwdgluon), never for the whole script
 status=0
 # MXATTN_DEADLINE (epoch seconds) caps every command so that the call's last results still get written
 run() {
@@ -66,7 +67,12 @@ for st in $STAGES; do
       # (mxattn/kernels/launch.py); set for the tests only, not the stages that time
       # "file@n": the file as n processes, each every n-th test (MXATTN_TEST_SHARD, tests/conftest.py)
       jobs=$(for f in $files; do
-        case $f in *@*) n=${f##*@}; for ((i = 0; i < n; i++)); do echo "${f%@*}@$i/$n"; done ;; *) echo "$f" ;; esac
+        case $f in
+          *@*) n=${f##*@}
+               if [[ $n =~ ^[1-9][0-9]*$ ]]; then for ((i = 0; i < n; i++)); do echo "${f%@*}@$i/$n"; done
+               else echo "!! bad shard count in $f (want file@n, n >= 1)" >&2; echo "$f@bad"; fi ;;
+          *) echo "$f" ;;
+        esac
       done)
       printf '%s\n' $jobs | MXATTN_FAST_LAUNCH=${MXATTN_FAST_LAUNCH:-check} MXATTN_RESULTS_DIR="$OUT" T=$T PY=$PY K="${MXATTN_TEST_K:-}" D="$OUT/tests" xargs -P "${MXATTN_TEST_JOBS:-6}" -I{} \
         bash -c 'j={}; f=${j%@*}; sh=; [ "$f" = "$j" ] || sh=${j##*@}; n=$(basename "$f" .py)${sh:+-${sh/\//of}};
@@ -95,12 +101,16 @@ for st in $STAGES; do
         T=120 run $PY -m pytest -m gpu -q -x -rfE -p no:cacheprovider "tests/test_attn_bwd_${part}_gluon.py" \
           -k "1x1x1x2x2x128c or 2x113x203 or key_exp_tiny"
         # MXATTN_BWDGLUON_SHARDS processes per file side by side (the dK/dV file alone took > 560 s in one process)
+        # (the tests that time something run after them, alone on the GPU)
         nsh=${MXATTN_BWDGLUON_SHARDS:-3}
+        [[ $nsh =~ ^[1-9][0-9]*$ ]] || { echo "!! MXATTN_BWDGLUON_SHARDS=$nsh: want n >= 1; using 1"; nsh=1; status=1; }
         for ((i = 0; i < nsh; i++)); do
-          MXATTN_TEST_SHARD=$i/$nsh run $PY -m pytest -m gpu -q -rfE -s -p no:cacheprovider \
+          MXATTN_TEST_SHARD=$i/$nsh run $PY -m pytest -m gpu -q -rfE -s -p no:cacheprovider -k "not bench" \
             "tests/test_attn_bwd_${part}_gluon.py" > "$OUT/bwd_${part}_gluon_tests.$i.log" 2>&1 &
         done
         wait
+        run $PY -m pytest -m gpu -q -rfE -s -p no:cacheprovider -k bench "tests/test_attn_bwd_${part}_gluon.py" \
+          > "$OUT/bwd_${part}_gluon_tests.bench.log" 2>&1
         cat "$OUT"/bwd_${part}_gluon_tests.*.log > "$OUT/bwd_${part}_gluon_tests.log"; rm -f "$OUT"/bwd_${part}_gluon_tests.*.log
         grep -E "passed|failed|^FAILED|^ERROR" "$OUT/bwd_${part}_gluon_tests.log" | tail -40
         grep -qE "^(FAILED|ERROR)|!! " "$OUT/bwd_${part}_gluon_tests.log" && status=1
@@ -169,16 +179,17 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
 " "$OUT" "${VARLEN_SEEDS:-0 1 2 3}" ;;
     varlenbwd)
       # issue 8: the jagged backward against the dense default (the Gluon backward on Hopper since session 5).
-      # Since session 8 the jagged backward runs the Gluon kernels' jagged mode (VARLEN) by default: compile checks,
-      # two tiny cases under a short timeout (a barrier bug hangs rather than fails), its GPU tests, then the
-      # timings (each row: the Gluon jagged path and the tl jagged path, both against the dense Gluon backward)
+      # The Gluon kernels' jagged mode (VARLEN) is opt-in until it passes here (the default jagged path is tl):
+      # compile checks, two tiny cases under a short timeout (a barrier bug hangs rather than fails), its GPU tests,
+      # then the timings with MXATTN_VARLEN_BWD_KERNEL=gluon unless set (each row: the asked path and the tl
+      # jagged path, both against the dense Gluon backward)
       run $PY scripts/compile_check_bwd_dq_gluon.py --varlen --split
       run $PY scripts/compile_check_bwd_dkdv_gluon.py --varlen --split
       T=120 run $PY -m pytest -m gpu -q -x -rfE -p no:cacheprovider tests/test_bwd_varlen_gluon.py \
         -k "matches_tl and (1seq-h1 or 2seq-h2)"
       run $PY -m pytest -m gpu -q -rfE -s -p no:cacheprovider tests/test_bwd_varlen_gluon.py \
         2>&1 | tee "$OUT/bwd_varlen_gluon_tests.log" | tail -40
-      run $PY -c "
+      MXATTN_VARLEN_BWD_KERNEL=${MXATTN_VARLEN_BWD_KERNEL:-gluon} run $PY -c "
 import json, sys
 from mxattn.kernels.varlen import bench_varlen_bwd
 from mxattn.bench.results import write_result

@@ -186,7 +186,7 @@ def test_seq_operands_are_64_aligned_and_zero_padded(seed):
 
 def test_padded_delta(seed):
     """attn_bwd_preprocess_varlen(delta_padded=True): δ in dout_seq's columns equals the packed δ of the tl path,
-    and is 0.0 in every sequence's padding."""
+    and is 0.0 in every sequence's padding; with lse= the same launch moves lse there too (= padded_lse)."""
     require_kernels()
     from mxattn.kernels.attn_bwd import attn_bwd_preprocess_varlen
 
@@ -204,6 +204,17 @@ def test_padded_delta(seed):
                                    rtol=0, atol=0)
         keep[cols[b] : cols[b] + n] = True
     assert not padded.cpu()[:, ~keep].any(), "padding of the padded δ must be 0.0"
+    # lse moved into the same columns by the same launch: equal to padded_lse, δ unchanged
+    from mxattn.kernels.attn_bwd_dkdv_gluon import padded_lse
+
+    lse = torch.randn(2, sum(lens), generator=torch.Generator().manual_seed(seed)).to(DEV)
+    _, _, delta2, lse_pad = attn_bwd_preprocess_varlen(out, do, cu, max(lens), delta_padded=True, lse=lse)
+    assert torch.equal(delta2.cpu(), padded.cpu())
+    assert torch.equal(lse_pad.cpu(), padded_lse(lse, cu, dos.cu_data, padded.shape[1]).cpu())
+    with pytest.raises(ValueError, match="delta_padded"):
+        attn_bwd_preprocess_varlen(out, do, cu, max(lens), lse=lse)
+    with pytest.raises(ValueError, match="lse must be"):
+        attn_bwd_preprocess_varlen(out, do, cu, max(lens), delta_padded=True, lse=lse[:, 1:])
 
 
 def test_padded_lse_shares_the_padded_delta_columns(seed):
@@ -503,12 +514,13 @@ def test_public_varlen_function_takes_the_gluon_kernels(seed, monkeypatch):
 @gpu
 @needs_cuda
 def test_bench_varlen_bwd_gluon_row(monkeypatch):
-    """bench_varlen_bwd times the Gluon jagged path (the default) and names it."""
+    """bench_varlen_bwd times the Gluon jagged path when asked (MXATTN_VARLEN_BWD_KERNEL=gluon; the default is tl
+    until the Gluon jagged mode passes on the GPU) and names it."""
     from mxattn.kernels.varlen import bench_varlen_bwd
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon backward kernels are built for sm_90")
-    monkeypatch.delenv("MXATTN_VARLEN_BWD_KERNEL", raising=False)
+    monkeypatch.setenv("MXATTN_VARLEN_BWD_KERNEL", "gluon")
     row = bench_varlen_bwd(batch=4, mean_len=512, heads_q=4, heads_kv=4, with_sdpa=False)
     assert row["varlen_kernel"] == "gluon" and row["ms"]["varlen"] > 0 and row["ms"]["varlen_tl"] > 0
     print(row)

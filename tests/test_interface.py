@@ -302,6 +302,14 @@ def test_forward_operands_fused_only_while_small(limit, want, monkeypatch):
                         lambda q, k, v, *a, **kw: calls.append("fused") or ("Q", "K", "V", None))
     monkeypatch.setattr(quantize, "row_scaled_triton", lambda x, role, **kw: calls.append(role) or role.upper())
     monkeypatch.setattr(interface, "FUSED_OPERANDS_MAX_ELEMS", limit)
+    monkeypatch.delenv("MXATTN_FUSED_OPERANDS_MAX", raising=False)
     q = torch.zeros(1, 16, 2, 64, dtype=torch.bfloat16)  # 3 x 2048 elements
     assert interface._hopper_forward_operands(q, q, q, "rceil") == ("Q", "K", "V")
     assert calls == (["fused"] if want == "fused" else ["q", "k", "v"])
+    calls.clear()  # the environment overrides the constant at each call; a bad value is a clear error
+    monkeypatch.setenv("MXATTN_FUSED_OPERANDS_MAX", "100" if want == "fused" else str(1 << 25))
+    interface._hopper_forward_operands(q, q, q, "rceil")
+    assert calls == (["q", "k", "v"] if want == "fused" else ["fused"])
+    monkeypatch.setenv("MXATTN_FUSED_OPERANDS_MAX", "lots")
+    with pytest.raises(ValueError, match="MXATTN_FUSED_OPERANDS_MAX"):
+        interface._hopper_forward_operands(q, q, q, "rceil")

@@ -233,6 +233,9 @@ def _delta_kernel(
     CU_Q, CU_DOE,  # varlen: (B + 1) int32 offsets of the q rows and of dO's exponent rows
     HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, DO_GROUP: tl.constexpr, VARLEN: tl.constexpr = False,
     CU_DCOL=None,  # varlen: sequence b's delta at columns CU_DCOL[b] + s (a padded layout) instead of q rows
+    LSE=None,  # varlen with CU_DCOL: the packed lse (Hq, Tq) (head stride s_lseh, unit row stride), copied into
+    LSE_PAD=None,  # the padded layout of DELTA (same strides): the jagged dK/dV kernel's TMA boxes need aligned starts
+    s_lseh=0,
 ):
     """One program per BLOCK_R rows of the flattened (B, Sq, Hq): delta = 2^e * sum_d dO8 * O (fp32), e the
     exponent of the row's group of DO_GROUP rows.  VARLEN: one program per BLOCK_R rows of one sequence's
@@ -253,7 +256,11 @@ def _delta_kernel(
         if CU_DCOL is None:
             DELTA += q_start * s_ls
         else:
-            DELTA += tl.load(CU_DCOL + b).to(tl.int64) * s_ls
+            dcol = tl.load(CU_DCOL + b).to(tl.int64) * s_ls
+            DELTA += dcol
+            if LSE is not None:
+                LSE += q_start
+                LSE_PAD += dcol
         DOE += tl.load(CU_DOE + b).to(tl.int64) * s_des
         b = 0
     else:
@@ -268,6 +275,8 @@ def _delta_kernel(
     e = tl.load(DOE + b * s_deb + (s // DO_GROUP) * s_des + h * s_deh, mask=ok, other=0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1) * _pow2(e)
     tl.store(DELTA + b * s_lb + h * s_lh + s * s_ls, delta, mask=ok)
+    if LSE is not None:
+        tl.store(LSE_PAD + h * s_lh + s * s_ls, tl.load(LSE + h * s_lseh + s, mask=ok), mask=ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1027,7 +1036,8 @@ def _check_varlen_seq(t, name: str, H: int, D: int, B: int) -> None:
 
 
 def attn_bwd_preprocess_varlen(out: torch.Tensor, dout: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
-                               dout_hdim=None, dout_seq=None, delta_padded: bool = False):
+                               dout_hdim=None, dout_seq=None, delta_padded: bool = False,
+                               lse: Optional[torch.Tensor] = None):
     """``attn_bwd_preprocess`` for a jagged batch: dO (Tq, Hq, D) in both orientations as ``VarlenFP8`` (hdim in
     the K layout: one exponent per 128 rows from each sequence's start, ``varlen_k_operand``; seq in the V layout
     with 64-aligned sequence starts, ``varlen_v_operand(align=BWD_SEQ_ALIGN)``) and ``delta`` (Hq, Tq) fp32,
@@ -1035,7 +1045,10 @@ def attn_bwd_preprocess_varlen(out: torch.Tensor, dout: torch.Tensor, cu_seqlens
     ``delta_padded`` (the Gluon backward's layout): delta (Hq, Tv) in dout_seq's columns (sequence b at columns
     ``dout_seq.cu_data[b]``, 64-aligned), zero in each sequence's padding, so that a 64-wide box of it past a
     sequence's end reads 0 (never another sequence's value: a NaN there would survive P = 0).
-    Returns (dout_hdim, dout_seq, delta)."""
+    ``lse`` (only with ``delta_padded``): the forward's packed (Hq, Tq) fp32 lse, also moved into those columns in
+    the same launch (zero in the padding; ``attn_bwd_dkdv_gluon.padded_lse`` is its PyTorch twin): the jagged dK/dV
+    kernel's lse boxes must start 16-byte aligned, which packed sequence starts are not.
+    Returns (dout_hdim, dout_seq, delta), and the padded lse fourth when ``lse`` is given."""
     from mxattn.kernels.varlen import BWD_SEQ_ALIGN, varlen_k_operand, varlen_v_operand
 
     if dout_hdim is None:
@@ -1045,10 +1058,21 @@ def attn_bwd_preprocess_varlen(out: torch.Tensor, dout: torch.Tensor, cu_seqlens
     g = _varlen_row_group(dout_hdim, "dout_hdim")
     Tq, Hq, D = out.shape
     B = cu_seqlens_q.numel() - 1
-    if delta_padded:
-        delta = torch.zeros(Hq, dout_seq.data.shape[2], dtype=torch.float32, device=out.device)
+    if lse is not None:
+        if not delta_padded:
+            raise ValueError("lse is moved into the padded columns only with delta_padded=True")
+        if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or tuple(lse.shape) != (Hq, Tq) \
+                or lse.device != out.device or lse.stride(1) != 1:
+            raise ValueError(f"lse must be the forward's float32 ({Hq}, {Tq}) with unit row stride on {out.device}, "
+                             f"got {getattr(lse, 'dtype', type(lse).__name__)} {tuple(getattr(lse, 'shape', ()))}")
+    if delta_padded:  # delta and (if asked) lse side by side: one allocation
+        pad = torch.zeros(2 if lse is not None else 1, Hq, dout_seq.data.shape[2], dtype=torch.float32,
+                          device=out.device)
+        delta = pad[0]
+        lse_pad = pad[1] if lse is not None else None
     else:
         delta = torch.empty(Hq, Tq, dtype=torch.float32, device=out.device)
+        lse_pad = None
     block_r = max(1, min(128, 8192 // D))
     n_c = cdiv(max_seqlen_q * Hq, block_r)
     if Tq * Hq and B * n_c:
@@ -1058,7 +1082,10 @@ def attn_bwd_preprocess_varlen(out: torch.Tensor, dout: torch.Tensor, cu_seqlens
             0, *delta.stride(), max_seqlen_q, Hq, n_c, cu_seqlens_q, dout_hdim.cu_exp,
             HEAD_DIM=D, BLOCK_R=block_r, DO_GROUP=g, VARLEN=True, num_warps=4,
             CU_DCOL=dout_seq.cu_data if delta_padded else None,
+            LSE=lse, LSE_PAD=lse_pad, s_lseh=lse.stride(0) if lse is not None else 0,
         )
+    if lse is not None:
+        return dout_hdim, dout_seq, delta, lse_pad
     return dout_hdim, dout_seq, delta
 
 
@@ -1162,11 +1189,11 @@ def attn_bwd_hopper_varlen(
         from mxattn.kernels.attn_bwd_dkdv_gluon import GluonDkdvConfig, attn_bwd_dkdv_gluon_varlen
         from mxattn.kernels.attn_bwd_dq_gluon import GluonDqConfig, attn_bwd_dq_gluon_varlen
 
-        # δ in dout_seq's padded columns (zero past each sequence's end: what the kernels' 64-wide boxes read)
-        doh, dos, delta = attn_bwd_preprocess_varlen(out, dout, q.cu_seqlens, q.max_seqlen, dout_hdim, dout_seq,
-                                                     delta_padded=True)
+        # δ and lse in dout_seq's padded columns (zero past each sequence's end: what the kernels' 64-wide boxes read)
+        doh, dos, delta, lse_pad = attn_bwd_preprocess_varlen(out, dout, q.cu_seqlens, q.max_seqlen, dout_hdim,
+                                                              dout_seq, delta_padded=True, lse=lse)
         split = gluon_split()
-        dk, dv = attn_bwd_dkdv_gluon_varlen(q, k, v_hdim, q_seq, doh, dos, lse, delta, causal=causal,
+        dk, dv = attn_bwd_dkdv_gluon_varlen(q, k, v_hdim, q_seq, doh, dos, lse_pad, delta, causal=causal,
                                             softmax_scale=softmax_scale, grad_dtype=grad_dtype,
                                             config=GluonDkdvConfig(split=True) if split else None)
         dq = attn_bwd_dq_gluon_varlen(q, k, v_hdim, k_seq, doh, lse, delta, dos.cu_data, causal=causal,

@@ -385,8 +385,8 @@ def _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_sme
     """Per query step, into stage i % STAGES of the ring, all on its one ready barrier: Q and dO_hdim (64 x D),
     Q_seq and dO_seq (D x 64), and the tile's 64 lse and 64 δ (fp32 rows of the (B*Hq, Sq) views; columns past
     Sq are TMA zero fill).  seq_col / vec_col / dl_col: the first column of the seq operands / lse / δ (0 dense;
-    jagged: the sequence's first seq column, its first query row, and its first column of the padded δ, whose
-    columns past the sequence's end are zero)."""
+    jagged: the sequence's first seq column and its first column of the padded lse and δ (twice: lse and δ share it),
+    whose columns past the sequence's end are zero)."""
     if not VARLEN:  # the dense build: literal zeros (not captured values the partition cannot fold)
         seq_col = 0
         vec_col = 0
@@ -931,7 +931,10 @@ def padded_lse(lse: torch.Tensor, cu_seqlens: torch.Tensor, cu_cols: torch.Tenso
     """The jagged batch's lse (Hq, Tq), packed, moved to the padded column layout of δ and the seq operands:
     (Hq, n_cols) fp32, sequence b's rows at columns ``cu_cols[b]`` on (64-aligned), zero in the padding (rows the
     consumer masks).  The jagged dK/dV kernel reads lse in [1, 64] TMA boxes from a sequence's first column, and
-    a box must start 16-byte aligned, which a packed start (any row) is not.  Device ops only, no host sync."""
+    a box must start 16-byte aligned, which a packed start (any row) is not.  Device ops only, no host sync.
+    ``cu_seqlens[0]`` must be 0 (rows before it would map to negative columns).  The backward's dispatch gets the
+    padded lse from the δ kernel instead (``attn_bwd_preprocess_varlen(lse=...)``, no extra launch); this is the
+    PyTorch twin for direct callers and tests."""
     Hq, Tq = lse.shape
     out = lse.new_zeros(Hq, n_cols)
     if Tq and Hq:
@@ -1058,7 +1061,8 @@ def attn_bwd_dkdv_gluon_varlen(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse: to
     k, v_hdim:        (Tk, Hkv, D), the K layout over cu_seqlens_k;
     q_seq, dout_seq:  channel-major (Hq, D, Tv) with 64-aligned, zero-padded sequence starts
                       (``varlen_v_operand(..., align=BWD_SEQ_ALIGN)``; the same column offsets for both);
-    lse:              (Hq, Tq) float32, the jagged forward's;
+    lse:              (Hq, Tq) float32, the jagged forward's, or already in the padded columns (Hq, Tv)
+                      (``attn_bwd_preprocess_varlen(..., lse=lse)``; else ``padded_lse`` moves it, ~10 small launches);
     delta:            (Hq, Tv) float32 in dout_seq's columns, zero in the padding
                       (``attn_bwd_preprocess_varlen(..., delta_padded=True)``).
     One CTA per (key tile of 128 keys of one sequence, kv head), tiles heaviest first
@@ -1073,8 +1077,14 @@ def attn_bwd_dkdv_gluon_varlen(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse: to
     Tq, Hq, _ = q.data.shape
     Tk, Hkv, _ = k.data.shape
     B, D = check_varlen_operands(dict(q=q, k=k, v_hdim=v_hdim, dout_hdim=dout_hdim),
-                                 dict(q_seq=q_seq, dout_seq=dout_seq), dict(lse=lse), Hq, Hkv, grad_dtype)
+                                 dict(q_seq=q_seq, dout_seq=dout_seq), {}, Hq, Hkv, grad_dtype)
     Tv = q_seq.data.shape[2]
+    # lse packed (Hq, Tq), or already in the padded columns (Hq, Tv) (``attn_bwd_preprocess_varlen(lse=...)``).
+    # Tv == Tq only when every sequence's length is a multiple of the alignment, and then the two layouts are one.
+    if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or lse.dim() != 2 or lse.shape[0] != Hq \
+            or lse.shape[1] not in (Tq, Tv) or lse.device != q.data.device:
+        raise ValueError(f"lse must be float32 ({Hq}, {Tq}) (packed) or ({Hq}, {Tv}) (padded) on {q.data.device}, "
+                         f"got {getattr(lse, 'dtype', type(lse).__name__)} {tuple(getattr(lse, 'shape', ()))}")
     if dout_seq.data.shape[2] != Tv or q_seq.align != dout_seq.align:
         raise ValueError(f"q_seq and dout_seq must share one column layout (Tv {Tv} / {dout_seq.data.shape[2]}, "
                          f"align {q_seq.align} / {dout_seq.align})")
@@ -1105,8 +1115,9 @@ def attn_bwd_dkdv_gluon_varlen(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse: to
     k_desc = TensorDescriptor(kd, [Tk, Hkv * D], [Hkv * D, 1], [bn, D], key_layout)
     v_desc = TensorDescriptor(vd, [Tk, Hkv * D], [Hkv * D, 1], [bn, D], key_layout)
     # lse and δ both (Hq, Tv) in dout_seq's padded columns, as (B=1, H, S) rows for the [1, 64] boxes
-    lse_desc, dl_desc = _vector_descriptors(padded_lse(lse, q.cu_seqlens, dout_seq.cu_data, Tv).unsqueeze(0),
-                                            delta.unsqueeze(0))
+    if lse.shape[1] != Tv:
+        lse = padded_lse(lse.contiguous(), q.cu_seqlens, dout_seq.cu_data, Tv)
+    lse_desc, dl_desc = _vector_descriptors(lse.unsqueeze(0), delta.unsqueeze(0))
     # exponents: q's / dout_hdim's one per 64-row tile (each group of 128 rows from a sequence's start is two
     # tiles: rows 2 cu_exp[b] + m0 / 64); all contiguous (the kernel's UNIT_STRIDES)
     qe, de = (t.exp.repeat_interleave(2, dim=0) for t in (q, dout_hdim))
