@@ -8,12 +8,19 @@ Needs triton 3.6 (its bundled ptxas 12.8 is the one that miscompiles; docs/quant
 backward's K/V orientations).  For each it prints registers, spills and the findings of
 ``scripts/qboth_byte3_probe.py``'s checks: PTX registers read but never written, cvt-pack fold hazards, and SASS
 ``F2FP...MERGE_C`` reading a register that holds no conversion.  Exit status 1 when any is found.
+
+Integer arguments: Triton's JIT specializes every int argument divisible by 16 (``tt.divisibility``), and that
+changes the code (16-byte vector loads and stores instead of 2-byte ones). ``--ints`` picks which launched
+specializations to build: ``lengths`` (strides and sizes divisible by 16, sequence lengths and tile counts not:
+an odd S), ``all`` (every int divisible: power-of-two shapes such as B2 S8192 H16), ``none`` (nothing known, the
+build before session 9, which no launch makes: strides are multiples of H·D).  Default ``lengths,all``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -28,11 +35,18 @@ from qboth_byte3_probe import ptx_findings, sass_phantoms  # noqa: E402
 import mxattn.kernels.quantize as kq  # noqa: E402
 
 PTRS_U8 = "*u8"
+# int arguments that are sequence lengths or counts of tiles / groups / programs (the rest are strides or sizes that
+# are multiples of H·D or of 32): divisible by 16 only at some shapes
+_LENGTH_INTS = {"S", "S_ld", "n_s_tiles", "n_groups", "n_tiles", "NSB", "S_pad", "n_a", "n_b", "n_e", "eper", "fper"}
+_LENGTH_INTS |= {f"{j}{n}" for j in "abef" for n in ("S", "S_pad", "NSB", "n_tiles", "n_groups")}
+_UNIT_INTS = {"esxd", "fsxd"}  # the V-exponent jobs' channel stride: 1 in every launch, which the JIT makes a constant
+INTS = "all"  # which int arguments are marked divisible by 16 (``--ints``): "none", "lengths" or "all"
 
 
 def compile_tl(fn, consts: dict, ptrs: dict, num_warps: int):
     """``triton.compile`` of the ``tl`` kernel ``fn`` for sm_90a: ``consts`` constexpr values, ``ptrs`` pointer
-    types (16-byte divisible, as fresh allocations are); every other argument i32."""
+    types (16-byte divisible, as fresh allocations are); every other argument i32, divisible by 16 as ``INTS``
+    says (the JIT's specialization of a launch)."""
     sig, attrs, cvals = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
@@ -41,8 +55,13 @@ def compile_tl(fn, consts: dict, ptrs: dict, num_warps: int):
         elif name in ptrs:
             sig[name] = ptrs[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in _UNIT_INTS and INTS != "none":
+            sig[name] = "constexpr"
+            cvals[(i,)] = 1
         else:
             sig[name] = "i32"
+            if INTS == "all" or (INTS == "lengths" and name not in _LENGTH_INTS):
+                attrs[(i,)] = [["tt.divisibility", 16]]
     src = triton.compiler.ASTSource(fn, sig, cvals, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
@@ -87,24 +106,34 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--d", default="64,128")
     ap.add_argument("--dump", default=None)
+    ap.add_argument("--ints", default="lengths,all", help="comma list of none / lengths / all (module docstring)")
     args = ap.parse_args(argv)
+    global INTS
     bad = 0
     builds = []
-    for D in (int(x) for x in args.d.split(",")):
-        builds += [(f"_quantize_kernel {kind} d{D}", lambda D=D, kind=kind: quantize_variant(D, kind))
-                   for kind in ("q", "k", "v", "both")]
-        builds += [(f"_operands_kernel {launch} d{D}", lambda D=D, launch=launch: operands_variant(D, launch))
-                   for launch in ("first", "second", "first_keep", "second_keep")]
-    for name, build in builds:
+    for ints in args.ints.split(","):
+        if ints not in ("none", "lengths", "all"):
+            ap.error(f"--ints: {ints!r} is not none, lengths or all")
+        for D in (int(x) for x in args.d.split(",")):
+            builds += [(f"_quantize_kernel {kind} d{D} ints={ints}", ints,
+                        lambda D=D, kind=kind: quantize_variant(D, kind)) for kind in ("q", "k", "v", "both")]
+            builds += [(f"_operands_kernel {launch} d{D} ints={ints}", ints,
+                        lambda D=D, launch=launch: operands_variant(D, launch))
+                       for launch in ("first", "second", "first_keep", "second_keep")]
+    for name, ints, build in builds:
+        INTS = ints
         ck = build()
         res = _resource_usage(ck.asm["cubin"])
         never, hazards = ptx_findings(ck.asm["ptx"])
         phantoms = sass_phantoms(res["sass"])
         ok = not hazards and not phantoms
         bad += not ok
+        mem = {}
+        for op in re.findall(r"\b(?:LDG|STG)[A-Z0-9._]*", res["sass"]):
+            mem[op] = mem.get(op, 0) + 1
         print(f"{'ok ' if ok else 'BAD'} {name}: regs {res['regs']}, stack {res['stack']}, local {res['local']}; "
-              f"never-written regs {len(never)}, fold hazards {len(hazards)}, phantom MERGE_C {len(phantoms)}",
-              flush=True)
+              f"never-written regs {len(never)}, fold hazards {len(hazards)}, phantom MERGE_C {len(phantoms)}; "
+              f"global access {dict(sorted(mem.items()))}", flush=True)
         if args.dump:
             os.makedirs(args.dump, exist_ok=True)
             stem = os.path.join(args.dump, name.replace(" ", "_"))
