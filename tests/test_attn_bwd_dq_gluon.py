@@ -40,10 +40,12 @@ def _mod():
 def test_module_imports():
     m = _mod()
     assert callable(m.attn_bwd_dq_gluon) and callable(m.bench_attn_bwd_dq_gluon)
-    assert m.BLOCK_M.value == 128 and m.BLOCK_N.value == 64  # the tl dQ kernel's tiles (same dS exponent tiles)
+    # the tl dQ kernel's tiles (same dS exponent tiles)
+    assert m.BLOCK_M.value == 128 and m.GluonDqConfig().block_n == 64
     from mxattn.kernels import attn_bwd
 
-    assert attn_bwd.BwdConfig().dq_block_m == m.BLOCK_M.value and attn_bwd.BwdConfig().dq_block_n == m.BLOCK_N.value
+    assert attn_bwd.BwdConfig().dq_block_m == m.BLOCK_M.value
+    assert attn_bwd.BwdConfig().dq_block_n == m.GluonDqConfig().block_n
 
 
 def _cpu_operands(B=1, Sq=130, Sk=200, Hq=4, Hkv=2, D=64, q_rows=128):
@@ -96,6 +98,94 @@ def test_launcher_rejects_bad_operands():
         m.attn_bwd_dq_gluon(**ok, grad_dtype=torch.int8)
 
 
+def test_block_n_validation():
+    """``GluonDqConfig.block_n`` (session 9): 64 always, 128 only at D = 64 on dense launches; anything else is a
+    ValueError before a launch (the jagged launcher's own call is checked in ``test_varlen_rejects_block_n_128``)."""
+    m = _mod()
+    assert m.GluonDqConfig().block_n == 64 and m.default_config(64, True).block_n == 64  # default unchanged
+    for bad in (32, 96, 256):
+        with pytest.raises(ValueError, match="block_n must be one of"):
+            m.GluonDqConfig(block_n=bad)
+    for d in (64, 128):
+        m.check_block_n(m.GluonDqConfig(), d)
+        m.check_block_n(m.GluonDqConfig(), d, varlen=True)
+    m.check_block_n(m.GluonDqConfig(block_n=128, split=True), 64)
+    with pytest.raises(ValueError, match="head dim 64"):
+        m.check_block_n(m.GluonDqConfig(block_n=128), 128)
+    with pytest.raises(ValueError, match="jagged"):
+        m.check_block_n(m.GluonDqConfig(block_n=128), 64, varlen=True)
+    with pytest.raises(ValueError, match="head dim 64"):
+        m.attn_bwd_dq_gluon(**_cpu_operands(D=128), config=m.GluonDqConfig(block_n=128))
+
+
+def test_varlen_rejects_block_n_128(monkeypatch):
+    """The jagged launcher checks ``block_n`` after its operand checks (stubbed here) and before any launch."""
+    from types import SimpleNamespace
+
+    m = _mod()
+    monkeypatch.setattr(m, "check_varlen_operands", lambda *a, **k: (1, 64))
+    op = lambda T, H: SimpleNamespace(data=torch.zeros(T, H, 64))  # noqa: E731
+    args = (op(130, 4), op(200, 2), op(200, 2), op(200, 2), op(130, 4), torch.zeros(4, 130), torch.zeros(4, 256),
+            torch.tensor([0, 130], dtype=torch.int32))
+    with pytest.raises(ValueError, match="jagged"):
+        m.attn_bwd_dq_gluon_varlen(*args, config=m.GluonDqConfig(block_n=128))
+    with pytest.raises(ValueError, match="jagged"):
+        m.attn_bwd_dq_gluon_varlen(*args, config=m.GluonDqConfig(block_n=128, split=True))
+
+
+def test_tl_twin_config():
+    """The tl dQ tiles each Gluon build is compared with: the dQ kernel's rows (128 on 8 warps, or 64 on 4 split)
+    and ``dq_block_n = block_n``; the 64-key twins are the ones the GPU tests used before (``BwdConfig()``,
+    ``split_tl_config()``)."""
+    m = _mod()
+    from mxattn.kernels.attn_bwd import BwdConfig
+
+    G = m.GluonDqConfig
+    assert m.tl_twin_config() == BwdConfig() == m.tl_twin_config(G())
+    assert m.tl_twin_config(G(split=True)) == m.split_tl_config()
+    whole, split = m.tl_twin_config(G(block_n=128)), m.tl_twin_config(G(split=True, block_n=128))
+    assert (whole.dq_block_m, whole.dq_block_n, whole.dq_num_warps) == (128, 128, 8)
+    assert (split.dq_block_m, split.dq_block_n, split.dq_num_warps) == (64, 128, 4)
+    assert (split.block_m, split.block_n) == (64, 64)  # the dK/dV twin of the split builds is unchanged
+    assert m.split_tl_config(dq_block_n=128) == split
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+def test_tl_twin_block_n_128_interpreter(split, seed):
+    """The tl dQ kernel takes the twin's 128-key tiles at d64: under the interpreter it matches its fp64 emulation
+    with one dS exponent per (rows x 128) tile (``test_attn_bwd._check``, deterministic path; causal with a
+    partial 128-key tile and diagonal tiles, GQA 2:1)."""
+    m = _mod()
+    from test_attn_bwd import _check, _inputs
+
+    from mxattn.kernels.attn_bwd import BwdConfig
+
+    cfg = m.tl_twin_config(m.GluonDqConfig(split=split, block_n=128))
+    cfg = BwdConfig(**{**vars(cfg), "dq_kernel": True})
+    q, k, v, do = _inputs(1, 150, 300, 2, 1, 64, "cpu", seed)
+    _check(q, k, v, do, True, deterministic=True, config=cfg)
+
+
+def test_launch_plan_block_n(monkeypatch):
+    """block_n is part of the plan key (the config) and reaches the launch: BLOCK_N=128 with 128-key K / V_hdim
+    boxes and 128-column K_seq boxes; a 64-key call of the same operands makes its own plan."""
+    from test_attn_bwd_dkdv_gluon import _recorded_launches
+
+    m = _mod()
+    m._PLANS.clear()
+    ops = _cpu_operands()
+    cfgs = (m.GluonDqConfig(split=True, block_n=128), m.GluonDqConfig(split=True))
+    for cfg in cfgs:
+        seen = _recorded_launches(monkeypatch, lambda: m.attn_bwd_dq_gluon(**ops, causal=True, config=cfg), n=2)
+        (_, args, kw), _ = seen
+        assert kw["BLOCK_N"] == cfg.block_n
+        q_desc, _, k_desc, v_desc, ks_desc = args[:5]
+        assert list(q_desc.block_shape) == [64, 64]
+        assert list(k_desc.block_shape) == list(v_desc.block_shape) == [cfg.block_n, 64]
+        assert list(ks_desc.block_shape) == [64, cfg.block_n]
+    assert len(m._PLANS) == 2
+
+
 @pytest.mark.slow
 def test_compiles_for_sm90_without_gpu(capsys):
     """Where triton 3.6 is installed (the GPU machine), the d128 causal and d64 kernels compile for sm_90a with the
@@ -111,6 +201,23 @@ def test_compiles_for_sm90_without_gpu(capsys):
         name = f"d{d}{'_causal' if causal else ''}"
         assert cc.check(kernel, name, None) and cc.partition_report(kernel, 128 if split else 256), \
             capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal,split", [(True, True), (False, False)], ids=["causal-split", "whole"])
+def test_compiles_block_n_128_for_sm90_without_gpu(causal, split, capsys):
+    """Where triton 3.6 is installed, the 128-key step at d64 compiles for sm_90a with the same rules (no spills,
+    e4m3 k32 wgmma, two WARPGROUP.DEPBAR per step, no ptxas serialization): m64n128k32 for S / dP."""
+    if not triton_version().startswith("3.6"):
+        pytest.skip(f"compile check targets triton 3.6 (installed: {triton_version() or 'none'})")
+    _mod()
+    sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "scripts"))
+    import compile_check_bwd_dq_gluon as cc
+
+    kernel = cc.compile_variant(64, causal, split=split, block_n=128)
+    ok = cc.check(kernel, f"d64{'_causal' if causal else ''} block_n=128", None)
+    assert ok and cc.partition_report(kernel, 128 if split else 256), capsys.readouterr().out
+    assert "m64n128k32.f32.e4m3.e4m3" in kernel.asm["ptx"]
 
 
 def _protocol_model(n_tiles: int, stages: int, rng: random.Random, mutant: str = "", consumers: int = 1):
