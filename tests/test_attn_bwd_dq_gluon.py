@@ -5,11 +5,14 @@ the launcher rejects bad operands before any launch; a pure-Python model of the 
 producer's K/V and K_seq rings, the consumer's order of waits and releases, same parity formulas) runs under
 random interleavings without deadlock and never lets TMA overwrite a buffer a wgmma still reads; and, where
 triton 3.6 is installed, the kernel compiles for sm_90a with the rules of ``scripts/compile_check_bwd_dq_gluon.py``
-(marker ``slow``).
+(marker ``slow``).  The 128-key step (``GluonDqConfig.block_n``, session 9): its validation, its tl twin
+(``tl_twin_config``; the tl kernel with ``dq_block_n=128`` checked against its fp64 emulation under the
+interpreter), its launch plan, and its d64 builds' compile check.
 
 GPU (marker ``gpu``): dq against the ``tl`` kernel's (``attn_bwd_hopper(..., deterministic=True)``) on the same
 operands: the same dS exponents and e4m3 values, so only the fp32 summation order differs (SQNR > 40 dB, no NaN,
-rows that see no key exactly 0); and the timing helper ``bench_attn_bwd_dq_gluon`` (Gluon vs ``tl`` dQ kernel, B2
+rows that see no key exactly 0), for the 128-key step against the tl kernel with ``dq_block_n=128``
+(``-k block_n_128``); and the timing helper ``bench_attn_bwd_dq_gluon`` (Gluon vs ``tl`` dQ kernel, B2
 H16 S8k d128, causal and not), printed.
 """
 
@@ -395,6 +398,55 @@ def test_attn_bwd_dq_gluon_exponent_moves(seed):
     dq = m.attn_bwd_dq_gluon(**ops, grad_dtype=torch.float32)
     want = _tl_deterministic_dq(q, k, v, dout, ops, out, False).float()
     _assert_agree(dq, want, "exponent moves")
+
+
+# the 128-key step (GluonDqConfig(block_n=128), session 9): d64 only, against the tl dQ kernel with dq_block_n=128
+BLOCK_N_128_CASES = [
+    # B, Sq, Sk, Hq, Hkv, D, causal
+    (1, 1, 1, 2, 2, 64, True),  # tiny: one query, one key (a 128-key box over one key)
+    (2, 113, 203, 4, 2, 64, True),  # partial tiles, TMA rows into the next batch, GQA 2:1
+    (1, 1000, 1000, 4, 4, 64, False),  # odd S: a last tile of 104 keys
+    (1, 1000, 1000, 4, 4, 64, True),  # diagonal tiles of 128 keys across the two warpgroups' rows
+    (2, 1000, 1000, 16, 2, 64, True),  # GQA 8:1
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+@pytest.mark.parametrize("case", BLOCK_N_128_CASES, ids=_case_id)
+def test_attn_bwd_dq_gluon_block_n_128_matches_tl(case, split, seed):
+    """The 128-key step against its tl twin (``tl_twin_config``: the tl dQ kernel with ``dq_block_n=128``, 128
+    rows on 8 warps or 64 rows on 4 split): the same 128-key tiles in the same order and dS exponents per (rows x
+    128) tile, so equal up to fp32 summation order."""
+    if not _is_hopper():
+        pytest.skip("the Gluon dQ kernel needs an sm_90 GPU")
+    m = _mod()
+    causal = case[6]
+    q, k, v, dout = _gpu_inputs(case, seed)
+    ops, _ = m.dq_operands(q, k, v, dout, causal)
+    cfg = m.GluonDqConfig(split=split, block_n=128)
+    dq = m.attn_bwd_dq_gluon(**ops, causal=causal, config=cfg)
+    torch.cuda.synchronize()
+    want = m._tl_dq(**ops, causal=causal, tl_config=m.tl_twin_config(cfg))
+    _assert_agree(dq, want, _case_id(case) + (" split" if split else "") + " block_n=128")
+
+
+@pytest.mark.gpu
+def test_attn_bwd_dq_gluon_block_n_128_exponent_moves(seed):
+    """``test_attn_bwd_dq_gluon_exponent_moves`` at d64 with the split 128-key step: the exponent of each 64 x 128
+    tile leaves the hysteresis window both ways and the accumulator is rescaled, as in the tl twin."""
+    if not _is_hopper():
+        pytest.skip("the Gluon dQ kernel needs an sm_90 GPU")
+    m = _mod()
+    case = (1, 256, 2048, 2, 2, 64, False)
+    q, k, v, dout = _gpu_inputs(case, seed)
+    ramp = torch.logspace(-6, 3, 2048, base=2.0, device="cuda").view(1, -1, 1, 1)
+    v = (v.float() * ramp.flip(1) * ramp.roll(700, 1)).to(torch.bfloat16)
+    ops, _ = m.dq_operands(q, k, v, dout, False)
+    cfg = m.GluonDqConfig(split=True, block_n=128)
+    dq = m.attn_bwd_dq_gluon(**ops, grad_dtype=torch.float32, config=cfg)
+    want = m._tl_dq(**ops, grad_dtype=torch.float32, tl_config=m.tl_twin_config(cfg))
+    _assert_agree(dq, want.float(), "exponent moves, block_n=128")
 
 
 @pytest.mark.gpu
