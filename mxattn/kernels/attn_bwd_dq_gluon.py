@@ -83,7 +83,10 @@ m64n128k32 wgmma into 64 x 128 fp32 tiles per warpgroup (64 registers a thread e
 of m64n64k32; one k / v exponent group per step; the dS exponent is one per (rows x 128) tile (the same rule).  The
 twin is the tl dQ kernel with ``dq_block_n=128`` (``tl_twin_config``), whose tile order (unmasked tiles, then the
 masked ones) and exponent tiles are the same.  Half the steps per score: the per-step waits, barriers, exponent
-reduction and loop overhead are paid once per 128 keys.  Not the default until a GPU run says it is faster.
+reduction and loop overhead are paid once per 128 keys.  sm_90a, 3 stages, d64 (split and whole, causal and not):
+no spills, highest SASS register R237, 90 656 B shared memory (split), 631-641 SASS on a step's path against
+380-382 for 64 keys, i.e. 9.9-10.0 instead of 11.9 instructions per score and thread (perf-notes-attn-bwd.md,
+"Session 9").  Not the default until a GPU run says it is faster; at d128 it spills (80 B, 8 LDL/STL per step).
 """
 
 from __future__ import annotations
