@@ -342,6 +342,19 @@ def _assert_agree(got, want, name):
     assert_same_up_to_summation_order(got, want, name)
 
 
+def _gluon_case(case, config, seed):
+    """Skips off Hopper; else the Gluon dq of ``case`` with ``config`` on fresh operands: (module, dq, operands,
+    the forward's out, the bf16 inputs q, k, v, dout)."""
+    if not _is_hopper():
+        pytest.skip("the Gluon dQ kernel needs an sm_90 GPU")
+    m = _mod()
+    inputs = _gpu_inputs(case, seed)
+    ops, out = m.dq_operands(*inputs, case[6])
+    dq = m.attn_bwd_dq_gluon(**ops, causal=case[6], config=config(m))
+    torch.cuda.synchronize()
+    return m, dq, ops, out, inputs
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
@@ -349,14 +362,8 @@ def test_attn_bwd_dq_gluon_matches_tl(case, split, seed):
     """Against the tl dQ kernel on the same operands, equal up to fp32 summation order (the same P and dS bits);
     rows that see no key exactly 0.  ``split`` (``GluonDqConfig(split=True)``: two 4-warp consumer partitions of 64
     rows, dS exponent per 64 x 64 tile) against the tl dQ kernel with 64-row blocks."""
-    if not _is_hopper():
-        pytest.skip("the Gluon dQ kernel needs an sm_90 GPU")
-    m = _mod()
+    m, dq, ops, out, (q, k, v, dout) = _gluon_case(case, lambda m: m.GluonDqConfig(split=split), seed)
     causal = case[6]
-    q, k, v, dout = _gpu_inputs(case, seed)
-    ops, out = m.dq_operands(q, k, v, dout, causal)
-    dq = m.attn_bwd_dq_gluon(**ops, causal=causal, config=m.GluonDqConfig(split=split))
-    torch.cuda.synchronize()
     if split:
         want = m._tl_dq(**ops, causal=causal, tl_config=m.split_tl_config())
     else:
@@ -383,6 +390,14 @@ def test_attn_bwd_dq_gluon_configs(variant, seed):
         _assert_agree(dq, _tl_deterministic_dq(q, k, v, dout, ops, out, causal), f"{variant} d{D}")
 
 
+def _ramped_inputs(D, seed):
+    """(1, 256, 2048, 2, 2, D) inputs whose V rows change by many binades along the keys (so do dP and dS)."""
+    q, k, v, dout = _gpu_inputs((1, 256, 2048, 2, 2, D, False), seed)
+    ramp = torch.logspace(-6, 3, 2048, base=2.0, device="cuda").view(1, -1, 1, 1)
+    v = (v.float() * ramp.flip(1) * ramp.roll(700, 1)).to(torch.bfloat16)
+    return q, k, v, dout
+
+
 @pytest.mark.gpu
 def test_attn_bwd_dq_gluon_exponent_moves(seed):
     """dS magnitudes that change by many binades along the keys: the exponent leaves the hysteresis window and
@@ -390,10 +405,7 @@ def test_attn_bwd_dq_gluon_exponent_moves(seed):
     if not _is_hopper():
         pytest.skip("the Gluon dQ kernel needs an sm_90 GPU")
     m = _mod()
-    case = (1, 256, 2048, 2, 2, 128, False)
-    q, k, v, dout = _gpu_inputs(case, seed)
-    ramp = torch.logspace(-6, 3, 2048, base=2.0, device="cuda").view(1, -1, 1, 1)
-    v = (v.float() * ramp.flip(1) * ramp.roll(700, 1)).to(torch.bfloat16)
+    q, k, v, dout = _ramped_inputs(128, seed)
     ops, out = m.dq_operands(q, k, v, dout, False)
     dq = m.attn_bwd_dq_gluon(**ops, grad_dtype=torch.float32)
     want = _tl_deterministic_dq(q, k, v, dout, ops, out, False).float()
@@ -418,16 +430,8 @@ def test_attn_bwd_dq_gluon_block_n_128_matches_tl(case, split, seed):
     """The 128-key step against its tl twin (``tl_twin_config``: the tl dQ kernel with ``dq_block_n=128``, 128
     rows on 8 warps or 64 rows on 4 split): the same 128-key tiles in the same order and dS exponents per (rows x
     128) tile, so equal up to fp32 summation order."""
-    if not _is_hopper():
-        pytest.skip("the Gluon dQ kernel needs an sm_90 GPU")
-    m = _mod()
-    causal = case[6]
-    q, k, v, dout = _gpu_inputs(case, seed)
-    ops, _ = m.dq_operands(q, k, v, dout, causal)
-    cfg = m.GluonDqConfig(split=split, block_n=128)
-    dq = m.attn_bwd_dq_gluon(**ops, causal=causal, config=cfg)
-    torch.cuda.synchronize()
-    want = m._tl_dq(**ops, causal=causal, tl_config=m.tl_twin_config(cfg))
+    m, dq, ops, _, _ = _gluon_case(case, lambda m: m.GluonDqConfig(split=split, block_n=128), seed)
+    want = m._tl_dq(**ops, causal=case[6], tl_config=m.tl_twin_config(m.GluonDqConfig(split=split, block_n=128)))
     _assert_agree(dq, want, _case_id(case) + (" split" if split else "") + " block_n=128")
 
 
@@ -438,10 +442,7 @@ def test_attn_bwd_dq_gluon_block_n_128_exponent_moves(seed):
     if not _is_hopper():
         pytest.skip("the Gluon dQ kernel needs an sm_90 GPU")
     m = _mod()
-    case = (1, 256, 2048, 2, 2, 64, False)
-    q, k, v, dout = _gpu_inputs(case, seed)
-    ramp = torch.logspace(-6, 3, 2048, base=2.0, device="cuda").view(1, -1, 1, 1)
-    v = (v.float() * ramp.flip(1) * ramp.roll(700, 1)).to(torch.bfloat16)
+    q, k, v, dout = _ramped_inputs(64, seed)
     ops, _ = m.dq_operands(q, k, v, dout, False)
     cfg = m.GluonDqConfig(split=True, block_n=128)
     dq = m.attn_bwd_dq_gluon(**ops, grad_dtype=torch.float32, config=cfg)
