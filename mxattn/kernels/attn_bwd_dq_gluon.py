@@ -155,7 +155,8 @@ def default_config(head_dim: int, causal: bool) -> GluonDqConfig:
 
 def check_block_n(cfg: GluonDqConfig, head_dim: int, varlen: bool = False) -> None:
     """ValueError unless the launch takes ``cfg.block_n``: 64 always; 128 only at D = 64 (at D = 128 the S, dP and
-    dQ accumulators would take 64 + 64 + 64 registers a thread, plus dS crossing the loop edge) and dense: the
+    dQ accumulators take 64 + 64 + 64 registers a thread, plus dS crossing the loop edge: the split build spills
+    80 B, 8 LDL/STL per step, compile check of session 9) and dense: the
     jagged layout zero-pads each sequence's K_seq columns to 64 (``varlen.BWD_SEQ_ALIGN``), so a 128-key box
     would read the next sequence's columns (dS = 0 there, but 0 x Inf = NaN)."""
     if cfg.block_n == 64:
@@ -416,8 +417,8 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empt
     QE / DOE, to the row group of start_m.  The dS exponent is one per (ROWS x BLOCK_N) tile.
 
     Split, the CTA's key range is warpgroup 1's: causal, warpgroup 0 also walks the tiles past its last row's
-    keys (the tl kernel with 64-row blocks stops before them); they are all masked, so P = dS = 0 and the exponent
-    stays (amax 0 keeps it; the bound of ``_bounded_exp`` does not move)."""
+    keys (the tl kernel with 64-row blocks stops before them, at 64 or 128 keys a step); they are all masked, so
+    P = dS = 0 and the exponent stays (amax 0 keeps it; the bound of ``_bounded_exp`` does not move)."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_N, WARPS)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM, WARPS)
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
