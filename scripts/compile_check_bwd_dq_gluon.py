@@ -1,6 +1,7 @@
 """Compile the Gluon backward dQ kernel (``mxattn/kernels/attn_bwd_dq_gluon.py``) for sm_90a without a GPU.
 
     python scripts/compile_check_bwd_dq_gluon.py [--dump DIR] [--only d128,d64_causal] [--stages N] [--split] [--varlen]
+                                                 [--block-n 128] [--regs CONSUMER,MAXNREG,PRODUCER]
 
 Needs triton 3.6 (the GPU machine's version).  Same approach and the same pass / fail rules as
 ``scripts/compile_check_gluon.py`` (whose public ``check`` it reuses): ``triton.compile(GluonASTSource(...),
@@ -10,7 +11,10 @@ more than two ``WARPGROUP.DEPBAR`` per key-loop iteration.  It also prints the r
 ``setmaxnreg`` values in the PTX) and the named barriers the 8-warp consumer partition uses (its tile-wide dS
 amax is a cross-warp reduction: the barrier must count the partition's 256 threads, not the CTA's).
 ``--varlen`` builds the jagged mode (``VARLEN``: tile table, packed operands), as ``attn_bwd_dq_gluon_varlen``
-launches it.  Exit status 1 when a check fails.
+launches it.  ``--block-n 128`` builds the 128-key step (``GluonDqConfig(block_n=128)``; the launcher takes it at
+d64 only, so a d128 variant with it is built for the record but not required to pass).  ``--regs`` overrides the
+register split (``consumer_regs`` of the split build's second warpgroup, ``maxnreg``, ``producer_regs``).  Exit
+status 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -31,23 +35,30 @@ from compile_check_gluon import check, compile_sm90, fp8_desc  # noqa: E402
 
 
 def compile_variant(head_dim: int, causal: bool, stages: int | None = None, split: bool = False,
-                    varlen: bool = False):
+                    varlen: bool = False, block_n: int | None = None, regs: tuple | None = None):
     """triton.compile of ``_attn_bwd_dq_ws_kernel`` for sm_90a, with the launcher's constexprs and options
-    (``varlen``: the jagged build, SLOTS a pointer)."""
+    (``varlen``: the jagged build, SLOTS a pointer; ``block_n``: the key step, default the config's; ``regs``:
+    (consumer_regs, maxnreg, producer_regs) instead of the config's)."""
+    import dataclasses
+
     from triton.experimental.gluon import language as gl
 
     from mxattn.kernels import attn_bwd_dq_gluon as m
 
     cfg = m.default_config(head_dim, causal)
+    if block_n is not None:
+        cfg = dataclasses.replace(cfg, block_n=block_n)
+    if regs is not None:
+        cfg = dataclasses.replace(cfg, consumer_regs=regs[0], maxnreg=regs[1], producer_regs=regs[2])
     stages = stages or cfg.stages
     lay = lambda shape: gl.NVMMASharedLayout.get_default_for(shape, gl.float8e4nv)  # noqa: E731
-    bm, bn = (m.WG_ROWS if split else m.BLOCK_M).value, m.BLOCK_N.value
+    bm, bn = (m.WG_ROWS if split else m.BLOCK_M).value, cfg.block_n
     row, key = fp8_desc([bm, head_dim], lay), fp8_desc([bn, head_dim], lay)
     descs = {"q_desc": row, "do_desc": row, "k_desc": key, "v_desc": key, "ks_desc": fp8_desc([head_dim, bn], lay)}
     ptrs = {"QE": "*i32", "DOE": "*i32", "KE": "*i32", "VE": "*i32", "KSE": "*i32", "LSE": "*fp32",
             "DELTA": "*fp32", "DQ": "*bf16"}
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs, SPLIT=split,
-                  CONSUMER_REGS=cfg.consumer_regs, VARLEN=varlen)
+                  CONSUMER_REGS=cfg.consumer_regs, BLOCK_N=cfg.block_n, VARLEN=varlen)
     if varlen:
         ptrs["SLOTS"] = "*i32"
     else:
@@ -112,7 +123,18 @@ def main(argv=None) -> int:
     varlen = "--varlen" in argv  # the jagged build (VARLEN)
     if varlen:
         argv.remove("--varlen")
-    return run_variants(argv, __doc__, lambda d, c, st: compile_variant(d, c, st, split=split, varlen=varlen), check,
+    block_n = regs = None
+    for flag in ("--block-n", "--regs"):  # flags of this script only (run_variants parses the shared ones)
+        if flag in argv:
+            i = argv.index(flag)
+            val = argv[i + 1]
+            del argv[i:i + 2]
+            if flag == "--block-n":
+                block_n = int(val)
+            else:
+                regs = tuple(int(x) for x in val.split(","))
+    return run_variants(argv, __doc__, lambda d, c, st: compile_variant(d, c, st, split=split, varlen=varlen,
+                                                                        block_n=block_n, regs=regs), check,
                         consumer_threads=128 if split else 256)
 
 

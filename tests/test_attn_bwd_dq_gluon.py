@@ -5,11 +5,14 @@ the launcher rejects bad operands before any launch; a pure-Python model of the 
 producer's K/V and K_seq rings, the consumer's order of waits and releases, same parity formulas) runs under
 random interleavings without deadlock and never lets TMA overwrite a buffer a wgmma still reads; and, where
 triton 3.6 is installed, the kernel compiles for sm_90a with the rules of ``scripts/compile_check_bwd_dq_gluon.py``
-(marker ``slow``).
+(marker ``slow``).  The 128-key step (``GluonDqConfig.block_n``, session 9): its validation, its tl twin
+(``tl_twin_config``; the tl kernel with ``dq_block_n=128`` checked against its fp64 emulation under the
+interpreter), its launch plan, and its d64 builds' compile check.
 
 GPU (marker ``gpu``): dq against the ``tl`` kernel's (``attn_bwd_hopper(..., deterministic=True)``) on the same
 operands: the same dS exponents and e4m3 values, so only the fp32 summation order differs (SQNR > 40 dB, no NaN,
-rows that see no key exactly 0); and the timing helper ``bench_attn_bwd_dq_gluon`` (Gluon vs ``tl`` dQ kernel, B2
+rows that see no key exactly 0), for the 128-key step against the tl kernel with ``dq_block_n=128``
+(``-k block_n_128``); and the timing helper ``bench_attn_bwd_dq_gluon`` (Gluon vs ``tl`` dQ kernel, B2
 H16 S8k d128, causal and not), printed.
 """
 
@@ -40,10 +43,12 @@ def _mod():
 def test_module_imports():
     m = _mod()
     assert callable(m.attn_bwd_dq_gluon) and callable(m.bench_attn_bwd_dq_gluon)
-    assert m.BLOCK_M.value == 128 and m.BLOCK_N.value == 64  # the tl dQ kernel's tiles (same dS exponent tiles)
+    # the tl dQ kernel's tiles (same dS exponent tiles)
+    assert m.BLOCK_M.value == 128 and m.GluonDqConfig().block_n == 64
     from mxattn.kernels import attn_bwd
 
-    assert attn_bwd.BwdConfig().dq_block_m == m.BLOCK_M.value and attn_bwd.BwdConfig().dq_block_n == m.BLOCK_N.value
+    assert attn_bwd.BwdConfig().dq_block_m == m.BLOCK_M.value
+    assert attn_bwd.BwdConfig().dq_block_n == m.GluonDqConfig().block_n
 
 
 def _cpu_operands(B=1, Sq=130, Sk=200, Hq=4, Hkv=2, D=64, q_rows=128):
@@ -96,6 +101,94 @@ def test_launcher_rejects_bad_operands():
         m.attn_bwd_dq_gluon(**ok, grad_dtype=torch.int8)
 
 
+def test_block_n_validation():
+    """``GluonDqConfig.block_n`` (session 9): 64 always, 128 only at D = 64 on dense launches; anything else is a
+    ValueError before a launch (the jagged launcher's own call is checked in ``test_varlen_rejects_block_n_128``)."""
+    m = _mod()
+    assert m.GluonDqConfig().block_n == 64 and m.default_config(64, True).block_n == 64  # default unchanged
+    for bad in (32, 96, 256):
+        with pytest.raises(ValueError, match="block_n must be one of"):
+            m.GluonDqConfig(block_n=bad)
+    for d in (64, 128):
+        m.check_block_n(m.GluonDqConfig(), d)
+        m.check_block_n(m.GluonDqConfig(), d, varlen=True)
+    m.check_block_n(m.GluonDqConfig(block_n=128, split=True), 64)
+    with pytest.raises(ValueError, match="head dim 64"):
+        m.check_block_n(m.GluonDqConfig(block_n=128), 128)
+    with pytest.raises(ValueError, match="jagged"):
+        m.check_block_n(m.GluonDqConfig(block_n=128), 64, varlen=True)
+    with pytest.raises(ValueError, match="head dim 64"):
+        m.attn_bwd_dq_gluon(**_cpu_operands(D=128), config=m.GluonDqConfig(block_n=128))
+
+
+def test_varlen_rejects_block_n_128(monkeypatch):
+    """The jagged launcher checks ``block_n`` after its operand checks (stubbed here) and before any launch."""
+    from types import SimpleNamespace
+
+    m = _mod()
+    monkeypatch.setattr(m, "check_varlen_operands", lambda *a, **k: (1, 64))
+    op = lambda T, H: SimpleNamespace(data=torch.zeros(T, H, 64))  # noqa: E731
+    args = (op(130, 4), op(200, 2), op(200, 2), op(200, 2), op(130, 4), torch.zeros(4, 130), torch.zeros(4, 256),
+            torch.tensor([0, 130], dtype=torch.int32))
+    with pytest.raises(ValueError, match="jagged"):
+        m.attn_bwd_dq_gluon_varlen(*args, config=m.GluonDqConfig(block_n=128))
+    with pytest.raises(ValueError, match="jagged"):
+        m.attn_bwd_dq_gluon_varlen(*args, config=m.GluonDqConfig(block_n=128, split=True))
+
+
+def test_tl_twin_config():
+    """The tl dQ tiles each Gluon build is compared with: the dQ kernel's rows (128 on 8 warps, or 64 on 4 split)
+    and ``dq_block_n = block_n``; the 64-key twins are the ones the GPU tests used before (``BwdConfig()``,
+    ``split_tl_config()``)."""
+    m = _mod()
+    from mxattn.kernels.attn_bwd import BwdConfig
+
+    G = m.GluonDqConfig
+    assert m.tl_twin_config() == BwdConfig() == m.tl_twin_config(G())
+    assert m.tl_twin_config(G(split=True)) == m.split_tl_config()
+    whole, split = m.tl_twin_config(G(block_n=128)), m.tl_twin_config(G(split=True, block_n=128))
+    assert (whole.dq_block_m, whole.dq_block_n, whole.dq_num_warps) == (128, 128, 8)
+    assert (split.dq_block_m, split.dq_block_n, split.dq_num_warps) == (64, 128, 4)
+    assert (split.block_m, split.block_n) == (64, 64)  # the dK/dV twin of the split builds is unchanged
+    assert m.split_tl_config(dq_block_n=128) == split
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+def test_tl_twin_block_n_128_interpreter(split, seed):
+    """The tl dQ kernel takes the twin's 128-key tiles at d64: under the interpreter it matches its fp64 emulation
+    with one dS exponent per (rows x 128) tile (``test_attn_bwd._check``, deterministic path; causal with a
+    partial 128-key tile and diagonal tiles, GQA 2:1)."""
+    m = _mod()
+    from test_attn_bwd import _check, _inputs
+
+    from mxattn.kernels.attn_bwd import BwdConfig
+
+    cfg = m.tl_twin_config(m.GluonDqConfig(split=split, block_n=128))
+    cfg = BwdConfig(**{**vars(cfg), "dq_kernel": True})
+    q, k, v, do = _inputs(1, 150, 300, 2, 1, 64, "cpu", seed)
+    _check(q, k, v, do, True, deterministic=True, config=cfg)
+
+
+def test_launch_plan_block_n(monkeypatch):
+    """block_n is part of the plan key (the config) and reaches the launch: BLOCK_N=128 with 128-key K / V_hdim
+    boxes and 128-column K_seq boxes; a 64-key call of the same operands makes its own plan."""
+    from test_attn_bwd_dkdv_gluon import _recorded_launches
+
+    m = _mod()
+    m._PLANS.clear()
+    ops = _cpu_operands()
+    cfgs = (m.GluonDqConfig(split=True, block_n=128), m.GluonDqConfig(split=True))
+    for cfg in cfgs:
+        seen = _recorded_launches(monkeypatch, lambda: m.attn_bwd_dq_gluon(**ops, causal=True, config=cfg), n=2)
+        (_, args, kw), _ = seen
+        assert kw["BLOCK_N"] == cfg.block_n
+        q_desc, _, k_desc, v_desc, ks_desc = args[:5]
+        assert list(q_desc.block_shape) == [64, 64]
+        assert list(k_desc.block_shape) == list(v_desc.block_shape) == [cfg.block_n, 64]
+        assert list(ks_desc.block_shape) == [64, cfg.block_n]
+    assert len(m._PLANS) == 2
+
+
 @pytest.mark.slow
 def test_compiles_for_sm90_without_gpu(capsys):
     """Where triton 3.6 is installed (the GPU machine), the d128 causal and d64 kernels compile for sm_90a with the
@@ -111,6 +204,23 @@ def test_compiles_for_sm90_without_gpu(capsys):
         name = f"d{d}{'_causal' if causal else ''}"
         assert cc.check(kernel, name, None) and cc.partition_report(kernel, 128 if split else 256), \
             capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal,split", [(True, True), (False, False)], ids=["causal-split", "whole"])
+def test_compiles_block_n_128_for_sm90_without_gpu(causal, split, capsys):
+    """Where triton 3.6 is installed, the 128-key step at d64 compiles for sm_90a with the same rules (no spills,
+    e4m3 k32 wgmma, two WARPGROUP.DEPBAR per step, no ptxas serialization): m64n128k32 for S / dP."""
+    if not triton_version().startswith("3.6"):
+        pytest.skip(f"compile check targets triton 3.6 (installed: {triton_version() or 'none'})")
+    _mod()
+    sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "scripts"))
+    import compile_check_bwd_dq_gluon as cc
+
+    kernel = cc.compile_variant(64, causal, split=split, block_n=128)
+    ok = cc.check(kernel, f"d64{'_causal' if causal else ''} block_n=128", None)
+    assert ok and cc.partition_report(kernel, 128 if split else 256), capsys.readouterr().out
+    assert "m64n128k32.f32.e4m3.e4m3" in kernel.asm["ptx"]
 
 
 def _protocol_model(n_tiles: int, stages: int, rng: random.Random, mutant: str = "", consumers: int = 1):
@@ -232,6 +342,19 @@ def _assert_agree(got, want, name):
     assert_same_up_to_summation_order(got, want, name)
 
 
+def _gluon_case(case, config, seed):
+    """Skips off Hopper; else the Gluon dq of ``case`` with ``config`` on fresh operands: (module, dq, operands,
+    the forward's out, the bf16 inputs q, k, v, dout)."""
+    if not _is_hopper():
+        pytest.skip("the Gluon dQ kernel needs an sm_90 GPU")
+    m = _mod()
+    inputs = _gpu_inputs(case, seed)
+    ops, out = m.dq_operands(*inputs, case[6])
+    dq = m.attn_bwd_dq_gluon(**ops, causal=case[6], config=config(m))
+    torch.cuda.synchronize()
+    return m, dq, ops, out, inputs
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
@@ -239,14 +362,8 @@ def test_attn_bwd_dq_gluon_matches_tl(case, split, seed):
     """Against the tl dQ kernel on the same operands, equal up to fp32 summation order (the same P and dS bits);
     rows that see no key exactly 0.  ``split`` (``GluonDqConfig(split=True)``: two 4-warp consumer partitions of 64
     rows, dS exponent per 64 x 64 tile) against the tl dQ kernel with 64-row blocks."""
-    if not _is_hopper():
-        pytest.skip("the Gluon dQ kernel needs an sm_90 GPU")
-    m = _mod()
+    m, dq, ops, out, (q, k, v, dout) = _gluon_case(case, lambda m: m.GluonDqConfig(split=split), seed)
     causal = case[6]
-    q, k, v, dout = _gpu_inputs(case, seed)
-    ops, out = m.dq_operands(q, k, v, dout, causal)
-    dq = m.attn_bwd_dq_gluon(**ops, causal=causal, config=m.GluonDqConfig(split=split))
-    torch.cuda.synchronize()
     if split:
         want = m._tl_dq(**ops, causal=causal, tl_config=m.split_tl_config())
     else:
@@ -273,6 +390,14 @@ def test_attn_bwd_dq_gluon_configs(variant, seed):
         _assert_agree(dq, _tl_deterministic_dq(q, k, v, dout, ops, out, causal), f"{variant} d{D}")
 
 
+def _ramped_inputs(D, seed):
+    """(1, 256, 2048, 2, 2, D) inputs whose V rows change by many binades along the keys (so do dP and dS)."""
+    q, k, v, dout = _gpu_inputs((1, 256, 2048, 2, 2, D, False), seed)
+    ramp = torch.logspace(-6, 3, 2048, base=2.0, device="cuda").view(1, -1, 1, 1)
+    v = (v.float() * ramp.flip(1) * ramp.roll(700, 1)).to(torch.bfloat16)
+    return q, k, v, dout
+
+
 @pytest.mark.gpu
 def test_attn_bwd_dq_gluon_exponent_moves(seed):
     """dS magnitudes that change by many binades along the keys: the exponent leaves the hysteresis window and
@@ -280,14 +405,49 @@ def test_attn_bwd_dq_gluon_exponent_moves(seed):
     if not _is_hopper():
         pytest.skip("the Gluon dQ kernel needs an sm_90 GPU")
     m = _mod()
-    case = (1, 256, 2048, 2, 2, 128, False)
-    q, k, v, dout = _gpu_inputs(case, seed)
-    ramp = torch.logspace(-6, 3, 2048, base=2.0, device="cuda").view(1, -1, 1, 1)
-    v = (v.float() * ramp.flip(1) * ramp.roll(700, 1)).to(torch.bfloat16)
+    q, k, v, dout = _ramped_inputs(128, seed)
     ops, out = m.dq_operands(q, k, v, dout, False)
     dq = m.attn_bwd_dq_gluon(**ops, grad_dtype=torch.float32)
     want = _tl_deterministic_dq(q, k, v, dout, ops, out, False).float()
     _assert_agree(dq, want, "exponent moves")
+
+
+# the 128-key step (GluonDqConfig(block_n=128), session 9): d64 only, against the tl dQ kernel with dq_block_n=128
+BLOCK_N_128_CASES = [
+    # B, Sq, Sk, Hq, Hkv, D, causal
+    (1, 1, 1, 2, 2, 64, True),  # tiny: one query, one key (a 128-key box over one key)
+    (2, 113, 203, 4, 2, 64, True),  # partial tiles, TMA rows into the next batch, GQA 2:1
+    (1, 1000, 1000, 4, 4, 64, False),  # odd S: a last tile of 104 keys
+    (1, 1000, 1000, 4, 4, 64, True),  # diagonal tiles of 128 keys across the two warpgroups' rows
+    (2, 1000, 1000, 16, 2, 64, True),  # GQA 8:1
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+@pytest.mark.parametrize("case", BLOCK_N_128_CASES, ids=_case_id)
+def test_attn_bwd_dq_gluon_block_n_128_matches_tl(case, split, seed):
+    """The 128-key step against its tl twin (``tl_twin_config``: the tl dQ kernel with ``dq_block_n=128``, 128
+    rows on 8 warps or 64 rows on 4 split): the same 128-key tiles in the same order and dS exponents per (rows x
+    128) tile, so equal up to fp32 summation order."""
+    m, dq, ops, _, _ = _gluon_case(case, lambda m: m.GluonDqConfig(split=split, block_n=128), seed)
+    want = m._tl_dq(**ops, causal=case[6], tl_config=m.tl_twin_config(m.GluonDqConfig(split=split, block_n=128)))
+    _assert_agree(dq, want, _case_id(case) + (" split" if split else "") + " block_n=128")
+
+
+@pytest.mark.gpu
+def test_attn_bwd_dq_gluon_block_n_128_exponent_moves(seed):
+    """``test_attn_bwd_dq_gluon_exponent_moves`` at d64 with the split 128-key step: the exponent of each 64 x 128
+    tile leaves the hysteresis window both ways and the accumulator is rescaled, as in the tl twin."""
+    if not _is_hopper():
+        pytest.skip("the Gluon dQ kernel needs an sm_90 GPU")
+    m = _mod()
+    q, k, v, dout = _ramped_inputs(64, seed)
+    ops, _ = m.dq_operands(q, k, v, dout, False)
+    cfg = m.GluonDqConfig(split=True, block_n=128)
+    dq = m.attn_bwd_dq_gluon(**ops, grad_dtype=torch.float32, config=cfg)
+    want = m._tl_dq(**ops, grad_dtype=torch.float32, tl_config=m.tl_twin_config(cfg))
+    _assert_agree(dq, want.float(), "exponent moves, block_n=128")
 
 
 @pytest.mark.gpu

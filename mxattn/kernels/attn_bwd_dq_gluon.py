@@ -2,7 +2,8 @@
 "Plan for the warp-specialized backward").
 
 It replaces the ``tl`` kernel ``attn_bwd._bwd_dq_kernel`` (the deterministic dQ path) with the same operands and the
-same arithmetic.  Per 128 query rows of one (batch, query head), looping over the key tiles of BLOCK_N = 64 keys:
+same arithmetic.  Per 128 query rows of one (batch, query head), looping over the key tiles of BLOCK_N = 64 keys
+(``GluonDqConfig.block_n``; 128 at D = 64 as an option, below):
 
   S  = Q Kᵀ            q (hdim, one exponent per 128 rows) x k (hdim, one exponent per 128 keys), FP8 wgmma
   P  = 2^(S·2^(qe+ke)·scale·log2e + 8 − lse·log2e)        (P·256 <= 256; rows that see nothing: P = 0)
@@ -75,12 +76,23 @@ warpgroups as two 4-warp partitions of 64 query rows (own Q / dO tiles, accumula
 tile: the tl dQ kernel with 64-row blocks, ``split_tl_config``), sharing the K / V / K_seq ring (empty barriers
 count two arrivals), so that the six 256-thread barriers per key tile become 128-thread ones of each warpgroup
 and one warpgroup's dS math can run under the other's products.  No spills; 666-737 SASS per loop and warpgroup.
+
+128-key step (``GluonDqConfig(block_n=128)``, session 9; D = 64, dense only, ``check_block_n``): BLOCK_N is a
+kernel constexpr.  The K / V_hdim boxes are 128 x 64, K_seq's 64 x 128, a ring stage 24 KB; S and dP are
+m64n128k32 wgmma into 64 x 128 fp32 tiles per warpgroup (64 registers a thread each), dQ += dS K_seq is 4 k-steps
+of m64n64k32; one k / v exponent group per step; the dS exponent is one per (rows x 128) tile (the same rule).  The
+twin is the tl dQ kernel with ``dq_block_n=128`` (``tl_twin_config``), whose tile order (unmasked tiles, then the
+masked ones) and exponent tiles are the same.  Half the steps per score: the per-step waits, barriers, exponent
+reduction and loop overhead are paid once per 128 keys.  sm_90a, 3 stages, d64 (split and whole, causal and not):
+no spills, highest SASS register R237, 90 656 B shared memory (split), 631-641 SASS on a step's path against
+380-382 for 64 keys, i.e. 9.9-10.0 instead of 11.9 instructions per score and thread (perf-notes-attn-bwd.md,
+"Session 9").  Not the default until a GPU run says it is faster; at d128 it spills (80 B, 8 LDL/STL per step).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
@@ -99,15 +111,17 @@ from mxattn.formats import RowScaledFP8
 from mxattn.kernels import launch
 from mxattn.kernels.launch import BoundLaunch, cdiv, fast_launcher, nvmma_fp8_layout, rebased, tensor_sig
 
-__all__ = ["GluonDqConfig", "default_config", "split_tl_config", "attn_bwd_dq_gluon", "attn_bwd_dq_gluon_varlen",
-           "check_varlen_operands", "backward_operands",
+__all__ = ["GluonDqConfig", "default_config", "check_block_n", "split_tl_config", "tl_twin_config",
+           "attn_bwd_dq_gluon", "attn_bwd_dq_gluon_varlen", "check_varlen_operands", "backward_operands",
            "bench_attn_bwd_dq_gluon", "dq_operands", "time_against_tl"]
 
 LOG2E = 1.4426950408889634
 P_SCALE_LOG2 = 8  # dS enters the product as 256 * dS (P * 256, as in attn_bwd)
 BLOCK_M = gl.constexpr(128)  # query rows per CTA: two warpgroups of 64
 WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup when split
-BLOCK_N = gl.constexpr(64)  # keys per tile: the tl kernel's dq_block_n, i.e. the granularity of the dS exponent
+# keys per step, the kernel's BLOCK_N constexpr (``GluonDqConfig.block_n``): the tl kernel's dq_block_n, i.e. the
+# granularity of the dS exponent.  64 by default; 128 only at D = 64 on dense launches (``check_block_n``)
+BLOCK_NS = (64, 128)
 KV_EXP_GROUP = gl.constexpr(128)  # keys sharing one exponent in k and v_hdim
 ROW_GROUP = 128  # q / dout_hdim rows per exponent must be a multiple of this (one scalar per 128-row tile)
 
@@ -124,19 +138,56 @@ class GluonDqConfig:
     # (empty barriers count two arrivals).  The API's default (``attn_bwd.gluon_split``) since it measured faster.
     split: bool = False
     consumer_regs: int = 240  # registers per thread of consumer warpgroup 1 (a worker partition) when split
+    # keys per step (session 9): 64, or 128 at D = 64 on dense launches (``check_block_n``).  The key tile is also
+    # the dS exponent's tile (rows x block_n) and the step of the K / V / K_seq ring; with 128 the S and dP
+    # accumulators are 64 x 128 fp32 per warpgroup (64 registers a thread each, against 32 for dQ at d64), and the
+    # kernel takes half the steps (barriers, waits and per-step fixed costs) per score.  Twin: ``tl_twin_config``
+    block_n: int = 64
+
+    def __post_init__(self):
+        if self.block_n not in BLOCK_NS:
+            raise ValueError(f"block_n must be one of {BLOCK_NS}, got {self.block_n!r}")
 
 
 def default_config(head_dim: int, causal: bool) -> GluonDqConfig:
     return GluonDqConfig()
 
 
-def split_tl_config():
+def check_block_n(cfg: GluonDqConfig, head_dim: int, varlen: bool = False) -> None:
+    """ValueError unless the launch takes ``cfg.block_n``: 64 always; 128 only at D = 64 (at D = 128 the S, dP and
+    dQ accumulators take 64 + 64 + 64 registers a thread, plus dS crossing the loop edge: the split build spills
+    80 B, 8 LDL/STL per step, compile check of session 9) and dense: the
+    jagged layout zero-pads each sequence's K_seq columns to 64 (``varlen.BWD_SEQ_ALIGN``), so a 128-key box
+    would read the next sequence's columns (dS = 0 there, but 0 x Inf = NaN)."""
+    if cfg.block_n == 64:
+        return
+    if varlen:
+        raise ValueError(f"block_n={cfg.block_n}: the jagged (VARLEN) Gluon dQ kernel takes block_n=64 only")
+    if head_dim != 64:
+        raise ValueError(f"block_n={cfg.block_n} needs head dim 64 (got {head_dim}); use block_n=64")
+
+
+def split_tl_config(dq_block_n: int = 64):
     """The ``tl`` tiles whose numerics the split Gluon kernels reproduce: 64-row dQ blocks and 64-key dK/dV blocks
-    (the dS exponent per 64 x 64 tile in both), 4 warps, the separate dQ kernel."""
+    (the dS exponent per 64 x 64 tile in both), 4 warps, the separate dQ kernel.  ``dq_block_n``: the dQ blocks'
+    keys (the split dQ build with ``block_n=128``: a 64 x 128 exponent tile)."""
     from mxattn.kernels.attn_bwd import BwdConfig
 
-    return BwdConfig(block_m=64, block_n=64, num_warps=4, dq_block_m=64, dq_block_n=64, dq_num_warps=4,
+    return BwdConfig(block_m=64, block_n=64, num_warps=4, dq_block_m=64, dq_block_n=dq_block_n, dq_num_warps=4,
                      dq_kernel=True)
+
+
+def tl_twin_config(config: Optional[GluonDqConfig] = None):
+    """The ``attn_bwd.BwdConfig`` whose dQ kernel (``attn_bwd._bwd_dq_kernel``) has this Gluon build's numerics
+    (the same key tiles in the same order, dS exponents and e4m3 dS values; only the fp32 summation order
+    differs): 128 rows on 8 warps (``BwdConfig()``'s dQ tiles), or 64 rows on 4 warps (``split_tl_config``) for
+    the split build, with ``dq_block_n = config.block_n``."""
+    from mxattn.kernels.attn_bwd import BwdConfig
+
+    cfg = config or default_config(128, False)
+    if cfg.split:
+        return split_tl_config(dq_block_n=cfg.block_n)
+    return replace(BwdConfig(), dq_block_n=cfg.block_n)
 
 
 # ------------------------------------------------------------------------------------------------- helpers
@@ -171,8 +222,8 @@ def _sticky_exp(e_tile, e_prev):
 
 @gluon.jit
 def _ds_tile(s, dp, a_q, ke, ve, b_row, delta, dscale, e_prev, e_hi, offs_m, n0, Sk, causal_off,
-             MASKED: gl.constexpr, CAUSAL: gl.constexpr):
-    """dS of one (128 x 64) tile from the raw S and dP accumulators -> (dS·2^-e in fp32, e).
+             MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """dS of one (rows x BLOCK_N) tile from the raw S and dP accumulators -> (dS·2^-e in fp32, e).
 
     Same arithmetic as attn_bwd._dq_step: x = S·(a_q·2^ke) + b_row (−inf where masked), P = 2^x, dS = P·(dP·c − δ)
     with c = 2^(doe+ve), then the tile's exponent from its amax (both warpgroups' rows: a cross-warp reduction)."""
@@ -194,16 +245,18 @@ def _ds_tile(s, dp, a_q, ke, ve, b_row, delta, dscale, e_prev, e_hi, offs_m, n0,
 
 @gluon.jit
 def _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, e_prev, e_hi, offs_m, n0, masked,
-             Sk, causal_off, CAUSAL: gl.constexpr):
-    """One tile's dS with the masked / unmasked choice made at run time (the branches join fp32 values only)."""
+             Sk, causal_off, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """One tile's dS with the masked / unmasked choice made at run time (the branches join fp32 values only).  The
+    k / v exponent of keys n0 .. n0 + BLOCK_N − 1: one group of 128 keys (two 64-key steps share it, or one
+    128-key step has it alone)."""
     ke = gl.load(KE + (n0 // KV_EXP_GROUP) * stride_ket)
     ve = gl.load(VE + (n0 // KV_EXP_GROUP) * stride_vet)
     if masked:
         ds, e = _ds_tile(s, dp, a_q, ke, ve, b_row, delta, dscale, e_prev, e_hi, offs_m, n0, Sk, causal_off,
-                         True, CAUSAL)
+                         True, CAUSAL, BLOCK_N)
     else:
         ds, e = _ds_tile(s, dp, a_q, ke, ve, b_row, delta, dscale, e_prev, e_hi, offs_m, n0, Sk, causal_off,
-                         False, CAUSAL)
+                         False, CAUSAL, BLOCK_N)
     return ds, e
 
 
@@ -262,9 +315,9 @@ def _tile_row(SLOTS):
 # ------------------------------------------------------------------------------------------------- producer
 @gluon.jit
 def _producer_steps(k_desc, v_desc, ks_desc, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
-                    k_row, k_col, ks_row, ks_col, n_tiles, STAGES: gl.constexpr):
-    """Per key tile: K and V_hdim (64 x D) and K_seq (D x 64, from column ks_col: 0 dense, the sequence's first
-    column when jagged) into the STAGES-deep rings."""
+                    k_row, k_col, ks_row, ks_col, n_tiles, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Per key tile: K and V_hdim (BLOCK_N x D) and K_seq (D x BLOCK_N, from column ks_col: 0 dense, the sequence's
+    first column when jagged) into the STAGES-deep rings."""
     for i in range(n_tiles):
         s = i % STAGES
         # a fresh mbarrier counts as having completed the phase before phase 0: the first pass does not wait
@@ -282,26 +335,26 @@ def _producer_steps(k_desc, v_desc, ks_desc, k_smem, v_smem, ks_smem, kv_ready, 
 def _producer(q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
               q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
               q_row, q_col, k_row, k_col, ks_row, ks_col, n_tiles,
-              STAGES: gl.constexpr):
+              STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
     mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
     tma.async_copy_global_to_shared(do_desc, [q_row, q_col], q_bar, do_smem)
     _producer_steps(k_desc, v_desc, ks_desc, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
-                    k_row, k_col, ks_row, ks_col, n_tiles, STAGES)
+                    k_row, k_col, ks_row, ks_col, n_tiles, STAGES, BLOCK_N)
 
 
 @gluon.jit
 def _producer_split(q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
                     q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
                     q_row, q_col, k_row, k_col, ks_row, ks_col, n_tiles,
-                    STAGES: gl.constexpr):
+                    STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
     """The split kernel's producer: a 64-row Q and dO tile per consumer warpgroup, then the same key tiles."""
     mbarrier.expect(q_bar, 2 * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
     for w in gl.static_range(2):
         tma.async_copy_global_to_shared(q_desc, [q_row + w * WG_ROWS, q_col], q_bar, q_smem.index(w))
         tma.async_copy_global_to_shared(do_desc, [q_row + w * WG_ROWS, q_col], q_bar, do_smem.index(w))
     _producer_steps(k_desc, v_desc, ks_desc, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
-                    k_row, k_col, ks_row, ks_col, n_tiles, STAGES)
+                    k_row, k_col, ks_row, ks_col, n_tiles, STAGES, BLOCK_N)
 
 
 # ------------------------------------------------------------------------------------------------- consumer
@@ -309,7 +362,7 @@ def _producer_split(q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k
 def _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
              KE, VE, stride_ket, stride_vet, acc, a_q, b_row, delta, dscale, offs_m, Sk, causal_off, n_tiles, n_full,
              STAGES: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr, ds_layout: gl.constexpr,
-             ROWS: gl.constexpr):
+             ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
     """The key loop (n_tiles >= 1).  Returns (acc, its exponent)."""
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     # issue block 0: S_0 and dP_0 alone
@@ -321,7 +374,7 @@ def _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_re
     acc_e = 0
     e_hi = -1000  # no bound until the accumulator holds something
     ds, e = _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, acc_e, e_hi, offs_m, 0,
-                     n_full == 0, Sk, causal_off, CAUSAL)
+                     n_full == 0, Sk, causal_off, CAUSAL, BLOCK_N)
     e_hi = gl.maximum(e_hi, e)
     for j in range(1, n_tiles):
         st = j % STAGES
@@ -337,7 +390,7 @@ def _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_re
         s, dp = warpgroup_mma_wait(num_outstanding=1, deps=(s, dp))  # S_j, dP_j; dS_{j-1} K_seq_{j-1} runs on
         mbarrier.arrive(kv_empty.index(st), count=1)
         ds, e = _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, acc_e, e_hi, offs_m,
-                         j * BLOCK_N, j >= n_full, Sk, causal_off, CAUSAL)
+                         j * BLOCK_N, j >= n_full, Sk, causal_off, CAUSAL, BLOCK_N)
         e_hi = gl.maximum(e_hi, e)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(ks_empty.index(sp), count=1)
@@ -358,14 +411,14 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empt
               stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
               start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
-              WARPS: gl.constexpr):
+              WARPS: gl.constexpr, BLOCK_N: gl.constexpr):
     """ROWS query rows start_m .. start_m + ROWS − 1 of one (b, h): 128 on 8 warps (the CTA's rows), or 64 on one
     warpgroup (split); q_smem / do_smem their Q and dO tiles.  Pointers already moved to (b, h) / (b, hk) and, for
-    QE / DOE, to the row group of start_m.  The dS exponent is one per (ROWS x 64) tile.
+    QE / DOE, to the row group of start_m.  The dS exponent is one per (ROWS x BLOCK_N) tile.
 
     Split, the CTA's key range is warpgroup 1's: causal, warpgroup 0 also walks the tiles past its last row's
-    keys (the tl kernel with 64-row blocks stops before them); they are all masked, so P = dS = 0 and the exponent
-    stays (amax 0 keeps it; the bound of ``_bounded_exp`` does not move)."""
+    keys (the tl kernel with 64-row blocks stops before them, at 64 or 128 keys a step); they are all masked, so
+    P = dS = 0 and the exponent stays (amax 0 keeps it; the bound of ``_bounded_exp`` does not move)."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_N, WARPS)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM, WARPS)
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
@@ -388,7 +441,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empt
     if n_tiles > 0:
         acc, acc_e = _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
                               KE, VE, stride_ket, stride_vet, acc, a_q, b_row, delta, dscale, offs_m, Sk,
-                              causal_off, n_tiles, n_full, STAGES, CAUSAL, s_layout, ds_layout, ROWS)
+                              causal_off, n_tiles, n_full, STAGES, CAUSAL, s_layout, ds_layout, ROWS, BLOCK_N)
 
     # ---- epilogue: dq = acc * 2^acc_e * 2^kse[d] * scale * 2^-8
     offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
@@ -414,7 +467,7 @@ def _attn_bwd_dq_ws_kernel(
     stride_dqb, stride_dqm, stride_dqh, stride_dqd,
     Hq, Hkv, Sq, Sk, group_size, q_group, do_group, qk_scale, grad_scale,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr, BLOCK_N: gl.constexpr,
     SLOTS=None,  # jagged: the (rows, SLOT_COLS) int32 tile table of kernels/bwd_varlen_tiles.py (None: dense)
     VARLEN: gl.constexpr = False,
 ):
@@ -491,15 +544,15 @@ def _attn_bwd_dq_ws_kernel(
                          ks_ready, ks_empty, QE_t, DOE_t, KE_bh, VE_bh, KSE_bh, LSE_bh, DELTA_bh, DQ_bh,
                          stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
                          start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
-                         HEAD_DIM, STAGES, CAUSAL, 64, 4)),
+                         HEAD_DIM, STAGES, CAUSAL, 64, 4, BLOCK_N)),
             (_consumer, (q_smem.index(1), do_smem.index(1), k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empty,
                          ks_ready, ks_empty, QE_t, DOE_t, KE_bh, VE_bh, KSE_bh, LSE_bh, DELTA_bh, DQ_bh,
                          stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
                          start_m + WG_ROWS, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
-                         HEAD_DIM, STAGES, CAUSAL, 64, 4)),
+                         HEAD_DIM, STAGES, CAUSAL, 64, 4, BLOCK_N)),
             (_producer_split, (q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
                                q_bar, kv_ready, kv_empty, ks_ready, ks_empty, q_row, h * HEAD_DIM,
-                               k_row, hk * HEAD_DIM, ks_row, ks_col, n_tiles, STAGES)),
+                               k_row, hk * HEAD_DIM, ks_row, ks_col, n_tiles, STAGES, BLOCK_N)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -507,11 +560,11 @@ def _attn_bwd_dq_ws_kernel(
                          QE_t, DOE_t, KE_bh, VE_bh, KSE_bh, LSE_bh, DELTA_bh, DQ_bh,
                          stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
                          start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
-                         HEAD_DIM, STAGES, CAUSAL, 128, 8)),
+                         HEAD_DIM, STAGES, CAUSAL, 128, 8, BLOCK_N)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
                          q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
                          q_row, h * HEAD_DIM, k_row, hk * HEAD_DIM, ks_row, ks_col, n_tiles,
-                         STAGES)),
+                         STAGES, BLOCK_N)),
         ], [1], [PRODUCER_REGS])
 
 
@@ -588,7 +641,7 @@ def _check(q, k, v_hdim, k_seq, dout_hdim, lse, delta, grad_dtype):
         raise ValueError(f"all operands must be on one device, got {sorted(map(str, devs))}")
 
 
-def _descriptors(q, k, v_hdim, k_seq, dout_hdim, split: bool = False):
+def _descriptors(q, k, v_hdim, k_seq, dout_hdim, split: bool = False, block_n: int = 64):
     B, Sq, Hq, D = q.data.shape
     Sk, Hkv = k.data.shape[1], k.data.shape[2]
     qd = _hdim_view(q.data, "q")
@@ -596,7 +649,7 @@ def _descriptors(q, k, v_hdim, k_seq, dout_hdim, split: bool = False):
     kd = _hdim_view(k.data, "k")
     vd = _hdim_view(v_hdim.data, "v_hdim")
     ksd = k_seq.data
-    bm, bn = (WG_ROWS if split else BLOCK_M).value, BLOCK_N.value
+    bm, bn = (WG_ROWS if split else BLOCK_M).value, block_n
     row_layout = nvmma_fp8_layout(bm, D)
     key_layout = nvmma_fp8_layout(bn, D)
     ks_layout = nvmma_fp8_layout(D, bn)
@@ -656,12 +709,13 @@ def attn_bwd_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, k_
     cfg = config or default_config(D, causal)
     if cfg.stages < 1:
         raise ValueError(f"stages must be >= 1, got {cfg.stages}")
+    check_block_n(cfg, D)
     softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
     dev = q.data.device
     if Sq == 0 or B * Hq == 0 or Sk == 0:
         return torch.zeros(B, Sq, Hq, D, dtype=grad_dtype, device=dev)
     dq = torch.empty(B, Sq, Hq, D, dtype=grad_dtype, device=dev)
-    descs = _descriptors(q, k, v_hdim, k_seq, dout_hdim, cfg.split)
+    descs = _descriptors(q, k, v_hdim, k_seq, dout_hdim, cfg.split, cfg.block_n)
     qe, de, ke, ve, kse = q.exp, dout_hdim.exp, k.exp, v_hdim.exp, k_seq.exp
     grid = (cdiv(Sq, BLOCK_M.value), B * Hq)
     scalars = (
@@ -675,8 +729,8 @@ def attn_bwd_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, k_
         softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
     )
     constexprs = dict(HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
-                      SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, num_warps=4 if cfg.split else 8,
-                      maxnreg=cfg.maxnreg)
+                      SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, BLOCK_N=cfg.block_n,
+                      num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
     args = (*descs, qe, de, ke, ve, kse, lse, delta, dq, *scalars)
     if key is None:
         fast_launcher(_attn_bwd_dq_ws_kernel)[grid](*args, **constexprs)
@@ -783,6 +837,7 @@ def attn_bwd_dq_gluon_varlen(q, k, v_hdim, k_seq, dout_hdim, lse: torch.Tensor, 
     cfg = config or default_config(D, causal)
     if cfg.stages < 1:
         raise ValueError(f"stages must be >= 1, got {cfg.stages}")
+    check_block_n(cfg, D, varlen=True)
     softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
     dev = q.data.device
     if Tq == 0 or Tk == 0 or B * Hq == 0:  # no key anywhere: every row sees nothing
@@ -790,7 +845,7 @@ def attn_bwd_dq_gluon_varlen(q, k, v_hdim, k_seq, dout_hdim, lse: torch.Tensor, 
     dq = torch.empty(Tq, Hq, D, dtype=grad_dtype, device=dev)
     slots = bwd_tile_slots(q.cu_seqlens, k.cu_seqlens, q.cu_exp, k.cu_exp, k_seq.cu_data, dout_hdim.cu_exp,
                            delta_cols, q.max_seqlen, key_tiles=False, causal=causal)
-    bm, bn = (WG_ROWS if cfg.split else BLOCK_M).value, BLOCK_N.value
+    bm, bn = (WG_ROWS if cfg.split else BLOCK_M).value, cfg.block_n
     row_layout, key_layout = nvmma_fp8_layout(bm, D), nvmma_fp8_layout(bn, D)
     qd, dd = _packed_view(q.data, "q"), _packed_view(dout_hdim.data, "dout_hdim")
     kd, vd = _packed_view(k.data, "k"), _packed_view(v_hdim.data, "v_hdim")
@@ -811,7 +866,7 @@ def attn_bwd_dq_gluon_varlen(q, k, v_hdim, k_seq, dout_hdim, lse: torch.Tensor, 
         Hq, Hkv, 0, 0, Hq // Hkv, ROW_GROUP, ROW_GROUP,
         softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
         HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
-        SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, SLOTS=slots, VARLEN=True,
+        SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, BLOCK_N=cfg.block_n, SLOTS=slots, VARLEN=True,
         num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg,
     )
     return dq
@@ -900,6 +955,6 @@ def bench_attn_bwd_dq_gluon(shapes: Sequence[tuple] = ((2, 16, 16, 8192, 128, Fa
     """Time the Gluon dQ kernel against the ``tl`` dQ kernel on the same prepared operands (GPU,
     ``time_against_tl``).  TFLOP/s count the kernel's 3 products (S, dP, dQ): 3 * 2 * B * Hq * S^2 * D, half when
     causal."""
-    tl_config = split_tl_config() if config is not None and config.split else None
+    tl_config = tl_twin_config(config)
     return time_against_tl(shapes, dq_operands, lambda **ops: attn_bwd_dq_gluon(**ops, config=config),
                            lambda **ops: _tl_dq(**ops, tl_config=tl_config), products=3, rep_ms=rep_ms)
