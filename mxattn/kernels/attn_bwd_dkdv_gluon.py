@@ -4,7 +4,8 @@
 It replaces the ``tl`` kernel ``attn_bwd._bwd_dkdv_kernel`` on the "dQ from a separate kernel" path
 (``ATOMIC_DQ=False``; ``DS_TILE_SCALE`` False for ``ds_exp="key"``, True for "tile") with the same operands and
 the same arithmetic.  Per 128 keys of one
-(batch, kv head), looping over the query heads of the GQA group and, per head, over query tiles of BLOCK_M = 64:
+(batch, kv head), looping over the query heads of the GQA group and, per head, over query tiles of BLOCK_M = 64
+(the default; 128 at d64 as an option, ``GluonDkdvConfig.block_m``, "128-query step" below):
 
   Sᵀ  = K Qᵀ            k (hdim, one exponent per 128 keys) x q (hdim, one exponent per 64+ rows), FP8 wgmma
   Pᵀ  = 2^(Sᵀ·2^(qe+ke)·scale·log2e + 8 − lse·log2e)      (P·256 <= 256; rows that see nothing: P = 0)
@@ -153,6 +154,20 @@ on a common step's path); triton 3.6 spills 40 B of loop-invariant values at d12
 nothing else (before session 7: 72 B at d128, and at d128 causal 11 LDL/STL per step inside the loop).  Found on
 the way: a tuple of partition arguments held in a variable turns its constexprs into runtime values, so each
 partition's tuple is written out in the call.
+
+128-query step (``GluonDkdvConfig(block_m=128)``, session 9; compiled on the CPU, not yet run on a GPU; default 64):
+BLOCK_M is a kernel constexpr, so every step covers 128 queries at D = 64 (FA3's d64 tile), dense launches only
+(``check_launch``; the jagged mode keeps 64).  Per warpgroup and step: Sᵀ and dPᵀ as 64 x 128 tiles (2 + 2
+``m64n128k32``, 64 registers each), dV and dK with K = 128 (4 + 4 ``m64n64k32``); Q / dO boxes [128, D], Q_seq /
+dO_seq [D, 128], lse / δ [1, 128]; one q / dO exponent per step (the operands' own 128-row groups); the dS exponent
+per key (or tile) and 128-query step, so the tl twin runs with block_m = 128 (``tl_twin_config``).  What the
+registers asked for (triton 3.6, sm_90a; the split build at its 240): the step is not deferred (``defers_dk``: the
+fp32 dSᵀ carry would be 64 registers, and the build spilled ~1 KB inside the loop), ke / doe / ve / lse / δ are
+loaded where they are used, and lse's rows are padded with −inf by the launcher (``_lse_rows``) so the consumer needs
+no query-row mask.  The default builds (BLOCK_M = 64) compile to the same SASS as before the constexpr (compared
+byte for byte, all dense and jagged builds).  A common step then issues 953-970 SASS instructions for 64 x 128
+scores (15.0 thread-instructions per score, per-key rule) where two 64-query steps issued 2 x 656 (20.5);
+perf-notes-attn-bwd.md, "Session 9: a 128-query step at d64".
 """
 
 from __future__ import annotations
@@ -1167,7 +1182,8 @@ def attn_bwd_dkdv_gluon_varlen(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse: to
         raise ValueError(f"delta must be the padded float32 {(Hq, Tv)} (attn_bwd_preprocess_varlen(delta_padded="
                          f"True)), got {getattr(delta, 'dtype', type(delta).__name__)} "
                          f"{tuple(getattr(delta, 'shape', ()))}")
-    cfg = config or default_config(D, causal)
+    # 64-query steps whatever the dense default becomes (the jagged tile table and exponent rows are per 64 rows)
+    cfg = config or replace(default_config(D, causal), block_m=BLOCK_M_DEFAULT)
     if cfg.stages < 1:
         raise ValueError(f"stages must be >= 1, got {cfg.stages}")
     cfg.check_launch(D, varlen=True)
