@@ -13,7 +13,9 @@ triton 3.6 is installed, the kernel compiles for sm_90a with the rules of
 GPU (marker ``gpu``): (dk, dv) against the ``tl`` kernel's (``attn_bwd_hopper(..., deterministic=True)``) on the
 same operands: the same dS exponents and e4m3 P / dS values, so only the fp32 summation order differs (SQNR > 40 dB,
 no NaN, keys no query sees exactly 0); and the timing helper ``bench_attn_bwd_dkdv_gluon`` (Gluon vs the ``tl``
-dK/dV-only kernel, B2 H16 S8k d128, causal and not), printed.
+dK/dV-only kernel, B2 H16 S8k d128, causal and not), printed.  The 128-query step (``GluonDkdvConfig(block_m=128)``,
+d64, session 9; ``-k bm128``) against the tl kernel with BLOCK_M = 128; on the CPU its config, twin, lse boxes and
+launch plans, the twin under the interpreter, and its sm_90a builds (``slow``, triton 3.6).
 """
 
 from __future__ import annotations
@@ -265,47 +267,24 @@ def test_lse_delta_rows_in_place_or_padded():
             assert pitch == -(-S // 4) * 4
 
 
-@pytest.mark.parametrize("S", [1, 63, 64, 130, 200])
-def test_lse_delta_descriptor_boxes_match_masked_loads(S):
+@pytest.mark.parametrize("bm,S", [(64, S) for S in (1, 63, 64, 130, 200)]
+                         + [(128, S) for S in (1, 127, 128, 130, 256, 300)], ids=str)
+def test_lse_delta_descriptor_boxes_match_masked_loads(bm, S):
     """The producer's box for (batch b, head h, query tile at m0), read through ``_vector_descriptors`` with TMA's
-    zero fill, and the consumer's rule (lse: −inf past Sq; δ: as loaded) give, bit for bit, what the masked loads
-    of the kernel before session 7 gave: lse[b, h, m0 + c] (−inf past Sq) and δ[b, h, m0 + c] (0.0 past Sq)."""
+    zero fill, and the consumer's rule give, bit for bit, what the masked loads of the kernel before session 7 gave:
+    lse[b, h, m0 + c] (−inf past Sq) and δ[b, h, m0 + c] (0.0 past Sq).  64-query steps: the consumer makes lse
+    −inf past Sq (its query-row mask).  128-query steps have no such mask, so their lse boxes must read −inf past
+    Sq by themselves: ``_vector_descriptors(..., 128)`` gives lse rows padded with −inf to a multiple of 128 columns
+    (a copy, only when Sq % 128 != 0; else lse in place, and no box reaches past Sq)."""
     m = _mod()
     g = torch.Generator().manual_seed(S)
     B, H = 2, 3
     lse, delta = _vectors(B, H, S, gen=g), _vectors(B, H, S, pitch=-(-S // 4) * 4 + 4, gen=g)
-    lse_desc, dl_desc = m._vector_descriptors(lse, delta)
-    bm = m.BLOCK_M_DEFAULT
-    for d in (lse_desc, dl_desc):
-        assert list(d.shape) == [B * H, S] and list(d.block_shape) == [1, bm]
-        assert d.strides[0] % 4 == 0 and d.strides[1] == 1 and d.layout.swizzle_byte_width == 0
-    for b in range(B):
-        for h in range(H):
-            for m0 in range(0, S, bm):
-                cols = m0 + torch.arange(bm)
-                row_ok = cols < S
-                idx = cols.clamp(max=S - 1)
-                want_lse = torch.where(row_ok, lse[b, h, idx], float("-inf"))
-                want_dl = torch.where(row_ok, delta[b, h, idx], 0.0)
-                got_lse = torch.where(row_ok, _tma_box(lse_desc, b * H + h, m0)[0], float("-inf"))
-                got_dl = _tma_box(dl_desc, b * H + h, m0)[0]
-                assert torch.equal(got_lse.view(torch.int32), want_lse.view(torch.int32))
-                assert torch.equal(got_dl.view(torch.int32), want_dl.view(torch.int32))
-
-
-@pytest.mark.parametrize("S", [1, 127, 128, 130, 256, 300])
-def test_lse_boxes_of_128_query_steps_read_neg_inf_past_sq(S):
-    """128-query steps have no query-row mask in the consumer: their lse boxes must read −inf past Sq by themselves.
-    ``_vector_descriptors(..., 128)`` gives lse rows padded with −inf to a multiple of 128 columns (a copy, only when
-    Sq % 128 != 0; else lse in place, and no box reaches past Sq), read bit for bit as lse[b, h, m0 + c] before Sq
-    and −inf after; δ's boxes as before (0.0 past Sq)."""
-    m = _mod()
-    g = torch.Generator().manual_seed(S)
-    B, H, bm = 2, 3, 128
-    lse, delta = _vectors(B, H, S, gen=g), _vectors(B, H, S, gen=g)
     lse_desc, dl_desc = m._vector_descriptors(lse, delta, bm)
-    assert list(lse_desc.block_shape) == [1, bm] and list(dl_desc.block_shape) == [1, bm]
-    assert list(lse_desc.shape) == [B * H, -(-S // bm) * bm] and list(dl_desc.shape) == [B * H, S]
+    lse_cols = S if bm == m.BLOCK_M_DEFAULT else -(-S // bm) * bm
+    for d, cols in ((lse_desc, lse_cols), (dl_desc, S)):
+        assert list(d.shape) == [B * H, cols] and list(d.block_shape) == [1, bm]
+        assert d.strides[0] % 4 == 0 and d.strides[1] == 1 and d.layout.swizzle_byte_width == 0
     if S % bm == 0 and S % 4 == 0:
         assert lse_desc.base is lse
     for b in range(B):
@@ -316,8 +295,12 @@ def test_lse_boxes_of_128_query_steps_read_neg_inf_past_sq(S):
                 idx = cols.clamp(max=S - 1)
                 want_lse = torch.where(row_ok, lse[b, h, idx], float("-inf"))
                 want_dl = torch.where(row_ok, delta[b, h, idx], 0.0)
-                assert torch.equal(_tma_box(lse_desc, b * H + h, m0)[0].view(torch.int32), want_lse.view(torch.int32))
-                assert torch.equal(_tma_box(dl_desc, b * H + h, m0)[0].view(torch.int32), want_dl.view(torch.int32))
+                got_lse = _tma_box(lse_desc, b * H + h, m0)[0]
+                if bm == m.BLOCK_M_DEFAULT:  # the consumer's mask
+                    got_lse = torch.where(row_ok, got_lse, float("-inf"))
+                got_dl = _tma_box(dl_desc, b * H + h, m0)[0]
+                assert torch.equal(got_lse.view(torch.int32), want_lse.view(torch.int32))
+                assert torch.equal(got_dl.view(torch.int32), want_dl.view(torch.int32))
 
 
 @pytest.mark.slow
@@ -328,6 +311,16 @@ def test_compiles_for_sm90_without_gpu():
     with ``ds_exp="key"``, 4 with "tile").  The script runs in a subprocess without TRITON_INTERPRET: conftest sets
     it on machines without CUDA, and under it ``gl.max``'s combine function is an interpreter object that Gluon
     cannot compile (in-process, the check passed only where triton's cache already held the kernel)."""
+    for args in (["--only", "d128_causal,d64", "--ds-exp=key"],
+                 ["--split", "--only", "d128,d128_causal", "--ds-exp=key"],
+                 ["--split", "--only", "d128_causal", "--ds-exp=tile"], ["--only", "d64_causal", "--ds-exp=tile"]):
+        r = _compile_check(args)
+        assert r.returncode == 0 and "all variants OK" in r.stdout, (args, r.stdout[-4000:], r.stderr[-2000:])
+
+
+def _compile_check(args):
+    """``scripts/compile_check_bwd_dkdv_gluon.py args`` in a subprocess without TRITON_INTERPRET (a skip off triton
+    3.6); the CompletedProcess."""
     if not triton_version().startswith("3.6"):
         pytest.skip(f"compile check targets triton 3.6 (installed: {triton_version() or 'none'})")
     _mod()
@@ -336,12 +329,8 @@ def test_compiles_for_sm90_without_gpu():
     root = os.path.dirname(_HERE)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    for args in (["--only", "d128_causal,d64", "--ds-exp=key"],
-                 ["--split", "--only", "d128,d128_causal", "--ds-exp=key"],
-                 ["--split", "--only", "d128_causal", "--ds-exp=tile"], ["--only", "d64_causal", "--ds-exp=tile"]):
-        r = subprocess.run([sys.executable, os.path.join(root, "scripts", "compile_check_bwd_dkdv_gluon.py"), *args],
-                           capture_output=True, text=True, env=env, cwd=root)
-        assert r.returncode == 0 and "all variants OK" in r.stdout, (args, r.stdout[-4000:], r.stderr[-2000:])
+    return subprocess.run([sys.executable, os.path.join(root, "scripts", "compile_check_bwd_dkdv_gluon.py"), *args],
+                          capture_output=True, text=True, env=env, cwd=root)
 
 
 @pytest.mark.slow
@@ -351,24 +340,14 @@ def test_compiles_for_sm90_without_gpu_block_m128():
     split and whole-tile, causal and not, with no spill inside a loop; the tile rule split (its d64 causal build's one
     loop-invariant reload per step is the documented allowance); m64n128k32 Sᵀ / dPᵀ wgmma.  A d128 build is refused
     (compile error, exit status 1), as the launcher refuses it.  Subprocesses without TRITON_INTERPRET, as above."""
-    if not triton_version().startswith("3.6"):
-        pytest.skip(f"compile check targets triton 3.6 (installed: {triton_version() or 'none'})")
-    _mod()
-    import subprocess
-
-    root = os.path.dirname(_HERE)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    script = os.path.join(root, "scripts", "compile_check_bwd_dkdv_gluon.py")
     for args in (["--split", "--block-m", "128", "--ds-exp=key"], ["--block-m", "128", "--ds-exp=key"],
                  ["--split", "--block-m", "128", "--ds-exp=tile"]):
-        r = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env, cwd=root)
+        r = _compile_check(args)
         assert r.returncode == 0 and "all variants OK" in r.stdout, (args, r.stdout[-4000:], r.stderr[-2000:])
         assert r.stdout.count("== d64") == 2 and "m64n128k32.f32.e4m3.e4m3" in r.stdout, (args, r.stdout[-4000:])
         if "key" in args[-1]:
-            assert "LDL/STL inside the consumer loops: 0;" in r.stdout and "inside the consumer loops: 1" not in r.stdout
-    r = subprocess.run([sys.executable, script, "--block-m", "128", "--only", "d128"], capture_output=True, text=True,
-                       env=env, cwd=root)
+            assert "inside the consumer loops: 0;" in r.stdout and "inside the consumer loops: 1" not in r.stdout
+    r = _compile_check(["--block-m", "128", "--only", "d128"])
     assert r.returncode == 1 and "head dim 64" in r.stdout, (r.stdout[-2000:], r.stderr[-2000:])
 
 
@@ -630,39 +609,23 @@ BM128_KEY_CASES = [
     (1, 1024, 1024, 4, 4, 64, False),
 ]
 BM128_TILE_CASES = [(2, 1000, 1000, 16, 2, 64, True), (3, 129, 257, 2, 1, 64, False)]
+# (case, ds_exp, tiny): the tiny case first (-k "bm128 and tiny": a barrier or layout bug shows as a hang or a
+# mismatch there, under a short timeout), then the rest (-k "bm128 and not tiny")
+BM128_CASES = ([(c, "key", True) for c in BM128_TINY] + [(c, "key", False) for c in BM128_KEY_CASES]
+               + [(c, "tile", False) for c in BM128_TILE_CASES])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
-@pytest.mark.parametrize("case", BM128_TINY, ids=_case_id)
-def test_attn_bwd_dkdv_gluon_bm128_tiny(case, split, seed):
-    """The 128-query build (``block_m=128``, per-key dS rule) on a tiny shape against its tl twin (BLOCK_M = 128):
-    run first, a barrier or layout bug shows as a hang or a mismatch here."""
+@pytest.mark.parametrize("case,ds_exp,tiny", BM128_CASES,
+                         ids=[f"{'tiny-' if t else ''}{_case_id(c)}-{e}" for c, e, t in BM128_CASES])
+def test_attn_bwd_dkdv_gluon_bm128_matches_tl(case, ds_exp, tiny, split, seed):
+    """The 128-query build (``block_m=128``) against the tl kernel with BLOCK_M = 128 (``tl_twin_config``), per-key
+    dS rule (the default rule) or tile rule (one exponent per keys x 128 queries, with hysteresis): equal up to fp32
+    summation order; keys no query sees exactly 0."""
     if not _is_hopper():
         pytest.skip("the Gluon dK/dV kernel needs an sm_90 GPU")
-    _check_against_twin(case, _mod().GluonDkdvConfig(split=split, block_m=128), seed)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
-@pytest.mark.parametrize("case", BM128_KEY_CASES, ids=_case_id)
-def test_attn_bwd_dkdv_gluon_bm128_matches_tl(case, split, seed):
-    """The 128-query build with the per-key dS rule (the default rule) against the tl kernel with BLOCK_M = 128
-    (``tl_twin_config``), equal up to fp32 summation order; keys no query sees exactly 0."""
-    if not _is_hopper():
-        pytest.skip("the Gluon dK/dV kernel needs an sm_90 GPU")
-    _check_against_twin(case, _mod().GluonDkdvConfig(split=split, block_m=128), seed)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
-@pytest.mark.parametrize("case", BM128_TILE_CASES, ids=_case_id)
-def test_attn_bwd_dkdv_gluon_bm128_tile_matches_tl(case, split, seed):
-    """The 128-query build with the tile dS rule (one exponent per keys x 128 queries, with hysteresis) against its
-    tl twin (``ds_tile_scale=True``, BLOCK_M = 128)."""
-    if not _is_hopper():
-        pytest.skip("the Gluon dK/dV kernel needs an sm_90 GPU")
-    _check_against_twin(case, _mod().GluonDkdvConfig(split=split, ds_exp="tile", block_m=128), seed)
+    _check_against_twin(case, _mod().GluonDkdvConfig(split=split, ds_exp=ds_exp, block_m=128), seed)
 
 
 @pytest.mark.gpu
