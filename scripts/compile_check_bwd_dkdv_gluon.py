@@ -1,14 +1,18 @@
 """Compile the Gluon backward dK/dV kernel (``mxattn/kernels/attn_bwd_dkdv_gluon.py``) for sm_90a without a GPU.
 
     python scripts/compile_check_bwd_dkdv_gluon.py [--dump DIR] [--only d128,d64_causal] [--stages N] [--split]
-        [--no-defer] [--ds-exp=key|tile] [--varlen]
+        [--no-defer] [--ds-exp=key|tile] [--varlen] [--block-m 64|128]
 
 ``--split`` compiles the split variant (``GluonDkdvConfig(split=True)``: two 4-warp consumer partitions of 64 keys).
 ``--no-defer`` compiles without the deferred dK product (``GluonDkdvConfig(defer_dk=False)``, the kernel before
 session 7's deferral); the default config defers it (with ``--stages 1`` it is never deferred).  ``--ds-exp=tile``
 compiles the dS exponent per (keys x 64 queries) tile (the rule before session 8), ``--ds-exp=key`` one per key.
 ``--varlen`` compiles the jagged mode (``VARLEN``: tile table, packed operands) as ``attn_bwd_dkdv_gluon_varlen``
-launches it; it combines with each of the other options.
+launches it; it combines with each of the other options.  ``--block-m 128`` compiles the 128-query step
+(``GluonDkdvConfig(block_m=128)``, session 9): dense d64 builds only (``--only`` defaults to d64,d64_causal there;
+a d128 or jagged build is refused, as the launcher refuses it), with ``--maxnreg`` / ``--consumer-regs`` /
+``--producer-regs`` to try other register splits.  Each consumer loop's report ends with its thread-instructions per
+score: the common step's path times the warpgroup's 128 threads over its 64 keys x block_m queries.
 
 Needs triton 3.6 (the GPU machine's version).  Same approach as ``scripts/compile_check_bwd_dq_gluon.py``:
 ``triton.compile(GluonASTSource(...), target=GPUTarget("cuda", 90, 32))`` with TMA descriptor signatures, then the
@@ -60,30 +64,46 @@ SPLIT_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {}
 # causal, 1 each undeferred.  The whole-tile jagged builds and d64 have none.  Measure before trimming further
 # (docs/perf-notes-varlen.md, session 8).
 VARLEN_SPLIT_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {"d128": 2, "d128_causal": 5}
+# the 128-query step (--block-m 128, session 9) with ds_exp="tile" at d64 causal: ptxas keeps the shared-memory
+# address of the tile-wide amax's cross-warp scratch (loop-invariant) spilled and reloads it once per step: 1 LDL per
+# step (whole-tile, 8 bytes spilled), 1 per warpgroup (split, 2 in both loops together).  Tried: 2 and 3 stages,
+# lse / δ / doe / ke placement (kept: what removed the rest); the register split cannot move (12 warps at maxnreg
+# 168: 240 + 240 + 24 when split, and a worker at 248 leaves the default partition 232).  The per-key rule (the
+# default) and every other 128-query build have none.
+BM128_TILE_SPILL_ALLOWANCE: dict[str, int] = {"d64_causal": 8}
+BM128_TILE_SPLIT_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {"d64_causal": 2}
 
 
 def compile_variant(head_dim: int, causal: bool, stages: int | None = None, split: bool = False,
-                    defer_dk: bool | None = None, ds_exp: str | None = None, varlen: bool = False):
+                    defer_dk: bool | None = None, ds_exp: str | None = None, varlen: bool = False,
+                    block_m: int | None = None, regs: dict | None = None):
     """triton.compile of ``_attn_bwd_dkdv_ws_kernel`` for sm_90a, with the launcher's constexprs and options
-    (``varlen``: the jagged build, SLOTS a pointer)."""
+    (``varlen``: the jagged build, SLOTS a pointer; ``block_m``: the query step, the config's default when None,
+    refused where the launcher refuses it; ``regs``: GluonDkdvConfig register fields to override, e.g.
+    ``{"consumer_regs": 232}``)."""
+    from dataclasses import replace
+
     from triton.experimental.gluon import language as gl
 
     from mxattn.kernels import attn_bwd_dkdv_gluon as m
 
     cfg = m.default_config(head_dim, causal)
+    cfg = replace(cfg, **(regs or {}), block_m=block_m or cfg.block_m)
+    cfg.check_launch(head_dim, varlen)
     stages = stages or cfg.stages
     lay = lambda shape: gl.NVMMASharedLayout.get_default_for(shape, gl.float8e4nv)  # noqa: E731
-    bm, bn = m.BLOCK_M.value, (m.BLOCK_N_WG if split else m.BLOCK_N).value
+    bm, bn = cfg.block_m, (m.BLOCK_N_WG if split else m.BLOCK_N).value
     row, key, seq = fp8_desc([bm, head_dim], lay), fp8_desc([bn, head_dim], lay), fp8_desc([head_dim, bm], lay)
     vec = ([1, bm], m._vector_layout(), "fp32")  # lse and delta rows, as ``_vector_descriptors`` makes them
     descs = {"q_desc": row, "do_desc": row, "qs_desc": seq, "dos_desc": seq, "k_desc": key, "v_desc": key,
              "lse_desc": vec, "dl_desc": vec}
     ptrs = {"QE": "*i32", "DOE": "*i32", "KE": "*i32", "VE": "*i32", "QSE": "*i32", "DOSE": "*i32",
             "DK": "*bf16", "DV": "*bf16"}
-    defer = (cfg.defer_dk if defer_dk is None else defer_dk) and stages >= 2  # as GluonDkdvConfig.defers_dk
+    # GluonDkdvConfig.defers_dk (not with one stage, nor with 128-query steps)
+    defer = replace(cfg, stages=stages, defer_dk=cfg.defer_dk if defer_dk is None else defer_dk).defers_dk
     key_exp = (ds_exp or cfg.ds_exp) == "key"  # as GluonDkdvConfig.key_exp
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs, SPLIT=split,
-                  CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=defer, DS_KEY_EXP=key_exp, VARLEN=varlen)
+                  CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=defer, DS_KEY_EXP=key_exp, VARLEN=varlen, BLOCK_M=bm)
     if varlen:
         ptrs["SLOTS"] = "*i32"
     else:
@@ -96,22 +116,54 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None, spli
 
 
 def check(k, name: str, dump: str | None, max_depbar: int = MAX_DEPBAR, spill_allowance: int | None = None,
-          split: bool = False, key_exp: bool | None = None, varlen: bool = False) -> bool:
+          split: bool = False, key_exp: bool | None = None, varlen: bool = False, block_m: int = 64) -> bool:
     """``compile_check_gluon.check`` with ``max_depbar`` DEPBARs per loop iteration and the variant's documented
     spill allowance (``SPILL_ALLOWANCE``); prints the report.  Split variants: ptxas spills a few loop-invariant
     values of each warpgroup (the epilogue's pointers: stored before the query-step loop, reloaded after it; 40 B
     at d128 causal with triton 3.6 since session 7, 72 B at d128 and 184 B at d128 causal before), so the rule there
     is no LDL / STL inside the loops.  ``key_exp`` (the build's DS_KEY_EXP; the default config's when None): a common
-    step may hold at most ``STEP_BAR_KEY`` BAR.SYNC, else ``STEP_BAR_TILE``."""
-    allowed = SPILL_ALLOWANCE.get(name, 0) if spill_allowance is None else spill_allowance
+    step may hold at most ``STEP_BAR_KEY`` BAR.SYNC, else ``STEP_BAR_TILE``.  ``block_m``: the build's query step,
+    for the per-score line (``per_score``)."""
     if key_exp is None:
         from mxattn.kernels.attn_bwd_dkdv_gluon import default_config
 
         key_exp = default_config(128, False).key_exp
-    loop_local = (VARLEN_SPLIT_LOOP_LOCAL_ALLOWANCE if varlen else SPLIT_LOOP_LOCAL_ALLOWANCE).get(name, 0)
-    return gluon_check(k, name, dump, max_depbar=max_depbar, allowed_spill_bytes=None if split else allowed,
-                       allowed_loop_local=loop_local if split else 0,
-                       max_step_bar=STEP_BAR_KEY if key_exp else STEP_BAR_TILE)
+    bm128_tile = block_m == 128 and not key_exp
+    allowed = ((BM128_TILE_SPILL_ALLOWANCE if bm128_tile else SPILL_ALLOWANCE).get(name, 0) if spill_allowance is None
+               else spill_allowance)
+    loop_local = (VARLEN_SPLIT_LOOP_LOCAL_ALLOWANCE if varlen else BM128_TILE_SPLIT_LOOP_LOCAL_ALLOWANCE if bm128_tile
+                  else SPLIT_LOOP_LOCAL_ALLOWANCE).get(name, 0)
+    ok = gluon_check(k, name, dump, max_depbar=max_depbar, allowed_spill_bytes=None if split else allowed,
+                     allowed_loop_local=loop_local if split else 0,
+                     max_step_bar=STEP_BAR_KEY if key_exp else STEP_BAR_TILE)
+    for st, score in per_score(k, block_m):
+        print(f"      per score: {score:.1f} thread-instr (common step path {st} x 128 threads / (64 keys x {block_m} "
+              f"queries))")
+    return ok
+
+
+def per_score(k, block_m: int) -> list[tuple[int, float]]:
+    """(common step path, thread-instructions per score) of each consumer loop: a warpgroup's 128 threads run the
+    step's path for its 64 keys x ``block_m`` queries (split and whole-tile builds alike; the tables of
+    docs/perf-notes-attn-bwd.md count the same way, e.g. 38.8 for the tl kernel's 1243-instruction loop)."""
+    from compile_check_gluon import _resource_usage, steady_loops, step_path
+
+    sass = _resource_usage(k.asm["cubin"])["sass"]
+    out = []
+    for lp in steady_loops(sass):
+        n = step_path(sass, lp)["instrs"]
+        out.append((n, n * 128 / (64 * block_m)))
+    return out
+
+
+def _flag_value(argv: list, flag: str) -> int | None:
+    """The integer after ``flag`` in argv (both removed), or None."""
+    if flag not in argv:
+        return None
+    i = argv.index(flag)
+    value = int(argv[i + 1])
+    del argv[i: i + 2]
+    return value
 
 
 def main(argv=None) -> int:
@@ -132,9 +184,17 @@ def main(argv=None) -> int:
     varlen = "--varlen" in argv
     if varlen:
         argv.remove("--varlen")
+    block_m = _flag_value(argv, "--block-m")  # the query step (GluonDkdvConfig.block_m); None: the default
+    regs = {field: v for field, flag in (("maxnreg", "--maxnreg"), ("consumer_regs", "--consumer-regs"),
+                                         ("producer_regs", "--producer-regs"))
+            if (v := _flag_value(argv, flag)) is not None}
+    if block_m == 128 and "--only" not in argv:
+        argv += ["--only", "d64,d64_causal"]  # the only head dim the 128-query step builds for
     return run_variants(argv, __doc__, lambda d, c, st: compile_variant(d, c, st, split=split, defer_dk=defer,
-                                                                        ds_exp=ds_exp, varlen=varlen),
-                        lambda k, name, dump: check(k, name, dump, split=split, key_exp=key_exp, varlen=varlen),
+                                                                        ds_exp=ds_exp, varlen=varlen,
+                                                                        block_m=block_m, regs=regs),
+                        lambda k, name, dump: check(k, name, dump, split=split, key_exp=key_exp, varlen=varlen,
+                                                    block_m=block_m or 64),
                         consumer_threads=128 if split else 256)
 
 

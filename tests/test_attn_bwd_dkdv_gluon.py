@@ -13,7 +13,9 @@ triton 3.6 is installed, the kernel compiles for sm_90a with the rules of
 GPU (marker ``gpu``): (dk, dv) against the ``tl`` kernel's (``attn_bwd_hopper(..., deterministic=True)``) on the
 same operands: the same dS exponents and e4m3 P / dS values, so only the fp32 summation order differs (SQNR > 40 dB,
 no NaN, keys no query sees exactly 0); and the timing helper ``bench_attn_bwd_dkdv_gluon`` (Gluon vs the ``tl``
-dK/dV-only kernel, B2 H16 S8k d128, causal and not), printed.
+dK/dV-only kernel, B2 H16 S8k d128, causal and not), printed.  The 128-query step (``GluonDkdvConfig(block_m=128)``,
+d64, session 9; ``-k bm128``) against the tl kernel with BLOCK_M = 128; on the CPU its config, twin, lse boxes and
+launch plans, the twin under the interpreter, and its sm_90a builds (``slow``, triton 3.6).
 """
 
 from __future__ import annotations
@@ -43,12 +45,14 @@ def _mod():
 def test_module_imports():
     m = _mod()
     assert callable(m.attn_bwd_dkdv_gluon) and callable(m.bench_attn_bwd_dkdv_gluon)
-    # the tl dK/dV kernel's tiles: the dS exponent is one per (128 keys x 64 queries) tile in both
-    assert m.BLOCK_N.value == 128 and m.BLOCK_M.value == 64 and m.KV_EXP_GROUP == m.BLOCK_N.value
+    # the tl dK/dV kernel's tiles: the dS exponent is one per (128 keys x 64 queries) tile in both (64 queries: the
+    # default step; 128 is the opt-in step of session 9)
+    assert m.BLOCK_N.value == 128 and m.BLOCK_M_DEFAULT == 64 and m.KV_EXP_GROUP == m.BLOCK_N.value
+    assert m.BLOCK_MS == (64, 128) and m.GluonDkdvConfig().block_m == m.BLOCK_M_DEFAULT
     from mxattn.kernels import attn_bwd
 
     cfg = attn_bwd.BwdConfig()
-    assert cfg.block_n == m.BLOCK_N.value and cfg.block_m == m.BLOCK_M.value and cfg.ds_tile_scale
+    assert cfg.block_n == m.BLOCK_N.value and cfg.block_m == m.BLOCK_M_DEFAULT and cfg.ds_tile_scale
 
 
 def test_config_ds_exp_and_tl_twin():
@@ -63,9 +67,67 @@ def test_config_ds_exp_and_tl_twin():
     for split in (False, True):
         for ds_exp in ("key", "tile"):
             tw = m.tl_twin_config(m.GluonDkdvConfig(split=split, ds_exp=ds_exp))
-            assert tw.block_n == (64 if split else 128) and tw.block_m == m.BLOCK_M.value
+            assert tw.block_n == (64 if split else 128) and tw.block_m == m.BLOCK_M_DEFAULT
             assert tw.num_warps == (4 if split else 8) and tw.ds_tile_scale == (ds_exp == "tile")
     assert m.tl_twin_config(None) == m.tl_twin_config(m.default_config(128, False))
+
+
+def test_config_block_m():
+    """``block_m`` (the query step, session 9): 64 by default (what users get, at every head dim and mask), 128 as an
+    option; anything else is refused by name.  ``check_launch`` allows 128 only at head dim 64 and in dense launches,
+    and the 128-query build is never deferred (``defers_dk``: its fp32 dSᵀ carry would spill)."""
+    m = _mod()
+    for D in (64, 128):
+        for causal in (False, True):
+            assert m.default_config(D, causal).block_m == 64
+    for bad in (32, 96, 256, 0, "128", 128.0, True):
+        with pytest.raises(ValueError, match="block_m"):
+            m.GluonDkdvConfig(block_m=bad)
+    c = m.GluonDkdvConfig(block_m=128)
+    c.check_launch(64)
+    c.check_launch(None)
+    with pytest.raises(ValueError, match="head dim 64"):
+        c.check_launch(128)
+    with pytest.raises(ValueError, match="jagged"):
+        c.check_launch(64, varlen=True)
+    m.GluonDkdvConfig().check_launch(128, varlen=True)  # 64: every launch
+    assert not c.defers_dk and not m.GluonDkdvConfig(block_m=128, stages=4).defers_dk
+    assert m.GluonDkdvConfig().defers_dk and not m.GluonDkdvConfig(stages=1).defers_dk
+
+
+def test_tl_twin_block_m128():
+    """The tl twin of a 128-query build steps over 128 queries too (``block_m``: the dS exponent's query extent, and
+    the reference's ``ds_q_block`` for the per-key rule), with the build's key block, warps and dS rule."""
+    m = _mod()
+    for split in (False, True):
+        for ds_exp in ("key", "tile"):
+            cfg = m.GluonDkdvConfig(split=split, ds_exp=ds_exp, block_m=128)
+            tw = m.tl_twin_config(cfg)
+            assert tw.block_m == 128 and tw.block_n == (64 if split else 128)
+            assert tw.num_warps == (4 if split else 8) and tw.ds_tile_scale == (ds_exp == "tile")
+            # everything but the step equals the 64-query build's twin
+            from dataclasses import replace
+
+            assert replace(tw, block_m=64) == m.tl_twin_config(replace(cfg, block_m=64))
+
+
+@pytest.mark.parametrize("split,causal", [(True, True), (False, False)], ids=["split-causal", "whole"])
+def test_tl_twin_block_m128_interpreter(split, causal, seed):
+    """The tl kernel runs the 128-query twin (``attn_bwd._bwd_dkdv_kernel`` with BLOCK_M = 128, per-key dS rule,
+    d64) under the interpreter within the calibrated bound of the reference emulation with ``ds_q_block=128`` and of
+    its own fp64 emulation (``test_attn_bwd._check``): the GPU tests of the 128-query Gluon build compare against
+    it.  Odd Sq (not a multiple of 128), GQA, partial key block."""
+    from dataclasses import replace
+
+    from conftest import require_kernels
+    from test_attn_bwd import _check, _inputs
+
+    require_kernels()
+    m = _mod()
+    tw = replace(m.tl_twin_config(m.GluonDkdvConfig(split=split, block_m=128)), dq_kernel=True)
+    assert tw.block_m == 128 and not tw.ds_tile_scale
+    q, k, v, do = _inputs(1, 200, 150, 4, 2, 64, "cpu", seed)
+    _check(q, k, v, do, causal, config=tw)
 
 
 def _cpu_operands(B=1, Sq=130, Sk=200, Hq=4, Hkv=2, D=64, q_rows=128):
@@ -119,17 +181,32 @@ def test_launcher_rejects_bad_operands():
         m.attn_bwd_dkdv_gluon(**ok, grad_dtype=torch.int8)
 
 
-def test_tile_exponents_expand_groups():
-    """The launcher's per-64-row exponents (``_tile_exps``) are the grouped operand's, row by row."""
+def test_launcher_rejects_block_m128_where_it_cannot_build():
+    """block_m=128: refused at head dim 128, for q / dO with fewer than 128 rows per exponent (one exponent per
+    step), and in the jagged launcher (before its operands are looked at)."""
     m = _mod()
-    for rows, Sq in ((128, 130), (64, 64), (256, 700)):
+    cfg = m.GluonDkdvConfig(block_m=128)
+    with pytest.raises(ValueError, match="head dim 64"):
+        m.attn_bwd_dkdv_gluon(**_cpu_operands(D=128), config=cfg)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        m.attn_bwd_dkdv_gluon(**_cpu_operands(q_rows=64), config=cfg)
+    with pytest.raises(ValueError, match="jagged"):
+        m.attn_bwd_dkdv_gluon_varlen(*([None] * 8), config=cfg)
+
+
+def test_tile_exponents_expand_groups():
+    """The launcher's per-step exponents (``_tile_exps``: one per 64 rows, or per 128 with 128-query steps) are the
+    grouped operand's, row by row."""
+    m = _mod()
+    for bm, rows, Sq in ((64, 128, 130), (64, 64, 64), (64, 256, 700), (128, 128, 130), (128, 128, 1), (128, 256, 700)):
         t = _cpu_operands(Sq=Sq, q_rows=rows)["q"]
-        te = m._tile_exps(t, Sq)
+        te = m._tile_exps(t, Sq, bm)
         # every tile up to Sq, possibly a few more of the last group (never read); the kernel's unit strides
-        assert te.shape[0] == 1 and te.shape[2:] == (4, 1) and -(-Sq // 64) <= te.shape[1] < -(-Sq // 64) + rows // 64
+        assert te.shape[0] == 1 and te.shape[2:] == (4, 1) and -(-Sq // bm) <= te.shape[1] < -(-Sq // bm) + rows // bm
         assert te.is_contiguous()
         for i in range(te.shape[1]):
-            assert torch.equal(te[:, i], t.exp[:, (i * 64) // rows])
+            assert torch.equal(te[:, i], t.exp[:, (i * bm) // rows])
+    assert torch.equal(m._tile_exps(_cpu_operands()["q"], 130), m._tile_exps(_cpu_operands()["q"], 130, 64))
 
 
 def _tma_box(desc, row: int, col: int) -> torch.Tensor:
@@ -190,28 +267,37 @@ def test_lse_delta_rows_in_place_or_padded():
             assert pitch == -(-S // 4) * 4
 
 
-@pytest.mark.parametrize("S", [1, 63, 64, 130, 200])
-def test_lse_delta_descriptor_boxes_match_masked_loads(S):
+@pytest.mark.parametrize("bm,S", [(64, S) for S in (1, 63, 64, 130, 200)]
+                         + [(128, S) for S in (1, 127, 128, 130, 256, 300)], ids=str)
+def test_lse_delta_descriptor_boxes_match_masked_loads(bm, S):
     """The producer's box for (batch b, head h, query tile at m0), read through ``_vector_descriptors`` with TMA's
-    zero fill, and the consumer's rule (lse: −inf past Sq; δ: as loaded) give, bit for bit, what the masked loads
-    of the kernel before session 7 gave: lse[b, h, m0 + c] (−inf past Sq) and δ[b, h, m0 + c] (0.0 past Sq)."""
+    zero fill, and the consumer's rule give, bit for bit, what the masked loads of the kernel before session 7 gave:
+    lse[b, h, m0 + c] (−inf past Sq) and δ[b, h, m0 + c] (0.0 past Sq).  64-query steps: the consumer makes lse
+    −inf past Sq (its query-row mask).  128-query steps have no such mask, so their lse boxes must read −inf past
+    Sq by themselves: ``_vector_descriptors(..., 128)`` gives lse rows padded with −inf to a multiple of 128 columns
+    (a copy, only when Sq % 128 != 0; else lse in place, and no box reaches past Sq)."""
     m = _mod()
     g = torch.Generator().manual_seed(S)
     B, H = 2, 3
     lse, delta = _vectors(B, H, S, gen=g), _vectors(B, H, S, pitch=-(-S // 4) * 4 + 4, gen=g)
-    lse_desc, dl_desc = m._vector_descriptors(lse, delta)
-    for d in (lse_desc, dl_desc):
-        assert list(d.shape) == [B * H, S] and list(d.block_shape) == [1, m.BLOCK_M.value]
+    lse_desc, dl_desc = m._vector_descriptors(lse, delta, bm)
+    lse_cols = S if bm == m.BLOCK_M_DEFAULT else -(-S // bm) * bm
+    for d, cols in ((lse_desc, lse_cols), (dl_desc, S)):
+        assert list(d.shape) == [B * H, cols] and list(d.block_shape) == [1, bm]
         assert d.strides[0] % 4 == 0 and d.strides[1] == 1 and d.layout.swizzle_byte_width == 0
+    if S % bm == 0 and S % 4 == 0:
+        assert lse_desc.base is lse
     for b in range(B):
         for h in range(H):
-            for m0 in range(0, S, m.BLOCK_M.value):
-                cols = m0 + torch.arange(m.BLOCK_M.value)
+            for m0 in range(0, S, bm):
+                cols = m0 + torch.arange(bm)
                 row_ok = cols < S
                 idx = cols.clamp(max=S - 1)
                 want_lse = torch.where(row_ok, lse[b, h, idx], float("-inf"))
                 want_dl = torch.where(row_ok, delta[b, h, idx], 0.0)
-                got_lse = torch.where(row_ok, _tma_box(lse_desc, b * H + h, m0)[0], float("-inf"))
+                got_lse = _tma_box(lse_desc, b * H + h, m0)[0]
+                if bm == m.BLOCK_M_DEFAULT:  # the consumer's mask
+                    got_lse = torch.where(row_ok, got_lse, float("-inf"))
                 got_dl = _tma_box(dl_desc, b * H + h, m0)[0]
                 assert torch.equal(got_lse.view(torch.int32), want_lse.view(torch.int32))
                 assert torch.equal(got_dl.view(torch.int32), want_dl.view(torch.int32))
@@ -225,6 +311,16 @@ def test_compiles_for_sm90_without_gpu():
     with ``ds_exp="key"``, 4 with "tile").  The script runs in a subprocess without TRITON_INTERPRET: conftest sets
     it on machines without CUDA, and under it ``gl.max``'s combine function is an interpreter object that Gluon
     cannot compile (in-process, the check passed only where triton's cache already held the kernel)."""
+    for args in (["--only", "d128_causal,d64", "--ds-exp=key"],
+                 ["--split", "--only", "d128,d128_causal", "--ds-exp=key"],
+                 ["--split", "--only", "d128_causal", "--ds-exp=tile"], ["--only", "d64_causal", "--ds-exp=tile"]):
+        r = _compile_check(args)
+        assert r.returncode == 0 and "all variants OK" in r.stdout, (args, r.stdout[-4000:], r.stderr[-2000:])
+
+
+def _compile_check(args):
+    """``scripts/compile_check_bwd_dkdv_gluon.py args`` in a subprocess without TRITON_INTERPRET (a skip off triton
+    3.6); the CompletedProcess."""
     if not triton_version().startswith("3.6"):
         pytest.skip(f"compile check targets triton 3.6 (installed: {triton_version() or 'none'})")
     _mod()
@@ -233,12 +329,26 @@ def test_compiles_for_sm90_without_gpu():
     root = os.path.dirname(_HERE)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    for args in (["--only", "d128_causal,d64", "--ds-exp=key"],
-                 ["--split", "--only", "d128,d128_causal", "--ds-exp=key"],
-                 ["--split", "--only", "d128_causal", "--ds-exp=tile"], ["--only", "d64_causal", "--ds-exp=tile"]):
-        r = subprocess.run([sys.executable, os.path.join(root, "scripts", "compile_check_bwd_dkdv_gluon.py"), *args],
-                           capture_output=True, text=True, env=env, cwd=root)
+    return subprocess.run([sys.executable, os.path.join(root, "scripts", "compile_check_bwd_dkdv_gluon.py"), *args],
+                          capture_output=True, text=True, env=env, cwd=root)
+
+
+@pytest.mark.slow
+def test_compiles_for_sm90_without_gpu_block_m128():
+    """Where triton 3.6 is installed, the 128-query builds (``GluonDkdvConfig(block_m=128)``, d64, undeferred)
+    compile for sm_90a with the checks of ``scripts/compile_check_bwd_dkdv_gluon.py --block-m 128``: the per-key rule
+    split and whole-tile, causal and not, with no spill inside a loop; the tile rule split (its d64 causal build's one
+    loop-invariant reload per step is the documented allowance); m64n128k32 Sᵀ / dPᵀ wgmma.  A d128 build is refused
+    (compile error, exit status 1), as the launcher refuses it.  Subprocesses without TRITON_INTERPRET, as above."""
+    for args in (["--split", "--block-m", "128", "--ds-exp=key"], ["--block-m", "128", "--ds-exp=key"],
+                 ["--split", "--block-m", "128", "--ds-exp=tile"]):
+        r = _compile_check(args)
         assert r.returncode == 0 and "all variants OK" in r.stdout, (args, r.stdout[-4000:], r.stderr[-2000:])
+        assert r.stdout.count("== d64") == 2 and "m64n128k32.f32.e4m3.e4m3" in r.stdout, (args, r.stdout[-4000:])
+        if "key" in args[-1]:
+            assert "inside the consumer loops: 0;" in r.stdout and "inside the consumer loops: 1" not in r.stdout
+    r = _compile_check(["--block-m", "128", "--only", "d128"])
+    assert r.returncode == 1 and "head dim 64" in r.stdout, (r.stdout[-2000:], r.stderr[-2000:])
 
 
 RING = ("q", "do", "lse", "dl", "qs", "dos")  # the six loads of a query step, all on the stage's ready barrier
@@ -440,7 +550,7 @@ def _check_against_twin(case, cfg, seed):
     ops, out = m.dkdv_operands(q, k, v, dout, causal)
     dk, dv = m.attn_bwd_dkdv_gluon(**ops, causal=causal, config=cfg)
     torch.cuda.synchronize()
-    name = f"{_case_id(case)} split={cfg.split} ds_exp={cfg.ds_exp}"
+    name = f"{_case_id(case)} split={cfg.split} ds_exp={cfg.ds_exp} block_m={cfg.block_m}"
     if cfg.split:
         want_dk, want_dv = m._tl_dkdv(**ops, causal=causal, tl_config=m.tl_twin_config(cfg))
     else:
@@ -485,6 +595,37 @@ def test_attn_bwd_dkdv_gluon_matches_tl(case, split, ds_exp, seed):
     if not _is_hopper():
         pytest.skip("the Gluon dK/dV kernel needs an sm_90 GPU")
     _check_against_twin(case, _mod().GluonDkdvConfig(split=split, ds_exp=ds_exp), seed)
+
+
+# the 128-query step (GluonDkdvConfig(block_m=128), d64 only, session 9): 2 tiny + 8 key + 4 tile cases.  Sq = 1000
+# and 300 are not multiples of 128 (the launcher's −inf-padded lse rows stand in for the consumer's query-row mask),
+# 1024 is (lse used in place); GQA 8:1 (the head loop and its rescales at 128-query steps); Sq < Sk bottom-right
+# causal (lo / mid in steps of 128); MQA with 64- / 128-row boundaries for the tile rule
+BM128_TINY = [(1, 70, 130, 2, 1, 64, True)]
+BM128_KEY_CASES = [
+    (2, 1000, 1000, 16, 2, 64, True),
+    (2, 1000, 1000, 16, 2, 64, False),
+    (1, 300, 3000, 2, 2, 64, True),
+    (1, 1024, 1024, 4, 4, 64, False),
+]
+BM128_TILE_CASES = [(2, 1000, 1000, 16, 2, 64, True), (3, 129, 257, 2, 1, 64, False)]
+# (case, ds_exp, tiny): the tiny case first (-k "bm128 and tiny": a barrier or layout bug shows as a hang or a
+# mismatch there, under a short timeout), then the rest (-k "bm128 and not tiny")
+BM128_CASES = ([(c, "key", True) for c in BM128_TINY] + [(c, "key", False) for c in BM128_KEY_CASES]
+               + [(c, "tile", False) for c in BM128_TILE_CASES])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+@pytest.mark.parametrize("case,ds_exp,tiny", BM128_CASES,
+                         ids=[f"{'tiny-' if t else ''}{_case_id(c)}-{e}" for c, e, t in BM128_CASES])
+def test_attn_bwd_dkdv_gluon_bm128_matches_tl(case, ds_exp, tiny, split, seed):
+    """The 128-query build (``block_m=128``) against the tl kernel with BLOCK_M = 128 (``tl_twin_config``), per-key
+    dS rule (the default rule) or tile rule (one exponent per keys x 128 queries, with hysteresis): equal up to fp32
+    summation order; keys no query sees exactly 0."""
+    if not _is_hopper():
+        pytest.skip("the Gluon dK/dV kernel needs an sm_90 GPU")
+    _check_against_twin(case, _mod().GluonDkdvConfig(split=split, ds_exp=ds_exp, block_m=128), seed)
 
 
 @pytest.mark.gpu
@@ -654,3 +795,26 @@ def test_launch_plan_repeats_the_checked_launch(monkeypatch):
     ops_nc = _cpu_operands(Sq=70)
     seen3 = _recorded_launches(monkeypatch, lambda: m.attn_bwd_dkdv_gluon(**ops_nc), n=1)
     assert len(m._PLANS) == 2 and seen3[0][1][-5] == 70  # Sq among the scalars
+
+
+def test_launch_plan_keeps_the_query_step(monkeypatch):
+    """block_m is part of a plan (the config is in its key): the 128-query launch gets its own plan, BLOCK_M = 128,
+    [1, 128] lse / δ boxes (lse rows padded with −inf: Sq = 130) and one q / dO exponent per 128 rows, on the first
+    call and on plan hits alike; the default config's launch keeps BLOCK_M = 64."""
+    m = _mod()
+    m._PLANS.clear()
+    ops = _cpu_operands()  # Sq = 130, q and dO grouped by 128 rows, D = 64
+    cfg = m.GluonDkdvConfig(split=True, block_m=128)
+    seen = _recorded_launches(monkeypatch, lambda: m.attn_bwd_dkdv_gluon(**ops, causal=True, config=cfg))
+    _same_launch(seen[0], seen[1])
+    _same_launch(seen[0], seen[2])
+    grid, args, kw = seen[2]
+    assert kw["BLOCK_M"] == 128 and not kw["DEFER_DK"] and kw["SPLIT"]
+    lse_desc, dl_desc = args[4], args[5]
+    assert list(lse_desc.block_shape) == [1, 128] and list(lse_desc.shape) == [4, 256]
+    assert list(dl_desc.block_shape) == [1, 128] and list(dl_desc.shape) == [4, 130]
+    assert torch.equal(lse_desc.base[..., 130:], torch.full((1, 4, 126), float("-inf")))
+    assert list(args[0].block_shape) == [128, 64] and list(args[2].block_shape) == [64, 128]
+    assert torch.equal(args[8], ops["q"].exp.contiguous()) and torch.equal(args[9], ops["dout_hdim"].exp.contiguous())
+    seen64 = _recorded_launches(monkeypatch, lambda: m.attn_bwd_dkdv_gluon(**ops, causal=True), n=1)
+    assert len(m._PLANS) == 2 and seen64[0][2]["BLOCK_M"] == 64 and seen64[0][1][8].shape[1] == 4

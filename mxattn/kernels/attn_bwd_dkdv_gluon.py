@@ -4,7 +4,8 @@
 It replaces the ``tl`` kernel ``attn_bwd._bwd_dkdv_kernel`` on the "dQ from a separate kernel" path
 (``ATOMIC_DQ=False``; ``DS_TILE_SCALE`` False for ``ds_exp="key"``, True for "tile") with the same operands and
 the same arithmetic.  Per 128 keys of one
-(batch, kv head), looping over the query heads of the GQA group and, per head, over query tiles of BLOCK_M = 64:
+(batch, kv head), looping over the query heads of the GQA group and, per head, over query tiles of BLOCK_M = 64
+(the default; 128 at d64 as an option, ``GluonDkdvConfig.block_m``, "128-query step" below):
 
   Sᵀ  = K Qᵀ            k (hdim, one exponent per 128 keys) x q (hdim, one exponent per 64+ rows), FP8 wgmma
   Pᵀ  = 2^(Sᵀ·2^(qe+ke)·scale·log2e + 8 − lse·log2e)      (P·256 <= 256; rows that see nothing: P = 0)
@@ -153,6 +154,20 @@ on a common step's path); triton 3.6 spills 40 B of loop-invariant values at d12
 nothing else (before session 7: 72 B at d128, and at d128 causal 11 LDL/STL per step inside the loop).  Found on
 the way: a tuple of partition arguments held in a variable turns its constexprs into runtime values, so each
 partition's tuple is written out in the call.
+
+128-query step (``GluonDkdvConfig(block_m=128)``, session 9; compiled on the CPU, not yet run on a GPU; default 64):
+BLOCK_M is a kernel constexpr, so every step covers 128 queries at D = 64 (FA3's d64 tile), dense launches only
+(``check_launch``; the jagged mode keeps 64).  Per warpgroup and step: Sᵀ and dPᵀ as 64 x 128 tiles (2 + 2
+``m64n128k32``, 64 registers each), dV and dK with K = 128 (4 + 4 ``m64n64k32``); Q / dO boxes [128, D], Q_seq /
+dO_seq [D, 128], lse / δ [1, 128]; one q / dO exponent per step (the operands' own 128-row groups); the dS exponent
+per key (or tile) and 128-query step, so the tl twin runs with block_m = 128 (``tl_twin_config``).  What the
+registers asked for (triton 3.6, sm_90a; the split build at its 240): the step is not deferred (``defers_dk``: the
+fp32 dSᵀ carry would be 64 registers, and the build spilled ~1 KB inside the loop), ke / doe / ve / lse / δ are
+loaded where they are used, and lse's rows are padded with −inf by the launcher (``_lse_rows``) so the consumer needs
+no query-row mask.  The default builds (BLOCK_M = 64) compile to the same SASS as before the constexpr (compared
+byte for byte, all dense and jagged builds).  A common step then issues 953-970 SASS instructions for 64 x 128
+scores (15.0 thread-instructions per score, per-key rule) where two 64-query steps issued 2 x 656 (20.5);
+perf-notes-attn-bwd.md, "Session 9: a 128-query step at d64".
 """
 
 from __future__ import annotations
@@ -198,9 +213,12 @@ __all__ = ["GluonDkdvConfig", "default_config", "tl_twin_config", "attn_bwd_dkdv
 LOG2E = 1.4426950408889634
 P_SCALE_LOG2 = 8  # P enters dV as e4m3(P * 2^8); dS enters dK as 256 * dS
 BLOCK_N = gl.constexpr(128)  # keys per CTA: two warpgroups of 64 (the tl kernel's block_n: the dS exponent tile)
-BLOCK_M = gl.constexpr(64)  # queries per step: the tl kernel's block_m
+# queries per step: the kernel's constexpr BLOCK_M, chosen by ``GluonDkdvConfig.block_m``.  64 (the default) is the tl
+# kernel's block_m; 128 (session 9, FA3's d64 tile) halves the steps of a d64 launch, dense launches only
+BLOCK_M_DEFAULT = 64
+BLOCK_MS = (64, 128)
 KV_EXP_GROUP = 128  # keys sharing one exponent in k and v_hdim (== BLOCK_N: one scalar per CTA)
-ROW_GROUP = 64  # q / dout_hdim rows per exponent must be a multiple of this (one scalar per query tile)
+ROW_GROUP = 64  # q / dout_hdim rows per exponent must be a multiple of this, and of block_m (one scalar per step)
 DS_EXPS = ("key", "tile")  # GluonDkdvConfig.ds_exp
 
 # kernel arguments the launcher guarantees to be 1 (contiguous exponents, dk, dv): the JIT specializes them as
@@ -229,15 +247,36 @@ class GluonDkdvConfig:
     # one per (keys x 64 queries) tile with hysteresis, a cross-warp reduction (the rule before session 8).  The
     # tl twin of each: ``tl_twin_config``
     ds_exp: str = "key"
+    # queries per step (the kernel's BLOCK_M, session 9): 64, the tl kernel's block_m; 128, FA3's tile at d64: half
+    # the steps, each over a 64-key x 128-query Sᵀ per warpgroup (m64n128k32 Sᵀ / dPᵀ, K = 128 dV / dK), so the
+    # step's fixed work (ring waits and releases, scalars, exponent logic) is paid once per 128 queries.  128 needs
+    # D = 64 (at d128 the accumulators do not fit 240 registers) and a dense launch (the jagged mode's tile table and
+    # exponent rows are per 64 rows); ``check_launch`` refuses the rest.  The dS exponent is then one per key (or
+    # tile) and 128-query step, and the tl twin runs with block_m = 128 (``tl_twin_config``)
+    block_m: int = BLOCK_M_DEFAULT
 
     def __post_init__(self):
         if self.ds_exp not in DS_EXPS:
             raise ValueError(f"ds_exp must be one of {DS_EXPS}, got {self.ds_exp!r}")
+        if type(self.block_m) is not int or self.block_m not in BLOCK_MS:
+            raise ValueError(f"block_m must be one of {BLOCK_MS}, got {self.block_m!r}")
+
+    def check_launch(self, head_dim: Optional[int], varlen: bool = False) -> None:
+        """ValueError where this config cannot build: block_m = 128 only at head dim 64 (None: not checked) and in
+        dense launches."""
+        if self.block_m == 128 and varlen:
+            raise ValueError("block_m=128 is not supported by the jagged (varlen) Gluon dK/dV kernel: its tile table "
+                             "and q / dO exponent rows are per 64 queries; use block_m=64")
+        if self.block_m == 128 and head_dim is not None and head_dim != 64:
+            raise ValueError(f"block_m=128 needs head dim 64 (got {head_dim}): at d128 the 64 x 128 Sᵀ / dPᵀ tiles "
+                             f"and the dK / dV accumulators do not fit the consumers' 240 registers; use block_m=64")
 
     @property
     def defers_dk(self) -> bool:
-        """Whether the kernel is built with DEFER_DK (the deferral needs two stages: j − 1's and j's)."""
-        return self.defer_dk and self.stages >= 2
+        """Whether the kernel is built with DEFER_DK (the deferral needs two stages: j − 1's and j's).  Not with
+        block_m = 128: the deferred dSᵀ crosses the loop edge as its fp32 tile, 64 registers a thread there, and
+        the build spilled 0.9-1.4 KB with ~200 LDL / STL per step inside the loop (triton 3.6, session 9)."""
+        return self.defer_dk and self.stages >= 2 and self.block_m == 64
 
     @property
     def key_exp(self) -> bool:
@@ -252,12 +291,14 @@ def default_config(head_dim: int, causal: bool) -> GluonDkdvConfig:
 def tl_twin_config(config: Optional[GluonDkdvConfig] = None):
     """The ``attn_bwd.BwdConfig`` whose dK/dV kernel has this Gluon build's numerics (the same tile visits, dS
     exponents and e4m3 P / dS values; only the fp32 summation order differs): 128-key blocks on 8 warps, or 64-key
-    blocks (``split_tl_config``) for the split build; ``ds_tile_scale`` False for ``ds_exp="key"``."""
+    blocks (``split_tl_config``) for the split build; ``ds_tile_scale`` False for ``ds_exp="key"``; the build's
+    query step as ``block_m`` (the dS exponent's query extent: per key and step, or per tile; with the per-key
+    rule ``reference.attention_backward(..., ds_q_block=block_m)`` emulates it)."""
     from mxattn.kernels.attn_bwd import BwdConfig
 
     cfg = config or default_config(128, False)
     base = split_tl_config() if cfg.split else BwdConfig()
-    return replace(base, ds_tile_scale=not cfg.key_exp)
+    return replace(base, ds_tile_scale=not cfg.key_exp, block_m=cfg.block_m)
 
 
 # ------------------------------------------------------------------------------------------------- helpers
@@ -265,9 +306,10 @@ BLOCK_N_WG = gl.constexpr(64)  # keys per consumer warpgroup when split
 
 
 @gluon.jit
-def _p_tile(s, a, b_row, m0, key_lim, diag, MASKED: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr):
-    """Pᵀ·256 of one (128 keys x 64 queries) tile from the raw Sᵀ accumulator (attn_bwd._kv_step): x = Sᵀ·a + b_row
-    (−inf where masked), P = 2^x.  Local indices against scalar bounds (32-bit compares)."""
+def _p_tile(s, a, b_row, m0, key_lim, diag, MASKED: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
+            BLOCK_M: gl.constexpr):
+    """Pᵀ·256 of one (ROWS keys x BLOCK_M queries) tile from the raw Sᵀ accumulator (attn_bwd._kv_step):
+    x = Sᵀ·a + b_row (−inf where masked), P = 2^x.  Local indices against scalar bounds (32-bit compares)."""
     x = gl.fma(s, a, gl.expand_dims(b_row, 0))
     if MASKED:
         rows = gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(1, s.type.layout)), 1)
@@ -284,12 +326,13 @@ def _p_tile(s, a, b_row, m0, key_lim, diag, MASKED: gl.constexpr, CAUSAL: gl.con
 
 
 @gluon.jit
-def _p_step(s, a, b_row, m0, key_lim, diag, masked, CAUSAL: gl.constexpr, ROWS: gl.constexpr):
+def _p_step(s, a, b_row, m0, key_lim, diag, masked, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
+            BLOCK_M: gl.constexpr):
     """The masked / unmasked choice made at run time (the branches join fp32 values only)."""
     if masked:
-        p = _p_tile(s, a, b_row, m0, key_lim, diag, True, CAUSAL, ROWS)
+        p = _p_tile(s, a, b_row, m0, key_lim, diag, True, CAUSAL, ROWS, BLOCK_M)
     else:
-        p = _p_tile(s, a, b_row, m0, key_lim, diag, False, CAUSAL, ROWS)
+        p = _p_tile(s, a, b_row, m0, key_lim, diag, False, CAUSAL, ROWS, BLOCK_M)
     return p
 
 
@@ -308,7 +351,7 @@ def _head_rescale(dk, dv, QSE, DOSE, stride_qseh, stride_qsed, hh,
 
 
 @gluon.jit
-def _lse_row(lse_smem, st, row_ok, col_s: gl.constexpr):
+def _lse_row(lse_smem, st, row_ok, col_s: gl.constexpr, BLOCK_M: gl.constexpr):
     """Exponent offsets of one query tile's P·256 = 2^(s·log2e·scale − lse·log2e + 8), from lse in stage st's
     shared memory: −inf for rows that see nothing (lse = −inf) and for rows past Sq (TMA's zero fill there, made
     −inf as the masked global load had it)."""
@@ -381,9 +424,10 @@ def _step_barriers(STAGES: gl.constexpr, SPLIT: gl.constexpr):
 @gluon.jit
 def _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_smem, do_smem, qs_smem, dos_smem,
                     lse_smem, dl_smem, ready, empty, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m,
-                    n_steps, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr):
-    """Per query step, into stage i % STAGES of the ring, all on its one ready barrier: Q and dO_hdim (64 x D),
-    Q_seq and dO_seq (D x 64), and the tile's 64 lse and 64 δ (fp32 rows of the (B*Hq, Sq) views; columns past
+                    n_steps, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr,
+                    BLOCK_M: gl.constexpr):
+    """Per query step, into stage i % STAGES of the ring, all on its one ready barrier: Q and dO_hdim (BLOCK_M x D),
+    Q_seq and dO_seq (D x BLOCK_M), and the tile's BLOCK_M lse and δ (fp32 rows of the (B*Hq, Sq) views; columns past
     Sq are TMA zero fill).  seq_col / vec_col / dl_col: the first column of the seq operands / lse / δ (0 dense;
     jagged: the sequence's first seq column and its first column of the padded lse and δ (twice: lse and δ share it),
     whose columns past the sequence's end are zero)."""
@@ -413,20 +457,20 @@ def _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_sme
 def _producer(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem, do_smem, qs_smem,
               dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
               k_row, k_col, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m, n_steps,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr):
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr):
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [k_row, k_col], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [k_row, k_col], kv_bar, v_smem)
     _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_smem, do_smem, qs_smem, dos_smem,
                     lse_smem, dl_smem, ready, empty, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m,
-                    n_steps, HEAD_DIM, STAGES, VARLEN)
+                    n_steps, HEAD_DIM, STAGES, VARLEN, BLOCK_M)
 
 
 @gluon.jit
 def _producer_split(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem, do_smem,
                     qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
                     k_row, k_col, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m, n_steps,
-                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr):
+                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr):
     """The split kernel's producer: a 64-key K and V tile per consumer warpgroup, then the same query steps."""
     mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for w in gl.static_range(2):
@@ -434,7 +478,7 @@ def _producer_split(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_des
         tma.async_copy_global_to_shared(v_desc, [k_row + w * BLOCK_N_WG, k_col], kv_bar, v_smem.index(w))
     _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_smem, do_smem, qs_smem, dos_smem,
                     lse_smem, dl_smem, ready, empty, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m,
-                    n_steps, HEAD_DIM, STAGES, VARLEN)
+                    n_steps, HEAD_DIM, STAGES, VARLEN, BLOCK_M)
 
 
 # ------------------------------------------------------------------------------------------------- consumer
@@ -445,7 +489,8 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
               KE, VE, key_lim, diag, Sq, h0, h_last, lo, mid, n_m, n_steps, qk_scale, grad_scale,
               qe_row, de_row, seq_h, key_row,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
-              WARPS: gl.constexpr, DEFER_DK: gl.constexpr, DS_KEY_EXP: gl.constexpr, VARLEN: gl.constexpr):
+              WARPS: gl.constexpr, DEFER_DK: gl.constexpr, DS_KEY_EXP: gl.constexpr, VARLEN: gl.constexpr,
+              BLOCK_M: gl.constexpr):
     """Keys n0 .. n0 + ROWS − 1 of one (b, hk), ROWS = 128 on 8 warps (the whole CTA's keys) or 64 on one warpgroup
     (split: keys n0 + 64·w ..); k_tile / v_tile their K and V_hdim tiles.  Pointers already moved to b (QE, DOE,
     QSE, DOSE) and to (b, hk, first key) (DK, DV); lse and δ of each query tile come through the ring
@@ -504,8 +549,9 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
     dsc = s_zero
     dk_hh = -1
     dk_sh = 0
-    ke = gl.load(KE)
-    ve = gl.load(VE)
+    if BLOCK_M == 64:  # (BLOCK_M = 128: loaded where used, see below)
+        ke = gl.load(KE)
+        ve = gl.load(VE)
     mbarrier.wait(kv_bar, 0)
     for j in range(n_steps):
         st = j % STAGES
@@ -537,14 +583,26 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
                     dk, dv = _head_rescale(dk, dv, QSE, DOSE, stride_qseh, stride_qsed, h_sh + hh,
                                            o_layout, HEAD_DIM)
         # query-side scalars of this tile (before the wait: their latency hides under it)
-        offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_s)
-        row_ok = offs_m < Sq
-        qe = gl.load(QE + hh * stride_qeh + (qe_0 + m0 // BLOCK_M) * stride_qeg)
-        doe = gl.load(DOE + hh * stride_deh + (de_0 + m0 // BLOCK_M) * stride_deg)
-        a = qk_scale * _pow2(qe + ke)
+        if BLOCK_M == 64:
+            offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_s)
+            row_ok = offs_m < Sq
+            qe = gl.load(QE + hh * stride_qeh + (qe_0 + m0 // BLOCK_M) * stride_qeg)
+            doe = gl.load(DOE + hh * stride_deh + (de_0 + m0 // BLOCK_M) * stride_deg)
+            a = qk_scale * _pow2(qe + ke)
+        else:
+            # the 128-query step, where Sᵀ and dPᵀ take 64 registers each and the split build sits at its 240:
+            # the same values, placed where the registers are (each change below took in-loop LDL / STL away,
+            # triton 3.6, sm_90a; session 9): ke loaded here every step (an L1 hit under the ready wait; held
+            # across the loop, it was the value ptxas spilled and reloaded every step), doe / ve / lse after Sᵀ's
+            # wait, δ after dPᵀ's, and no query-row mask: the launcher pads lse's rows to a multiple of 128 with
+            # −inf (``_lse_rows``), so the rows past Sq read lse = −inf (P = 0) where the mask put it (the 32
+            # per-thread column compares of a 128-query tile cost ~120 instructions a step)
+            qe = gl.load(QE + hh * stride_qeh + (qe_0 + m0 // BLOCK_M) * stride_qeg)
+            a = qk_scale * _pow2(qe + gl.load(KE))
 
         mbarrier.wait(ready.index(st), ph)  # Q, dO, Q_seq, dO_seq, lse, δ of tile j
-        b_row = _lse_row(lse_smem, st, row_ok, col_s)
+        if BLOCK_M == 64:
+            b_row = _lse_row(lse_smem, st, row_ok, col_s, BLOCK_M)
         s = warpgroup_mma(k_tile, q_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp = warpgroup_mma(v_tile, do_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         if DEFER_DK:
@@ -555,12 +613,20 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
             s = warpgroup_mma_wait(num_outstanding=2, deps=(s,))  # Sᵀ_j; dPᵀ_j and dK_{j-1} run on
         else:
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # Sᵀ_j; dPᵀ_j runs on
-        p = _p_step(s, a, b_row, m0, key_lim, diag, m0 < mid, CAUSAL, ROWS)
-        delta = dl_smem.index(st).reshape([BLOCK_M]).load(col_s)  # 0.0 past Sq (TMA zero fill), as before
+        if BLOCK_M > 64:  # (see the top of the step)
+            lse = lse_smem.index(st).reshape([BLOCK_M]).load(col_s)  # −inf past Sq (padded rows)
+            b_row = gl.where(lse == float("-inf"), float("-inf"), 8.0 - lse * 1.4426950408889634)
+            doe = gl.load(DOE + hh * stride_deh + (de_0 + m0 // BLOCK_M) * stride_deg)
+            ve = gl.load(VE)
+        p = _p_step(s, a, b_row, m0, key_lim, diag, m0 < mid, CAUSAL, ROWS, BLOCK_M)
+        if BLOCK_M == 64:
+            delta = dl_smem.index(st).reshape([BLOCK_M]).load(col_s)  # 0.0 past Sq (TMA zero fill), as before
         if DEFER_DK:
             dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))  # dPᵀ_j; dK_{j-1} runs on
         else:
             dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))  # dPᵀ_j
+        if BLOCK_M > 64:
+            delta = dl_smem.index(st).reshape([BLOCK_M]).load(col_s)  # 0.0 past Sq (TMA zero fill)
         ds = p * gl.fma(dp, _pow2(doe + ve), -gl.expand_dims(delta, 0))  # 256 * dSᵀ
         # Pᵀ to e4m3 only now (after dSᵀ took its fp32 value): Pᵀ, dPᵀ and the e4m3 Pᵀ are never live together
         p8 = gl.convert_layout(p.to(gl.float8e4nv), a_layout)
@@ -654,6 +720,7 @@ def _attn_bwd_dkdv_ws_kernel(
     Hq, Hkv, Sq, Sk, group_size, qk_scale, grad_scale,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr, DEFER_DK: gl.constexpr, DS_KEY_EXP: gl.constexpr,
+    BLOCK_M: gl.constexpr,  # queries per step (GluonDkdvConfig.block_m): 64, or 128 at D = 64 (dense only)
     SLOTS=None,  # jagged: the (rows, SLOT_COLS) int32 tile table of kernels/bwd_varlen_tiles.py (None: dense)
     VARLEN: gl.constexpr = False,
 ):
@@ -668,6 +735,8 @@ def _attn_bwd_dkdv_ws_kernel(
     Sk; the Q / dO boxes of the last query tile hold the next sequence's rows past Sq: lse = −inf there (the
     consumer's row_ok), so P = 0, and δ = 0, Q_seq = dO_seq = 0 in the padding."""
     if VARLEN:
+        # the tile table and the per-64-row exponent rows (qe_row, de_row below) are 64-query steps
+        gl.static_assert(BLOCK_M == 64, "the jagged dK/dV kernel steps over 64 queries (GluonDkdvConfig.block_m)")
         # key tiles heaviest first across the batch
         b, n0, q_start, Sq, k_start, Sk, qg_start, kg_start, seq_col, dog_start, dl_col = _tile_row(SLOTS)
         if n0 >= Sk:  # rows past the real tiles are zero: 0 >= 0
@@ -761,18 +830,18 @@ def _attn_bwd_dkdv_ws_kernel(
                          stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0,
                          h0 + group_size - 1, lo, mid, n_m, n_steps, qk_scale, grad_scale,
                          qe_row, de_row, seq_h, key_row, HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK, DS_KEY_EXP,
-                         VARLEN)),
+                         VARLEN, BLOCK_M)),
             (_consumer, (q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem.index(1), v_smem.index(1),
                          kv_bar, ready, empty, QE_b, DOE_b, QSE_b, DOSE_b, DK_t + wg_off, DV_t + wg_off,
                          stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
                          stride_dkd, KE_t, VE_t, Sk - n0 - BLOCK_N_WG,
                          causal_off - n0 - BLOCK_N_WG, Sq, h0, h0 + group_size - 1, lo, mid, n_m, n_steps,
                          qk_scale, grad_scale, qe_row, de_row, seq_h, key_row,
-                         HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK, DS_KEY_EXP, VARLEN)),
+                         HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK, DS_KEY_EXP, VARLEN, BLOCK_M)),
             (_producer_split, (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem,
                                do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
                                k_row, hk * HEAD_DIM, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo,
-                               n_m, n_steps, HEAD_DIM, STAGES, VARLEN)),
+                               n_m, n_steps, HEAD_DIM, STAGES, VARLEN, BLOCK_M)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -782,11 +851,11 @@ def _attn_bwd_dkdv_ws_kernel(
                          stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0,
                          h0 + group_size - 1, lo, mid, n_m, n_steps, qk_scale, grad_scale,
                          qe_row, de_row, seq_h, key_row, HEAD_DIM, STAGES, CAUSAL, 128, 8, DEFER_DK, DS_KEY_EXP,
-                         VARLEN)),
+                         VARLEN, BLOCK_M)),
             (_producer, (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem, do_smem,
                          qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
                          k_row, hk * HEAD_DIM, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m,
-                         n_steps, HEAD_DIM, STAGES, VARLEN)),
+                         n_steps, HEAD_DIM, STAGES, VARLEN, BLOCK_M)),
         ], [1], [PRODUCER_REGS])
 
 
@@ -798,6 +867,16 @@ _attn_bwd_dkdv_ws_kernel_sq1 = gluon.jit(do_not_specialize=["Sq"])(_attn_bwd_dkd
 
 
 # ------------------------------------------------------------------------------------------------- launcher
+def _check_row_groups(q, dout_hdim, block_m: int) -> None:
+    """q's and dout_hdim's rows per exponent: a multiple of the query step (one scalar exponent per step)."""
+    rows = max(ROW_GROUP, block_m)
+    for name, t in (("q", q), ("dout_hdim", dout_hdim)):
+        g = _row_group(t, name)
+        if g % rows:
+            raise ValueError(f"{name}: {g} rows per exponent; the Gluon dK/dV kernel needs a multiple of {rows} "
+                             f"(row_scaled_triton(x, 'k', k_group=128)); use attn_bwd's tl kernel otherwise")
+
+
 def _check(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, grad_dtype):
     ops = (("q", q), ("k", k), ("v_hdim", v_hdim), ("q_seq", q_seq), ("dout_hdim", dout_hdim),
            ("dout_seq", dout_seq))
@@ -817,11 +896,7 @@ def _check(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, grad_dtype):
             raise ValueError(f"{name}: data {tuple(t.data.shape)}, expected {want}")
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
-    for name, t in (("q", q), ("dout_hdim", dout_hdim)):
-        g = _row_group(t, name)
-        if g % ROW_GROUP:
-            raise ValueError(f"{name}: {g} rows per exponent; the Gluon dK/dV kernel needs a multiple of {ROW_GROUP} "
-                             f"(row_scaled_triton(x, 'k', k_group=128)); use attn_bwd's tl kernel otherwise")
+    _check_row_groups(q, dout_hdim, ROW_GROUP)
     for name, t in (("k", k), ("v_hdim", v_hdim)):
         if _row_group(t, name) != KV_EXP_GROUP:
             raise ValueError(f"{name}: needs one exponent per {KV_EXP_GROUP} keys (the K layout), got group "
@@ -848,27 +923,28 @@ def _check(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, grad_dtype):
         raise ValueError(f"all operands must be on one device, got {sorted(map(str, devs))}")
 
 
-def _tile_exps(t: RowScaledFP8, Sq: int) -> torch.Tensor:
-    """Contiguous (B, n, H, 1) int32 exponents, one per 64-row query tile (row m0 // 64), of an operand grouped by a
-    multiple of 64; n >= ceil(Sq / 64) (the last group's tiles past Sq are never read).  One copy kernel (an
+def _tile_exps(t: RowScaledFP8, Sq: int, block_m: int = BLOCK_M_DEFAULT) -> torch.Tensor:
+    """Contiguous (B, n, H, 1) int32 exponents, one per block_m-row query tile (row m0 // block_m), of an operand
+    grouped by a multiple of block_m; n >= ceil(Sq / block_m) (the last group's tiles past Sq are never read).  With
+    block_m = 128 and the usual 128-row groups that is the operand's own exponents, one per step.  One copy kernel (an
     expanded view made contiguous), or none when the groups are the tiles: the host launches as few ATen kernels
     as it can (``repeat_interleave`` + slice + copy took three)."""
     e = t.exp
-    r = t.group // BLOCK_M.value
+    r = t.group // block_m
     if r == 1:
         return e.contiguous()
     B, G, H, one = e.shape
     return e.unsqueeze(2).expand(B, G, r, H, one).reshape(B, G * r, H, one)
 
 
-def _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq, split: bool = False):
+def _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq, split: bool = False, bm: int = BLOCK_M_DEFAULT):
     B, Sq, Hq, D = q.data.shape
     Sk, Hkv = k.data.shape[1], k.data.shape[2]
     qd = _hdim_view(q.data, "q")
     dd = _hdim_view(dout_hdim.data, "dout_hdim")
     kd = _hdim_view(k.data, "k")
     vd = _hdim_view(v_hdim.data, "v_hdim")
-    bm, bn = BLOCK_M.value, (BLOCK_N_WG if split else BLOCK_N).value
+    bn = (BLOCK_N_WG if split else BLOCK_N).value
     row_layout = nvmma_fp8_layout(bm, D)
     key_layout = nvmma_fp8_layout(bn, D)
     seq_layout = nvmma_fp8_layout(D, bm)
@@ -887,7 +963,8 @@ VEC_PITCH = 4  # fp32 elements per 16 bytes: a TMA row stride is a multiple of t
 
 @functools.lru_cache(maxsize=None)
 def _vector_layout():
-    """The shared layout of a [1, 64] fp32 lse / δ box: unswizzled (one 256-byte row, read back as a vector)."""
+    """The shared layout of a [1, block_m] fp32 lse / δ box: unswizzled (one 256- or 512-byte row, read back as a
+    vector)."""
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
@@ -944,15 +1021,31 @@ def padded_lse(lse: torch.Tensor, cu_seqlens: torch.Tensor, cu_cols: torch.Tenso
     return out
 
 
-def _vector_descriptors(lse: torch.Tensor, delta: torch.Tensor):
-    """TMA descriptors of lse and δ, (B, Hq, Sq) fp32, as (B*Hq, Sq) with [1, 64] boxes: the producer loads row
-    b*Hq + h, columns m0 .. m0+63 per query step; columns past Sq read as 0.0 (TMA zero fill)."""
-    descs = []
-    for t in (lse, delta):
-        B, H, S = t.shape
-        base, pitch = _vector_rows(t)
-        descs.append(TensorDescriptor(base, [B * H, S], [pitch, 1], [1, BLOCK_M.value], _vector_layout()))
-    return tuple(descs)
+def _lse_rows(lse: torch.Tensor, bm: int) -> tuple[torch.Tensor, int, int]:
+    """(tensor, pitch, columns) of the lse rows the producer reads: ``_vector_rows(lse)`` and its Sq columns, or,
+    for 128-query steps with Sq % 128 != 0, a copy whose rows are padded with −inf to a multiple of 128 columns,
+    all of them in the descriptor: the last step's box then reads lse = −inf past Sq (P = 0 there) instead of TMA's
+    zero fill, and the consumer needs no query-row mask.  The copy is B*Hq*Sq*4 bytes (~1 MB at B2 H16 S8k, a few
+    microseconds) and happens only for lengths that are not a multiple of 128."""
+    B, H, S = lse.shape
+    if bm == BLOCK_M_DEFAULT or S % bm == 0:
+        base, pitch = _vector_rows(lse)
+        return base, pitch, S
+    cols = cdiv(S, bm) * bm
+    rows = torch.full((B, H, cols), float("-inf"), dtype=lse.dtype, device=lse.device)
+    rows[:, :, :S].copy_(lse)
+    return rows, cols, cols
+
+
+def _vector_descriptors(lse: torch.Tensor, delta: torch.Tensor, bm: int = BLOCK_M_DEFAULT):
+    """TMA descriptors of lse and δ, (B, Hq, Sq) fp32, as (B*Hq, Sq) with [1, bm] boxes: the producer loads row
+    b*Hq + h, columns m0 .. m0+bm-1 per query step; columns past Sq read as 0.0 (TMA zero fill), except lse's with
+    bm = 128, which read −inf (``_lse_rows``)."""
+    B, H, S = delta.shape
+    lse_base, lse_pitch, lse_cols = _lse_rows(lse, bm)
+    dl_base, dl_pitch = _vector_rows(delta)
+    return (TensorDescriptor(lse_base, [B * H, lse_cols], [lse_pitch, 1], [1, bm], _vector_layout()),
+            TensorDescriptor(dl_base, [B * H, S], [dl_pitch, 1], [1, bm], _vector_layout()))
 
 
 # Launch plans per call signature (the operands' dtypes, shapes, strides and alignment, the options, the current
@@ -998,14 +1091,14 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
                       config, dk_out, dv_out)
     plan = _PLANS.get(key)
     if plan is not None:  # a signature seen before: checked then; rebuild the descriptors on today's tensors
-        bound, templates, scalars = plan
+        bound, templates, scalars, bm = plan
         B, Sq, Hq, D = q.data.shape
         Sk, Hkv = k.data.shape[1], k.data.shape[2]
         dk, dv = grad_outputs(dk_out, dv_out, (B, Sk, Hkv, D), grad_dtype, q.data.device)
         bases = (_hdim_view(q.data, "q"), _hdim_view(dout_hdim.data, "dout_hdim"), q_seq.data, dout_seq.data,
-                 _vector_rows(lse)[0], _vector_rows(delta)[0], _hdim_view(k.data, "k"),
+                 _lse_rows(lse, bm)[0], _vector_rows(delta)[0], _hdim_view(k.data, "k"),
                  _hdim_view(v_hdim.data, "v_hdim"))
-        bound(*(rebased(t, b) for t, b in zip(templates, bases)), _tile_exps(q, Sq), _tile_exps(dout_hdim, Sq),
+        bound(*(rebased(t, b) for t, b in zip(templates, bases)), _tile_exps(q, Sq, bm), _tile_exps(dout_hdim, Sq, bm),
                k.exp.contiguous(), v_hdim.exp.contiguous(), q_seq.exp.contiguous(), dout_seq.exp.contiguous(), dk, dv,
                *scalars)
         return dk, dv
@@ -1015,18 +1108,23 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
     cfg = config or default_config(D, causal)
     if cfg.stages < 1:
         raise ValueError(f"stages must be >= 1, got {cfg.stages}")
+    cfg.check_launch(D)
+    bm = cfg.block_m
+    if bm != ROW_GROUP:
+        _check_row_groups(q, dout_hdim, bm)
     softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
     dev = q.data.device
     dk, dv = grad_outputs(dk_out, dv_out, (B, Sk, Hkv, D), grad_dtype, dev)
     if Sq == 0 or B * Hkv == 0 or Sk == 0:
         return dk.zero_(), dv.zero_()
     q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc = _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq,
-                                                                     cfg.split)
-    lse_desc, dl_desc = _vector_descriptors(lse, delta)
+                                                                     cfg.split, bm)
+    lse_desc, dl_desc = _vector_descriptors(lse, delta, bm)
     # contiguous exponents: the unit strides the compiled variant is specialized for (UNIT_STRIDES)
-    # q's and dout_hdim's exponents expanded to one per 64-row query tile (their groups are multiples of 64): the
-    # kernel indexes them by m0 // 64, with no per-operand group argument (fewer live scalars in the consumer)
-    qe, de = (_tile_exps(t, Sq) for t in (q, dout_hdim))
+    # q's and dout_hdim's exponents expanded to one per query step of bm rows (their groups are multiples of bm):
+    # the kernel indexes them by m0 // BLOCK_M, with no per-operand group argument (fewer live scalars in the
+    # consumer); with bm = 128 and 128-row groups they are the operands' own
+    qe, de = (_tile_exps(t, Sq, bm) for t in (q, dout_hdim))
     ke, ve = (t.exp.contiguous() for t in (k, v_hdim))
     qse, dse = q_seq.exp.contiguous(), dout_seq.exp.contiguous()
     # the kernel takes one set of strides for q_seq's / dout_seq's exponents and for dk / dv
@@ -1040,14 +1138,14 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
                Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2)
     constexprs = dict(HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
                       SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=cfg.defers_dk, DS_KEY_EXP=cfg.key_exp,
-                      num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
+                      BLOCK_M=bm, num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
     args = (*descs, qe, de, ke, ve, qse, dse, dk, dv, *scalars)
     if key is None:
         fast_launcher(kernel)[grid](*args, **constexprs)
         return dk, dv
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
-    _PLANS[key] = (BoundLaunch(fast_launcher(kernel), grid, args, constexprs), descs, scalars)
+    _PLANS[key] = (BoundLaunch(fast_launcher(kernel), grid, args, constexprs), descs, scalars, bm)
     return dk, dv
 
 
@@ -1074,6 +1172,8 @@ def attn_bwd_dkdv_gluon_varlen(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse: to
     from mxattn.kernels.attn_bwd_dq_gluon import _packed_view, check_varlen_operands
     from mxattn.kernels.bwd_varlen_tiles import bwd_tile_slots, tile_rows_bound
 
+    if config is not None:  # before the operands: a 128-query step is refused whatever they are
+        config.check_launch(None, varlen=True)
     Tq, Hq, _ = q.data.shape
     Tk, Hkv, _ = k.data.shape
     B, D = check_varlen_operands(dict(q=q, k=k, v_hdim=v_hdim, dout_hdim=dout_hdim),
@@ -1092,9 +1192,11 @@ def attn_bwd_dkdv_gluon_varlen(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse: to
         raise ValueError(f"delta must be the padded float32 {(Hq, Tv)} (attn_bwd_preprocess_varlen(delta_padded="
                          f"True)), got {getattr(delta, 'dtype', type(delta).__name__)} "
                          f"{tuple(getattr(delta, 'shape', ()))}")
-    cfg = config or default_config(D, causal)
+    # 64-query steps whatever the dense default becomes (the jagged tile table and exponent rows are per 64 rows)
+    cfg = config or replace(default_config(D, causal), block_m=BLOCK_M_DEFAULT)
     if cfg.stages < 1:
         raise ValueError(f"stages must be >= 1, got {cfg.stages}")
+    cfg.check_launch(D, varlen=True)
     softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
     dev = q.data.device
     if Tq == 0 or Tk == 0 or B * Hkv == 0:  # no query anywhere: no key is seen
@@ -1104,7 +1206,7 @@ def attn_bwd_dkdv_gluon_varlen(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse: to
     dv = torch.empty(Tk, Hkv, D, dtype=grad_dtype, device=dev)
     slots = bwd_tile_slots(q.cu_seqlens, k.cu_seqlens, q.cu_exp, k.cu_exp, q_seq.cu_data, dout_hdim.cu_exp,
                            dout_seq.cu_data, k.max_seqlen, key_tiles=True, causal=causal)
-    bm, bn = BLOCK_M.value, (BLOCK_N_WG if cfg.split else BLOCK_N).value
+    bm, bn = cfg.block_m, (BLOCK_N_WG if cfg.split else BLOCK_N).value
     row_layout, key_layout, seq_layout = nvmma_fp8_layout(bm, D), nvmma_fp8_layout(bn, D), nvmma_fp8_layout(D, bm)
     qd, dd = _packed_view(q.data, "q"), _packed_view(dout_hdim.data, "dout_hdim")
     kd, vd = _packed_view(k.data, "k"), _packed_view(v_hdim.data, "v_hdim")
@@ -1131,7 +1233,7 @@ def attn_bwd_dkdv_gluon_varlen(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse: to
         Hq, Hkv, 0, 0, Hq // Hkv, softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
         HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
         SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=cfg.defers_dk, DS_KEY_EXP=cfg.key_exp,
-        SLOTS=slots, VARLEN=True,
+        BLOCK_M=bm, SLOTS=slots, VARLEN=True,
         num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg,
     )
     return dk, dv
