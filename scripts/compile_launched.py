@@ -51,10 +51,11 @@ ints and pointers marked divisible by 16, plain ints, pointers not 16-byte align
 (launch budget and highest register in the SASS), stack, spill bytes (``ptxas -v``), local memory, shared memory;
 SASS instruction count and the global / shared / local memory, barrier and shuffle instructions by opcode and width;
 for kernels with a wgmma consumer loop, each loop's instructions and its common step's path
-(``compile_check_gluon.steady_loops`` / ``step_path``).  ``--compare-checked`` (``dkdv``, ``dq``, ``quant-forward``)
-builds the hand-made variant of ``compile_check_bwd_*_gluon.compile_variant`` (``compile_check_quantize
-.operands_variant`` for ``quant-forward``) too and prints both side by side, with the arguments whose
-specialization differs.  ``--all`` reports every captured launch of the case (quantize and δ launches included).
+(``compile_check_gluon.steady_loops`` / ``step_path``).  ``--compare-checked`` (``dkdv``, ``dq``, ``fwd-gluon``,
+``quant-forward``) builds the hand-made variant too (``compile_variant`` of ``compile_check_bwd_dkdv_gluon``,
+``compile_check_bwd_dq_gluon``, ``compile_check_gluon``; ``compile_check_quantize.operands_variant`` with the
+``--ints`` that script takes for the shape: ``all`` when S % 16 == 0, else ``lengths``) and prints both side by
+side, with the arguments whose specialization differs.  ``--all`` reports every captured launch of the case (quantize and δ launches included).
 ``--dump DIR`` writes each build's TTGIR, PTX and SASS.  ``--json PATH`` writes the launches and their
 specializations as JSON (for tests).
 """
@@ -152,7 +153,6 @@ def capture():
         if warmup:
             raise RuntimeError(f"compile_launched: unexpected warmup of {self.fn.__name__} during the capture")
         launches.append(Launch(self, grid if callable(grid) else tuple(grid), args, dict(kwargs)))
-        return None
 
     with _patched([(JITFunction, "run", record)]), launch_mod.triton_dispatch(), as_on_h200():
         yield launches
@@ -325,9 +325,10 @@ def _short_desc(ty: str) -> str:
     return f"{mm.group(1)}{mm.group(2)}" + (f" swizzle {sw.group(1)}" if sw else "") if mm else ty
 
 
-def spec_diff(fn, a: Spec, b: Spec) -> list[str]:
-    """Parameters specialized differently in ``a`` and ``b`` (type, constant, divisibility)."""
-    def one(spec, i, name):
+def spec_diff(fn, a: Spec, b: Spec) -> dict:
+    """Parameters specialized differently in ``a`` and ``b``: "(state in a) | (state in b)" -> names, a state being
+    the type with " div16" for divisibility, or "constexpr VALUE"."""
+    def state(spec, i, name):
         ty = spec.signature.get(name)
         if ty == "constexpr":
             v = spec.constants.get((i,))
@@ -335,11 +336,11 @@ def spec_diff(fn, a: Spec, b: Spec) -> list[str]:
         div = any(list(x) == ["tt.divisibility", 16] for x in spec.attrs.get((i,), []))
         return f"{ty}{' div16' if div else ''}"
 
-    out = []
+    out = collections.OrderedDict()
     for i, p in enumerate(fn.params):
-        x, y = one(a, i, p.name), one(b, i, p.name)
+        x, y = state(a, i, p.name), state(b, i, p.name)
         if x != y:
-            out.append(f"{p.name}: {x} | {y}")
+            out.setdefault(f"{x} | {y}", []).append(p.name)
     return out
 
 
@@ -370,6 +371,7 @@ def metrics(k) -> dict:
     for j, lp in enumerate(steady_loops(sass)):
         st = step_path(sass, lp)
         m[f"loop {j} instructions (both paths)"] = lp["instrs"]
+        m[f"loop {j} LDL + STL (both paths)"] = lp["counts"]["LDL"] + lp["counts"]["STL"]
         m[f"loop {j} common step: instructions"] = st["instrs"]
         for key in ("LDG", "LDS", "STS", "SHFL", "BAR.SYNC", "DEPBAR"):
             m[f"loop {j} common step: {key}"] = st[key]
@@ -393,14 +395,20 @@ def _print_spec(fn, spec: Spec, indent: str = "   ") -> None:
 
 
 def _print_metrics_side(columns: dict) -> None:
-    """Print metrics dicts side by side: ``columns`` label -> metrics."""
+    """Print metrics dicts side by side (``columns``: label -> ``metrics``), the memory / barrier / shuffle opcodes
+    of all columns together in one order."""
     keys = []
     for m in columns.values():
         keys += [key for key in m if key != "_asm" and key not in keys]
+    ops = sorted((key for key in keys if key.split(".")[0] in MEM_OPS),
+                 key=lambda o: (MEM_OPS.index(o.split(".")[0]), o))
+    rest = [key for key in keys if key not in ops]
+    at = rest.index("SASS instructions") + 1
+    keys = rest[:at] + ops + rest[at:]
     w = max(len(key) for key in keys)
     print("   " + " " * w + "".join(f"  {label:>14}" for label in columns))
     for key in keys:
-        print("   " + key.ljust(w) + "".join(f"  {str(m.get(key, '-')):>14}" for m in columns.values()))
+        print("   " + key.ljust(w) + "".join(f"  {m.get(key, '-')!s:>14}" for m in columns.values()))
 
 
 def _dump(dump: str | None, stem: str, m: dict) -> None:
@@ -427,6 +435,10 @@ def checked_build(case: str, lc: Launch, shape):
         import compile_check_bwd_dq_gluon as cc
 
         return cc.compile_variant(D, c["CAUSAL"], c["STAGES"], split=c["SPLIT"])
+    if case == "fwd-gluon":
+        import compile_check_gluon as cc
+
+        return cc.compile_variant(D, c["CAUSAL"], c["PINGPONG"], c["BLOCK_N"], c["STAGES"], k_perm=c["K_PERM"])
     if case == "quant-forward":
         import compile_check_quantize as cc
 
@@ -435,7 +447,9 @@ def checked_build(case: str, lc: Launch, shape):
                   (True, False, True, True): "first_keep", (True, True, False, False): "second_keep"}.get(jobs)
         if launch is None:
             return None
-        cc.INTS = "none"  # the hand-made build before session 9: every int a plain i32
+        # the specialization compile_check_quantize takes for this shape: every int divisible by 16 at a
+        # power-of-two-like S, the lengths and tile counts not at another S (its --ints all / lengths)
+        cc.INTS = "all" if shape[1] % 16 == 0 else "lengths"
         return cc.operands_variant(D, launch)
     return None
 
@@ -522,8 +536,11 @@ def main(argv=None) -> int:
                 same = ck.src.hash() == k.src.hash()
                 print(f"   hand-made build: {'the same build' if same else 'a different build'}; "
                       "arguments specialized differently (launched | checked):")
-                for line in spec_diff(lc.kernel, spec, Spec.of(ck)) or ["none"]:
-                    print(f"     {line}")
+                diff = spec_diff(lc.kernel, spec, Spec.of(ck))
+                for states, names in diff.items():
+                    print(f"     {states}: {', '.join(names)}")
+                if not diff:
+                    print("     none")
         _print_metrics_side(cols)
     if args.json:
         with open(args.json, "w") as f:
