@@ -1,7 +1,7 @@
 """Compile, for sm_90a on a machine without a GPU, exactly the builds the Python launchers would launch.
 
     python scripts/compile_launched.py CASE [--shape B,S,H,Hkv,D] [--causal] [--split | --no-split] [--dump DIR]
-        [--compare-checked] [--all] [--no-compile] [--json PATH]
+        [--compare-checked] [--check] [--all] [--no-compile] [--json PATH]
 
 CASE: ``dkdv`` (the Gluon dK/dV kernel), ``dq`` (the Gluon dQ kernel), ``fwd-gluon``, ``fwd-tl``, ``quant-forward``
 (``forward_operands_triton``'s launches, without and with ``keep_kv``).  Default shape B2 S8192 H16 Hkv16 d128.
@@ -56,6 +56,8 @@ for kernels with a wgmma consumer loop, each loop's instructions and its common 
 ``compile_check_bwd_dq_gluon``, ``compile_check_gluon``; ``compile_check_quantize.operands_variant`` with the
 ``--ints`` that script takes for the shape: ``all`` when S % 16 == 0, else ``lengths``) and prints both side by
 side, with the arguments whose specialization differs.  ``--all`` reports every captured launch of the case (quantize and δ launches included).
+``--check`` applies the pass / fail rules of the hand-made check script (``compile_check_bwd_dkdv_gluon.check``,
+``compile_check_gluon.check``, ``partition_report``) to the launched build; exit status 1 when one fails.
 ``--dump DIR`` writes each build's TTGIR, PTX and SASS.  ``--json PATH`` writes the launches and their
 specializations as JSON (for tests).
 """
@@ -454,6 +456,27 @@ def checked_build(case: str, lc: Launch, shape):
     return None
 
 
+def check_launched(case: str, lc: Launch, k, name: str, dump: str | None) -> bool | None:
+    """The pass / fail rules of the hand-made check script on the launched build ``k`` (its report printed);
+    None where the case has no such rules."""
+    c = _constexprs(lc)
+    if case == "dkdv":
+        import compile_check_bwd_dkdv_gluon as cc
+        from compile_check_bwd_dq_gluon import partition_report
+
+        return (cc.check(k, name, dump, split=c["SPLIT"], key_exp=c["DS_KEY_EXP"])
+                & partition_report(k, 128 if c["SPLIT"] else 256))
+    if case == "dq":
+        from compile_check_bwd_dq_gluon import check, partition_report
+
+        return check(k, name, dump) & partition_report(k, 128 if c["SPLIT"] else 256)
+    if case == "fwd-gluon":
+        from compile_check_gluon import check
+
+        return check(k, name, dump)
+    return None
+
+
 # ------------------------------------------------------------------------------------------------- main
 def _describe_arg(v):
     if isinstance(v, torch.Tensor):
@@ -491,6 +514,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dump", help="write TTGIR / PTX / SASS of each build here")
     ap.add_argument("--compare-checked", action="store_true",
                     help="also build the hand-made variant of compile_check_* and print both")
+    ap.add_argument("--check", action="store_true",
+                    help="apply the hand-made check script's pass / fail rules to the launched build (exit status 1 "
+                         "when one fails; dkdv, dq, fwd-gluon)")
     ap.add_argument("--all", action="store_true", help="every captured launch of the case, not only its kernel")
     ap.add_argument("--no-compile", action="store_true", help="capture and specialize only")
     ap.add_argument("--json", help="write the launches (and specializations) as JSON here")
@@ -509,6 +535,7 @@ def main(argv=None) -> int:
         print(f"no launch of {CASE_KERNELS[args.case]} (the host path took another kernel)")
         return 1
     records = []
+    failed = False
     for n, lc in enumerate(chosen):
         stem = f"{args.case}-{n}-{lc.name}"
         print(f"\n== {lc.name} [{lc.tag}] grid {lc.grid}; options {_options(lc)}")
@@ -542,11 +569,14 @@ def main(argv=None) -> int:
                 if not diff:
                     print("     none")
         _print_metrics_side(cols)
+        if args.check:
+            ok = check_launched(args.case, lc, k, f"{stem}-launched (rules of the hand-made check)", None)
+            failed |= ok is False
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"case": args.case, "shape": list(args.shape), "causal": args.causal, "launches": records},
                       f, indent=1, default=str)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
