@@ -6,7 +6,7 @@
 CASE: ``dkdv`` (the Gluon dK/dV kernel), ``dq`` (the Gluon dQ kernel), ``fwd-gluon``, ``fwd-tl``, ``quant-forward``
 (``forward_operands_triton``'s launches, without and with ``keep_kv``).  Default shape B2 S8192 H16 Hkv16 d128.
 Needs triton 3.6 for the builds (its Gluon and its bundled ptxas 12.8, the GPU machine's versions); the capture
-(``--no-compile``) also runs with other versions.
+and ``--no-compile`` also run with other versions (the ``tl`` cases; the specialization is then that version's).
 
 Why: the ``compile_check_*.py`` scripts write signatures by hand, every int argument a plain ``i32``.  Triton's JIT
 specializes at launch: an int equal to 1 becomes a constant, an int divisible by 16 and a pointer whose address
@@ -40,11 +40,18 @@ How:
    before a compile; returning True skips it).  So nothing of the JIT's rules is re-implemented here, and any
    argument kind is specialized exactly as the JIT does.
 
-What may still differ from the GPU machine: environment knobs that change a build (``TRITON_*``,
-``MXATTN_*``: the same variables are read here, so set them as there), and the operands' provenance: the cases
-make them the way the training path does (``forward_operands_triton(keep_kv=True)`` for K/V, Q and dO through
-``row_scaled_triton_both_pair``); a caller with other layouts (an inference call at S 8k makes Q, K, V in the
-single passes, the same layouts) launches other builds.
+What may still differ from the GPU machine (the specialization itself cannot: it is Triton's):
+- environment knobs that change a build (``TRITON_*``, ``MXATTN_*``): the same variables are read here, so set
+  them as there.  ``MXATTN_BWD_KERNEL=gluon`` is refused (``attn_bwd_hopper`` then tests the device type); the
+  default ("auto") takes the Gluon kernels here as on the H200.
+- the operands' provenance: the cases make them as the training path does (``forward_operands_triton(keep_kv=
+  True)`` for K / V, Q and dO through ``row_scaled_triton_both_pair``); a caller whose operands have other
+  strides, dtypes or alignment launches other builds.  ``dkdv`` / ``dq`` copy ``_bwd_impl``'s few lines (a change
+  there must be made here too); the inference forward's single passes make the same layouts.
+- a device decision of the host code that ``as_on_h200`` does not answer would be taken for a CPU tensor (those
+  known: ``_soft``, ``_check_device``, ``backward_kernel``; the plan caches' ``is_cuda`` keys do not change a
+  build).
+- what Triton checks only when it loads the cubin on a device (shared memory, threads) is not checked here.
 
 Output per selected launch: the kernel, grid and options; the specialization (ints that became the constant 1,
 ints and pointers marked divisible by 16, plain ints, pointers not 16-byte aligned, descriptors); registers
@@ -55,7 +62,8 @@ for kernels with a wgmma consumer loop, each loop's instructions and its common 
 ``quant-forward``) builds the hand-made variant too (``compile_variant`` of ``compile_check_bwd_dkdv_gluon``,
 ``compile_check_bwd_dq_gluon``, ``compile_check_gluon``; ``compile_check_quantize.operands_variant`` with the
 ``--ints`` that script takes for the shape: ``all`` when S % 16 == 0, else ``lengths``) and prints both side by
-side, with the arguments whose specialization differs.  ``--all`` reports every captured launch of the case (quantize and δ launches included).
+side, with the arguments whose specialization differs.  ``--all`` reports every captured launch of the case
+(quantize and δ launches included).
 ``--check`` applies the pass / fail rules of the hand-made check script (``compile_check_bwd_dkdv_gluon.check``,
 ``compile_check_gluon.check``, ``partition_report``) to the launched build; exit status 1 when one fails.
 ``--dump DIR`` writes each build's TTGIR, PTX and SASS.  ``--json PATH`` writes the launches and their
