@@ -11,6 +11,7 @@ more than two ``WARPGROUP.DEPBAR`` per key-loop iteration.  It also prints the r
 amax is a cross-warp reduction: the barrier must count the partition's 256 threads, not the CTA's).
 ``--varlen`` builds the jagged mode (``VARLEN``: tile table, packed operands), as ``attn_bwd_dq_gluon_varlen``
 launches it.  Exit status 1 when a check fails.
+The build a launch makes (its ints specialized by the JIT): ``scripts/compile_launched.py``.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ changes the code (16-byte vector loads and stores instead of 2-byte ones). ``--i
 specializations to build: ``lengths`` (strides and sizes divisible by 16, sequence lengths and tile counts not:
 an odd S), ``all`` (every int divisible: power-of-two shapes such as B2 S8192 H16), ``none`` (nothing known, the
 build before session 9, which no launch makes: strides are multiples of H·D).  Default ``lengths,all``.
+The build a launch makes (its ints specialized by the JIT): ``scripts/compile_launched.py``.
 """
 
 from __future__ import annotations
