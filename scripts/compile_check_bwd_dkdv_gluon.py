@@ -25,6 +25,7 @@ reject the intended structure, while one DEPBAR per wgmma (ptxas serialization: 
 prints the registers per partition (``setmaxnreg`` in the PTX) and the named barriers of the 8-warp consumer
 partition (its tile-wide dS amax is a cross-warp reduction: the barrier must count 256 threads, not the CTA).
 Exit status 1 when a check fails.
+The build a launch makes (its ints specialized by the JIT): ``scripts/compile_launched.py``.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ launches it.  ``--block-n 128`` builds the 128-key step (``GluonDqConfig(block_n
 d64 only, so a d128 variant with it is built for the record but not required to pass).  ``--regs`` overrides the
 register split (``consumer_regs`` of the split build's second warpgroup, ``maxnreg``, ``producer_regs``).  Exit
 status 1 when a check fails.
+The build a launch makes (its ints specialized by the JIT): ``scripts/compile_launched.py``.
 """
 
 from __future__ import annotations

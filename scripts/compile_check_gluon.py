@@ -10,6 +10,7 @@ it prints registers (launch budget and the highest register the SASS touches), s
 fails on what must not be there: spills, local memory, wgmma other than m64nNk32 e4m3, ptxas serializing the wgmma
 pipeline (C7514 / C7512), more than two ``WARPGROUP.DEPBAR`` per loop iteration.  Exit status 1 when a
 check fails.  ``--dump DIR`` writes the TTGIR, PTX and SASS of each variant.
+The build a launch makes (its ints specialized by the JIT): ``scripts/compile_launched.py``.
 """
 
 from __future__ import annotations

@@ -11,9 +11,12 @@ backward's K/V orientations).  For each it prints registers, spills and the find
 
 Integer arguments: Triton's JIT specializes every int argument divisible by 16 (``tt.divisibility``), and that
 changes the code (16-byte vector loads and stores instead of 2-byte ones). ``--ints`` picks which launched
-specializations to build: ``lengths`` (strides and sizes divisible by 16, sequence lengths and tile counts not:
-an odd S), ``all`` (every int divisible: power-of-two shapes such as B2 S8192 H16), ``none`` (nothing known, the
-build before session 9, which no launch makes: strides are multiples of H·D).  Default ``lengths,all``.
+specializations to build: ``lengths`` (strides, sizes and S_pad divisible by 16, sequence lengths and tile counts
+not: an odd S), ``all`` (every int divisible: power-of-two shapes such as B2 S8192 H16), ``none`` (nothing known,
+the build before session 9, which no launch makes: strides are multiples of H·D).  Default ``lengths,all``.
+These are approximations of a launch's specialization; ``scripts/compile_launched.py quant-forward`` builds the
+exact one for a given shape (at S 4095 even the tile counts happen to be multiples of 16).
+The build a launch makes (its ints specialized by the JIT): ``scripts/compile_launched.py``.
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ import mxattn.kernels.quantize as kq  # noqa: E402
 PTRS_U8 = "*u8"
 # int arguments that are sequence lengths or counts of tiles / groups / programs (the rest are strides or sizes that
 # are multiples of H·D or of 32): divisible by 16 only at some shapes
-_LENGTH_INTS = {"S", "S_ld", "n_s_tiles", "n_groups", "n_tiles", "NSB", "S_pad", "n_a", "n_b", "n_e", "eper", "fper"}
-_LENGTH_INTS |= {f"{j}{n}" for j in "abef" for n in ("S", "S_pad", "NSB", "n_tiles", "n_groups")}
+# (S_pad is not one: every launch pads S to SEQ_ALIGN = 16, so the JIT always marks it divisible)
+_LENGTH_INTS = {"S", "S_ld", "n_s_tiles", "n_groups", "n_tiles", "NSB", "n_a", "n_b", "n_e", "eper", "fper"}
+_LENGTH_INTS |= {f"{j}{n}" for j in "abef" for n in ("S", "NSB", "n_tiles", "n_groups")}
 _UNIT_INTS = {"esxd", "fsxd"}  # the V-exponent jobs' channel stride: 1 in every launch, which the JIT makes a constant
 INTS = "all"  # which int arguments are marked divisible by 16 (``--ints``): "none", "lengths" or "all"
 
