@@ -32,19 +32,20 @@ def main(outdir: str, only=()) -> None:
         ("dkdv_stages3", bench_attn_bwd_dkdv_gluon, GluonDkdvConfig(stages=3), {}),
         ("dq_stages2", bench_attn_bwd_dq_gluon, GluonDqConfig(stages=2), {}),
         ("dq_split", bench_attn_bwd_dq_gluon, GluonDqConfig(split=True), {"tl": "64-row blocks"}),
-        ("dkdv_split_d64", bench_attn_bwd_dkdv_gluon, GluonDkdvConfig(split=True), {"tl": "64-key blocks"}, D64),
-        ("dkdv_split_d64_bm128", bench_attn_bwd_dkdv_gluon, GluonDkdvConfig(split=True, block_m=128),
-         {"tl": "64-key blocks, 128-query steps"}, D64),
     ]
     # dQ at d64, 64- vs 128-key step side by side (session 9, branch s9-bwd-d64-dq), split (the API's build); each
     # against its own tl twin (tl_twin_config: dq_block_n = block_n), so compare the two by gluon_ms.  Timed first
     # (rows print as they come), so that a call cut by its time limit still has them
     dq_d64 = lambda **kw: bench_attn_bwd_dq_gluon(  # noqa: E731
         shapes=((2, 16, 16, 8192, 64, False), (2, 16, 16, 8192, 64, True)), **kw)
+    # the d64 dK/dV rows (64- vs 128-query step) first too, for the same reason
     variants[:0] = [
         ("dq_split_d64", dq_d64, GluonDqConfig(split=True), {"tl": "64-row blocks", "block_n": 64}),
         ("dq_split_d64_bn128", dq_d64, GluonDqConfig(split=True, block_n=128),
          {"tl": "64-row blocks, 128 keys", "block_n": 128}),
+        ("dkdv_split_d64", bench_attn_bwd_dkdv_gluon, GluonDkdvConfig(split=True), {"tl": "64-key blocks"}, D64),
+        ("dkdv_split_d64_bm128", bench_attn_bwd_dkdv_gluon, GluonDkdvConfig(split=True, block_m=128),
+         {"tl": "64-key blocks, 128-query steps"}, D64),
     ]
     rows = []
     for name, bench, cfg, extra, *shapes in variants:

@@ -97,8 +97,8 @@ Keys past Sk read the next sequence (masked: every step of a partial key block t
 ``tl`` kernel) and are not stored.  Keys that no query sees get dk = dv = 0 (no step, or P = 0).
 
 Layout requirements (``attn_bwd_dkdv_gluon`` raises ValueError otherwise): q and dout_hdim grouped along the
-sequence with a group that is a multiple of 64 (one scalar exponent per query tile; the fast layout
-``row_scaled_triton(x, "k", k_group=128)``, which ``attn_bwd.attn_bwd_preprocess`` makes for dout_hdim), k and
+sequence with a group that is a multiple of the query step, 64 or 128 (one scalar exponent per query tile; the
+fast layout ``row_scaled_triton(x, "k", k_group=128)``, which ``attn_bwd.attn_bwd_preprocess`` makes for dout_hdim), k and
 v_hdim the K layout (128 keys per exponent), q_seq and dout_seq the V layout (channel-major, one exponent per
 (head, channel)).  D is 64 or 128.
 
@@ -494,9 +494,9 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
     """Keys n0 .. n0 + ROWS − 1 of one (b, hk), ROWS = 128 on 8 warps (the whole CTA's keys) or 64 on one warpgroup
     (split: keys n0 + 64·w ..); k_tile / v_tile their K and V_hdim tiles.  Pointers already moved to b (QE, DOE,
     QSE, DOSE) and to (b, hk, first key) (DK, DV); lse and δ of each query tile come through the ring
-    (lse_smem, dl_smem: [STAGES, 1, 64] fp32, zero past Sq).  key_lim = Sk − first key (local keys below it
+    (lse_smem, dl_smem: [STAGES, 1, BLOCK_M] fp32, zero past Sq).  key_lim = Sk − first key (local keys below it
     exist), diag = Sk − Sq − first key (local key r sees local query c of the tile at m0 iff r − c <= m0 + diag).
-    The dS exponent is one per (ROWS keys x 64 queries) tile: the tl kernel's with block_n = ROWS; with DS_KEY_EXP
+    The dS exponent is one per (ROWS keys x BLOCK_M queries) tile: the tl kernel's with block_n = ROWS; with DS_KEY_EXP
     one per key and query tile (``_key_exp``): the tl kernel's ``DS_TILE_SCALE=False`` rule for dK.
     qe_row, de_row, seq_h, key_row (VARLEN only; the dense build never reads them): the sequence's parts of the
     offsets as integers (first 64-row exponent tile of q / dO, first head row b * Hq of the seq exponents, first
@@ -773,7 +773,7 @@ def _attn_bwd_dkdv_ws_kernel(
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     qs_smem = gl.allocate_shared_memory(qs_desc.dtype, [STAGES] + qs_desc.block_type.shape, qs_desc.layout)
     dos_smem = gl.allocate_shared_memory(dos_desc.dtype, [STAGES] + dos_desc.block_type.shape, dos_desc.layout)
-    # lse and δ of each step's query tile: [1, 64] fp32 boxes of the (B*Hq, Sq) views (256 B each per stage)
+    # lse and δ of each step's query tile: [1, BLOCK_M] fp32 boxes of the (B*Hq, Sq) views (4 BLOCK_M B each per stage)
     lse_smem = gl.allocate_shared_memory(lse_desc.dtype, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
     dl_smem = gl.allocate_shared_memory(dl_desc.dtype, [STAGES] + dl_desc.block_type.shape, dl_desc.layout)
     k_smem, v_smem = _static_tiles(k_desc, v_desc, SPLIT)  # 64-key boxes when split

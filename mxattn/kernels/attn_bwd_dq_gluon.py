@@ -145,7 +145,7 @@ class GluonDqConfig:
     block_n: int = 64
 
     def __post_init__(self):
-        if self.block_n not in BLOCK_NS:
+        if type(self.block_n) is not int or self.block_n not in BLOCK_NS:
             raise ValueError(f"block_n must be one of {BLOCK_NS}, got {self.block_n!r}")
 
 
