@@ -288,14 +288,16 @@ def _hopper_forward(q: Operand, k: Operand, v: Operand, causal: bool, scale: flo
     kernel = forward_kernel_for(q.shape, k.shape, q.device, backend)
     if kernel == "blockscaled":
         return _blockscaled_forward(q, k, v, causal, scale, scale_mode, out_dtype)
-    qr, kr, vr = _hopper_forward_operands(q, k, v, scale_mode)
+    return _hopper_kernel(kernel, *_hopper_forward_operands(q, k, v, scale_mode), causal, scale, out_dtype)
+
+
+def _hopper_kernel(kernel: str, qr, kr, vr, causal: bool, scale: float, out_dtype):
+    """(out, lse) of the Hopper forward kernel ``kernel`` ("gluon" or "tl") on its operands."""
     if kernel == "gluon":
-        from mxattn.kernels.attn_fwd_gluon import attn_fwd_gluon
-
-        return attn_fwd_gluon(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
-    from mxattn.kernels.attn_fwd import attn_fwd_hopper
-
-    return attn_fwd_hopper(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
+        from mxattn.kernels.attn_fwd_gluon import attn_fwd_gluon as fwd
+    else:
+        from mxattn.kernels.attn_fwd import attn_fwd_hopper as fwd
+    return fwd(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
 
 
 def _hopper_forward_keeping_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
@@ -314,12 +316,7 @@ def _hopper_forward_keeping_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     from mxattn.kernels.quantize import forward_operands_triton
 
     qr, kr, vr, kv = forward_operands_triton(q, k, v, scale_mode, k_group=K_EXP_GROUP, keep_kv=True)
-    if kernel == "gluon":
-        from mxattn.kernels.attn_fwd_gluon import attn_fwd_gluon as fwd
-    else:
-        from mxattn.kernels.attn_fwd import attn_fwd_hopper as fwd
-    out, lse = fwd(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=q.dtype)
-    return out, lse, kv
+    return (*_hopper_kernel(kernel, qr, kr, vr, causal, scale, q.dtype), kv)
 
 
 def _fwd_impl(q, k, v, causal: bool, scale: float, scale_mode: str, backend: str = "auto"):
