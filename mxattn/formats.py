@@ -104,6 +104,15 @@ def _norm_dim(dim: int, ndim: int, name: str = "dim") -> int:
     return dim % ndim
 
 
+def is_finite_number(x: Union[int, float]) -> bool:
+    """``math.isfinite`` for a Python int or float argument; an int beyond the float range counts as not finite
+    (``math.isfinite`` raises OverflowError on it)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
 @dataclass
 class MXTensor:
     """An MXFP8 tensor: e4m3 data and one E8M0 scale per 32 elements along ``dim``.
