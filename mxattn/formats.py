@@ -431,8 +431,13 @@ class RowScaledFP8:
     group: int = 1
 
     def __post_init__(self):
+        for name in ("data", "exp"):
+            if not isinstance(getattr(self, name), torch.Tensor):
+                raise TypeError(f"RowScaledFP8.{name} must be a torch.Tensor, got {type(getattr(self, name)).__name__}")
         if self.data.dtype != torch.float8_e4m3fn:
             raise TypeError(f"RowScaledFP8.data must be torch.float8_e4m3fn, got {self.data.dtype}")
+        if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 1:
+            raise ValueError(f"RowScaledFP8.group must be a positive int, got {self.group!r}")
         if self.exp.dtype != torch.int32:
             raise TypeError(f"RowScaledFP8.exp must be int32, got {self.exp.dtype}")
         self.dim = _norm_dim(self.dim, self.data.ndim)

@@ -319,6 +319,16 @@ FORMAT_BAD = [
     ("dequantize int dtype", lambda: dequantize_mxfp8(_mx44(), torch.int32), TypeError,
      "dtype must be float32, float16, bfloat16 or float64, got torch.int32"),
     ("to_row_scaled tensor", lambda: to_row_scaled(torch.ones(4, 32)), TypeError, "expects an MXTensor, got Tensor"),
+    ("RowScaledFP8 data list", lambda: RowScaledFP8([0.0], torch.zeros(4, 1, dtype=torch.int32), 1), TypeError,
+     "RowScaledFP8.data must be a torch.Tensor, got list"),
+    ("RowScaledFP8 exp int64", lambda: RowScaledFP8(_mx44().data, torch.zeros(4, 1, dtype=torch.int64), 1), TypeError,
+     "RowScaledFP8.exp must be int32"),
+    ("RowScaledFP8 exp shape", lambda: RowScaledFP8(_mx44().data, torch.zeros(4, 2, dtype=torch.int32), 1), ValueError,
+     r"RowScaledFP8.exp has shape \(4, 2\), expected \(4, 1\)"),
+    ("RowScaledFP8 group 0", lambda: RowScaledFP8(_mx44().data, torch.zeros(1, 1, dtype=torch.int32), 1, 0, 0),
+     ValueError, "RowScaledFP8.group must be a positive int, got 0"),
+    ("RowScaledFP8 group_dim = dim", lambda: RowScaledFP8(_mx44().data, torch.zeros(4, 1, dtype=torch.int32), 1, 1, 2),
+     ValueError, "group_dim must differ from dim"),
 ]
 
 
