@@ -87,12 +87,16 @@ def _check_attention_inputs(q: Operand, k: Operand, v: Operand, softmax_scale) -
     _check_heads(shapes["q"], shapes["k"], shapes["v"])
     if shapes["k"][0] != shapes["q"][0]:
         raise ValueError(f"k has batch {shapes['k'][0]} but q has batch {shapes['q'][0]}")
+    _check_softmax_scale(softmax_scale)
+    return is_mx, devices["q"]
+
+
+def _check_softmax_scale(softmax_scale) -> None:
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
             raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
-        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        if not formats.is_finite_number(softmax_scale) or softmax_scale <= 0:
             raise ValueError(f"softmax_scale must be finite and positive, got {softmax_scale}")
-    return is_mx, devices["q"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -592,14 +596,6 @@ def mxfp8_attn_func(
 # ----------------------------------------------------------------------------------------------
 # Jagged batches (packed (T, H, D) with cu_seqlens), flash_attn_varlen_func conventions
 # ----------------------------------------------------------------------------------------------
-
-
-def _check_softmax_scale(softmax_scale) -> None:
-    if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-            raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
-        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
-            raise ValueError(f"softmax_scale must be finite and positive, got {softmax_scale}")
 
 
 def _check_cu_seqlens(cu, name: str, total: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
