@@ -560,6 +560,21 @@ def test_cpu_function_empty_and_generous_max_seqlen(seed):
         assert (out == 0).all() and torch.isneginf(lse).all()
 
 
+def test_generous_max_seqlen_reaches_the_kernels_as_the_longest_sequence(seed):
+    """A generous max_seqlen (even one no grid could hold) is checked, then replaced by the longest sequence, which
+    the check reads from cu_seqlens anyway: the kernels' grids never grow with it, and the result is the exact max's."""
+    from mxattn.interface import _check_varlen_inputs
+
+    for lq, lk, m, want in (([5, 0, 9], [6, 2, 9], 10**12, (9, 9)), ([5, 0, 9], [6, 2, 9], 9, (9, 9)),
+                            ([0, 0], [0, 0], 7, (1, 1)), ([0, 0], [0, 0], 0, (0, 0)), ([3, 0], [0, 5], 5, (3, 5))):
+        q, k, v, cu_q, cu_k = _api_inputs(lq, lk)
+        assert _check_varlen_inputs(q, k, v, cu_q, cu_k, m, m, None)[2:] == want, (lq, lk, m)
+    q, k, v, cu_q, cu_k = _api_inputs([5, 0, 9], [6, 2, 9])
+    huge = mxfp8_attn_varlen_func(q, k, v, cu_q, cu_k, 10**12, 10**12, causal=True, return_lse=True)
+    exact = mxfp8_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 9, causal=True, return_lse=True)
+    assert all(torch.equal(a, b) for a, b in zip(huge, exact))
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU
 # ----------------------------------------------------------------------------------------------
