@@ -87,12 +87,16 @@ def _check_attention_inputs(q: Operand, k: Operand, v: Operand, softmax_scale) -
     _check_heads(shapes["q"], shapes["k"], shapes["v"])
     if shapes["k"][0] != shapes["q"][0]:
         raise ValueError(f"k has batch {shapes['k'][0]} but q has batch {shapes['q'][0]}")
+    _check_softmax_scale(softmax_scale)
+    return is_mx, devices["q"]
+
+
+def _check_softmax_scale(softmax_scale) -> None:
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
             raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
-        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        if not formats.is_finite_number(softmax_scale) or softmax_scale <= 0:
             raise ValueError(f"softmax_scale must be finite and positive, got {softmax_scale}")
-    return is_mx, devices["q"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -594,14 +598,6 @@ def mxfp8_attn_func(
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_softmax_scale(softmax_scale) -> None:
-    if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-            raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
-        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
-            raise ValueError(f"softmax_scale must be finite and positive, got {softmax_scale}")
-
-
 def _check_cu_seqlens(cu, name: str, total: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
     """``cu`` on ``device`` and its values on the host (one device-to-host copy: the only sync of the call)."""
     if not isinstance(cu, torch.Tensor):
@@ -623,16 +619,20 @@ def _check_cu_seqlens(cu, name: str, total: int, device: torch.device) -> tuple[
     return cu.to(device).contiguous(), c
 
 
-def _check_max_seqlen(m, name: str, cu: list[int], cu_name: str) -> None:
+def _check_max_seqlen(m, name: str, cu: list[int], cu_name: str) -> int:
+    """Check ``m`` against the sequences of ``cu`` (host values); returns the bound the kernels get: the longest
+    sequence (at least 1 where ``m`` is), so that a generous ``m`` sizes no idle programs and no oversized grid."""
     if isinstance(m, bool) or not isinstance(m, int):
         raise TypeError(f"{name} must be an int, got {type(m).__name__}")
     longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
     if m < longest:
         raise ValueError(f"{name}={m} is less than the longest sequence in {cu_name} ({longest})")
+    return max(longest, min(m, 1))
 
 
 def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
-    """Validate a jagged call; returns cu_seqlens_q and cu_seqlens_k on q's device."""
+    """Validate a jagged call; returns cu_seqlens_q and cu_seqlens_k on q's device and the max_seqlen_q,
+    max_seqlen_k the kernels get (``_check_max_seqlen``)."""
     for n, t in (("q", q), ("k", k), ("v", v)):
         if isinstance(t, MXTensor):
             raise TypeError(f"{n}: mxfp8_attn_varlen_func takes float tensors (MXTensor inputs are not supported for "
@@ -655,9 +655,9 @@ def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     cu_k, ck = _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", Tk, q.device)
     if len(cq) != len(ck):
         raise ValueError(f"cu_seqlens_q has {len(cq) - 1} sequences but cu_seqlens_k has {len(ck) - 1}")
-    _check_max_seqlen(max_seqlen_q, "max_seqlen_q", cq, "cu_seqlens_q")
-    _check_max_seqlen(max_seqlen_k, "max_seqlen_k", ck, "cu_seqlens_k")
-    return cu_q, cu_k
+    mq = _check_max_seqlen(max_seqlen_q, "max_seqlen_q", cq, "cu_seqlens_q")
+    mk = _check_max_seqlen(max_seqlen_k, "max_seqlen_k", ck, "cu_seqlens_k")
+    return cu_q, cu_k, mq, mk
 
 
 def _varlen_mx_values(q, k, v, cu_k, scale_mode: str):
@@ -749,7 +749,8 @@ def mxfp8_attn_varlen_func(
         cu_seqlens_q, cu_seqlens_k: int32, batch + 1 entries: sequence b is q rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``
             and k/v rows ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``; start at 0, non-decreasing (empty sequences are fine),
             end at total_q / total_k.  On q's device or the CPU.
-        max_seqlen_q, max_seqlen_k: ints at least the longest q / k sequence (they size the kernel's grid).
+        max_seqlen_q, max_seqlen_k: ints at least the longest q / k sequence.  The kernels' grids are sized by the
+            longest sequence itself, which the check reads from cu_seqlens anyway, so a generous bound costs nothing.
         causal: per sequence, aligned to the bottom-right corner (query i sees key j iff j <= i + len_k - len_q).
         softmax_scale: defaults to 1/sqrt(D).
         return_lse: also return the log-sum-exp, (Hq, total_q) float32 (natural log; -inf for rows that see no key).
@@ -766,7 +767,8 @@ def mxfp8_attn_varlen_func(
     (``attn_bwd_hopper_varlen``; deterministic dQ when ``torch.are_deterministic_algorithms_enabled()``), on CPU
     the reference backward (FP8 emulation of P, dS, dO).
     """
-    cu_q, cu_k = _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
+    cu_q, cu_k, max_seqlen_q, max_seqlen_k = _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                                  max_seqlen_k, softmax_scale)
     mode = formats.ScaleMode.parse(scale_mode).value
     for name, flag in (("causal", causal), ("return_lse", return_lse)):
         if not isinstance(flag, bool):

@@ -36,12 +36,43 @@ BAD = [
     ("mixed MX/float", lambda q, k, v: (formats.quantize_mxfp8(q, 3), k, v, {}), TypeError, "all be MXTensors"),
     ("MX v along head dim", lambda q, k, v: (formats.quantize_mxfp8(q, 3), formats.quantize_mxfp8(k, 3),
                                             formats.quantize_mxfp8(v, 3), {}), ValueError, "v must be MXFP8-blocked"),
+    ("MX q along sequence", lambda q, k, v: (formats.quantize_mxfp8(q, 1), formats.quantize_mxfp8(k, 3),
+                                            formats.quantize_mxfp8(v, 1), {}), ValueError,
+     r"q must be MXFP8-blocked along the head dim \(MXTensor.dim=3\), got dim=1"),
+    ("MX k along sequence", lambda q, k, v: (formats.quantize_mxfp8(q, 3), formats.quantize_mxfp8(k, 1),
+                                            formats.quantize_mxfp8(v, 1), {}), ValueError, "k must be MXFP8-blocked"),
+    ("MX rank 3", lambda q, k, v: (formats.quantize_mxfp8(q[0], 2), formats.quantize_mxfp8(k, 3),
+                                  formats.quantize_mxfp8(v, 1), {}), ValueError, "q must have shape"),
+    ("MX head dim 96", lambda q, k, v: tuple(formats.quantize_mxfp8(torch.cat([t, t[..., :32]], -1), d)
+                                             for t, d in ((q, 3), (k, 3), (v, 1))) + ({},), ValueError, "head dim 96"),
+    ("float64", lambda q, k, v: (q.double(), k.double(), v.double(), {}), TypeError, "got torch.float64"),
+    ("fp8 e5m2 q", lambda q, k, v: (q.to(torch.float8_e5m2), k, v, {}), TypeError, "q must be"),
+    ("q on another device", lambda q, k, v: (q.to("meta"), k, v, {}), ValueError,
+     "q, k, v must be on one device, got q: meta, k: cpu, v: cpu"),
+    ("no kv heads", lambda q, k, v: (q, k[:, :, :0], v[:, :, :0], {}), ValueError, r"kv heads \(0\)"),
+    ("scale inf", lambda q, k, v: (q, k, v, {"softmax_scale": float("inf")}), ValueError, "softmax_scale"),
+    ("scale 0", lambda q, k, v: (q, k, v, {"softmax_scale": 0}), ValueError, "softmax_scale"),
+    ("scale huge int", lambda q, k, v: (q, k, v, {"softmax_scale": 10**400}), ValueError,
+     "softmax_scale must be finite and positive"),
+    ("scale bool", lambda q, k, v: (q, k, v, {"softmax_scale": True}), TypeError, "softmax_scale must be a float"),
+    ("scale tensor", lambda q, k, v: (q, k, v, {"softmax_scale": torch.tensor(0.1)}), TypeError, "softmax_scale"),
+    ("causal None", lambda q, k, v: (q, k, v, {"causal": None}), TypeError, "causal must be a bool"),
+    ("return_lse int", lambda q, k, v: (q, k, v, {"return_lse": 1}), TypeError, "return_lse must be a bool"),
+    ("deterministic str", lambda q, k, v: (q, k, v, {"deterministic": "yes"}), TypeError, "deterministic must be a bool"),
+    ("backend", lambda q, k, v: (q, k, v, {"backend": "cudnn"}), ValueError, "backend must be one of"),
 ]
 
 
 @pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
-def test_bad_input_is_refused_with_a_clear_message(case):
+def test_bad_input_is_refused_with_a_clear_message(case, monkeypatch):
     _, mutate, exc, words = case
+    from mxattn import interface
+
+    def boom(*a, **k):
+        raise AssertionError("work started before the inputs were checked")
+
+    for name in ("_fwd_impl", "_mx_forward", "_hopper_forward", "_reference_forward"):
+        monkeypatch.setattr(interface, name, boom)
     q, k, v, kw = mutate(*_qkv())
     with pytest.raises(exc, match=words):
         mxfp8_attn_func(q, k, v, **kw)
@@ -139,6 +170,66 @@ def test_empty_inputs_give_the_well_defined_result(B, Sq, Sk, D, device):
     assert (out == 0).all() and torch.isneginf(lse).all()
     out.float().sum().backward()
     assert q.grad.shape == q.shape and (q.grad == 0).all() and (k.grad == 0).all() and (v.grad == 0).all()
+
+
+def _strided_qkv(layout: str, device="cpu", B=1, S=40, Hq=4, Hkv=2, D=64):
+    """Non-contiguous q, k, v: views of one packed projection, (B, H, S, D) tensors transposed, or every other
+    element along D."""
+    bf = dict(dtype=torch.bfloat16, device=device)
+    if layout == "qkv split":
+        return torch.randn(B, S, Hq + 2 * Hkv, D, **bf).split((Hq, Hkv, Hkv), dim=2)
+    if layout == "bhsd":
+        return tuple(torch.randn(B, h, S, D, **bf).transpose(1, 2) for h in (Hq, Hkv, Hkv))
+    return tuple(torch.randn(B, S, h, 2 * D, **bf)[..., ::2] for h in (Hq, Hkv, Hkv))
+
+
+STRIDED = ["qkv split", "bhsd", "D stride 2"]
+
+
+@pytest.mark.parametrize("layout", STRIDED)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_strided_inputs_give_the_contiguous_result(layout, device, seed):
+    """Non-contiguous float q, k, v are read through their strides: out, lse and the gradients equal those of
+    contiguous copies bit for bit."""
+    qkv = _strided_qkv(layout, device)
+    assert not any(t.is_contiguous() for t in qkv)
+    res = []
+    for ts in (qkv, tuple(t.contiguous() for t in qkv)):
+        ts = tuple(t.detach().requires_grad_() for t in ts)  # detach keeps the strides
+        out, lse = mxfp8_attn_func(*ts, causal=True, return_lse=True)
+        out.float().pow(2).sum().backward()
+        res.append((out, lse, *(t.grad for t in ts)))
+    for got, want in zip(*res):
+        assert torch.equal(got, want)
+
+
+def test_strided_mx_inputs_give_the_contiguous_result(seed):
+    """MXTensor inputs with transposed data and scales (q, k from (B, H, S, D) buffers, v channel-major) give the
+    result of contiguous copies."""
+    q, k, v = (torch.randn(1, h, 40, 64, dtype=torch.bfloat16) for h in (4, 2, 2))
+    qm, km = (formats.quantize_mxfp8(t, 3) for t in (q, k))
+    qm, km = (formats.MXTensor(t.data.transpose(1, 2), t.scale.transpose(1, 2), 3) for t in (qm, km))
+    vm = formats.quantize_mxfp8(v.transpose(2, 3), 3)  # channel-major (B, H, D, S) blocked along S
+    vm = formats.MXTensor(vm.data.permute(0, 3, 1, 2), vm.scale.permute(0, 3, 1, 2), 1)
+    assert not any(t.data.is_contiguous() for t in (qm, km, vm))
+    dense = tuple(formats.MXTensor(t.data.contiguous(), t.scale.contiguous(), t.dim) for t in (qm, km, vm))
+    assert torch.equal(mxfp8_attn_func(qm, km, vm, causal=True), mxfp8_attn_func(*dense, causal=True))
+
+
+@pytest.mark.parametrize("layout", STRIDED)
+def test_strided_inputs_in_the_cuda_forward_kernels(layout, seed):
+    """The CUDA forward (``_hopper_forward``: operand passes and the `tl` kernel), run on the CPU interpreter, reads
+    non-contiguous q, k, v through their strides: the contiguous copies' out and lse bit for bit."""
+    from conftest import require_kernels
+
+    if torch.cuda.is_available() or require_kernels() != "cpu":
+        pytest.skip("runs the kernels under the interpreter (machines without a GPU; the gpu test covers CUDA)")
+    from mxattn import interface as itf
+
+    qkv = _strided_qkv(layout)
+    got = itf._hopper_forward(*qkv, True, 0.125, "rceil", torch.bfloat16)
+    want = itf._hopper_forward(*(t.contiguous() for t in qkv), True, 0.125, "rceil", torch.bfloat16)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_forward_kernel_choice(monkeypatch):
