@@ -148,16 +148,12 @@ def _fused_operands_max() -> int:
 
 def _hopper_forward_operands(q: Operand, k: Operand, v: Operand, scale_mode: str):
     """Float or MX inputs -> the forward's Hopper operands: Q, K hdim; V seq.  Float q, k, v: two launches for the
-    three (``forward_operands_triton``) while they are small (``FUSED_OPERANDS_MAX_ELEMS``), else the single passes,
-    the same bytes; MX inputs: one Triton pass each."""
+    three (``forward_operands_triton``) while they are small (``FUSED_OPERANDS_MAX_ELEMS``); larger float inputs
+    and MX inputs: one Triton pass each (the same bytes)."""
     from mxattn.kernels.quantize import forward_operands_triton, row_scaled_triton
 
-    if not isinstance(q, MXTensor):
-        if q.numel() + k.numel() + v.numel() <= _fused_operands_max():
-            return forward_operands_triton(q, k, v, scale_mode, k_group=K_EXP_GROUP)[:3]
-        return (row_scaled_triton(q, "q", scale_mode=scale_mode),
-                row_scaled_triton(k, "k", scale_mode=scale_mode, k_group=K_EXP_GROUP),
-                row_scaled_triton(v, "v", scale_mode=scale_mode))
+    if not isinstance(q, MXTensor) and q.numel() + k.numel() + v.numel() <= _fused_operands_max():
+        return forward_operands_triton(q, k, v, scale_mode, k_group=K_EXP_GROUP)[:3]
     return (
         row_scaled_triton(q, "q", scale_mode=scale_mode),
         row_scaled_triton(k, "k", scale_mode=scale_mode, k_group=K_EXP_GROUP),

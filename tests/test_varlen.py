@@ -508,15 +508,16 @@ def test_bad_options_are_refused(kw, exc, words):
         mxfp8_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 9, **kw)
 
 
-def _strided_varlen(lq, lk, Hq=4, Hkv=2, D=64):
+def _strided_varlen(lq, lk, Hq=4, Hkv=2, D=64, device="cpu"):
     """Non-contiguous packed q, k, v (views of one packed projection; v (T, D, H) transposed) and cu_seqlens (every
-    other entry of a longer tensor)."""
+    other entry of a longer tensor), on ``device``."""
     T, Tk = sum(lq), sum(lk)
-    q = torch.randn(T, Hq + 2 * Hkv, D, dtype=torch.bfloat16)[:, :Hq]
-    k = torch.randn(Tk, 2 * Hkv, D, dtype=torch.bfloat16)[:, Hkv:]
-    v = torch.randn(Tk, D, Hkv, dtype=torch.bfloat16).transpose(1, 2)
-    cu_q, cu_k = (torch.stack([_cu(lens, "cpu"), torch.zeros(len(lens) + 1, dtype=torch.int32)], 1)[:, 0]
-                  for lens in (lq, lk))
+    kw = dict(dtype=torch.bfloat16, device=device)
+    q = torch.randn(T, Hq + 2 * Hkv, D, **kw)[:, :Hq]
+    k = torch.randn(Tk, 2 * Hkv, D, **kw)[:, Hkv:]
+    v = torch.randn(Tk, D, Hkv, **kw).transpose(1, 2)
+    cu_q, cu_k = (torch.stack([_cu(lens, device), torch.zeros(len(lens) + 1, dtype=torch.int32, device=device)],
+                              1)[:, 0] for lens in (lq, lk))
     assert not any(t.is_contiguous() for t in (q, k, v, cu_q, cu_k))
     return q, k, v, cu_q, cu_k
 
@@ -536,16 +537,17 @@ def test_cpu_function_strided_inputs_give_the_contiguous_result(causal, seed):
         assert torch.equal(got, want)
 
 
-def test_strided_inputs_in_the_cuda_forward_kernel(seed):
-    """The CUDA jagged forward (``varlen_operands`` + ``attn_fwd_hopper_varlen``), on the CPU interpreter, reads
-    non-contiguous q, k, v through their strides: the contiguous copies' out and lse bit for bit."""
-    if torch.cuda.is_available() or require_kernels() != "cpu":
-        pytest.skip("runs the kernels under the interpreter (machines without a GPU)")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_strided_inputs_in_the_cuda_forward_kernel(device, seed):
+    """The CUDA jagged forward (``varlen_operands`` + ``attn_fwd_hopper_varlen``), on the GPU or the CPU interpreter,
+    reads non-contiguous q, k, v through their strides: the contiguous copies' out and lse bit for bit."""
+    if require_kernels() != device:
+        pytest.skip(f"the kernels run on {require_kernels()} here")
     from mxattn.kernels.attn_fwd import attn_fwd_hopper_varlen
     from mxattn.kernels.varlen import varlen_operands
 
     lq, lk = [5, 0, 9], [6, 2, 9]
-    q, k, v, cu_q, cu_k = _strided_varlen(lq, lk)
+    q, k, v, cu_q, cu_k = _strided_varlen(lq, lk, device=device)
     cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()  # the public function hands the kernels contiguous ones
     got, want = (attn_fwd_hopper_varlen(*varlen_operands(*qkv, cu_q, cu_k, 9, 9), causal=True)
                  for qkv in ((q, k, v), (q.contiguous(), k.contiguous(), v.contiguous())))
