@@ -393,16 +393,20 @@ def test_backward_kernel_gluon_through_the_api(causal, seed, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
-def test_backward_gluon_split_equals_tl_64_tiles(causal, seed, monkeypatch):
+@pytest.mark.parametrize("D", [128, 64])
+def test_backward_gluon_split_equals_tl_64_tiles(D, causal, seed, monkeypatch):
     """MXATTN_BWD_GLUON_SPLIT=1 (the split Gluon dQ and dK/dV kernels, the default) in attn_bwd_hopper equals the
     tl kernels with 64-row / 64-key blocks (``split_tl_config``: the same dS exponent tiles for dQ; for dK the
-    rule of the Gluon dK/dV default, ``tl_twin_config``) up to fp32 summation order."""
+    rule of the Gluon dK/dV default, ``tl_twin_config``) up to fp32 summation order.  At D = 64 the dispatch takes
+    128-query dK/dV steps and 128-key dQ steps, whose twin has ``block_m`` = ``dq_block_n`` = 128."""
+    from dataclasses import replace
+
     from conftest import assert_same_up_to_summation_order
 
     from mxattn.kernels.attn_bwd_dkdv_gluon import GluonDkdvConfig, tl_twin_config
 
     bwd = _bwd()
-    q, k, v, do = _inputs(2, 700, 900, 8, 2, 128, "cuda", seed)
+    q, k, v, do = _inputs(2, 700, 900, 8, 2, D, "cuda", seed)
     _, ops = _operands(q, k, v, True)
     out, lse = torch.randn_like(q), torch.rand(2, 8, 700, device="cuda") + 3.0
     args = (ops["q"], ops["k"], ops["v_hdim"], ops["q_seq"], ops["k_seq"], out, do, lse)
@@ -410,7 +414,9 @@ def test_backward_gluon_split_equals_tl_64_tiles(causal, seed, monkeypatch):
     monkeypatch.setenv("MXATTN_BWD_GLUON_SPLIT", "1")
     got = bwd.attn_bwd_hopper(*args, causal=causal)
     # explicit config: tl kernels
-    want = bwd.attn_bwd_hopper(*args, causal=causal, config=tl_twin_config(GluonDkdvConfig(split=True)))
+    wide = 128 if D == 64 else 64
+    twin = replace(tl_twin_config(GluonDkdvConfig(split=True, block_m=wide)), dq_block_n=wide)
+    want = bwd.attn_bwd_hopper(*args, causal=causal, config=twin)
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert_same_up_to_summation_order(a, b, name)
 
