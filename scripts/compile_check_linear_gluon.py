@@ -1,0 +1,155 @@
+"""Compile the Gluon linear + MXFP8 quantize kernel for sm_90a without a GPU and check what came out.
+
+    python scripts/compile_check_linear_gluon.py [--dump DIR] [--only NAME,...] [--stages N]
+
+Needs triton 3.6 (the GPU machine's version).  Same machinery as ``compile_check_gluon.py`` (``triton.compile``
+for ``GPUTarget("cuda", 90, 32)``, the triton wheel's ptxas / cuobjdump).  For each variant (orientations x
+bias x precise accumulation) it prints registers, spill bytes, shared memory, setmaxnreg, the wgmma shapes, the
+consumers' K loop (SASS instructions, ``WARPGROUP.DEPBAR`` per iteration) and fails on spills, local memory,
+a wgmma other than m64nNk32 e4m3, ptxas serializing the wgmma pipeline (C7514 / C7512), no K loop found, or
+more than one ``WARPGROUP.DEPBAR`` per K-step.  Exit status 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import triton  # noqa: E402
+
+from compile_check_gluon import _opcode, _ptxas_verbose, _resource_usage, _sass_instrs, compile_sm90  # noqa: E402
+
+
+def compile_variant(hdim: bool, seq: bool, bias: bool, precise: bool, swz: bool = False, stages: int | None = None,
+                    block_n: int | None = None):
+    """The kernel as ``linear_quant_fwd_gluon`` launches it (default config)."""
+    from triton.experimental.gluon import language as gl
+
+    from mxattn.kernels import linear_quant_gluon as m
+
+    cfg = m.GluonLinearConfig()
+    bn = block_n or cfg.block_n
+    lay = lambda shape: gl.NVMMASharedLayout.get_default_for(shape, gl.float8e4nv)  # noqa: E731
+    descs = {"x_desc": ([m.WG_ROWS.value, cfg.block_k], lay([m.WG_ROWS.value, cfg.block_k])),
+             "w_desc": ([bn, cfg.block_k], lay([bn, cfg.block_k]))}
+    ptrs = {"xe_ptr": "*i32", "we_ptr": "*i32", "b_ptr": "*bf16", "hd_ptr": "*u8", "hs_ptr": "*u8",
+            "cd_ptr": "*i32", "cs_ptr": "*u8"}
+    consts = dict(BN=bn, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=stages or cfg.stages, PRECISE=precise,
+                  HAS_BIAS=bias, HDIM=hdim, SEQ=seq, RCEIL=True, SOFT=False, SWZ=swz,
+                  CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+    return compile_sm90(m._linear_quant_ws_kernel, consts, descs, ptrs, (), 4, cfg.maxnreg)
+
+
+def k_loops(sass: str) -> list[dict]:
+    """Backward branches whose body holds a shared-memory wgmma (the consumers' K loops), innermost first."""
+    ins = _sass_instrs(sass)
+    pos = {a: i for i, (a, _) in enumerate(ins)}
+    loops = []
+    for a, t in ins:
+        if _opcode(t) != "BRA":
+            continue
+        mm = re.search(r"BRA[^0-9]*(0x[0-9a-f]+)", t)
+        if not mm or int(mm.group(1), 16) >= a:
+            continue
+        body = ins[pos[int(mm.group(1), 16)]: pos[a] + 1]
+        if not any(re.search(r"GMMA\S*\s+R\d+,\s*gdesc", x) for _, x in body) or any("USETMAXREG" in x
+                                                                                  for _, x in body):
+            continue
+        loops.append({"start": body[0][0], "end": a, "instrs": len(body),
+                      "gmma": sum(1 for _, x in body if re.search(r"GMMA", x) and "DEPBAR" not in x),
+                      "depbar": sum(1 for _, x in body if "WARPGROUP.DEPBAR" in x),
+                      "counts": collections.Counter(_opcode(x) for _, x in body)})
+    # innermost per wgmma: the smallest loop around it
+    inner = []
+    for a, t in ins:
+        if re.search(r"GMMA\S*\s+R\d+,\s*gdesc", t):
+            around = [lp for lp in loops if lp["start"] <= a <= lp["end"]]
+            if around:
+                best = min(around, key=lambda lp: lp["instrs"])
+                if best not in inner:
+                    inner.append(best)
+    return inner
+
+
+def check(k, name: str, dump: str | None) -> bool:
+    ptx = k.asm["ptx"]
+    usage = _resource_usage(k.asm["cubin"])
+    ptxas = _ptxas_verbose(ptx)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)
+    spill_bytes = sum(int(a) + int(b) for a, b in spills)
+    setmaxnreg = collections.Counter(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))
+    wgmma = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+?)\s", ptx))
+    local = len(re.findall(r"\b(?:ld|st)\.local", ptx))
+    serialized = [ln.strip() for ln in ptxas.splitlines() if "Potential Performance Loss" in ln]
+    loops = k_loops(usage["sass"])
+    max_reg = max((int(r) for _, t in _sass_instrs(usage["sass"]) for r in re.findall(r"\bR(\d+)\b", t)),
+                  default=-1)
+    bad_wgmma = [w for w in wgmma if not re.fullmatch(r"m64n\d+k32\.f32\.e4m3\.e4m3", w)]
+    ok = (spill_bytes == 0 and local == 0 and bool(setmaxnreg) and bool(wgmma) and not bad_wgmma
+          and not serialized and bool(loops) and all(lp["depbar"] <= 1 for lp in loops))
+    print(f"== {name}: {'OK' if ok else 'FAIL'}")
+    print(f"   registers: launch {usage['regs']}/thread (maxnreg), highest register used in SASS R{max_reg}; "
+          f"stack {usage['stack']}, local {usage['local']}")
+    print(f"   spills (ptxas -v): {spill_bytes} bytes; ld/st.local in PTX: {local}")
+    print(f"   shared memory: {k.metadata.shared} bytes")
+    print(f"   setmaxnreg (kind, regs): {dict(setmaxnreg)}")
+    print(f"   wgmma: {dict(wgmma)}" + (f"  NOT e4m3 k32: {bad_wgmma}" if bad_wgmma else ""))
+    print(f"   ptxas wgmma serialization: {serialized or 'none'}")
+    if not loops:
+        print("   FAIL: no K loop found in the SASS")
+    for lp in loops:
+        top = ", ".join(f"{op} {c}" for op, c in lp["counts"].most_common(10))
+        print(f"   K loop at {hex(lp['start'])}: {lp['instrs']} SASS instrs, wgmma {lp['gmma']}, "
+              f"WARPGROUP.DEPBAR {lp['depbar']} (max 1 per K-step); {top}")
+    counts = {label: len(re.findall(pat, ptx)) for label, pat in (
+        ("tma", r"cp\.async\.bulk\.tensor"), ("mbar_wait", r"mbarrier\.try_wait"),
+        ("mbar_arrive", r"mbarrier\.arrive"), ("bar_sync", r"\bbar\.sync|barrier\.sync"), ("shfl", r"shfl\.sync"),
+        ("st_shared", r"st\.shared"), ("ld_shared", r"ld\.shared"), ("st_global", r"st\.global"))}
+    print("   PTX counts (whole kernel): " + ", ".join(f"{a}={c}" for a, c in counts.items()))
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        for ext, text in (("ttgir", k.asm["ttgir"]), ("ptx", ptx), ("sass", usage["sass"]), ("ptxas.txt", ptxas)):
+            with open(os.path.join(dump, f"{name}.{ext}"), "w") as f:
+                f.write(text)
+    return ok
+
+
+VARIANTS = {  # name: (hdim, seq, bias, precise, swz)
+    "hdim": (True, False, False, True, False),
+    "both": (True, True, False, True, False),
+    "seq_bias": (False, True, True, True, False),
+    "both_bias_imprecise": (True, True, True, False, False),
+    "hdim_tiled_scales": (True, False, False, True, True),
+}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dump", help="write TTGIR / PTX / SASS per variant here")
+    ap.add_argument("--only", help="comma list of variant names (default: all)")
+    ap.add_argument("--stages", type=int, help="ring depth (default: GluonLinearConfig)")
+    args = ap.parse_args(argv)
+    if not triton.__version__.startswith("3.6"):
+        print(f"warning: triton {triton.__version__}; this check targets triton 3.6 (the GPU machine's version)")
+    names = args.only.split(",") if args.only else list(VARIANTS)
+    ok = True
+    for name in names:
+        try:
+            k = compile_variant(*VARIANTS[name], stages=args.stages)
+        except Exception as e:  # noqa: BLE001 - report every variant
+            print(f"== {name}: COMPILE ERROR\n{type(e).__name__}: {e}")
+            ok = False
+            continue
+        ok = check(k, name, args.dump) and ok
+    print("all variants OK" if ok else "some variants FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
