@@ -5,7 +5,8 @@
 Needs triton 3.6 (the GPU machine's version).  Same machinery as ``compile_check_gluon.py`` (``triton.compile``
 for ``GPUTarget("cuda", 90, 32)``, the triton wheel's ptxas / cuobjdump).  For each variant (orientations x
 bias x precise accumulation) it prints registers, spill bytes, shared memory, setmaxnreg, the wgmma shapes, the
-consumers' K loop (SASS instructions, ``WARPGROUP.DEPBAR`` per iteration) and fails on spills, local memory,
+consumers' K loop (SASS instructions, ``WARPGROUP.DEPBAR`` per iteration) and fails on spill code inside a K
+loop (LDL / STL; spills of tile-invariant epilogue values outside it are reported, not failed), local memory,
 a wgmma other than m64nNk32 e4m3, ptxas serializing the wgmma pipeline (C7514 / C7512), no K loop found, or
 more than one ``WARPGROUP.DEPBAR`` per K-step.  Exit status 1 when a check fails.
 """
@@ -27,8 +28,9 @@ from compile_check_gluon import _opcode, _ptxas_verbose, _resource_usage, _sass_
 
 
 def compile_variant(hdim: bool, seq: bool, bias: bool, precise: bool, swz: bool = False, stages: int | None = None,
-                    block_n: int | None = None):
-    """The kernel as ``linear_quant_fwd_gluon`` launches it (default config)."""
+                    block_n: int | None = None, aligned: bool = True):
+    """The kernel as ``linear_quant_fwd_gluon`` launches it (default config).  ``aligned``: N, K and S_pad
+    specialized as multiples of 16 (what the launcher's JIT does for such sizes), else plain i32."""
     from triton.experimental.gluon import language as gl
 
     from mxattn.kernels import linear_quant_gluon as m
@@ -40,6 +42,8 @@ def compile_variant(hdim: bool, seq: bool, bias: bool, precise: bool, swz: bool 
              "w_desc": ([bn, cfg.block_k], lay([bn, cfg.block_k]))}
     ptrs = {"xe_ptr": "*i32", "we_ptr": "*i32", "b_ptr": "*bf16", "hd_ptr": "*u8", "hs_ptr": "*u8",
             "cd_ptr": "*i32", "cs_ptr": "*u8"}
+    if aligned:  # the launcher's specialization of N, K, S_pad divisible by 16 (the benchmark shapes)
+        ptrs |= {"N": "i32", "K": "i32", "S_pad": "i32"}
     consts = dict(BN=bn, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=stages or cfg.stages, PRECISE=precise,
                   HAS_BIAS=bias, HDIM=hdim, SEQ=seq, RCEIL=True, SOFT=False, SWZ=swz,
                   CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
@@ -91,12 +95,16 @@ def check(k, name: str, dump: str | None) -> bool:
     max_reg = max((int(r) for _, t in _sass_instrs(usage["sass"]) for r in re.findall(r"\bR(\d+)\b", t)),
                   default=-1)
     bad_wgmma = [w for w in wgmma if not re.fullmatch(r"m64n\d+k32\.f32\.e4m3\.e4m3", w)]
-    ok = (spill_bytes == 0 and local == 0 and bool(setmaxnreg) and bool(wgmma) and not bad_wgmma
+    loop_local = sum(lp["counts"]["LDL"] + lp["counts"]["STL"] for lp in loops)
+    # spills are tolerated outside the K loops (tile-invariant epilogue offsets the persistent loop keeps), never
+    # inside them
+    ok = (loop_local == 0 and local == 0 and bool(setmaxnreg) and bool(wgmma) and not bad_wgmma
           and not serialized and bool(loops) and all(lp["depbar"] <= 1 for lp in loops))
     print(f"== {name}: {'OK' if ok else 'FAIL'}")
     print(f"   registers: launch {usage['regs']}/thread (maxnreg), highest register used in SASS R{max_reg}; "
           f"stack {usage['stack']}, local {usage['local']}")
-    print(f"   spills (ptxas -v): {spill_bytes} bytes; ld/st.local in PTX: {local}")
+    print(f"   spills (ptxas -v): {spill_bytes} bytes (allowed outside the K loops), LDL/STL inside the K loops: "
+          f"{loop_local} (allowed 0); ld/st.local in PTX: {local}")
     print(f"   shared memory: {k.metadata.shared} bytes")
     print(f"   setmaxnreg (kind, regs): {dict(setmaxnreg)}")
     print(f"   wgmma: {dict(wgmma)}" + (f"  NOT e4m3 k32: {bad_wgmma}" if bad_wgmma else ""))

@@ -66,9 +66,9 @@ class GluonLinearConfig:
     block_k: int = 128  # K per ring buffer and per precise-accumulation step
     stages: int = 4  # ring depth: 4 x (16 KB x + 16 KB W) = 128 KB, plus the epilogue's layout-conversion scratch
     group_m: int = 8  # row tiles per band (as the tl kernel)
-    maxnreg: int = 168  # 9 warps; consumers ask for 232, the producer 40 (setmaxnreg)
-    consumer_regs: int = 232
-    producer_regs: int = 40
+    maxnreg: int = 168  # 9 warps at launch; then consumers 240, producer 24 (setmaxnreg): 8*32*240 + 32*24 <= 64K
+    consumer_regs: int = 240
+    producer_regs: int = 24
 
 
 _SM_COUNT: dict = {}
@@ -89,12 +89,13 @@ def _mma_layout(n):
 
 
 @gluon.constexpr_function
-def _epi_layout():
-    """(64 / 32 seq blocks, 32 tokens, channel blocks, 32 channels): a thread holds 4 consecutive tokens (one
+def _epi_layout(nb):
+    """(64 / 32 seq blocks, 32 tokens, nb channel blocks, 32 channels): a thread holds 4 consecutive tokens (one
     packed word per channel) of 8 consecutive channels; a 32-token block spans 8 lanes and a 32-channel block
     4 lanes, so both block maxima are reduced inside one warp."""
+    wn = 2 if nb >= 2 else 1
     return gl.BlockedLayout(size_per_thread=[1, 4, 1, 8], threads_per_warp=[1, 8, 1, 4],
-                            warps_per_cta=[2, 1, 2, 1], order=[3, 2, 1, 0])
+                            warps_per_cta=[4 // wn, 1, wn, 1], order=[3, 2, 1, 0])
 
 
 @gluon.constexpr_function
@@ -183,9 +184,26 @@ def _epilogue(acc, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b64, s
     if HAS_BIAS:
         y = y + gl.expand_dims(_to_f32(gl.load(b_ptr + col)), 0)
     y = gl.where(gl.expand_dims(rm < S, 1) & gl.expand_dims(rn < N, 0), y, 0.0)
-    y4 = gl.convert_layout(gl.reshape(y, [WG_ROWS // 32, 32, BN // 32, 32]), _epi_layout())
+    if BN > 64:
+        # two column halves quantized one after the other: the whole 64 x 128 tile in the blocked layout plus
+        # the seq path's temporaries spilled (~900 bytes with both orientations, triton 3.6 compile check).
+        # Column bit log2(BN/2) is a register bit of the wgmma layout, so the split moves no data.
+        HN: gl.constexpr = BN // 2
+        lo, hi = gl.split(gl.permute(gl.reshape(y, [WG_ROWS, 2, HN]), (0, 2, 1)))
+        _emit_half(lo, s0, n0, b64, S, N, S_pad, hd_ptr, hs_ptr, cd_ptr, cs_ptr, HDIM, SEQ, RCEIL, SOFT, SWZ)
+        _emit_half(hi, s0, n0 + HN, b64, S, N, S_pad, hd_ptr, hs_ptr, cd_ptr, cs_ptr, HDIM, SEQ, RCEIL, SOFT, SWZ)
+    else:
+        _emit_half(y, s0, n0, b64, S, N, S_pad, hd_ptr, hs_ptr, cd_ptr, cs_ptr, HDIM, SEQ, RCEIL, SOFT, SWZ)
+
+
+@gluon.jit
+def _emit_half(y, s0, n0, b64, S, N, S_pad, hd_ptr, hs_ptr, cd_ptr, cs_ptr,
+               HDIM: gl.constexpr, SEQ: gl.constexpr, RCEIL: gl.constexpr, SOFT: gl.constexpr, SWZ: gl.constexpr):
+    """(64, W) fp32 columns n0 .. n0 + W - 1 -> the blocked 4-D layout -> ``_emit_mx_gl``."""
+    W: gl.constexpr = y.shape[1]
+    y4 = gl.convert_layout(gl.reshape(y, [WG_ROWS // 32, 32, W // 32, 32]), _epi_layout(W // 32))
     _emit_mx_gl(y4, s0, n0, b64, S, N, S_pad, hd_ptr, hs_ptr, cd_ptr, cs_ptr,
-                WG_ROWS // 32, 32, BN // 32, HDIM, SEQ, RCEIL, SOFT, SWZ)
+                WG_ROWS // 32, 32, W // 32, HDIM, SEQ, RCEIL, SOFT, SWZ)
 
 
 # ------------------------------------------------------------------------------------------------- partitions
