@@ -298,11 +298,11 @@ def _linear_quant_ws_kernel(
 # ------------------------------------------------------------------------------------------------- launcher
 def gluon_eligible(xd: torch.Tensor, wd: torch.Tensor, block_n: int = 128) -> bool:
     """Whether the Gluon kernel takes these FP8 operands: a CUDA sm_90 device, unit stride along K, row pitches
-    and base pointers 16-byte aligned (TMA), BLOCK_N a multiple of 32."""
+    and base pointers 16-byte aligned (TMA), no empty dimension, BLOCK_N a multiple of 32."""
     if xd.device.type != "cuda" or torch.cuda.get_device_capability(xd.device)[0] != 9 or block_n % 32:
         return False
     for t in (xd, wd):
-        if t.dim() != 2 or t.stride(-1) != 1 or t.stride(0) % 16 or t.data_ptr() % 16:
+        if t.dim() != 2 or 0 in t.shape or t.stride(-1) != 1 or t.stride(0) % 16 or t.data_ptr() % 16:
             return False
     return True
 
