@@ -28,7 +28,7 @@ from compile_check_gluon import _opcode, _ptxas_verbose, _resource_usage, _sass_
 
 
 def compile_variant(hdim: bool, seq: bool, bias: bool, precise: bool, swz: bool = False, stages: int | None = None,
-                    block_n: int | None = None, aligned: bool = True):
+                    block_n: int | None = None, aligned: bool = True, epi_partition: bool = True):
     """The kernel as ``linear_quant_fwd_gluon`` launches it (default config).  ``aligned``: N, K and S_pad
     specialized as multiples of 16 (what the launcher's JIT does for such sizes), else plain i32."""
     from triton.experimental.gluon import language as gl
@@ -36,6 +36,8 @@ def compile_variant(hdim: bool, seq: bool, bias: bool, precise: bool, swz: bool 
     from mxattn.kernels import linear_quant_gluon as m
 
     cfg = m.GluonLinearConfig()
+    if not epi_partition:
+        cfg = cfg.inline()
     bn = block_n or cfg.block_n
     lay = lambda shape: gl.NVMMASharedLayout.get_default_for(shape, gl.float8e4nv)  # noqa: E731
     descs = {"x_desc": ([m.WG_ROWS.value, cfg.block_k], lay([m.WG_ROWS.value, cfg.block_k])),
@@ -46,7 +48,8 @@ def compile_variant(hdim: bool, seq: bool, bias: bool, precise: bool, swz: bool 
         ptrs |= {"N": "i32", "K": "i32", "S_pad": "i32"}
     consts = dict(BN=bn, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=stages or cfg.stages, PRECISE=precise,
                   HAS_BIAS=bias, HDIM=hdim, SEQ=seq, RCEIL=True, SOFT=False, SWZ=swz,
-                  CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+                  EPI_PARTITION=cfg.epi_partition, CONSUMER_REGS=cfg.consumer_regs,
+                  PRODUCER_REGS=cfg.producer_regs, EPI_REGS=cfg.epi_regs)
     return compile_sm90(m._linear_quant_ws_kernel, consts, descs, ptrs, (), 4, cfg.maxnreg)
 
 
@@ -128,12 +131,14 @@ def check(k, name: str, dump: str | None) -> bool:
     return ok
 
 
-VARIANTS = {  # name: (hdim, seq, bias, precise, swz)
-    "hdim": (True, False, False, True, False),
-    "both": (True, True, False, True, False),
-    "seq_bias": (False, True, True, True, False),
-    "both_bias_imprecise": (True, True, True, False, False),
-    "hdim_tiled_scales": (True, False, False, True, True),
+VARIANTS = {  # name: (hdim, seq, bias, precise, swz, epilogue partition)
+    "hdim": (True, False, False, True, False, True),
+    "both": (True, True, False, True, False, True),
+    "seq_bias": (False, True, True, True, False, True),
+    "both_bias_imprecise": (True, True, True, False, False, True),
+    "hdim_tiled_scales": (True, False, False, True, True, True),
+    "hdim_inline": (True, False, False, True, False, False),
+    "both_inline": (True, True, False, True, False, False),
 }
 
 
@@ -149,7 +154,8 @@ def main(argv=None) -> int:
     ok = True
     for name in names:
         try:
-            k = compile_variant(*VARIANTS[name], stages=args.stages)
+            *flags, epi = VARIANTS[name]
+            k = compile_variant(*flags, stages=args.stages, epi_partition=epi)
         except Exception as e:  # noqa: BLE001 - report every variant
             print(f"== {name}: COMPILE ERROR\n{type(e).__name__}: {e}")
             ok = False

@@ -37,6 +37,10 @@ HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
 
 @pytest.fixture
 def clean_switch(monkeypatch):
+    if HOPPER:
+        import mxattn.kernels.linear_quant_gluon as g
+
+        monkeypatch.setattr(g, "CONFIG_OVERRIDE", None)
     monkeypatch.setattr(kl, "KERNEL_OVERRIDE", None)
     monkeypatch.setattr(kl, "TILE_OVERRIDE", None)
     monkeypatch.delenv(kl.KERNEL_ENV, raising=False)
@@ -98,14 +102,18 @@ def test_config_fits_the_register_file_and_shared_memory():
     pytest.importorskip("triton.experimental.gluon")
     from mxattn.kernels import linear_quant_gluon as g
 
-    c = g.GluonLinearConfig()
-    warps = 4 + 4 + 1  # default consumer, worker consumer, producer
-    assert c.maxnreg * 32 * warps <= 65536
-    assert 2 * 4 * 32 * c.consumer_regs + 32 * c.producer_regs <= 65536
-    assert c.consumer_regs % 8 == 0 and c.producer_regs % 8 == 0 and 24 <= c.producer_regs <= c.consumer_regs <= 256
-    ring = c.stages * (g.BLOCK_M.value + c.block_n) * c.block_k  # e4m3 bytes
-    assert ring + 2 * g.WG_ROWS.value * (c.block_n // 2) * 4 <= 227 * 1024  # plus one fp32 half tile per warpgroup
-    assert c.block_n % 32 == 0 and g.BLOCK_M.value % 32 == 0
+    for c in (g.GluonLinearConfig(), g.GluonLinearConfig().inline()):
+        # Triton pads the partitions to warpgroups: 16 warps with the epilogue partition, 12 without
+        warps = 16 if c.epi_partition else 12
+        assert c.maxnreg * 32 * warps <= 65536, c
+        regs = [c.default_partition_regs(), c.consumer_regs, c.producer_regs] + ([c.epi_regs] if c.epi_partition else [])
+        assert 128 * sum(regs) <= 65536, (c, regs)
+        assert all(r % 8 == 0 and 24 <= r <= 256 for r in regs), regs
+        assert c.default_partition_regs() >= c.consumer_regs  # consumer 0 (the default partition) fits too
+        ring = c.stages * (g.BLOCK_M.value + c.block_n) * c.block_k  # e4m3 bytes
+        handoff = 2 * g.WG_ROWS.value * c.block_n * 4 if c.epi_partition else 0  # fp32 accumulator slots
+        assert ring + handoff + 1024 <= 227 * 1024, c
+        assert c.block_n in (64, 128) and g.BLOCK_M.value % 32 == 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,6 +144,13 @@ TINY = [(1, 1, 16, 32), (1, 7, 48, 40), (2, 3, 128, 64)]
 ODD = [(1, 199, 160, 96), (2, 45, 272, 200), (3, 129, 1040, 136), (1, 1000, 4096, 1000), (2, 300, 512, 3 * 256)]
 
 
+def _inline(monkeypatch):
+    """The variant without the epilogue partition (each consumer quantizes its own accumulator)."""
+    import mxattn.kernels.linear_quant_gluon as g
+
+    monkeypatch.setattr(g, "CONFIG_OVERRIDE", g.GluonLinearConfig().inline())
+
+
 def _check_same(B, S, K, N, bias, orient, gen, tiled=False):
     xr, wr, b = _operands(B, S, K, N, bias, gen)
     got = _fwd("gluon", xr, wr, b, B, S, orient, True, tiled)
@@ -147,18 +162,24 @@ def _check_same(B, S, K, N, bias, orient, gen, tiled=False):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("variant", ["epi", "inline"])
 @pytest.mark.parametrize("orient", ["hdim", "seq", "both"])
 @pytest.mark.parametrize("B,S,K,N", TINY, ids=lambda v: str(v))
-def test_gpu_gluon_tiny(gen, clean_switch, B, S, K, N, orient):
+def test_gpu_gluon_tiny(gen, clean_switch, B, S, K, N, orient, variant):
+    if variant == "inline":
+        _inline(clean_switch)
     _check_same(B, S, K, N, True, orient, gen)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("variant", ["epi", "inline"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("orient", ["hdim", "seq", "both"])
 @pytest.mark.parametrize("B,S,K,N", ODD, ids=lambda v: str(v))
-def test_gpu_gluon_matches_tl(gen, clean_switch, B, S, K, N, orient, bias):
+def test_gpu_gluon_matches_tl(gen, clean_switch, B, S, K, N, orient, bias, variant):
+    if variant == "inline":
+        _inline(clean_switch)
     _check_same(B, S, K, N, bias, orient, gen)
 
 
@@ -171,8 +192,12 @@ def test_gpu_gluon_tiled_scales(gen, clean_switch, B, S, K, N):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
-def test_gpu_gluon_many_tiles_per_cta(gen, clean_switch):
-    """More tiles than SMs (every CTA walks several tiles and the ring wraps across tiles), B > 1 with seq."""
+@pytest.mark.parametrize("variant", ["epi", "inline"])
+def test_gpu_gluon_many_tiles_per_cta(gen, clean_switch, variant):
+    """More tiles than SMs (every CTA walks several tiles; the ring and the accumulator slots wrap across
+    tiles), B > 1 with seq."""
+    if variant == "inline":
+        _inline(clean_switch)
     _check_same(4, 1000, 384, 2048, True, "both", gen)
 
 

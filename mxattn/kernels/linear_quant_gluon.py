@@ -66,11 +66,34 @@ class GluonLinearConfig:
     block_k: int = 128  # K per ring buffer and per precise-accumulation step
     stages: int = 4  # ring depth: 4 x (16 KB x + 16 KB W) = 128 KB, plus the epilogue's layout-conversion scratch
     group_m: int = 8  # row tiles per band (as the tl kernel)
-    maxnreg: int = 168  # 9 warps at launch; then consumers 240, producer 24 (setmaxnreg): 8*32*240 + 32*24 <= 64K
-    consumer_regs: int = 240
+    # a fourth partition (one warpgroup) quantizes the accumulators that the consumers leave in shared memory,
+    # while they run the next tile's main loop; False: each consumer quantizes its own tile (no overlap but the
+    # producer's run-ahead)
+    epi_partition: bool = True
+    # registers per thread: at launch (maxnreg, all warps), then per partition (setmaxnreg).  Triton pads each
+    # partition to whole warpgroups (the producer's one warp counts as four: the launch is 16 warps with the
+    # epilogue partition, 12 without) and gives the default partition (consumer 0) what is left:
+    # 4 * maxnreg - consumer - producer - epilogue per thread (triton 3.6, read off the PTX).  With the epilogue
+    # partition: 16 * 32 * 128 = 64K at launch; consumers 144 (accumulator + one K-step partial + addresses; no
+    # spills), producer 24, epilogue 200 (compile check: 160 / 168 spilled ~700 bytes in the epilogue with both
+    # orientations, 144 / 200 ~560, 136 / 216 ~290 but the consumers start spilling).  Without: 12 * 32 * 168
+    # <= 64K; consumers 240, producer 24.
+    maxnreg: int = 128
+    consumer_regs: int = 144
     producer_regs: int = 24
+    epi_regs: int = 200
+
+    def default_partition_regs(self) -> int:
+        extra = self.epi_regs if self.epi_partition else 0
+        return min(256, (16 if self.epi_partition else 12) * self.maxnreg // 4 - self.consumer_regs
+                   - self.producer_regs - extra)
+
+    def inline(self) -> "GluonLinearConfig":
+        """The variant without the epilogue partition, with its register split."""
+        return GluonLinearConfig(self.block_n, self.block_k, self.stages, self.group_m, False, 168, 240, 24, 24)
 
 
+CONFIG_OVERRIDE: GluonLinearConfig | None = None  # tests and benchmarks: e.g. GluonLinearConfig().inline()
 _SM_COUNT: dict = {}
 
 
@@ -168,42 +191,100 @@ def _emit_mx_gl(y, s0, n0, b64, S, N, S_pad, hd_ptr, hs_ptr, cd_ptr, cs_ptr,
         gl.store(cbase + cl.to(gl.int64) * row_w + wl, words, mask=(s0 // 4 + wl < row_w) & (n0 + cl < N))
 
 
+@gluon.constexpr_function
+def _part_layout(w):
+    """2-D (64, w) layout whose reshape to (2, 32, w / 32, 32) is ``_epi_layout(w / 32)`` register for register
+    (4 tokens x 8 channels per thread)."""
+    wn = 2 if w >= 64 else 1
+    return gl.BlockedLayout(size_per_thread=[4, 8], threads_per_warp=[8, 4], warps_per_cta=[4 // wn, wn],
+                            order=[1, 0])
+
+
 @gluon.jit
-def _epilogue(acc, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b64, s0, n0, S, N, S_pad,
-              BN: gl.constexpr, HAS_BIAS: gl.constexpr, HDIM: gl.constexpr, SEQ: gl.constexpr,
-              RCEIL: gl.constexpr, SOFT: gl.constexpr, SWZ: gl.constexpr):
-    """Scale, bias, mask (as ``_linear_quant_kernel``) and quantize one warpgroup's 64 x BN accumulator."""
-    mma: gl.constexpr = acc.type.layout
-    rm = s0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, mma))
-    rn = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+def _quantize_part(raw, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b64, s0, n0, S, N, S_pad,
+                   HAS_BIAS: gl.constexpr, HDIM: gl.constexpr, SEQ: gl.constexpr, RCEIL: gl.constexpr,
+                   SOFT: gl.constexpr, SWZ: gl.constexpr):
+    """Raw accumulator columns n0 .. n0 + W - 1 of 64 rows (``_part_layout(W)``) -> scale, bias and mask as
+    ``_linear_quant_kernel`` (the same fp32 operations in the same order), then ``_emit_mx_gl``."""
+    W: gl.constexpr = raw.shape[1]
+    lay: gl.constexpr = raw.type.layout
+    rm = s0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, lay))
+    rn = n0 + gl.arange(0, W, layout=gl.SliceLayout(0, lay))
     row = b64 * S + gl.minimum(rm, S - 1)
     col = gl.minimum(rn, N - 1).to(gl.int64)
     ex = gl.load(xe_ptr + row)
     ew = gl.load(we_ptr + col)
-    y = (acc * gl.expand_dims(_pow2_wide(ex), 1)) * gl.expand_dims(_pow2_wide(ew), 0)
+    y = (raw * gl.expand_dims(_pow2_wide(ex), 1)) * gl.expand_dims(_pow2_wide(ew), 0)
     if HAS_BIAS:
         y = y + gl.expand_dims(_to_f32(gl.load(b_ptr + col)), 0)
     y = gl.where(gl.expand_dims(rm < S, 1) & gl.expand_dims(rn < N, 0), y, 0.0)
-    if BN > 64:
-        # two column halves quantized one after the other: the whole 64 x 128 tile in the blocked layout plus
-        # the seq path's temporaries spilled (~900 bytes with both orientations, triton 3.6 compile check).
-        # Column bit log2(BN/2) is a register bit of the wgmma layout, so the split moves no data.
-        HN: gl.constexpr = BN // 2
-        lo, hi = gl.split(gl.permute(gl.reshape(y, [WG_ROWS, 2, HN]), (0, 2, 1)))
-        _emit_half(lo, s0, n0, b64, S, N, S_pad, hd_ptr, hs_ptr, cd_ptr, cs_ptr, HDIM, SEQ, RCEIL, SOFT, SWZ)
-        _emit_half(hi, s0, n0 + HN, b64, S, N, S_pad, hd_ptr, hs_ptr, cd_ptr, cs_ptr, HDIM, SEQ, RCEIL, SOFT, SWZ)
-    else:
-        _emit_half(y, s0, n0, b64, S, N, S_pad, hd_ptr, hs_ptr, cd_ptr, cs_ptr, HDIM, SEQ, RCEIL, SOFT, SWZ)
-
-
-@gluon.jit
-def _emit_half(y, s0, n0, b64, S, N, S_pad, hd_ptr, hs_ptr, cd_ptr, cs_ptr,
-               HDIM: gl.constexpr, SEQ: gl.constexpr, RCEIL: gl.constexpr, SOFT: gl.constexpr, SWZ: gl.constexpr):
-    """(64, W) fp32 columns n0 .. n0 + W - 1 -> the blocked 4-D layout -> ``_emit_mx_gl``."""
-    W: gl.constexpr = y.shape[1]
     y4 = gl.convert_layout(gl.reshape(y, [WG_ROWS // 32, 32, W // 32, 32]), _epi_layout(W // 32))
     _emit_mx_gl(y4, s0, n0, b64, S, N, S_pad, hd_ptr, hs_ptr, cd_ptr, cs_ptr,
                 WG_ROWS // 32, 32, W // 32, HDIM, SEQ, RCEIL, SOFT, SWZ)
+
+
+@gluon.jit
+def _halves(acc):
+    """(64, BN) -> its two column halves.  Column bit log2(BN/2) is a register bit of the wgmma layout, so the
+    split moves no data."""
+    HN: gl.constexpr = acc.shape[1] // 2
+    return gl.split(gl.permute(gl.reshape(acc, [WG_ROWS, 2, HN]), (0, 2, 1)))
+
+
+@gluon.jit
+def _epilogue_inline(acc, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b64, s0, n0, S, N, S_pad,
+                     BN: gl.constexpr, HAS_BIAS: gl.constexpr, HDIM: gl.constexpr, SEQ: gl.constexpr,
+                     RCEIL: gl.constexpr, SOFT: gl.constexpr, SWZ: gl.constexpr):
+    """The consumer quantizes its own 64 x BN accumulator, in column halves of 64 (the whole tile in the blocked
+    layout plus the seq path's temporaries spilled ~900 bytes with both orientations, triton 3.6)."""
+    if BN == 128:
+        lo, hi = _halves(acc)
+        _quantize_part(gl.convert_layout(lo, _part_layout(64)), xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr,
+                       cs_ptr, b64, s0, n0, S, N, S_pad, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
+        _quantize_part(gl.convert_layout(hi, _part_layout(64)), xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr,
+                       cs_ptr, b64, s0, n0 + 64, S, N, S_pad, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
+    else:
+        _quantize_part(gl.convert_layout(acc, _part_layout(BN)), xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr,
+                       cs_ptr, b64, s0, n0, S, N, S_pad, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
+
+
+@gluon.jit
+def _handoff(acc, acc_smem, acc_ready, acc_empty, j, WG: gl.constexpr, BN: gl.constexpr):
+    """EPI_PARTITION: the consumer's j-th accumulator to its shared-memory slot (64-column parts), for the
+    epilogue partition.  Waits until the epilogue has read the slot's previous tile."""
+    mbarrier.wait(acc_empty.index(WG), (j & 1) ^ 1)
+    if BN == 128:
+        lo, hi = _halves(acc)
+        acc_smem.index(2 * WG).store(lo)
+        acc_smem.index(2 * WG + 1).store(hi)
+    else:
+        acc_smem.index(WG).store(acc)
+    gl.thread_barrier()  # every warp's stores before the one arrival
+    mbarrier.arrive(acc_ready.index(WG), count=1)
+
+
+@gluon.jit
+def _epilogue_partition(acc_smem, acc_ready, acc_empty, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr,
+                        S, N, S_pad, n_m_tiles, n_row_tiles, n_col_tiles, n_tiles,
+                        BN: gl.constexpr, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr, HDIM: gl.constexpr,
+                        SEQ: gl.constexpr, RCEIL: gl.constexpr, SOFT: gl.constexpr, SWZ: gl.constexpr):
+    """EPI_PARTITION: one warpgroup quantizes both consumers' accumulators of every tile while the consumers run
+    the next tile's main loop."""
+    W: gl.constexpr = 64 if BN == 128 else BN
+    NP: gl.constexpr = BN // W
+    j = 0
+    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        b, s0, n0 = _tile_coords(t, S, n_m_tiles, n_row_tiles, n_col_tiles, BN, GROUP_M)
+        for c in gl.static_range(2):
+            mbarrier.wait(acc_ready.index(c), j & 1)
+            for h in gl.static_range(NP):
+                raw = acc_smem.index(NP * c + h).load(_part_layout(W))
+                if h == NP - 1:
+                    gl.thread_barrier()  # every warp has read the slot
+                    mbarrier.arrive(acc_empty.index(c), count=1)
+                _quantize_part(raw, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b.to(gl.int64),
+                               s0 + c * WG_ROWS, n0 + h * W, S, N, S_pad, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
+        j += 1
 
 
 # ------------------------------------------------------------------------------------------------- partitions
@@ -234,15 +315,16 @@ def _producer(x_desc, w_desc, a_smem, b_smem, ready, empty, S, K, n_m_tiles, n_r
 
 
 @gluon.jit
-def _consumer(a_smem, b_smem, ready, empty, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr,
+def _consumer(a_smem, b_smem, ready, empty, acc_smem, acc_ready, acc_empty, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr,
               S, N, K, S_pad, n_m_tiles, n_row_tiles, n_col_tiles, n_tiles,
               WG: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
               PRECISE: gl.constexpr, HAS_BIAS: gl.constexpr, HDIM: gl.constexpr, SEQ: gl.constexpr,
-              RCEIL: gl.constexpr, SOFT: gl.constexpr, SWZ: gl.constexpr):
+              RCEIL: gl.constexpr, SOFT: gl.constexpr, SWZ: gl.constexpr, EPI_PARTITION: gl.constexpr):
     mma: gl.constexpr = _mma_layout(BN)
     zero = gl.zeros([WG_ROWS, BN], gl.float32, layout=mma)
     k_tiles = gl.cdiv(K, BK)
     it = 0
+    j = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         b, s0, n0 = _tile_coords(t, S, n_m_tiles, n_row_tiles, n_col_tiles, BN, GROUP_M)
         acc = zero
@@ -261,8 +343,12 @@ def _consumer(a_smem, b_smem, ready, empty, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_pt
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(empty.index(s), count=1)
             it += 1
-        _epilogue(acc, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b.to(gl.int64), s0 + WG * WG_ROWS, n0,
-                  S, N, S_pad, BN, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
+        if EPI_PARTITION:
+            _handoff(acc, acc_smem, acc_ready, acc_empty, j, WG, BN)
+        else:
+            _epilogue_inline(acc, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b.to(gl.int64),
+                             s0 + WG * WG_ROWS, n0, S, N, S_pad, BN, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
+        j += 1
 
 
 @gluon.jit
@@ -271,8 +357,8 @@ def _linear_quant_ws_kernel(
     S, N, K, S_pad, n_m_tiles, n_row_tiles,
     BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
     PRECISE: gl.constexpr, HAS_BIAS: gl.constexpr, HDIM: gl.constexpr, SEQ: gl.constexpr,
-    RCEIL: gl.constexpr, SOFT: gl.constexpr, SWZ: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    RCEIL: gl.constexpr, SOFT: gl.constexpr, SWZ: gl.constexpr, EPI_PARTITION: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, EPI_REGS: gl.constexpr,
 ):
     n_col_tiles = gl.cdiv(N, BN)
     n_tiles = n_row_tiles * n_col_tiles
@@ -280,19 +366,52 @@ def _linear_quant_ws_kernel(
     b_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    acc_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    acc_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
-    gl.warp_specialize([
-        (_consumer, (a_smem, b_smem, ready, empty, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr,
-                     S, N, K, S_pad, n_m_tiles, n_row_tiles, n_col_tiles, n_tiles,
-                     0, BN, BK, GROUP_M, STAGES, PRECISE, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)),
-        (_consumer, (a_smem, b_smem, ready, empty, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr,
-                     S, N, K, S_pad, n_m_tiles, n_row_tiles, n_col_tiles, n_tiles,
-                     1, BN, BK, GROUP_M, STAGES, PRECISE, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)),
-        (_producer, (x_desc, w_desc, a_smem, b_smem, ready, empty, S, K, n_m_tiles, n_row_tiles, n_col_tiles,
-                     n_tiles, BN, BK, GROUP_M, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    for i in gl.static_range(2):
+        mbarrier.init(acc_ready.index(i), count=1)
+        mbarrier.init(acc_empty.index(i), count=1)
+    # accumulator slots of the epilogue partition: per consumer, its 64 x BN fp32 tile as 64-column parts
+    # (a one-element placeholder without the partition)
+    W: gl.constexpr = 64 if BN == 128 else BN
+    SLOTS: gl.constexpr = 2 * (BN // W) if EPI_PARTITION else 1
+    acc_smem = gl.allocate_shared_memory(gl.float32, [SLOTS, WG_ROWS if EPI_PARTITION else 1,
+                                                      W if EPI_PARTITION else 1], _acc_smem_layout())
+    if EPI_PARTITION:
+        gl.warp_specialize([
+            (_consumer, (a_smem, b_smem, ready, empty, acc_smem, acc_ready, acc_empty, xe_ptr, we_ptr, b_ptr, hd_ptr,
+                         hs_ptr, cd_ptr, cs_ptr, S, N, K, S_pad, n_m_tiles, n_row_tiles, n_col_tiles, n_tiles,
+                         0, BN, BK, GROUP_M, STAGES, PRECISE, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ, True)),
+            (_consumer, (a_smem, b_smem, ready, empty, acc_smem, acc_ready, acc_empty, xe_ptr, we_ptr, b_ptr, hd_ptr,
+                         hs_ptr, cd_ptr, cs_ptr, S, N, K, S_pad, n_m_tiles, n_row_tiles, n_col_tiles, n_tiles,
+                         1, BN, BK, GROUP_M, STAGES, PRECISE, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ, True)),
+            (_producer, (x_desc, w_desc, a_smem, b_smem, ready, empty, S, K, n_m_tiles, n_row_tiles, n_col_tiles,
+                         n_tiles, BN, BK, GROUP_M, STAGES)),
+            (_epilogue_partition, (acc_smem, acc_ready, acc_empty, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr,
+                                   cs_ptr, S, N, S_pad, n_m_tiles, n_row_tiles, n_col_tiles, n_tiles, BN, GROUP_M,
+                                   HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)),
+        ], [4, 1, 4], [CONSUMER_REGS, PRODUCER_REGS, EPI_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (a_smem, b_smem, ready, empty, acc_smem, acc_ready, acc_empty, xe_ptr, we_ptr, b_ptr, hd_ptr,
+                         hs_ptr, cd_ptr, cs_ptr, S, N, K, S_pad, n_m_tiles, n_row_tiles, n_col_tiles, n_tiles,
+                         0, BN, BK, GROUP_M, STAGES, PRECISE, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ, False)),
+            (_consumer, (a_smem, b_smem, ready, empty, acc_smem, acc_ready, acc_empty, xe_ptr, we_ptr, b_ptr, hd_ptr,
+                         hs_ptr, cd_ptr, cs_ptr, S, N, K, S_pad, n_m_tiles, n_row_tiles, n_col_tiles, n_tiles,
+                         1, BN, BK, GROUP_M, STAGES, PRECISE, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ, False)),
+            (_producer, (x_desc, w_desc, a_smem, b_smem, ready, empty, S, K, n_m_tiles, n_row_tiles, n_col_tiles,
+                         n_tiles, BN, BK, GROUP_M, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+@gluon.constexpr_function
+def _acc_smem_layout():
+    # rows of 64 fp32 (256 bytes): 16-byte vectors XOR-swizzled by row, so that the wgmma layout's stores (8 rows
+    # per instruction at the same columns) spread over the banks
+    return gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
 
 
 # ------------------------------------------------------------------------------------------------- launcher
@@ -317,7 +436,9 @@ def linear_quant_fwd_gluon(xd, xe, wd, we, bias, hd, hs, cd, cs, B: int, S: int,
                            config: GluonLinearConfig | None = None) -> None:
     """Launch on prepared operands and outputs (``linear_quant.linear_quant_fwd`` allocates them and checks
     ``gluon_eligible``): xd (B*S, K) / wd (N, K) e4m3, xe (B*S,) / we (N,) int32, outputs as ``_emit_mx``."""
-    cfg = config or GluonLinearConfig()
+    cfg = config or CONFIG_OVERRIDE or GluonLinearConfig()
+    if cfg.block_n not in (64, 128):
+        raise ValueError(f"block_n must be 64 or 128, got {cfg.block_n}")
     M, K = xd.shape
     N = wd.shape[0]
     la, lb = _layouts(cfg.block_n, cfg.block_k)
@@ -332,6 +453,7 @@ def linear_quant_fwd_gluon(xd, xe, wd, we, bias, hd, hs, cd, cs, B: int, S: int,
         S, N, K, s_pad, n_m_tiles, n_row_tiles,
         BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.stages, PRECISE=precise,
         HAS_BIAS=bias is not None, HDIM=hdim, SEQ=seq, RCEIL=rceil, SOFT=soft, SWZ=tiled_scales,
-        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+        EPI_PARTITION=cfg.epi_partition, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+        EPI_REGS=cfg.epi_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
