@@ -3,14 +3,19 @@ semantics, ``kernels.linear_quant``; the K-dim scales are re-expressed as row ex
 
 One CTA per SM walks the output tiles (BLOCK_M x BLOCK_N, BLOCK_M = 128) in the ``tl`` kernel's band order
 (``band_tile``: GROUP_M row tiles per band, the band's weight columns stay in L2), tile t = pid + i * grid.
-Three partitions:
+Partitions (``GluonLinearConfig.epi_partition``, default on):
   producer    1 warp: TMA loads of the x tile (two 64-row boxes) and the W tile (BLOCK_N x BLOCK_K) of every
               K-step into a ring of STAGES buffers, one ready and one empty mbarrier per buffer.  It runs ahead
-              across tile boundaries, so the next tile's operands land while the consumers run the epilogue.
+              across tile boundaries.
   consumer 0  the default partition (one warpgroup): rows 0..63 of each tile.
   consumer 1  a 4-warp worker: rows 64..127.
-Each consumer issues async ``warpgroup_mma`` (m64nBLOCK_Nk32 e4m3, fp32 accumulator) per K-step and releases the
-ring buffer as soon as the wgmma reading it has retired.
+  epilogue    a 4-warp worker: quantizes the accumulators the consumers leave in shared memory (one fp32 slot
+              per consumer, an acc_ready / acc_empty mbarrier pair each) while they run the next tile's main
+              loop.  Without it (``GluonLinearConfig.inline()``) each consumer quantizes its own accumulator
+              and only the producer's run-ahead overlaps the epilogue.
+Each consumer issues async ``warpgroup_mma`` (m64nBLOCK_Nk32 e4m3, fp32 accumulator) per K-step, waits for it in
+the same iteration (a chain left in flight across the loop edge made ptxas serialize every wgmma, C7514) and
+releases the ring buffer; the two consumers' chains interleave on the tensor cores.
 
 Accumulation (``PRECISE``, ``LinearTile.precise_acc``): each K-step's wgmma chain starts from zero and its
 result is added into the fp32 accumulator with an ordinary fp32 add, in K order.  That is what Triton lowers
@@ -19,14 +24,15 @@ BLOCK_K elements, then an add), so both kernels compute the same fp32 sums; with
 chain accumulates across all of K in the tensor core's adder (Triton's default, and the ``tl`` kernel's
 ``precise_acc=False``).
 
-Epilogue (per consumer, 64 rows): ``y = (acc * 2^Ex) * 2^Ew (+ bias)`` on the accumulator registers, rows
-past the batch's S and columns past N zeroed, then the tile is moved to a blocked layout (4 tokens x 8
-channels per thread, 32-token and 32-channel blocks reduced inside a warp) and quantized by the arithmetic
-helpers of the ``tl`` path (``quantize._hdim_mx``, ``_mx_exponent``, ``_e4m3_bytes``, ``rmsnorm_quant._pack4``;
-plain ``@triton.jit`` functions without index creation, callable from Gluon); ``_emit_mx_gl`` repeats
-``rmsnorm_quant._emit_mx``'s index and store code with Gluon layouts.  M tiles never cross a batch boundary
-(row tiles are (batch, 128-token block)); x rows past a batch's end read the next batch (or TMA zero fill)
-and are zeroed before quantization.  K past the end and W rows past N are TMA zero fill.
+Epilogue (64 rows x 64 columns at a time): ``y = (acc * 2^Ex) * 2^Ew (+ bias)``, rows past the batch's S
+and columns past N zeroed (the ``tl`` kernel's fp32 operations in its order), then quantized in a blocked
+layout (4 tokens x 8 channels per thread, 32-token and 32-channel blocks reduced inside a warp) by the
+arithmetic helpers of the ``tl`` path (``quantize._hdim_mx``, ``_mx_exponent``, ``_e4m3_bytes``,
+``rmsnorm_quant._pack4``: plain ``@triton.jit`` functions that create no index tensors, so Gluon calls them);
+``_emit_mx_gl`` repeats ``rmsnorm_quant._emit_mx``'s offsets, masks and stores with Gluon layouts.  M tiles
+never cross a batch boundary (row tiles are (batch, 128-token block)); x rows past a batch's end read the next
+batch (or TMA zero fill) and are zeroed before quantization.  K past the end and W rows past N are TMA zero
+fill (exact zeros in the sums).
 
 Requirements (``gluon_eligible``): sm_90, x and W rows 16-byte aligned (K % 16 == 0 for contiguous data),
 data pointers 16-byte aligned.  Notes and numbers: docs/perf-notes-producers.md.  Compile check without a GPU:
