@@ -165,12 +165,14 @@ def steady_loops(sass: str) -> list[dict]:
 
 
 def check(k, name: str, dump: str | None, max_depbar: int = 2, allowed_spill_bytes: int | None = 0,
-          allowed_loop_local: int = 0) -> bool:
+          allowed_loop_local: int = 0, loops_fn=None) -> bool:
     """Print the report of one compiled variant; False when a rule fails: spills above ``allowed_spill_bytes``
     (ptxas -v, stores + loads; None: any number of bytes, as long as at most ``allowed_loop_local`` LDL / STL lie
     inside the consumer loops, i.e. mostly loop-invariant values such as the epilogue's pointers are spilled),
     local memory in the PTX, no setmaxnreg, a wgmma other than m64nNk32 e4m3, ptxas
-    serializing the wgmma pipeline, no consumer loop found, more than ``max_depbar`` WARPGROUP.DEPBAR per loop."""
+    serializing the wgmma pipeline, no consumer loop found, more than ``max_depbar`` WARPGROUP.DEPBAR per loop.
+    ``loops_fn``: SASS -> the loops to check (dicts as ``steady_loops``'s; default ``steady_loops``, the attention
+    KV loops, which also get the P conversion line)."""
     ptx = k.asm["ptx"]
     usage = _resource_usage(k.asm["cubin"])
     ptxas = _ptxas_verbose(ptx)
@@ -180,7 +182,7 @@ def check(k, name: str, dump: str | None, max_depbar: int = 2, allowed_spill_byt
     wgmma = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+?)\s", ptx))
     local = len(re.findall(r"\b(?:ld|st)\.local", ptx))
     serialized = [ln.strip() for ln in ptxas.splitlines() if "Potential Performance Loss" in ln]
-    loops = steady_loops(usage["sass"])
+    loops = (loops_fn or steady_loops)(usage["sass"])
     max_reg = max((int(r) for _, t in _sass_instrs(usage["sass"]) for r in re.findall(r"\bR(\d+)\b", t)),
                   default=-1)
     bad_wgmma = [w for w in wgmma if not re.fullmatch(r"m64n\d+k32\.f32\.e4m3\.e4m3", w)]
@@ -203,9 +205,12 @@ def check(k, name: str, dump: str | None, max_depbar: int = 2, allowed_spill_byt
         print("   FAIL: no consumer loop found in the SASS")
     for lp in loops:
         top = ", ".join(f"{op} {c}" for op, c in lp["counts"].most_common(12))
-        print(f"   consumer loop at {lp['start']}: {lp['instrs']} SASS instrs (masked + unmasked paths), "
+        paths = " (masked + unmasked paths)" if loops_fn is None else ""
+        print(f"   consumer loop at {lp['start']}: {lp['instrs']} SASS instrs{paths}, "
               f"WARPGROUP.DEPBAR {lp['depbar']} (max {max_depbar}); {top}")
         c = lp["counts"]
+        if loops_fn is not None:
+            continue
         print(f"      P conversion ops in the loop (both paths): SHFL.IDX {lp['shfl_idx']} (all SHFL {c['SHFL']}), "
               f"SEL {c['SEL']}, PRMT {c['PRMT']}, F2FP {c['F2FP']}")
     counts = {label: len(re.findall(pat, ptx)) for label, pat in (

@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import triton  # noqa: E402
 
-from compile_check_gluon import _opcode, _ptxas_verbose, _resource_usage, _sass_instrs, compile_sm90  # noqa: E402
+from compile_check_gluon import _opcode, _sass_instrs, compile_sm90  # noqa: E402
+from compile_check_gluon import check as check_gluon  # noqa: E402
 
 
 def compile_variant(hdim: bool, seq: bool, bias: bool, precise: bool, swz: bool = False, stages: int | None = None,
@@ -81,54 +82,13 @@ def k_loops(sass: str) -> list[dict]:
                 best = min(around, key=lambda lp: lp["instrs"])
                 if best not in inner:
                     inner.append(best)
-    return inner
+    return [lp | {"start": hex(lp["start"])} for lp in inner]
 
 
 def check(k, name: str, dump: str | None) -> bool:
-    ptx = k.asm["ptx"]
-    usage = _resource_usage(k.asm["cubin"])
-    ptxas = _ptxas_verbose(ptx)
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)
-    spill_bytes = sum(int(a) + int(b) for a, b in spills)
-    setmaxnreg = collections.Counter(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))
-    wgmma = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+?)\s", ptx))
-    local = len(re.findall(r"\b(?:ld|st)\.local", ptx))
-    serialized = [ln.strip() for ln in ptxas.splitlines() if "Potential Performance Loss" in ln]
-    loops = k_loops(usage["sass"])
-    max_reg = max((int(r) for _, t in _sass_instrs(usage["sass"]) for r in re.findall(r"\bR(\d+)\b", t)),
-                  default=-1)
-    bad_wgmma = [w for w in wgmma if not re.fullmatch(r"m64n\d+k32\.f32\.e4m3\.e4m3", w)]
-    loop_local = sum(lp["counts"]["LDL"] + lp["counts"]["STL"] for lp in loops)
-    # spills are tolerated outside the K loops (tile-invariant epilogue offsets the persistent loop keeps), never
-    # inside them
-    ok = (loop_local == 0 and local == 0 and bool(setmaxnreg) and bool(wgmma) and not bad_wgmma
-          and not serialized and bool(loops) and all(lp["depbar"] <= 1 for lp in loops))
-    print(f"== {name}: {'OK' if ok else 'FAIL'}")
-    print(f"   registers: launch {usage['regs']}/thread (maxnreg), highest register used in SASS R{max_reg}; "
-          f"stack {usage['stack']}, local {usage['local']}")
-    print(f"   spills (ptxas -v): {spill_bytes} bytes (allowed outside the K loops), LDL/STL inside the K loops: "
-          f"{loop_local} (allowed 0); ld/st.local in PTX: {local}")
-    print(f"   shared memory: {k.metadata.shared} bytes")
-    print(f"   setmaxnreg (kind, regs): {dict(setmaxnreg)}")
-    print(f"   wgmma: {dict(wgmma)}" + (f"  NOT e4m3 k32: {bad_wgmma}" if bad_wgmma else ""))
-    print(f"   ptxas wgmma serialization: {serialized or 'none'}")
-    if not loops:
-        print("   FAIL: no K loop found in the SASS")
-    for lp in loops:
-        top = ", ".join(f"{op} {c}" for op, c in lp["counts"].most_common(10))
-        print(f"   K loop at {hex(lp['start'])}: {lp['instrs']} SASS instrs, wgmma {lp['gmma']}, "
-              f"WARPGROUP.DEPBAR {lp['depbar']} (max 1 per K-step); {top}")
-    counts = {label: len(re.findall(pat, ptx)) for label, pat in (
-        ("tma", r"cp\.async\.bulk\.tensor"), ("mbar_wait", r"mbarrier\.try_wait"),
-        ("mbar_arrive", r"mbarrier\.arrive"), ("bar_sync", r"\bbar\.sync|barrier\.sync"), ("shfl", r"shfl\.sync"),
-        ("st_shared", r"st\.shared"), ("ld_shared", r"ld\.shared"), ("st_global", r"st\.global"))}
-    print("   PTX counts (whole kernel): " + ", ".join(f"{a}={c}" for a, c in counts.items()))
-    if dump:
-        os.makedirs(dump, exist_ok=True)
-        for ext, text in (("ttgir", k.asm["ttgir"]), ("ptx", ptx), ("sass", usage["sass"]), ("ptxas.txt", ptxas)):
-            with open(os.path.join(dump, f"{name}.{ext}"), "w") as f:
-                f.write(text)
-    return ok
+    """``compile_check_gluon.check`` on the K loops: spills tolerated outside them (tile-invariant epilogue
+    offsets that the persistent loop keeps), no LDL / STL inside, at most one WARPGROUP.DEPBAR per K-step."""
+    return check_gluon(k, name, dump, max_depbar=1, allowed_spill_bytes=None, allowed_loop_local=0, loops_fn=k_loops)
 
 
 VARIANTS = {  # name: (hdim, seq, bias, precise, swz, epilogue partition)
