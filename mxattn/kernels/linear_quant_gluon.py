@@ -103,6 +103,17 @@ CONFIG_OVERRIDE: GluonLinearConfig | None = None  # tests and benchmarks: e.g. G
 _SM_COUNT: dict = {}
 
 
+_MAJOR: dict = {}
+
+
+def _major(dev: torch.device) -> int:
+    """Compute capability major of ``dev``, once per device (linear_quant_fwd asks on every call)."""
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    if i not in _MAJOR:
+        _MAJOR[i] = torch.cuda.get_device_capability(i)[0]
+    return _MAJOR[i]
+
+
 def _sm_count(dev: torch.device) -> int:
     i = dev.index if dev.index is not None else torch.cuda.current_device()
     if i not in _SM_COUNT:
@@ -424,7 +435,7 @@ def _acc_smem_layout():
 def gluon_eligible(xd: torch.Tensor, wd: torch.Tensor, block_n: int = 128) -> bool:
     """Whether the Gluon kernel takes these FP8 operands: a CUDA sm_90 device, unit stride along K, row pitches
     and base pointers 16-byte aligned (TMA), no empty dimension, BLOCK_N a multiple of 32."""
-    if xd.device.type != "cuda" or torch.cuda.get_device_capability(xd.device)[0] != 9 or block_n % 32:
+    if xd.device.type != "cuda" or _major(xd.device) != 9 or block_n % 32:
         return False
     for t in (xd, wd):
         if t.dim() != 2 or 0 in t.shape or t.stride(-1) != 1 or t.stride(0) % 16 or t.data_ptr() % 16:
