@@ -8,7 +8,9 @@ bias x precise accumulation) it prints registers, spill bytes, shared memory, se
 consumers' K loop (SASS instructions, ``WARPGROUP.DEPBAR`` per iteration) and fails on spill code inside a K
 loop (LDL / STL; spills of tile-invariant epilogue values outside it are reported, not failed), local memory,
 a wgmma other than m64nNk32 e4m3, ptxas serializing the wgmma pipeline (C7514 / C7512), no K loop found, or
-more than one ``WARPGROUP.DEPBAR`` per K-step.  Exit status 1 when a check fails.
+more than one ``WARPGROUP.DEPBAR`` per K-step.  Then (full run) it compiles the ``tl`` kernel too and checks
+that precise accumulation is the same arithmetic in both (``check_same_promotion``).  Exit status 1 when a check
+fails.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import triton  # noqa: E402
 
-from compile_check_gluon import _opcode, _sass_instrs, compile_sm90  # noqa: E402
+from compile_check_gluon import _opcode, _resource_usage, _sass_instrs, compile_sm90  # noqa: E402
 from compile_check_gluon import check as check_gluon  # noqa: E402
 
 
@@ -91,6 +93,62 @@ def check(k, name: str, dump: str | None) -> bool:
     return check_gluon(k, name, dump, max_depbar=1, allowed_spill_bytes=None, allowed_loop_local=0, loops_fn=k_loops)
 
 
+def compile_tl(precise: bool):
+    """The ``tl`` kernel (``linear_quant._linear_quant_kernel``, default ``LinearTile``, hdim) for sm_90a."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import mxattn.kernels.linear_quant as kl
+
+    fn, t = kl._linear_quant_kernel, kl.LinearTile(precise_acc=precise)
+    consts = dict(BM=t.block_m, BN=t.block_n, BK=t.block_k, GROUP_M=t.group_m, EVEN_K=True, PRECISE=precise,
+                  HAS_BIAS=False, HDIM=True, SEQ=False, RCEIL=True, SOFT=False, SWZ=False)
+    ptrs = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "xe_ptr": "*i32", "we_ptr": "*i32", "b_ptr": "*bf16",
+            "hd_ptr": "*u8", "hs_ptr": "*u8", "cd_ptr": "*i32", "cs_ptr": "*u8"}
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        sig[name] = "constexpr" if name in consts else ptrs.get(name, "i32")
+        if name in ptrs or name in ("sxm", "swn", "N", "K", "S_pad"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": t.num_warps, "num_stages": t.num_stages})
+
+
+def wgmma_chains(ptx: str) -> set:
+    """The distinct wgmma chains of the PTX: runs that start with a wgmma whose scale-d is 0 (a fresh
+    accumulator), as tuples of (shape, fresh) per instruction."""
+    chains, cur = [], []
+    for shape, scale_d in re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+)\s+\{[^}]*\},\s*%rd\d+,\s*%rd\d+,\s*"
+                                     r"([^,]+),", ptx):
+        fresh = scale_d.strip() == "0"
+        if fresh and cur:
+            chains.append(tuple(cur))
+            cur = []
+        cur.append((shape, fresh))
+    if cur:
+        chains.append(tuple(cur))
+    return set(chains)
+
+
+def check_same_promotion() -> bool:
+    """Precise accumulation compiles to the same arithmetic in both kernels (the basis of the byte-equality
+    tests): every K-step is one chain of 4 wgmma m64n128k32 from a zero accumulator, and the K loops add it to
+    the fp32 accumulator (64 FADD per thread and K-step)."""
+    from mxattn.kernels import linear_quant_gluon as m
+
+    tl_k = compile_tl(True)
+    gl_k = compile_variant(True, False, False, True)
+    tl_chains, gl_chains = wgmma_chains(tl_k.asm["ptx"]), wgmma_chains(gl_k.asm["ptx"])
+    steps = m.GluonLinearConfig().block_k // 32
+    want = {tuple([("m64n128k32.f32.e4m3.e4m3", True)] + [("m64n128k32.f32.e4m3.e4m3", False)] * (steps - 1))}
+    fadd = [[lp["counts"]["FADD"] for lp in k_loops(_resource_usage(k.asm["cubin"])["sass"])] for k in (tl_k, gl_k)]
+    ok = tl_chains == gl_chains == want and all(f and all(x == 64 for x in f) for f in fadd)
+    print(f"== precise accumulation, tl vs Gluon: {'OK' if ok else 'FAIL'}")
+    print(f"   wgmma chains: tl {sorted(tl_chains)}\n                 Gluon {sorted(gl_chains)}")
+    print(f"   FADD per K loop (tl, Gluon): {fadd}")
+    return ok
+
+
 VARIANTS = {  # name: (hdim, seq, bias, precise, swz, epilogue partition)
     "hdim": (True, False, False, True, False, True),
     "both": (True, True, False, True, False, True),
@@ -121,6 +179,8 @@ def main(argv=None) -> int:
             ok = False
             continue
         ok = check(k, name, args.dump) and ok
+    if not args.only:
+        ok = check_same_promotion() and ok
     print("all variants OK" if ok else "some variants FAILED")
     return 0 if ok else 1
 
