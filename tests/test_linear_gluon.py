@@ -4,13 +4,13 @@ CPU: the switch (``MXATTN_LINEAR_KERNEL`` / ``KERNEL_OVERRIDE``: values, fallbac
 and the config's register budget.  GPU (``-m gpu``, sm_90): the Gluon kernel against the ``tl`` kernel on the
 same row-scaled operands, tiny shapes first (a barrier bug shows as a hang: run under ``timeout``), then odd
 sizes (M, N, K not multiples of the tile; B > 1 with seq tiles that end inside a batch; bias or not; hdim / seq /
-both; the 128x4-tiled hdim scales).  Comparison rule:
-* ``precise_acc=True`` (the default): every output byte equal to the ``tl`` kernel's.  Both sum the
-  per-128-K wgmma partials into fp32 in K order (module docstring of ``linear_quant_gluon``), and the epilogue
-  runs the same helpers on the same fp32 values.
-* ``precise_acc=False``: the wgmma chain runs over all of K in both kernels, but the chain's instructions are
-  grouped differently (m64n128 per warpgroup here, Triton's own choice there), so the outputs are compared to
-  ``linear_quant_reference`` with the bound of ``test_producers.test_gpu_linear_quant_against_reference``.
+both; the 128x4-tiled hdim scales).  Comparison rule: every output byte equal to the ``tl`` kernel's, with
+precise accumulation (the default) and with ``precise_acc=False``.  Both kernels issue the same wgmma
+(m64n128k32 e4m3 per warpgroup) on the same operands in the same K order; precise, each 128-K step is a chain
+from zero added to the fp32 accumulator, fast, one chain over all of K (``scripts/compile_check_linear_gluon.py``
+checks this on the compiled PTX / SASS, ``check_same_accumulation``); the epilogue runs the same helpers on the
+same fp32 values.  The fast mode is also compared to ``linear_quant_reference`` with the bound of
+``test_producers.test_gpu_linear_quant_against_reference``.
 
     PYTHONPATH=. python -m pytest tests/test_linear_gluon.py                         # CPU
     timeout 300 python -m pytest -m gpu -x tests/test_linear_gluon.py -k tiny        # H200, first
@@ -141,7 +141,9 @@ def _operands(B, S, K, N, bias, gen):
 
 
 TINY = [(1, 1, 16, 32), (1, 7, 48, 40), (2, 3, 128, 64)]
-ODD = [(1, 199, 160, 96), (2, 45, 272, 200), (3, 129, 1040, 136), (1, 1000, 4096, 1000), (2, 300, 512, 3 * 256)]
+# each distinct (orientation, bias, accumulation, variant) and each 16-divisibility pattern of S, N, K is one compile:
+# few shapes, each odd in a different way
+ODD = [(1, 199, 160, 96), (2, 45, 272, 200), (3, 129, 1040, 136), (1, 1000, 4096, 1000)]
 
 
 def _inline(monkeypatch):
@@ -151,13 +153,14 @@ def _inline(monkeypatch):
     monkeypatch.setattr(g, "CONFIG_OVERRIDE", g.GluonLinearConfig().inline())
 
 
-def _check_same(B, S, K, N, bias, orient, gen, tiled=False):
+def _check_same(B, S, K, N, bias, orient, gen, tiled=False, precise=True):
     xr, wr, b = _operands(B, S, K, N, bias, gen)
-    got = _fwd("gluon", xr, wr, b, B, S, orient, True, tiled)
-    want = _fwd("tl", xr, wr, b, B, S, orient, True, tiled)
+    got = _fwd("gluon", xr, wr, b, B, S, orient, precise, tiled)
+    want = _fwd("tl", xr, wr, b, B, S, orient, precise, tiled)
     assert sorted(got) == sorted(want)
     for key in want:
-        assert_same_bytes(got[key], want[key], f"gluon vs tl {key} B{B} S{S} K{K} N{N} bias={bias} {orient}")
+        assert_same_bytes(got[key], want[key],
+                          f"gluon vs tl {key} B{B} S{S} K{K} N{N} bias={bias} {orient} precise={precise}")
 
 
 @pytest.mark.gpu
@@ -181,6 +184,17 @@ def test_gpu_gluon_matches_tl(gen, clean_switch, B, S, K, N, orient, bias, varia
     if variant == "inline":
         _inline(clean_switch)
     _check_same(B, S, K, N, bias, orient, gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("variant", ["epi", "inline"])
+@pytest.mark.parametrize("B,S,K,N", [(1, 199, 160, 96), (2, 300, 1040, 200), (1, 2048, 4096, 1024)],
+                         ids=lambda v: str(v))
+def test_gpu_gluon_fast_accumulation_matches_tl(gen, clean_switch, B, S, K, N, variant):
+    if variant == "inline":
+        _inline(clean_switch)
+    _check_same(B, S, K, N, True, "both", gen, precise=False)
 
 
 @pytest.mark.gpu
