@@ -251,3 +251,27 @@ def test_gpu_public_api_takes_gluon_on_hopper(gen, clean_switch):
     tl_out = P.linear_quant(x, w, orientations="both")
     for a, t in zip(auto, tl_out):
         assert torch.equal(_u8(a.data), _u8(t.data)) and torch.equal(_u8(a.scale), _u8(t.scale))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("variant", ["epi", "inline"])
+def test_gpu_gluon_special_values(gen, clean_switch, variant):
+    """NaN / Inf in x (the epilogue's patching branches: NaN bytes, 255 scales) and all-zero rows: same bytes as tl."""
+    if variant == "inline":
+        _inline(clean_switch)
+    B, S, K, N = 2, 150, 256, 160
+    x = _rand((B * S, K), torch.bfloat16, gen)
+    x[3, 7] = float("inf")
+    x[70, 100] = float("-inf")
+    x[200, 5] = float("nan")
+    x[120] = 0.0
+    w = _rand((N, K), torch.bfloat16, gen, K ** -0.5)
+    xr, wr = kl.row_scaled_rows(x), kl.row_scaled_rows(w)
+    for orient in ("hdim", "seq", "both"):
+        got = _fwd("gluon", xr, wr, None, B, S, orient, True)
+        want = _fwd("tl", xr, wr, None, B, S, orient, True)
+        for key in want:
+            assert_same_bytes(got[key], want[key], f"special values {key} {orient}")
+        if "hs" in want:
+            assert (_u8(want["hs"]) == 255).any()  # the case reached the NaN / Inf path
