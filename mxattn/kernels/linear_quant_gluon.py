@@ -68,9 +68,9 @@ BLOCK_M = gl.constexpr(128)  # rows per tile: two consumer warpgroups
 class GluonLinearConfig:
     """Tile and partition choice (not yet tuned on the H200)."""
 
-    block_n: int = 128  # wgmma N; multiple of 32 (whole hdim blocks).  128: 64 accumulator registers per thread
+    block_n: int = 128  # wgmma N: 64 or 128 (whole hdim blocks; 64-column epilogue parts); 64 fp32 registers at 128
     block_k: int = 128  # K per ring buffer and per precise-accumulation step
-    stages: int = 4  # ring depth: 4 x (16 KB x + 16 KB W) = 128 KB, plus the epilogue's layout-conversion scratch
+    stages: int = 4  # ring depth: 4 x (16 KB x + 16 KB W) = 128 KB, + 64 KB of accumulator slots (epilogue partition)
     group_m: int = 8  # row tiles per band (as the tl kernel)
     # a fourth partition (one warpgroup) quantizes the accumulators that the consumers leave in shared memory,
     # while they run the next tile's main loop; False: each consumer quantizes its own tile (no overlap but the
@@ -96,13 +96,11 @@ class GluonLinearConfig:
 
     def inline(self) -> "GluonLinearConfig":
         """The variant without the epilogue partition, with its register split."""
-        return GluonLinearConfig(self.block_n, self.block_k, self.stages, self.group_m, False, 168, 240, 24, 24)
+        return GluonLinearConfig(self.block_n, self.block_k, self.stages, self.group_m, False, 168, 240, 24, 0)
 
 
 CONFIG_OVERRIDE: GluonLinearConfig | None = None  # tests and benchmarks: e.g. GluonLinearConfig().inline()
 _SM_COUNT: dict = {}
-
-
 _MAJOR: dict = {}
 
 
