@@ -125,11 +125,16 @@ def _opcode(text: str) -> str:
     return re.sub(r"^@!?U?P[T0-9]+\s+", "", text).split()[0].split(".")[0]
 
 
-def steady_loops(sass: str) -> list[dict]:
-    """The consumers' KV loops: backward branches whose body holds wgmma with a register A operand (P V).
-    Per loop: instructions in the body (both softmax paths, masked and not), opcode counts, and the
-    ``WARPGROUP.DEPBAR`` count (2 per iteration when the wgmma pipeline is intact; one per QGMMA when ptxas
-    serialized it)."""
+_PV = r"GMMA\S*\s+R\d+,\s*R\d+,"  # wgmma with a register A operand (P V)
+_SMEM_A = r"GMMA\S*\s+R\d+,\s*gdesc"  # wgmma with A from shared memory
+
+
+def sass_loops(sass: str, body_ok, anchor: str) -> list[dict]:
+    """Backward branches whose body passes ``body_ok`` (list of SASS instruction texts) and holds no
+    ``USETMAXREG`` (the warp dispatch loop of a warp-specialized region), reduced to the smallest such loop
+    around each instruction matching ``anchor``: the out-of-line retry paths of mbarrier waits branch back into
+    a loop from far below and make larger spurious ranges.  Per loop: start (hex) and end address, instructions,
+    opcode counts, wgmma count, ``WARPGROUP.DEPBAR`` count, ``SHFL.IDX`` count."""
     ins = _sass_instrs(sass)
     pos = {a: i for i, (a, _) in enumerate(ins)}
     loops = []
@@ -140,28 +145,34 @@ def steady_loops(sass: str) -> list[dict]:
         if not mm or int(mm.group(1), 16) >= a:
             continue
         body = ins[pos[int(mm.group(1), 16)]: pos[a] + 1]
-        # one KV iteration issues both products (Q Kᵀ: A from shared memory, P V: A from registers); the warp
-        # dispatch loop of the warp-specialized region (USETMAXREG) is not a KV loop
-        if not (any(re.search(r"GMMA\S*\s+R\d+,\s*R\d+,", x) for _, x in body)
-                and any(re.search(r"GMMA\S*\s+R\d+,\s*gdesc", x) for _, x in body)) \
-                or any("USETMAXREG" in x for _, x in body):
+        texts = [x for _, x in body]
+        if not body_ok(texts) or any("USETMAXREG" in x for x in texts):
             continue
-        counts = collections.Counter(_opcode(x) for _, x in body)
-        depbar = sum(1 for _, x in body if "WARPGROUP.DEPBAR" in x)
-        shfl_idx = sum(1 for _, x in body if "SHFL.IDX" in x)  # P's quad shuffles (the reductions use BFLY)
-        loops.append({"start": body[0][0], "end": a, "instrs": len(body), "depbar": depbar, "counts": counts,
-                      "shfl_idx": shfl_idx})
-    # for each P V wgmma, the smallest range around it: the out-of-line retry paths of mbarrier waits branch
-    # back into the loop from far below and make larger spurious ranges
-    pv = [a for a, t in ins if re.search(r"GMMA\S*\s+R\d+,\s*R\d+,", t)]
+        loops.append({"start": body[0][0], "end": a, "instrs": len(body),
+                      "counts": collections.Counter(_opcode(x) for x in texts),
+                      "gmma": sum(1 for x in texts if "GMMA" in x and "DEPBAR" not in x),
+                      "depbar": sum(1 for x in texts if "WARPGROUP.DEPBAR" in x),
+                      "shfl_idx": sum(1 for x in texts if "SHFL.IDX" in x)})
     inner = []
-    for a in pv:
-        around = [lp for lp in loops if lp["start"] <= a <= lp["end"]]
-        if around:
-            best = min(around, key=lambda lp: lp["instrs"])
-            if best not in inner:
-                inner.append(best)
+    for a, t in ins:
+        if re.search(anchor, t):
+            around = [lp for lp in loops if lp["start"] <= a <= lp["end"]]
+            if around:
+                best = min(around, key=lambda lp: lp["instrs"])
+                if best not in inner:
+                    inner.append(best)
     return [lp | {"start": hex(lp["start"])} for lp in inner]
+
+
+def steady_loops(sass: str) -> list[dict]:
+    """The consumers' KV loops: one KV iteration issues both products (Q Kᵀ: A from shared memory, P V: A from
+    registers).  Per loop (``sass_loops``): instructions in the body (both softmax paths, masked and not), opcode
+    counts, the ``WARPGROUP.DEPBAR`` count (2 per iteration when the wgmma pipeline is intact; one per QGMMA when
+    ptxas serialized it) and ``SHFL.IDX`` (P's quad shuffles; the reductions use BFLY)."""
+    def both(texts):
+        return any(re.search(_PV, x) for x in texts) and any(re.search(_SMEM_A, x) for x in texts)
+
+    return sass_loops(sass, both, _PV)
 
 
 def check(k, name: str, dump: str | None, max_depbar: int = 2, allowed_spill_bytes: int | None = 0,

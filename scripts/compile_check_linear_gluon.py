@@ -16,7 +16,6 @@ fails.
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import re
 import sys
@@ -26,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import triton  # noqa: E402
 
-from compile_check_gluon import _opcode, _resource_usage, _sass_instrs, compile_sm90  # noqa: E402
+from compile_check_gluon import _SMEM_A, _resource_usage, compile_sm90, sass_loops  # noqa: E402
 from compile_check_gluon import check as check_gluon  # noqa: E402
 
 
@@ -57,34 +56,8 @@ def compile_variant(hdim: bool, seq: bool, bias: bool, precise: bool, swz: bool 
 
 
 def k_loops(sass: str) -> list[dict]:
-    """Backward branches whose body holds a shared-memory wgmma (the consumers' K loops), innermost first."""
-    ins = _sass_instrs(sass)
-    pos = {a: i for i, (a, _) in enumerate(ins)}
-    loops = []
-    for a, t in ins:
-        if _opcode(t) != "BRA":
-            continue
-        mm = re.search(r"BRA[^0-9]*(0x[0-9a-f]+)", t)
-        if not mm or int(mm.group(1), 16) >= a:
-            continue
-        body = ins[pos[int(mm.group(1), 16)]: pos[a] + 1]
-        if not any(re.search(r"GMMA\S*\s+R\d+,\s*gdesc", x) for _, x in body) or any("USETMAXREG" in x
-                                                                                  for _, x in body):
-            continue
-        loops.append({"start": body[0][0], "end": a, "instrs": len(body),
-                      "gmma": sum(1 for _, x in body if re.search(r"GMMA", x) and "DEPBAR" not in x),
-                      "depbar": sum(1 for _, x in body if "WARPGROUP.DEPBAR" in x),
-                      "counts": collections.Counter(_opcode(x) for _, x in body)})
-    # innermost per wgmma: the smallest loop around it
-    inner = []
-    for a, t in ins:
-        if re.search(r"GMMA\S*\s+R\d+,\s*gdesc", t):
-            around = [lp for lp in loops if lp["start"] <= a <= lp["end"]]
-            if around:
-                best = min(around, key=lambda lp: lp["instrs"])
-                if best not in inner:
-                    inner.append(best)
-    return [lp | {"start": hex(lp["start"])} for lp in inner]
+    """The consumers' K loops: the innermost loops around wgmma with A from shared memory (``sass_loops``)."""
+    return sass_loops(sass, lambda texts: any(re.search(_SMEM_A, x) for x in texts), _SMEM_A)
 
 
 def check(k, name: str, dump: str | None) -> bool:
