@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -95,9 +96,21 @@ class ScaleMode(str, enum.Enum):
 
 
 def _norm_dim(dim: int, ndim: int, name: str = "dim") -> int:
+    if isinstance(dim, bool) or not hasattr(type(dim), "__index__"):
+        raise TypeError(f"{name} must be an int, got {type(dim).__name__}")
+    dim = operator.index(dim)
     if not -ndim <= dim < ndim:
         raise ValueError(f"{name}={dim} is out of range for a tensor of rank {ndim}")
     return dim % ndim
+
+
+def is_finite_number(x: Union[int, float]) -> bool:
+    """``math.isfinite`` for a Python int or float argument; an int beyond the float range counts as not finite
+    (``math.isfinite`` raises OverflowError on it)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 @dataclass
@@ -115,6 +128,9 @@ class MXTensor:
     block_size: int = BLOCK_SIZE
 
     def __post_init__(self):
+        for name in ("data", "scale"):
+            if not isinstance(getattr(self, name), torch.Tensor):
+                raise TypeError(f"MXTensor.{name} must be a torch.Tensor, got {type(getattr(self, name)).__name__}")
         if self.data.dtype != torch.float8_e4m3fn:
             raise TypeError(f"MXTensor.data must be torch.float8_e4m3fn, got {self.data.dtype}")
         if self.scale.dtype == torch.uint8:
@@ -328,6 +344,9 @@ def mx_block_exponents(amax: torch.Tensor, scale_mode: Union[str, ScaleMode] = "
     return e.clamp(E_MIN, E_MAX)
 
 
+_QUANTIZABLE = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
 def quantize_mxfp8(
     x: torch.Tensor, dim: int = -1, scale_mode: Union[str, ScaleMode] = "rceil"
 ) -> MXTensor:
@@ -339,7 +358,9 @@ def quantize_mxfp8(
     The work is done on ``x.float()``: fp64 inputs are rounded to fp32 first (finite values beyond
     the fp32 range become +-Inf, so their block is NaN), and the exponent never reaches the +127 clamp.
     """
-    if not x.dtype.is_floating_point or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize_mxfp8 expects a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _QUANTIZABLE:  # an FP8 tensor (e.g. MXTensor.data without its scales) is refused, not re-read
         raise TypeError(f"quantize_mxfp8 expects a float32/float16/bfloat16/float64 tensor, got {x.dtype}")
     if x.ndim == 0:
         raise ValueError("quantize_mxfp8 needs a tensor of rank >= 1")
@@ -374,6 +395,10 @@ def dequantize_mxfp8(t: MXTensor, dtype: torch.dtype = torch.float32) -> torch.T
     """``data * 2^(scale - 127)``, NaN where the block's scale byte is 255.
 
     Exact in fp64; in fp32 the only loss is overflow to Inf of values at or above 2^128."""
+    if not isinstance(t, MXTensor):
+        raise TypeError(f"dequantize_mxfp8 expects an MXTensor, got {type(t).__name__}")
+    if not isinstance(dtype, torch.dtype) or dtype not in _QUANTIZABLE:
+        raise TypeError(f"dtype must be float32, float16, bfloat16 or float64, got {dtype}")
     s = _expand_scales(t.scale_bytes, t.dim, t.data.shape[t.dim])
     return _scaled(t.data, s, dtype)
 
@@ -406,8 +431,13 @@ class RowScaledFP8:
     group: int = 1
 
     def __post_init__(self):
+        for name in ("data", "exp"):
+            if not isinstance(getattr(self, name), torch.Tensor):
+                raise TypeError(f"RowScaledFP8.{name} must be a torch.Tensor, got {type(getattr(self, name)).__name__}")
         if self.data.dtype != torch.float8_e4m3fn:
             raise TypeError(f"RowScaledFP8.data must be torch.float8_e4m3fn, got {self.data.dtype}")
+        if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 1:
+            raise ValueError(f"RowScaledFP8.group must be a positive int, got {self.group!r}")
         if self.exp.dtype != torch.int32:
             raise TypeError(f"RowScaledFP8.exp must be int32, got {self.exp.dtype}")
         self.dim = _norm_dim(self.dim, self.data.ndim)
@@ -464,6 +494,8 @@ def to_row_scaled(
     are zero); ``data' = e4m3(data * 2^(e_b - E))`` with round-to-nearest-even.  Blocks with scale
     byte 255 become NaN data.  The result's data is contiguous in ``t.data``'s shape.
     """
+    if not isinstance(t, MXTensor):
+        raise TypeError(f"to_row_scaled expects an MXTensor, got {type(t).__name__}")
     dim = t.dim
     n = t.data.shape[dim]
     qb, _ = _blocked(t.data.to(torch.float32), dim)  # (..., nb, 32), dim moved last

@@ -87,12 +87,16 @@ def _check_attention_inputs(q: Operand, k: Operand, v: Operand, softmax_scale) -
     _check_heads(shapes["q"], shapes["k"], shapes["v"])
     if shapes["k"][0] != shapes["q"][0]:
         raise ValueError(f"k has batch {shapes['k'][0]} but q has batch {shapes['q'][0]}")
+    _check_softmax_scale(softmax_scale)
+    return is_mx, devices["q"]
+
+
+def _check_softmax_scale(softmax_scale) -> None:
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
             raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
-        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        if not formats.is_finite_number(softmax_scale) or softmax_scale <= 0:
             raise ValueError(f"softmax_scale must be finite and positive, got {softmax_scale}")
-    return is_mx, devices["q"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -123,10 +127,33 @@ def _default_scale(D: int, softmax_scale) -> float:
     return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D)
 
 
-def _hopper_forward_operands(q: Operand, k: Operand, v: Operand, scale_mode: str):
-    """Float or MX inputs -> the forward's Hopper operands (one Triton pass each): Q, K hdim; V seq."""
-    from mxattn.kernels.quantize import row_scaled_triton
+# Float q, k, v up to this many elements together: the forward makes its operands in two launches
+# (``forward_operands_triton``); above it, in the three single passes (four launches).  The fused first launch runs
+# Q's tile with K's warps and registers: on the H200 (session 9, attn_fwd-...-s9.json against -s8.json) the public
+# forward with it took 0.19 ms more at B2 H16 S8k d128 (1.61 -> 1.80 ms; 6.07 vs 5.73 ms at S16k, the FP8-operand
+# kernel's rate unchanged), while host-bound calls gained (S2k 0.58 -> 0.22 ms).  2**25 keeps the fused launch up to
+# B2 H16 S2k d128 (25M elements); MXATTN_FUSED_OPERANDS_MAX overrides it at each call (the bench's sweep).
+FUSED_OPERANDS_MAX_ELEMS = 1 << 25
 
+
+def _fused_operands_max() -> int:
+    value = os.environ.get("MXATTN_FUSED_OPERANDS_MAX")
+    if value is None:
+        return FUSED_OPERANDS_MAX_ELEMS
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"MXATTN_FUSED_OPERANDS_MAX must be an integer (elements), got {value!r}") from None
+
+
+def _hopper_forward_operands(q: Operand, k: Operand, v: Operand, scale_mode: str):
+    """Float or MX inputs -> the forward's Hopper operands: Q, K hdim; V seq.  Float q, k, v: two launches for the
+    three (``forward_operands_triton``) while they are small (``FUSED_OPERANDS_MAX_ELEMS``); larger float inputs
+    and MX inputs: one Triton pass each (the same bytes)."""
+    from mxattn.kernels.quantize import forward_operands_triton, row_scaled_triton
+
+    if not isinstance(q, MXTensor) and q.numel() + k.numel() + v.numel() <= _fused_operands_max():
+        return forward_operands_triton(q, k, v, scale_mode, k_group=K_EXP_GROUP)[:3]
     return (
         row_scaled_triton(q, "q", scale_mode=scale_mode),
         row_scaled_triton(k, "k", scale_mode=scale_mode, k_group=K_EXP_GROUP),
@@ -173,6 +200,10 @@ def has_fast_backward(device) -> bool:
 # op returning the backward's operands could not tell whether a gradient will be asked for, so inference would
 # pay for them; here the forward makes only what it uses.  Recomputing also lets the backward take Q with one
 # exponent per 128 rows (``Q_EXP_GROUP``, the kernel's fast layout) instead of the forward's per-row Q.
+# Eager autograd (``_EagerAttention``, which runs only when a gradient is wanted) does otherwise since session 8:
+# its forward makes K and V in both orientations and saves the FP8 operands the backward needs (K hdim, K seq,
+# V hdim: 3 bytes per k / v element pair, against bf16's 4) instead of k and v, so the backward quantizes only q
+# and dO: fewer launches per step, which matters where the host bounds the step (S <= 4k).
 # ``deterministic`` only affects the backward; the forward op takes it so that its autograd formula can pass it on.
 # ``backend`` (a str with a default, so older 7-argument calls still bind) only picks the CUDA forward kernel; the
 # backward op is the same for every backend (it re-quantizes the saved float q, k, v for the Hopper FP8 backward).
@@ -257,14 +288,35 @@ def _hopper_forward(q: Operand, k: Operand, v: Operand, causal: bool, scale: flo
     kernel = forward_kernel_for(q.shape, k.shape, q.device, backend)
     if kernel == "blockscaled":
         return _blockscaled_forward(q, k, v, causal, scale, scale_mode, out_dtype)
-    qr, kr, vr = _hopper_forward_operands(q, k, v, scale_mode)
+    return _hopper_kernel(kernel, *_hopper_forward_operands(q, k, v, scale_mode), causal, scale, out_dtype)
+
+
+def _hopper_kernel(kernel: str, qr, kr, vr, causal: bool, scale: float, out_dtype):
+    """(out, lse) of the Hopper forward kernel ``kernel`` ("gluon" or "tl") on its operands."""
     if kernel == "gluon":
-        from mxattn.kernels.attn_fwd_gluon import attn_fwd_gluon
+        from mxattn.kernels.attn_fwd_gluon import attn_fwd_gluon as fwd
+    else:
+        from mxattn.kernels.attn_fwd import attn_fwd_hopper as fwd
+    return fwd(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
 
-        return attn_fwd_gluon(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
-    from mxattn.kernels.attn_fwd import attn_fwd_hopper
 
-    return attn_fwd_hopper(qr, kr, vr, causal=causal, softmax_scale=scale, out_dtype=out_dtype)
+def _hopper_forward_keeping_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                               scale_mode: str, backend: str = "auto"):
+    """The CUDA forward of a call whose gradient will be asked for: (out, lse, kv), where ``kv`` holds the backward's
+    K and V operands (``_bwd_impl``'s K hdim, K seq, V hdim) made here from the same single read of k and of v that
+    the forward's own K and V come from (``forward_operands_triton(keep_kv=True)``: two launches for all of them, bit
+    for bit the separate passes), so that the backward does not read k and v again, and the FP8 operands
+    (K in both orientations, V along the head dim: 3 bytes per k / v element pair against bf16's 4) are saved
+    instead of k and v.  ``kv`` is None where the block-scaled kernel
+    runs (its backward takes the float tensors)."""
+    kernel = forward_kernel_for(q.shape, k.shape, q.device, backend)
+    if kernel == "blockscaled":
+        out, lse = _blockscaled_forward(q, k, v, causal, scale, scale_mode, q.dtype)
+        return out, lse, None
+    from mxattn.kernels.quantize import forward_operands_triton
+
+    qr, kr, vr, kv = forward_operands_triton(q, k, v, scale_mode, k_group=K_EXP_GROUP, keep_kv=True)
+    return (*_hopper_kernel(kernel, qr, kr, vr, causal, scale, q.dtype), kv)
 
 
 def _fwd_impl(q, k, v, causal: bool, scale: float, scale_mode: str, backend: str = "auto"):
@@ -306,20 +358,33 @@ def _blockscaled_backward(dout, q, k, v, out, lse, causal: bool, scale: float, s
 
 
 def _bwd_impl(dout, q, k, v, out, lse, causal: bool, scale: float, scale_mode: str, deterministic: bool,
-              backend: str = "auto"):
-    if q.device.type == "cuda" and forward_kernel_for(q.shape, k.shape, q.device, backend) == "blockscaled":
+              backend: str = "auto", kv=None):
+    """Gradients on float q, k, v; ``kv``: the K hdim, K seq and V hdim operands the forward kept
+    (``_hopper_forward_keeping_kv``), in which case k and v are not read (they may be None)."""
+    if kv is not None and q.device.type != "cuda":
+        raise RuntimeError("kept K/V operands come from the CUDA forward only")
+    if kv is None and q.device.type == "cuda" and forward_kernel_for(q.shape, k.shape, q.device, backend) == "blockscaled":
         return _blockscaled_backward(dout, q, k, v, out, lse, causal, scale, scale_mode)
     if q.device.type == "cuda":
-        from mxattn.kernels.attn_bwd import Q_EXP_GROUP, attn_bwd_hopper
-        from mxattn.kernels.quantize import row_scaled_triton, row_scaled_triton_both
+        from mxattn.kernels.attn_bwd import DO_EXP_GROUP, Q_EXP_GROUP, attn_bwd_hopper
+        from mxattn.kernels.quantize import row_scaled_triton, row_scaled_triton_both, row_scaled_triton_both_pair
 
-        # Q and K in both orientations from one read each (two launches instead of three: host time)
-        qr, q_seq = row_scaled_triton_both(q, scale_mode, k_group=Q_EXP_GROUP)
-        kr, k_seq = row_scaled_triton_both(k, scale_mode, k_group=K_EXP_GROUP)
-        v_hdim = row_scaled_triton(v, "k", scale_mode=scale_mode, k_group=K_EXP_GROUP)
+        dout = dout.contiguous()
+        doh = dos = None
+        if formats.ScaleMode.parse(scale_mode) is formats.ScaleMode.RCEIL and dout.dtype == q.dtype \
+                and DO_EXP_GROUP == Q_EXP_GROUP:
+            # Q and dO (whose quantization is RCEIL) in both orientations: two launches for the four operands
+            (qr, q_seq), (doh, dos) = row_scaled_triton_both_pair(q, dout, scale_mode, k_group=Q_EXP_GROUP)
+        else:  # Q in both orientations from one read (attn_bwd_hopper quantizes dO)
+            qr, q_seq = row_scaled_triton_both(q, scale_mode, k_group=Q_EXP_GROUP)
+        if kv is None:
+            kr, k_seq = row_scaled_triton_both(k, scale_mode, k_group=K_EXP_GROUP)
+            v_hdim = row_scaled_triton(v, "k", scale_mode=scale_mode, k_group=K_EXP_GROUP)
+        else:
+            kr, k_seq, v_hdim = kv
         return attn_bwd_hopper(
-            qr, kr, v_hdim, q_seq, k_seq, out, dout.contiguous(), lse, causal=causal, softmax_scale=scale,
-            deterministic=deterministic, grad_dtype=q.dtype,
+            qr, kr, v_hdim, q_seq, k_seq, out, dout, lse, causal=causal, softmax_scale=scale,
+            deterministic=deterministic, grad_dtype=q.dtype, dout_hdim=doh, dout_seq=dos,
         )
     from mxattn import reference
 
@@ -350,12 +415,13 @@ def _attn_bwd_fake(dout, q, k, v, out, lse, causal, scale, scale_mode, determini
     return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape)
 
 
-def _attn_fwd_setup_context(ctx, inputs, output):
+def _attn_fwd_setup_context(ctx, inputs, output, save: bool = True):
     q, k, v, causal, scale, scale_mode, deterministic, backend = inputs  # the backward re-quantizes q, k, v
     out, lse = output
     ctx.causal, ctx.scale, ctx.scale_mode, ctx.deterministic = causal, scale, scale_mode, deterministic
     ctx.backend = backend
-    ctx.save_for_backward(q, k, v, out, lse)
+    if save:
+        ctx.save_for_backward(q, k, v, out, lse)
     ctx.mark_non_differentiable(lse)
 
 
@@ -369,25 +435,62 @@ def _attn_fwd_backward(ctx, dout, _dlse):
 attn_fwd_op.register_autograd(_attn_fwd_backward, setup_context=_attn_fwd_setup_context)
 
 
+def _channel_major_buffer_of(seq_data: torch.Tensor) -> torch.Tensor:
+    """The (B, H, D, S_pad) buffer behind a seq operand's (B, S, H, D) view (``quantize._seq_view``): unit stride
+    along S, S_pad = the stride along D; the view's own allocation, so storage offset 0."""
+    B, S, H, D = seq_data.shape
+    s_pad = seq_data.stride(3)
+    want = (H * D * s_pad, 1, D * s_pad, s_pad)
+    if seq_data.storage_offset() != 0 or (B * S * H * D and tuple(seq_data.stride()) != want):
+        raise RuntimeError(f"a seq operand's data must be the view of a fresh channel-major buffer, got strides "
+                           f"{seq_data.stride()} (offset {seq_data.storage_offset()})")
+    return seq_data.as_strided((B, H, D, s_pad), (H * D * s_pad, D * s_pad, s_pad, 1))
+
+
 class _EagerAttention(torch.autograd.Function):
     """The eager path of ``attn_fwd_op`` + its autograd formula, without the custom-op dispatch.
 
     Measured on the H200 (scripts/host_timing.py, commit 805a087): going through ``torch.library`` costs ~280 us
     of host time per forward and ~400 us per backward on top of the kernels' launches, which made small calls
-    (S <= 2k) host-bound.  Eager calls take this Function (same implementation functions, same saved tensors);
-    torch.compile (``torch.compiler.is_compiling()``) keeps tracing the custom ops."""
+    (S <= 2k) host-bound.  Eager calls take this Function (same implementation functions); torch.compile
+    (``torch.compiler.is_compiling()``) keeps tracing the custom ops.
+
+    On CUDA the forward also keeps the backward's K and V operands (``_hopper_forward_keeping_kv``: this Function
+    runs only when a gradient is wanted) and saves them in place of k and v."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, scale_mode, deterministic, backend):
-        out, lse = _fwd_impl(q, k, v, causal, scale, scale_mode, backend)
-        _attn_fwd_setup_context(ctx, (q, k, v, causal, scale, scale_mode, deterministic, backend), (out, lse))
+        kv = None
+        if q.device.type == "cuda":
+            out, lse, kv = _hopper_forward_keeping_kv(q, k, v, causal, scale, scale_mode, backend)
+        else:
+            out, lse = _fwd_impl(q, k, v, causal, scale, scale_mode, backend)
+        _attn_fwd_setup_context(ctx, (q, k, v, causal, scale, scale_mode, deterministic, backend), (out, lse),
+                                save=kv is None)
+        ctx.kv_meta = None
+        if kv is not None:  # the FP8 operands instead of k and v: 3 bytes per (k, v) element pair against bf16's 4
+            kr, k_seq, v_hdim = kv
+            ctx.kv_meta = (kr.group, k_seq.data.shape[1])
+            # K seq as its whole channel-major buffer, a contiguous tensor: a saved-tensor hook that copies
+            # (save_on_cpu, offloading) keeps its layout, where a copy of the (B, S, H, D) view would not
+            ctx.save_for_backward(q, out, lse, kr.data, kr.exp, _channel_major_buffer_of(k_seq.data), k_seq.exp,
+                                  v_hdim.data, v_hdim.exp)
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        if ctx.kv_meta is None:
+            q, k, v, out, lse = ctx.saved_tensors
+            kv = None
+        else:
+            q, out, lse, kd, ke, ks_buf, kse, vd, ve = ctx.saved_tensors
+            k = v = None
+            group, Sk = ctx.kv_meta
+            ks_data = ks_buf[..., :Sk].permute(0, 3, 1, 2)  # the (B, S, H, D) view of the channel-major buffer
+            kv = (RowScaledFP8(kd, ke, 3, 1, group), RowScaledFP8(ks_data, kse, 1), RowScaledFP8(vd, ve, 3, 1, group))
         grads = _bwd_impl(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.scale_mode,
-                          ctx.deterministic, ctx.backend)
+                          ctx.deterministic, ctx.backend, kv)
         return (*grads, None, None, None, None, None)
 
 
@@ -491,14 +594,6 @@ def mxfp8_attn_func(
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_softmax_scale(softmax_scale) -> None:
-    if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-            raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
-        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
-            raise ValueError(f"softmax_scale must be finite and positive, got {softmax_scale}")
-
-
 def _check_cu_seqlens(cu, name: str, total: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
     """``cu`` on ``device`` and its values on the host (one device-to-host copy: the only sync of the call)."""
     if not isinstance(cu, torch.Tensor):
@@ -520,16 +615,20 @@ def _check_cu_seqlens(cu, name: str, total: int, device: torch.device) -> tuple[
     return cu.to(device).contiguous(), c
 
 
-def _check_max_seqlen(m, name: str, cu: list[int], cu_name: str) -> None:
+def _check_max_seqlen(m, name: str, cu: list[int], cu_name: str) -> int:
+    """Check ``m`` against the sequences of ``cu`` (host values); returns the bound the kernels get: the longest
+    sequence (at least 1 where ``m`` is), so that a generous ``m`` sizes no idle programs and no oversized grid."""
     if isinstance(m, bool) or not isinstance(m, int):
         raise TypeError(f"{name} must be an int, got {type(m).__name__}")
     longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
     if m < longest:
         raise ValueError(f"{name}={m} is less than the longest sequence in {cu_name} ({longest})")
+    return max(longest, min(m, 1))
 
 
 def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
-    """Validate a jagged call; returns cu_seqlens_q and cu_seqlens_k on q's device."""
+    """Validate a jagged call; returns cu_seqlens_q and cu_seqlens_k on q's device and the max_seqlen_q,
+    max_seqlen_k the kernels get (``_check_max_seqlen``)."""
     for n, t in (("q", q), ("k", k), ("v", v)):
         if isinstance(t, MXTensor):
             raise TypeError(f"{n}: mxfp8_attn_varlen_func takes float tensors (MXTensor inputs are not supported for "
@@ -552,9 +651,9 @@ def _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     cu_k, ck = _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", Tk, q.device)
     if len(cq) != len(ck):
         raise ValueError(f"cu_seqlens_q has {len(cq) - 1} sequences but cu_seqlens_k has {len(ck) - 1}")
-    _check_max_seqlen(max_seqlen_q, "max_seqlen_q", cq, "cu_seqlens_q")
-    _check_max_seqlen(max_seqlen_k, "max_seqlen_k", ck, "cu_seqlens_k")
-    return cu_q, cu_k
+    mq = _check_max_seqlen(max_seqlen_q, "max_seqlen_q", cq, "cu_seqlens_q")
+    mk = _check_max_seqlen(max_seqlen_k, "max_seqlen_k", ck, "cu_seqlens_k")
+    return cu_q, cu_k, mq, mk
 
 
 def _varlen_mx_values(q, k, v, cu_k, scale_mode: str):
@@ -571,9 +670,10 @@ def _varlen_mx_values(q, k, v, cu_k, scale_mode: str):
 
 class _MXFP8VarlenAttention(torch.autograd.Function):
     """Forward and backward of jagged MXFP8 attention.  CUDA: the Hopper kernels (forward ``attn_fwd_hopper_varlen``,
-    backward ``attn_bwd_hopper_varlen``: the dense FP8 kernels with ``VARLEN=True``, operands re-quantized from the
-    saved q, k, v as the dense backward does; dQ by fp32 atomics, or by the deterministic kernel when
-    ``torch.are_deterministic_algorithms_enabled()``).  CPU: the reference (FP8 emulation of P, dS, dO in fp32)."""
+    backward ``attn_bwd_hopper_varlen``, operands re-quantized from the saved q, k, v as the dense backward does: on
+    Hopper the Gluon backward kernels' jagged mode (deterministic), else the ``tl`` kernels with ``VARLEN=True``, dQ
+    by fp32 atomics or by the deterministic kernel when ``torch.are_deterministic_algorithms_enabled()``).  CPU: the
+    reference (FP8 emulation of P, dS, dO in fp32)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, scale_mode):
@@ -645,7 +745,8 @@ def mxfp8_attn_varlen_func(
         cu_seqlens_q, cu_seqlens_k: int32, batch + 1 entries: sequence b is q rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``
             and k/v rows ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``; start at 0, non-decreasing (empty sequences are fine),
             end at total_q / total_k.  On q's device or the CPU.
-        max_seqlen_q, max_seqlen_k: ints at least the longest q / k sequence (they size the kernel's grid).
+        max_seqlen_q, max_seqlen_k: ints at least the longest q / k sequence.  The kernels' grids are sized by the
+            longest sequence itself, which the check reads from cu_seqlens anyway, so a generous bound costs nothing.
         causal: per sequence, aligned to the bottom-right corner (query i sees key j iff j <= i + len_k - len_q).
         softmax_scale: defaults to 1/sqrt(D).
         return_lse: also return the log-sum-exp, (Hq, total_q) float32 (natural log; -inf for rows that see no key).
@@ -662,7 +763,8 @@ def mxfp8_attn_varlen_func(
     (``attn_bwd_hopper_varlen``; deterministic dQ when ``torch.are_deterministic_algorithms_enabled()``), on CPU
     the reference backward (FP8 emulation of P, dS, dO).
     """
-    cu_q, cu_k = _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
+    cu_q, cu_k, max_seqlen_q, max_seqlen_k = _check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                                  max_seqlen_k, softmax_scale)
     mode = formats.ScaleMode.parse(scale_mode).value
     for name, flag in (("causal", causal), ("return_lse", return_lse)):
         if not isinstance(flag, bool):

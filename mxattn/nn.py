@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mxattn.formats import ScaleMode
 from mxattn.interface import SUPPORTED_HEAD_DIMS, mxfp8_attn_func
 
 __all__ = ["ATTENTION_KINDS", "RotaryEmbedding", "MXFP8Attention", "MLP", "MXFP8TransformerBlock"]
@@ -89,6 +90,10 @@ class MXFP8Attention(nn.Module):
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         self.head_dim = _check_heads(dim, n_heads, n_kv_heads, attention)
+        for name, flag in (("causal", causal), ("rotary", rotary), ("bias", bias), ("deterministic", deterministic)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        ScaleMode.parse(scale_mode)  # refused here rather than at the first forward
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.causal, self.attention, self.scale_mode, self.deterministic = causal, attention, scale_mode, deterministic
         kw = dict(device=device, dtype=dtype)
@@ -97,6 +102,9 @@ class MXFP8Attention(nn.Module):
         self.rotary = RotaryEmbedding(self.head_dim, rope_base, device=device) if rotary else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.ndim != 3 or x.shape[2] != self.qkv.in_features:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must be (batch, seqlen, dim={self.qkv.in_features}), got {got}")
         B, S, _ = x.shape
         Hq, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         q, k, v = self.qkv(x).view(B, S, Hq + 2 * Hkv, D).split((Hq, Hkv, Hkv), dim=2)

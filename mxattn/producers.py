@@ -386,7 +386,7 @@ def _check_rmsnorm(x, weight, eps, orientations, scale_mode) -> tuple[str, Scale
     mode = ScaleMode.parse(scale_mode)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
         raise TypeError(f"eps must be a float, got {type(eps).__name__}")
-    if not math.isfinite(eps) or eps < 0:
+    if not formats.is_finite_number(eps) or eps < 0:
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
     if x.ndim == 0:
         raise ValueError("x must have at least one dimension (..., N)")
@@ -434,6 +434,7 @@ def _rmsnorm_quant_impl(x, weight, eps, orient, mode, row_scaled, tiled=False) -
         x3 = x.reshape(1, _nrows(x.shape), N)
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
+    weight = weight.contiguous()  # the kernel reads weight at unit stride
     r = rmsnorm_quant_fwd(x3, weight, eps, hdim=want_h, seq=want_s, row_scaled=row_scaled,
                           rceil=mode is ScaleMode.RCEIL, tiled_scales=tiled)
     lead = tuple(x.shape[:-1])
@@ -478,7 +479,7 @@ def _rmsnorm_backward_impl(dy, x, weight, rstd) -> tuple[torch.Tensor, torch.Ten
         dyd, dys = dy.reshape(m, N), None
         if dyd.stride(-1) != 1:
             dyd = dyd.contiguous()
-    dx, dw = rmsnorm_bwd(dyd, x2, weight, rstd.reshape(m).contiguous(), dys)
+    dx, dw = rmsnorm_bwd(dyd, x2, weight.contiguous(), rstd.reshape(m).contiguous(), dys)  # unit-stride weight
     return dx.reshape(x.shape), dw
 
 
@@ -660,6 +661,8 @@ def _linear_quant_impl(x, weight, bias, orient, mode, kx, kw, tiled=False):
     else:
         B, S = 1, xr.data.shape[0]
     N = wr.data.shape[0]
+    if bias is not None:
+        bias = bias.contiguous()  # the kernel reads bias at unit stride
     r = linear_quant_fwd(xr, wr, bias, B, S, hdim=want_h, seq=want_s, rceil=mode is ScaleMode.RCEIL,
                          tiled_scales=tiled)
     outs = []

@@ -178,6 +178,8 @@ def _qkv_impl(x, weight, bias, Hq, Hkv, D, cos, sin, mode, kx, kw):
         return _from_rows(xr, wr, bias, B, S, Hq, Hkv, D, cos, sin, mode), xr, wr
     from mxattn.kernels.qkv_proj import qkv_proj_fwd
 
+    if bias is not None:
+        bias = bias.contiguous()  # the kernel reads bias at unit stride
     r = qkv_proj_fwd(xr, wr, bias, cos, sin, B, S, Hq, Hkv, D, rceil=mode is ScaleMode.RCEIL)
     f8 = torch.float8_e4m3fn
     q = MXTensor(r["qd"].view(f8), r["qs"], 3)

@@ -38,7 +38,7 @@ from typing import Optional, Union
 
 import torch
 
-from mxattn.formats import MXTensor, quantize_mxfp8, round_to_e4m3
+from mxattn.formats import BLOCK_SIZE, MXTensor, mx_block_exponents, quantize_mxfp8, round_to_e4m3
 
 __all__ = ["attention_forward", "attention_backward", "sqnr_db", "cosine", "max_rel_error"]
 
@@ -133,6 +133,25 @@ def _mx_roundtrip(x: torch.Tensor, dim: int) -> torch.Tensor:
     return quantize_mxfp8(x, dim).dequantize(x.dtype)
 
 
+def _block_roundtrip(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """``x`` quantized along ``dim`` with one RCEIL power of two per ``n`` consecutive elements (blocks from index 0,
+    the last one may be partial) and dequantized, in ``x``'s dtype: MXFP8 with ``n``-element blocks, the same
+    arithmetic as ``_mx_roundtrip`` (which is ``n = 32``): rounded to fp32 first, a block holding NaN or Inf is NaN.
+    """
+    if n == BLOCK_SIZE:
+        return _mx_roundtrip(x, dim)
+    x32 = x.to(torch.float32).movedim(dim, -1)
+    L = x32.shape[-1]
+    xb = torch.nn.functional.pad(x32, (0, (-L) % n)).reshape(*x32.shape[:-1], -1, n)
+    finite = torch.isfinite(xb).all(dim=-1, keepdim=True)
+    amax = torch.where(finite, xb.abs().amax(dim=-1, keepdim=True), torch.zeros_like(xb[..., :1]))
+    e = mx_block_exponents(amax).to(torch.float64)
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    q = round_to_e4m3(xb * torch.exp2(-e).to(torch.float32)).to(wide) * torch.exp2(e).to(wide)
+    q = torch.where(finite, q, torch.full_like(q, float("nan")))
+    return q.reshape(*x32.shape[:-1], -1)[..., :L].movedim(-1, dim).to(x.dtype)
+
+
 def _e4m3_p(p: torch.Tensor) -> torch.Tensor:
     """``e4m3(p * 256)``, in ``p``'s dtype (still scaled by 256)."""
     return round_to_e4m3(p * _P_SCALE).to(p.dtype)
@@ -196,8 +215,9 @@ def _layout(q: torch.Tensor, k: torch.Tensor, cu_q, cu_k):
 # ----------------------------------------------------------------------------------------------
 
 
-def _row_chunks(sq: int, sk: int) -> list[tuple[int, int]]:
-    rows = max(_ROW_ALIGN, (_CHUNK_ELEMENTS // max(sk, 1)) // _ROW_ALIGN * _ROW_ALIGN)
+def _row_chunks(sq: int, sk: int, align: int = _ROW_ALIGN) -> list[tuple[int, int]]:
+    """Query-row chunks ``(r0, r1)``: ``align`` divides every chunk start (blocks along q never straddle chunks)."""
+    rows = max(align, (_CHUNK_ELEMENTS // max(sk, 1)) // align * align)
     return [(r, min(r + rows, sq)) for r in range(0, sq, rows)]
 
 
@@ -312,6 +332,7 @@ def attention_backward(
     q_seq: Optional[Operand] = None,
     k_seq: Optional[Operand] = None,
     v_hdim: Optional[Operand] = None,
+    ds_q_block: int = BLOCK_SIZE,
     dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of attention, written out (no autograd), in ``dtype``.
@@ -334,6 +355,11 @@ def attention_backward(
       quantize_ds: dS (without the softmax scale, which is applied to the fp32 accumulators
                    afterwards) is MXFP8-quantized along kv for dQ = dS K and, separately, along q
                    for dK = dS^T Q.
+      ds_q_block:  the block length along q of dK's dS quantization (default 32: MX).  The Hopper
+                   dK/dV kernels with one dS exponent per key and query tile (``GluonDkdvConfig(
+                   ds_exp="key")``, ``BwdConfig(ds_tile_scale=False)``) are ``ds_q_block=64``: one RCEIL
+                   power of two per key per 64 queries, tiles from each sequence's first query (their
+                   bound on an exponent's drop, 64 binades below the key's largest, is not emulated).
       Sequence-orientation quantizations (dO along q, dS along q) run per sequence: blocks of 32
       start at each sequence's first token (batch entry when dense, cu_seqlens start when packed)
       and the last block of a sequence may be partial.
@@ -354,9 +380,13 @@ def attention_backward(
         want = q.shape[:-1] + (v.shape[-1],) if ref is None else ref.shape
         if t.shape != want:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(want)}")
+    if not isinstance(ds_q_block, int) or isinstance(ds_q_block, bool) or ds_q_block < 1:
+        raise ValueError(f"ds_q_block must be a positive int, got {ds_q_block!r}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     hq, hkv = q.shape[-2], k.shape[-2]
     group = hq // hkv
+    # chunk starts on multiples of dK's dS blocks along q (and of _ROW_ALIGN, as before)
+    align = _ROW_ALIGN * ds_q_block // math.gcd(_ROW_ALIGN, ds_q_block)
 
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     per_seq = zip(
@@ -372,7 +402,7 @@ def attention_backward(
         delta = (do_h * os_).sum(dim=-1)  # (Sq, Hq)
         for h in range(hq):
             kv = h // group
-            for r0, r1 in _row_chunks(sq, sk):
+            for r0, r1 in _row_chunks(sq, sk, align):
                 s = _scores(qs[r0:r1, h], ks[:, kv], r0, sq, causal, scale)
                 lse = _lse(s)
                 p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)))
@@ -381,7 +411,7 @@ def attention_backward(
                 dp = do_h[r0:r1, h] @ vhs[:, kv].T
                 ds = p * (dp - delta[r0:r1, h, None])
                 ds_kv = _mx_roundtrip(ds, -1) if quantize_ds else ds
-                ds_q = _mx_roundtrip(ds, 0) if quantize_ds else ds
+                ds_q = _block_roundtrip(ds, 0, ds_q_block) if quantize_ds else ds
                 dqs[r0:r1, h] = (ds_kv @ kss[:, kv]) * scale
                 dks[:, kv] += (ds_q.T @ qss[r0:r1, h]) * scale
     return dq, dk, dv

@@ -1,6 +1,6 @@
 """Compile the Gluon backward dQ kernel (``mxattn/kernels/attn_bwd_dq_gluon.py``) for sm_90a without a GPU.
 
-    python scripts/compile_check_bwd_dq_gluon.py [--dump DIR] [--only d128,d64_causal] [--stages N]
+    python scripts/compile_check_bwd_dq_gluon.py [--dump DIR] [--only d128,d64_causal] [--stages N] [--split] [--varlen]
 
 Needs triton 3.6 (the GPU machine's version).  Same approach and the same pass / fail rules as
 ``scripts/compile_check_gluon.py`` (whose public ``check`` it reuses): ``triton.compile(GluonASTSource(...),
@@ -9,7 +9,9 @@ wheel.  Fails on spills, local memory, wgmma other than m64nNk32 e4m3, ptxas wgm
 more than two ``WARPGROUP.DEPBAR`` per key-loop iteration.  It also prints the registers per partition (the
 ``setmaxnreg`` values in the PTX) and the named barriers the 8-warp consumer partition uses (its tile-wide dS
 amax is a cross-warp reduction: the barrier must count the partition's 256 threads, not the CTA's).
-Exit status 1 when a check fails.
+``--varlen`` builds the jagged mode (``VARLEN``: tile table, packed operands), as ``attn_bwd_dq_gluon_varlen``
+launches it.  Exit status 1 when a check fails.
+The build a launch makes (its ints specialized by the JIT): ``scripts/compile_launched.py``.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ import triton  # noqa: E402
 from compile_check_gluon import check, compile_sm90, fp8_desc  # noqa: E402
 
 
-def compile_variant(head_dim: int, causal: bool, stages: int | None = None, split: bool = False):
-    """triton.compile of ``_attn_bwd_dq_ws_kernel`` for sm_90a, with the launcher's constexprs and options."""
+def compile_variant(head_dim: int, causal: bool, stages: int | None = None, split: bool = False,
+                    varlen: bool = False):
+    """triton.compile of ``_attn_bwd_dq_ws_kernel`` for sm_90a, with the launcher's constexprs and options
+    (``varlen``: the jagged build, SLOTS a pointer)."""
     from triton.experimental.gluon import language as gl
 
     from mxattn.kernels import attn_bwd_dq_gluon as m
@@ -44,7 +48,11 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None, spli
     ptrs = {"QE": "*i32", "DOE": "*i32", "KE": "*i32", "VE": "*i32", "KSE": "*i32", "LSE": "*fp32",
             "DELTA": "*fp32", "DQ": "*bf16"}
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs, SPLIT=split,
-                  CONSUMER_REGS=cfg.consumer_regs)
+                  CONSUMER_REGS=cfg.consumer_regs, VARLEN=varlen)
+    if varlen:
+        ptrs["SLOTS"] = "*i32"
+    else:
+        consts["SLOTS"] = None
     return compile_sm90(m._attn_bwd_dq_ws_kernel, consts, descs, ptrs, ("qk_scale", "grad_scale"),
                         4 if split else 8, cfg.maxnreg)
 
@@ -102,7 +110,10 @@ def main(argv=None) -> int:
     split = "--split" in argv  # the split variant (GluonDqConfig(split=True): two 4-warp consumers of 64 rows)
     if split:
         argv.remove("--split")
-    return run_variants(argv, __doc__, lambda d, c, st: compile_variant(d, c, st, split=split), check,
+    varlen = "--varlen" in argv  # the jagged build (VARLEN)
+    if varlen:
+        argv.remove("--varlen")
+    return run_variants(argv, __doc__, lambda d, c, st: compile_variant(d, c, st, split=split, varlen=varlen), check,
                         consumer_threads=128 if split else 256)
 
 

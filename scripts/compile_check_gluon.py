@@ -10,6 +10,7 @@ it prints registers (launch budget and the highest register the SASS touches), s
 fails on what must not be there: spills, local memory, wgmma other than m64nNk32 e4m3, ptxas serializing the wgmma
 pipeline (C7514 / C7512), more than two ``WARPGROUP.DEPBAR`` per loop iteration.  Exit status 1 when a
 check fails.  ``--dump DIR`` writes the TTGIR, PTX and SASS of each variant.
+The build a launch makes (its ints specialized by the JIT): ``scripts/compile_launched.py``.
 """
 
 from __future__ import annotations
@@ -175,15 +176,45 @@ def steady_loops(sass: str) -> list[dict]:
     return sass_loops(sass, both, _PV)
 
 
+def step_path(sass: str, loop: dict) -> dict:
+    """Instructions of one consumer loop (``steady_loops``) on a common step's path: the loop less the regions its
+    predicated forward branches skip (rare branches: head change, mask, rescale; of an if / else the branch skips
+    one side and the other is counted), except a region holding an mbarrier arrive (the backward kernels' stage
+    release ``if j > 0``, taken by every step after the first).  The method of perf-notes-attn-bwd.md's session 7
+    step counts.  Returns the count and the opcodes that mark the step's synchronisation and reductions."""
+    ins = _sass_instrs(sass)
+    pos = {a: i for i, (a, _) in enumerate(ins)}
+    lo, hi = pos[int(loop["start"], 16)], pos[loop["end"]]
+    skip = set()
+    for i in range(lo, hi + 1):
+        a, t = ins[i]
+        if _opcode(t) != "BRA" or not re.match(r"^@!?U?P", t):
+            continue
+        mm = re.search(r"BRA[^0-9]*(0x[0-9a-f]+)", t)
+        tgt = int(mm.group(1), 16) if mm else -1
+        if tgt <= a or tgt not in pos or pos[tgt] > hi + 1:
+            continue
+        region = range(i + 1, pos[tgt])
+        if any("SYNCS.ARRIVE" in ins[j][1] for j in region):
+            continue
+        skip.update(region)
+    path = [ins[i][1] for i in range(lo, hi + 1) if i not in skip]
+    c = collections.Counter(_opcode(t) for t in path)
+    return {"instrs": len(path), "BAR.SYNC": sum(1 for t in path if "BAR.SYNC" in t), "STS": c["STS"],
+            "LDS": c["LDS"], "SHFL": c["SHFL"], "FMUL": c["FMUL"], "FMNMX": c["FMNMX"], "LDG": c["LDG"],
+            "DEPBAR": sum(1 for t in path if "WARPGROUP.DEPBAR" in t)}
+
+
 def check(k, name: str, dump: str | None, max_depbar: int = 2, allowed_spill_bytes: int | None = 0,
-          allowed_loop_local: int = 0, loops_fn=None) -> bool:
+          allowed_loop_local: int = 0, loops_fn=None, max_step_bar: int | None = None) -> bool:
     """Print the report of one compiled variant; False when a rule fails: spills above ``allowed_spill_bytes``
     (ptxas -v, stores + loads; None: any number of bytes, as long as at most ``allowed_loop_local`` LDL / STL lie
     inside the consumer loops, i.e. mostly loop-invariant values such as the epilogue's pointers are spilled),
     local memory in the PTX, no setmaxnreg, a wgmma other than m64nNk32 e4m3, ptxas
-    serializing the wgmma pipeline, no consumer loop found, more than ``max_depbar`` WARPGROUP.DEPBAR per loop.
+    serializing the wgmma pipeline, no consumer loop found, more than ``max_depbar`` WARPGROUP.DEPBAR per loop,
+    more than ``max_step_bar`` (when given) BAR.SYNC on a common step's path (``step_path``).
     ``loops_fn``: SASS -> the loops to check (dicts as ``steady_loops``'s; default ``steady_loops``, the attention
-    KV loops, which also get the P conversion line)."""
+    KV loops, which also get the P conversion and step-path lines)."""
     ptx = k.asm["ptx"]
     usage = _resource_usage(k.asm["cubin"])
     ptxas = _ptxas_verbose(ptx)
@@ -198,9 +229,11 @@ def check(k, name: str, dump: str | None, max_depbar: int = 2, allowed_spill_byt
                   default=-1)
     bad_wgmma = [w for w in wgmma if not re.fullmatch(r"m64n\d+k32\.f32\.e4m3\.e4m3", w)]
     loop_local = sum(lp["counts"]["LDL"] + lp["counts"]["STL"] for lp in loops)
+    steps = [step_path(usage["sass"], lp) for lp in loops]
+    step_bar_ok = max_step_bar is None or all(st["BAR.SYNC"] <= max_step_bar for st in steps)
     spill_ok = loop_local <= allowed_loop_local if allowed_spill_bytes is None else spill_bytes <= allowed_spill_bytes
     ok = (spill_ok and local == 0 and bool(setmaxnreg) and bool(wgmma) and not bad_wgmma
-          and not serialized and bool(loops) and all(lp["depbar"] <= max_depbar for lp in loops))
+          and not serialized and bool(loops) and all(lp["depbar"] <= max_depbar for lp in loops) and step_bar_ok)
     print(f"== {name}: {'OK' if ok else 'FAIL'}")
     print(f"   registers: launch {usage['regs']}/thread (maxnreg), highest register used in SASS R{max_reg}; "
           f"stack {usage['stack']}, local {usage['local']}")
@@ -224,6 +257,9 @@ def check(k, name: str, dump: str | None, max_depbar: int = 2, allowed_spill_byt
             continue
         print(f"      P conversion ops in the loop (both paths): SHFL.IDX {lp['shfl_idx']} (all SHFL {c['SHFL']}), "
               f"SEL {c['SEL']}, PRMT {c['PRMT']}, F2FP {c['F2FP']}")
+        st = step_path(usage["sass"], lp)
+        limit = "" if max_step_bar is None else f" (max BAR.SYNC {max_step_bar})"
+        print("      common step path: " + ", ".join(f"{op} {n}" for op, n in st.items()) + limit)
     counts = {label: len(re.findall(pat, ptx)) for label, pat in (
         ("ex2", r"ex2\.approx"), ("tma", r"cp\.async\.bulk\.tensor"), ("mbar_wait", r"mbarrier\.try_wait"),
         ("mbar_arrive", r"mbarrier\.arrive"), ("bar_sync", r"\bbar\.sync|barrier\.sync"), ("shfl", r"shfl\.sync"),

@@ -19,7 +19,8 @@
 #   producers  rmsnorm_quant / linear_quant vs unfused and cuBLAS FP8
 #   varlen     jagged forward vs the dense kernel at 50 % fill
 #   varlensweep  the same over several length draws, d128 and d64, and d64 tile configs
-#   varlenbwd  jagged backward vs the dense default backward (Gluon on Hopper) and SDPA, two draws, causal and not
+#   varlenbwd  jagged backward (Gluon jagged mode, opt-in, asked here by name: compile checks, tiny cases, its GPU
+#              tests) vs the dense default backward (Gluon on Hopper), the tl jagged path and SDPA, two draws
 #   graph      `mxattn bench --cuda-graph`: forward as CUDA-graph replays (no host launch overhead), S 2k/4k
 #   ring       ring attention over every GPU (torchrun, nccl): check against single-GPU mxattn, then timing
 #   train      examples/train_gpt.py (TRAIN_ATTENTION=sdpa|mxfp8|both, TRAIN_ARGS), into OUTDIR/train
@@ -40,6 +41,7 @@ PY=${MXATTN_PYTHON:-python3}
 export PYTHONPATH=${PYTHONPATH:-.}
 export PYTHONUNBUFFERED=1
 T=${MXATTN_STAGE_TIMEOUT:-420}
+unset MXATTN_TEST_SHARD  # set per test process below ("file@n", bwdgluon), never for the whole script
 status=0
 # MXATTN_DEADLINE (epoch seconds) caps every command so that the call's last results still get written
 run() {
@@ -59,14 +61,25 @@ for st in $STAGES; do
       $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/env.txt" ;;
     tests)
       # one pytest process per test file, MXATTN_TEST_JOBS at a time (Triton compiles on the CPU cores in parallel);
-      # MXATTN_TEST_K / MXATTN_TEST_FILES narrow the run. Logs are joined into gpu_tests.log, summary lines printed.
+      # MXATTN_TEST_K / MXATTN_TEST_FILES narrow the run ("file@n": that file as n processes, each every n-th test).
+      # Logs are joined into gpu_tests.log, summary lines printed.
       mkdir -p "$OUT/tests"
       files=${MXATTN_TEST_FILES:-$(ls tests/test_*.py | grep -v -e test_attn_fwd_gluon.py -e test_linear_gluon.py)}
       # tests that measure something (memory at S 16k/32k) write their rows to $OUT
       # MXATTN_FAST_LAUNCH=check: the fast launch path checked against Triton's own dispatch on every launch
       # (mxattn/kernels/launch.py); set for the tests only, not the stages that time
-      printf '%s\n' $files | MXATTN_FAST_LAUNCH=${MXATTN_FAST_LAUNCH:-check} MXATTN_RESULTS_DIR="$OUT" T=$T PY=$PY K="${MXATTN_TEST_K:-}" D="$OUT/tests" xargs -P "${MXATTN_TEST_JOBS:-6}" -I{} \
-        bash -c 'n=$(basename {} .py); timeout $T $PY -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider {} ${K:+-k "$K"} \
+      # "file@n": the file as n processes, each every n-th test (MXATTN_TEST_SHARD, tests/conftest.py)
+      jobs=$(for f in $files; do
+        case $f in
+          *@*) n=${f##*@}
+               if [[ $n =~ ^[1-9][0-9]*$ ]]; then for ((i = 0; i < n; i++)); do echo "${f%@*}@$i/$n"; done
+               else echo "!! bad shard count in $f (want file@n, n >= 1)" >&2; echo "$f@bad"; fi ;;
+          *) echo "$f" ;;
+        esac
+      done)
+      printf '%s\n' $jobs | MXATTN_FAST_LAUNCH=${MXATTN_FAST_LAUNCH:-check} MXATTN_RESULTS_DIR="$OUT" T=$T PY=$PY K="${MXATTN_TEST_K:-}" D="$OUT/tests" xargs -P "${MXATTN_TEST_JOBS:-6}" -I{} \
+        bash -c 'j={}; f=${j%@*}; sh=; [ "$f" = "$j" ] || sh=${j##*@}; n=$(basename "$f" .py)${sh:+-${sh/\//of}};
+                 MXATTN_TEST_SHARD=$sh timeout $T $PY -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider "$f" ${K:+-k "$K"} \
                  >"$D/$n.log" 2>&1; rc=$?; echo "$n rc=$rc: $(tail -1 "$D/$n.log")"; [ $rc -eq 0 ] || [ $rc -eq 5 ]' \
         || status=1
       cat "$OUT"/tests/*.log > "$OUT/gpu_tests.log"; rm -rf "$OUT/tests"
@@ -96,10 +109,24 @@ for st in $STAGES; do
         [ -f "tests/test_attn_bwd_${part}_gluon.py" ] || continue
         run $PY "scripts/compile_check_bwd_${part}_gluon.py"
         run $PY "scripts/compile_check_bwd_${part}_gluon.py" --split
+        # dK/dV: the dS exponent per tile too (the rule before session 8; the default is per key)
+        [ "$part" = dkdv ] && run $PY scripts/compile_check_bwd_dkdv_gluon.py --split --ds-exp=tile
         T=120 run $PY -m pytest -m gpu -q -x -rfE -p no:cacheprovider "tests/test_attn_bwd_${part}_gluon.py" \
-          -k "1x1x1x2x2x128c or 2x113x203"
-        run $PY -m pytest -m gpu -q -rfE -s -p no:cacheprovider "tests/test_attn_bwd_${part}_gluon.py" \
-          2>&1 | tee "$OUT/bwd_${part}_gluon_tests.log" | tail -40
+          -k "1x1x1x2x2x128c or 2x113x203 or key_exp_tiny"
+        # MXATTN_BWDGLUON_SHARDS processes per file side by side (the dK/dV file alone took > 560 s in one process)
+        # (the tests that time something run after them, alone on the GPU)
+        nsh=${MXATTN_BWDGLUON_SHARDS:-3}
+        [[ $nsh =~ ^[1-9][0-9]*$ ]] || { echo "!! MXATTN_BWDGLUON_SHARDS=$nsh: want n >= 1; using 1"; nsh=1; status=1; }
+        for ((i = 0; i < nsh; i++)); do
+          MXATTN_TEST_SHARD=$i/$nsh run $PY -m pytest -m gpu -q -rfE -s -p no:cacheprovider -k "not bench" \
+            "tests/test_attn_bwd_${part}_gluon.py" > "$OUT/bwd_${part}_gluon_tests.$i.log" 2>&1 &
+        done
+        wait
+        run $PY -m pytest -m gpu -q -rfE -s -p no:cacheprovider -k bench "tests/test_attn_bwd_${part}_gluon.py" \
+          > "$OUT/bwd_${part}_gluon_tests.bench.log" 2>&1
+        cat "$OUT"/bwd_${part}_gluon_tests.*.log > "$OUT/bwd_${part}_gluon_tests.log"; rm -f "$OUT"/bwd_${part}_gluon_tests.*.log
+        grep -E "passed|failed|^FAILED|^ERROR" "$OUT/bwd_${part}_gluon_tests.log" | tail -40
+        grep -qE "^(FAILED|ERROR)|!! " "$OUT/bwd_${part}_gluon_tests.log" && status=1
       done
       # both through loss.backward() (MXATTN_BWD_KERNEL=gluon) against the tl kernels
       run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_bwd.py -k "gluon_through_the_api"
@@ -164,15 +191,25 @@ for kw in cases:
 print(write_result('varlen_fwd', rows, sys.argv[1]))
 " "$OUT" "${VARLEN_SEEDS:-0 1 2 3}" ;;
     varlenbwd)
-      # issue 8: the jagged backward (tl kernels) against the dense default (the Gluon backward on Hopper since
-      # session 5; session 3's 0.95-0.98 was against the tl dense backward)
-      run $PY -c "
+      # issue 8: the jagged backward against the dense default (the Gluon backward on Hopper since session 5).
+      # The Gluon kernels' jagged mode (VARLEN) is opt-in until it passes here (the default jagged path is tl):
+      # compile checks, two tiny cases under a short timeout (a barrier bug hangs rather than fails), its GPU tests,
+      # then the timings with MXATTN_VARLEN_BWD_KERNEL=gluon unless set (each row: the asked path and the tl
+      # jagged path, both against the dense Gluon backward)
+      run $PY scripts/compile_check_bwd_dq_gluon.py --varlen --split
+      run $PY scripts/compile_check_bwd_dkdv_gluon.py --varlen --split
+      T=120 run $PY -m pytest -m gpu -q -x -rfE -p no:cacheprovider tests/test_bwd_varlen_gluon.py \
+        -k "matches_tl and (1seq-h1 or 2seq-h2)"
+      run $PY -m pytest -m gpu -q -rfE -s -p no:cacheprovider tests/test_bwd_varlen_gluon.py \
+        2>&1 | tee "$OUT/bwd_varlen_gluon_tests.log" | tail -40
+      MXATTN_VARLEN_BWD_KERNEL=${MXATTN_VARLEN_BWD_KERNEL:-gluon} run $PY -c "
 import json, sys
 from mxattn.kernels.varlen import bench_varlen_bwd
 from mxattn.bench.results import write_result
 rows = [bench_varlen_bwd(causal=c, seed=s) for c in (False, True) for s in (0, 1)]
 for r in rows:
-    print(r['causal'], 'rate_vs_dense %.3f' % r['rate_vs_dense'], 'vs sdpa cudnn padded', r['speedup_vs_sdpa_cudnn_padded'], flush=True)
+    print(r['causal'], r['varlen_kernel'], 'rate_vs_dense %.3f' % r['rate_vs_dense'], 'tl %.3f' % r['rate_vs_dense_tl'],
+          'vs sdpa cudnn padded', r['speedup_vs_sdpa_cudnn_padded'], flush=True)
 print(write_result('varlen_bwd', rows, sys.argv[1]))
 " "$OUT" ;;
     graph)

@@ -182,7 +182,28 @@ def gen(seed) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def _shard(spec: str) -> tuple[int, int]:
+    """MXATTN_TEST_SHARD "i/n" -> (i, n), 0 <= i < n."""
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"MXATTN_TEST_SHARD must be 'i/n', got {spec!r}") from None
+    if not 0 <= i < n:
+        raise pytest.UsageError(f"MXATTN_TEST_SHARD {spec!r}: need 0 <= i < n")
+    return i, n
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k deselection, so the shards split the tests that run
 def pytest_collection_modifyitems(config, items):
+    # MXATTN_TEST_SHARD=i/n keeps every n-th test from the i-th (collection order), so that one slow file can run
+    # as n processes side by side (scripts/gpu_check.sh: "file@n" in MXATTN_TEST_FILES)
+    spec = os.environ.get("MXATTN_TEST_SHARD")
+    if spec:
+        i, n = _shard(spec)
+        drop = [it for k, it in enumerate(items) if k % n != i]
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = [it for k, it in enumerate(items) if k % n == i]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

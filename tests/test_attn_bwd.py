@@ -27,6 +27,34 @@ EMUL_MIN_DB = 35.0 if torch.cuda.is_available() else 45.0
 GRADS = ("dq", "dk", "dv")
 
 
+FLIP_ROW_ERR = 2.0**-2  # largest relative error of a row set aside as a rounding flip (see emulation_close)
+
+
+def emulation_close(g, o, min_db: float, floor: float) -> tuple[bool, str]:
+    """Kernel ``g`` against its own emulation ``o``: ``|g - o| <= 10^(-min_db/20) |o| + floor`` over all rows but
+    the worst 1% (at least one), each of which must still be within ``FLIP_ROW_ERR`` of its row.
+
+    The emulation rounds in fp64 and the kernel in fp32 (wgmma: ~14 bits), so a P or dS value (or a block's largest,
+    which sets its exponent) that lies within that difference of an e4m3 rounding point rounds the other way: one
+    FP8 element (or block) moves by one ulp (2^-3 of it). Over a long row that is lost in the bf16 rounding; over a
+    row of 31 keys it is a few percent of that row, which alone would cost the whole tensor ~1 dB (seen in CI: one
+    row of dq at 6%, 44.5 dB against 45). ``floor`` is the tensor's absolute error-norm floor.
+    """
+    D = g.shape[-1] if g.dim() else 1
+    d, on = (g - o).reshape(-1, D), o.reshape(-1, D)
+    err, norm = d.norm(dim=1), on.norm(dim=1)
+    rows = err.numel()
+    row_floor = floor * math.sqrt(D / max(g.numel(), 1))
+    worst = err.topk(min(rows, max(1, rows // 100))).indices if rows else err.new_zeros(0, dtype=torch.long)
+    rest = torch.ones(rows, dtype=torch.bool)
+    rest[worst] = False
+    flips_ok = bool((err[worst] <= FLIP_ROW_ERR * norm[worst] + row_floor).all())
+    rest_err = err[rest].pow(2).sum().sqrt().item()
+    ok = flips_ok and rest_err <= 10 ** (-min_db / 20) * o.norm().item() + floor
+    worst_rel = (err[worst] / norm[worst].clamp_min(1e-300)).max().item() if rows else 0.0
+    return ok, f"own emulation without the worst {worst.numel()} rows: err {rest_err:.3g}; worst row {worst_rel:.3g}"
+
+
 def _bwd():
     from mxattn.kernels import attn_bwd
 
@@ -218,9 +246,12 @@ def _check(q, k, v, dout, causal, *, deterministic=False, softmax_scale=None, co
                                 causal=causal, softmax_scale=softmax_scale, deterministic=deterministic, config=cfg)
     truth = reference.attention_backward(mx["q"], mx["k"], mx["v"], out_exact, dout, causal=causal,
                                          softmax_scale=scale)
+    # the reference emulates dK's dS with MX blocks of 32 queries per key, or, for the per-key rule
+    # (ds_tile_scale=False), with the kernel's blocks: one exponent per key per q tile (ds_q_block)
     emul = reference.attention_backward(
         mx["q"], mx["k"], mx["v"], out, dout, causal=causal, softmax_scale=scale, quantize_p=True, quantize_ds=True,
-        quantize_do=True, q_seq=mx["q_seq"], k_seq=mx["k_seq"], v_hdim=mx["v_hdim"])
+        quantize_do=True, q_seq=mx["q_seq"], k_seq=mx["k_seq"], v_hdim=mx["v_hdim"],
+        ds_q_block=32 if cfg.ds_tile_scale else cfg.block_m)
     own = _emulate(ops, dout, out, lse, causal, scale, cfg, deterministic or cfg.dq_kernel)
     abs_floor = zero_gradient_floors(q, k, dout, ops["v_hdim"], ops["q_seq"], ops["k_seq"], scale, on_gpu)
     res = {}
@@ -236,7 +267,8 @@ def _check(q, k, v, dout, causal, *, deterministic=False, softmax_scale=None, co
                f"own emulation {reference.sqnr_db(g, o):.2f} dB; max abs err {(g - t).abs().max().item():.3g} "
                f"at flat index {i}")
         assert err_k <= bound, msg
-        assert (g - o).norm().item() <= 10 ** (-emul_min_db / 20) * o.norm().item() + floor, msg
+        close, why = emulation_close(g, o, emul_min_db, floor)
+        assert close, f"{msg}; {why}"
         res[name] = reference.sqnr_db(g, t)
     # rows that see no key (causal, Sq > Sk) get dq = 0 exactly
     if causal and q.shape[1] > k.shape[1]:
@@ -331,18 +363,29 @@ def test_backward_kernel_auto_is_gluon_on_hopper(monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 def test_backward_kernel_gluon_through_the_api(causal, seed, monkeypatch):
     """MXATTN_BWD_KERNEL=gluon through loss.backward(): the whole-tile Gluon kernels' (MXATTN_BWD_GLUON_SPLIT=0)
-    gradients equal the tl dQ-kernel path's up to fp32 summation order (same P and dS bits)."""
+    gradients equal the tl dQ-kernel path's up to fp32 summation order (same P and dS bits).  The tl run takes the
+    dS rule of the Gluon dK/dV kernel's default (``ds_exp="key"``: ``ds_tile_scale=False``) through a patched
+    ``default_config``: the tl path's own default keeps one dS exponent per tile."""
+    from dataclasses import replace
+
     from conftest import assert_same_up_to_summation_order
 
     from mxattn import mxfp8_attn_func
+    from mxattn.kernels.attn_bwd_dkdv_gluon import GluonDkdvConfig
 
+    bwd = _bwd()
     q, k, v, do = _inputs(2, 700, 900, 8, 2, 128, "cuda", seed)
     monkeypatch.setenv("MXATTN_BWD_GLUON_SPLIT", "0")
+    tl_default = bwd.default_config
     grads = {}
     for kind in ("tl", "gluon"):
         monkeypatch.setenv("MXATTN_BWD_KERNEL", kind)
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        mxfp8_attn_func(*leaves, causal=causal, deterministic=True).backward(do)
+        with monkeypatch.context() as mp:
+            if kind == "tl":
+                mp.setattr(bwd, "default_config", lambda *a, **kw: replace(
+                    tl_default(*a, **kw), ds_tile_scale=not GluonDkdvConfig().key_exp))
+            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+            mxfp8_attn_func(*leaves, causal=causal, deterministic=True).backward(do)
         grads[kind] = [t.grad for t in leaves]
     for name, a, b in zip(("dq", "dk", "dv"), grads["gluon"], grads["tl"]):
         assert_same_up_to_summation_order(a, b, name)
@@ -352,11 +395,11 @@ def test_backward_kernel_gluon_through_the_api(causal, seed, monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 def test_backward_gluon_split_equals_tl_64_tiles(causal, seed, monkeypatch):
     """MXATTN_BWD_GLUON_SPLIT=1 (the split Gluon dQ and dK/dV kernels, the default) in attn_bwd_hopper equals the
-    tl kernels with 64-row / 64-key blocks (``split_tl_config``: the same dS exponent tiles) up to fp32 summation
-    order."""
+    tl kernels with 64-row / 64-key blocks (``split_tl_config``: the same dS exponent tiles for dQ; for dK the
+    rule of the Gluon dK/dV default, ``tl_twin_config``) up to fp32 summation order."""
     from conftest import assert_same_up_to_summation_order
 
-    from mxattn.kernels.attn_bwd_dq_gluon import split_tl_config
+    from mxattn.kernels.attn_bwd_dkdv_gluon import GluonDkdvConfig, tl_twin_config
 
     bwd = _bwd()
     q, k, v, do = _inputs(2, 700, 900, 8, 2, 128, "cuda", seed)
@@ -366,7 +409,8 @@ def test_backward_gluon_split_equals_tl_64_tiles(causal, seed, monkeypatch):
     monkeypatch.setenv("MXATTN_BWD_KERNEL", "gluon")
     monkeypatch.setenv("MXATTN_BWD_GLUON_SPLIT", "1")
     got = bwd.attn_bwd_hopper(*args, causal=causal)
-    want = bwd.attn_bwd_hopper(*args, causal=causal, config=split_tl_config())  # explicit config: tl kernels
+    # explicit config: tl kernels
+    want = bwd.attn_bwd_hopper(*args, causal=causal, config=tl_twin_config(GluonDkdvConfig(split=True)))
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert_same_up_to_summation_order(a, b, name)
 
@@ -451,6 +495,58 @@ def test_attn_bwd_interpreter_per_key_scale(det, seed):
     q, k, v, do = _inputs(1, 100, 140, 2, 1, 64, dev, seed)
     cfg = bwd.BwdConfig(ds_tile_scale=False)
     _check(q, k, v, do, True, deterministic=det, config=cfg)
+
+
+@pytest.mark.parametrize("block_n", [128, 64])
+def test_attn_bwd_interpreter_per_key_zero_rows_leave_the_bound(block_n, seed):
+    """Per-key dS exponents (the Gluon ``ds_exp="key"`` twin): a key whose dS is all zero in a query tile keeps
+    its exponent and does not start the bound of ``_bounded_exp``.  dO is 0 for the first 64 queries and ~2^-100
+    after: had the zero tile set the key's bound from the initial exponent 0, the tiny dS would be raised to
+    exponent -64 and flush to zero (dK = 0); with the rule, dK follows them (against the emulation, at 45 dB)."""
+    require_kernels()
+    bwd = _bwd()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v, do = _inputs(1, 128, 64, 1, 1, 64, dev, seed)
+    do[:, :64] = 0.0
+    do[:, 64:] *= 2.0**-100
+    cfg = bwd.BwdConfig(block_n=block_n, num_warps=4 if block_n == 64 else 8, ds_tile_scale=False)
+    _check(q, k, v, do, False, config=cfg, deterministic=True)
+
+
+def test_attn_bwd_interpreter_per_key_keeps_small_keys(seed):
+    """Why one dS exponent per key: keys whose scores sit ~14 below the others' (P, so dS, ~2^-20 of theirs) lose
+    their whole dK to one exponent per 128-key tile (flushed below e4m3's subnormals) and keep it per key.  Over
+    those keys' rows dK's SQNR against the exact gradients is > 20 dB per key, < 3 dB per tile; over all keys both
+    rules pass the calibrated bound (the per-key one against the reference's emulation with 64-query blocks)."""
+    require_kernels()
+    bwd = _bwd()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(seed)
+    B, Sq, Sk, D = 1, 96, 80, 64
+    q = (torch.randn(B, Sq, 1, D, generator=g).abs() + 1.0).to(dev, torch.bfloat16)
+    sign = torch.where(torch.arange(Sk) % 2 == 0, 1.0, -1.0).view(1, Sk, 1, 1)  # odd keys: the small ones
+    k = (0.5 * sign + 0.1 * torch.randn(B, Sk, 1, D, generator=g)).to(dev, torch.bfloat16)
+    v = torch.randn(B, Sk, 1, D, generator=g).to(dev, torch.bfloat16)
+    do = torch.randn(B, Sq, 1, D, generator=g).to(dev, torch.bfloat16)
+    mx = _operands(q, k, v, q.is_cuda)[0]
+    truth = reference.attention_backward(mx["q"], mx["k"], mx["v"], reference.attention_forward(
+        mx["q"], mx["k"], mx["v"])[0], do, quantize_do=True)[1][:, 1::2]
+    small = {}
+    for tile in (False, True):
+        cfg = bwd.BwdConfig(ds_tile_scale=tile)
+        _check(q, k, v, do, False, config=cfg, deterministic=True)
+        args = _kernel_args_from(q, k, v, do)
+        dk = bwd.attn_bwd_hopper(*args, deterministic=True, config=cfg)[1]
+        small[tile] = reference.sqnr_db(dk[:, 1::2].double().cpu(), truth)
+    assert small[False] > 20.0 and small[True] < 3.0, small
+
+
+def _kernel_args_from(q, k, v, do):
+    """``attn_bwd_hopper``'s positional arguments for these inputs with the reference forward's out and lse."""
+    mx, ops = _operands(q, k, v, q.is_cuda)
+    out, lse = reference.attention_forward(mx["q"], mx["k"], mx["v"])
+    out, lse = out.to(q.device, torch.bfloat16), lse.to(q.device, torch.float32)
+    return ops["q"], ops["k"], ops["v_hdim"], ops["q_seq"], ops["k_seq"], out, do, lse
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["atomic", "deterministic"])
@@ -590,3 +686,20 @@ def test_attn_bwd_gpu_large_logits(seed):
     # emulation's (27.74 vs 27.82 dB), the bound that matters
     _check(q * 4, k * 4, v, do, True, fwd="kernel", emul_min_db=30.0)
     _check(q, k, v * 2.0**-60, do * 2.0**40, False, softmax_scale=0.02, fwd="kernel")
+
+
+def test_emulation_close_sets_aside_only_rare_flip_rows():
+    """The kernel-vs-emulation comparison forgives one rounding flip per 100 rows and nothing broader."""
+    g = torch.Generator().manual_seed(0)
+    o = torch.randn(62, 64, generator=g, dtype=torch.float64)
+    assert emulation_close(o, o, 45.0, 0.0)[0]
+    one = o.clone()
+    one[26] *= 1.06  # one row off by 6%: a flip in a short row
+    assert emulation_close(one, o, 45.0, 0.0)[0]
+    two = one.clone()
+    two[40] *= 1.06  # a second such row in 62 is no longer rare
+    assert not emulation_close(two, o, 45.0, 0.0)[0]
+    big = o.clone()
+    big[3] *= 1.5  # a single row off by 50% is not a one-ulp flip
+    assert not emulation_close(big, o, 45.0, 0.0)[0]
+    assert not emulation_close(o * 1.01, o, 45.0, 0.0)[0]  # everything 1% off: 40 dB

@@ -303,3 +303,21 @@ def test_bench_attn_bwd_dq_gluon():
               f"tl {r.get('tl_ms', float('nan')):.3f} ms ({r.get('tl_tflops', 0):.0f} TFLOP/s), "
               f"speedup {r.get('speedup', float('nan')):.2f}x {r.get('gluon_error', '')}")
     assert all(r.get("gluon_ms") and r.get("tl_ms") for r in rows), rows
+
+
+def test_launch_plan_repeats_the_checked_launch(monkeypatch):
+    """As the dK/dV launcher's plans: later calls of one signature launch what the first (checked) call launched,
+    with descriptors over their own tensors, and run no checks."""
+    from test_attn_bwd_dkdv_gluon import _recorded_launches, _same_launch
+
+    m = _mod()
+    m._PLANS.clear()
+    ops = _cpu_operands()
+    seen = _recorded_launches(monkeypatch, lambda: m.attn_bwd_dq_gluon(**ops, causal=True), n=2)
+    assert len(m._PLANS) == 1
+    _same_launch(seen[0], seen[1])
+    monkeypatch.setattr(m, "_check", lambda *a: pytest.fail("a plan hit runs no checks"))
+    other = _cpu_operands()
+    seen2 = _recorded_launches(monkeypatch, lambda: m.attn_bwd_dq_gluon(**other, causal=True), n=1)
+    _same_launch(seen[0], seen2[0])
+    assert seen2[0][1][0].base.data_ptr() == other["q"].data.data_ptr()

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from mxattn import formats, interface, reference
+from mxattn import interface, reference
 
 MARGIN_DB = 0.5
 
@@ -175,3 +175,20 @@ def test_attn_fwd_gpu_every_tile(tile, seed):
         q, k, v = _inputs(1, 700, 1200, 4, 2, D, "cuda", seed + D)
         for causal in (False, True):
             _check_against_reference(q, k, v, causal, config=FwdConfig(*tile))
+
+
+def test_repeated_signature_takes_the_bound_launch(seed):
+    """The second call of one operand signature launches through the bound launch (``_FWD_BOUND``) with its own
+    tensors: fresh data gives its own, correct output, and another signature (causal) gets another entry."""
+    from conftest import require_kernels
+    from mxattn.kernels import attn_fwd as af
+
+    device = require_kernels()
+    af._FWD_BOUND.clear()
+    for i in range(3):
+        q, k, v = _inputs(1, 33, 70, 2, 1, 64, device, seed + i)
+        _check_against_reference(q, k, v, causal=False)
+    assert len(af._FWD_BOUND) == 1
+    q, k, v = _inputs(1, 33, 70, 2, 1, 64, device, seed)
+    _check_against_reference(q, k, v, causal=True)
+    assert len(af._FWD_BOUND) == 2

@@ -279,6 +279,75 @@ def test_mxtensor_validation(shape, data):
         MXTensor(fp8, torch.full(good + [1], 127, dtype=torch.uint8), dim)
 
 
+def _mx44():
+    return quantize_mxfp8(torch.randn(4, 40), dim=1)
+
+
+FORMAT_BAD = [
+    # (description, call, exception, words in the message)
+    ("MXTensor data list", lambda: MXTensor([0.0], _mx44().scale, 1), TypeError, "MXTensor.data must be a torch.Tensor"),
+    ("MXTensor scale list", lambda: MXTensor(_mx44().data, [127, 127], 1), TypeError,
+     "MXTensor.scale must be a torch.Tensor"),
+    ("MXTensor data e5m2", lambda: MXTensor(_mx44().data.view(torch.float8_e5m2), _mx44().scale, 1), TypeError,
+     "MXTensor.data must be torch.float8_e4m3fn"),
+    ("MXTensor scale int8", lambda: MXTensor(_mx44().data, _mx44().scale.view(torch.int8), 1), TypeError,
+     "MXTensor.scale must be torch.float8_e8m0fnu or uint8"),
+    ("MXTensor dim float", lambda: MXTensor(_mx44().data, _mx44().scale, 1.0), TypeError, "dim must be an int, got float"),
+    ("MXTensor dim bool", lambda: MXTensor(_mx44().data, _mx44().scale, True), TypeError, "dim must be an int, got bool"),
+    ("MXTensor dim range", lambda: MXTensor(_mx44().data, _mx44().scale, 2), ValueError, "dim=2 is out of range"),
+    ("MXTensor scale count", lambda: MXTensor(_mx44().data, _mx44().scale[:, :1], 1), ValueError,
+     r"MXTensor.scale has shape \(4, 1\), expected \(4, 2\)"),
+    ("MXTensor orientation", lambda: MXTensor(_mx44().data, _mx44().scale, 0), ValueError,
+     r"expected \(1, 40\) for data of shape \(4, 40\) blocked along dim 0"),
+    ("MXTensor block 16", lambda: MXTensor(_mx44().data, _mx44().scale, 1, 16), ValueError, "block_size=32"),
+    ("MXTensor scale device", lambda: MXTensor(_mx44().data, _mx44().scale.to("meta"), 1), ValueError,
+     "MXTensor.scale is on meta but data is on cpu"),
+    ("quantize list", lambda: quantize_mxfp8([1.0, 2.0]), TypeError, "expects a torch.Tensor, got list"),
+    ("quantize int", lambda: quantize_mxfp8(torch.ones(4, dtype=torch.int32)), TypeError, "got torch.int32"),
+    ("quantize e4m3", lambda: quantize_mxfp8(torch.ones(4).to(torch.float8_e4m3fn)), TypeError,
+     "got torch.float8_e4m3fn"),
+    ("quantize e4m3fnuz", lambda: quantize_mxfp8(torch.ones(4).to(torch.float8_e4m3fnuz)), TypeError,
+     "got torch.float8_e4m3fnuz"),
+    ("quantize e8m0", lambda: quantize_mxfp8(torch.ones(4).to(torch.float8_e8m0fnu)), TypeError,
+     "got torch.float8_e8m0fnu"),
+    ("quantize complex", lambda: quantize_mxfp8(torch.ones(4, dtype=torch.complex64)), TypeError, "got torch.complex64"),
+    ("quantize rank 0", lambda: quantize_mxfp8(torch.tensor(1.0)), ValueError, "rank >= 1"),
+    ("quantize dim float", lambda: quantize_mxfp8(torch.ones(4, 4), dim=1.0), TypeError, "dim must be an int"),
+    ("quantize dim range", lambda: quantize_mxfp8(torch.ones(4, 4), dim=2), ValueError, "dim=2 is out of range"),
+    ("quantize scale_mode", lambda: quantize_mxfp8(torch.ones(4), scale_mode="up"), ValueError, "scale_mode"),
+    ("dequantize tensor", lambda: dequantize_mxfp8(torch.ones(4)), TypeError, "expects an MXTensor, got Tensor"),
+    ("dequantize int dtype", lambda: dequantize_mxfp8(_mx44(), torch.int32), TypeError,
+     "dtype must be float32, float16, bfloat16 or float64, got torch.int32"),
+    ("to_row_scaled tensor", lambda: to_row_scaled(torch.ones(4, 32)), TypeError, "expects an MXTensor, got Tensor"),
+    ("RowScaledFP8 data list", lambda: RowScaledFP8([0.0], torch.zeros(4, 1, dtype=torch.int32), 1), TypeError,
+     "RowScaledFP8.data must be a torch.Tensor, got list"),
+    ("RowScaledFP8 exp int64", lambda: RowScaledFP8(_mx44().data, torch.zeros(4, 1, dtype=torch.int64), 1), TypeError,
+     "RowScaledFP8.exp must be int32"),
+    ("RowScaledFP8 exp shape", lambda: RowScaledFP8(_mx44().data, torch.zeros(4, 2, dtype=torch.int32), 1), ValueError,
+     r"RowScaledFP8.exp has shape \(4, 2\), expected \(4, 1\)"),
+    ("RowScaledFP8 group 0", lambda: RowScaledFP8(_mx44().data, torch.zeros(1, 1, dtype=torch.int32), 1, 0, 0),
+     ValueError, "RowScaledFP8.group must be a positive int, got 0"),
+    ("RowScaledFP8 group_dim = dim", lambda: RowScaledFP8(_mx44().data, torch.zeros(4, 1, dtype=torch.int32), 1, 1, 2),
+     ValueError, "group_dim must differ from dim"),
+]
+
+
+@pytest.mark.parametrize("case", FORMAT_BAD, ids=[c[0] for c in FORMAT_BAD])
+def test_bad_format_input_is_refused_with_a_clear_message(case):
+    _, call, exc, words = case
+    with pytest.raises(exc, match=words):
+        call()
+
+
+def test_dim_accepts_integer_likes():
+    """dim may be any ``__index__`` integer (a NumPy int, say), normalized to a plain int."""
+    import numpy as np
+
+    t = quantize_mxfp8(torch.randn(4, 40), dim=np.int64(-1))
+    assert t.dim == 1 and type(t.dim) is int
+    assert MXTensor(t.data, t.scale, np.int32(1)).dim == 1
+
+
 # ----------------------------------------------------------------------------------------------
 # Hopper row-scaled format
 # ----------------------------------------------------------------------------------------------

@@ -36,12 +36,43 @@ BAD = [
     ("mixed MX/float", lambda q, k, v: (formats.quantize_mxfp8(q, 3), k, v, {}), TypeError, "all be MXTensors"),
     ("MX v along head dim", lambda q, k, v: (formats.quantize_mxfp8(q, 3), formats.quantize_mxfp8(k, 3),
                                             formats.quantize_mxfp8(v, 3), {}), ValueError, "v must be MXFP8-blocked"),
+    ("MX q along sequence", lambda q, k, v: (formats.quantize_mxfp8(q, 1), formats.quantize_mxfp8(k, 3),
+                                            formats.quantize_mxfp8(v, 1), {}), ValueError,
+     r"q must be MXFP8-blocked along the head dim \(MXTensor.dim=3\), got dim=1"),
+    ("MX k along sequence", lambda q, k, v: (formats.quantize_mxfp8(q, 3), formats.quantize_mxfp8(k, 1),
+                                            formats.quantize_mxfp8(v, 1), {}), ValueError, "k must be MXFP8-blocked"),
+    ("MX rank 3", lambda q, k, v: (formats.quantize_mxfp8(q[0], 2), formats.quantize_mxfp8(k, 3),
+                                  formats.quantize_mxfp8(v, 1), {}), ValueError, "q must have shape"),
+    ("MX head dim 96", lambda q, k, v: tuple(formats.quantize_mxfp8(torch.cat([t, t[..., :32]], -1), d)
+                                             for t, d in ((q, 3), (k, 3), (v, 1))) + ({},), ValueError, "head dim 96"),
+    ("float64", lambda q, k, v: (q.double(), k.double(), v.double(), {}), TypeError, "got torch.float64"),
+    ("fp8 e5m2 q", lambda q, k, v: (q.to(torch.float8_e5m2), k, v, {}), TypeError, "q must be"),
+    ("q on another device", lambda q, k, v: (q.to("meta"), k, v, {}), ValueError,
+     "q, k, v must be on one device, got q: meta, k: cpu, v: cpu"),
+    ("no kv heads", lambda q, k, v: (q, k[:, :, :0], v[:, :, :0], {}), ValueError, r"kv heads \(0\)"),
+    ("scale inf", lambda q, k, v: (q, k, v, {"softmax_scale": float("inf")}), ValueError, "softmax_scale"),
+    ("scale 0", lambda q, k, v: (q, k, v, {"softmax_scale": 0}), ValueError, "softmax_scale"),
+    ("scale huge int", lambda q, k, v: (q, k, v, {"softmax_scale": 10**400}), ValueError,
+     "softmax_scale must be finite and positive"),
+    ("scale bool", lambda q, k, v: (q, k, v, {"softmax_scale": True}), TypeError, "softmax_scale must be a float"),
+    ("scale tensor", lambda q, k, v: (q, k, v, {"softmax_scale": torch.tensor(0.1)}), TypeError, "softmax_scale"),
+    ("causal None", lambda q, k, v: (q, k, v, {"causal": None}), TypeError, "causal must be a bool"),
+    ("return_lse int", lambda q, k, v: (q, k, v, {"return_lse": 1}), TypeError, "return_lse must be a bool"),
+    ("deterministic str", lambda q, k, v: (q, k, v, {"deterministic": "yes"}), TypeError, "deterministic must be a bool"),
+    ("backend", lambda q, k, v: (q, k, v, {"backend": "cudnn"}), ValueError, "backend must be one of"),
 ]
 
 
 @pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
-def test_bad_input_is_refused_with_a_clear_message(case):
+def test_bad_input_is_refused_with_a_clear_message(case, monkeypatch):
     _, mutate, exc, words = case
+    from mxattn import interface
+
+    def boom(*a, **k):
+        raise AssertionError("work started before the inputs were checked")
+
+    for name in ("_fwd_impl", "_mx_forward", "_hopper_forward", "_reference_forward"):
+        monkeypatch.setattr(interface, name, boom)
     q, k, v, kw = mutate(*_qkv())
     with pytest.raises(exc, match=words):
         mxfp8_attn_func(q, k, v, **kw)
@@ -141,6 +172,66 @@ def test_empty_inputs_give_the_well_defined_result(B, Sq, Sk, D, device):
     assert q.grad.shape == q.shape and (q.grad == 0).all() and (k.grad == 0).all() and (v.grad == 0).all()
 
 
+def _strided_qkv(layout: str, device="cpu", B=1, S=40, Hq=4, Hkv=2, D=64):
+    """Non-contiguous q, k, v: views of one packed projection, (B, H, S, D) tensors transposed, or every other
+    element along D."""
+    bf = dict(dtype=torch.bfloat16, device=device)
+    if layout == "qkv split":
+        return torch.randn(B, S, Hq + 2 * Hkv, D, **bf).split((Hq, Hkv, Hkv), dim=2)
+    if layout == "bhsd":
+        return tuple(torch.randn(B, h, S, D, **bf).transpose(1, 2) for h in (Hq, Hkv, Hkv))
+    return tuple(torch.randn(B, S, h, 2 * D, **bf)[..., ::2] for h in (Hq, Hkv, Hkv))
+
+
+STRIDED = ["qkv split", "bhsd", "D stride 2"]
+
+
+@pytest.mark.parametrize("layout", STRIDED)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_strided_inputs_give_the_contiguous_result(layout, device, seed):
+    """Non-contiguous float q, k, v are read through their strides: out, lse and the gradients equal those of
+    contiguous copies bit for bit."""
+    qkv = _strided_qkv(layout, device)
+    assert not any(t.is_contiguous() for t in qkv)
+    res = []
+    for ts in (qkv, tuple(t.contiguous() for t in qkv)):
+        ts = tuple(t.detach().requires_grad_() for t in ts)  # detach keeps the strides
+        out, lse = mxfp8_attn_func(*ts, causal=True, return_lse=True)
+        out.float().pow(2).sum().backward()
+        res.append((out, lse, *(t.grad for t in ts)))
+    for got, want in zip(*res):
+        assert torch.equal(got, want)
+
+
+def test_strided_mx_inputs_give_the_contiguous_result(seed):
+    """MXTensor inputs with transposed data and scales (q, k from (B, H, S, D) buffers, v channel-major) give the
+    result of contiguous copies."""
+    q, k, v = (torch.randn(1, h, 40, 64, dtype=torch.bfloat16) for h in (4, 2, 2))
+    qm, km = (formats.quantize_mxfp8(t, 3) for t in (q, k))
+    qm, km = (formats.MXTensor(t.data.transpose(1, 2), t.scale.transpose(1, 2), 3) for t in (qm, km))
+    vm = formats.quantize_mxfp8(v.transpose(2, 3), 3)  # channel-major (B, H, D, S) blocked along S
+    vm = formats.MXTensor(vm.data.permute(0, 3, 1, 2), vm.scale.permute(0, 3, 1, 2), 1)
+    assert not any(t.data.is_contiguous() for t in (qm, km, vm))
+    dense = tuple(formats.MXTensor(t.data.contiguous(), t.scale.contiguous(), t.dim) for t in (qm, km, vm))
+    assert torch.equal(mxfp8_attn_func(qm, km, vm, causal=True), mxfp8_attn_func(*dense, causal=True))
+
+
+@pytest.mark.parametrize("layout", STRIDED)
+def test_strided_inputs_in_the_cuda_forward_kernels(layout, seed):
+    """The CUDA forward (``_hopper_forward``: operand passes and the `tl` kernel), run on the CPU interpreter, reads
+    non-contiguous q, k, v through their strides: the contiguous copies' out and lse bit for bit."""
+    from conftest import require_kernels
+
+    if torch.cuda.is_available() or require_kernels() != "cpu":
+        pytest.skip("runs the kernels under the interpreter (machines without a GPU; the gpu test covers CUDA)")
+    from mxattn import interface as itf
+
+    qkv = _strided_qkv(layout)
+    got = itf._hopper_forward(*qkv, True, 0.125, "rceil", torch.bfloat16)
+    want = itf._hopper_forward(*(t.contiguous() for t in qkv), True, 0.125, "rceil", torch.bfloat16)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_forward_kernel_choice(monkeypatch):
     """CPU tensors and non-Hopper devices never pick Gluon; the override is validated."""
     from mxattn import interface as I
@@ -209,3 +300,107 @@ def test_mx_inputs_from_producers_are_differentiable(device, seed):
     ref.backward(dout)
     # MXFP8 attention gradients are ~23 dB from exact (DESIGN §2); through the projection they stay well aligned
     assert reference.cosine(gx, x.grad) > 0.97 and reference.cosine(gw, W.grad) > 0.97
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_forward_keeping_kv_matches_the_plain_forward(device, seed):
+    """The training forward (``_hopper_forward_keeping_kv``: K and V in both orientations from one read each) gives
+    the plain forward's out and lse bit for bit, and kept operands equal to the backward's own re-quantization.
+    CPU: the kernels under the interpreter."""
+    from conftest import require_kernels
+
+    if device == "cpu" and (torch.cuda.is_available() or require_kernels() != "cpu"):
+        pytest.skip("the CPU case runs the kernels under the interpreter (machines without a GPU)")
+    from mxattn import interface as itf
+    from mxattn.kernels.quantize import row_scaled_triton, row_scaled_triton_both
+
+    q, k, v = _qkv(B=1, Sq=37, Sk=70, Hq=4, Hkv=2, D=64, device=device)
+    out, lse, (kr, k_seq, v_hdim) = itf._hopper_forward_keeping_kv(q, k, v, True, 0.125, "rceil")
+    out0, lse0 = itf._hopper_forward(q, k, v, True, 0.125, "rceil", q.dtype)
+    assert torch.equal(out, out0) and torch.equal(lse, lse0)
+    kr0, k_seq0 = row_scaled_triton_both(k, "rceil", k_group=itf.K_EXP_GROUP)
+    v_hdim0 = row_scaled_triton(v, "k", k_group=itf.K_EXP_GROUP)
+    for got, want in ((kr, kr0), (k_seq, k_seq0), (v_hdim, v_hdim0)):
+        assert (got.dim, got.group_dim, got.group) == (want.dim, want.group_dim, want.group)
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+        assert torch.equal(got.exp, want.exp)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_eager_training_path_equals_the_custom_op_path(causal, seed):
+    """Eager autograd saves the forward's FP8 K/V operands; the custom op (torch.compile's path) saves bf16 k, v
+    and re-quantizes them in its backward.  Same out and gradients, bit for bit (deterministic backward)."""
+    from mxattn.interface import attn_fwd_op
+
+    q, k, v = _qkv(B=2, Sq=300, Sk=260, Hq=8, Hkv=2, D=128, device="cuda", requires_grad=True)
+    dout = torch.randn_like(q)
+    out = mxfp8_attn_func(q, k, v, causal=causal, deterministic=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    out_op, _ = attn_fwd_op(q, k, v, causal, 1.0 / 128**0.5, "rceil", True)
+    grads_op = torch.autograd.grad(out_op, (q, k, v), dout)
+    assert torch.equal(out, out_op)
+    for name, a, b in zip("qkv", grads, grads_op):
+        assert torch.equal(a, b), f"d{name} differs between the eager and the custom-op backward"
+
+
+@pytest.mark.gpu
+def test_gpu_eager_training_path_under_a_copying_saved_tensor_hook(seed):
+    """Activation offloading (``save_on_cpu``) copies every saved tensor; the kept FP8 K/V operands must come back
+    in the layouts the backward kernels take, and give the same gradients as without the hook."""
+    q, k, v = _qkv(B=1, Sq=300, Sk=300, Hq=4, Hkv=2, D=128, device="cuda", requires_grad=True)
+    dout = torch.randn_like(q)
+    want = torch.autograd.grad(mxfp8_attn_func(q, k, v, causal=True, deterministic=True), (q, k, v), dout)
+    for pin in (False, True):
+        with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+            out = mxfp8_attn_func(q, k, v, causal=True, deterministic=True)
+        got = torch.autograd.grad(out, (q, k, v), dout)
+        for name, a, b in zip("qkv", got, want):
+            assert torch.equal(a, b), f"d{name} differs under save_on_cpu(pin_memory={pin})"
+
+
+@pytest.mark.gpu
+def test_gpu_paired_q_dout_quantization_equals_the_launcher_s_own(seed):
+    """The backward quantizes q and dO together (``row_scaled_triton_both_pair``); ``attn_bwd_hopper`` quantizing
+    dO itself (``attn_bwd_preprocess``) must give the same gradients bit for bit."""
+    from mxattn.interface import K_EXP_GROUP, _bwd_impl
+    from mxattn.kernels.attn_bwd import Q_EXP_GROUP, attn_bwd_hopper
+    from mxattn.kernels.quantize import row_scaled_triton, row_scaled_triton_both
+
+    q, k, v = _qkv(B=2, Sq=200, Sk=260, Hq=4, Hkv=2, D=64, device="cuda")
+    out, lse = mxfp8_attn_func(q, k, v, return_lse=True)
+    dout = torch.randn_like(q)
+    got = _bwd_impl(dout, q, k, v, out, lse, False, 0.125, "rceil", True)
+    qr, q_seq = row_scaled_triton_both(q, k_group=Q_EXP_GROUP)
+    kr, k_seq = row_scaled_triton_both(k, k_group=K_EXP_GROUP)
+    v_hdim = row_scaled_triton(v, "k", k_group=K_EXP_GROUP)
+    want = attn_bwd_hopper(qr, kr, v_hdim, q_seq, k_seq, out, dout, lse, softmax_scale=0.125, deterministic=True,
+                           grad_dtype=q.dtype)
+    for name, a, b in zip("qkv", got, want):
+        assert torch.equal(a, b), f"d{name}: paired and separate dO quantization differ"
+
+
+@pytest.mark.parametrize("limit,want", [(1 << 25, "fused"), (100, "single")])
+def test_forward_operands_fused_only_while_small(limit, want, monkeypatch):
+    """Float q, k, v get their operands from the two-launch fused path up to FUSED_OPERANDS_MAX_ELEMS elements
+    together and from the three single passes above it (same bytes: test_quantize_kernels); MX inputs always take
+    the single passes."""
+    from mxattn import interface
+    from mxattn.kernels import quantize
+
+    calls = []
+    monkeypatch.setattr(quantize, "forward_operands_triton",
+                        lambda q, k, v, *a, **kw: calls.append("fused") or ("Q", "K", "V", None))
+    monkeypatch.setattr(quantize, "row_scaled_triton", lambda x, role, **kw: calls.append(role) or role.upper())
+    monkeypatch.setattr(interface, "FUSED_OPERANDS_MAX_ELEMS", limit)
+    monkeypatch.delenv("MXATTN_FUSED_OPERANDS_MAX", raising=False)
+    q = torch.zeros(1, 16, 2, 64, dtype=torch.bfloat16)  # 3 x 2048 elements
+    assert interface._hopper_forward_operands(q, q, q, "rceil") == ("Q", "K", "V")
+    assert calls == (["fused"] if want == "fused" else ["q", "k", "v"])
+    calls.clear()  # the environment overrides the constant at each call; a bad value is a clear error
+    monkeypatch.setenv("MXATTN_FUSED_OPERANDS_MAX", "100" if want == "fused" else str(1 << 25))
+    interface._hopper_forward_operands(q, q, q, "rceil")
+    assert calls == (["q", "k", "v"] if want == "fused" else ["fused"])
+    monkeypatch.setenv("MXATTN_FUSED_OPERANDS_MAX", "lots")
+    with pytest.raises(ValueError, match="MXATTN_FUSED_OPERANDS_MAX"):
+        interface._hopper_forward_operands(q, q, q, "rceil")

@@ -184,3 +184,44 @@ def test_nvmma_fp8_layout_is_gluons_default():
     for rows, cols in ((64, 128), (128, 128), (128, 64), (64, 64)):
         assert L.nvmma_fp8_layout(rows, cols) == gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float8e4nv)
     assert L.nvmma_fp8_layout(64, 128) is L.nvmma_fp8_layout(64, 128)
+
+
+def test_bound_launch_repeats_the_launch_without_the_key(monkeypatch):
+    """``BoundLaunch``: the first call goes through the launcher (a miss), later calls launch the bound kernel with
+    the new positional arguments, the keywords and the remaining defaults, on a grid padded to 3 dims."""
+    fl = _launcher(monkeypatch)
+    x, y = torch.zeros(64), torch.ones(64)
+    b = L.BoundLaunch(fl, (4,), (x, 7, 0.5), {"BLOCK": 32})
+    assert fl.misses == 1 and len(fl.jit_fn.runs) == 1
+    monkeypatch.setattr(L.FastLauncher, "_key", staticmethod(lambda a, k: pytest.fail("bound calls skip the key")))
+    b(y, 7, 0.5)
+    (kernel, _), = fl._cache.values()
+    assert kernel.launches == [((4, 1, 1), (y, 7, 0.5, 32, False))] and fl.hits == 1
+
+
+def test_bound_launch_binds_after_triton_dispatch(monkeypatch):
+    """Made under ``triton_dispatch()`` it takes Triton's path there and binds at its first call outside."""
+    fl = _launcher(monkeypatch)
+    x = torch.zeros(64)
+    with L.triton_dispatch():
+        monkeypatch.setattr(fl, "jit_fn", type("J", (), {"__getitem__": lambda s, g: lambda *a, **k: None,
+                                                         "run": _FakeJit().run})())
+        b = L.BoundLaunch(fl, (2,), (x, 7, 0.5), {})
+        assert b.runner is None and not fl._cache
+        b(x, 7, 0.5)
+        assert b.runner is None
+    b(x, 7, 0.5)  # through the launcher (a miss), then bound
+    assert b.runner is not None and fl.misses == 1
+    b(x, 7, 0.5)
+    assert fl.hits == 1
+
+
+def test_bound_launch_check_mode_catches_a_wrong_kernel(monkeypatch):
+    fl = _launcher(monkeypatch)
+    x = torch.zeros(64)
+    b = L.BoundLaunch(fl, (1,), (x, 7, 0.5), {})
+    monkeypatch.setattr(L, "_CHECK", True)
+    b(x, 7, 0.5)  # Triton's dispatch agrees with the bound kernel
+    b.kernel = _FakeKernel("stale")
+    with pytest.raises(RuntimeError, match="another kernel than the one bound"):
+        b(x, 7, 0.5)

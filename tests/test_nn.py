@@ -116,6 +116,26 @@ def test_bad_construction_is_refused(kwargs, words):
         MXFP8TransformerBlock(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs,exc,words", [
+    (dict(causal=1), TypeError, "causal must be a bool, got int"),
+    (dict(rotary=None), TypeError, "rotary must be a bool"),
+    (dict(deterministic="no"), TypeError, "deterministic must be a bool"),
+    (dict(scale_mode="round"), ValueError, "scale_mode must be 'rceil' or 'floor'"),
+    (dict(n_heads=2.0), ValueError, "n_heads must be a positive int, got 2.0"),
+])
+def test_bad_attention_options_are_refused_at_construction(kwargs, exc, words):
+    with pytest.raises(exc, match=words):
+        MXFP8Attention(**{"dim": 128, "n_heads": 2, **kwargs})
+
+
+@pytest.mark.parametrize("shape", [(40, 128), (2, 40, 64), (1, 2, 40, 128)])
+def test_attention_input_of_the_wrong_shape_is_refused(shape):
+    layer = MXFP8Attention(128, 2)
+    with pytest.raises(ValueError, match=r"x must be \(batch, seqlen, dim=128\), got " + str(tuple(shape))
+                       .replace("(", r"\(").replace(")", r"\)")):
+        layer(torch.randn(shape))
+
+
 def test_sdpa_block_takes_any_head_dim():
     block = MXFP8TransformerBlock(96, 1, attention="sdpa")
     assert block(torch.randn(1, 5, 96)).shape == (1, 5, 96)

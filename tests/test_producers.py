@@ -493,6 +493,40 @@ def test_empty_inputs(monkeypatch, use_kernels):
     assert o[0].data.shape == o[1].data.shape == (2, 0, 16) and o[1].scale.shape == (2, 0, 16)
 
 
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a non-contiguous tensor (every other element along the last dim of a wider buffer)."""
+    buf = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+    buf[..., ::2] = t
+    return buf[..., ::2]
+
+
+@pytest.mark.parametrize("use_kernels", [False, True])
+def test_strided_operands_give_the_contiguous_result(monkeypatch, use_kernels, gen):
+    """Non-contiguous x, weight, bias, dy and rstd (weight and bias: read by the kernels at unit stride, so the
+    producer makes them contiguous) give the contiguous copies' outputs bit for bit."""
+    monkeypatch.setattr(P, "_KERNELS_ON_CPU", use_kernels)
+    monkeypatch.setattr(kl, "TILE_OVERRIDE", None if CUDA else kl.LinearTile(32, 32, 32, 2, 4, 2, True))
+    x = _rand((2, 40, 64), torch.bfloat16, gen)
+    w = _rand((64,), torch.bfloat16, gen)
+    W = _rand((48, 64), torch.bfloat16, gen)
+    b = _rand((48,), torch.bfloat16, gen)
+    xs, ws, Ws, bs = (_strided(t) for t in (x, w, W, b))
+    xt = x.transpose(1, 2).contiguous().transpose(1, 2)  # a column-major x as well
+    assert not any(t.is_contiguous() for t in (xs, ws, Ws, bs, xt))
+    want = P.rmsnorm_quant(x, w, orientations="both")
+    for xx in (xs, xt):
+        got = P.rmsnorm_quant(xx, ws, orientations="both")
+        assert_same_out(got.out, want.out, "rmsnorm_quant")
+        assert_same_float(got.rstd, want.rstd, "rstd")
+    dy = _rand((2, 40, 64), torch.bfloat16, gen)
+    for g, e, name in zip(P.rmsnorm_quant_backward(_strided(dy), xs, ws, _strided(want.rstd)),
+                          P.rmsnorm_quant_backward(dy, x, w, want.rstd), ("dx", "dweight")):
+        assert_same_float(g, e, name)
+    want = P.linear_quant(x, W, b, orientations="both")
+    for xx in (xs, xt):
+        assert_same_out(P.linear_quant(xx, Ws, bs, orientations="both"), want, "linear_quant")
+
+
 # ----------------------------------------------------------------------------------------------
 # input checks (before any launch)
 # ----------------------------------------------------------------------------------------------
@@ -527,6 +561,16 @@ def test_rmsnorm_quant_input_checks(no_launch):
         P.rmsnorm_quant(x, w, scale_mode="up")
     with pytest.raises(ValueError, match="eps"):
         P.rmsnorm_quant(x, w, eps=-1.0)
+    for eps in (float("inf"), float("nan"), 10**400):
+        with pytest.raises(ValueError, match="eps must be finite and >= 0"):
+            P.rmsnorm_quant(x, w, eps=eps)
+    for eps in (True, "1e-6", torch.tensor(1e-6)):
+        with pytest.raises(TypeError, match="eps must be a float"):
+            P.rmsnorm_quant(x, w, eps=eps)
+    with pytest.raises(ValueError, match="weight is on meta but x is on cpu"):
+        P.rmsnorm_quant(x, w.to("meta"))
+    with pytest.raises(ValueError, match="x must have at least one dimension"):
+        P.rmsnorm_quant(torch.tensor(1.0), w)
     with pytest.raises(ValueError, match="x: the normalized size"):
         P.rmsnorm_quant(torch.randn(2, P.MAX_N + 32), torch.randn(P.MAX_N + 32))
     with pytest.raises(TypeError, match="row_scaled"):

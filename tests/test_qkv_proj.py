@@ -310,6 +310,24 @@ def test_qkv_proj_autograd_reaches_rmsnorm(gen):
     assert type(q2) is F.MXTensor
 
 
+@pytest.mark.parametrize("use_kernels", [False, True])
+def test_qkv_proj_strided_operands_give_the_contiguous_result(monkeypatch, gen, use_kernels):
+    """Non-contiguous x, W, bias and rotary tables (the bias is read by the kernel at unit stride, so qkv_proj makes
+    it contiguous) give the contiguous copies' q, k, v bit for bit."""
+    monkeypatch.setattr(P, "_KERNELS_ON_CPU", use_kernels)
+    monkeypatch.setattr(kqp, "TILE_OVERRIDE", None if CUDA else kqp.QKVTile(32, 32, 2, 4, 2, True))
+    B, S, K, Hq, Hkv, D = 1, 33, 32, 2, 1, 64
+    N = (Hq + 2 * Hkv) * D
+    x, W, b = _rand((B, S, K), gen), _rand((N, K), gen, 0.2), _rand((N,), gen)
+    cos, sin = Q.rotary_tables(S, D, device=DEVICE)
+    strided = [torch.stack([t, torch.zeros_like(t)], -1)[..., 0] for t in (x, W, b, cos, sin)]  # stride 2 along last
+    assert not any(t.is_contiguous() for t in strided)
+    kw = dict(n_heads=Hq, n_kv_heads=Hkv, head_dim=D)
+    got = Q.qkv_proj(*strided[:3], rotary=tuple(strided[3:]), **kw)
+    want = Q.qkv_proj(x, W, b, rotary=(cos, sin), **kw)
+    assert_same_out(tuple(got), tuple(want), "qkv_proj")
+
+
 # ----------------------------------------------------------------------------------------------
 # input checks (before any launch)
 # ----------------------------------------------------------------------------------------------

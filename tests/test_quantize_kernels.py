@@ -563,3 +563,162 @@ def test_gpu_beyond_int32_offsets(gen):
     del v
     deq = kq.dequantize_mxfp8_triton(s)
     assert_same_float(deq[-1:], F.dequantize_mxfp8(F.quantize_mxfp8(tail, 1), torch.bfloat16), "dequant tail")
+
+
+# ----------------------------------------------------------------------------------------------
+# host fast path: per-signature plans (row_scaled_triton / row_scaled_triton_both on float input)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("role", ["q", "k", "v", "both"])
+@pytest.mark.parametrize("layout", ["bshd", "packed", "strided"])
+def test_row_scaled_plan_repeats_with_fresh_data(role, layout, gen):
+    """The second and third calls of one signature take the recorded plan: each equals the reference on its own
+    (new) data, so nothing of the first call's tensors or values leaks into the next."""
+    kq._PLANS.clear()
+    shape = (70, 2, 64) if layout == "packed" else (2, 45, 3, 64)
+    sd = 0 if layout == "packed" else 1
+    for i in range(3):
+        x = make_input(shape, torch.bfloat16, "adversarial" if i % 2 else "random", gen)
+        xd = x.to(DEVICE)
+        if layout == "strided":  # D not unit-stride: the plan repeats _check_float_input's copy
+            xd = xd.transpose(-1, -2).contiguous().transpose(-1, -2)
+            assert xd.stride(-1) != 1
+        if role == "both":
+            hdim, seq = kq.row_scaled_triton_both(xd, "rceil", seq_dim=sd, k_group=64)
+            assert_same_rs(hdim, ref_rs_mode(x, "k", "rceil", 64, sd), f"plan call {i}: both K layout")
+            assert_same_rs(seq, ref_rs_mode(x, "v", "rceil", 64, sd), f"plan call {i}: both V layout")
+            assert_channel_major(seq.data, layout == "packed")
+        else:
+            got = kq.row_scaled_triton(xd, role, "rceil", seq_dim=sd, k_group=64)
+            assert_same_rs(got, ref_rs_mode(x, role, "rceil", 64, sd), f"plan call {i}: {role} {layout}")
+        assert len(kq._PLANS) == 1, "one signature, one plan"
+
+
+def test_row_scaled_plan_keys_and_validation(gen):
+    """A plan never answers for another signature: dtype, shape, mode and group each make their own (or fail
+    validation on the slow path first); bad arguments raise on every call; tile overrides bypass the plans."""
+    kq._PLANS.clear()
+    x = make_input((1, 40, 2, 64), torch.bfloat16, "random", gen).to(DEVICE)
+    kq.row_scaled_triton(x, "k")
+    kq.row_scaled_triton(x.float(), "k")
+    kq.row_scaled_triton(x, "k", "floor")
+    kq.row_scaled_triton(x, "k", k_group=64)
+    kq.row_scaled_triton(x[:, :33], "k")
+    assert len(kq._PLANS) == 5
+    for _ in range(2):
+        with pytest.raises(ValueError, match="scale_mode"):
+            kq.row_scaled_triton(x, "k", "nearest")
+        with pytest.raises(ValueError, match="k_group"):
+            kq.row_scaled_triton(x, "k", k_group=48)
+        with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
+            kq.row_scaled_triton(x.to(torch.int32), "q")
+    n = len(kq._PLANS)
+    kq.TILE_OVERRIDES["quant"] = kq.Tile(64, 4)
+    try:
+        got = kq.row_scaled_triton(x, "q")
+        assert_same_rs(got, ref_rs(x.cpu(), "q"), "q under a tile override")
+        assert len(kq._PLANS) == n, "no plan is made while tiles are overridden"
+    finally:
+        kq.TILE_OVERRIDES.clear()
+
+
+def _same_rs_layout(got, want, what):
+    assert (got.dim, got.group_dim, got.group) == (want.dim, want.group_dim, want.group), what
+    assert got.data.shape == want.data.shape and got.data.stride() == want.data.stride(), what
+    assert_same_bytes(got.data, want.data, what)
+    assert_same_int(got.exp, want.exp, what)
+
+
+@pytest.mark.parametrize("keep_kv", [False, True])
+@pytest.mark.parametrize("dims", [(1, 37, 70, 4, 2, 64), (2, 130, 33, 2, 1, 128), (1, 1, 5, 3, 3, 64)], ids=str)
+def test_forward_operands_in_two_launches(dims, keep_kv, gen):
+    """``forward_operands_triton`` (Q, K and V's exponents in one launch, V in the next; with ``keep_kv`` the
+    backward's K/V orientations too) equals the single passes bit for bit, on fresh data at each call of one
+    signature (the second and third take the plan), NaN/Inf blocks included."""
+    B, Sq, Sk, Hq, Hkv, D = dims
+    kq._PLANS.clear()
+    for i in range(3):
+        kind = "adversarial" if i == 1 else "random"
+        q, k, v = (make_input(s, torch.bfloat16, kind, gen).to(DEVICE)
+                   for s in ((B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D)))
+        qr, kr, vr, kv = kq.forward_operands_triton(q, k, v, keep_kv=keep_kv)
+        _same_rs_layout(qr, kq.row_scaled_triton(q, "q"), f"call {i}: Q")
+        _same_rs_layout(kr, kq.row_scaled_triton(k, "k"), f"call {i}: K")
+        _same_rs_layout(vr, kq.row_scaled_triton(v, "v"), f"call {i}: V")
+        if keep_kv:
+            for got, want, name in zip(kv, (*kq.row_scaled_triton_both(k), kq.row_scaled_triton_both(v)[0]),
+                                       ("K hdim", "K seq", "V hdim")):
+                _same_rs_layout(got, want, f"call {i}: kept {name}")
+        else:
+            assert kv is None
+
+
+def test_forward_operands_checks_its_inputs(gen):
+    q = make_input((1, 16, 2, 64), torch.bfloat16, "random", gen).to(DEVICE)
+    with pytest.raises(ValueError, match="one dtype"):
+        kq.forward_operands_triton(q, q.float(), q)
+    with pytest.raises(ValueError, match="k and v must have one shape"):
+        kq.forward_operands_triton(q, q, q[:, :8])
+    with pytest.raises(ValueError, match="k_group"):
+        kq.forward_operands_triton(q, q, q, k_group=3)
+    out = kq.forward_operands_triton(q[:, :0], q, q)  # no query: the single passes
+    assert out[0].data.shape == (1, 0, 2, 64)
+
+
+@pytest.mark.parametrize("shape", [(1, 37, 4, 64), (2, 130, 2, 128)], ids=str)
+def test_both_pair_in_two_launches(shape, gen):
+    """``row_scaled_triton_both_pair`` (the backward's q and dO: both exponent passes in one launch, both quantize
+    passes in the next) equals two ``row_scaled_triton_both`` calls bit for bit, at every call of one signature."""
+    kq._PLANS.clear()
+    for i in range(3):
+        x, y = (make_input(shape, torch.bfloat16, "adversarial" if i == 1 else "random", gen).to(DEVICE)
+                for _ in range(2))
+        got = kq.row_scaled_triton_both_pair(x, y, k_group=128)
+        for t, pair, name in ((x, got[0], "x"), (y, got[1], "y")):
+            for g, w, o in zip(pair, kq.row_scaled_triton_both(t, k_group=128), ("hdim", "seq")):
+                _same_rs_layout(g, w, f"call {i}: {name} {o}")
+    with pytest.raises(ValueError, match="one shape"):
+        kq.row_scaled_triton_both_pair(x, y[:, :5])
+
+
+def test_plan_hit_still_refuses_a_float_group(gen):
+    """k_group=128.0 equals 128 as a key: plans only serve int groups, so the slow path's check still runs."""
+    kq._PLANS.clear()
+    x = make_input((1, 40, 2, 64), torch.bfloat16, "random", gen).to(DEVICE)
+    kq.row_scaled_triton(x, "k", k_group=128)
+    with pytest.raises(ValueError, match="k_group"):
+        kq.row_scaled_triton(x, "k", k_group=128.0)
+    with pytest.raises(ValueError, match="k_group"):
+        kq.row_scaled_triton_both_pair(x, x, k_group=128.0)
+
+
+def test_channel_major_buffer_survives_a_copying_hook(gen):
+    """The eager training path saves K seq as its whole (B, H, D, S_pad) buffer: a contiguous copy of that (what
+    save_on_cpu makes) still gives the channel-major view back, unlike a copy of the (B, S, H, D) view."""
+    from mxattn.interface import _channel_major_buffer_of
+
+    x = make_input((2, 37, 3, 64), torch.bfloat16, "random", gen).to(DEVICE)
+    seq = kq.row_scaled_triton(x, "v")
+    buf = _channel_major_buffer_of(seq.data)
+    assert buf.is_contiguous() and buf.data_ptr() == seq.data.data_ptr() and buf.shape[-1] % 16 == 0
+    copied = buf.clone()
+    view = copied[..., :37].permute(0, 3, 1, 2)
+    assert view.stride() == seq.data.stride()
+    assert torch.equal(view.view(torch.uint8), seq.data.view(torch.uint8))
+    assert seq.data.contiguous().stride() != seq.data.stride()  # what saving the view itself would have given
+    with pytest.raises(RuntimeError, match="fresh channel-major buffer"):
+        _channel_major_buffer_of(x.view(torch.uint8).view(torch.float8_e4m3fn))
+
+
+def test_launch_plans_switch_off(monkeypatch, gen):
+    """MXATTN_LAUNCH_PLANS=0 (``launch.PLANS``): no plan is made, the checked path runs every call."""
+    from mxattn.kernels import launch as L
+
+    monkeypatch.setattr(L, "PLANS", False)
+    kq._PLANS.clear()
+    x = make_input((1, 40, 2, 64), torch.bfloat16, "random", gen).to(DEVICE)
+    for _ in range(2):
+        assert_same_rs(kq.row_scaled_triton(x, "k"), ref_rs(x.cpu(), "k"), "k without plans")
+        kq.forward_operands_triton(x, x, x)
+    assert not kq._PLANS

@@ -279,6 +279,102 @@ def test_quantize_ds_orientations(gen):
     assert_rel(dk[0, :, 0], scale * quantize_mxfp8(ds, 0).dequantize(F64).T @ q, 1e-12, what="dk")
 
 
+def test_block_roundtrip_is_mx_at_32_blocks(gen):
+    """``_block_roundtrip(x, dim, 32)`` is ``_mx_roundtrip`` bit for bit (its general path: saturation, subnormals,
+    zero, NaN and Inf blocks, a partial last block, fp32 and fp64), so any other block length is the same
+    arithmetic with other blocks."""
+    x = torch.randn(70, 3, generator=gen, dtype=F64) * 2.0 ** torch.randint(-20, 12, (70, 3), generator=gen)
+    x[0:32, 0] = 0.0
+    x[40, 1] = math.inf
+    x[33, 2] = math.nan
+    x[65, 2] = 1e-45  # below every e4m3 subnormal of its block
+    for t in (x, x.float()):
+        for dim in (0, 1):
+            a, b = R._block_roundtrip(t, dim, 32), R._mx_roundtrip(t, dim)
+            assert a.dtype == t.dtype and torch.equal(a.isnan(), b.isnan())
+            assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)), (t.dtype, dim)
+
+
+def _per_key_tiles(ds: torch.Tensor, n: int) -> torch.Tensor:
+    """dS (Sq, Sk) with one RCEIL power of two per key per n queries from query 0, written out per block."""
+    out = torch.empty_like(ds)
+    for r0 in range(0, ds.shape[0], n):
+        blk = ds[r0 : r0 + n].float()
+        amax = blk.abs().amax(0).double()
+        fl = torch.floor(torch.log2(amax))
+        e = fl - 8 + (amax / torch.exp2(fl) > 1.75).double()  # RCEIL: the smallest e with amax / 2^e <= 448
+        e = torch.where(amax > 0, e, torch.zeros_like(e))
+        out[r0 : r0 + n] = round_to_e4m3(blk * torch.exp2(-e).float()).double() * torch.exp2(e)
+    return out
+
+
+@pytest.mark.parametrize("n", [64, 48])
+def test_quantize_ds_q_block(n, gen):
+    """ds_q_block=n: dK = scale * Q_n(dS)^T Q with one power of two per key per n queries (blocks from query 0, the
+    last one partial: Sq = 150), written out block by block here; dQ is untouched (MX along kv); the default is
+    MX (n = 32), and a coarser block loses accuracy only where it pushes values into subnormals: dO rows 32-63 and
+    96-127 are 2^-20 of the others, so in 64-query blocks their dS flush to zero or subnormals, in 32-query blocks
+    they keep their own exponent (the two give different dK, the same SQNR to 1 dB: those rows are ~nothing)."""
+    mx, _ = _emulation_inputs(gen, (1, 150, 1, 64), spread=6)
+    scale = 0.125
+    out, _ = attention_forward(**mx, softmax_scale=scale)
+    dout = torch.randn(out.shape, generator=gen, dtype=F64)
+    dout[:, 32:64] *= 2.0**-20
+    dout[:, 96:128] *= 2.0**-20
+    dq, dk, dv = attention_backward(**mx, out=out, dout=dout, softmax_scale=scale, quantize_ds=True, ds_q_block=n)
+    dq32, dk32, dv32 = attention_backward(**mx, out=out, dout=dout, softmax_scale=scale, quantize_ds=True)
+    q, k, v = (t[0, :, 0] for t in deq(mx["q"], mx["k"], mx["v"]))
+    o, do = out[0, :, 0], dout[0, :, 0]
+    p = torch.softmax(q @ k.T * scale, dim=-1)
+    ds = p * (do @ v.T - (do * o).sum(-1, keepdim=True))
+    assert_rel(dk[0, :, 0], scale * _per_key_tiles(ds, n).T @ q, 1e-12, what="dk")
+    assert torch.equal(dq, dq32) and torch.equal(dv, dv32)
+    assert not torch.equal(dk, dk32)
+    exact = attention_backward(**mx, out=out, dout=dout, softmax_scale=scale)[1]
+    assert abs(sqnr_db(dk, exact) - sqnr_db(dk32, exact)) < 1.0
+
+
+def test_quantize_ds_q_block_per_sequence(gen):
+    """Packed sequences: dK's dS blocks along q start at each sequence's first query (as the kernels' query
+    tiles do), so the packed result is the per-sequence results side by side; chunking the query rows (chunk
+    starts on multiples of lcm(32, n)) changes nothing."""
+    cq, ck = cu([70, 0, 131]), cu([90, 5, 85])  # the middle sequence has keys and no query
+    qm, km, vm = mx_qkv(gen, (201, 2, 32), (180, 1, 32), seq_dim=0)
+    kw = dict(quantize_p=True, quantize_ds=True, quantize_do=True, ds_q_block=48)
+    out, _ = attention_forward(qm, km, vm, causal=True, cu_seqlens_q=cq, cu_seqlens_k=ck)
+    dout = torch.randn(out.shape, generator=gen, dtype=F64)
+    packed = attention_backward(qm, km, vm, out, dout, causal=True, cu_seqlens_q=cq, cu_seqlens_k=ck, **kw)
+    q, k, v = deq(qm, km, vm)
+    for a, b, c, d in ((0, 70, 0, 90), (70, 201, 95, 180)):
+        one = attention_backward(q[None, a:b], k[None, c:d], v[None, c:d], out[None, a:b], dout[None, a:b],
+                                 causal=True, **kw)
+        for x, y in zip(one, (packed[0][a:b], packed[1][c:d], packed[2][c:d])):
+            assert torch.equal(x[0], y)
+    assert (packed[1][90:95] == 0).all()  # the empty sequence's keys
+
+
+def test_quantize_ds_q_block_chunking(gen, monkeypatch):
+    """Chunks of query rows align to lcm(32, ds_q_block): 48-query blocks give the same gradients with 96-row
+    chunks as with one chunk (a 32-row chunking would cut blocks in two)."""
+    mx, other = _emulation_inputs(gen, (1, 200, 2, 64), spread=6)
+    kw = dict(causal=True, quantize_p=True, quantize_do=True, quantize_ds=True, ds_q_block=48, **other)
+    out, _ = attention_forward(**mx, causal=True, quantize_p=True)
+    dout = torch.randn(out.shape, generator=gen, dtype=F64)
+    whole = attention_backward(**mx, out=out, dout=dout, **kw)
+    monkeypatch.setattr(R, "_CHUNK_ELEMENTS", 1)
+    assert R._row_chunks(200, 200, 96) == [(0, 96), (96, 192), (192, 200)]
+    for name, a, b in zip(("dq", "dk", "dv"), attention_backward(**mx, out=out, dout=dout, **kw), whole):
+        assert sqnr_db(a, b) > 120, name
+
+
+@pytest.mark.parametrize("bad", [0, -64, 1.5, True, "64"])
+def test_quantize_ds_q_block_rejects(bad, gen):
+    mx, _ = _emulation_inputs(gen, (1, 8, 1, 32))
+    out, _ = attention_forward(**mx)
+    with pytest.raises(ValueError, match="ds_q_block"):
+        attention_backward(**mx, out=out, dout=out, quantize_ds=True, ds_q_block=bad)
+
+
 def test_backward_operand_overrides(gen):
     """q_seq feeds only dK, k_seq only dQ, v_hdim only dP (so dQ and dK, not dV)."""
     mx, other = _emulation_inputs(gen, (1, 80, 2, 32), spread=10)

@@ -451,6 +451,21 @@ def _bad_cases():
         ("MX q", setk("q", lambda a: formats.quantize_mxfp8(a["q"], 2)), TypeError, "MXTensor inputs are not supported"),
         ("head dim 32", lambda a: [a.__setitem__(n, a[n][..., :32]) for n in "qkv"], ValueError, "head dim 32"),
         ("GQA 3:2", setk("q", lambda a: a["q"][:, :3]), ValueError, "multiple of the number of kv heads"),
+        ("no kv heads", lambda a: [a.__setitem__(n, a[n][:, :0]) for n in "kv"], ValueError, r"kv heads \(0\)"),
+        ("float64", lambda a: [a.__setitem__(n, a[n].double()) for n in "qkv"], TypeError, "got torch.float64"),
+        ("fp8 k", setk("k", lambda a: a["k"].to(torch.float8_e4m3fn)), TypeError, "k must be bfloat16"),
+        ("q rank 2", setk("q", lambda a: a["q"][:, 0]), ValueError, r"q must have shape \(total_tokens"),
+        ("q list", setk("q", lambda a: a["q"].tolist()), TypeError, "q must be a torch.Tensor"),
+        ("q on another device", setk("q", lambda a: a["q"].to("meta")), ValueError, "q, k, v must be on one device"),
+        ("cu on another device", setk("cu_seqlens_k", lambda a: a["cu_seqlens_k"].to("meta")), ValueError,
+         "cu_seqlens_k is on meta but q is on cpu"),
+        ("cu 0-D", setk("cu_seqlens_q", torch.tensor(0, dtype=torch.int32)), ValueError, "cu_seqlens_q must be 1-D"),
+        ("cu k end", setk("cu_seqlens_k", torch.tensor([0, 6, 8, 18], dtype=torch.int32)), ValueError,
+         "cu_seqlens_k must end at the number of packed tokens 17, got 18"),
+        ("max_seqlen_q negative", setk("max_seqlen_q", -1), ValueError, "max_seqlen_q=-1 is less than the longest"),
+        ("max_seqlen_k small", setk("max_seqlen_k", 8), ValueError, r"max_seqlen_k=8 is less than the longest .*\(9\)"),
+        ("max_seqlen_q bool", setk("max_seqlen_q", True), TypeError, "max_seqlen_q must be an int, got bool"),
+        ("max_seqlen_q None", setk("max_seqlen_q", None), TypeError, "max_seqlen_q must be an int"),
     ]
 
 
@@ -481,11 +496,62 @@ def test_bad_input_is_refused_before_any_work(case, monkeypatch):
     ({"softmax_scale": -1.0}, ValueError, "softmax_scale"),
     ({"softmax_scale": "0.1"}, TypeError, "softmax_scale"),
     ({"scale_mode": "round"}, ValueError, "scale_mode"),
+    ({"causal": None}, TypeError, "causal must be a bool"),
+    ({"softmax_scale": float("inf")}, ValueError, "softmax_scale must be finite and positive"),
+    ({"softmax_scale": 0.0}, ValueError, "softmax_scale must be finite and positive"),
+    ({"softmax_scale": 10**400}, ValueError, "softmax_scale must be finite and positive"),
+    ({"softmax_scale": True}, TypeError, "softmax_scale must be a float"),
 ])
 def test_bad_options_are_refused(kw, exc, words):
     q, k, v, cu_q, cu_k = _api_inputs([5, 9], [6, 9])
     with pytest.raises(exc, match=words):
         mxfp8_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 9, **kw)
+
+
+def _strided_varlen(lq, lk, Hq=4, Hkv=2, D=64, device="cpu"):
+    """Non-contiguous packed q, k, v (views of one packed projection; v (T, D, H) transposed) and cu_seqlens (every
+    other entry of a longer tensor), on ``device``."""
+    T, Tk = sum(lq), sum(lk)
+    kw = dict(dtype=torch.bfloat16, device=device)
+    q = torch.randn(T, Hq + 2 * Hkv, D, **kw)[:, :Hq]
+    k = torch.randn(Tk, 2 * Hkv, D, **kw)[:, Hkv:]
+    v = torch.randn(Tk, D, Hkv, **kw).transpose(1, 2)
+    cu_q, cu_k = (torch.stack([_cu(lens, device), torch.zeros(len(lens) + 1, dtype=torch.int32, device=device)],
+                              1)[:, 0] for lens in (lq, lk))
+    assert not any(t.is_contiguous() for t in (q, k, v, cu_q, cu_k))
+    return q, k, v, cu_q, cu_k
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cpu_function_strided_inputs_give_the_contiguous_result(causal, seed):
+    """Non-contiguous q, k, v and cu_seqlens: out, lse and gradients equal those of contiguous copies bit for bit."""
+    lq, lk = [5, 0, 9], [6, 2, 9]
+    args = _strided_varlen(lq, lk)
+    res = []
+    for ts in (args, tuple(t.contiguous() for t in args)):
+        q, k, v = (t.detach().requires_grad_() for t in ts[:3])
+        out, lse = mxfp8_attn_varlen_func(q, k, v, *ts[3:], 9, 9, causal=causal, return_lse=True)
+        out.float().pow(2).sum().backward()
+        res.append((out, lse, q.grad, k.grad, v.grad))
+    for got, want in zip(*res):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_strided_inputs_in_the_cuda_forward_kernel(device, seed):
+    """The CUDA jagged forward (``varlen_operands`` + ``attn_fwd_hopper_varlen``), on the GPU or the CPU interpreter,
+    reads non-contiguous q, k, v through their strides: the contiguous copies' out and lse bit for bit."""
+    if require_kernels() != device:
+        pytest.skip(f"the kernels run on {require_kernels()} here")
+    from mxattn.kernels.attn_fwd import attn_fwd_hopper_varlen
+    from mxattn.kernels.varlen import varlen_operands
+
+    lq, lk = [5, 0, 9], [6, 2, 9]
+    q, k, v, cu_q, cu_k = _strided_varlen(lq, lk, device=device)
+    cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()  # the public function hands the kernels contiguous ones
+    got, want = (attn_fwd_hopper_varlen(*varlen_operands(*qkv, cu_q, cu_k, 9, 9), causal=True)
+                 for qkv in ((q, k, v), (q.contiguous(), k.contiguous(), v.contiguous())))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_cpu_function_empty_and_generous_max_seqlen(seed):
@@ -494,6 +560,21 @@ def test_cpu_function_empty_and_generous_max_seqlen(seed):
         out, lse = mxfp8_attn_varlen_func(q, k, v, cu_q, cu_k, 100, 100, return_lse=True)
         assert out.shape == q.shape and lse.shape == (4, q.shape[0])
         assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+def test_generous_max_seqlen_reaches_the_kernels_as_the_longest_sequence(seed):
+    """A generous max_seqlen (even one no grid could hold) is checked, then replaced by the longest sequence, which
+    the check reads from cu_seqlens anyway: the kernels' grids never grow with it, and the result is the exact max's."""
+    from mxattn.interface import _check_varlen_inputs
+
+    for lq, lk, m, want in (([5, 0, 9], [6, 2, 9], 10**12, (9, 9)), ([5, 0, 9], [6, 2, 9], 9, (9, 9)),
+                            ([0, 0], [0, 0], 7, (1, 1)), ([0, 0], [0, 0], 0, (0, 0)), ([3, 0], [0, 5], 5, (3, 5))):
+        q, k, v, cu_q, cu_k = _api_inputs(lq, lk)
+        assert _check_varlen_inputs(q, k, v, cu_q, cu_k, m, m, None)[2:] == want, (lq, lk, m)
+    q, k, v, cu_q, cu_k = _api_inputs([5, 0, 9], [6, 2, 9])
+    huge = mxfp8_attn_varlen_func(q, k, v, cu_q, cu_k, 10**12, 10**12, causal=True, return_lse=True)
+    exact = mxfp8_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 9, causal=True, return_lse=True)
+    assert all(torch.equal(a, b) for a, b in zip(huge, exact))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -28,7 +28,9 @@ that is a skipped branch on most tiles.  The atomic dQ tile is multiplied by 2^e
 dQ kernel keeps its accumulator like dK, along the kv tiles.  Because e4m3 rounding is relative, the block size of
 a power-of-two scale only matters for elements that fall to subnormals: this scheme and the reference's MX blocks
 of 32 give gradients that agree to ~100 dB, i.e. the same dS.  ``BwdConfig(ds_tile_scale=False)`` uses one scale
-per key (a quad-shuffle row reduction of the dSᵀ tile) for dK instead, and a separate per-tile cast for dQ.
+per key and query tile (a quad-shuffle row reduction of the dSᵀ tile, no hysteresis, dK rescaled per row every tile;
+the rule of the Gluon dK/dV kernel's ``ds_exp="key"``, whose twin it is) for dK instead, and a separate per-tile
+cast for dQ; ``reference.attention_backward(..., ds_q_block=block_m)`` emulates it.
 
 P·256 is at most 256 (P <= 1): e4m3 without saturation, the constant 2^-8 folds into dV's epilogue.  dS is also
 computed from the fp32 P·256 (as the reference, which keeps P unrounded for dS); its 256 folds into dK and dQ.
@@ -40,7 +42,8 @@ Jagged batches (``VARLEN``, launcher ``attn_bwd_hopper_varlen``, operands ``kern
 the same three kernels: each program reads its sequence's offsets (``CU_*``), moves its base pointers there, sets
 ``Sq``, ``Sk`` to the sequence's lengths and exits when its tile is past them; the rest is the dense code at batch 0.
 The dense launches pass None for the offsets (constexpr), so the dense kernels compile to the same code as before
-(TTGIR and PTX compared for sm90: docs/perf-notes-varlen.md).
+(TTGIR and PTX compared for sm90: docs/perf-notes-varlen.md).  The jagged backward runs these ``tl`` kernels by
+default; the Gluon kernels' jagged mode is opt-in until it passes its GPU tests (``varlen_backward_kernel``).
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ from mxattn.kernels.quantize import _round_to_e4m3_grid, row_scaled_triton, row_
 
 __all__ = [
     "BwdConfig", "backward_kernel", "default_config", "DO_EXP_GROUP", "Q_EXP_GROUP", "attn_bwd_hopper", "attn_bwd_preprocess",
-    "attn_bwd_hopper_varlen", "attn_bwd_preprocess_varlen", "bench_attn_bwd",
+    "attn_bwd_hopper_varlen", "attn_bwd_preprocess_varlen", "bench_attn_bwd", "varlen_backward_kernel",
 ]
 
 LOG2E = 1.4426950408889634
@@ -92,7 +95,7 @@ class BwdConfig:
     dq_block_n: int = 64
     dq_num_warps: int = 8
     dq_num_stages: int = 2
-    ds_tile_scale: bool = True  # one dS scale per tile; False: per key for dK (module docstring)
+    ds_tile_scale: bool = True  # one dS scale per tile; False: per key and q tile for dK (module docstring)
     # dQ from the second kernel (the deterministic path) even when atomics are allowed: faster for some shapes
     dq_kernel: bool = False
 
@@ -229,6 +232,10 @@ def _delta_kernel(
     Sq, Hq, n_rows,
     CU_Q, CU_DOE,  # varlen: (B + 1) int32 offsets of the q rows and of dO's exponent rows
     HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, DO_GROUP: tl.constexpr, VARLEN: tl.constexpr = False,
+    CU_DCOL=None,  # varlen: sequence b's delta at columns CU_DCOL[b] + s (a padded layout) instead of q rows
+    LSE=None,  # varlen with CU_DCOL: the packed lse (Hq, Tq) (head stride s_lseh, unit row stride), copied into
+    LSE_PAD=None,  # the padded layout of DELTA (same strides): the jagged dK/dV kernel's TMA boxes need aligned starts
+    s_lseh=0,
 ):
     """One program per BLOCK_R rows of the flattened (B, Sq, Hq): delta = 2^e * sum_d dO8 * O (fp32), e the
     exponent of the row's group of DO_GROUP rows.  VARLEN: one program per BLOCK_R rows of one sequence's
@@ -246,7 +253,14 @@ def _delta_kernel(
         q_start = q_start.to(tl.int64)
         DO += q_start * s_dos
         O += q_start * s_os
-        DELTA += q_start * s_ls
+        if CU_DCOL is None:
+            DELTA += q_start * s_ls
+        else:
+            dcol = tl.load(CU_DCOL + b).to(tl.int64) * s_ls
+            DELTA += dcol
+            if LSE is not None:
+                LSE += q_start
+                LSE_PAD += dcol
         DOE += tl.load(CU_DOE + b).to(tl.int64) * s_des
         b = 0
     else:
@@ -261,6 +275,8 @@ def _delta_kernel(
     e = tl.load(DOE + b * s_deb + (s // DO_GROUP) * s_des + h * s_deh, mask=ok, other=0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1) * _pow2(e)
     tl.store(DELTA + b * s_lb + h * s_lh + s * s_ls, delta, mask=ok)
+    if LSE is not None:
+        tl.store(LSE_PAD + h * s_lh + s * s_ls, tl.load(LSE + h * s_lseh + s, mask=ok), mask=ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -337,7 +353,10 @@ def _kv_step(
     else:  # dK: one scale per key (rows of dSᵀ: a quad-shuffle reduction); dQ: one per tile
         amax_k = tl.max(absds, 1)
         e_k = _bounded_exp(_rceil_exp(amax_k, dk_e), dk_hi)
-        dk_hi = tl.maximum(dk_hi, e_k)
+        # a key whose dS is all zero in this tile leaves its bound (and, by _rceil_exp's keep, its exponent): the
+        # Gluon twin's split build visits such tiles (causal, before a warpgroup's keys) where this kernel with
+        # 64-key blocks does not, and both must see the same exponent sequence
+        dk_hi = tl.where(amax_k > 0.0, tl.maximum(dk_hi, e_k), dk_hi)
         dsk8 = _to_e4m3(dsT * _pow2(-e_k)[:, None], EXPLICIT_ROUND)
         dk = dk * _pow2(dk_e - e_k)[:, None]
         dk = tl.dot(dsk8, qs, dk)
@@ -819,6 +838,21 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
+def varlen_backward_kernel(device: Optional[torch.device] = None) -> str:
+    """The jagged backward's kernels on ``device``: ``MXATTN_VARLEN_BWD_KERNEL`` = "tl" (default), "auto" or
+    "gluon".  "tl" runs the ``tl`` kernels (``VARLEN=True``).  "auto" follows the dense choice (``backward_kernel``,
+    i.e. ``MXATTN_BWD_KERNEL``): the Gluon kernels' jagged mode on Hopper with a verified Triton, and
+    ``attn_bwd_hopper_varlen`` falls back to the ``tl`` kernels for operands the Gluon kernels do not take; an
+    explicit "gluon" raises there instead.  Read at each call.
+    The default stays "tl" until the Gluon jagged mode passes its GPU tests: its first H200 run (session 9) faulted
+    on batches whose sequences start at packed rows that are not a multiple of 4 (lse boxes not 16-byte aligned,
+    now read from δ's padded columns, not yet rerun on the GPU; docs/pending-gpu-checks.md)."""
+    choice = os.environ.get("MXATTN_VARLEN_BWD_KERNEL", "tl")
+    if choice not in BWD_KERNELS:
+        raise ValueError(f"MXATTN_VARLEN_BWD_KERNEL must be one of {', '.join(BWD_KERNELS)}, got {choice!r}")
+    return backward_kernel(device) if choice == "auto" else choice
+
+
 def gluon_split() -> bool:
     """Whether the Gluon backward runs its split variants (two 4-warp consumers per CTA, dS exponent per 64 x 64
     tile): the default, since they measured 1.14-1.20x the whole-tile kernels at S 8k d128 (perf-notes-attn-bwd.md);
@@ -1002,21 +1036,43 @@ def _check_varlen_seq(t, name: str, H: int, D: int, B: int) -> None:
 
 
 def attn_bwd_preprocess_varlen(out: torch.Tensor, dout: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
-                               dout_hdim=None, dout_seq=None):
+                               dout_hdim=None, dout_seq=None, delta_padded: bool = False,
+                               lse: Optional[torch.Tensor] = None):
     """``attn_bwd_preprocess`` for a jagged batch: dO (Tq, Hq, D) in both orientations as ``VarlenFP8`` (hdim in
-    the K layout: one exponent per 128 rows from each sequence's start, ``varlen_k_operand``; seq in the V layout,
-    ``varlen_v_operand``) and ``delta`` (Hq, Tq) fp32, contiguous like the forward's lse.
-    Returns (dout_hdim, dout_seq, delta)."""
-    from mxattn.kernels.varlen import varlen_k_operand, varlen_v_operand
+    the K layout: one exponent per 128 rows from each sequence's start, ``varlen_k_operand``; seq in the V layout
+    with 64-aligned sequence starts, ``varlen_v_operand(align=BWD_SEQ_ALIGN)``) and ``delta`` (Hq, Tq) fp32,
+    contiguous like the forward's lse.
+    ``delta_padded`` (the Gluon backward's layout): delta (Hq, Tv) in dout_seq's columns (sequence b at columns
+    ``dout_seq.cu_data[b]``, 64-aligned), zero in each sequence's padding, so that a 64-wide box of it past a
+    sequence's end reads 0 (never another sequence's value: a NaN there would survive P = 0).
+    ``lse`` (only with ``delta_padded``): the forward's packed (Hq, Tq) fp32 lse, also moved into those columns in
+    the same launch (zero in the padding; ``attn_bwd_dkdv_gluon.padded_lse`` is its PyTorch twin): the jagged dK/dV
+    kernel's lse boxes must start 16-byte aligned, which packed sequence starts are not.
+    Returns (dout_hdim, dout_seq, delta), and the padded lse fourth when ``lse`` is given."""
+    from mxattn.kernels.varlen import BWD_SEQ_ALIGN, varlen_k_operand, varlen_v_operand
 
     if dout_hdim is None:
         dout_hdim = varlen_k_operand(dout, cu_seqlens_q, max_seqlen_q)
-    if dout_seq is None:
-        dout_seq = varlen_v_operand(dout, cu_seqlens_q, max_seqlen_q)
+    if dout_seq is None:  # q_seq's column layout (varlen_bwd_operands), which the Gluon kernels need
+        dout_seq = varlen_v_operand(dout, cu_seqlens_q, max_seqlen_q, align=BWD_SEQ_ALIGN)
     g = _varlen_row_group(dout_hdim, "dout_hdim")
     Tq, Hq, D = out.shape
     B = cu_seqlens_q.numel() - 1
-    delta = torch.empty(Hq, Tq, dtype=torch.float32, device=out.device)
+    if lse is not None:
+        if not delta_padded:
+            raise ValueError("lse is moved into the padded columns only with delta_padded=True")
+        if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or tuple(lse.shape) != (Hq, Tq) \
+                or lse.device != out.device or lse.stride(1) != 1:
+            raise ValueError(f"lse must be the forward's float32 ({Hq}, {Tq}) with unit row stride on {out.device}, "
+                             f"got {getattr(lse, 'dtype', type(lse).__name__)} {tuple(getattr(lse, 'shape', ()))}")
+    if delta_padded:  # delta and (if asked) lse side by side: one allocation
+        pad = torch.zeros(2 if lse is not None else 1, Hq, dout_seq.data.shape[2], dtype=torch.float32,
+                          device=out.device)
+        delta = pad[0]
+        lse_pad = pad[1] if lse is not None else None
+    else:
+        delta = torch.empty(Hq, Tq, dtype=torch.float32, device=out.device)
+        lse_pad = None
     block_r = max(1, min(128, 8192 // D))
     n_c = cdiv(max_seqlen_q * Hq, block_r)
     if Tq * Hq and B * n_c:
@@ -1025,7 +1081,11 @@ def attn_bwd_preprocess_varlen(out: torch.Tensor, dout: torch.Tensor, cu_seqlens
             dd, de, out, delta, 0, *dd.stride(), 0, de.stride(0), de.stride(1), 0, *out.stride(),
             0, *delta.stride(), max_seqlen_q, Hq, n_c, cu_seqlens_q, dout_hdim.cu_exp,
             HEAD_DIM=D, BLOCK_R=block_r, DO_GROUP=g, VARLEN=True, num_warps=4,
+            CU_DCOL=dout_seq.cu_data if delta_padded else None,
+            LSE=lse, LSE_PAD=lse_pad, s_lseh=lse.stride(0) if lse is not None else 0,
         )
+    if lse is not None:
+        return dout_hdim, dout_seq, delta, lse_pad
     return dout_hdim, dout_seq, delta
 
 
@@ -1050,7 +1110,8 @@ def attn_bwd_hopper_varlen(
     v_hdim: V along the head dim, K layout: ``varlen_k_operand(v, cu_seqlens_k, max_seqlen_k)`` (k's group
             offsets ``k.cu_exp`` are used for it).
     q_seq:  Q along the sequence, V layout over cu_seqlens_q (``varlen_v_operand(q, cu_seqlens_q, max_seqlen_q)``:
-            channel-major (Hq, D, Tqv), 16-aligned sequence starts, zero tails, exp (B, Hq, D)).
+            channel-major (Hq, D, Tqv), 64-aligned sequence starts (BWD_SEQ_ALIGN; the tl kernels take 16), zero
+            tails, exp (B, Hq, D)).  The Gluon kernels (below) need the 64-aligned layout.
     k_seq:  K along the sequence, V layout over cu_seqlens_k.
     out, dout: (Tq, Hq, D); lse: (Hq, Tq) float32 (the varlen forward's).  dO is quantized here
             (``attn_bwd_preprocess_varlen``) unless ``dout_hdim`` (K or Q layout over cu_seqlens_q) and ``dout_seq``
@@ -1060,6 +1121,14 @@ def attn_bwd_hopper_varlen(
     Causal masks are bottom-right per sequence; rows that see no key get dq = 0, keys that no query sees dk = dv = 0.
     Returns dq (Tq, Hq, D), dk, dv (Tk, Hkv, D) in ``grad_dtype``, contiguous.  Every sequence's gradients are
     those of ``attn_bwd_hopper`` on that sequence alone (same tiles, same arithmetic).
+    Kernels (``varlen_backward_kernel``; "tl" by default): with "auto" or "gluon" on Hopper the warp-specialized
+    Gluon kernels in their jagged mode (``attn_bwd_dkdv_gluon_varlen``, ``attn_bwd_dq_gluon_varlen``; always deterministic, split
+    variants unless ``MXATTN_BWD_GLUON_SPLIT=0``) when ``config`` is None, D is 64 or 128, q / dout_hdim have the K
+    layout and the seq operands 64-aligned columns (``varlen_bwd_operands`` makes them so); else the ``tl``
+    kernels with ``VARLEN=True``.  Each sequence's gradients are then those of the dense Gluon backward on it: the
+    jagged dK/dV kernel gets the dense dispatch's config, so its dS exponent is per key (``GluonDkdvConfig``'s
+    default ``ds_exp="key"``), whose tl twin is ``ds_tile_scale=False`` (``attn_bwd_dkdv_gluon.tl_twin_config``);
+    the tl path keeps its config's rule (per tile by default).
     """
     Tq, Hq, D = q.data.shape
     Tk, Hkv = k.data.shape[0], k.data.shape[1]
@@ -1093,6 +1162,22 @@ def attn_bwd_hopper_varlen(
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     dev = q.data.device
+    use_gluon = config is None and varlen_backward_kernel(dev) == "gluon"
+    if use_gluon:  # checked before any launch
+        from mxattn.kernels.varlen import BWD_SEQ_ALIGN
+
+        seqs = [t for t in (q_seq, k_seq, dout_seq) if t is not None]
+        fits = (D in (64, 128) and qg == EXP_GROUP
+                and (dout_hdim is None or _varlen_row_group(dout_hdim, "dout_hdim") == EXP_GROUP)
+                and all(t.align % BWD_SEQ_ALIGN == 0 and not t.v_blocks for t in seqs))
+        if "gluon" in (os.environ.get("MXATTN_VARLEN_BWD_KERNEL"), os.environ.get("MXATTN_BWD_KERNEL")):
+            if not fits:
+                raise ValueError(f"the Gluon jagged backward needs D 64 or 128, q / dout_hdim in the K layout and "
+                                 f"seq operands with {BWD_SEQ_ALIGN}-aligned columns (varlen_bwd_operands); got "
+                                 f"D={D}, q rows per exponent {qg}, seq aligns {[t.align for t in seqs]}")
+            if INTERPRETER or dev.type != "cuda":
+                raise RuntimeError("the Gluon backward kernels need a Hopper GPU (no interpreter path)")
+        use_gluon = fits  # "auto": the tl kernels take the rest
     n_n = cdiv(k.max_seqlen, cfg.block_n)
     n_m = cdiv(q.max_seqlen, cfg.dq_block_m)
     if Tq == 0 or Tk == 0 or B * Hq == 0 or n_n == 0 or n_m == 0:
@@ -1100,6 +1185,21 @@ def attn_bwd_hopper_varlen(
                 torch.zeros(Tk, Hkv, D, dtype=grad_dtype, device=dev),
                 torch.zeros(Tk, Hkv, D, dtype=grad_dtype, device=dev))
     lse = lse.contiguous()
+    if use_gluon:
+        from mxattn.kernels.attn_bwd_dkdv_gluon import GluonDkdvConfig, attn_bwd_dkdv_gluon_varlen
+        from mxattn.kernels.attn_bwd_dq_gluon import GluonDqConfig, attn_bwd_dq_gluon_varlen
+
+        # δ and lse in dout_seq's padded columns (zero past each sequence's end: what the kernels' 64-wide boxes read)
+        doh, dos, delta, lse_pad = attn_bwd_preprocess_varlen(out, dout, q.cu_seqlens, q.max_seqlen, dout_hdim,
+                                                              dout_seq, delta_padded=True, lse=lse)
+        split = gluon_split()
+        dk, dv = attn_bwd_dkdv_gluon_varlen(q, k, v_hdim, q_seq, doh, dos, lse_pad, delta, causal=causal,
+                                            softmax_scale=softmax_scale, grad_dtype=grad_dtype,
+                                            config=GluonDkdvConfig(split=True) if split else None)
+        dq = attn_bwd_dq_gluon_varlen(q, k, v_hdim, k_seq, doh, lse, delta, dos.cu_data, causal=causal,
+                                      softmax_scale=softmax_scale, grad_dtype=grad_dtype,
+                                      config=GluonDqConfig(split=True) if split else None)
+        return dq, dk, dv
     doh, dos, delta = attn_bwd_preprocess_varlen(out, dout, q.cu_seqlens, q.max_seqlen, dout_hdim, dout_seq)
     dg = _varlen_row_group(doh, "dout_hdim")
     if dg > 1 and _tile_group(dg, cfg) == 1:

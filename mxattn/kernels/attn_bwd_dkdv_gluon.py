@@ -2,7 +2,8 @@
 "Plan for the warp-specialized backward").
 
 It replaces the ``tl`` kernel ``attn_bwd._bwd_dkdv_kernel`` on the "dQ from a separate kernel" path
-(``ATOMIC_DQ=False``, ``DS_TILE_SCALE=True``) with the same operands and the same arithmetic.  Per 128 keys of one
+(``ATOMIC_DQ=False``; ``DS_TILE_SCALE`` False for ``ds_exp="key"``, True for "tile") with the same operands and
+the same arithmetic.  Per 128 keys of one
 (batch, kv head), looping over the query heads of the GQA group and, per head, over query tiles of BLOCK_M = 64:
 
   Sᵀ  = K Qᵀ            k (hdim, one exponent per 128 keys) x q (hdim, one exponent per 64+ rows), FP8 wgmma
@@ -12,11 +13,20 @@ It replaces the ``tl`` kernel ``attn_bwd._bwd_dkdv_kernel`` on the "dQ from a se
   dSᵀ = Pᵀ ∘ (dPᵀ·2^(doe+ve) − δ)                          (256·dS, fp32)
   dK += e4m3(dSᵀ·2^-e) Q_seq                                register A operand x channel-major q_seq, FP8 wgmma
   dk = dK · 2^e · 2^qse[channel] · scale · 2^-8,  dv = dV · 2^dose[channel] · 2^-8   (epilogue, grad_dtype)
+  (e: one per key, a vector over dK's rows, with ``ds_exp="key"``; one scalar per tile with "tile")
 
 Keys are on the MMA's M dimension, so Pᵀ and dSᵀ are ready as register A operands: no transpose, no shared
-memory round trip.  The dS exponent ``e`` is the ``tl`` kernel's rule, unchanged: one RCEIL power of two per
-(128 keys x 64 queries) tile, kept with hysteresis (``_sticky_exp``) and a bounded total drop (``_bounded_exp``),
-the dK accumulator rescaled by 2^(e_old − e_new) (exact) when it changes.  The seq operands' exponents are per
+memory round trip.  The dS exponent ``e`` is the ``tl`` kernel's rule, per ``GluonDkdvConfig.ds_exp``:
+  "key" (default since session 8): one RCEIL power of two per key (row of dSᵀ = output row of dK) and query tile,
+        with a bounded total drop per key (``_key_exp``), no hysteresis; dK's rows rescaled by 2^(e_old − e_new)
+        (exact) every step.  A per-row power of two commutes with dK = dSᵀ Q_seq (it scales an output row), so it
+        is exact to factor out (DESIGN §3), and its amax is a row reduction inside the quad of threads that holds
+        the row: no shared memory, no barrier.  The tl twin: ``BwdConfig(ds_tile_scale=False)``.
+  "tile": one per (128 keys x 64 queries) tile (64 keys split), kept with hysteresis (``_sticky_exp``) and a
+        bounded total drop (``_bounded_exp``), the dK accumulator rescaled by 2^(e_old − e_new) (exact) when it
+        changes; its amax is a cross-warp reduction (shared memory, two named barriers per step).  Compiles to the
+        same SASS as before session 8.
+The seq operands' exponents are per
 (query head, channel): dK and dV are kept in units of the current head's and rescaled by 2^(prev − new) per channel
 when the head changes, as the ``tl`` kernel does.  The query tiles are visited in the ``tl`` kernel's order (heads
 h0 .. h0+G-1; per head the masked tiles lo .. mid, then the unmasked mid .. m_end, i.e. increasing start_m), so the
@@ -33,10 +43,11 @@ The consumers read lse and δ from the ring's shared memory (since session 7; be
 global loads per thread and step sat on each step's serial chain) and load only the scalar exponents qe, doe with
 gl.load.
 Deviation from the brief's "consumer warpgroups ... own 64 keys" as separate partitions: as in attn_bwd_dq_gluon,
-the two warpgroups are one 8-warp partition, because the dS exponent is a maximum over the whole 128-key x 64-query
-tile (the ``tl`` kernel's rule, kept for equal numerics): the tile-wide ``gl.max`` is the compiler's cross-warp
-reduction (shared memory + a named barrier of the partition's 256 threads).  The per-key dS scale
-(``BwdConfig(ds_tile_scale=False)``) is left out: only the default per-tile path exists here.
+the two warpgroups are one 8-warp partition in the whole-tile build, because the "tile" dS exponent is a maximum
+over the whole 128-key x 64-query tile (the ``tl`` kernel's rule, kept for equal numerics): the tile-wide ``gl.max``
+is the compiler's cross-warp reduction (shared memory + a named barrier of the partition's 256 threads).  The split
+build (below) and the per-key exponent (``ds_exp="key"``, the ``tl`` kernel's ``ds_tile_scale=False`` rule for dK)
+each remove that coupling.
 
 Consumer step j (query tile j of the flattened (head, start_m) sequence; stage s = j % STAGES), with dK deferred
 one step (``DEFER_DK``, the default since session 7; ``GluonDkdvConfig(defer_dk=False)`` for the step before it):
@@ -48,9 +59,12 @@ one step (``DEFER_DK``, the default since session 7; ``GluonDkdvConfig(defer_dk=
   3. wait for Sᵀ_j only (dPᵀ_j and dK_{j-1} run on); Pᵀ_j (masked or not: the branches join fp32 values); δ_j from
      shared memory;
   4. wait for dPᵀ_j (dK_{j-1} runs on); dSᵀ_j (fp32), then e4m3 Pᵀ_j in the A layout; issue dV += Pᵀ_j dO_seq_j;
-  5. the tile's dS amax and exponent e_j, dSᵀ_j·2^-e_j (fp32, carried), while dV's and dK_{j-1}'s products run;
+  5. the tile's dS amax and exponent e_j (per key with ``ds_exp="key"``: row maxima), dSᵀ_j·2^-e_j (fp32,
+     carried), while dV's and dK_{j-1}'s products run;
   6. wait for everything (dV_j, dK_{j-1}); release stage j-1 (j > 0: its Q_seq was dK_{j-1}'s last read); dK's
-     rescales of step j (head change at j, exponent move) become pending for step 1 of j + 1.
+     rescales of step j (head change at j, exponent move) become pending for step 1 of j + 1 (per key: the row
+     factors 2^(e_{j-1} − e_j), applied every step after the head rescale, before Sᵀ_{j+1}'s wgmma, where ptxas
+     issues most of the 64 FMUL (d128) between Sᵀ's k-steps).
   After the loop: step n-1's pending rescales, dK += dSᵀ_{n-1} Q_seq_{n-1}, wait, release.
 dK therefore sees the undeferred order (dK_{j-1} added, head rescale, exponent rescale, dK_j added) with the same
 operands and the same multiplications, so dK / dV are bit-identical to the undeferred kernel's.  The rescales are
@@ -87,8 +101,15 @@ sequence with a group that is a multiple of 64 (one scalar exponent per query ti
 v_hdim the K layout (128 keys per exponent), q_seq and dout_seq the V layout (channel-major, one exponent per
 (head, channel)).  D is 64 or 128.
 
-Compile check without a GPU (triton 3.6): ``python scripts/compile_check_bwd_dkdv_gluon.py [--split] [--no-defer]``.
-Deferred dK (session 7, 3 stages; not yet run on a GPU): highest register R237 (d128, d128 causal) / R181 (d64) /
+Compile check without a GPU (triton 3.6): ``python scripts/compile_check_bwd_dkdv_gluon.py [--split] [--no-defer]
+[--ds-exp=key|tile] [--varlen]``.
+Per-key dS exponent (session 8, deferred dK, 3 stages; not yet run on a GPU), before (tile) -> after (key): a
+common step's named barriers 4 -> 2, STS 2 -> 0, LDS 18 -> 16, SHFL 25 -> 20, FMUL 65 -> 129 (d128; 97 at d64);
+step SASS 648-654 -> 707-712 (split d128), 668-669 -> 722-723 (split d128 causal), 627-629 -> 656 (split d64),
+663 -> 720 (whole d128); highest register and shared memory unchanged (R237 at d128), split spills 24 -> 56 B at
+d128 and 64 -> 56 B at d128 causal, all outside the loops; three ``WARPGROUP.DEPBAR`` per step as before.
+Deferred dK (session 7, 3 stages; GPU tests pass, 3.41 vs 3.72 ms undeferred at B2 H16 S8k d128,
+`attn_bwd_kernels-…-s8.json`): highest register R237 (d128, d128 causal) / R181 (d64) /
 R195 (d64 causal), no spill whole-tile; split 24 B (d128) / 64 B (d128 causal) spilled outside the loops, no
 LDL / STL inside; shared memory 132 988 B (d128) / 67 452 B (d64), split 133 136 / 67 600; 4 + 4 + 2 + 2 wgmma per
 step and warpgroup at d128 (dK's from the previous step), three ``WARPGROUP.DEPBAR``, 4 ``BAR.SYNC``, 663 SASS
@@ -107,6 +128,17 @@ Run on the H200 since session 4 (all GPU tests pass; 1.25x / 1.66x the tl kernel
 causal); the default of ``attn_bwd_hopper`` on Hopper.  Costs to look at first (``gpu_check.sh OUT ncu``): the
 head-change rescale loads 4 x D exponents in the loop body (a rare branch), the tile-wide dS max (256-thread barriers) once per step, and no cross-step overlap of
 the two consumer warpgroups (no ping-pong: the tile exponent couples them every step).
+
+Jagged mode (``VARLEN``, launcher ``attn_bwd_dkdv_gluon_varlen``, session 8; docs/perf-notes-varlen.md): grid (rows
+of a heaviest-first table of (sequence, 128-key tile), Hkv); each CTA reads its row once, then runs the dense code
+at its sequence's Sq, Sk on packed operands (2-D TMA views; Q_seq / dO_seq in (Hq·D, Tv) rows with 64-aligned,
+zero-padded sequence starts; lse and δ in dO_seq's padded columns (``padded_lse``), so the boxes past a sequence's end
+read zeros, never the next sequence's δ).  The sequence's offsets reach the consumers as integers (qe_row, de_row,
+seq_h, key_row) added at their uses, with uniform base pointers: pointers moved by table values made the split
+d128 build spill in the loop.  The dense build is unchanged (compile reports compared with main).  Both dS rules
+(``ds_exp``) build in the jagged mode from the same code (the per-key rule's head rescale, exponent rescale and
+epilogue take the sequence's head row seq_h as the tile rule's do); the tl twin of a jagged build is the tl jagged
+kernel with ``tl_twin_config(cfg)``, as for the dense build.
 
 Split variant (``GluonDkdvConfig(split=True)``; the default of ``attn_bwd_hopper`` since session 5, where it measured
 1.14-1.20x the whole-tile kernel at S8k d128, ``MXATTN_BWD_GLUON_SPLIT=0`` for the latter): the two consumer
@@ -127,7 +159,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
@@ -152,14 +184,16 @@ from mxattn.kernels.attn_bwd_dq_gluon import (
     _row_group,
     _static_tiles,
     _sticky_exp,
+    _tile_row,
     backward_operands,
     split_tl_config,
     time_against_tl,
 )
-from mxattn.kernels.launch import cdiv, fast_launcher, nvmma_fp8_layout
+from mxattn.kernels import launch
+from mxattn.kernels.launch import BoundLaunch, cdiv, fast_launcher, nvmma_fp8_layout, rebased, tensor_sig
 
-__all__ = ["GluonDkdvConfig", "default_config", "attn_bwd_dkdv_gluon", "bench_attn_bwd_dkdv_gluon",
-           "dkdv_operands"]
+__all__ = ["GluonDkdvConfig", "default_config", "tl_twin_config", "attn_bwd_dkdv_gluon",
+           "attn_bwd_dkdv_gluon_varlen", "bench_attn_bwd_dkdv_gluon", "dkdv_operands"]
 
 LOG2E = 1.4426950408889634
 P_SCALE_LOG2 = 8  # P enters dV as e4m3(P * 2^8); dS enters dK as 256 * dS
@@ -167,6 +201,7 @@ BLOCK_N = gl.constexpr(128)  # keys per CTA: two warpgroups of 64 (the tl kernel
 BLOCK_M = gl.constexpr(64)  # queries per step: the tl kernel's block_m
 KV_EXP_GROUP = 128  # keys sharing one exponent in k and v_hdim (== BLOCK_N: one scalar per CTA)
 ROW_GROUP = 64  # q / dout_hdim rows per exponent must be a multiple of this (one scalar per query tile)
+DS_EXPS = ("key", "tile")  # GluonDkdvConfig.ds_exp
 
 # kernel arguments the launcher guarantees to be 1 (contiguous exponents, dk, dv): the JIT specializes them as
 # constexpr, which turns the per-channel vector addresses into one base plus immediates
@@ -185,19 +220,44 @@ class GluonDkdvConfig:
     # split: the two consumer warpgroups as two 4-warp partitions, 64 keys each, with a dS exponent per
     # (64 keys x 64 queries) tile, i.e. the tl kernel with block_n=64 (``split_tl_config``).  They share the ring
     # (empty barriers count two arrivals) but meet at no barrier, so one's exp2 / dS math can run under the
-    # other's products.  Compiled for sm_90a; not yet run on a GPU: opt-in until its GPU tests pass.
+    # other's products.  The API's default (``attn_bwd.gluon_split``) since it measured faster.
     split: bool = False
     consumer_regs: int = 240  # registers per thread of consumer warpgroup 1 (a worker partition) when split
     defer_dk: bool = True
+    # the dS exponent of dK's product (session 8): "key", one RCEIL power of two per key (row of dSᵀ, output row
+    # of dK) and query tile, a row reduction inside each quad of threads, dK rescaled per row every step; "tile",
+    # one per (keys x 64 queries) tile with hysteresis, a cross-warp reduction (the rule before session 8).  The
+    # tl twin of each: ``tl_twin_config``
+    ds_exp: str = "key"
+
+    def __post_init__(self):
+        if self.ds_exp not in DS_EXPS:
+            raise ValueError(f"ds_exp must be one of {DS_EXPS}, got {self.ds_exp!r}")
 
     @property
     def defers_dk(self) -> bool:
         """Whether the kernel is built with DEFER_DK (the deferral needs two stages: j − 1's and j's)."""
         return self.defer_dk and self.stages >= 2
 
+    @property
+    def key_exp(self) -> bool:
+        """Whether the kernel is built with DS_KEY_EXP (one dS exponent per key and query tile)."""
+        return self.ds_exp == "key"
+
 
 def default_config(head_dim: int, causal: bool) -> GluonDkdvConfig:
     return GluonDkdvConfig()
+
+
+def tl_twin_config(config: Optional[GluonDkdvConfig] = None):
+    """The ``attn_bwd.BwdConfig`` whose dK/dV kernel has this Gluon build's numerics (the same tile visits, dS
+    exponents and e4m3 P / dS values; only the fp32 summation order differs): 128-key blocks on 8 warps, or 64-key
+    blocks (``split_tl_config``) for the split build; ``ds_tile_scale`` False for ``ds_exp="key"``."""
+    from mxattn.kernels.attn_bwd import BwdConfig
+
+    cfg = config or default_config(128, False)
+    base = split_tl_config() if cfg.split else BwdConfig()
+    return replace(base, ds_tile_scale=not cfg.key_exp)
 
 
 # ------------------------------------------------------------------------------------------------- helpers
@@ -278,6 +338,30 @@ def _dk_pending(dk, dk_hh, dk_sh, QSE, stride_qseh, stride_qsed, o_layout: gl.co
     return dk
 
 
+@gluon.jit
+def _key_exp(ds, dk_e, dk_hi):
+    """DS_KEY_EXP: the dS exponent of each key (row of the 256·dSᵀ tile ``ds``) for this query tile, with the row
+    bounds: (e, dk_hi).  e = RCEIL of the row's amax (``dk_e``, the row's previous exponent, where the row is all
+    zero), raised to at least dk_hi − 64 (``attn_bwd._bounded_exp``, per row).  A row that is all zero (no query
+    of the tile sees the key, or P = 0) changes nothing: e stays dk_e (>= dk_hi − 64 by construction), dk_hi stays,
+    so tiles a kernel visits and its twin does not (split, causal: tiles wholly before a warpgroup's keys) leave
+    the row's sequence as the twin's.  The amax is a reduction over the row's 64 queries: in the wgmma layout a row
+    lives in one quad of threads (16 values each), so it is 15 FMNMX and two quad shuffles, no shared memory and
+    no barrier.  No hysteresis: dK is rescaled per row every step anyway (a per-row branch does not exist in
+    Gluon, and a partition-wide "any row moved" would be the cross-warp reduction this mode removes), so the
+    exponent may as well follow each row's amax exactly."""
+    amax = gl.max(gl.abs(ds), 1)
+    e = gl.maximum(_rceil_exp(amax, dk_e), dk_hi - 64)
+    dk_hi = gl.where(amax > 0.0, gl.maximum(dk_hi, e), dk_hi)
+    return e, dk_hi
+
+
+@gluon.jit
+def _row_scale(acc, f, o_layout: gl.constexpr):
+    """acc * f per row (f: [rows] fp32 in the dSᵀ tile's row layout; the same rows in the accumulator's)."""
+    return acc * gl.expand_dims(gl.convert_layout(f, gl.SliceLayout(1, o_layout)), 1)
+
+
 # ------------------------------------------------------------------------------------------------- producer
 @gluon.jit
 def _step_barriers(STAGES: gl.constexpr, SPLIT: gl.constexpr):
@@ -296,11 +380,17 @@ def _step_barriers(STAGES: gl.constexpr, SPLIT: gl.constexpr):
 
 @gluon.jit
 def _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_smem, do_smem, qs_smem, dos_smem,
-                    lse_smem, dl_smem, ready, empty, q_row, seq_row, vec_row, h0, lo, n_m, n_steps,
-                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                    lse_smem, dl_smem, ready, empty, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m,
+                    n_steps, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr):
     """Per query step, into stage i % STAGES of the ring, all on its one ready barrier: Q and dO_hdim (64 x D),
     Q_seq and dO_seq (D x 64), and the tile's 64 lse and 64 δ (fp32 rows of the (B*Hq, Sq) views; columns past
-    Sq are TMA zero fill)."""
+    Sq are TMA zero fill).  seq_col / vec_col / dl_col: the first column of the seq operands / lse / δ (0 dense;
+    jagged: the sequence's first seq column and its first column of the padded lse and δ (twice: lse and δ share it),
+    whose columns past the sequence's end are zero)."""
+    if not VARLEN:  # the dense build: literal zeros (not captured values the partition cannot fold)
+        seq_col = 0
+        vec_col = 0
+        dl_col = 0
     nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + qs_desc.block_type.nbytes
                             + dos_desc.block_type.nbytes + lse_desc.block_type.nbytes + dl_desc.block_type.nbytes)
     for i in range(n_steps):
@@ -311,38 +401,40 @@ def _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_sme
         # a fresh mbarrier counts as having completed the phase before phase 0: the first pass does not wait
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(bar, nbytes)
-        tma.async_copy_global_to_shared(lse_desc, [vec_row + hh, m0], bar, lse_smem.index(s))
-        tma.async_copy_global_to_shared(dl_desc, [vec_row + hh, m0], bar, dl_smem.index(s))
+        tma.async_copy_global_to_shared(lse_desc, [vec_row + hh, vec_col + m0], bar, lse_smem.index(s))
+        tma.async_copy_global_to_shared(dl_desc, [vec_row + hh, dl_col + m0], bar, dl_smem.index(s))
         tma.async_copy_global_to_shared(q_desc, [q_row + m0, hh * HEAD_DIM], bar, q_smem.index(s))
         tma.async_copy_global_to_shared(do_desc, [q_row + m0, hh * HEAD_DIM], bar, do_smem.index(s))
-        tma.async_copy_global_to_shared(qs_desc, [seq_row + hh * HEAD_DIM, m0], bar, qs_smem.index(s))
-        tma.async_copy_global_to_shared(dos_desc, [seq_row + hh * HEAD_DIM, m0], bar, dos_smem.index(s))
+        tma.async_copy_global_to_shared(qs_desc, [seq_row + hh * HEAD_DIM, seq_col + m0], bar, qs_smem.index(s))
+        tma.async_copy_global_to_shared(dos_desc, [seq_row + hh * HEAD_DIM, seq_col + m0], bar, dos_smem.index(s))
 
 
 @gluon.jit
 def _producer(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem, do_smem, qs_smem,
               dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
-              k_row, k_col, q_row, seq_row, vec_row, h0, lo, n_m, n_steps,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+              k_row, k_col, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m, n_steps,
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr):
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [k_row, k_col], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [k_row, k_col], kv_bar, v_smem)
     _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_smem, do_smem, qs_smem, dos_smem,
-                    lse_smem, dl_smem, ready, empty, q_row, seq_row, vec_row, h0, lo, n_m, n_steps, HEAD_DIM, STAGES)
+                    lse_smem, dl_smem, ready, empty, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m,
+                    n_steps, HEAD_DIM, STAGES, VARLEN)
 
 
 @gluon.jit
 def _producer_split(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem, do_smem,
                     qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
-                    k_row, k_col, q_row, seq_row, vec_row, h0, lo, n_m, n_steps,
-                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                    k_row, k_col, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m, n_steps,
+                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr):
     """The split kernel's producer: a 64-key K and V tile per consumer warpgroup, then the same query steps."""
     mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for w in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [k_row + w * BLOCK_N_WG, k_col], kv_bar, k_smem.index(w))
         tma.async_copy_global_to_shared(v_desc, [k_row + w * BLOCK_N_WG, k_col], kv_bar, v_smem.index(w))
     _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_smem, do_smem, qs_smem, dos_smem,
-                    lse_smem, dl_smem, ready, empty, q_row, seq_row, vec_row, h0, lo, n_m, n_steps, HEAD_DIM, STAGES)
+                    lse_smem, dl_smem, ready, empty, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m,
+                    n_steps, HEAD_DIM, STAGES, VARLEN)
 
 
 # ------------------------------------------------------------------------------------------------- consumer
@@ -351,14 +443,22 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
               QE, DOE, QSE, DOSE, DK, DV,
               stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn, stride_dkd,
               KE, VE, key_lim, diag, Sq, h0, h_last, lo, mid, n_m, n_steps, qk_scale, grad_scale,
+              qe_row, de_row, seq_h, key_row,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
-              WARPS: gl.constexpr, DEFER_DK: gl.constexpr):
+              WARPS: gl.constexpr, DEFER_DK: gl.constexpr, DS_KEY_EXP: gl.constexpr, VARLEN: gl.constexpr):
     """Keys n0 .. n0 + ROWS − 1 of one (b, hk), ROWS = 128 on 8 warps (the whole CTA's keys) or 64 on one warpgroup
     (split: keys n0 + 64·w ..); k_tile / v_tile their K and V_hdim tiles.  Pointers already moved to b (QE, DOE,
     QSE, DOSE) and to (b, hk, first key) (DK, DV); lse and δ of each query tile come through the ring
     (lse_smem, dl_smem: [STAGES, 1, 64] fp32, zero past Sq).  key_lim = Sk − first key (local keys below it
     exist), diag = Sk − Sq − first key (local key r sees local query c of the tile at m0 iff r − c <= m0 + diag).
-    The dS exponent is one per (ROWS keys x 64 queries) tile: the tl kernel's with block_n = ROWS.
+    The dS exponent is one per (ROWS keys x 64 queries) tile: the tl kernel's with block_n = ROWS; with DS_KEY_EXP
+    one per key and query tile (``_key_exp``): the tl kernel's ``DS_TILE_SCALE=False`` rule for dK.
+    qe_row, de_row, seq_h, key_row (VARLEN only; the dense build never reads them): the sequence's parts of the
+    offsets as integers (first 64-row exponent tile of q / dO, first head row b * Hq of the seq exponents, first
+    key row of dk / dv), added where they are used: pointers moved by values loaded from the tile table would be
+    per-thread registers live across the loop (the dense kernel's are uniform), and made the split d128 build
+    spill inside it.  (The dense build gets literal zeros here, used only behind VARLEN: a zero passed to a
+    partition becomes a captured runtime value, which changed the dense split build.)
 
     Split, warpgroup 1's first causal query tiles of each head can lie wholly before its keys (the tl kernel with
     64-key blocks starts later): P = dS = 0 there, the exponent stays (amax 0 keeps it) and the bound of
@@ -367,7 +467,9 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
     DEFER_DK: dK_j += dSᵀ_j Q_seq_j is issued in step j + 1 after Sᵀ_{j+1} and dPᵀ_{j+1} (and after the loop for
     the last step) and waited with dV_{j+1} at that step's end; stage j is released then.  dK's head rescale and
     tile-exponent rescale of step j + 1 follow that wait, so dK sees the same operations in the same order as
-    without the deferral (add dK_j, head rescale, exponent rescale, add dK_{j+1}): bit-identical results."""
+    without the deferral (add dK_j, head rescale, exponent rescale, add dK_{j+1}): bit-identical results.
+    DS_KEY_EXP deferred: the per-row exponent rescale of step j (a factor per row, every step) is applied at the
+    top of step j + 1 after the head rescale, before Sᵀ_{j+1}'s wgmma: the same order as the undeferred step."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_M, WARPS)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM, WARPS)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
@@ -375,11 +477,27 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
 
+    if VARLEN:
+        h_sh = seq_h
+        qe_0 = qe_row
+        de_0 = de_row
+        n_sh = key_row
+    else:
+        h_sh = 0
+        qe_0 = 0
+        de_0 = 0
+        n_sh = 0
     s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=s_layout)
     dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
     dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-    dk_e = 0
-    dk_hi = -1000  # no bound until the accumulator holds something (_bounded_exp)
+    if DS_KEY_EXP:  # per key (row): exponent, bound (_key_exp), and the pending rescale factor of DEFER_DK
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        dk_e = gl.full([ROWS], 0, gl.int32, layout=row_s)
+        dk_hi = gl.full([ROWS], -1000, gl.int32, layout=row_s)
+        dk_f = gl.full([ROWS], 1.0, gl.float32, layout=row_s)
+    else:
+        dk_e = 0
+        dk_hi = -1000  # no bound until the accumulator holds something (_bounded_exp)
     # DEFER_DK: dSᵀ_{j-1}·2^-e_{j-1} (fp32, the value the undeferred step casts to e4m3), zeros before step 0 (whose
     # deferred product, on stage 0's Q_seq, adds exact zeros); and dK's rescales of step j-1 that wait for
     # dK_{j-2}: the head to rescale to (-1: none) and the exponent shift e_{j-2} − e_{j-1}
@@ -399,20 +517,30 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
             # e4m3 dSᵀ_{j-1} first: its fp32 tile is then dead before the rescales' exponent vectors load and
             # before Sᵀ_j / dPᵀ_j take their accumulators (with both live, d128 spills inside the loop)
             ds8 = gl.convert_layout(dsc.to(gl.float8e4nv), a_layout)
-            dk = _dk_pending(dk, dk_hh, dk_sh, QSE, stride_qseh, stride_qsed, o_layout, HEAD_DIM)
+            if DS_KEY_EXP:
+                # the head rescale, then the rows to e_{j-1} (64 FMUL a thread at d128, every step).  Here, before
+                # Sᵀ_j's wgmma, ptxas (triton 3.6, sm_90a) issues most of them between Sᵀ_j's first k-steps, under
+                # its product.  Tried and worse: between the issue of Sᵀ_j / dPᵀ_j and dK's (ptxas then waits for
+                # Sᵀ_j and dPᵀ_j before issuing dK: a fourth WARPGROUP.DEPBAR, Pᵀ_j's exp2 behind dPᵀ_j); at the
+                # end of step j after dK_{j-1}'s wait, under dV_j (ptxas sinks them below the final wait, onto the
+                # step's tail, and with the wait before dV_j's issue it hoists that wait up to dPᵀ_j's)
+                dk = _dk_pending(dk, dk_hh, 0, QSE, stride_qseh, stride_qsed, o_layout, HEAD_DIM)
+                dk = _row_scale(dk, dk_f, o_layout)
+            else:
+                dk = _dk_pending(dk, dk_hh, dk_sh, QSE, stride_qseh, stride_qsed, o_layout, HEAD_DIM)
             if j - t * n_m == 0:
                 if j > 0:  # dV's head rescale; dK's waits for dK_{j-1} (applied at the top of step j + 1)
-                    dv = _chan_rescale(dv, DOSE, stride_qseh, stride_qsed, hh, o_layout, HEAD_DIM)
+                    dv = _chan_rescale(dv, DOSE, stride_qseh, stride_qsed, h_sh + hh, o_layout, HEAD_DIM)
         else:
             if j - t * n_m == 0:
                 if j > 0:
-                    dk, dv = _head_rescale(dk, dv, QSE, DOSE, stride_qseh, stride_qsed, hh,
+                    dk, dv = _head_rescale(dk, dv, QSE, DOSE, stride_qseh, stride_qsed, h_sh + hh,
                                            o_layout, HEAD_DIM)
         # query-side scalars of this tile (before the wait: their latency hides under it)
         offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_s)
         row_ok = offs_m < Sq
-        qe = gl.load(QE + hh * stride_qeh + (m0 // BLOCK_M) * stride_qeg)
-        doe = gl.load(DOE + hh * stride_deh + (m0 // BLOCK_M) * stride_deg)
+        qe = gl.load(QE + hh * stride_qeh + (qe_0 + m0 // BLOCK_M) * stride_qeg)
+        doe = gl.load(DOE + hh * stride_deh + (de_0 + m0 // BLOCK_M) * stride_deg)
         a = qk_scale * _pow2(qe + ke)
 
         mbarrier.wait(ready.index(st), ph)  # Q, dO, Q_seq, dO_seq, lse, δ of tile j
@@ -437,18 +565,26 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
         # Pᵀ to e4m3 only now (after dSᵀ took its fp32 value): Pᵀ, dPᵀ and the e4m3 Pᵀ are never live together
         p8 = gl.convert_layout(p.to(gl.float8e4nv), a_layout)
         dv = warpgroup_mma(p8, dos_smem.index(st).permute((1, 0)), dv, is_async=True)
-        # the tile's exponent (a cross-warp max), its e4m3 dSᵀ and the rare dK rescale, under dV's product
-        amax = gl.max(gl.max(gl.abs(ds), 1), 0)
-        e = gl.maximum(_sticky_exp(_rceil_exp(amax, dk_e), dk_e), dk_hi - 64)  # _bounded_exp(_sticky_exp(...))
-        if ROWS == 64 and CAUSAL:
-            # split: a query tile wholly before this warpgroup's keys (local key 0 does not see query 63) is one
-            # the tl kernel's 64-key block does not visit: all masked (amax 0 keeps e), it must not start the bound
-            if m0 + diag > -BLOCK_M:
-                dk_hi = gl.maximum(dk_hi, e)
+        # the tile's exponent (a cross-warp max) or the keys' (DS_KEY_EXP: row maxima), its e4m3 dSᵀ and the dK
+        # rescale (rare per tile, every step per key), under dV's product
+        if DS_KEY_EXP:
+            e, dk_hi = _key_exp(ds, dk_e, dk_hi)  # the bound too (all-zero rows leave it: no split special case)
         else:
-            dk_hi = gl.maximum(dk_hi, e)
+            amax = gl.max(gl.max(gl.abs(ds), 1), 0)
+            e = gl.maximum(_sticky_exp(_rceil_exp(amax, dk_e), dk_e), dk_hi - 64)  # _bounded_exp(_sticky_exp(...))
+            if ROWS == 64 and CAUSAL:
+                # split: a query tile wholly before this warpgroup's keys (local key 0 does not see query 63) is
+                # one the tl kernel's 64-key block does not visit: all masked (amax 0 keeps e), it must not start
+                # the bound
+                if m0 + diag > -BLOCK_M:
+                    dk_hi = gl.maximum(dk_hi, e)
+            else:
+                dk_hi = gl.maximum(dk_hi, e)
         if DEFER_DK:
-            dsc = ds * _pow2(-e)  # cast to e4m3 and multiplied in step j + 1
+            if DS_KEY_EXP:
+                dsc = ds * gl.expand_dims(_pow2(-e), 1)  # cast to e4m3 and multiplied in step j + 1
+            else:
+                dsc = ds * _pow2(-e)  # cast to e4m3 and multiplied in step j + 1
             dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))  # dV_j, dK_{j-1}
             if j > 0:
                 mbarrier.arrive(empty.index(sp), count=1)  # stage j-1 free: its Q_seq was dK_{j-1}'s last read
@@ -457,13 +593,20 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
             dk_hh = -1
             if j - t * n_m == 0:
                 if j > 0:
-                    dk_hh = hh
-            dk_sh = dk_e - e
+                    dk_hh = h_sh + hh
+            if DS_KEY_EXP:
+                dk_f = _pow2(dk_e - e)
+            else:
+                dk_sh = dk_e - e
             dk_e = e
         else:
-            ds8 = gl.convert_layout((ds * _pow2(-e)).to(gl.float8e4nv), a_layout)
-            if e != dk_e:  # rare: only when the tile's exponent leaves the hysteresis window
-                dk = dk * _pow2(dk_e - e)
+            if DS_KEY_EXP:
+                ds8 = gl.convert_layout((ds * gl.expand_dims(_pow2(-e), 1)).to(gl.float8e4nv), a_layout)
+                dk = _row_scale(dk, _pow2(dk_e - e), o_layout)
+            else:
+                ds8 = gl.convert_layout((ds * _pow2(-e)).to(gl.float8e4nv), a_layout)
+                if e != dk_e:  # rare: only when the tile's exponent leaves the hysteresis window
+                    dk = dk * _pow2(dk_e - e)
             dk_e = e
             dk = warpgroup_mma(ds8, qs_smem.index(st).permute((1, 0)), dk, is_async=True)
             dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
@@ -472,22 +615,29 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
         if n_steps > 0:  # the last step's deferred dK (n_steps >= 1 whenever Sq >= 1)
             sp = (n_steps - 1) % STAGES
             ds8 = gl.convert_layout(dsc.to(gl.float8e4nv), a_layout)
-            dk = _dk_pending(dk, dk_hh, dk_sh, QSE, stride_qseh, stride_qsed, o_layout, HEAD_DIM)
+            if DS_KEY_EXP:
+                dk = _dk_pending(dk, dk_hh, 0, QSE, stride_qseh, stride_qsed, o_layout, HEAD_DIM)
+                dk = _row_scale(dk, dk_f, o_layout)
+            else:
+                dk = _dk_pending(dk, dk_hh, dk_sh, QSE, stride_qseh, stride_qsed, o_layout, HEAD_DIM)
             dk = warpgroup_mma(ds8, qs_smem.index(sp).permute((1, 0)), dk, is_async=True)
             dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
             mbarrier.arrive(empty.index(sp), count=1)
 
     # ---- epilogue (attn_bwd._bwd_dkdv_kernel): the last head's seq exponents, dK's tile exponent, 2^-8 of P
     offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
-    qse = gl.load(QSE + h_last * stride_qseh + offs_d * stride_qsed)
-    dk = dk * gl.expand_dims(_pow2(qse) * (grad_scale * _pow2(dk_e)), 0)
+    qse = gl.load(QSE + (h_sh + h_last) * stride_qseh + offs_d * stride_qsed)
+    if DS_KEY_EXP:  # the tl kernel's order: rows by 2^e, then channels by 2^qse · scale · 2^-8
+        dk = _row_scale(dk, _pow2(dk_e), o_layout) * gl.expand_dims(_pow2(qse) * grad_scale, 0)
+    else:
+        dk = dk * gl.expand_dims(_pow2(qse) * (grad_scale * _pow2(dk_e)), 0)
     offs_n = gl.arange(0, ROWS, layout=row_o)
     key_ok = gl.expand_dims(offs_n < key_lim, 1)
-    ptrs = DK + gl.expand_dims(offs_n.to(gl.int64) * stride_dkn, 1) + gl.expand_dims(offs_d * stride_dkd, 0)
+    ptrs = DK + gl.expand_dims((n_sh + offs_n).to(gl.int64) * stride_dkn, 1) + gl.expand_dims(offs_d * stride_dkd, 0)
     gl.store(ptrs, dk.to(DK.dtype.element_ty), mask=key_ok)
-    dose = gl.load(DOSE + h_last * stride_qseh + offs_d * stride_qsed)
+    dose = gl.load(DOSE + (h_sh + h_last) * stride_qseh + offs_d * stride_qsed)
     dv = dv * gl.expand_dims(_pow2(dose) * 0.00390625, 0)  # 2^-8: P entered as P * 256
-    ptrs = DV + gl.expand_dims(offs_n.to(gl.int64) * stride_dkn, 1) + gl.expand_dims(offs_d * stride_dkd, 0)
+    ptrs = DV + gl.expand_dims((n_sh + offs_n).to(gl.int64) * stride_dkn, 1) + gl.expand_dims(offs_d * stride_dkd, 0)
     gl.store(ptrs, dv.to(DV.dtype.element_ty), mask=key_ok)
 
 
@@ -503,15 +653,35 @@ def _attn_bwd_dkdv_ws_kernel(
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,  # dk's and dv's
     Hq, Hkv, Sq, Sk, group_size, qk_scale, grad_scale,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr, DEFER_DK: gl.constexpr,
+    SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr, DEFER_DK: gl.constexpr, DS_KEY_EXP: gl.constexpr,
+    SLOTS=None,  # jagged: the (rows, SLOT_COLS) int32 tile table of kernels/bwd_varlen_tiles.py (None: dense)
+    VARLEN: gl.constexpr = False,
 ):
-    # key blocks fastest within one (b, kv head), as the tl kernel: the heaviest causal blocks (first keys) start
-    # first and neighbouring CTAs stream the same query-side tiles through L2
-    pid_n = gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    b = pid_bh // Hkv
-    hk = pid_bh % Hkv
-    n0 = pid_n * BLOCK_N
+    """Dense: grid (cdiv(Sk, 128), B * Hkv).  Jagged (VARLEN): grid (table rows, Hkv); CTA (r, hk) computes the
+    key tile of row r of SLOTS (heaviest first) for kv head hk, on packed operands: k / v_hdim (Tk, Hkv, D) and
+    q / dout_hdim (Tq, Hq, D) as 2-D TMA views; q's / dout_hdim's exponents expanded to one per 64-row tile
+    ((2 G, Hq, 1): the sequence's tiles from row 2 SLOTS[r, 6] / 2 SLOTS[r, 9]), k's / v_hdim's (G, Hkv, 1) from
+    row SLOTS[r, 7]; q_seq / dout_seq channel-major (Hq, D, Tv) with the sequence's 64-aligned, zero-padded
+    columns from SLOTS[r, 8] (so no box reads another sequence), their exponents (B, Hq, D); lse and δ (Hq, Tv) both
+    in the padded layout (``padded_lse``) from column SLOTS[r, 10] (zero past the
+    sequence's end); dk / dv (Tk, Hkv, D).  After the prologue the code is the dense code at that sequence's Sq,
+    Sk; the Q / dO boxes of the last query tile hold the next sequence's rows past Sq: lse = −inf there (the
+    consumer's row_ok), so P = 0, and δ = 0, Q_seq = dO_seq = 0 in the padding."""
+    if VARLEN:
+        # key tiles heaviest first across the batch
+        b, n0, q_start, Sq, k_start, Sk, qg_start, kg_start, seq_col, dog_start, dl_col = _tile_row(SLOTS)
+        if n0 >= Sk:  # rows past the real tiles are zero: 0 >= 0
+            return
+        hk = gl.program_id(1)
+        pid_n = n0 // BLOCK_N
+    else:
+        # key blocks fastest within one (b, kv head), as the tl kernel: the heaviest causal blocks (first keys)
+        # start first and neighbouring CTAs stream the same query-side tiles through L2
+        pid_n = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        b = pid_bh // Hkv
+        hk = pid_bh % Hkv
+        n0 = pid_n * BLOCK_N
 
     # the query tiles this key block visits (attn_bwd._bwd_dkdv_kernel): lo .. mid masked, mid .. m_end not
     causal_off = Sk - Sq
@@ -540,15 +710,48 @@ def _attn_bwd_dkdv_ws_kernel(
     k_smem, v_smem = _static_tiles(k_desc, v_desc, SPLIT)  # 64-key boxes when split
     kv_bar, ready, empty = _step_barriers(STAGES, SPLIT)
 
-    b64 = b.to(gl.int64)
-    QE_b = QE + b64 * stride_qeb
-    DOE_b = DOE + b64 * stride_deb
-    KE_t = KE + b64 * stride_keb + hk * stride_keh + pid_n * stride_ket  # BLOCK_N == KV_EXP_GROUP
-    VE_t = VE + b64 * stride_veb + hk * stride_veh + pid_n * stride_vet
-    QSE_b = QSE + b64 * stride_qseb
-    DOSE_b = DOSE + b64 * stride_qseb
-    DK_t = DK + b64 * stride_dkb + hk * stride_dkh + n0.to(gl.int64) * stride_dkn
-    DV_t = DV + b64 * stride_dkb + hk * stride_dkh + n0.to(gl.int64) * stride_dkn
+    if VARLEN:
+        k_row = k_start + n0
+        q_row = q_start
+        seq_row = 0
+        vec_row = 0
+        # lse in δ's padded columns (``padded_lse``): a TMA box's first column must be 16-byte aligned (the H200
+        # faults with "illegal instruction" at a packed row start such as 129), and δ's columns are 64-aligned
+        vec_col = dl_col
+        # the consumers' pointers stay uniform (moved by the kv head only); the sequence's parts are integers
+        qe_row = 2 * qg_start  # one exponent per 64 rows: two per group of 128
+        de_row = 2 * dog_start
+        seq_h = b * Hq  # seq exponents (B, Hq, D) contiguous: row b * Hq + hh
+        key_row = k_start + n0
+        QE_b = QE
+        DOE_b = DOE
+        QSE_b = QSE
+        DOSE_b = DOSE
+        KE_t = KE + hk * stride_keh + (kg_start + pid_n) * stride_ket  # BLOCK_N == KV_EXP_GROUP
+        VE_t = VE + hk * stride_veh + (kg_start + pid_n) * stride_vet
+        DK_t = DK + hk * stride_dkh
+        DV_t = DV + hk * stride_dkh
+    else:
+        k_row = b * Sk + n0
+        q_row = b * Sq
+        seq_row = b * Hq * HEAD_DIM
+        seq_col = 0
+        vec_row = b * Hq
+        vec_col = 0
+        dl_col = 0
+        b64 = b.to(gl.int64)
+        QE_b = QE + b64 * stride_qeb
+        DOE_b = DOE + b64 * stride_deb
+        KE_t = KE + b64 * stride_keb + hk * stride_keh + pid_n * stride_ket  # BLOCK_N == KV_EXP_GROUP
+        VE_t = VE + b64 * stride_veb + hk * stride_veh + pid_n * stride_vet
+        DK_t = DK + b64 * stride_dkb + hk * stride_dkh + n0.to(gl.int64) * stride_dkn
+        DV_t = DV + b64 * stride_dkb + hk * stride_dkh + n0.to(gl.int64) * stride_dkn
+        QSE_b = QSE + b64 * stride_qseb
+        DOSE_b = DOSE + b64 * stride_qseb
+        qe_row = 0
+        de_row = 0
+        seq_h = 0
+        key_row = 0
     if SPLIT:
         wg_off = BLOCK_N_WG * stride_dkn
         gl.warp_specialize([
@@ -557,17 +760,19 @@ def _attn_bwd_dkdv_ws_kernel(
                          stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
                          stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0,
                          h0 + group_size - 1, lo, mid, n_m, n_steps, qk_scale, grad_scale,
-                         HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK)),
+                         qe_row, de_row, seq_h, key_row, HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK, DS_KEY_EXP,
+                         VARLEN)),
             (_consumer, (q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem.index(1), v_smem.index(1),
                          kv_bar, ready, empty, QE_b, DOE_b, QSE_b, DOSE_b, DK_t + wg_off, DV_t + wg_off,
                          stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
                          stride_dkd, KE_t, VE_t, Sk - n0 - BLOCK_N_WG,
                          causal_off - n0 - BLOCK_N_WG, Sq, h0, h0 + group_size - 1, lo, mid, n_m, n_steps,
-                         qk_scale, grad_scale, HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK)),
+                         qk_scale, grad_scale, qe_row, de_row, seq_h, key_row,
+                         HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK, DS_KEY_EXP, VARLEN)),
             (_producer_split, (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem,
                                do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
-                               b * Sk + n0, hk * HEAD_DIM, b * Sq, b * Hq * HEAD_DIM, b * Hq, h0, lo, n_m, n_steps,
-                               HEAD_DIM, STAGES)),
+                               k_row, hk * HEAD_DIM, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo,
+                               n_m, n_steps, HEAD_DIM, STAGES, VARLEN)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -576,11 +781,12 @@ def _attn_bwd_dkdv_ws_kernel(
                          stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
                          stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0,
                          h0 + group_size - 1, lo, mid, n_m, n_steps, qk_scale, grad_scale,
-                         HEAD_DIM, STAGES, CAUSAL, 128, 8, DEFER_DK)),
+                         qe_row, de_row, seq_h, key_row, HEAD_DIM, STAGES, CAUSAL, 128, 8, DEFER_DK, DS_KEY_EXP,
+                         VARLEN)),
             (_producer, (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem, do_smem,
                          qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
-                         b * Sk + n0, hk * HEAD_DIM, b * Sq, b * Hq * HEAD_DIM, b * Hq, h0, lo, n_m, n_steps,
-                         HEAD_DIM, STAGES)),
+                         k_row, hk * HEAD_DIM, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m,
+                         n_steps, HEAD_DIM, STAGES, VARLEN)),
         ], [1], [PRODUCER_REGS])
 
 
@@ -643,8 +849,16 @@ def _check(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, grad_dtype):
 
 
 def _tile_exps(t: RowScaledFP8, Sq: int) -> torch.Tensor:
-    """(B, ceil(Sq / 64), H, 1) int32 exponents, one per 64-row query tile, of an operand grouped by a multiple of 64."""
-    return t.exp.repeat_interleave(t.group // BLOCK_M.value, dim=1)[:, : cdiv(Sq, BLOCK_M.value)].contiguous()
+    """Contiguous (B, n, H, 1) int32 exponents, one per 64-row query tile (row m0 // 64), of an operand grouped by a
+    multiple of 64; n >= ceil(Sq / 64) (the last group's tiles past Sq are never read).  One copy kernel (an
+    expanded view made contiguous), or none when the groups are the tiles: the host launches as few ATen kernels
+    as it can (``repeat_interleave`` + slice + copy took three)."""
+    e = t.exp
+    r = t.group // BLOCK_M.value
+    if r == 1:
+        return e.contiguous()
+    B, G, H, one = e.shape
+    return e.unsqueeze(2).expand(B, G, r, H, one).reshape(B, G * r, H, one)
 
 
 def _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq, split: bool = False):
@@ -713,6 +927,23 @@ def _vector_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     return rows, pitch
 
 
+def padded_lse(lse: torch.Tensor, cu_seqlens: torch.Tensor, cu_cols: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """The jagged batch's lse (Hq, Tq), packed, moved to the padded column layout of δ and the seq operands:
+    (Hq, n_cols) fp32, sequence b's rows at columns ``cu_cols[b]`` on (64-aligned), zero in the padding (rows the
+    consumer masks).  The jagged dK/dV kernel reads lse in [1, 64] TMA boxes from a sequence's first column, and
+    a box must start 16-byte aligned, which a packed start (any row) is not.  Device ops only, no host sync.
+    ``cu_seqlens[0]`` must be 0 (rows before it would map to negative columns).  The backward's dispatch gets the
+    padded lse from the δ kernel instead (``attn_bwd_preprocess_varlen(lse=...)``, no extra launch); this is the
+    PyTorch twin for direct callers and tests."""
+    Hq, Tq = lse.shape
+    out = lse.new_zeros(Hq, n_cols)
+    if Tq and Hq:
+        rows = torch.arange(Tq, device=lse.device)
+        b = torch.searchsorted(cu_seqlens[1:].long(), rows, right=True)  # the sequence of each packed row
+        out.index_copy_(1, cu_cols.long()[b] + rows - cu_seqlens.long()[b], lse)
+    return out
+
+
 def _vector_descriptors(lse: torch.Tensor, delta: torch.Tensor):
     """TMA descriptors of lse and δ, (B, Hq, Sq) fp32, as (B*Hq, Sq) with [1, 64] boxes: the producer loads row
     b*Hq + h, columns m0 .. m0+63 per query step; columns past Sq read as 0.0 (TMA zero fill)."""
@@ -722,6 +953,26 @@ def _vector_descriptors(lse: torch.Tensor, delta: torch.Tensor):
         base, pitch = _vector_rows(t)
         descs.append(TensorDescriptor(base, [B * H, S], [pitch, 1], [1, BLOCK_M.value], _vector_layout()))
     return tuple(descs)
+
+
+# Launch plans per call signature (the operands' dtypes, shapes, strides and alignment, the options, the current
+# device): a repeated call skips the checks, the descriptors' constructors (each validates its arguments) and the
+# launcher's key over 40 arguments; it rebuilds the descriptors over its own tensors (``launch.rebased``) and
+# launches the bound kernel.  The backward of a training step calls this launcher once per step with the same
+# signature, so the first call pays for the rest.
+_PLANS: dict = {}
+_MAX_PLANS = 256
+
+
+def _launch_key(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, causal, softmax_scale, grad_dtype, config,
+                dk_out, dv_out):
+    ops = tuple((tensor_sig(t.data), tensor_sig(t.exp), t.dim, t.group_dim, t.group) if isinstance(t, RowScaledFP8)
+                else None for t in (q, k, v_hdim, q_seq, dout_hdim, dout_seq))
+    if None in ops or not isinstance(lse, torch.Tensor) or not isinstance(delta, torch.Tensor) or not launch.PLANS:
+        return None  # (bad operands: the checks on the slow path say what is wrong)
+    outs = tuple(tensor_sig(t) if isinstance(t, torch.Tensor) else t for t in (dk_out, dv_out))
+    dev = torch.cuda.current_device() if q.data.is_cuda else -1
+    return (ops, tensor_sig(lse), tensor_sig(delta), causal, softmax_scale, grad_dtype, config, outs, dev)
 
 
 def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, q_seq: RowScaledFP8,
@@ -743,6 +994,21 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
     aligned bottom-right.  Returns dk, dv (B, Sk, Hkv, D) in ``grad_dtype``, contiguous, or ``dk_out`` / ``dv_out``
     written in place (``attn_bwd.grad_outputs``).  Needs an sm_90 GPU and triton 3.6's Gluon.
     """
+    key = _launch_key(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, causal, softmax_scale, grad_dtype,
+                      config, dk_out, dv_out)
+    plan = _PLANS.get(key)
+    if plan is not None:  # a signature seen before: checked then; rebuild the descriptors on today's tensors
+        bound, templates, scalars = plan
+        B, Sq, Hq, D = q.data.shape
+        Sk, Hkv = k.data.shape[1], k.data.shape[2]
+        dk, dv = grad_outputs(dk_out, dv_out, (B, Sk, Hkv, D), grad_dtype, q.data.device)
+        bases = (_hdim_view(q.data, "q"), _hdim_view(dout_hdim.data, "dout_hdim"), q_seq.data, dout_seq.data,
+                 _vector_rows(lse)[0], _vector_rows(delta)[0], _hdim_view(k.data, "k"),
+                 _hdim_view(v_hdim.data, "v_hdim"))
+        bound(*(rebased(t, b) for t, b in zip(templates, bases)), _tile_exps(q, Sq), _tile_exps(dout_hdim, Sq),
+               k.exp.contiguous(), v_hdim.exp.contiguous(), q_seq.exp.contiguous(), dout_seq.exp.contiguous(), dk, dv,
+               *scalars)
+        return dk, dv
     _check(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, grad_dtype)
     B, Sq, Hq, D = q.data.shape
     Sk, Hkv = k.data.shape[1], k.data.shape[2]
@@ -769,12 +1035,103 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
     chan_e = lambda e: (e.stride(0), e.stride(2), e.stride(3))  # noqa: E731  (B, H, D)
     grid = (cdiv(Sk, BLOCK_N.value), B * Hkv)
     kernel = _attn_bwd_dkdv_ws_kernel_sq1 if Sq == 1 else _attn_bwd_dkdv_ws_kernel
-    fast_launcher(kernel)[grid](
+    descs = (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc)
+    scalars = (*row_e(qe), *row_e(de), *row_e(ke), *row_e(ve), *chan_e(qse), *dk.stride(),
+               Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2)
+    constexprs = dict(HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
+                      SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=cfg.defers_dk, DS_KEY_EXP=cfg.key_exp,
+                      num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
+    args = (*descs, qe, de, ke, ve, qse, dse, dk, dv, *scalars)
+    if key is None:
+        fast_launcher(kernel)[grid](*args, **constexprs)
+        return dk, dv
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = (BoundLaunch(fast_launcher(kernel), grid, args, constexprs), descs, scalars)
+    return dk, dv
+
+
+def attn_bwd_dkdv_gluon_varlen(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse: torch.Tensor, delta: torch.Tensor, *,
+                               causal: bool = False, softmax_scale: Optional[float] = None,
+                               grad_dtype: torch.dtype = torch.bfloat16, config: Optional[GluonDkdvConfig] = None):
+    """(dk, dv) of a jagged batch with the warp-specialized Gluon kernel in its jagged mode (``VARLEN``): the
+    operands ``attn_bwd.attn_bwd_hopper_varlen`` passes to it (``kernels.varlen.VarlenFP8``).
+
+    q, dout_hdim:     (Tq, Hq, D), the K layout over cu_seqlens_q (``varlen_k_operand``);
+    k, v_hdim:        (Tk, Hkv, D), the K layout over cu_seqlens_k;
+    q_seq, dout_seq:  channel-major (Hq, D, Tv) with 64-aligned, zero-padded sequence starts
+                      (``varlen_v_operand(..., align=BWD_SEQ_ALIGN)``; the same column offsets for both);
+    lse:              (Hq, Tq) float32, the jagged forward's, or already in the padded columns (Hq, Tv)
+                      (``attn_bwd_preprocess_varlen(..., lse=lse)``; else ``padded_lse`` moves it, ~10 small launches);
+    delta:            (Hq, Tv) float32 in dout_seq's columns, zero in the padding
+                      (``attn_bwd_preprocess_varlen(..., delta_padded=True)``).
+    One CTA per (key tile of 128 keys of one sequence, kv head), tiles heaviest first
+    (``bwd_varlen_tiles.bwd_tile_slots``).  dK and dV are summed over the query heads of each kv head's group.
+    ``config`` as for the dense launcher (split, stages, deferred dK, the dS rule ``ds_exp``); the tl jagged
+    kernel with ``tl_twin_config(config)`` has the same numerics.
+    Returns dk, dv (Tk, Hkv, D) in ``grad_dtype``; each sequence's rows are ``attn_bwd_dkdv_gluon`` on that
+    sequence alone (same tiles, same arithmetic).  Needs an sm_90 GPU and triton 3.6's Gluon."""
+    from mxattn.kernels.attn_bwd_dq_gluon import _packed_view, check_varlen_operands
+    from mxattn.kernels.bwd_varlen_tiles import bwd_tile_slots, tile_rows_bound
+
+    Tq, Hq, _ = q.data.shape
+    Tk, Hkv, _ = k.data.shape
+    B, D = check_varlen_operands(dict(q=q, k=k, v_hdim=v_hdim, dout_hdim=dout_hdim),
+                                 dict(q_seq=q_seq, dout_seq=dout_seq), {}, Hq, Hkv, grad_dtype)
+    Tv = q_seq.data.shape[2]
+    # lse packed (Hq, Tq), or already in the padded columns (Hq, Tv) (``attn_bwd_preprocess_varlen(lse=...)``).
+    # Tv == Tq only when every sequence's length is a multiple of the alignment, and then the two layouts are one.
+    if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or lse.dim() != 2 or lse.shape[0] != Hq \
+            or lse.shape[1] not in (Tq, Tv) or lse.device != q.data.device:
+        raise ValueError(f"lse must be float32 ({Hq}, {Tq}) (packed) or ({Hq}, {Tv}) (padded) on {q.data.device}, "
+                         f"got {getattr(lse, 'dtype', type(lse).__name__)} {tuple(getattr(lse, 'shape', ()))}")
+    if dout_seq.data.shape[2] != Tv or q_seq.align != dout_seq.align:
+        raise ValueError(f"q_seq and dout_seq must share one column layout (Tv {Tv} / {dout_seq.data.shape[2]}, "
+                         f"align {q_seq.align} / {dout_seq.align})")
+    if not isinstance(delta, torch.Tensor) or delta.dtype != torch.float32 or tuple(delta.shape) != (Hq, Tv):
+        raise ValueError(f"delta must be the padded float32 {(Hq, Tv)} (attn_bwd_preprocess_varlen(delta_padded="
+                         f"True)), got {getattr(delta, 'dtype', type(delta).__name__)} "
+                         f"{tuple(getattr(delta, 'shape', ()))}")
+    cfg = config or default_config(D, causal)
+    if cfg.stages < 1:
+        raise ValueError(f"stages must be >= 1, got {cfg.stages}")
+    softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    dev = q.data.device
+    if Tq == 0 or Tk == 0 or B * Hkv == 0:  # no query anywhere: no key is seen
+        z = torch.zeros(Tk, Hkv, D, dtype=grad_dtype, device=dev)
+        return z, z.clone()
+    dk = torch.empty(Tk, Hkv, D, dtype=grad_dtype, device=dev)
+    dv = torch.empty(Tk, Hkv, D, dtype=grad_dtype, device=dev)
+    slots = bwd_tile_slots(q.cu_seqlens, k.cu_seqlens, q.cu_exp, k.cu_exp, q_seq.cu_data, dout_hdim.cu_exp,
+                           dout_seq.cu_data, k.max_seqlen, key_tiles=True, causal=causal)
+    bm, bn = BLOCK_M.value, (BLOCK_N_WG if cfg.split else BLOCK_N).value
+    row_layout, key_layout, seq_layout = nvmma_fp8_layout(bm, D), nvmma_fp8_layout(bn, D), nvmma_fp8_layout(D, bm)
+    qd, dd = _packed_view(q.data, "q"), _packed_view(dout_hdim.data, "dout_hdim")
+    kd, vd = _packed_view(k.data, "k"), _packed_view(v_hdim.data, "v_hdim")
+    q_desc = TensorDescriptor(qd, [Tq, Hq * D], [Hq * D, 1], [bm, D], row_layout)
+    do_desc = TensorDescriptor(dd, [Tq, Hq * D], [Hq * D, 1], [bm, D], row_layout)
+    qs_desc = TensorDescriptor(q_seq.data, [Hq * D, Tv], [Tv, 1], [D, bm], seq_layout)
+    dos_desc = TensorDescriptor(dout_seq.data, [Hq * D, Tv], [Tv, 1], [D, bm], seq_layout)
+    k_desc = TensorDescriptor(kd, [Tk, Hkv * D], [Hkv * D, 1], [bn, D], key_layout)
+    v_desc = TensorDescriptor(vd, [Tk, Hkv * D], [Hkv * D, 1], [bn, D], key_layout)
+    # lse and δ both (Hq, Tv) in dout_seq's padded columns, as (B=1, H, S) rows for the [1, 64] boxes
+    if lse.shape[1] != Tv:
+        lse = padded_lse(lse.contiguous(), q.cu_seqlens, dout_seq.cu_data, Tv)
+    lse_desc, dl_desc = _vector_descriptors(lse.unsqueeze(0), delta.unsqueeze(0))
+    # exponents: q's / dout_hdim's one per 64-row tile (each group of 128 rows from a sequence's start is two
+    # tiles: rows 2 cu_exp[b] + m0 / 64); all contiguous (the kernel's UNIT_STRIDES)
+    qe, de = (t.exp.repeat_interleave(2, dim=0) for t in (q, dout_hdim))
+    ke, ve = (t.exp.contiguous() for t in (k, v_hdim))
+    qse, dse = q_seq.exp.contiguous(), dout_seq.exp.contiguous()
+    grp = lambda e: (0, e.stride(0), e.stride(1))  # noqa: E731  (groups, H, 1), no batch dim
+    grid = (tile_rows_bound(Tk, B, k.max_seqlen), Hkv)
+    fast_launcher(_attn_bwd_dkdv_ws_kernel)[grid](
         q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, qe, de, ke, ve, qse, dse, dk, dv,
-        *row_e(qe), *row_e(de), *row_e(ke), *row_e(ve), *chan_e(qse), *dk.stride(),
-        Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
+        *grp(qe), *grp(de), *grp(ke), *grp(ve), *qse.stride(), 0, *dk.stride(),
+        Hq, Hkv, 0, 0, Hq // Hkv, softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
         HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
-        SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=cfg.defers_dk,
+        SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=cfg.defers_dk, DS_KEY_EXP=cfg.key_exp,
+        SLOTS=slots, VARLEN=True,
         num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg,
     )
     return dk, dv
@@ -784,8 +1141,9 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
 def _tl_dkdv(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, *, causal=False, softmax_scale=None,
              grad_dtype=torch.bfloat16, tl_config=None):
     """The ``tl`` dK/dV kernel (``attn_bwd._bwd_dkdv_kernel``, ``ATOMIC_DQ=False``) alone, launched as
-    ``attn_bwd_hopper`` launches it on the deterministic path (default tiles 64 x 128, 8 warps, 2 stages, or
-    ``tl_config``: ``split_tl_config()`` is the split Gluon kernel's twin), on grouped q / dO operands."""
+    ``attn_bwd_hopper`` launches it on the deterministic path (default tiles 64 x 128, 8 warps, 2 stages, dS
+    exponent per tile, or ``tl_config``: ``tl_twin_config(cfg)`` is the twin of the Gluon build ``cfg``), on grouped
+    q / dO operands."""
     from mxattn.kernels import attn_bwd as ab
 
     cfg = tl_config or ab.BwdConfig()
@@ -808,7 +1166,7 @@ def _tl_dkdv(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, *, causal=Fal
         Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
         ab._seq_load_bound(qsd), ab._seq_load_bound(dsd), None, None, None, None, None, None, None,
         HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, ATOMIC_DQ=False,
-        DS_TILE_SCALE=True, Q_GROUP=q.group, DO_GROUP=dout_hdim.group, EXPLICIT_ROUND=False,
+        DS_TILE_SCALE=cfg.ds_tile_scale, Q_GROUP=q.group, DO_GROUP=dout_hdim.group, EXPLICIT_ROUND=False,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return dk, dv
@@ -827,6 +1185,6 @@ def bench_attn_bwd_dkdv_gluon(shapes: Sequence[tuple] = ((2, 16, 16, 8192, 128, 
     """Time the Gluon dK/dV kernel against the ``tl`` dK/dV-only kernel on the same prepared operands (GPU,
     ``attn_bwd_dq_gluon.time_against_tl``).  TFLOP/s count the kernel's 4 products (Sᵀ, dPᵀ, dV, dK):
     4 * 2 * B * Hq * S^2 * D, half when causal."""
-    tl_config = split_tl_config() if config is not None and config.split else None
+    tl_config = tl_twin_config(config)
     return time_against_tl(shapes, dkdv_operands, lambda **ops: attn_bwd_dkdv_gluon(**ops, config=config),
                            lambda **ops: _tl_dkdv(**ops, tl_config=tl_config), products=4, rep_ms=rep_ms)

@@ -63,6 +63,12 @@ tile-wide max, which a hand-made exchange of the eight warps' maxima through a d
 cut to one), and the tensor cores idle while both warpgroups compute dS (a ping-pong between them, as FA3,
 needs the tile exponent exchange to move out of the critical path).
 
+Jagged mode (``VARLEN``, launcher ``attn_bwd_dq_gluon_varlen``, session 8; docs/perf-notes-varlen.md): grid (rows
+of a heaviest-first tile table, Hq), each CTA reads its row (sequence, first query row, offsets) once and then runs
+the dense code at its sequence's Sq, Sk on packed operands (2-D TMA views of (Tq, Hq·D) / (Tk, Hkv·D); K_seq in
+(Hkv·D, Tv) rows with 64-aligned, zero-padded sequence starts; δ in the same padded columns).  The dense build is
+unchanged (compile reports compared with main).
+
 Split variant (``GluonDqConfig(split=True)``; the default of ``attn_bwd_hopper`` since session 5, 1.16-1.20x the
 whole-tile kernel at S8k d128): the two consumer
 warpgroups as two 4-warp partitions of 64 query rows (own Q / dO tiles, accumulator and dS exponent per 64 x 64
@@ -90,9 +96,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxattn.formats import RowScaledFP8
-from mxattn.kernels.launch import cdiv, fast_launcher, nvmma_fp8_layout
+from mxattn.kernels import launch
+from mxattn.kernels.launch import BoundLaunch, cdiv, fast_launcher, nvmma_fp8_layout, rebased, tensor_sig
 
-__all__ = ["GluonDqConfig", "default_config", "split_tl_config", "attn_bwd_dq_gluon", "backward_operands",
+__all__ = ["GluonDqConfig", "default_config", "split_tl_config", "attn_bwd_dq_gluon", "attn_bwd_dq_gluon_varlen",
+           "check_varlen_operands", "backward_operands",
            "bench_attn_bwd_dq_gluon", "dq_operands", "time_against_tl"]
 
 LOG2E = 1.4426950408889634
@@ -113,7 +121,7 @@ class GluonDqConfig:
     producer_regs: int = 24
     # split: the two consumer warpgroups as two 4-warp partitions of 64 query rows, each with its own dS exponent
     # per (64 x 64) tile, i.e. the tl dQ kernel with 64-row blocks (``split_tl_config``); they share the K / V ring
-    # (empty barriers count two arrivals).  Compiled for sm_90a, not yet run on a GPU: opt-in.
+    # (empty barriers count two arrivals).  The API's default (``attn_bwd.gluon_split``) since it measured faster.
     split: bool = False
     consumer_regs: int = 240  # registers per thread of consumer warpgroup 1 (a worker partition) when split
 
@@ -239,11 +247,24 @@ def _ring_barriers(STAGES: gl.constexpr, SPLIT: gl.constexpr):
     return once, a_ready, a_empty, b_ready, b_empty
 
 
+@gluon.jit
+def _tile_row(SLOTS):
+    """Row ``program_id(0)`` of a jagged tile table (kernels/bwd_varlen_tiles.py; 16 int32 per row), loaded once by
+    both backward kernels: (sequence, tile start, q_start, len_q, k_start, len_k, q / k exponent group starts, seq
+    column start, dout_hdim group start, δ column start)."""
+    row = SLOTS + gl.program_id(0) * 16
+    q_start = gl.load(row + 2)
+    k_start = gl.load(row + 4)
+    return (gl.load(row), gl.load(row + 1), q_start, gl.load(row + 3) - q_start, k_start, gl.load(row + 5) - k_start,
+            gl.load(row + 6), gl.load(row + 7), gl.load(row + 8), gl.load(row + 9), gl.load(row + 10))
+
+
 # ------------------------------------------------------------------------------------------------- producer
 @gluon.jit
 def _producer_steps(k_desc, v_desc, ks_desc, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
-                    k_row, k_col, ks_row, n_tiles, STAGES: gl.constexpr):
-    """Per key tile: K and V_hdim (64 x D) and K_seq (D x 64) into the STAGES-deep rings."""
+                    k_row, k_col, ks_row, ks_col, n_tiles, STAGES: gl.constexpr):
+    """Per key tile: K and V_hdim (64 x D) and K_seq (D x 64, from column ks_col: 0 dense, the sequence's first
+    column when jagged) into the STAGES-deep rings."""
     for i in range(n_tiles):
         s = i % STAGES
         # a fresh mbarrier counts as having completed the phase before phase 0: the first pass does not wait
@@ -254,25 +275,25 @@ def _producer_steps(k_desc, v_desc, ks_desc, k_smem, v_smem, ks_smem, kv_ready, 
         tma.async_copy_global_to_shared(v_desc, [k_row + i * BLOCK_N, k_col], kv_ready.index(s), v_smem.index(s))
         mbarrier.wait(ks_empty.index(s), ph)
         mbarrier.expect(ks_ready.index(s), ks_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(ks_desc, [ks_row, i * BLOCK_N], ks_ready.index(s), ks_smem.index(s))
+        tma.async_copy_global_to_shared(ks_desc, [ks_row, ks_col + i * BLOCK_N], ks_ready.index(s), ks_smem.index(s))
 
 
 @gluon.jit
 def _producer(q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
               q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
-              q_row, q_col, k_row, k_col, ks_row, n_tiles,
+              q_row, q_col, k_row, k_col, ks_row, ks_col, n_tiles,
               STAGES: gl.constexpr):
     mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
     tma.async_copy_global_to_shared(do_desc, [q_row, q_col], q_bar, do_smem)
     _producer_steps(k_desc, v_desc, ks_desc, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
-                    k_row, k_col, ks_row, n_tiles, STAGES)
+                    k_row, k_col, ks_row, ks_col, n_tiles, STAGES)
 
 
 @gluon.jit
 def _producer_split(q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
                     q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
-                    q_row, q_col, k_row, k_col, ks_row, n_tiles,
+                    q_row, q_col, k_row, k_col, ks_row, ks_col, n_tiles,
                     STAGES: gl.constexpr):
     """The split kernel's producer: a 64-row Q and dO tile per consumer warpgroup, then the same key tiles."""
     mbarrier.expect(q_bar, 2 * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
@@ -280,7 +301,7 @@ def _producer_split(q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k
         tma.async_copy_global_to_shared(q_desc, [q_row + w * WG_ROWS, q_col], q_bar, q_smem.index(w))
         tma.async_copy_global_to_shared(do_desc, [q_row + w * WG_ROWS, q_col], q_bar, do_smem.index(w))
     _producer_steps(k_desc, v_desc, ks_desc, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
-                    k_row, k_col, ks_row, n_tiles, STAGES)
+                    k_row, k_col, ks_row, ks_col, n_tiles, STAGES)
 
 
 # ------------------------------------------------------------------------------------------------- consumer
@@ -394,14 +415,32 @@ def _attn_bwd_dq_ws_kernel(
     Hq, Hkv, Sq, Sk, group_size, q_group, do_group, qk_scale, grad_scale,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    SLOTS=None,  # jagged: the (rows, SLOT_COLS) int32 tile table of kernels/bwd_varlen_tiles.py (None: dense)
+    VARLEN: gl.constexpr = False,
 ):
-    # heaviest causal query blocks (the last ones) first, as the tl kernel
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    b = pid_bh // Hq
-    h = pid_bh % Hq
-    hk = h // group_size
-    start_m = pid_m * BLOCK_M
+    """Dense: grid (cdiv(Sq, 128), B * Hq).  Jagged (VARLEN): grid (table rows, Hq); CTA (r, h) computes the query
+    tile of row r of SLOTS (heaviest first) for query head h, on packed operands: q / dout_hdim (Tq, Hq, D) and k /
+    v_hdim (Tk, Hkv, D) as 2-D TMA views, their exponents (groups, H, 1) with the sequence's groups from row
+    SLOTS[r, 6] / [9] / [7], k_seq channel-major (Hkv, D, Tv) with the sequence's 64-aligned columns from
+    SLOTS[r, 8], zero to the next 64 (so no box reads another sequence), its exponents (B, Hkv, D), lse / dq
+    packed (Hq, Tq) / (Tq, Hq, D), δ (Hq, Tv) in the padded layout from column SLOTS[r, 10].  After the prologue the code is the dense code at that sequence's Sq, Sk: rows
+    past Sq (next sequence's rows in the Q / dO boxes) get lse = −inf (P = dS = 0) and are not stored, keys past
+    Sk are masked in the last tile (and zero in K_seq)."""
+    if VARLEN:
+        # sequence order and tile order come from the table (no heaviest-first flip here)
+        b, start_m, q_start, Sq, k_start, Sk, qg_start, kg_start, ks_col, dog_start, d_col = _tile_row(SLOTS)
+        if start_m >= Sq:  # rows past the real tiles are zero: 0 >= 0
+            return
+        h = gl.program_id(1)
+        hk = h // group_size
+    else:
+        # heaviest causal query blocks (the last ones) first, as the tl kernel
+        pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        b = pid_bh // Hq
+        h = pid_bh % Hq
+        hk = h // group_size
+        start_m = pid_m * BLOCK_M
 
     causal_off = Sk - Sq
     if CAUSAL:
@@ -421,14 +460,31 @@ def _attn_bwd_dq_ws_kernel(
     q_bar, kv_ready, kv_empty, ks_ready, ks_empty = _ring_barriers(STAGES, SPLIT)
 
     b64 = b.to(gl.int64)
-    QE_t = QE + b64 * stride_qeb + h * stride_qeh + (start_m // q_group) * stride_qeg
-    DOE_t = DOE + b64 * stride_deb + h * stride_deh + (start_m // do_group) * stride_deg
-    KE_bh = KE + b64 * stride_keb + hk * stride_keh
-    VE_bh = VE + b64 * stride_veb + hk * stride_veh
+    if VARLEN:
+        h64 = h.to(gl.int64)  # lse / δ head strides are Tq: their products pass 2^31 in large batches
+        q_row = q_start + start_m
+        k_row = k_start
+        ks_row = hk * HEAD_DIM
+        QE_t = QE + h * stride_qeh + (qg_start + start_m // q_group) * stride_qeg
+        DOE_t = DOE + h * stride_deh + (dog_start + start_m // do_group) * stride_deg
+        KE_bh = KE + hk * stride_keh + kg_start * stride_ket
+        VE_bh = VE + hk * stride_veh + kg_start * stride_vet
+        LSE_bh = LSE + h64 * stride_lh + q_start * stride_lm
+        DELTA_bh = DELTA + h64 * stride_dlh + d_col * stride_dlm  # padded δ: the sequence's columns
+        DQ_bh = DQ + q_start.to(gl.int64) * stride_dqm + h * stride_dqh
+    else:
+        q_row = b * Sq + start_m
+        k_row = b * Sk
+        ks_row = (b * Hkv + hk) * HEAD_DIM
+        ks_col = 0
+        QE_t = QE + b64 * stride_qeb + h * stride_qeh + (start_m // q_group) * stride_qeg
+        DOE_t = DOE + b64 * stride_deb + h * stride_deh + (start_m // do_group) * stride_deg
+        KE_bh = KE + b64 * stride_keb + hk * stride_keh
+        VE_bh = VE + b64 * stride_veb + hk * stride_veh
+        LSE_bh = LSE + b64 * stride_lb + h * stride_lh
+        DELTA_bh = DELTA + b64 * stride_dlb + h * stride_dlh
+        DQ_bh = DQ + b64 * stride_dqb + h * stride_dqh
     KSE_bh = KSE + b64 * stride_kseb + hk * stride_kseh
-    LSE_bh = LSE + b64 * stride_lb + h * stride_lh
-    DELTA_bh = DELTA + b64 * stride_dlb + h * stride_dlh
-    DQ_bh = DQ + b64 * stride_dqb + h * stride_dqh
     if SPLIT:
         gl.warp_specialize([
             (_consumer, (q_smem.index(0), do_smem.index(0), k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empty,
@@ -442,8 +498,8 @@ def _attn_bwd_dq_ws_kernel(
                          start_m + WG_ROWS, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
                          HEAD_DIM, STAGES, CAUSAL, 64, 4)),
             (_producer_split, (q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
-                               q_bar, kv_ready, kv_empty, ks_ready, ks_empty, b * Sq + start_m, h * HEAD_DIM,
-                               b * Sk, hk * HEAD_DIM, (b * Hkv + hk) * HEAD_DIM, n_tiles, STAGES)),
+                               q_bar, kv_ready, kv_empty, ks_ready, ks_empty, q_row, h * HEAD_DIM,
+                               k_row, hk * HEAD_DIM, ks_row, ks_col, n_tiles, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -454,7 +510,7 @@ def _attn_bwd_dq_ws_kernel(
                          HEAD_DIM, STAGES, CAUSAL, 128, 8)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
                          q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
-                         b * Sq + start_m, h * HEAD_DIM, b * Sk, hk * HEAD_DIM, (b * Hkv + hk) * HEAD_DIM, n_tiles,
+                         q_row, h * HEAD_DIM, k_row, hk * HEAD_DIM, ks_row, ks_col, n_tiles,
                          STAGES)),
         ], [1], [PRODUCER_REGS])
 
@@ -552,6 +608,21 @@ def _descriptors(q, k, v_hdim, k_seq, dout_hdim, split: bool = False):
     return q_desc, do_desc, k_desc, v_desc, ks_desc
 
 
+# Launch plans per call signature, as the dK/dV launcher's (attn_bwd_dkdv_gluon.py): a repeated call rebuilds its
+# descriptors over its own tensors and launches the bound kernel, skipping the checks and the launcher's key.
+_PLANS: dict = {}
+_MAX_PLANS = 256
+
+
+def _launch_key(q, k, v_hdim, k_seq, dout_hdim, lse, delta, causal, softmax_scale, grad_dtype, config):
+    ops = tuple((tensor_sig(t.data), tensor_sig(t.exp), t.dim, t.group_dim, t.group) if _is_rs(t) else None
+                for t in (q, k, v_hdim, k_seq, dout_hdim))
+    if None in ops or not isinstance(lse, torch.Tensor) or not isinstance(delta, torch.Tensor) or not launch.PLANS:
+        return None  # (bad operands: the checks on the slow path say what is wrong)
+    dev = torch.cuda.current_device() if q.data.is_cuda else -1
+    return (ops, tensor_sig(lse), tensor_sig(delta), causal, softmax_scale, grad_dtype, config, dev)
+
+
 def attn_bwd_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, k_seq: RowScaledFP8,
                       dout_hdim: RowScaledFP8, lse: torch.Tensor, delta: torch.Tensor, *, causal: bool = False,
                       softmax_scale: Optional[float] = None, grad_dtype: torch.dtype = torch.bfloat16,
@@ -569,6 +640,16 @@ def attn_bwd_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, k_
     D is 64 or 128, Hq a multiple of Hkv; causal masks are aligned bottom-right.  Returns dq (B, Sq, Hq, D) in
     ``grad_dtype``, contiguous.  Needs an sm_90 GPU and triton 3.6's Gluon.
     """
+    key = _launch_key(q, k, v_hdim, k_seq, dout_hdim, lse, delta, causal, softmax_scale, grad_dtype, config)
+    plan = _PLANS.get(key)
+    if plan is not None:  # a signature seen before: checked then; rebuild the descriptors on today's tensors
+        bound, templates, scalars = plan
+        dq = torch.empty(q.data.shape, dtype=grad_dtype, device=q.data.device)
+        bases = (_hdim_view(q.data, "q"), _hdim_view(dout_hdim.data, "dout_hdim"), _hdim_view(k.data, "k"),
+                 _hdim_view(v_hdim.data, "v_hdim"), k_seq.data)
+        bound(*(rebased(t, b) for t, b in zip(templates, bases)), q.exp, dout_hdim.exp, k.exp, v_hdim.exp,
+               k_seq.exp, lse, delta, dq, *scalars)
+        return dq
     _check(q, k, v_hdim, k_seq, dout_hdim, lse, delta, grad_dtype)
     B, Sq, Hq, D = q.data.shape
     Sk, Hkv = k.data.shape[1], k.data.shape[2]
@@ -583,8 +664,7 @@ def attn_bwd_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, k_
     descs = _descriptors(q, k, v_hdim, k_seq, dout_hdim, cfg.split)
     qe, de, ke, ve, kse = q.exp, dout_hdim.exp, k.exp, v_hdim.exp, k_seq.exp
     grid = (cdiv(Sq, BLOCK_M.value), B * Hq)
-    fast_launcher(_attn_bwd_dq_ws_kernel)[grid](
-        *descs, qe, de, ke, ve, kse, lse, delta, dq,
+    scalars = (
         qe.stride(0), qe.stride(1), qe.stride(2),
         de.stride(0), de.stride(1), de.stride(2),
         ke.stride(0), ke.stride(1), ke.stride(2),
@@ -593,8 +673,145 @@ def attn_bwd_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, k_
         *lse.stride(), *delta.stride(), *dq.stride(),
         Hq, Hkv, Sq, Sk, Hq // Hkv, q.group, dout_hdim.group,
         softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
+    )
+    constexprs = dict(HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
+                      SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, num_warps=4 if cfg.split else 8,
+                      maxnreg=cfg.maxnreg)
+    args = (*descs, qe, de, ke, ve, kse, lse, delta, dq, *scalars)
+    if key is None:
+        fast_launcher(_attn_bwd_dq_ws_kernel)[grid](*args, **constexprs)
+        return dq
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = (BoundLaunch(fast_launcher(_attn_bwd_dq_ws_kernel), grid, args, constexprs), descs, scalars)
+    return dq
+
+
+# ------------------------------------------------------------------------------------------------- jagged
+def _packed_view(data: torch.Tensor, name: str) -> torch.Tensor:
+    """Packed (T, H, D) e4m3 data usable as a 2-D (T, H*D) TMA view (contiguous copy otherwise)."""
+    if not data.is_contiguous():
+        data = data.contiguous()
+    T, H, D = data.shape
+    if data.data_ptr() % 16 or (H * D) % 16:
+        raise ValueError(f"{name}: data must be 16-byte aligned for TMA")
+    return data
+
+
+def check_varlen_operands(hdim: dict, seq: dict, vectors: dict, Hq: int, Hkv: int, grad_dtype) -> tuple[int, int]:
+    """The jagged Gluon backward's operand rules (both kernels): ``hdim`` name -> VarlenFP8 in the K layout (one
+    exponent per 128 rows from each sequence's start; q and dout_hdim over cu_seqlens_q, k and v_hdim over
+    cu_seqlens_k), ``seq`` name -> VarlenFP8 in the V layout with ``varlen.BWD_SEQ_ALIGN``-aligned sequence starts
+    (channel-major (H, D, Tv) rows, not per-sequence blocks), ``vectors`` name -> (Hq, Tq) float32 (lse, δ).
+    Returns (B, D).  No device sync: offsets are not read."""
+    from mxattn.kernels.varlen import BWD_SEQ_ALIGN, K_GROUP, VarlenFP8
+
+    B = D = None
+    for name, t in list(hdim.items()) + list(seq.items()):
+        if not isinstance(t, VarlenFP8):
+            raise TypeError(f"{name} must be a VarlenFP8, got {type(t).__name__}")
+        if B is None:
+            B = t.batch
+        elif t.batch != B:
+            raise ValueError(f"{name}: {t.batch} sequences, expected {B}")
+    for name, t in hdim.items():
+        if t.role != "k" or t.cu_exp is None or t.data.ndim != 3 or t.exp.ndim != 3:
+            raise ValueError(f"{name}: needs the K layout (role 'k': one exponent per {K_GROUP} rows from each "
+                             f"sequence's start, varlen_k_operand), got role {t.role!r}")
+        T, H, d = t.data.shape
+        D = d if D is None else D
+        if d != D or H != (Hq if name in ("q", "dout_hdim") else Hkv) or tuple(t.exp.shape[1:]) != (H, 1):
+            raise ValueError(f"{name}: data {tuple(t.data.shape)}, exp {tuple(t.exp.shape)} do not match "
+                             f"Hq={Hq}, Hkv={Hkv}, D={D}")
+    if D not in (64, 128):
+        raise ValueError(f"head dim {D} not supported by the Gluon backward kernels (64 or 128)")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
+    for name, t in seq.items():
+        H = Hq if name in ("q_seq", "dout_seq") else Hkv
+        if (t.role != "v" or t.v_blocks or t.align % BWD_SEQ_ALIGN or t.data.ndim != 3
+                or tuple(t.data.shape[:2]) != (H, D) or not t.data.is_contiguous() or t.data.shape[2] % 16
+                or t.data.data_ptr() % 16 or tuple(t.exp.shape) != (B, H, D)):
+            raise ValueError(f"{name}: needs the V layout in (H, D, Tv) rows with {BWD_SEQ_ALIGN}-aligned sequence "
+                             f"starts (varlen_v_operand(..., align=BWD_SEQ_ALIGN)), got role {t.role!r}, align "
+                             f"{t.align}, v_blocks {t.v_blocks}, data {tuple(t.data.shape)}, exp {tuple(t.exp.shape)}")
+    Tq = hdim["q"].data.shape[0]
+    for name, t in vectors.items():
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (Hq, Tq):
+            raise ValueError(f"{name} must be a float32 tensor {(Hq, Tq)}, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    if grad_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"grad_dtype must be bfloat16, float16 or float32, got {grad_dtype}")
+    devs = {t.data.device for t in list(hdim.values()) + list(seq.values())} | {t.device for t in vectors.values()}
+    if len(devs) != 1:
+        raise ValueError(f"all operands must be on one device, got {sorted(map(str, devs))}")
+    return B, D
+
+
+def attn_bwd_dq_gluon_varlen(q, k, v_hdim, k_seq, dout_hdim, lse: torch.Tensor, delta: torch.Tensor,
+                             delta_cols: torch.Tensor, *, causal: bool = False, softmax_scale: Optional[float] = None,
+                             grad_dtype: torch.dtype = torch.bfloat16,
+                             config: Optional[GluonDqConfig] = None) -> torch.Tensor:
+    """dQ of a jagged batch with the warp-specialized Gluon kernel in its jagged mode (``VARLEN``): the operands
+    ``attn_bwd.attn_bwd_hopper_varlen`` passes to it (``kernels.varlen.VarlenFP8``).
+
+    q, dout_hdim: (Tq, Hq, D), the K layout over cu_seqlens_q (``varlen_k_operand``; dout_hdim from
+                  ``attn_bwd_preprocess_varlen``);  k, v_hdim: (Tk, Hkv, D), the K layout over cu_seqlens_k;
+    k_seq:        K along the sequence, channel-major (Hkv, D, Tv) with 64-aligned zero-padded sequence starts
+                  (``varlen_v_operand(k, ..., align=BWD_SEQ_ALIGN)``);
+    lse:          (Hq, Tq) float32 (the jagged forward's);
+    delta, delta_cols: δ (Hq, Tv) float32 in dout_seq's padded columns, sequence b from column delta_cols[b]
+                  (``attn_bwd_preprocess_varlen(..., delta_padded=True)`` and ``dout_seq.cu_data``).
+    One CTA per (query tile of 128 rows of one sequence, query head), tiles heaviest first
+    (``bwd_varlen_tiles.bwd_tile_slots``: one small launch).  Returns dq (Tq, Hq, D) in ``grad_dtype``; each
+    sequence's rows are ``attn_bwd_dq_gluon`` on that sequence alone (same tiles, same arithmetic).  Needs an sm_90
+    GPU and triton 3.6's Gluon."""
+    from mxattn.kernels.bwd_varlen_tiles import bwd_tile_slots, tile_rows_bound
+
+    Tq, Hq, _ = q.data.shape
+    Hkv = k.data.shape[1]
+    B, D = check_varlen_operands(dict(q=q, k=k, v_hdim=v_hdim, dout_hdim=dout_hdim), dict(k_seq=k_seq),
+                                 dict(lse=lse), Hq, Hkv, grad_dtype)
+    if (not isinstance(delta, torch.Tensor) or delta.dtype != torch.float32 or delta.ndim != 2
+            or delta.shape[0] != Hq or delta.device != lse.device):
+        raise ValueError(f"delta must be the padded float32 ({Hq}, Tv) of attn_bwd_preprocess_varlen(delta_padded="
+                         f"True), got {getattr(delta, 'dtype', type(delta).__name__)} "
+                         f"{tuple(getattr(delta, 'shape', ()))}")
+    if delta_cols.dtype != torch.int32 or tuple(delta_cols.shape) != (B + 1,):
+        raise ValueError(f"delta_cols must be int32 ({B + 1},), got {delta_cols.dtype} {tuple(delta_cols.shape)}")
+    Tk = k.data.shape[0]
+    cfg = config or default_config(D, causal)
+    if cfg.stages < 1:
+        raise ValueError(f"stages must be >= 1, got {cfg.stages}")
+    softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    dev = q.data.device
+    if Tq == 0 or Tk == 0 or B * Hq == 0:  # no key anywhere: every row sees nothing
+        return torch.zeros(Tq, Hq, D, dtype=grad_dtype, device=dev)
+    dq = torch.empty(Tq, Hq, D, dtype=grad_dtype, device=dev)
+    slots = bwd_tile_slots(q.cu_seqlens, k.cu_seqlens, q.cu_exp, k.cu_exp, k_seq.cu_data, dout_hdim.cu_exp,
+                           delta_cols, q.max_seqlen, key_tiles=False, causal=causal)
+    bm, bn = (WG_ROWS if cfg.split else BLOCK_M).value, BLOCK_N.value
+    row_layout, key_layout = nvmma_fp8_layout(bm, D), nvmma_fp8_layout(bn, D)
+    qd, dd = _packed_view(q.data, "q"), _packed_view(dout_hdim.data, "dout_hdim")
+    kd, vd = _packed_view(k.data, "k"), _packed_view(v_hdim.data, "v_hdim")
+    ksd = k_seq.data
+    Tv = ksd.shape[2]
+    descs = (TensorDescriptor(qd, [Tq, Hq * D], [Hq * D, 1], [bm, D], row_layout),
+             TensorDescriptor(dd, [Tq, Hq * D], [Hq * D, 1], [bm, D], row_layout),
+             TensorDescriptor(kd, [Tk, Hkv * D], [Hkv * D, 1], [bn, D], key_layout),
+             TensorDescriptor(vd, [Tk, Hkv * D], [Hkv * D, 1], [bn, D], key_layout),
+             TensorDescriptor(ksd, [Hkv * D, Tv], [Tv, 1], [D, bn], nvmma_fp8_layout(D, bn)))
+    qe, de, ke, ve, kse = q.exp, dout_hdim.exp, k.exp, v_hdim.exp, k_seq.exp
+    grp = lambda e: (0, e.stride(0), e.stride(1))  # noqa: E731  (groups, H, 1), no batch dim
+    grid = (tile_rows_bound(Tq, B, q.max_seqlen), Hq)
+    fast_launcher(_attn_bwd_dq_ws_kernel)[grid](
+        *descs, qe, de, ke, ve, kse, lse, delta, dq,
+        *grp(qe), *grp(de), *grp(ke), *grp(ve), *kse.stride(),
+        0, *lse.stride(), 0, *delta.stride(), 0, *dq.stride(),
+        Hq, Hkv, 0, 0, Hq // Hkv, ROW_GROUP, ROW_GROUP,
+        softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
         HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
-        SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs,
+        SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, SLOTS=slots, VARLEN=True,
         num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg,
     )
     return dq

@@ -24,6 +24,7 @@ GPU machine's CPU for a kernel of ~40 arguments, against ~17 us for the compiled
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import os
@@ -37,6 +38,9 @@ _MODE = os.environ.get("MXATTN_FAST_LAUNCH", "1").lower()
 _ENABLED = _MODE not in ("0", "false", "off") and os.environ.get("TRITON_INTERPRET", "0") != "1"
 _CHECK = _MODE == "check"
 _BYPASS = [False]  # set by ``triton_dispatch()``: every launcher takes Triton's own path
+# MXATTN_LAUNCH_PLANS=0: no launch plans anywhere (quantize wrappers, the tl forward, the Gluon backward launchers):
+# every call takes its checked path, for telling a plan's fault from a kernel's
+PLANS = os.environ.get("MXATTN_LAUNCH_PLANS", "1").lower() not in ("0", "false", "off")
 _Tensor = torch.Tensor
 
 try:  # the Gluon host-side TMA descriptor (triton >= 3.5)
@@ -146,6 +150,77 @@ class FastLauncher:
                                    "to another kernel than Triton's own dispatch")
         self.hits += 1
         kernel[g + (1,) * (3 - len(g))](*args, *[kwargs.get(name, default) for name, default in rest])
+
+
+class BoundLaunch:
+    """One launch site with everything but its tensors fixed, for host paths that repeat with the same shapes.
+
+    ``BoundLaunch(launcher, grid, args, kwargs)`` launches ``launcher[grid](*args, **kwargs)`` once (compiling or
+    finding the kernel) and keeps the compiled kernel's runner.  ``bound(*args)`` then launches that kernel with new
+    positional arguments and the same keywords, skipping the launcher's key.  The caller guarantees that the new
+    arguments key the same kernel: equal non-tensor values, tensors of the same dtypes and 16-byte alignment (a plan
+    cache keyed on shapes, strides, dtypes and the input's alignment, whose other tensors are fresh allocations).
+    Where the launcher would not have cached the kernel (interpreter, ``MXATTN_FAST_LAUNCH=0``, an asynchronous
+    compile), and under ``triton_dispatch()``, each call takes ``launcher.launch``; ``MXATTN_FAST_LAUNCH=check``
+    asks Triton's own dispatch for the kernel on each call and raises if it is not the bound one.
+    """
+
+    __slots__ = ("launcher", "grid", "kwargs", "kernel", "runner", "rest")
+
+    def __init__(self, launcher: "FastLauncher", grid, args: tuple, kwargs: dict):
+        self.launcher, self.grid, self.kwargs = launcher, tuple(grid), kwargs
+        self.kernel = self.runner = None
+        self.rest = ()
+        self._launch_and_bind(args)
+
+    def _launch_and_bind(self, args: tuple) -> None:
+        """Launch through the launcher, then bind the kernel it cached (not under ``triton_dispatch()``: a later
+        call binds then)."""
+        launcher, kwargs = self.launcher, self.kwargs
+        launcher.launch(self.grid, args, kwargs)
+        if not launcher.enabled or _BYPASS[0]:
+            return
+        try:
+            entry = launcher._cache.get(launcher._key(args, kwargs))
+        except TypeError:
+            return
+        if entry is not None:
+            self.kernel, rest = entry
+            self.runner = self.kernel[self.grid + (1,) * (3 - len(self.grid))]
+            self.rest = tuple(kwargs.get(name, default) for name, default in rest)
+
+    def __call__(self, *args) -> None:
+        if _BYPASS[0]:
+            self.launcher.launch(self.grid, args, self.kwargs)
+            return
+        if self.runner is None:
+            self._launch_and_bind(args)
+            return
+        if _CHECK:  # Triton's own dispatch must pick the bound kernel for these arguments
+            ref = self.launcher.jit_fn.run(*args, grid=self.grid, warmup=True, **self.kwargs)
+            if ref is not self.kernel:
+                raise RuntimeError(f"bound launch of {getattr(self.launcher.jit_fn, '__name__', '?')}: these "
+                                   "arguments key another kernel than the one bound (a plan key misses something)")
+        self.launcher.hits += 1
+        self.runner(*args, *self.rest)
+
+
+def rebased(desc, base):
+    """A copy of the Gluon ``TensorDescriptor`` ``desc`` over ``base``, without its constructor's checks: for a launch
+    plan whose template descriptor was built (and checked) on a tensor of the same dtype, shape, strides and 16-byte
+    alignment as ``base``."""
+    try:
+        d = object.__new__(type(desc))
+        d.__dict__.update(desc.__dict__)
+    except (AttributeError, TypeError):  # a descriptor class without a __dict__: build it the checked way
+        return dataclasses.replace(desc, base=base)
+    d.base = base
+    return d
+
+
+def tensor_sig(t: torch.Tensor) -> tuple:
+    """What a launch plan's key holds of a tensor argument: dtype, shape, strides, 16-byte alignment."""
+    return (t.dtype, t.shape, t.stride(), t.data_ptr() & 15)
 
 
 @contextlib.contextmanager

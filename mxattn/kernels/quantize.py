@@ -53,13 +53,16 @@ import triton
 import triton.language as tl
 
 from mxattn.formats import E8M0_NAN, MXTensor, MXTensorTiled, RowScaledFP8, ScaleMode, blackwell_scale_bytes
-from mxattn.kernels.launch import cdiv, fast_launcher, next_pow2
+from mxattn.kernels import launch as _launch
+from mxattn.kernels.launch import BoundLaunch, cdiv, fast_launcher, next_pow2
 
 __all__ = [
     "quantize_mxfp8_triton",
     "dequantize_mxfp8_triton",
     "row_scaled_triton",
     "row_scaled_triton_both",
+    "forward_operands_triton",
+    "row_scaled_triton_both_pair",
     "ROLES",
     "SOFT_ROUND_ON_GPU",
 ]
@@ -265,12 +268,17 @@ def _load_bytes(ptr, s, S, S_ld, in_d, QU: tl.constexpr):
 
 
 @triton.jit
-def _pid_bsh(n_s_tiles, H):
-    """Program -> (b, s tile, h), heads fastest so that neighbouring programs read one token row."""
-    pid = tl.program_id(0)
+def _split_pid(pid, n_s_tiles, H):
+    """Program index -> (b, s tile, h), heads fastest so that neighbouring programs read one token row."""
     h = pid % H
     t = pid // H
     return t // n_s_tiles, t % n_s_tiles, h
+
+
+@triton.jit
+def _pid_bsh(n_s_tiles, H):
+    """This program's (b, s tile, h) (``_split_pid`` of its id)."""
+    return _split_pid(tl.program_id(0), n_s_tiles, H)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -348,6 +356,19 @@ def _tiled_offset(r, c, n_col_tiles):
 
 @triton.jit
 def _quantize_kernel(
+    x_ptr, S, H, sxb, sxs, sxh, hd_ptr, he_ptr, cw_ptr, ce_ptr, S_pad, NSB, n_s_tiles, n_groups,
+    D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr, HDIM: tl.constexpr, SEQ: tl.constexpr,
+    HDIM_GROUP: tl.constexpr, SEQ_RS: tl.constexpr, RCEIL: tl.constexpr, SOFT: tl.constexpr, IDX64: tl.constexpr,
+    SWZ: tl.constexpr = False,
+):
+    """One ``_quantize_tile`` per program (the arguments are documented there)."""
+    _quantize_tile(tl.program_id(0), x_ptr, S, H, sxb, sxs, sxh, hd_ptr, he_ptr, cw_ptr, ce_ptr, S_pad, NSB,
+                   n_s_tiles, n_groups, D, NDP, BLOCK_S, HDIM, SEQ, HDIM_GROUP, SEQ_RS, RCEIL, SOFT, IDX64, SWZ)
+
+
+@triton.jit
+def _quantize_tile(
+    pid,  # the tile: (b, s tile, h) = _split_pid(pid, n_s_tiles, H)
     x_ptr, S, H, sxb, sxs, sxh,  # input (B, S, H, D), unit stride along D
     hd_ptr, he_ptr,  # hdim data (B, S, H, D) u8; hdim scales u8 (B, S, H, ND) or exponents i32 (Q/K)
     cw_ptr, ce_ptr,  # seq data: channel-major (B, H, D, S_pad) as int32 words; seq scales u8 (B, NSB, H, D) or V exps
@@ -357,7 +378,7 @@ def _quantize_kernel(
     HDIM_GROUP: tl.constexpr,  # 0: MX scales; 1: Q (exponent per row); >1: K (exponent per tile = group)
     SEQ_RS: tl.constexpr,  # False: MX scales; True: V, re-expressed to the per-channel exponents in ce_ptr
     RCEIL: tl.constexpr, SOFT: tl.constexpr, IDX64: tl.constexpr,
-    SWZ: tl.constexpr = False,  # MX scales in the 128x4-tiled layout of Blackwell MMA, per (b, h) (he_ptr, ce_ptr)
+    SWZ: tl.constexpr,  # MX scales in the 128x4-tiled layout of Blackwell MMA, per (b, h) (he_ptr, ce_ptr)
 ):
     """Quantize BLOCK_S tokens x D channels of one (b, h).
 
@@ -365,7 +386,7 @@ def _quantize_kernel(
     (BLOCK_S/32, 8, 1, 1); channels d, shape (1, 1, NDP, 32)): the same thread then holds 4 consecutive tokens
     of a channel, so the four seq-orientation bytes pack into one int32 word of the channel-major row before
     the transposing store (a 4-byte transpose instead of a byte transpose)."""
-    b, st, h = _pid_bsh(n_s_tiles, H)
+    b, st, h = _split_pid(pid, n_s_tiles, H)
     s0 = st * BLOCK_S
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
@@ -484,6 +505,18 @@ def _quantize_kernel(
 
 @triton.jit
 def _seq_exponent_kernel(
+    x_ptr, S, H, sxb, sxs, sxh, sxd, sc_ptr, scb, scs, sch, scd, exp_ptr, n_s_tiles, tiles_per_prog, S_ld,
+    D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr,
+    FROM_MX: tl.constexpr, RCEIL: tl.constexpr, IDX64: tl.constexpr, QU: tl.constexpr, SU: tl.constexpr,
+):
+    """One ``_seq_exponent_tile`` per program (the arguments are documented there)."""
+    _seq_exponent_tile(tl.program_id(0), x_ptr, S, H, sxb, sxs, sxh, sxd, sc_ptr, scb, scs, sch, scd, exp_ptr,
+                       n_s_tiles, tiles_per_prog, S_ld, D, NDP, BLOCK_S, FROM_MX, RCEIL, IDX64, QU, SU)
+
+
+@triton.jit
+def _seq_exponent_tile(
+    pid,  # the program's chunk: (b, chunk, h) = _split_pid(pid, n_chunks, H)
     x_ptr, S, H, sxb, sxs, sxh, sxd,  # float input, or MX data bytes (any strides) when FROM_MX
     sc_ptr, scb, scs, sch, scd,  # MX scale bytes (B, NSB, H, D) when FROM_MX
     exp_ptr,  # int32 (B, 1, H, D), pre-filled with _NO_EXP; receives the max exponent of nonzero blocks
@@ -493,7 +526,7 @@ def _seq_exponent_kernel(
 ):
     """Pass 1 of V: per channel, the largest exponent among the seq blocks that hold a nonzero element."""
     n_chunks = tl.cdiv(n_s_tiles, tiles_per_prog)
-    b, ch, h = _pid_bsh(n_chunks, H)
+    b, ch, h = _split_pid(pid, n_chunks, H)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     sl, d = _tile_coords(0, BLOCK_S, NDP, IDX64)
@@ -521,6 +554,44 @@ def _seq_exponent_kernel(
             eb = tl.where(nz, e, _NO_EXP)
         acc = tl.maximum(acc, tl.max(eb, axis=0, keep_dims=True))
     tl.atomic_max(exp_ptr + (b64 * H + h64) * D + d, acc, mask=in_d, sem="relaxed")
+
+
+@triton.jit
+def _operands_kernel(
+    # two quantize jobs (``_quantize_tile``): A and B
+    ax, aS, aH, asxb, asxs, asxh, ahd, ahe, acw, ace, aS_pad, aNSB, an_tiles, an_groups,
+    bx, bS, bH, bsxb, bsxs, bsxh, bhd, bhe, bcw, bce, bS_pad, bNSB, bn_tiles, bn_groups,
+    # two V-exponent jobs (``_seq_exponent_tile`` on float input): E and F
+    ex, eS, eH, esxb, esxs, esxh, esxd, eexp, en_tiles, eper,
+    fx, fS, fH, fsxb, fsxs, fsxh, fsxd, fexp, fn_tiles, fper,
+    n_a, n_b, n_e,  # programs of A, B and E; F takes the rest of the grid
+    D: tl.constexpr, NDP: tl.constexpr, RCEIL: tl.constexpr, SOFT: tl.constexpr, IDX64: tl.constexpr,
+    A: tl.constexpr, A_BS: tl.constexpr, A_HDIM: tl.constexpr, A_SEQ: tl.constexpr, A_GROUP: tl.constexpr,
+    A_RS: tl.constexpr,
+    B: tl.constexpr, B_BS: tl.constexpr, B_HDIM: tl.constexpr, B_SEQ: tl.constexpr, B_GROUP: tl.constexpr,
+    B_RS: tl.constexpr,
+    E: tl.constexpr, E_BS: tl.constexpr, F: tl.constexpr, F_BS: tl.constexpr,
+):
+    """Up to four independent jobs of one attention call in one launch (the host's cost is per launch): each
+    program runs one tile of one job, the jobs laid end to end on the grid.  A job is exactly the tile its own
+    kernel would run (``_quantize_kernel``, ``_seq_exponent_kernel``), so the results are the same bit for bit."""
+    pid = tl.program_id(0)
+    if pid < n_a:
+        if A:
+            _quantize_tile(pid, ax, aS, aH, asxb, asxs, asxh, ahd, ahe, acw, ace, aS_pad, aNSB, an_tiles, an_groups,
+                           D, NDP, A_BS, A_HDIM, A_SEQ, A_GROUP, A_RS, RCEIL, SOFT, IDX64, False)
+    elif pid < n_a + n_b:
+        if B:
+            _quantize_tile(pid - n_a, bx, bS, bH, bsxb, bsxs, bsxh, bhd, bhe, bcw, bce, bS_pad, bNSB, bn_tiles,
+                           bn_groups, D, NDP, B_BS, B_HDIM, B_SEQ, B_GROUP, B_RS, RCEIL, SOFT, IDX64, False)
+    elif pid < n_a + n_b + n_e:
+        if E:
+            _seq_exponent_tile(pid - n_a - n_b, ex, eS, eH, esxb, esxs, esxh, esxd, eexp, 0, 0, 0, 0, eexp,
+                               en_tiles, eper, eS, D, NDP, E_BS, False, RCEIL, IDX64, 1, 0)
+    else:
+        if F:
+            _seq_exponent_tile(pid - n_a - n_b - n_e, fx, fS, fH, fsxb, fsxs, fsxh, fsxd, fexp, 0, 0, 0, 0, fexp,
+                               fn_tiles, fper, fS, D, NDP, F_BS, False, RCEIL, IDX64, 1, 0)
 
 
 @triton.jit
@@ -811,39 +882,48 @@ def quantize_mxfp8_triton(
     return res[0] if len(res) == 1 else tuple(res)
 
 
-def _launch_quantize(x4, hd, he, cd, ce, s_pad, *, HDIM, SEQ, HDIM_GROUP, SEQ_RS, rceil, group, swz=False):
+def _quantize_spec(x4, s_pad, *, HDIM, SEQ, HDIM_GROUP, SEQ_RS, rceil, group, swz=False):
+    """One ``_quantize_kernel`` launch without its tensors: (grid, the scalars after ``x``, the scalars after the
+    four outputs, the constexprs), or None when there is no work."""
     B, S, H, D = x4.shape
     if B * H == 0:
-        return
+        return None
     dp = _d_pad(D)
     tile = _tile("k" if HDIM_GROUP > 1 else "quant", dp, group)
     bs = tile.block_s
     # seq outputs cover the zero padding up to s_pad, so tiles run over max(S, s_pad) when SEQ
     s_cover = max(S, s_pad) if SEQ else S
     if s_cover == 0:
-        return
+        return None
     n_s_tiles = cdiv(s_cover, bs)
     n_groups = cdiv(S, group) if group else 1
     sxb, sxs, sxh, _ = x4.stride()
     idx64 = _needs_i64(bs * sxs, dp) or _needs_i64(bs * H * D, dp) or _needs_i64(dp * s_pad, bs)
+    return ((B * n_s_tiles * H,), (S, H, sxb, sxs, sxh), (s_pad, cdiv(S, 32), n_s_tiles, n_groups),
+            dict(D=D, NDP=dp // 32, BLOCK_S=bs, HDIM=HDIM, SEQ=SEQ, HDIM_GROUP=HDIM_GROUP, SEQ_RS=SEQ_RS,
+                 RCEIL=rceil, SOFT=_soft(x4.device), IDX64=idx64, SWZ=swz, num_warps=tile.num_warps))
+
+
+def _launch_quantize(x4, hd, he, cd, ce, s_pad, **flags):
+    spec = _quantize_spec(x4, s_pad, **flags)
+    if spec is None:
+        return
+    grid, head, tail, constexprs = spec
     dummy = x4.new_empty(4, dtype=torch.uint8)
-    grid = (B * n_s_tiles * H,)
     fast_launcher(_quantize_kernel)[grid](
-        x4, S, H, sxb, sxs, sxh,
+        x4, *head,
         hd if hd is not None else dummy, he if he is not None else dummy,
         cd.view(torch.int32) if cd is not None else dummy, ce if ce is not None else dummy,
-        s_pad, cdiv(S, 32), n_s_tiles, n_groups,
-        D=D, NDP=dp // 32, BLOCK_S=bs, HDIM=HDIM, SEQ=SEQ, HDIM_GROUP=HDIM_GROUP, SEQ_RS=SEQ_RS,
-        RCEIL=rceil, SOFT=_soft(x4.device), IDX64=idx64, SWZ=swz, num_warps=tile.num_warps,
+        *tail, **constexprs,
     )
 
 
-def _v_exponents(src4, sc4, *, from_mx: bool, rceil: bool) -> torch.Tensor:
-    """Pass 1 of V: int32 (B, 1, H, D) per-channel maxima over S (``_NO_EXP`` where none is nonzero)."""
+def _v_exponents_spec(src4, sc4, *, from_mx: bool, rceil: bool):
+    """One ``_seq_exponent_kernel`` launch without its tensors: (grid, the scalars after ``src``, the scale
+    strides, the scalars after ``exp``, the constexprs), or None when there is no work."""
     B, S, H, D = src4.shape
-    exp = torch.full((B, 1, H, D), _NO_EXP_HOST, dtype=torch.int32, device=src4.device)
     if B * H * S == 0:
-        return exp
+        return None
     dp = _d_pad(D)
     tile = _tile("seqexp", dp)
     bs = tile.block_s
@@ -853,13 +933,21 @@ def _v_exponents(src4, sc4, *, from_mx: bool, rceil: bool) -> torch.Tensor:
     st = src4.stride()
     scs = sc4.stride() if sc4 is not None else (0, 0, 0, 0)
     idx64 = _needs_i64(bs * abs(st[1]), dp * abs(st[3]))
-    fast_launcher(_seq_exponent_kernel)[(B * n_chunks * H,)](
-        src4, S, H, st[0], st[1], st[2], st[3],
-        sc4 if sc4 is not None else exp, *scs,
-        exp, n_s_tiles, per, _s_load_bound(src4) if from_mx else S,
-        D=D, NDP=dp // 32, BLOCK_S=bs, FROM_MX=from_mx, RCEIL=rceil, IDX64=idx64,
-        QU=_unit(src4), SU=_unit(sc4) if sc4 is not None else 0,
-        num_warps=tile.num_warps,
+    return ((B * n_chunks * H,), (S, H, *st), tuple(scs), (n_s_tiles, per, _s_load_bound(src4) if from_mx else S),
+            dict(D=D, NDP=dp // 32, BLOCK_S=bs, FROM_MX=from_mx, RCEIL=rceil, IDX64=idx64,
+                 QU=_unit(src4), SU=_unit(sc4) if sc4 is not None else 0, num_warps=tile.num_warps))
+
+
+def _v_exponents(src4, sc4, *, from_mx: bool, rceil: bool) -> torch.Tensor:
+    """Pass 1 of V: int32 (B, 1, H, D) per-channel maxima over S (``_NO_EXP`` where none is nonzero)."""
+    B, S, H, D = src4.shape
+    exp = torch.full((B, 1, H, D), _NO_EXP_HOST, dtype=torch.int32, device=src4.device)
+    spec = _v_exponents_spec(src4, sc4, from_mx=from_mx, rceil=rceil)
+    if spec is None:
+        return exp
+    grid, head, scs, tail, constexprs = spec
+    fast_launcher(_seq_exponent_kernel)[grid](
+        src4, *head, sc4 if sc4 is not None else exp, *scs, exp, *tail, **constexprs,
     )
     return exp
 
@@ -868,6 +956,349 @@ def _check_group(k_group: int) -> int:
     if not isinstance(k_group, int) or k_group not in (32, 64, 128, 256):
         raise ValueError(f"k_group must be 32, 64, 128 or 256, got {k_group!r}")
     return k_group
+
+
+# ----------------------------------------------------------------------------------------------
+# Host fast path.  The attention API calls these wrappers 3-7 times per call with the same shapes; their
+# Python (validation, tile choice, index-width checks, the launcher's key) cost ~40-80 us of host time each on
+# the GPU machine, more than the kernels take at S <= 2k.  A plan per call signature keeps everything that
+# depends only on the signature; a call with a known signature allocates its outputs and launches.
+# ----------------------------------------------------------------------------------------------
+
+_PLANS: dict = {}
+_MAX_PLANS = 512  # distinct signatures before the table starts over (shapes that keep changing)
+_Tensor = torch.Tensor
+
+
+def _current_device(x: torch.Tensor) -> int:
+    """The current CUDA device for a CUDA tensor (a bound launch runs on it: part of every plan key), else -1."""
+    return torch.cuda.current_device() if x.is_cuda else -1
+
+
+def _plan_key(kind: str, x, scale_mode, seq_dim, k_group):
+    """The plan table's key of a float-input call, or None where plans do not apply (another type than a plain
+    tensor, a k_group that is not an int (validated on the slow path), tile overrides set for a sweep)."""
+    if type(x) is not _Tensor or type(k_group) is not int or TILE_OVERRIDES or not _launch.PLANS:
+        return None
+    return (kind, x.shape, x.stride(), x.dtype, x.device, _current_device(x), scale_mode, seq_dim, k_group,
+            x.data_ptr() & 15, SEQEXP_MIN_PROGRAMS, SOFT_ROUND_ON_GPU)
+
+
+def _trusted_row_scaled(data, exp, dim, group_dim=None, group=1) -> RowScaledFP8:
+    """A ``RowScaledFP8`` whose fields a plan has already checked once for this signature (no ``__post_init__``)."""
+    r = object.__new__(RowScaledFP8)
+    r.data, r.exp, r.dim, r.group_dim, r.group = data, exp, dim, group_dim, group
+    return r
+
+
+class _RowScaledPlan:
+    """``row_scaled_triton`` (roles q, k, v) or ``row_scaled_triton_both`` on float input of one signature.
+
+    Built by the validated slow path on its first call, with the values that path computed; ``__call__`` repeats it
+    for a tensor of the same signature (``_plan_key``): the same launches, outputs freshly allocated, so every
+    tensor argument keeps its dtype and alignment and each ``BoundLaunch`` keys the same kernel."""
+
+    __slots__ = ("kind", "packed", "contig", "B", "S", "H", "D", "dev", "sd", "ndim", "group", "rceil", "s_pad",
+                 "qspec", "espec", "qlaunch", "elaunch", "dummy")
+
+    def __init__(self, kind: str, x4: torch.Tensor, packed: bool, contig: bool, ndim: int, rceil: bool, group: int):
+        self.kind, self.packed, self.contig, self.ndim, self.rceil, self.group = kind, packed, contig, ndim, rceil, group
+        self.B, self.S, self.H, self.D = x4.shape
+        self.dev = x4.device
+        self.sd = 0 if packed else 1
+        self.s_pad = cdiv(max(self.S, 1), SEQ_ALIGN) * SEQ_ALIGN
+        v_side = kind in ("v", "both")
+        if kind == "v":
+            flags = dict(HDIM=False, SEQ=True, HDIM_GROUP=0, SEQ_RS=True, group=0)
+        elif kind == "both":
+            flags = dict(HDIM=True, SEQ=True, HDIM_GROUP=group, SEQ_RS=True, group=group)
+        else:
+            flags = dict(HDIM=True, SEQ=False, HDIM_GROUP=group if kind == "k" else 1, SEQ_RS=False,
+                         group=group if kind == "k" else 0)
+        self.qspec = _quantize_spec(x4, self.s_pad if v_side else SEQ_ALIGN, rceil=rceil, **flags)
+        self.espec = _v_exponents_spec(x4, None, from_mx=False, rceil=rceil) if v_side else None
+        self.qlaunch = self.elaunch = None
+        self.dummy = x4.new_empty(4, dtype=torch.uint8)
+
+    def _quantize(self, x4, hd, he, cd, ce) -> None:
+        grid, head, tail, constexprs = self.qspec
+        args = (x4, *head, hd if hd is not None else self.dummy, he if he is not None else self.dummy,
+                cd.view(torch.int32) if cd is not None else self.dummy, ce if ce is not None else self.dummy, *tail)
+        if self.qlaunch is None:
+            self.qlaunch = BoundLaunch(fast_launcher(_quantize_kernel), grid, args, constexprs)
+        else:
+            self.qlaunch(*args)
+
+    def _v_exponents(self, x4) -> torch.Tensor:
+        exp = torch.full((self.B, 1, self.H, self.D), _NO_EXP_HOST, dtype=torch.int32, device=self.dev)
+        grid, head, scs, tail, constexprs = self.espec
+        args = (x4, *head, exp, *scs, exp, *tail)
+        if self.elaunch is None:
+            self.elaunch = BoundLaunch(fast_launcher(_seq_exponent_kernel), grid, args, constexprs)
+        else:
+            self.elaunch(*args)
+        return exp
+
+    def __call__(self, x: torch.Tensor):
+        x4 = x.unsqueeze(0) if self.packed else x
+        if self.contig:
+            x4 = x4.contiguous()
+        B, S, H, D, dev, packed = self.B, self.S, self.H, self.D, self.dev, self.packed
+        kind, sd = self.kind, self.sd
+        u8 = torch.uint8
+        if kind in ("v", "both"):
+            vexp = self._v_exponents(x4)
+            cd = torch.empty(B, H, D, self.s_pad, dtype=u8, device=dev)
+            hd = kexp = None
+            if kind == "both":
+                hd = torch.empty(B, S, H, D, dtype=u8, device=dev)
+                kexp = torch.empty(B, cdiv(S, self.group), H, 1, dtype=torch.int32, device=dev)
+            self._quantize(x4, hd, kexp, cd, vexp)
+            seq = _trusted_row_scaled(_seq_view(cd, S, packed), _unpack(vexp, packed), sd)
+            if kind == "v":
+                return seq
+            hdim = _trusted_row_scaled(_unpack(hd, packed).view(torch.float8_e4m3fn), _unpack(kexp, packed),
+                                       self.ndim - 1, sd, self.group)
+            return hdim, seq
+        hd = torch.empty(B, S, H, D, dtype=u8, device=dev)
+        rows = S if kind == "q" else cdiv(S, self.group)
+        exp = torch.empty(B, rows, H, 1, dtype=torch.int32, device=dev)
+        self._quantize(x4, hd, exp, None, None)
+        data = _unpack(hd, packed).view(torch.float8_e4m3fn)
+        if kind == "q":
+            return _trusted_row_scaled(data, _unpack(exp, packed), self.ndim - 1)
+        return _trusted_row_scaled(data, _unpack(exp, packed), self.ndim - 1, sd, self.group)
+
+
+def _new_plan(key, kind: str, x: torch.Tensor, x4: torch.Tensor, packed: bool, rceil: bool, group: int):
+    """Record the plan of a validated call (``x4`` the canonical, D-contiguous view of ``x``) and run it."""
+    plan = _RowScaledPlan(kind, x4, packed, x.stride(-1) != 1, x.ndim, rceil, group)  # (_check_float_input's copy)
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan(x)
+
+
+def _quant_slot(spec, x4, hd, he, cd, ce, dummy) -> tuple[tuple, dict, int]:
+    """A ``_quantize_spec`` as one quantize job of ``_operands_kernel``: (arguments, constexprs, programs)."""
+    grid, head, tail, c = spec
+    args = (x4, *head, hd if hd is not None else dummy, he if he is not None else dummy,
+            cd.view(torch.int32) if cd is not None else dummy, ce if ce is not None else dummy, *tail)
+    return args, c, grid[0]
+
+
+def _exp_slot(spec, x4, exp) -> tuple[tuple, dict, int]:
+    """A ``_v_exponents_spec`` (float input) as one exponent job of ``_operands_kernel``."""
+    grid, head, _, tail, c = spec
+    return (x4, *head, exp, *tail[:2]), c, grid[0]
+
+
+# the arguments of an unused job (None: a pointer, given the launch's dummy tensor; the job's code is not compiled)
+_NO_QUANT_JOB = (None, 0, 0, 0, 0, 0, None, None, None, None, 0, 0, 0, 0)
+_NO_EXP_JOB = (None, 0, 0, 0, 0, 0, 0, None, 0, 0)
+
+
+def _operands_launch(state: dict, name: str, quant: list, exps: list, D: int, rceil: bool, soft: bool,
+                     dummy: torch.Tensor) -> None:
+    """Launch up to two quantize jobs and two exponent jobs (``_quant_slot`` / ``_exp_slot`` results) as one
+    ``_operands_kernel`` grid, bound in ``state[name]`` by the first call (which also works out the constexprs)."""
+    empties = state.get("empty jobs")
+    if empties is None:  # the unused jobs' arguments, made once per plan
+        empties = state["empty jobs"] = tuple(tuple(dummy if x is None else x for x in e)
+                                              for e in (_NO_QUANT_JOB, _NO_EXP_JOB))
+    args = []
+    n = []
+    for jobs, empty in ((quant, empties[0]), (exps, empties[1])):
+        for i in range(2):
+            if i < len(jobs):
+                args += jobs[i][0]
+                n.append(jobs[i][2])
+            else:
+                args += empty
+                n.append(0)
+    args += n[:3]
+    bound = state.get(name)
+    if bound is not None:
+        bound(*args)
+        return
+    qa = list(quant) + [None] * (2 - len(quant))
+    ea = list(exps) + [None] * (2 - len(exps))
+    present = [j for j in qa + ea if j is not None]
+    c = dict(D=D, NDP=_d_pad(D) // 32, RCEIL=rceil, SOFT=soft, IDX64=any(j[1]["IDX64"] for j in present),
+             num_warps=max(j[1]["num_warps"] for j in present))
+    for tag, job in (("A", qa[0]), ("B", qa[1])):
+        jc = job[1] if job is not None else dict(BLOCK_S=32, HDIM=False, SEQ=False, HDIM_GROUP=0, SEQ_RS=False)
+        c.update({tag: job is not None, f"{tag}_BS": jc["BLOCK_S"], f"{tag}_HDIM": jc["HDIM"], f"{tag}_SEQ": jc["SEQ"],
+                  f"{tag}_GROUP": jc["HDIM_GROUP"], f"{tag}_RS": jc["SEQ_RS"]})
+    for tag, job in (("E", ea[0]), ("F", ea[1])):
+        c.update({tag: job is not None, f"{tag}_BS": job[1]["BLOCK_S"] if job is not None else 32})
+    state[name] = BoundLaunch(fast_launcher(_operands_kernel), (sum(n),), tuple(args), c)
+
+
+class _ForwardOperandsPlan:
+    """``forward_operands_triton`` for one signature of (q, k, v): specs computed once, two launches per call."""
+
+    def __init__(self, q4, k4, v4, rceil: bool, keep_kv: bool, group: int):
+        self.rceil, self.keep_kv, self.group = rceil, keep_kv, group
+        self.shapes = (q4.shape, k4.shape)
+        self.dev = q4.device
+        self.D = q4.shape[3]
+        self.soft = _soft(self.dev)
+        Sk = k4.shape[1]
+        self.s_pad = cdiv(max(Sk, 1), SEQ_ALIGN) * SEQ_ALIGN
+        self.q_spec = _quantize_spec(q4, SEQ_ALIGN, HDIM=True, SEQ=False, HDIM_GROUP=1, SEQ_RS=False, rceil=rceil,
+                                     group=0)
+        self.v_exp_spec = _v_exponents_spec(v4, None, from_mx=False, rceil=rceil)
+        if keep_kv:
+            self.k_exp_spec = _v_exponents_spec(k4, None, from_mx=False, rceil=rceil)
+            both = dict(HDIM=True, SEQ=True, HDIM_GROUP=group, SEQ_RS=True, rceil=rceil, group=group)
+            self.k_spec = _quantize_spec(k4, self.s_pad, **both)
+            self.v_spec = _quantize_spec(v4, self.s_pad, **both)
+        else:
+            self.k_spec = _quantize_spec(k4, SEQ_ALIGN, HDIM=True, SEQ=False, HDIM_GROUP=group, SEQ_RS=False,
+                                         rceil=rceil, group=group)
+            self.v_spec = _quantize_spec(v4, self.s_pad, HDIM=False, SEQ=True, HDIM_GROUP=0, SEQ_RS=True,
+                                         rceil=rceil, group=0)
+        self.dummy = q4.new_empty(4, dtype=torch.uint8)
+        self.bound: dict = {}
+
+    def __call__(self, q4, k4, v4):
+        (B, Sq, Hq, D), (_, Sk, Hkv, _) = self.shapes
+        dev, u8, i32, G, dummy = self.dev, torch.uint8, torch.int32, self.group, self.dummy
+        qd = torch.empty(B, Sq, Hq, D, dtype=u8, device=dev)
+        qe = torch.empty(B, Sq, Hq, 1, dtype=i32, device=dev)
+        q_job = _quant_slot(self.q_spec, q4, qd, qe, None, None, dummy)
+        vexp = torch.full((B, 1, Hkv, D), _NO_EXP_HOST, dtype=i32, device=dev)
+        kd = torch.empty(B, Sk, Hkv, D, dtype=u8, device=dev)
+        ke = torch.empty(B, cdiv(Sk, G), Hkv, 1, dtype=i32, device=dev)
+        vcd = torch.empty(B, Hkv, D, self.s_pad, dtype=u8, device=dev)
+        f8 = torch.float8_e4m3fn
+        if not self.keep_kv:
+            k_job = _quant_slot(self.k_spec, k4, kd, ke, None, None, dummy)
+            _operands_launch(self.bound, "first", [q_job, k_job], [_exp_slot(self.v_exp_spec, v4, vexp)], D,
+                             self.rceil, self.soft, dummy)
+            _operands_launch(self.bound, "second", [_quant_slot(self.v_spec, v4, None, None, vcd, vexp, dummy)], [],
+                             D, self.rceil, self.soft, dummy)
+            return (_trusted_row_scaled(qd.view(f8), qe, 3), _trusted_row_scaled(kd.view(f8), ke, 3, 1, G),
+                    _trusted_row_scaled(_seq_view(vcd, Sk, False), vexp, 1), None)
+        kexp_s = torch.full((B, 1, Hkv, D), _NO_EXP_HOST, dtype=i32, device=dev)
+        _operands_launch(self.bound, "first", [q_job],
+                         [_exp_slot(self.k_exp_spec, k4, kexp_s), _exp_slot(self.v_exp_spec, v4, vexp)], D,
+                         self.rceil, self.soft, dummy)
+        kcd = torch.empty(B, Hkv, D, self.s_pad, dtype=u8, device=dev)
+        vd = torch.empty(B, Sk, Hkv, D, dtype=u8, device=dev)
+        ve = torch.empty(B, cdiv(Sk, G), Hkv, 1, dtype=i32, device=dev)
+        _operands_launch(self.bound, "second", [_quant_slot(self.k_spec, k4, kd, ke, kcd, kexp_s, dummy),
+                                                _quant_slot(self.v_spec, v4, vd, ve, vcd, vexp, dummy)], [],
+                         D, self.rceil, self.soft, dummy)
+        kr = _trusted_row_scaled(kd.view(f8), ke, 3, 1, G)
+        k_seq = _trusted_row_scaled(_seq_view(kcd, Sk, False), kexp_s, 1)
+        v_hdim = _trusted_row_scaled(vd.view(f8), ve, 3, 1, G)
+        vr = _trusted_row_scaled(_seq_view(vcd, Sk, False), vexp, 1)
+        return _trusted_row_scaled(qd.view(f8), qe, 3), kr, vr, (kr, k_seq, v_hdim)
+
+
+class _BothPairPlan:
+    """``row_scaled_triton_both_pair`` for one signature: two launches per call."""
+
+    def __init__(self, x4, y4, rceil: bool, group: int):
+        self.rceil, self.group = rceil, group
+        self.shape = x4.shape
+        self.dev = x4.device
+        self.soft = _soft(self.dev)
+        self.s_pad = cdiv(max(x4.shape[1], 1), SEQ_ALIGN) * SEQ_ALIGN
+        both = dict(HDIM=True, SEQ=True, HDIM_GROUP=group, SEQ_RS=True, rceil=rceil, group=group)
+        self.specs = [(_v_exponents_spec(t, None, from_mx=False, rceil=rceil), _quantize_spec(t, self.s_pad, **both))
+                      for t in (x4, y4)]
+        self.dummy = x4.new_empty(4, dtype=torch.uint8)
+        self.bound: dict = {}
+
+    def __call__(self, x4, y4):
+        B, S, H, D = self.shape
+        dev, G, i32, u8 = self.dev, self.group, torch.int32, torch.uint8
+        exps = [torch.full((B, 1, H, D), _NO_EXP_HOST, dtype=i32, device=dev) for _ in range(2)]
+        exp_jobs = [_exp_slot(es, t, e) for (es, _), t, e in zip(self.specs, (x4, y4), exps)]
+        _operands_launch(self.bound, "first", [], exp_jobs, D, self.rceil, self.soft, self.dummy)
+        outs, jobs = [], []
+        for (_, qs), t, e in zip(self.specs, (x4, y4), exps):
+            hd = torch.empty(B, S, H, D, dtype=u8, device=dev)
+            he = torch.empty(B, cdiv(S, G), H, 1, dtype=i32, device=dev)
+            cd = torch.empty(B, H, D, self.s_pad, dtype=u8, device=dev)
+            jobs.append(_quant_slot(qs, t, hd, he, cd, e, self.dummy))
+            outs.append((_trusted_row_scaled(hd.view(torch.float8_e4m3fn), he, 3, 1, G),
+                         _trusted_row_scaled(_seq_view(cd, S, False), e, 1)))
+        _operands_launch(self.bound, "second", jobs, [], D, self.rceil, self.soft, self.dummy)
+        return outs[0], outs[1]
+
+
+def row_scaled_triton_both_pair(x: torch.Tensor, y: torch.Tensor, scale_mode: Union[str, ScaleMode] = "rceil",
+                                k_group: int = 128):
+    """``(row_scaled_triton_both(x), row_scaled_triton_both(y))`` for two float (B, S, H, D) tensors of one shape and
+    dtype (the backward's q and dO) in two launches instead of four, bit for bit."""
+    key = None
+    if type(x) is _Tensor and type(y) is _Tensor and type(k_group) is int and not TILE_OVERRIDES and _launch.PLANS:
+        key = ("pair", x.shape, x.stride(), y.shape, y.stride(), x.dtype, y.dtype, x.device, y.device,
+               _current_device(x), scale_mode, k_group, x.data_ptr() & 15, y.data_ptr() & 15, SEQEXP_MIN_PROGRAMS,
+               SOFT_ROUND_ON_GPU)
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return plan(*(t if t.stride(3) == 1 else t.contiguous() for t in (x, y)))
+    group = _check_group(k_group)
+    mode = ScaleMode.parse(scale_mode)
+    x4, px = _check_float_input(x, "x", None)
+    y4, py = _check_float_input(y, "y", None)
+    if px or py or tuple(x4.shape) != tuple(y4.shape) or x.dtype != y.dtype or x.device != y.device:
+        raise ValueError(f"row_scaled_triton_both_pair takes two (B, S, H, D) tensors of one shape, dtype and device, "
+                         f"got {tuple(x.shape)} {x.dtype} and {tuple(y.shape)} {y.dtype}")
+    if x4.numel() == 0:
+        return (row_scaled_triton_both(x, mode, k_group=group), row_scaled_triton_both(y, mode, k_group=group))
+    plan = _BothPairPlan(x4, y4, mode is ScaleMode.RCEIL, group)
+    if key is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan(x4, y4)
+
+
+def forward_operands_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            scale_mode: Union[str, ScaleMode] = "rceil", k_group: int = 128, keep_kv: bool = False):
+    """The attention forward's three Hopper operands from float (B, S, H, D) q, k, v in two launches instead of
+    four: ``(row_scaled_triton(q, "q"), row_scaled_triton(k, "k", k_group=k_group), row_scaled_triton(v, "v"),
+    kv)``, bit for bit.  The first launch quantizes Q and K and finds V's per-channel exponents; the second writes V.
+    ``keep_kv``: also the backward's K and V operands, ``kv = (K hdim, K seq, V hdim)`` as
+    ``row_scaled_triton_both`` makes them (each tensor still read once per pass); else ``kv`` is None."""
+    key = None
+    if type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and type(k_group) is int \
+            and not TILE_OVERRIDES and _launch.PLANS:
+        key = ("forward", keep_kv, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
+               v.dtype, q.device, k.device, v.device, _current_device(q), scale_mode, k_group, q.data_ptr() & 15,
+               k.data_ptr() & 15, v.data_ptr() & 15, SEQEXP_MIN_PROGRAMS, SOFT_ROUND_ON_GPU)
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return plan(*(x if x.stride(3) == 1 else x.contiguous() for x in (q, k, v)))
+    group = _check_group(k_group)
+    mode = ScaleMode.parse(scale_mode)
+    q4, pq = _check_float_input(q, "q", None)
+    k4, pk = _check_float_input(k, "k", None)
+    v4, pv = _check_float_input(v, "v", None)
+    if pq or pk or pv or not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise ValueError("forward_operands_triton takes (B, S, H, D) q, k, v of one dtype on one device")
+    if q4.shape[3] != k4.shape[3] or tuple(k4.shape) != tuple(v4.shape) or q4.shape[0] != k4.shape[0]:
+        raise ValueError(f"q {tuple(q4.shape)}, k {tuple(k4.shape)}, v {tuple(v4.shape)}: k and v must have one "
+                         "shape, q the same batch and head dim")
+    if q4.numel() == 0 or k4.numel() == 0:  # nothing to fuse: the single passes handle empty tensors
+        qr = row_scaled_triton(q, "q", mode)
+        if keep_kv:
+            kr, k_seq = row_scaled_triton_both(k, mode, k_group=group)
+            v_hdim, vr = row_scaled_triton_both(v, mode, k_group=group)
+            return qr, kr, vr, (kr, k_seq, v_hdim)
+        return qr, row_scaled_triton(k, "k", mode, k_group=group), row_scaled_triton(v, "v", mode), None
+    plan = _ForwardOperandsPlan(q4, k4, v4, mode is ScaleMode.RCEIL, keep_kv, group)
+    if key is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan(q4, k4, v4)
 
 
 def row_scaled_triton(
@@ -889,6 +1320,10 @@ def row_scaled_triton(
     """
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    key = _plan_key(role, x, scale_mode, seq_dim, k_group)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is not None:
+        return plan(x)
     group = _check_group(k_group) if role == "k" else 1
     if isinstance(x, MXTensor):
         return _row_scaled_from_mx(x, role, seq_dim, group)
@@ -897,6 +1332,8 @@ def row_scaled_triton(
     B, S, H, D = x4.shape
     dev = x4.device
     rceil = mode is ScaleMode.RCEIL
+    if key is not None and B * H * S > 0:
+        return _new_plan(key, role, x, x4, packed, rceil, group)
     sd = 0 if packed else 1
     if role == "v":
         exp = _v_exponents(x4, None, from_mx=False, rceil=rceil)
@@ -930,10 +1367,16 @@ def row_scaled_triton_both(
     writes both the head-dim (K layout) and the channel-major sequence operand.  The backward needs Q, K and dO
     in both orientations; each launch costs ~70-90 us of host time on the H200 (scripts/host_timing.py), which
     dominates small calls.  Float input only (bf16/fp16/fp32, (B, S, H, D) or packed (T, H, D))."""
+    key = _plan_key("both", x, scale_mode, seq_dim, k_group)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is not None:
+        return plan(x)
     group = _check_group(k_group)
     mode = ScaleMode.parse(scale_mode)
     x4, packed = _check_float_input(x, "x", seq_dim)
     B, S, H, D = x4.shape
+    if key is not None and B * H * S > 0:
+        return _new_plan(key, "both", x, x4, packed, mode is ScaleMode.RCEIL, group)
     if S == 0:  # no token: the fused pass would still cover the seq padding, where the K layout has no group
         return (row_scaled_triton(x, "k", mode, seq_dim, group), row_scaled_triton(x, "v", mode, seq_dim))
     dev = x4.device

@@ -133,10 +133,16 @@ def fwd_tile(N: int, seq: bool) -> FwdTile:
         return TILE_OVERRIDES["fwd"]
     np2 = _np2(N)
     if seq:
+        # 4 warps: 0.131 / 0.250 ms against 0.185 / 0.380 at 8 warps (N 4096 / 8192, M 16384; the sweep in
+        # rmsnorm_quant_sweep-nvidia-h200-2026-11-30-s8.json): more resident programs hide the serial chain
         bn = min(np2, 256)
-        return FwdTile(32, bn, _warps(32 * bn))
+        return FwdTile(32, bn, 4)
     bn = min(np2, _SINGLE_CHUNK_MAX)
     bm = max(1, 4096 // bn)
+    if bm * bn <= 8192:
+        # whole rows up to 8192 wide on 4 warps; a cap of 80 registers (one spilled word) where a program holds
+        # <= 4096 elements: 0.075 ms against 0.137 (N 4096), and 0.150 against 0.176 at 8 warps (N 8192), same sweep
+        return FwdTile(bm, bn, 4, 80 if bm * bn <= 4096 else None)
     return FwdTile(bm, bn, _warps(bm * bn))
 
 

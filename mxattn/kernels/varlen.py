@@ -53,6 +53,9 @@ grouped per 128 rows from each sequence's start, the backward's fast Q layout), 
 q and k along the sequence in the V layout; ``varlen_dout_operands`` dO both ways.  PyTorch twins
 ``varlen_bwd_operands_torch``, ``varlen_dout_operands_torch``.
 
+The backward's seq operands (q_seq, k_seq, dout_seq) use ``align=BWD_SEQ_ALIGN`` (64) instead of 16: the Gluon
+backward reads them in 64-column TMA boxes, which must never reach another sequence's columns.
+
 Not here yet: MXTensor inputs (a jagged V blocked along each sequence needs a per-sequence scale layout that
 ``MXTensor``'s plain layout cannot express).
 
@@ -98,6 +101,7 @@ from mxattn.kernels.quantize import (
 __all__ = [
     "K_GROUP",
     "V_ALIGN",
+    "BWD_SEQ_ALIGN",
     "VarlenFP8",
     "cu_blocks",
     "varlen_q_operand",
@@ -119,6 +123,10 @@ __all__ = [
 
 K_GROUP = 128  # keys per K exponent, counted from each sequence's start (attn_fwd.K_EXP_GROUP)
 V_ALIGN = 16  # V columns of each sequence start at a multiple of this (module docstring)
+# the backward's seq operands (q_seq, k_seq, dout_seq): sequence starts at multiples of 64 columns, zeros up to there,
+# so that a 64-column TMA box of the Gluon backward (attn_bwd_dq_gluon / attn_bwd_dkdv_gluon, jagged mode) never
+# reads another sequence's columns (dS = 0 there, but 0 x Inf = NaN); the tl kernels read them as well
+BWD_SEQ_ALIGN = 64
 
 
 @dataclass
@@ -138,6 +146,7 @@ class VarlenFP8:
     cu_exp: Optional[torch.Tensor]
     max_seqlen: int
     v_blocks: bool = False  # v only: one (H, D, round16(len)) block per sequence at element cu_data[b] * H * D
+    align: int = V_ALIGN  # v only: sequence starts (cu_data) are multiples of this, columns up to there are zero
 
     @property
     def batch(self) -> int:
@@ -198,8 +207,8 @@ def _k_groups_bound(T: int, B: int) -> int:
     return max(1, (T + (K_GROUP - 1) * B) // K_GROUP)
 
 
-def _v_columns_bound(T: int, B: int) -> int:
-    return max(V_ALIGN, cdiv(T + (V_ALIGN - 1) * B, V_ALIGN) * V_ALIGN)
+def _v_columns_bound(T: int, B: int, align: int = V_ALIGN) -> int:
+    return max(align, cdiv(T + (align - 1) * B, align) * align)
 
 
 def _packed_input(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -291,9 +300,10 @@ def _v_data_varlen_kernel(
     D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr,
     RCEIL: tl.constexpr, SOFT: tl.constexpr, IDX64: tl.constexpr,
     V_BLOCKS: tl.constexpr = False,  # one (H, D, S_pad) block per sequence instead of (H, D, Tv) rows
+    ALIGN: tl.constexpr = 16,  # sequence starts are multiples of ALIGN columns (16, or BWD_SEQ_ALIGN = 64)
 ):
     """V pass 2: BLOCK_S keys of one sequence and head, blocked along the sequence from its start, re-expressed to
-    the per-channel exponents and stored channel-major, zeros up to the sequence's 16-aligned end.
+    the per-channel exponents and stored channel-major, zeros up to the sequence's ALIGN-aligned end.
 
     As in ``quantize._quantize_kernel``: four row sets (rows s0 + 4w + k), so that a thread holds 4 consecutive
     keys of a channel and stores them as one int32 word (sequences start at multiples of 16 columns, so words stay
@@ -310,7 +320,7 @@ def _v_data_varlen_kernel(
         tl.store(ep, E, mask=in_d)  # also for empty sequences (readers map the sentinel and 0 the same way)
     t0 = tl.load(cu_ptr + b)
     S = tl.load(cu_ptr + b + 1) - t0
-    S_pad = (S + 15) // 16 * 16
+    S_pad = (S + ALIGN - 1) // ALIGN * ALIGN
     s0 = st * BLOCK_S
     if s0 >= S_pad:
         return
@@ -377,18 +387,23 @@ def varlen_k_operand(k: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: 
 
 
 def varlen_v_operand(v: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: int,
-                     scale_mode: Union[str, ScaleMode] = "rceil", v_blocks: bool = False) -> VarlenFP8:
+                     scale_mode: Union[str, ScaleMode] = "rceil", v_blocks: bool = False,
+                     align: int = V_ALIGN) -> VarlenFP8:
     """V of a jagged batch (layout: module docstring): pass 1 the per-(sequence, head, channel) exponents, pass 2
     the channel-major data with 16-aligned sequence starts: (H, D, Tv) rows over the whole batch, or with
     ``v_blocks`` one (H, D, round16(len)) block per sequence starting at element 16-aligned-start * H * D (the
-    forward's layout: a V tile's channel rows are then one sequence long, not the batch's Tv)."""
+    forward's layout: a V tile's channel rows are then one sequence long, not the batch's Tv).
+    ``align`` (a multiple of 16; rows only): sequence starts at multiples of it, zeros to there
+    (``BWD_SEQ_ALIGN`` for the backward's seq operands)."""
+    if align % V_ALIGN or align < V_ALIGN or (v_blocks and align != V_ALIGN):
+        raise ValueError(f"align must be a multiple of {V_ALIGN} ({V_ALIGN} with v_blocks), got {align}")
     rceil = ScaleMode.parse(scale_mode) is ScaleMode.RCEIL
     x4 = _packed_input(v, "v")
     _, T, H, D = x4.shape
     B = cu_seqlens_k.numel() - 1
     dev = x4.device
-    cu_v = V_ALIGN * cu_blocks(cu_seqlens_k, V_ALIGN)
-    Tv = _v_columns_bound(T, B)
+    cu_v = align * cu_blocks(cu_seqlens_k, align)
+    Tv = _v_columns_bound(T, B, align)
     buf = torch.empty(H * D * Tv if v_blocks else (H, D, Tv), dtype=torch.uint8, device=dev)
     exp = torch.full((B, H, D), _NO_EXP_HOST, dtype=torch.int32, device=dev)
     if B * H > 0:
@@ -405,14 +420,15 @@ def varlen_v_operand(v: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: 
                 IDX64=_needs_i64(t1.block_s * sxs, dp), num_warps=t1.num_warps,
             )
         t2 = _tile("quant", dp)
-        n_s2 = max(1, cdiv(cdiv(max_seqlen_k, V_ALIGN) * V_ALIGN, t2.block_s))
+        n_s2 = max(1, cdiv(cdiv(max_seqlen_k, align) * align, t2.block_s))
         idx64 = _needs_i64(t2.block_s * sxs, dp) or _needs_i64(dp * Tv, t2.block_s)
         fast_launcher(_v_data_varlen_kernel)[(B * n_s2 * H,)](
             x4, sxs, sxh, cu_seqlens_k, cu_v, exp, buf.view(torch.int32), H, Tv, n_s2,
             D=D, NDP=dp // 32, BLOCK_S=t2.block_s, RCEIL=rceil, SOFT=_soft(dev), IDX64=idx64,
-            V_BLOCKS=v_blocks, num_warps=t2.num_warps,
+            V_BLOCKS=v_blocks, ALIGN=align, num_warps=t2.num_warps,
         )
-    return VarlenFP8("v", buf.view(torch.float8_e4m3fn), exp, cu_seqlens_k, cu_v, None, max_seqlen_k, v_blocks)
+    return VarlenFP8("v", buf.view(torch.float8_e4m3fn), exp, cu_seqlens_k, cu_v, None, max_seqlen_k, v_blocks,
+                     align)
 
 
 def varlen_operands(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
@@ -436,21 +452,23 @@ def varlen_bwd_operands(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, 
       v_hdim V along the head dim, K layout (for dP = dO Vᵀ);
       q_seq  Q along the sequence, V layout over cu_seqlens_q (for dK = dSᵀ Q);
       k_seq  K along the sequence, V layout (for dQ = dS K).
-    Payload unpadded at the packed offsets (hdim) or 16-aligned columns with zero tails (seq); only exponents are
-    laid out per sequence.  dO's two operands are made by the backward (``varlen_dout_operands``)."""
+    Payload unpadded at the packed offsets (hdim) or ``BWD_SEQ_ALIGN``-aligned columns with zero tails (seq: what
+    the Gluon backward's 64-column boxes need; the tl kernels read 16-column steps of it); only exponents are laid
+    out per sequence.  dO's two operands are made by the backward (``varlen_dout_operands``)."""
     return (
         varlen_k_operand(q, cu_seqlens_q, max_seqlen_q, scale_mode),
         varlen_k_operand(k, cu_seqlens_k, max_seqlen_k, scale_mode),
         varlen_k_operand(v, cu_seqlens_k, max_seqlen_k, scale_mode),
-        varlen_v_operand(q, cu_seqlens_q, max_seqlen_q, scale_mode),
-        varlen_v_operand(k, cu_seqlens_k, max_seqlen_k, scale_mode),
+        varlen_v_operand(q, cu_seqlens_q, max_seqlen_q, scale_mode, align=BWD_SEQ_ALIGN),
+        varlen_v_operand(k, cu_seqlens_k, max_seqlen_k, scale_mode, align=BWD_SEQ_ALIGN),
     )
 
 
 def varlen_dout_operands(dout, cu_seqlens_q, max_seqlen_q: int) -> tuple[VarlenFP8, VarlenFP8]:
     """dO of a jagged batch in both orientations (RCEIL, as the dense backward): along the head dim in the K layout
-    (for dP = dO Vᵀ and delta) and along the sequence in the V layout (for dV = Pᵀ dO)."""
-    return varlen_k_operand(dout, cu_seqlens_q, max_seqlen_q), varlen_v_operand(dout, cu_seqlens_q, max_seqlen_q)
+    (for dP = dO Vᵀ and delta) and along the sequence in the V layout with ``BWD_SEQ_ALIGN`` (for dV = Pᵀ dO)."""
+    return (varlen_k_operand(dout, cu_seqlens_q, max_seqlen_q),
+            varlen_v_operand(dout, cu_seqlens_q, max_seqlen_q, align=BWD_SEQ_ALIGN))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -484,13 +502,14 @@ def varlen_k_operand_torch(k, cu_seqlens_k, max_seqlen_k: int, scale_mode="rceil
     return VarlenFP8("k", data, exp, cu_seqlens_k, cu_seqlens_k, cu_g, max_seqlen_k)
 
 
-def varlen_v_operand_torch(v, cu_seqlens_k, max_seqlen_k: int, scale_mode="rceil", v_blocks: bool = False) -> VarlenFP8:
+def varlen_v_operand_torch(v, cu_seqlens_k, max_seqlen_k: int, scale_mode="rceil", v_blocks: bool = False,
+                           align: int = V_ALIGN) -> VarlenFP8:
     """PyTorch twin of ``varlen_v_operand``: blocks along each sequence from its start, one exponent per channel
     and sequence; unused columns (past the last sequence) are zero here."""
     T, H, D = v.shape
     B = cu_seqlens_k.numel() - 1
-    cu_v = V_ALIGN * cu_blocks(cu_seqlens_k, V_ALIGN)
-    Tv = _v_columns_bound(T, B)
+    cu_v = align * cu_blocks(cu_seqlens_k, align)
+    Tv = _v_columns_bound(T, B, align)
     buf = torch.zeros(H * D * Tv if v_blocks else (H, D, Tv), dtype=torch.float8_e4m3fn, device=v.device)
     exp = torch.zeros(B, H, D, dtype=torch.int32, device=v.device)
     cv = cu_v.tolist()
@@ -504,7 +523,7 @@ def varlen_v_operand_torch(v, cu_seqlens_k, max_seqlen_k: int, scale_mode="rceil
             else:
                 buf[:, :, c0 : c0 + t1 - t0] = rs.data.permute(1, 2, 0)
             exp[b] = rs.exp[0]
-    return VarlenFP8("v", buf, exp, cu_seqlens_k, cu_v, None, max_seqlen_k, v_blocks)
+    return VarlenFP8("v", buf, exp, cu_seqlens_k, cu_v, None, max_seqlen_k, v_blocks, align)
 
 
 def varlen_bwd_operands_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
@@ -514,15 +533,15 @@ def varlen_bwd_operands_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
         varlen_k_operand_torch(q, cu_seqlens_q, max_seqlen_q, scale_mode),
         varlen_k_operand_torch(k, cu_seqlens_k, max_seqlen_k, scale_mode),
         varlen_k_operand_torch(v, cu_seqlens_k, max_seqlen_k, scale_mode),
-        varlen_v_operand_torch(q, cu_seqlens_q, max_seqlen_q, scale_mode),
-        varlen_v_operand_torch(k, cu_seqlens_k, max_seqlen_k, scale_mode),
+        varlen_v_operand_torch(q, cu_seqlens_q, max_seqlen_q, scale_mode, align=BWD_SEQ_ALIGN),
+        varlen_v_operand_torch(k, cu_seqlens_k, max_seqlen_k, scale_mode, align=BWD_SEQ_ALIGN),
     )
 
 
 def varlen_dout_operands_torch(dout, cu_seqlens_q, max_seqlen_q: int) -> tuple[VarlenFP8, VarlenFP8]:
     """PyTorch twin of ``varlen_dout_operands``."""
     return (varlen_k_operand_torch(dout, cu_seqlens_q, max_seqlen_q),
-            varlen_v_operand_torch(dout, cu_seqlens_q, max_seqlen_q))
+            varlen_v_operand_torch(dout, cu_seqlens_q, max_seqlen_q, align=BWD_SEQ_ALIGN))
 
 
 def seq_mx_dequantized(x: torch.Tensor, cu_seqlens: torch.Tensor, scale_mode="rceil",
@@ -657,12 +676,24 @@ def bench_varlen_bwd(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, h
     real tokens only: 2.5 * sum_b 4 Hq len_b^2 D (half when causal).  Returns a row for ``benchmarks/results``
     (what="varlen_bwd"): times in ms, TFLOP/s on real FLOPs, ``speedup_vs_padded`` (dense padded / varlen),
     ``speedup_vs_sdpa_cudnn_padded`` and ``rate_vs_dense`` (varlen TFLOP/s / dense TFLOP/s at (batch, mean_len)).
+    The jagged backward is timed as dispatched (``attn_bwd.varlen_backward_kernel``: the ``tl`` kernels by default,
+    the Gluon jagged kernels with ``MXATTN_VARLEN_BWD_KERNEL=gluon``; named in ``varlen_kernel``) and once more on
+    the ``tl`` kernels (``ms["varlen_tl"]``,
+    ``rate_vs_dense_tl``), both against the dense default backward (the Gluon kernels on Hopper).
     """
     if not torch.cuda.is_available():
         raise RuntimeError("bench_varlen_bwd needs a CUDA GPU")
     from triton.testing import do_bench
 
-    from mxattn.kernels.attn_bwd import Q_EXP_GROUP, _time_sdpa_bwd, attn_bwd_hopper, attn_bwd_hopper_varlen
+    import os
+
+    from mxattn.kernels.attn_bwd import (
+        Q_EXP_GROUP,
+        _time_sdpa_bwd,
+        attn_bwd_hopper,
+        attn_bwd_hopper_varlen,
+        varlen_backward_kernel,
+    )
     from mxattn.kernels.attn_fwd import attn_fwd_hopper, attn_fwd_hopper_varlen
 
     lens = list(lengths) if lengths is not None else jagged_lengths(batch, mean_len, seed)
@@ -677,7 +708,18 @@ def bench_varlen_bwd(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, h
     out, lse = attn_fwd_hopper_varlen(*varlen_operands(q, k, v, cu, cu, smax, smax), causal=causal)
     ops = varlen_bwd_operands(q, k, v, cu, cu, smax, smax)
     t_prod = do_bench(lambda: varlen_bwd_operands(q, k, v, cu, cu, smax, smax))
-    t_var = do_bench(lambda: attn_bwd_hopper_varlen(*ops, out, do, lse, causal=causal, deterministic=deterministic))
+    run_var = lambda: attn_bwd_hopper_varlen(*ops, out, do, lse, causal=causal, deterministic=deterministic)  # noqa: E731
+    kernel = varlen_backward_kernel(torch.device(dev))
+    t_var = do_bench(run_var)
+    saved = os.environ.get("MXATTN_VARLEN_BWD_KERNEL")
+    os.environ["MXATTN_VARLEN_BWD_KERNEL"] = "tl"
+    try:
+        t_var_tl = do_bench(run_var)
+    finally:
+        if saved is None:
+            os.environ.pop("MXATTN_VARLEN_BWD_KERNEL")
+        else:
+            os.environ["MXATTN_VARLEN_BWD_KERNEL"] = saved
 
     def dense(S: int):
         qd, kd, vd, dod = mk(B, S, heads_q, D), mk(B, S, heads_kv, D), mk(B, S, heads_kv, D), mk(B, S, heads_q, D)
@@ -701,12 +743,13 @@ def bench_varlen_bwd(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, h
     cu_ms = sdpa.get("sdpa_cudnn_bf16_padded")
     return {
         "B": B, "Hq": heads_q, "Hkv": heads_kv, "D": D, "causal": causal, "deterministic": deterministic,
-        "mean_len": mean_len, "max_len": smax, "tokens": T, "fill": T / (B * smax),
-        "ms": {"varlen": t_var, "dense_padded": t_pad, "dense_mean": t_mean,
+        "mean_len": mean_len, "max_len": smax, "tokens": T, "fill": T / (B * smax), "varlen_kernel": kernel,
+        "ms": {"varlen": t_var, "varlen_tl": t_var_tl, "dense_padded": t_pad, "dense_mean": t_mean,
                "producers": t_prod, **sdpa},
-        "tflops": {"varlen": tf(real, t_var), "dense_padded_real": tf(real, t_pad), "dense_mean": tf(dense_flops, t_mean),
-                   **{k + "_real": tf(real, ms) for k, ms in sdpa.items()}},
+        "tflops": {"varlen": tf(real, t_var), "varlen_tl": tf(real, t_var_tl), "dense_padded_real": tf(real, t_pad),
+                   "dense_mean": tf(dense_flops, t_mean), **{k + "_real": tf(real, ms) for k, ms in sdpa.items()}},
         "speedup_vs_padded": t_pad / t_var,
         "speedup_vs_sdpa_cudnn_padded": (cu_ms / t_var) if cu_ms else None,
         "rate_vs_dense": tf(real, t_var) / tf(dense_flops, t_mean),
+        "rate_vs_dense_tl": tf(real, t_var_tl) / tf(dense_flops, t_mean),
     }
