@@ -856,24 +856,51 @@ def _bench_linear(M: int, K: int, N: int, rep: int, progress: bool, tiles) -> li
         "bf16_matmul_plus_quantize": tf(lambda: quantize_mxfp8_triton((x @ w.t()).view(1, M, N // d, d), "hdim")),
     }
     rows = []
-    saved = kl.TILE_OVERRIDE
+    saved = kl.TILE_OVERRIDE, kl.KERNEL_OVERRIDE
     try:
         for tile in tiles:
             kl.TILE_OVERRIDE = tile
             for orient in ("hdim", "both"):
                 t = {"mxattn": tf(lambda o=orient: linear_quant(xr, wr, orientations=o)),
                      "mxattn_from_bf16_x": tf(lambda o=orient: linear_quant(x, wr, orientations=o))}
+                if tile is None:  # the kernels side by side on the same operands (a tl tile sweep times tl only)
+                    t.update(_bench_linear_kernels(kl, tf, xr, wr, orient))
                 t.update(base)
                 row = {"M": M, "K": K, "N": N, "orientations": orient, "tile": None if tile is None else vars(tile),
                        "tflops": t, "ratio_vs_scaled_mm_fp8": t["mxattn"] / t["scaled_mm_fp8"],
                        "ratio_vs_bf16_plus_quantize": t["mxattn"] / t["bf16_matmul_plus_quantize"]}
+                if "mxattn_gluon" in t:
+                    row["gluon_ratio_vs_scaled_mm_fp8"] = t["mxattn_gluon"] / t["scaled_mm_fp8"]
+                    row["gluon_ratio_vs_bf16_plus_quantize"] = t["mxattn_gluon"] / t["bf16_matmul_plus_quantize"]
                 rows.append(row)
                 if progress:
                     print(f"  linear_quant M{M} K{K} N{N} {orient:<5} tile={tile}: "
                           + ", ".join(f"{k} {v:.0f}" for k, v in t.items()) + " TFLOP/s", flush=True)
     finally:
-        kl.TILE_OVERRIDE = saved
+        kl.TILE_OVERRIDE, kl.KERNEL_OVERRIDE = saved
     return rows
+
+
+def _bench_linear_kernels(kl, tf, xr, wr, orient) -> dict:
+    """TFLOP/s of the tl kernel and of the Gluon kernel (with and without its epilogue partition), each forced
+    (``KERNEL_OVERRIDE``); the Gluon rows only where it runs (sm_90, TMA-aligned operands)."""
+    out = {}
+    kl.KERNEL_OVERRIDE = "tl"
+    out["mxattn_tl"] = tf(lambda: linear_quant(xr, wr, orientations=orient))
+    kl.KERNEL_OVERRIDE = "auto"
+    if kl.linear_kernel(xr.data, wr.data, False) == "gluon":
+        from mxattn.kernels import linear_quant_gluon as kg
+
+        kl.KERNEL_OVERRIDE = "gluon"
+        saved = kg.CONFIG_OVERRIDE
+        try:
+            for name, cfg in (("mxattn_gluon", None), ("mxattn_gluon_inline", kg.GluonLinearConfig().inline())):
+                kg.CONFIG_OVERRIDE = cfg
+                out[name] = tf(lambda: linear_quant(xr, wr, orientations=orient))
+        finally:
+            kg.CONFIG_OVERRIDE = saved
+    kl.KERNEL_OVERRIDE = None
+    return out
 
 
 def bench_producers(
@@ -891,7 +918,9 @@ def bench_producers(
     the unfused path (``torch.nn.functional.rms_norm`` in BF16, then ``quantize_mxfp8_triton``).
     linear_quant (M, K, N): TFLOP/s (2 M N K / time) with x and W as RowScaledFP8 (the chain form) and with
     a BF16 x quantized on the fly, against ``torch._scaled_mm`` FP8 (per-tensor, with and without fast
-    accumulation; row-wise) and BF16 matmul followed by ``quantize_mxfp8_triton``.  ``linear_tiles``: a list of
+    accumulation; row-wise) and BF16 matmul followed by ``quantize_mxfp8_triton``; ``mxattn`` is the default
+    kernel choice, ``mxattn_tl`` / ``mxattn_gluon`` / ``mxattn_gluon_inline`` each kernel forced on the same
+    operands (the Gluon ones on sm_90 only).  ``linear_tiles``: a list of
     ``kernels.linear_quant.LinearTile`` (None = default) to sweep.  Returns ``{"rmsnorm_quant": rows,
     "linear_quant": rows}``; with ``outdir``, writes one results file per op (DESIGN §6) and adds the paths
     under ``"files"``.  Needs CUDA; importable anywhere."""

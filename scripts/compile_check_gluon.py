@@ -126,11 +126,16 @@ def _opcode(text: str) -> str:
     return re.sub(r"^@!?U?P[T0-9]+\s+", "", text).split()[0].split(".")[0]
 
 
-def steady_loops(sass: str) -> list[dict]:
-    """The consumers' KV loops: backward branches whose body holds wgmma with a register A operand (P V).
-    Per loop: instructions in the body (both softmax paths, masked and not), opcode counts, and the
-    ``WARPGROUP.DEPBAR`` count (2 per iteration when the wgmma pipeline is intact; one per QGMMA when ptxas
-    serialized it)."""
+_PV = r"GMMA\S*\s+R\d+,\s*R\d+,"  # wgmma with a register A operand (P V)
+_SMEM_A = r"GMMA\S*\s+R\d+,\s*gdesc"  # wgmma with A from shared memory
+
+
+def sass_loops(sass: str, body_ok, anchor: str) -> list[dict]:
+    """Backward branches whose body passes ``body_ok`` (list of SASS instruction texts) and holds no
+    ``USETMAXREG`` (the warp dispatch loop of a warp-specialized region), reduced to the smallest such loop
+    around each instruction matching ``anchor``: the out-of-line retry paths of mbarrier waits branch back into
+    a loop from far below and make larger spurious ranges.  Per loop: start (hex) and end address, instructions,
+    opcode counts, wgmma count, ``WARPGROUP.DEPBAR`` count, ``SHFL.IDX`` count."""
     ins = _sass_instrs(sass)
     pos = {a: i for i, (a, _) in enumerate(ins)}
     loops = []
@@ -141,28 +146,34 @@ def steady_loops(sass: str) -> list[dict]:
         if not mm or int(mm.group(1), 16) >= a:
             continue
         body = ins[pos[int(mm.group(1), 16)]: pos[a] + 1]
-        # one KV iteration issues both products (Q Kᵀ: A from shared memory, P V: A from registers); the warp
-        # dispatch loop of the warp-specialized region (USETMAXREG) is not a KV loop
-        if not (any(re.search(r"GMMA\S*\s+R\d+,\s*R\d+,", x) for _, x in body)
-                and any(re.search(r"GMMA\S*\s+R\d+,\s*gdesc", x) for _, x in body)) \
-                or any("USETMAXREG" in x for _, x in body):
+        texts = [x for _, x in body]
+        if not body_ok(texts) or any("USETMAXREG" in x for x in texts):
             continue
-        counts = collections.Counter(_opcode(x) for _, x in body)
-        depbar = sum(1 for _, x in body if "WARPGROUP.DEPBAR" in x)
-        shfl_idx = sum(1 for _, x in body if "SHFL.IDX" in x)  # P's quad shuffles (the reductions use BFLY)
-        loops.append({"start": body[0][0], "end": a, "instrs": len(body), "depbar": depbar, "counts": counts,
-                      "shfl_idx": shfl_idx})
-    # for each P V wgmma, the smallest range around it: the out-of-line retry paths of mbarrier waits branch
-    # back into the loop from far below and make larger spurious ranges
-    pv = [a for a, t in ins if re.search(r"GMMA\S*\s+R\d+,\s*R\d+,", t)]
+        loops.append({"start": body[0][0], "end": a, "instrs": len(body),
+                      "counts": collections.Counter(_opcode(x) for x in texts),
+                      "gmma": sum(1 for x in texts if "GMMA" in x and "DEPBAR" not in x),
+                      "depbar": sum(1 for x in texts if "WARPGROUP.DEPBAR" in x),
+                      "shfl_idx": sum(1 for x in texts if "SHFL.IDX" in x)})
     inner = []
-    for a in pv:
-        around = [lp for lp in loops if lp["start"] <= a <= lp["end"]]
-        if around:
-            best = min(around, key=lambda lp: lp["instrs"])
-            if best not in inner:
-                inner.append(best)
+    for a, t in ins:
+        if re.search(anchor, t):
+            around = [lp for lp in loops if lp["start"] <= a <= lp["end"]]
+            if around:
+                best = min(around, key=lambda lp: lp["instrs"])
+                if best not in inner:
+                    inner.append(best)
     return [lp | {"start": hex(lp["start"])} for lp in inner]
+
+
+def steady_loops(sass: str) -> list[dict]:
+    """The consumers' KV loops: one KV iteration issues both products (Q Kᵀ: A from shared memory, P V: A from
+    registers).  Per loop (``sass_loops``): instructions in the body (both softmax paths, masked and not), opcode
+    counts, the ``WARPGROUP.DEPBAR`` count (2 per iteration when the wgmma pipeline is intact; one per QGMMA when
+    ptxas serialized it) and ``SHFL.IDX`` (P's quad shuffles; the reductions use BFLY)."""
+    def both(texts):
+        return any(re.search(_PV, x) for x in texts) and any(re.search(_SMEM_A, x) for x in texts)
+
+    return sass_loops(sass, both, _PV)
 
 
 def step_path(sass: str, loop: dict) -> dict:
@@ -195,13 +206,15 @@ def step_path(sass: str, loop: dict) -> dict:
 
 
 def check(k, name: str, dump: str | None, max_depbar: int = 2, allowed_spill_bytes: int | None = 0,
-          allowed_loop_local: int = 0, max_step_bar: int | None = None) -> bool:
+          allowed_loop_local: int = 0, loops_fn=None, max_step_bar: int | None = None) -> bool:
     """Print the report of one compiled variant; False when a rule fails: spills above ``allowed_spill_bytes``
     (ptxas -v, stores + loads; None: any number of bytes, as long as at most ``allowed_loop_local`` LDL / STL lie
     inside the consumer loops, i.e. mostly loop-invariant values such as the epilogue's pointers are spilled),
     local memory in the PTX, no setmaxnreg, a wgmma other than m64nNk32 e4m3, ptxas
     serializing the wgmma pipeline, no consumer loop found, more than ``max_depbar`` WARPGROUP.DEPBAR per loop,
-    more than ``max_step_bar`` (when given) BAR.SYNC on a common step's path (``step_path``)."""
+    more than ``max_step_bar`` (when given) BAR.SYNC on a common step's path (``step_path``).
+    ``loops_fn``: SASS -> the loops to check (dicts as ``steady_loops``'s; default ``steady_loops``, the attention
+    KV loops, which also get the P conversion and step-path lines)."""
     ptx = k.asm["ptx"]
     usage = _resource_usage(k.asm["cubin"])
     ptxas = _ptxas_verbose(ptx)
@@ -211,7 +224,7 @@ def check(k, name: str, dump: str | None, max_depbar: int = 2, allowed_spill_byt
     wgmma = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+?)\s", ptx))
     local = len(re.findall(r"\b(?:ld|st)\.local", ptx))
     serialized = [ln.strip() for ln in ptxas.splitlines() if "Potential Performance Loss" in ln]
-    loops = steady_loops(usage["sass"])
+    loops = (loops_fn or steady_loops)(usage["sass"])
     max_reg = max((int(r) for _, t in _sass_instrs(usage["sass"]) for r in re.findall(r"\bR(\d+)\b", t)),
                   default=-1)
     bad_wgmma = [w for w in wgmma if not re.fullmatch(r"m64n\d+k32\.f32\.e4m3\.e4m3", w)]
@@ -236,9 +249,12 @@ def check(k, name: str, dump: str | None, max_depbar: int = 2, allowed_spill_byt
         print("   FAIL: no consumer loop found in the SASS")
     for lp in loops:
         top = ", ".join(f"{op} {c}" for op, c in lp["counts"].most_common(12))
-        print(f"   consumer loop at {lp['start']}: {lp['instrs']} SASS instrs (masked + unmasked paths), "
+        paths = " (masked + unmasked paths)" if loops_fn is None else ""
+        print(f"   consumer loop at {lp['start']}: {lp['instrs']} SASS instrs{paths}, "
               f"WARPGROUP.DEPBAR {lp['depbar']} (max {max_depbar}); {top}")
         c = lp["counts"]
+        if loops_fn is not None:
+            continue
         print(f"      P conversion ops in the loop (both paths): SHFL.IDX {lp['shfl_idx']} (all SHFL {c['SHFL']}), "
               f"SEL {c['SEL']}, PRMT {c['PRMT']}, F2FP {c['F2FP']}")
         st = step_path(usage["sass"], lp)

@@ -3,10 +3,13 @@
 #   MXATTN_COMMIT=<sha> PYTHONPATH=. bash scripts/gpu_check.sh OUTDIR [stage ...]
 # Stages (default: env tests bench quant):
 #   env        GPU, clocks, versions
-#   tests      every `gpu`-marked test except the Gluon kernel's (which could hang on a barrier bug)
+#   tests      every `gpu`-marked test except the Gluon forward's and the Gluon linear's (which could hang on a barrier
+#              bug; stages gluon and lineargluon)
 #   gluon      the warp-specialized Gluon forward: compile check, small tests, all tests, speed vs tl and cuDNN
 #   bwd        backward kernels vs SDPA (python -m mxattn.kernels.attn_bwd)
 #   bwdgluon   the Gluon dQ / dK-dV backward kernels: compile checks, small cases under a timeout, all GPU tests
+#   lineargluon  the Gluon linear + MXFP8 quantize: compile check, tiny cases under a timeout, its GPU tests, the
+#              linear_quant GPU tests, bench_producers (gluon / tl / cuBLAS FP8 rows)
 #   host       scripts/host_timing.py: host us per call of each layer (launch overhead): host_timing JSON + .txt
 #   bwdsweep   backward tile sweep (SWEEP_CONFIGS) at S 8k, kernels only
 #   profile    scripts/profile_attn.py: kernel-by-kernel device time of one public call, fwd and fwd+bwd, vs cuDNN
@@ -61,7 +64,7 @@ for st in $STAGES; do
       # MXATTN_TEST_K / MXATTN_TEST_FILES narrow the run ("file@n": that file as n processes, each every n-th test).
       # Logs are joined into gpu_tests.log, summary lines printed.
       mkdir -p "$OUT/tests"
-      files=${MXATTN_TEST_FILES:-$(ls tests/test_*.py | grep -v test_attn_fwd_gluon.py)}
+      files=${MXATTN_TEST_FILES:-$(ls tests/test_*.py | grep -v -e test_attn_fwd_gluon.py -e test_linear_gluon.py)}
       # tests that measure something (memory at S 16k/32k) write their rows to $OUT
       # MXATTN_FAST_LAUNCH=check: the fast launch path checked against Triton's own dispatch on every launch
       # (mxattn/kernels/launch.py); set for the tests only, not the stages that time
@@ -88,6 +91,16 @@ for st in $STAGES; do
       run $PY tests/test_attn_fwd_gluon.py --quick --sweep --out "$OUT/gluon_vs_tl.json" ;;
     bwd)
       run $PY -m mxattn.kernels.attn_bwd --out "$OUT" ;;
+    lineargluon)
+      # the Gluon linear + MXFP8 quantize kernel (linear_quant's default on Hopper): compile check, tiny cases under
+      # a short timeout first (a barrier bug hangs rather than fails), all its GPU tests, then the producers
+      # benchmark (rows mxattn_gluon / mxattn_gluon_inline / mxattn_tl / cuBLAS FP8 side by side)
+      run $PY scripts/compile_check_linear_gluon.py
+      T=120 run $PY -m pytest -m gpu -q -x -rfE -p no:cacheprovider tests/test_linear_gluon.py -k tiny
+      run $PY -m pytest -m gpu -q -rfE -s -p no:cacheprovider tests/test_linear_gluon.py \
+        2>&1 | tee "$OUT/linear_gluon_tests.log" | tail -40
+      run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_producers.py -k linear
+      run $PY -c "import sys; from mxattn.producers import bench_producers; print(bench_producers(outdir=sys.argv[1]))" "$OUT" ;;
     bwdgluon)
       # the warp-specialized Gluon backward kernels (the API's default on Hopper; the split dK/dV variant opt-in):
       # compile checks (both dK/dV builds), two small cases

@@ -681,6 +681,10 @@ def test_gpu_bench_producers_smoke():
                             progress=False)
     assert out["rmsnorm_quant"] and out["linear_quant"]
     assert all(r["gbps"] > 0 for r in out["rmsnorm_quant"])
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    for r in out["linear_quant"]:
+        assert r["tflops"]["mxattn_tl"] > 0
+        assert ("mxattn_gluon" in r["tflops"]) == hopper and ("gluon_ratio_vs_scaled_mm_fp8" in r) == hopper
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,12 +27,21 @@ Launchers (inputs checked by ``mxattn.producers``):
     ``xr``: ``RowScaledFP8`` (B*S, K) (one exponent per row), ``wr``: (N, K) (one per output channel).
     Returns ``hd`` (B*S, N) u8 and ``hs`` (B*S, ceil(N/32)) u8 (hdim), ``cd`` (B, N, S_pad) u8 channel-major
     and ``cs`` (B, ceil(S/32), N) u8 (seq).  M tiles never cross a batch boundary.
+
+Kernel choice (``linear_kernel``): ``MXATTN_LINEAR_KERNEL=auto|tl|gluon`` (or ``KERNEL_OVERRIDE``).  ``auto``
+takes the persistent warp-specialized Gluon kernel (``kernels.linear_quant_gluon``) on sm_90 when it takes the
+operands (TMA alignment, ``gluon_eligible``) and no ``tl`` tile was asked for (``tile`` / ``TILE_OVERRIDE``),
+else this module's ``tl`` kernel (also under the interpreter and off Hopper); ``gluon`` raises when the Gluon
+kernel cannot run.  Same outputs: with ``precise_acc`` (default) both kernels sum per-``block_k`` wgmma partials
+into fp32 in K order (the Gluon module docstring says why they agree).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+
+import os
 
 import torch
 import triton
@@ -51,7 +60,8 @@ from mxattn.kernels.quantize import (
 )
 from mxattn.kernels.rmsnorm_quant import _emit_mx
 
-__all__ = ["LinearTile", "linear_tile", "row_scaled_rows", "linear_quant_fwd", "TILE_OVERRIDE"]
+__all__ = ["LinearTile", "linear_tile", "row_scaled_rows", "linear_quant_fwd", "linear_kernel", "TILE_OVERRIDE",
+           "KERNEL_OVERRIDE"]
 
 _NO_EXP = tl.constexpr(-(1 << 20))
 
@@ -75,7 +85,27 @@ class LinearTile:
 
 
 TILE_OVERRIDE: Optional[LinearTile] = None
+KERNEL_OVERRIDE: Optional[str] = None  # "auto" | "tl" | "gluon"; else MXATTN_LINEAR_KERNEL (default auto)
+KERNEL_ENV = "MXATTN_LINEAR_KERNEL"
 ROWS_CHUNK = 2048  # row re-expression: K elements per chunk (a program owns ROWS_BLOCK_R rows)
+
+
+def linear_kernel(xd: torch.Tensor, wd: torch.Tensor, tile_asked: bool) -> str:
+    """"tl" or "gluon" for these FP8 operands (module docstring)."""
+    mode = (KERNEL_OVERRIDE or os.environ.get(KERNEL_ENV) or "auto").lower()
+    if mode not in ("auto", "tl", "gluon"):
+        raise ValueError(f"{KERNEL_ENV} must be auto, tl or gluon, got {mode!r}")
+    if mode == "tl" or (mode == "auto" and tile_asked):
+        return "tl"
+    ok = xd.device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    if ok:
+        from mxattn.kernels.linear_quant_gluon import gluon_eligible
+
+        ok = gluon_eligible(xd, wd)
+    if mode == "gluon" and not ok:
+        raise ValueError("the Gluon linear kernel needs an sm_90 CUDA device (not the interpreter) and FP8 "
+                         "operands with 16-byte aligned rows and base pointers")
+    return "gluon" if ok else "tl"
 
 
 def linear_tile(M: int, N: int, K: int, seq: bool) -> LinearTile:
@@ -295,6 +325,7 @@ def linear_quant_fwd(
     N = wd.shape[0]
     assert M == B * S, (M, B, S)
     dev = xd.device
+    kernel = linear_kernel(xd, wd, tile is not None or TILE_OVERRIDE is not None)
     tile = tile or linear_tile(M, N, K, seq)
     if tile.block_m % 32 or tile.block_n % 32:
         raise ValueError(f"block_m and block_n must be multiples of 32, got {tile}")
@@ -316,6 +347,13 @@ def linear_quant_fwd(
     if B * S == 0:
         if seq:
             cd.zero_()
+        return out
+    if kernel == "gluon":
+        from mxattn.kernels.linear_quant_gluon import linear_quant_fwd_gluon
+
+        linear_quant_fwd_gluon(xd, xe, wd, we, bias, hd, hs, cd.view(torch.int32) if seq else dummy, cs, B, S,
+                               s_pad, hdim=hdim, seq=seq, rceil=rceil, soft=_soft(dev), precise=tile.precise_acc,
+                               tiled_scales=tiled_scales)
         return out
     n_m_tiles = cdiv(S, tile.block_m)
     n_row_tiles = B * n_m_tiles

@@ -1,0 +1,474 @@
+"""Linear + MXFP8 quantize for Hopper in Gluon: persistent, warp-specialized FP8 GEMM (the ``tl`` kernel's
+semantics, ``kernels.linear_quant``; the K-dim scales are re-expressed as row exponents, DESIGN §3).
+
+One CTA per SM walks the output tiles (BLOCK_M x BLOCK_N, BLOCK_M = 128) in the ``tl`` kernel's band order
+(``band_tile``: GROUP_M row tiles per band, the band's weight columns stay in L2), tile t = pid + i * grid.
+Partitions (``GluonLinearConfig.epi_partition``, default on):
+  producer    1 warp: TMA loads of the x tile (two 64-row boxes) and the W tile (BLOCK_N x BLOCK_K) of every
+              K-step into a ring of STAGES buffers, one ready and one empty mbarrier per buffer.  It runs ahead
+              across tile boundaries.
+  consumer 0  the default partition (one warpgroup): rows 0..63 of each tile.
+  consumer 1  a 4-warp worker: rows 64..127.
+  epilogue    a 4-warp worker: quantizes the accumulators the consumers leave in shared memory (one fp32 slot
+              per consumer, an acc_ready / acc_empty mbarrier pair each) while they run the next tile's main
+              loop.  Without it (``GluonLinearConfig.inline()``) each consumer quantizes its own accumulator
+              and only the producer's run-ahead overlaps the epilogue.
+Each consumer issues async ``warpgroup_mma`` (m64nBLOCK_Nk32 e4m3, fp32 accumulator) per K-step, waits for it in
+the same iteration (a chain left in flight across the loop edge made ptxas serialize every wgmma, C7514) and
+releases the ring buffer; the two consumers' chains interleave on the tensor cores.
+
+Accumulation (``PRECISE``, ``LinearTile.precise_acc``): each K-step's wgmma chain starts from zero and its
+result is added into the fp32 accumulator with an ordinary fp32 add, in K order.  That is what Triton lowers
+the ``tl`` kernel's ``tl.dot(..., max_num_imprecise_acc=BLOCK_K)`` to (a zeroed partial accumulator per
+BLOCK_K elements, then an add), so both kernels compute the same fp32 sums; without ``PRECISE`` the wgmma
+chain accumulates across all of K in the tensor core's adder (Triton's default, and the ``tl`` kernel's
+``precise_acc=False``).
+
+Epilogue (64 rows x 64 columns at a time): ``y = (acc * 2^Ex) * 2^Ew (+ bias)``, rows past the batch's S
+and columns past N zeroed (the ``tl`` kernel's fp32 operations in its order), then quantized in a blocked
+layout (4 tokens x 8 channels per thread, 32-token and 32-channel blocks reduced inside a warp) by the
+arithmetic helpers of the ``tl`` path (``quantize._hdim_mx``, ``_mx_exponent``, ``_e4m3_bytes``,
+``rmsnorm_quant._pack4``: plain ``@triton.jit`` functions that create no index tensors, so Gluon calls them);
+``_emit_mx_gl`` repeats ``rmsnorm_quant._emit_mx``'s offsets, masks and stores with Gluon layouts.  M tiles
+never cross a batch boundary (row tiles are (batch, 128-token block)); x rows past a batch's end read the next
+batch (or TMA zero fill) and are zeroed before quantization.  K past the end and W rows past N are TMA zero
+fill (exact zeros in the sums).
+
+Requirements (``gluon_eligible``): sm_90, x and W rows 16-byte aligned (K % 16 == 0 for contiguous data),
+data pointers 16-byte aligned.  Notes and numbers: docs/perf-notes-producers.md.  Compile check without a GPU:
+``python scripts/compile_check_linear_gluon.py`` (triton 3.6).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from mxattn.kernels.launch import cdiv, fast_launcher, nvmma_fp8_layout
+from mxattn.kernels.linear_quant import _pow2_wide, band_tile
+from mxattn.kernels.quantize import _e4m3_bytes, _hdim_mx, _mx_exponent, _nan_bytes, _pow2, _tiled_offset, _to_f32
+from mxattn.kernels.rmsnorm_quant import _pack4
+
+WG_ROWS = gl.constexpr(64)  # rows per consumer warpgroup (one wgmma M)
+BLOCK_M = gl.constexpr(128)  # rows per tile: two consumer warpgroups
+
+
+@dataclass(frozen=True)
+class GluonLinearConfig:
+    """Tile and partition choice (not yet tuned on the H200)."""
+
+    block_n: int = 128  # wgmma N: 64 or 128 (whole hdim blocks; 64-column epilogue parts); 64 fp32 registers at 128
+    block_k: int = 128  # K per ring buffer and per precise-accumulation step
+    stages: int = 4  # ring depth: 4 x (16 KB x + 16 KB W) = 128 KB, + 64 KB of accumulator slots (epilogue partition)
+    group_m: int = 8  # row tiles per band (as the tl kernel)
+    # a fourth partition (one warpgroup) quantizes the accumulators that the consumers leave in shared memory,
+    # while they run the next tile's main loop; False: each consumer quantizes its own tile (no overlap but the
+    # producer's run-ahead)
+    epi_partition: bool = True
+    # registers per thread: at launch (maxnreg, all warps), then per partition (setmaxnreg).  Triton pads each
+    # partition to whole warpgroups (the producer's one warp counts as four: the launch is 16 warps with the
+    # epilogue partition, 12 without) and gives the default partition (consumer 0) what is left:
+    # 4 * maxnreg - consumer - producer - epilogue per thread (triton 3.6, read off the PTX).  With the epilogue
+    # partition: 16 * 32 * 128 = 64K at launch; consumers 144 (accumulator + one K-step partial + addresses; no
+    # spills), producer 24, epilogue 200 (compile check: 160 / 168 spilled ~700 bytes in the epilogue with both
+    # orientations, 144 / 200 ~560, 136 / 216 ~290 but the consumers start spilling).  Without: 12 * 32 * 168
+    # <= 64K; consumers 240, producer 24.
+    maxnreg: int = 128
+    consumer_regs: int = 144
+    producer_regs: int = 24
+    epi_regs: int = 200
+
+    def default_partition_regs(self) -> int:
+        extra = self.epi_regs if self.epi_partition else 0
+        return min(256, (16 if self.epi_partition else 12) * self.maxnreg // 4 - self.consumer_regs
+                   - self.producer_regs - extra)
+
+    def inline(self) -> "GluonLinearConfig":
+        """The variant without the epilogue partition, with its register split."""
+        return GluonLinearConfig(self.block_n, self.block_k, self.stages, self.group_m, False, 168, 240, 24, 0)
+
+
+CONFIG_OVERRIDE: GluonLinearConfig | None = None  # tests and benchmarks: e.g. GluonLinearConfig().inline()
+_SM_COUNT: dict = {}
+_MAJOR: dict = {}
+
+
+def _major(dev: torch.device) -> int:
+    """Compute capability major of ``dev``, once per device (linear_quant_fwd asks on every call)."""
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    if i not in _MAJOR:
+        _MAJOR[i] = torch.cuda.get_device_capability(i)[0]
+    return _MAJOR[i]
+
+
+def _sm_count(dev: torch.device) -> int:
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    if i not in _SM_COUNT:
+        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SM_COUNT[i]
+
+
+# ------------------------------------------------------------------------------------------------- layouts
+@gluon.constexpr_function
+def _mma_layout(n):
+    # one warpgroup, wgmma m64nNk32 (k = 256 bits of 8-bit operands)
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 32])
+
+
+@gluon.constexpr_function
+def _epi_layout(nb):
+    """(64 / 32 seq blocks, 32 tokens, nb channel blocks, 32 channels): a thread holds 4 consecutive tokens (one
+    packed word per channel) of 8 consecutive channels; a 32-token block spans 8 lanes and a 32-channel block
+    4 lanes, so both block maxima are reduced inside one warp."""
+    wn = 2 if nb >= 2 else 1
+    return gl.BlockedLayout(size_per_thread=[1, 4, 1, 8], threads_per_warp=[1, 8, 1, 4],
+                            warps_per_cta=[4 // wn, 1, wn, 1], order=[3, 2, 1, 0])
+
+
+@gluon.constexpr_function
+def _axis_layout(dim, parent):
+    """The 1-D layout whose expand_dims along every other axis, in increasing order, gives ``parent``."""
+    lay = parent
+    for d in reversed(range(4)):
+        if d != dim:
+            lay = gl.SliceLayout(d, lay)
+    return lay
+
+
+@gluon.jit
+def _coord(n: gl.constexpr, DIM: gl.constexpr, layout: gl.constexpr):
+    """arange(n) placed along axis DIM of a 4-D tensor of ``layout`` (size 1 on the other axes)."""
+    v = gl.arange(0, n, layout=_axis_layout(DIM, layout))
+    for d in gl.static_range(4):
+        if d != DIM:
+            v = gl.expand_dims(v, d)
+    return v
+
+
+# ------------------------------------------------------------------------------------------------- epilogue
+@gluon.jit
+def _emit_mx_gl(y, s0, n0, b64, S, N, S_pad, hd_ptr, hs_ptr, cd_ptr, cs_ptr,
+                MB: gl.constexpr, MI: gl.constexpr, NB: gl.constexpr,
+                HDIM: gl.constexpr, SEQ: gl.constexpr, RCEIL: gl.constexpr, SOFT: gl.constexpr,
+                SWZ: gl.constexpr):
+    """``rmsnorm_quant._emit_mx`` (ROWSCALED False) for a (MB, MI = 32, NB, 32) fp32 tile in ``_epi_layout``:
+    the same offsets, masks and arithmetic helpers."""
+    L4: gl.constexpr = y.type.layout
+    mb = _coord(MB, 0, L4)
+    mi = _coord(MI, 1, L4)
+    nb = _coord(NB, 2, L4)
+    nj = _coord(32, 3, L4)
+    sl = mb * MI + mi
+    nl = nb * 32 + nj
+    s = s0 + sl
+    n = n0 + nl
+    mag = y.to(gl.int32, bitcast=True) & 0x7FFFFFFF
+    bad = gl.max(gl.reshape(mag, [MB * MI * NB * 32]), 0) >= 0x7F800000
+    if HDIM:
+        row = b64 * S + s0
+        hd = hd_ptr + row * N + n0
+        out, sc = _hdim_mx(y, y, mag, bad, RCEIL, SOFT)
+        gl.store(hd + sl * N + nl, out, mask=(s < S) & (n < N))
+        NBH = (N + 31) // 32
+        if SWZ:
+            tiled = hs_ptr + _tiled_offset(row + sl, n0 // 32 + nb, (NBH + 3) // 4)
+            gl.store(tiled, sc, mask=(s < S) & (n0 // 32 + nb < NBH))
+        else:
+            hs = hs_ptr + row * NBH + n0 // 32
+            gl.store(hs + sl * NBH + nb, sc, mask=(s < S) & (n0 // 32 + nb < NBH))
+    if SEQ:
+        amax = gl.max(mag, axis=1, keep_dims=True)  # one per 32 tokens and channel
+        e = _mx_exponent(amax, RCEIL)
+        out = _e4m3_bytes(y * _pow2(-e), SOFT)
+        if bad:
+            out = gl.where(mag > 0x7F800000, _nan_bytes(y), out)
+        NSB = (S + 31) // 32
+        sb = s0 // 32 + mb
+        sc = gl.where(amax < 0x7F800000, e + 127, 255).to(gl.uint8)
+        gl.store(cs_ptr + (b64 * NSB + sb) * N + n, sc, mask=(sb < NSB) & (n < N))
+        words = _pack4(out, MB, MI, NB)  # (MB * MI / 4, NB * 32) int32
+        WL: gl.constexpr = words.type.layout
+        wl = gl.expand_dims(gl.arange(0, MB * MI // 4, layout=gl.SliceLayout(1, WL)), 1)
+        cl = gl.expand_dims(gl.arange(0, NB * 32, layout=gl.SliceLayout(0, WL)), 0)
+        row_w = S_pad // 4
+        cbase = cd_ptr + (b64 * N + n0) * row_w + s0 // 4
+        gl.store(cbase + cl.to(gl.int64) * row_w + wl, words, mask=(s0 // 4 + wl < row_w) & (n0 + cl < N))
+
+
+@gluon.constexpr_function
+def _part_layout(w):
+    """2-D (64, w) layout whose reshape to (2, 32, w / 32, 32) is ``_epi_layout(w / 32)`` register for register
+    (4 tokens x 8 channels per thread)."""
+    wn = 2 if w >= 64 else 1
+    return gl.BlockedLayout(size_per_thread=[4, 8], threads_per_warp=[8, 4], warps_per_cta=[4 // wn, wn],
+                            order=[1, 0])
+
+
+@gluon.jit
+def _quantize_part(raw, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b64, s0, n0, S, N, S_pad,
+                   HAS_BIAS: gl.constexpr, HDIM: gl.constexpr, SEQ: gl.constexpr, RCEIL: gl.constexpr,
+                   SOFT: gl.constexpr, SWZ: gl.constexpr):
+    """Raw accumulator columns n0 .. n0 + W - 1 of 64 rows (``_part_layout(W)``) -> scale, bias and mask as
+    ``_linear_quant_kernel`` (the same fp32 operations in the same order), then ``_emit_mx_gl``."""
+    W: gl.constexpr = raw.shape[1]
+    lay: gl.constexpr = raw.type.layout
+    rm = s0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, lay))
+    rn = n0 + gl.arange(0, W, layout=gl.SliceLayout(0, lay))
+    row = b64 * S + gl.minimum(rm, S - 1)
+    col = gl.minimum(rn, N - 1).to(gl.int64)
+    ex = gl.load(xe_ptr + row)
+    ew = gl.load(we_ptr + col)
+    y = (raw * gl.expand_dims(_pow2_wide(ex), 1)) * gl.expand_dims(_pow2_wide(ew), 0)
+    if HAS_BIAS:
+        y = y + gl.expand_dims(_to_f32(gl.load(b_ptr + col)), 0)
+    y = gl.where(gl.expand_dims(rm < S, 1) & gl.expand_dims(rn < N, 0), y, 0.0)
+    y4 = gl.convert_layout(gl.reshape(y, [WG_ROWS // 32, 32, W // 32, 32]), _epi_layout(W // 32))
+    _emit_mx_gl(y4, s0, n0, b64, S, N, S_pad, hd_ptr, hs_ptr, cd_ptr, cs_ptr,
+                WG_ROWS // 32, 32, W // 32, HDIM, SEQ, RCEIL, SOFT, SWZ)
+
+
+@gluon.jit
+def _halves(acc):
+    """(64, BN) -> its two column halves.  Column bit log2(BN/2) is a register bit of the wgmma layout, so the
+    split moves no data."""
+    HN: gl.constexpr = acc.shape[1] // 2
+    return gl.split(gl.permute(gl.reshape(acc, [WG_ROWS, 2, HN]), (0, 2, 1)))
+
+
+@gluon.jit
+def _epilogue_inline(acc, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b64, s0, n0, S, N, S_pad,
+                     BN: gl.constexpr, HAS_BIAS: gl.constexpr, HDIM: gl.constexpr, SEQ: gl.constexpr,
+                     RCEIL: gl.constexpr, SOFT: gl.constexpr, SWZ: gl.constexpr):
+    """The consumer quantizes its own 64 x BN accumulator, in column halves of 64 (the whole tile in the blocked
+    layout plus the seq path's temporaries spilled ~900 bytes with both orientations, triton 3.6)."""
+    if BN == 128:
+        lo, hi = _halves(acc)
+        _quantize_part(gl.convert_layout(lo, _part_layout(64)), xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr,
+                       cs_ptr, b64, s0, n0, S, N, S_pad, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
+        _quantize_part(gl.convert_layout(hi, _part_layout(64)), xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr,
+                       cs_ptr, b64, s0, n0 + 64, S, N, S_pad, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
+    else:
+        _quantize_part(gl.convert_layout(acc, _part_layout(BN)), xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr,
+                       cs_ptr, b64, s0, n0, S, N, S_pad, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
+
+
+@gluon.jit
+def _handoff(acc, acc_smem, acc_ready, acc_empty, j, WG: gl.constexpr, BN: gl.constexpr):
+    """EPI_PARTITION: the consumer's j-th accumulator to its shared-memory slot (64-column parts), for the
+    epilogue partition.  Waits until the epilogue has read the slot's previous tile."""
+    mbarrier.wait(acc_empty.index(WG), (j & 1) ^ 1)
+    if BN == 128:
+        lo, hi = _halves(acc)
+        acc_smem.index(2 * WG).store(lo)
+        acc_smem.index(2 * WG + 1).store(hi)
+    else:
+        acc_smem.index(WG).store(acc)
+    gl.thread_barrier()  # every warp's stores before the one arrival
+    mbarrier.arrive(acc_ready.index(WG), count=1)
+
+
+@gluon.jit
+def _epilogue_partition(acc_smem, acc_ready, acc_empty, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr,
+                        S, N, S_pad, n_m_tiles, n_row_tiles, n_col_tiles, n_tiles,
+                        BN: gl.constexpr, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr, HDIM: gl.constexpr,
+                        SEQ: gl.constexpr, RCEIL: gl.constexpr, SOFT: gl.constexpr, SWZ: gl.constexpr):
+    """EPI_PARTITION: one warpgroup quantizes both consumers' accumulators of every tile while the consumers run
+    the next tile's main loop."""
+    W: gl.constexpr = 64 if BN == 128 else BN
+    NP: gl.constexpr = BN // W
+    j = 0
+    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        b, s0, n0 = _tile_coords(t, S, n_m_tiles, n_row_tiles, n_col_tiles, BN, GROUP_M)
+        for c in gl.static_range(2):
+            mbarrier.wait(acc_ready.index(c), j & 1)
+            for h in gl.static_range(NP):
+                raw = acc_smem.index(NP * c + h).load(_part_layout(W))
+                if h == NP - 1:
+                    gl.thread_barrier()  # every warp has read the slot
+                    mbarrier.arrive(acc_empty.index(c), count=1)
+                _quantize_part(raw, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b.to(gl.int64),
+                               s0 + c * WG_ROWS, n0 + h * W, S, N, S_pad, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
+        j += 1
+
+
+# ------------------------------------------------------------------------------------------------- partitions
+@gluon.jit
+def _tile_coords(t, S, n_m_tiles, n_row_tiles, n_col_tiles, BN: gl.constexpr, GROUP_M: gl.constexpr):
+    """Tile t -> (batch, first token within the batch, first channel)."""
+    pid_m, pid_n = band_tile(t, n_row_tiles, n_col_tiles, GROUP_M)
+    return pid_m // n_m_tiles, (pid_m % n_m_tiles) * BLOCK_M, pid_n * BN
+
+
+@gluon.jit
+def _producer(x_desc, w_desc, a_smem, b_smem, ready, empty, S, K, n_m_tiles, n_row_tiles, n_col_tiles, n_tiles,
+              BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    k_tiles = gl.cdiv(K, BK)
+    it = 0
+    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        b, s0, n0 = _tile_coords(t, S, n_m_tiles, n_row_tiles, n_col_tiles, BN, GROUP_M)
+        row = b * S + s0
+        for kk in range(k_tiles):
+            s = it % STAGES
+            # a fresh mbarrier counts as having completed the phase before phase 0: the first pass does not wait
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), 2 * x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [row, kk * BK], ready.index(s), a_smem.index(2 * s))
+            tma.async_copy_global_to_shared(x_desc, [row + WG_ROWS, kk * BK], ready.index(s), a_smem.index(2 * s + 1))
+            tma.async_copy_global_to_shared(w_desc, [n0, kk * BK], ready.index(s), b_smem.index(s))
+            it += 1
+
+
+@gluon.jit
+def _consumer(a_smem, b_smem, ready, empty, acc_smem, acc_ready, acc_empty, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr,
+              S, N, K, S_pad, n_m_tiles, n_row_tiles, n_col_tiles, n_tiles,
+              WG: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+              PRECISE: gl.constexpr, HAS_BIAS: gl.constexpr, HDIM: gl.constexpr, SEQ: gl.constexpr,
+              RCEIL: gl.constexpr, SOFT: gl.constexpr, SWZ: gl.constexpr, EPI_PARTITION: gl.constexpr):
+    mma: gl.constexpr = _mma_layout(BN)
+    zero = gl.zeros([WG_ROWS, BN], gl.float32, layout=mma)
+    k_tiles = gl.cdiv(K, BK)
+    it = 0
+    j = 0
+    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        b, s0, n0 = _tile_coords(t, S, n_m_tiles, n_row_tiles, n_col_tiles, BN, GROUP_M)
+        acc = zero
+        for kk in range(k_tiles):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            b_op = b_smem.index(s).permute((1, 0))
+            if PRECISE:
+                # the K-step's own chain from zero, waited in this iteration, then an fp32 add (module docstring)
+                part = warpgroup_mma(a_smem.index(2 * s + WG), b_op, zero, use_acc=False, is_async=True)
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc = acc + part
+            else:
+                acc = warpgroup_mma(a_smem.index(2 * s + WG), b_op, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index(s), count=1)
+            it += 1
+        if EPI_PARTITION:
+            _handoff(acc, acc_smem, acc_ready, acc_empty, j, WG, BN)
+        else:
+            _epilogue_inline(acc, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b.to(gl.int64),
+                             s0 + WG * WG_ROWS, n0, S, N, S_pad, BN, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
+        j += 1
+
+
+@gluon.jit
+def _linear_quant_ws_kernel(
+    x_desc, w_desc, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr,
+    S, N, K, S_pad, n_m_tiles, n_row_tiles,
+    BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    PRECISE: gl.constexpr, HAS_BIAS: gl.constexpr, HDIM: gl.constexpr, SEQ: gl.constexpr,
+    RCEIL: gl.constexpr, SOFT: gl.constexpr, SWZ: gl.constexpr, EPI_PARTITION: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, EPI_REGS: gl.constexpr,
+):
+    n_col_tiles = gl.cdiv(N, BN)
+    n_tiles = n_row_tiles * n_col_tiles
+    a_smem = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES] + x_desc.block_type.shape, x_desc.layout)
+    b_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    acc_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    acc_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    for i in gl.static_range(2):
+        mbarrier.init(acc_ready.index(i), count=1)
+        mbarrier.init(acc_empty.index(i), count=1)
+    # accumulator slots of the epilogue partition: per consumer, its 64 x BN fp32 tile as 64-column parts
+    # (a one-element placeholder without the partition)
+    W: gl.constexpr = 64 if BN == 128 else BN
+    SLOTS: gl.constexpr = 2 * (BN // W) if EPI_PARTITION else 1
+    acc_smem = gl.allocate_shared_memory(gl.float32, [SLOTS, WG_ROWS if EPI_PARTITION else 1,
+                                                      W if EPI_PARTITION else 1], _acc_smem_layout())
+    if EPI_PARTITION:
+        gl.warp_specialize([
+            (_consumer, (a_smem, b_smem, ready, empty, acc_smem, acc_ready, acc_empty, xe_ptr, we_ptr, b_ptr, hd_ptr,
+                         hs_ptr, cd_ptr, cs_ptr, S, N, K, S_pad, n_m_tiles, n_row_tiles, n_col_tiles, n_tiles,
+                         0, BN, BK, GROUP_M, STAGES, PRECISE, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ, True)),
+            (_consumer, (a_smem, b_smem, ready, empty, acc_smem, acc_ready, acc_empty, xe_ptr, we_ptr, b_ptr, hd_ptr,
+                         hs_ptr, cd_ptr, cs_ptr, S, N, K, S_pad, n_m_tiles, n_row_tiles, n_col_tiles, n_tiles,
+                         1, BN, BK, GROUP_M, STAGES, PRECISE, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ, True)),
+            (_producer, (x_desc, w_desc, a_smem, b_smem, ready, empty, S, K, n_m_tiles, n_row_tiles, n_col_tiles,
+                         n_tiles, BN, BK, GROUP_M, STAGES)),
+            (_epilogue_partition, (acc_smem, acc_ready, acc_empty, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr,
+                                   cs_ptr, S, N, S_pad, n_m_tiles, n_row_tiles, n_col_tiles, n_tiles, BN, GROUP_M,
+                                   HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)),
+        ], [4, 1, 4], [CONSUMER_REGS, PRODUCER_REGS, EPI_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (a_smem, b_smem, ready, empty, acc_smem, acc_ready, acc_empty, xe_ptr, we_ptr, b_ptr, hd_ptr,
+                         hs_ptr, cd_ptr, cs_ptr, S, N, K, S_pad, n_m_tiles, n_row_tiles, n_col_tiles, n_tiles,
+                         0, BN, BK, GROUP_M, STAGES, PRECISE, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ, False)),
+            (_consumer, (a_smem, b_smem, ready, empty, acc_smem, acc_ready, acc_empty, xe_ptr, we_ptr, b_ptr, hd_ptr,
+                         hs_ptr, cd_ptr, cs_ptr, S, N, K, S_pad, n_m_tiles, n_row_tiles, n_col_tiles, n_tiles,
+                         1, BN, BK, GROUP_M, STAGES, PRECISE, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ, False)),
+            (_producer, (x_desc, w_desc, a_smem, b_smem, ready, empty, S, K, n_m_tiles, n_row_tiles, n_col_tiles,
+                         n_tiles, BN, BK, GROUP_M, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+@gluon.constexpr_function
+def _acc_smem_layout():
+    # rows of 64 fp32 (256 bytes): 16-byte vectors XOR-swizzled by row, so that the wgmma layout's stores (8 rows
+    # per instruction at the same columns) spread over the banks
+    return gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
+
+
+# ------------------------------------------------------------------------------------------------- launcher
+def gluon_eligible(xd: torch.Tensor, wd: torch.Tensor, block_n: int = 128) -> bool:
+    """Whether the Gluon kernel takes these FP8 operands: a CUDA sm_90 device, unit stride along K, row pitches
+    and base pointers 16-byte aligned (TMA), no empty dimension, BLOCK_N a multiple of 32."""
+    if xd.device.type != "cuda" or _major(xd.device) != 9 or block_n % 32:
+        return False
+    for t in (xd, wd):
+        if t.dim() != 2 or 0 in t.shape or t.stride(-1) != 1 or t.stride(0) % 16 or t.data_ptr() % 16:
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _layouts(block_n: int, block_k: int):
+    return nvmma_fp8_layout(WG_ROWS.value, block_k), nvmma_fp8_layout(block_n, block_k)
+
+
+def linear_quant_fwd_gluon(xd, xe, wd, we, bias, hd, hs, cd, cs, B: int, S: int, s_pad: int, *, hdim: bool,
+                           seq: bool, rceil: bool, soft: bool, precise: bool, tiled_scales: bool,
+                           config: GluonLinearConfig | None = None) -> None:
+    """Launch on prepared operands and outputs (``linear_quant.linear_quant_fwd`` allocates them and checks
+    ``gluon_eligible``): xd (B*S, K) / wd (N, K) e4m3, xe (B*S,) / we (N,) int32, outputs as ``_emit_mx``."""
+    cfg = config or CONFIG_OVERRIDE or GluonLinearConfig()
+    if cfg.block_n not in (64, 128):
+        raise ValueError(f"block_n must be 64 or 128, got {cfg.block_n}")
+    M, K = xd.shape
+    N = wd.shape[0]
+    la, lb = _layouts(cfg.block_n, cfg.block_k)
+    x_desc = TensorDescriptor(xd, [M, K], [xd.stride(0), 1], [WG_ROWS.value, cfg.block_k], la)
+    w_desc = TensorDescriptor(wd, [N, K], [wd.stride(0), 1], [cfg.block_n, cfg.block_k], lb)
+    n_m_tiles = cdiv(S, BLOCK_M.value)
+    n_row_tiles = B * n_m_tiles
+    n_tiles = n_row_tiles * cdiv(N, cfg.block_n)
+    grid = (min(n_tiles, _sm_count(xd.device)),)
+    fast_launcher(_linear_quant_ws_kernel)[grid](
+        x_desc, w_desc, xe, we, bias if bias is not None else xe, hd, hs, cd, cs,
+        S, N, K, s_pad, n_m_tiles, n_row_tiles,
+        BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.stages, PRECISE=precise,
+        HAS_BIAS=bias is not None, HDIM=hdim, SEQ=seq, RCEIL=rceil, SOFT=soft, SWZ=tiled_scales,
+        EPI_PARTITION=cfg.epi_partition, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+        EPI_REGS=cfg.epi_regs,
+        num_warps=4, maxnreg=cfg.maxnreg,
+    )

@@ -1,0 +1,277 @@
+"""The Gluon linear + MXFP8 quantize kernel (``mxattn.kernels.linear_quant_gluon``) and the kernel switch.
+
+CPU: the switch (``MXATTN_LINEAR_KERNEL`` / ``KERNEL_OVERRIDE``: values, fallbacks, refusals before any launch)
+and the config's register budget.  GPU (``-m gpu``, sm_90): the Gluon kernel against the ``tl`` kernel on the
+same row-scaled operands, tiny shapes first (a barrier bug shows as a hang: run under ``timeout``), then odd
+sizes (M, N, K not multiples of the tile; B > 1 with seq tiles that end inside a batch; bias or not; hdim / seq /
+both; the 128x4-tiled hdim scales).  Comparison rule: every output byte equal to the ``tl`` kernel's, with
+precise accumulation (the default) and with ``precise_acc=False``.  Both kernels issue the same wgmma
+(m64n128k32 e4m3 per warpgroup) on the same operands in the same K order; precise, each 128-K step is a chain
+from zero added to the fp32 accumulator, fast, one chain over all of K (``scripts/compile_check_linear_gluon.py``
+checks this on the compiled PTX / SASS, ``check_same_accumulation``); the epilogue runs the same helpers on the
+same fp32 values.  The fast mode is also compared to ``linear_quant_reference`` with the bound of
+``test_producers.test_gpu_linear_quant_against_reference``.
+
+    PYTHONPATH=. python -m pytest tests/test_linear_gluon.py                         # CPU
+    timeout 300 python -m pytest -m gpu -x tests/test_linear_gluon.py -k tiny        # H200, first
+    PYTHONPATH=. python -m pytest -m gpu tests/test_linear_gluon.py                  # H200
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import mxattn.kernels.linear_quant as kl  # noqa: E402
+from mxattn import producers as P  # noqa: E402
+from test_producers import ACC_REL, _rand, _u8, assert_mx_close, assert_same_bytes  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.fixture
+def clean_switch(monkeypatch):
+    if HOPPER:
+        import mxattn.kernels.linear_quant_gluon as g
+
+        monkeypatch.setattr(g, "CONFIG_OVERRIDE", None)
+    monkeypatch.setattr(kl, "KERNEL_OVERRIDE", None)
+    monkeypatch.setattr(kl, "TILE_OVERRIDE", None)
+    monkeypatch.delenv(kl.KERNEL_ENV, raising=False)
+    yield monkeypatch
+
+
+def _fp8(shape, device):
+    return torch.zeros(shape, dtype=torch.float8_e4m3fn, device=device)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: the switch
+# ----------------------------------------------------------------------------------------------
+
+
+def test_switch_values_and_fallbacks(clean_switch):
+    x, w = _fp8((64, 128), "cpu"), _fp8((96, 128), "cpu")
+    assert kl.linear_kernel(x, w, False) == "tl"  # auto on CPU: the tl kernel (interpreter)
+    clean_switch.setenv(kl.KERNEL_ENV, "TL")
+    assert kl.linear_kernel(x, w, False) == "tl"
+    clean_switch.setenv(kl.KERNEL_ENV, "cublas")
+    with pytest.raises(ValueError, match="auto, tl or gluon"):
+        kl.linear_kernel(x, w, False)
+    clean_switch.setenv(kl.KERNEL_ENV, "gluon")
+    with pytest.raises(ValueError, match="sm_90"):
+        kl.linear_kernel(x, w, False)
+    clean_switch.setattr(kl, "KERNEL_OVERRIDE", "tl")  # the override wins over the environment
+    assert kl.linear_kernel(x, w, False) == "tl"
+    clean_switch.setattr(kl, "KERNEL_OVERRIDE", "auto")
+    assert kl.linear_kernel(x, w, True) == "tl"  # a tl tile was asked for
+
+
+def test_gluon_refused_through_the_api_on_cpu(clean_switch, gen):
+    """Forcing the Gluon kernel where it cannot run raises before any launch (CPU tensors, interpreter)."""
+    if CUDA:
+        pytest.skip("checks the CPU refusal")
+    clean_switch.setattr(P, "_KERNELS_ON_CPU", True)
+    clean_switch.setenv(kl.KERNEL_ENV, "gluon")
+    x = _rand((2, 5, 32), torch.float32, gen)
+    w = _rand((32, 32), torch.float32, gen)
+    with pytest.raises(ValueError, match="Gluon"):
+        P.linear_quant(x, w)
+
+
+def test_gluon_eligibility_rules():
+    pytest.importorskip("triton.experimental.gluon")
+    from mxattn.kernels.linear_quant_gluon import gluon_eligible
+
+    assert not gluon_eligible(_fp8((64, 128), "cpu"), _fp8((64, 128), "cpu"))  # not a CUDA device
+    if HOPPER:
+        dev = "cuda"
+        assert gluon_eligible(_fp8((64, 128), dev), _fp8((96, 128), dev))
+        assert not gluon_eligible(_fp8((64, 40), dev), _fp8((96, 40), dev))  # 40-byte rows: no TMA
+        assert not gluon_eligible(_fp8((64, 160), dev)[:, 8:], _fp8((96, 152), dev))  # base not 16-byte aligned
+        assert not gluon_eligible(_fp8((0, 128), dev), _fp8((96, 128), dev))
+
+
+def test_config_fits_the_register_file_and_shared_memory():
+    pytest.importorskip("triton.experimental.gluon")
+    from mxattn.kernels import linear_quant_gluon as g
+
+    for c in (g.GluonLinearConfig(), g.GluonLinearConfig().inline()):
+        # Triton pads the partitions to warpgroups: 16 warps with the epilogue partition, 12 without
+        warps = 16 if c.epi_partition else 12
+        assert c.maxnreg * 32 * warps <= 65536, c
+        regs = [c.default_partition_regs(), c.consumer_regs, c.producer_regs] + ([c.epi_regs] if c.epi_partition else [])
+        assert 128 * sum(regs) <= 65536, (c, regs)
+        assert all(r % 8 == 0 and 24 <= r <= 256 for r in regs), regs
+        assert c.default_partition_regs() >= c.consumer_regs  # consumer 0 (the default partition) fits too
+        ring = c.stages * (g.BLOCK_M.value + c.block_n) * c.block_k  # e4m3 bytes
+        handoff = 2 * g.WG_ROWS.value * c.block_n * 4 if c.epi_partition else 0  # fp32 accumulator slots
+        assert ring + handoff + 1024 <= 227 * 1024, c
+        assert c.block_n in (64, 128) and g.BLOCK_M.value % 32 == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: Gluon against tl
+# ----------------------------------------------------------------------------------------------
+
+
+def _fwd(kernel, xr, wr, bias, B, S, orient, precise, tiled=False):
+    """linear_quant_fwd with the kernel forced (a forced kernel ignores whether a tile was passed; the Gluon
+    launch reads only ``precise_acc`` from it)."""
+    saved = kl.KERNEL_OVERRIDE
+    kl.KERNEL_OVERRIDE = kernel
+    try:
+        return kl.linear_quant_fwd(xr, wr, bias, B, S, hdim=orient in ("hdim", "both"), seq=orient in ("seq", "both"),
+                                   rceil=True, tile=kl.LinearTile(precise_acc=precise), tiled_scales=tiled)
+    finally:
+        kl.KERNEL_OVERRIDE = saved
+
+
+def _operands(B, S, K, N, bias, gen):
+    x = _rand((B * S, K), torch.bfloat16, gen)
+    w = _rand((N, K), torch.bfloat16, gen, K ** -0.5)
+    b = _rand((N,), torch.bfloat16, gen) if bias else None
+    return kl.row_scaled_rows(x), kl.row_scaled_rows(w), b
+
+
+TINY = [(1, 1, 16, 32), (1, 7, 48, 40), (2, 3, 128, 64)]
+# each distinct (orientation, bias, accumulation, variant) and each 16-divisibility pattern of S, N, K is one compile:
+# few shapes, each odd in a different way
+ODD = [(1, 199, 160, 96), (2, 45, 272, 200), (3, 129, 1040, 136), (1, 1000, 4096, 1000)]
+
+
+def _inline(monkeypatch):
+    """The variant without the epilogue partition (each consumer quantizes its own accumulator)."""
+    import mxattn.kernels.linear_quant_gluon as g
+
+    monkeypatch.setattr(g, "CONFIG_OVERRIDE", g.GluonLinearConfig().inline())
+
+
+def _check_same(B, S, K, N, bias, orient, gen, tiled=False, precise=True):
+    xr, wr, b = _operands(B, S, K, N, bias, gen)
+    got = _fwd("gluon", xr, wr, b, B, S, orient, precise, tiled)
+    want = _fwd("tl", xr, wr, b, B, S, orient, precise, tiled)
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert_same_bytes(got[key], want[key],
+                          f"gluon vs tl {key} B{B} S{S} K{K} N{N} bias={bias} {orient} precise={precise}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("variant", ["epi", "inline"])
+@pytest.mark.parametrize("orient", ["hdim", "seq", "both"])
+@pytest.mark.parametrize("B,S,K,N", TINY, ids=lambda v: str(v))
+def test_gpu_gluon_tiny(gen, clean_switch, B, S, K, N, orient, variant):
+    if variant == "inline":
+        _inline(clean_switch)
+    _check_same(B, S, K, N, True, orient, gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("variant", ["epi", "inline"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("orient", ["hdim", "seq", "both"])
+@pytest.mark.parametrize("B,S,K,N", ODD, ids=lambda v: str(v))
+def test_gpu_gluon_matches_tl(gen, clean_switch, B, S, K, N, orient, bias, variant):
+    if variant == "inline":
+        _inline(clean_switch)
+    _check_same(B, S, K, N, bias, orient, gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("variant", ["epi", "inline"])
+@pytest.mark.parametrize("B,S,K,N", [(1, 199, 160, 96), (2, 300, 1040, 200), (1, 2048, 4096, 1024)],
+                         ids=lambda v: str(v))
+def test_gpu_gluon_fast_accumulation_matches_tl(gen, clean_switch, B, S, K, N, variant):
+    if variant == "inline":
+        _inline(clean_switch)
+    _check_same(B, S, K, N, True, "both", gen, precise=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("B,S,K,N", [(1, 199, 160, 96), (2, 1000, 1024, 1536)], ids=lambda v: str(v))
+def test_gpu_gluon_tiled_scales(gen, clean_switch, B, S, K, N):
+    _check_same(B, S, K, N, True, "hdim", gen, tiled=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("variant", ["epi", "inline"])
+def test_gpu_gluon_many_tiles_per_cta(gen, clean_switch, variant):
+    """More tiles than SMs (every CTA walks several tiles; the ring and the accumulator slots wrap across
+    tiles), B > 1 with seq."""
+    if variant == "inline":
+        _inline(clean_switch)
+    _check_same(4, 1000, 384, 2048, True, "both", gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("M,K,N,orient", [(199, 160, 96, "both"), (2000, 4096, 1024, "both"), (2048, 1040, 640, "hdim")],
+                         ids=lambda v: str(v))
+def test_gpu_gluon_imprecise_against_reference(gen, clean_switch, M, K, N, orient):
+    """precise_acc=False through the public API, the Gluon kernel forced: the reference within the bound of
+    test_producers.test_gpu_linear_quant_against_reference for unpromoted accumulation."""
+    clean_switch.setattr(kl, "KERNEL_OVERRIDE", "gluon")
+    clean_switch.setattr(kl, "TILE_OVERRIDE", kl.LinearTile(precise_acc=False))
+    x = _rand((M, K), torch.bfloat16, gen)
+    w = _rand((N, K), torch.bfloat16, gen, K ** -0.5)
+    b = _rand((N,), torch.bfloat16, gen)
+    got = P.linear_quant(x, w, b, orientations=orient)
+    want = P.linear_quant_reference(x.cpu(), w.cpu(), b.cpu(), orientations=orient)
+    got = got if isinstance(got, tuple) else (got,)
+    want = want if isinstance(want, tuple) else (want,)
+    xr2, wr2 = P._as_row_scaled(x.cpu(), "rceil"), P._as_row_scaled(w.cpu(), "rceil")
+    acc_abs = 2 * ACC_REL * (xr2.dequantize(torch.float64).abs() @ wr2.dequantize(torch.float64).abs().T)
+    for g, wt in zip(got, want):
+        stats = assert_mx_close(g, wt, f"gluon imprecise {M}x{K}x{N} {orient}", min_equal=0.95, acc_abs=acc_abs)
+        print(f"gluon imprecise {M}x{K}x{N} {orient} dim={wt.dim}: {stats}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+def test_gpu_public_api_takes_gluon_on_hopper(gen, clean_switch):
+    """``linear_quant`` with the defaults goes through the Gluon kernel (auto) and gives the tl kernel's bytes."""
+    x = _rand((2, 300, 512), torch.bfloat16, gen)
+    w = _rand((768, 512), torch.bfloat16, gen, 512 ** -0.5)
+    xr = kl.row_scaled_rows(x.reshape(-1, 512))
+    assert kl.linear_kernel(xr.data, kl.row_scaled_rows(w).data, False) == "gluon"
+    auto = P.linear_quant(x, w, orientations="both")
+    clean_switch.setenv(kl.KERNEL_ENV, "tl")
+    tl_out = P.linear_quant(x, w, orientations="both")
+    for a, t in zip(auto, tl_out):
+        assert torch.equal(_u8(a.data), _u8(t.data)) and torch.equal(_u8(a.scale), _u8(t.scale))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("variant", ["epi", "inline"])
+def test_gpu_gluon_special_values(gen, clean_switch, variant):
+    """NaN / Inf in x (the epilogue's patching branches: NaN bytes, 255 scales) and all-zero rows: same bytes as tl."""
+    if variant == "inline":
+        _inline(clean_switch)
+    B, S, K, N = 2, 150, 256, 160
+    x = _rand((B * S, K), torch.bfloat16, gen)
+    x[3, 7] = float("inf")
+    x[70, 100] = float("-inf")
+    x[200, 5] = float("nan")
+    x[120] = 0.0
+    w = _rand((N, K), torch.bfloat16, gen, K ** -0.5)
+    xr, wr = kl.row_scaled_rows(x), kl.row_scaled_rows(w)
+    for orient in ("hdim", "seq", "both"):
+        got = _fwd("gluon", xr, wr, None, B, S, orient, True)
+        want = _fwd("tl", xr, wr, None, B, S, orient, True)
+        for key in want:
+            assert_same_bytes(got[key], want[key], f"special values {key} {orient}")
+        if "hs" in want:
+            assert (_u8(want["hs"]) == 255).any()  # the case reached the NaN / Inf path
