@@ -361,17 +361,37 @@ def varlen_q_operand(q: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: 
     return VarlenFP8("q", rs.data, rs.exp, cu_seqlens_q, cu_seqlens_q, cu_seqlens_q, max_seqlen_q)
 
 
+def _offsets_of(like: Optional["VarlenFP8"], role: str, cu_seqlens: torch.Tensor, T: int, align: int = V_ALIGN):
+    """``like``'s offsets for an operand of ``role`` over the same sequences (the ``offsets_of`` argument of the
+    producers), or None without ``like``.  Its offsets are the ones this producer would compute from ``cu_seqlens``
+    (the same tensor, by identity) whenever ``like`` came from a producer; reusing them saves the few small launches
+    of ``cu_blocks``."""
+    if like is None:
+        return None
+    if not isinstance(like, VarlenFP8) or like.role != role or like.cu_seqlens is not cu_seqlens or like.v_blocks \
+            or (role == "k" and (like.cu_exp is None or like.data.shape[0] != T)) or (role == "v" and like.align != align):
+        raise ValueError(f"offsets_of must be a role {role!r} VarlenFP8 over the same cu_seqlens tensor and {T} "
+                         f"tokens (align {align}, not v_blocks), got {getattr(like, 'role', type(like).__name__)!r}")
+    return like
+
+
 def varlen_k_operand(k: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: int,
-                     scale_mode: Union[str, ScaleMode] = "rceil") -> VarlenFP8:
-    """K of a jagged batch (layout: module docstring): one pass, one program per (sequence, 128 keys, head)."""
+                     scale_mode: Union[str, ScaleMode] = "rceil",
+                     offsets_of: Optional["VarlenFP8"] = None) -> VarlenFP8:
+    """K of a jagged batch (layout: module docstring): one pass, one program per (sequence, 128 keys, head).
+    ``offsets_of``: a K-layout operand over the same ``cu_seqlens_k`` tensor and token count (the backward's q, for
+    dO) whose group offsets and exponent rows this one takes instead of computing them (same values, fewer
+    launches)."""
     rceil = ScaleMode.parse(scale_mode) is ScaleMode.RCEIL
     x4 = _packed_input(k, "k")
     _, T, H, D = x4.shape
     B = cu_seqlens_k.numel() - 1
     dev = x4.device
-    cu_g = cu_blocks(cu_seqlens_k, K_GROUP)
+    like = _offsets_of(offsets_of, "k", cu_seqlens_k, T)
+    cu_g = cu_blocks(cu_seqlens_k, K_GROUP) if like is None else like.cu_exp
     data = torch.empty(T, H, D, dtype=torch.uint8, device=dev)
-    exp = torch.zeros(_k_groups_bound(T, B), H, 1, dtype=torch.int32, device=dev)
+    exp = torch.zeros(_k_groups_bound(T, B) if like is None else like.exp.shape[0], H, 1, dtype=torch.int32,
+                      device=dev)
     n_tiles = cdiv(max_seqlen_k, K_GROUP)
     if B * n_tiles * H * T > 0:
         dp = _d_pad(D)
@@ -388,13 +408,15 @@ def varlen_k_operand(k: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: 
 
 def varlen_v_operand(v: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: int,
                      scale_mode: Union[str, ScaleMode] = "rceil", v_blocks: bool = False,
-                     align: int = V_ALIGN) -> VarlenFP8:
+                     align: int = V_ALIGN, offsets_of: Optional["VarlenFP8"] = None) -> VarlenFP8:
     """V of a jagged batch (layout: module docstring): pass 1 the per-(sequence, head, channel) exponents, pass 2
     the channel-major data with 16-aligned sequence starts: (H, D, Tv) rows over the whole batch, or with
     ``v_blocks`` one (H, D, round16(len)) block per sequence starting at element 16-aligned-start * H * D (the
     forward's layout: a V tile's channel rows are then one sequence long, not the batch's Tv).
     ``align`` (a multiple of 16; rows only): sequence starts at multiples of it, zeros to there
-    (``BWD_SEQ_ALIGN`` for the backward's seq operands)."""
+    (``BWD_SEQ_ALIGN`` for the backward's seq operands).
+    ``offsets_of`` (rows only): a V-layout operand over the same ``cu_seqlens_k`` tensor with this ``align`` (the
+    backward's q_seq, for dO) whose column offsets and width Tv this one takes (same values, fewer launches)."""
     if align % V_ALIGN or align < V_ALIGN or (v_blocks and align != V_ALIGN):
         raise ValueError(f"align must be a multiple of {V_ALIGN} ({V_ALIGN} with v_blocks), got {align}")
     rceil = ScaleMode.parse(scale_mode) is ScaleMode.RCEIL
@@ -402,8 +424,11 @@ def varlen_v_operand(v: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: 
     _, T, H, D = x4.shape
     B = cu_seqlens_k.numel() - 1
     dev = x4.device
-    cu_v = align * cu_blocks(cu_seqlens_k, align)
-    Tv = _v_columns_bound(T, B, align)
+    if v_blocks and offsets_of is not None:
+        raise ValueError("offsets_of is for the (H, D, Tv) rows layout, not v_blocks")
+    like = _offsets_of(offsets_of, "v", cu_seqlens_k, T, align)
+    cu_v = align * cu_blocks(cu_seqlens_k, align) if like is None else like.cu_data
+    Tv = _v_columns_bound(T, B, align) if like is None else like.data.shape[2]
     buf = torch.empty(H * D * Tv if v_blocks else (H, D, Tv), dtype=torch.uint8, device=dev)
     exp = torch.full((B, H, D), _NO_EXP_HOST, dtype=torch.int32, device=dev)
     if B * H > 0:
