@@ -514,6 +514,28 @@ def test_dout_producers_take_the_offsets_of_q(seed):
         V.varlen_k_operand(do, cu, 130, offsets_of=q_seq)
 
 
+def test_bench_parts_time_each_piece(monkeypatch):
+    """``bench_varlen_bwd``'s ``parts_ms`` (``varlen._varlen_bwd_parts``) times the tl preprocessing, and on the Gluon
+    path the padded preprocessing, both tile tables and each launcher: run here on the CPU with do_bench calling its
+    function once and the launches recorded."""
+    import triton.testing
+
+    from mxattn.kernels import varlen as V
+
+    pytest.importorskip("mxattn.kernels.attn_bwd_dkdv_gluon")
+    calls = []
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, *a, **k: calls.append(fn()) or 1.0)
+    seen = _record(monkeypatch)
+    ops, out, do, lse = _host_case([70, 300, 5])
+    assert V._varlen_bwd_parts(ops, out, do, lse, True, gluon=False) == {"preprocess": 1.0}
+    seen.clear()
+    parts = V._varlen_bwd_parts(ops, out, do, lse, True, gluon=True)
+    assert list(parts) == ["preprocess", "gluon_preprocess", "tile_tables", "gluon_dkdv", "gluon_dq"]
+    names = [s[0] for s in seen]
+    assert names.count("_attn_bwd_dkdv_ws_kernel") == 1 and names.count("_attn_bwd_dq_ws_kernel") == 1
+    assert names.count("_bwd_tile_slots_kernel") == 4  # two in tile_tables, one per launcher
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU
 # ----------------------------------------------------------------------------------------------

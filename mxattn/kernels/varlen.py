@@ -687,6 +687,60 @@ def _cumsum(xs):
         yield s
 
 
+def _host_ms(fn, n: int = 20) -> float:
+    """Host time (ms) per call of ``fn``: ``n`` calls issued after a sync, clock read before the closing sync (few
+    enough launches that the GPU's queue never makes the host wait).  Close to do_bench's time: host-bound."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) * 1e3 / n
+
+
+def _varlen_bwd_parts(ops, out, do, lse, causal: bool, gluon: bool) -> dict:
+    """Each piece of the jagged backward timed alone (do_bench, ms) on the dispatch's operands: ``preprocess`` (dO's
+    two producers and the δ kernel as the tl path runs them), and with ``gluon`` ``gluon_preprocess`` (the same with
+    δ and lse in the padded columns), ``tile_tables`` (both tables), ``gluon_dkdv`` and ``gluon_dq`` (each launcher
+    on prepared operands: its tile table, exponent copies and kernel)."""
+    from triton.testing import do_bench
+
+    from mxattn.kernels.attn_bwd import _dout_offsets, attn_bwd_preprocess_varlen, gluon_split
+
+    q, k, v_hdim, q_seq, k_seq = ops
+    cu, ms, offs = q.cu_seqlens, q.max_seqlen, _dout_offsets(q, q_seq)
+    parts = {"preprocess": do_bench(lambda: attn_bwd_preprocess_varlen(out, do, cu, ms, offsets_of=offs))}
+    if not gluon:
+        return parts
+    from mxattn.kernels.attn_bwd_dkdv_gluon import GluonDkdvConfig, attn_bwd_dkdv_gluon_varlen
+    from mxattn.kernels.attn_bwd_dq_gluon import GluonDqConfig, attn_bwd_dq_gluon_varlen
+    from mxattn.kernels.bwd_varlen_tiles import bwd_tile_slots
+
+    pre = lambda: attn_bwd_preprocess_varlen(out, do, cu, ms, delta_padded=True, lse=lse,  # noqa: E731
+                                             offsets_of=offs)
+    parts["gluon_preprocess"] = do_bench(pre)
+    doh, dos, delta, lse_pad = pre()
+    split = gluon_split()
+    kv_cfg, dq_cfg = (GluonDkdvConfig(split=True), GluonDqConfig(split=True)) if split else (None, None)
+
+    def tables():
+        bwd_tile_slots(cu, k.cu_seqlens, q.cu_exp, k.cu_exp, q_seq.cu_data, doh.cu_exp, dos.cu_data, k.max_seqlen,
+                       key_tiles=True, causal=causal)
+        bwd_tile_slots(cu, k.cu_seqlens, q.cu_exp, k.cu_exp, k_seq.cu_data, doh.cu_exp, dos.cu_data, ms,
+                       key_tiles=False, causal=causal)
+
+    parts["tile_tables"] = do_bench(tables)
+    parts["gluon_dkdv"] = do_bench(lambda: attn_bwd_dkdv_gluon_varlen(q, k, v_hdim, q_seq, doh, dos, lse_pad, delta,
+                                                                      causal=causal, config=kv_cfg))
+    parts["gluon_dq"] = do_bench(lambda: attn_bwd_dq_gluon_varlen(q, k, v_hdim, k_seq, doh, lse, delta, dos.cu_data,
+                                                                  causal=causal, config=dq_cfg))
+    return parts
+
+
 def bench_varlen_bwd(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, heads_kv: int = 16, head_dim: int = 128,
                      causal: bool = False, seed: int = 0, lengths: Optional[list[int]] = None,
                      deterministic: bool = False, with_sdpa: bool = True) -> dict:
@@ -705,6 +759,10 @@ def bench_varlen_bwd(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, h
     the Gluon jagged kernels with ``MXATTN_VARLEN_BWD_KERNEL=gluon``; named in ``varlen_kernel``) and once more on
     the ``tl`` kernels (``ms["varlen_tl"]``,
     ``rate_vs_dense_tl``), both against the dense default backward (the Gluon kernels on Hopper).
+    ``parts_ms`` (``_varlen_bwd_parts``): the pieces of the jagged backward timed alone on the same operands (dO
+    producers and δ, tile tables, each Gluon kernel's launcher), so that a slow row says where its time goes.
+    ``host_ms`` (``_host_ms``): host time per call of each timed backward; where it is close to the row's ``ms``
+    the row measures the host (small batches), not the kernels.
     """
     if not torch.cuda.is_available():
         raise RuntimeError("bench_varlen_bwd needs a CUDA GPU")
@@ -736,27 +794,32 @@ def bench_varlen_bwd(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, h
     run_var = lambda: attn_bwd_hopper_varlen(*ops, out, do, lse, causal=causal, deterministic=deterministic)  # noqa: E731
     kernel = varlen_backward_kernel(torch.device(dev))
     t_var = do_bench(run_var)
+    host = {"varlen": _host_ms(run_var)}
+    parts = _varlen_bwd_parts(ops, out, do, lse, causal, gluon=kernel == "gluon")
     saved = os.environ.get("MXATTN_VARLEN_BWD_KERNEL")
     os.environ["MXATTN_VARLEN_BWD_KERNEL"] = "tl"
     try:
         t_var_tl = do_bench(run_var)
+        host["varlen_tl"] = _host_ms(run_var)
     finally:
         if saved is None:
             os.environ.pop("MXATTN_VARLEN_BWD_KERNEL")
         else:
             os.environ["MXATTN_VARLEN_BWD_KERNEL"] = saved
 
-    def dense(S: int):
+    def dense(S: int, name: str):
         qd, kd, vd, dod = mk(B, S, heads_q, D), mk(B, S, heads_kv, D), mk(B, S, heads_kv, D), mk(B, S, heads_q, D)
         od, ld = attn_fwd_hopper(row_scaled_triton(qd, "q"), row_scaled_triton(kd, "k"), row_scaled_triton(vd, "v"),
                                  causal=causal)
         bops = (row_scaled_triton(qd, "k", k_group=Q_EXP_GROUP), row_scaled_triton(kd, "k"),
                 row_scaled_triton(vd, "k"), row_scaled_triton(qd, "v"), row_scaled_triton(kd, "v"))
-        ms = do_bench(lambda: attn_bwd_hopper(*bops, od, dod, ld, causal=causal, deterministic=deterministic))
+        run = lambda: attn_bwd_hopper(*bops, od, dod, ld, causal=causal, deterministic=deterministic)  # noqa: E731
+        ms = do_bench(run)
+        host[name] = _host_ms(run)
         return ms, (qd, kd, vd, dod)
 
-    t_pad, padded = dense(smax)
-    t_mean, _ = dense(mean_len)
+    t_pad, padded = dense(smax, "dense_padded")
+    t_mean, _ = dense(mean_len, "dense_mean")
     sdpa = {}
     if with_sdpa:
         for name, be in (("sdpa_cudnn_bf16_padded", "CUDNN_ATTENTION"), ("sdpa_flash_bf16_padded", "FLASH_ATTENTION")):
@@ -771,6 +834,7 @@ def bench_varlen_bwd(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, h
         "mean_len": mean_len, "max_len": smax, "tokens": T, "fill": T / (B * smax), "varlen_kernel": kernel,
         "ms": {"varlen": t_var, "varlen_tl": t_var_tl, "dense_padded": t_pad, "dense_mean": t_mean,
                "producers": t_prod, **sdpa},
+        "parts_ms": parts, "host_ms": host,
         "tflops": {"varlen": tf(real, t_var), "varlen_tl": tf(real, t_var_tl), "dense_padded_real": tf(real, t_pad),
                    "dense_mean": tf(dense_flops, t_mean), **{k + "_real": tf(real, ms) for k, ms in sdpa.items()}},
         "speedup_vs_padded": t_pad / t_var,
