@@ -724,7 +724,9 @@ def test_public_varlen_function_takes_the_gluon_kernels(seed, monkeypatch):
 @needs_cuda
 def test_bench_varlen_bwd_gluon_row(monkeypatch):
     """bench_varlen_bwd times the Gluon jagged path when asked (MXATTN_VARLEN_BWD_KERNEL=gluon; the default is tl
-    until the Gluon jagged mode passes on the GPU) and names it."""
+    until the Gluon jagged mode passes on the GPU), names it and times its parts.  A smoke test: at this size
+    (2949 tokens, 4 heads) every path is host-bound (its host_ms is about its ms); the speed rows are
+    bench_varlen_bwd's defaults (B 16, H 16, mean length 2048: gpu_check.sh's varlenbwd stage)."""
     from mxattn.kernels.varlen import bench_varlen_bwd
 
     if torch.cuda.get_device_capability() != (9, 0):
@@ -732,4 +734,6 @@ def test_bench_varlen_bwd_gluon_row(monkeypatch):
     monkeypatch.setenv("MXATTN_VARLEN_BWD_KERNEL", "gluon")
     row = bench_varlen_bwd(batch=4, mean_len=512, heads_q=4, heads_kv=4, with_sdpa=False)
     assert row["varlen_kernel"] == "gluon" and row["ms"]["varlen"] > 0 and row["ms"]["varlen_tl"] > 0
+    assert set(row["parts_ms"]) == {"preprocess", "gluon_preprocess", "tile_tables", "gluon_dkdv", "gluon_dq"}
+    assert set(row["host_ms"]) == {"varlen", "varlen_tl", "dense_padded", "dense_mean"}
     print(row)
