@@ -21,6 +21,8 @@
 #   varlensweep  the same over several length draws, d128 and d64, and d64 tile configs
 #   varlenbwd  jagged backward (Gluon jagged mode, opt-in, asked here by name: compile checks, tiny cases, its GPU
 #              tests) vs the dense default backward (Gluon on Hopper), the tl jagged path and SDPA, two draws
+#   varlenbwdtime  varlenbwd's timing rows alone (B16 H16 d128, mean length 2048; VARLEN_BWD_SEEDS, default "0 1"):
+#              per row ms of each path, parts_ms (preprocessing, tile tables, each Gluon launcher) and host_ms
 #   graph      `mxattn bench --cuda-graph`: forward as CUDA-graph replays (no host launch overhead), S 2k/4k
 #   ring       ring attention over every GPU (torchrun, nccl): check against single-GPU mxattn, then timing
 #   train      examples/train_gpt.py (TRAIN_ATTENTION=sdpa|mxfp8|both, TRAIN_ARGS), into OUTDIR/train
@@ -190,28 +192,35 @@ for kw in cases:
     print(r['D'], r['causal'], r['seed'], r['config'], 'fill %.2f' % r['fill'], 'rate_vs_dense %.3f' % r['rate_vs_dense'], flush=True)
 print(write_result('varlen_fwd', rows, sys.argv[1]))
 " "$OUT" "${VARLEN_SEEDS:-0 1 2 3}" ;;
-    varlenbwd)
+    varlenbwd|varlenbwdtime)
       # issue 8: the jagged backward against the dense default (the Gluon backward on Hopper since session 5).
       # The Gluon kernels' jagged mode (VARLEN) is opt-in until it passes here (the default jagged path is tl):
       # compile checks, two tiny cases under a short timeout (a barrier bug hangs rather than fails), its GPU tests,
       # then the timings with MXATTN_VARLEN_BWD_KERNEL=gluon unless set (each row: the asked path and the tl
-      # jagged path, both against the dense Gluon backward)
-      run $PY scripts/compile_check_bwd_dq_gluon.py --varlen --split
-      run $PY scripts/compile_check_bwd_dkdv_gluon.py --varlen --split
-      T=120 run $PY -m pytest -m gpu -q -x -rfE -p no:cacheprovider tests/test_bwd_varlen_gluon.py \
-        -k "matches_tl and (1seq-h1 or 2seq-h2)"
-      run $PY -m pytest -m gpu -q -rfE -s -p no:cacheprovider tests/test_bwd_varlen_gluon.py \
-        2>&1 | tee "$OUT/bwd_varlen_gluon_tests.log" | tail -40
+      # jagged path, both against the dense Gluon backward). varlenbwdtime: the timings alone
+      if [ "$st" = varlenbwd ]; then
+        run $PY scripts/compile_check_bwd_dq_gluon.py --varlen --split
+        run $PY scripts/compile_check_bwd_dkdv_gluon.py --varlen --split
+        T=120 run $PY -m pytest -m gpu -q -x -rfE -p no:cacheprovider tests/test_bwd_varlen_gluon.py \
+          -k "matches_tl and (1seq-h1 or 2seq-h2)"
+        run $PY -m pytest -m gpu -q -rfE -s -p no:cacheprovider tests/test_bwd_varlen_gluon.py \
+          2>&1 | tee "$OUT/bwd_varlen_gluon_tests.log" | tail -40
+      fi
       MXATTN_VARLEN_BWD_KERNEL=${MXATTN_VARLEN_BWD_KERNEL:-gluon} run $PY -c "
 import json, sys
 from mxattn.kernels.varlen import bench_varlen_bwd
 from mxattn.bench.results import write_result
-rows = [bench_varlen_bwd(causal=c, seed=s) for c in (False, True) for s in (0, 1)]
-for r in rows:
-    print(r['causal'], r['varlen_kernel'], 'rate_vs_dense %.3f' % r['rate_vs_dense'], 'tl %.3f' % r['rate_vs_dense_tl'],
-          'vs sdpa cudnn padded', r['speedup_vs_sdpa_cudnn_padded'], flush=True)
+fmt = lambda d: ' '.join(k + ' ' + ('-' if v is None else '%.3f' % v) for k, v in d.items())
+rows = []
+for c in (False, True):
+    for s in map(int, sys.argv[2].split()):
+        r = bench_varlen_bwd(causal=c, seed=s)
+        rows.append(r)
+        print(r['causal'], r['seed'] if 'seed' in r else s, r['varlen_kernel'], 'rate_vs_dense %.3f' % r['rate_vs_dense'],
+              'tl %.3f' % r['rate_vs_dense_tl'], 'vs sdpa cudnn padded', r['speedup_vs_sdpa_cudnn_padded'], flush=True)
+        print('  ms', fmt(r['ms']), '| parts', fmt(r['parts_ms']), '| host', fmt(r['host_ms']), flush=True)
 print(write_result('varlen_bwd', rows, sys.argv[1]))
-" "$OUT" ;;
+" "$OUT" "${VARLEN_BWD_SEEDS:-0 1}" ;;
     graph)
       run $PY -m mxattn bench --cuda-graph --out "$OUT" --no-plot --no-progress ${GRAPH_ARGS:---seqlens 2k,4k --head-dims 128,64} ;;
     ring)

@@ -327,6 +327,215 @@ def test_jagged_builds_compile_for_sm90_without_gpu(part):
         assert r.returncode == 0 and "all variants OK" in r.stdout, (args, r.stdout[-4000:], r.stderr[-2000:])
 
 
+# ---------------------------------------------------------------------------------------------- host path (CPU)
+def _host_case(lens, Hq=4, Hkv=2, D=128, seed=0):
+    """Packed inputs and torch-twin operands of a jagged batch on the CPU (the launchers' host side only)."""
+    from mxattn.kernels import varlen as V
+
+    q, do, out = (_packed(lens, Hq, D, seed + i, device="cpu") for i in range(3))
+    k, v = (_packed(lens, Hkv, D, seed + 3 + i, device="cpu") for i in range(2))
+    cu = _cu(lens, "cpu")
+    g = torch.Generator().manual_seed(seed)
+    lse = torch.randn(Hq, sum(lens), generator=g)
+    return V.varlen_bwd_operands_torch(q, k, v, cu, cu, max(lens), max(lens)), out, do, lse
+
+
+def _gluon_host_call(ops, out, do, lse, causal=False):
+    """What ``attn_bwd_hopper_varlen`` runs on its Gluon path, launches included (recorded by the caller)."""
+    from mxattn.kernels import attn_bwd
+    from mxattn.kernels.attn_bwd_dkdv_gluon import GluonDkdvConfig, attn_bwd_dkdv_gluon_varlen
+    from mxattn.kernels.attn_bwd_dq_gluon import GluonDqConfig, attn_bwd_dq_gluon_varlen
+
+    q, k, v_hdim, q_seq, k_seq = ops
+    doh, dos, delta, lse_pad = attn_bwd.attn_bwd_preprocess_varlen(
+        out, do, q.cu_seqlens, q.max_seqlen, delta_padded=True, lse=lse, offsets_of=attn_bwd._dout_offsets(q, q_seq))
+    attn_bwd_dkdv_gluon_varlen(q, k, v_hdim, q_seq, doh, dos, lse_pad, delta, causal=causal,
+                               config=GluonDkdvConfig(split=True))
+    attn_bwd_dq_gluon_varlen(q, k, v_hdim, k_seq, doh, lse, delta, dos.cu_data, causal=causal,
+                             config=GluonDqConfig(split=True))
+
+
+def _record(monkeypatch):
+    from mxattn.kernels import launch as L
+
+    seen = []
+    monkeypatch.setattr(L.FastLauncher, "launch",
+                        lambda self, grid, args, kwargs: seen.append((self.jit_fn.__name__, grid, args, kwargs)))
+    return seen
+
+
+def _arg_sig(x):
+    """A launch argument as a plan must repeat it: tensors by dtype / shape / strides, descriptors by every field
+    (base by dtype / shape / strides), the rest by value."""
+    if isinstance(x, torch.Tensor):
+        return ("tensor", x.dtype, tuple(x.shape), x.stride())
+    if hasattr(x, "block_shape"):
+        f = dict(vars(x))
+        b = f.pop("base")
+        return ("desc", b.dtype, tuple(b.shape), b.stride(), tuple(map(tuple, (x.shape, x.strides))),
+                tuple(x.block_shape), repr(x.layout), x.padding)
+    return x
+
+
+def test_gluon_jagged_launch_plans(monkeypatch):
+    """The jagged launchers keep a plan per operand signature: the second call of a signature skips the checks
+    (check_varlen_operands would fail here) and the descriptors' constructors, and launches what the first call
+    launched (same grid, options, scalars, constexprs, descriptors over the same tensors), with its own tile table
+    (positional: a bound launch fixes only its keywords).  A batch of other lengths with the same token count,
+    sequence count and longest sequence takes the same plans (the lengths are read on the device only)."""
+    kv = pytest.importorskip("mxattn.kernels.attn_bwd_dkdv_gluon")
+    dqm = pytest.importorskip("mxattn.kernels.attn_bwd_dq_gluon")
+    kv._VARLEN_PLANS.clear()
+    dqm._VARLEN_PLANS.clear()
+    case = _host_case([900, 300, 70, 1049])
+    seen = _record(monkeypatch)
+    _gluon_host_call(*case)
+    first = [s for s in seen if s[0].startswith("_attn_bwd")]
+    assert len(kv._VARLEN_PLANS) == 1 and len(dqm._VARLEN_PLANS) == 1
+    monkeypatch.setattr(dqm, "check_varlen_operands", lambda *a, **k: pytest.fail("a plan hit runs no checks"))
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    monkeypatch.setattr(TensorDescriptor, "__post_init__", lambda self: pytest.fail("a plan hit builds no descriptor"))
+    seen.clear()
+    _gluon_host_call(*case)
+    second = [s for s in seen if s[0].startswith("_attn_bwd")]
+    tables = [s for s in seen if s[0] == "_bwd_tile_slots_kernel"]
+    assert len(second) == 2 and len(tables) == 2, "each call builds its own two tile tables"
+    for (n1, g1, a1, k1), (n2, g2, a2, k2) in zip(first, second):
+        assert (n1, tuple(g1), k1) == (n2, tuple(g2), k2) and len(a1) == len(a2)
+        assert [_arg_sig(x) for x in a1] == [_arg_sig(x) for x in a2], n1
+        assert a2[-1] is True and a2[-2] is tables[first.index((n1, g1, a1, k1))][2][7], "VARLEN, today's table"
+        assert a2[0].base.data_ptr() == case[0][0].data.data_ptr(), "the q descriptor reads the call's q"
+    assert k1 == {"num_warps": 4, "maxnreg": k1["maxnreg"]}
+    seen.clear()
+    _gluon_host_call(*_host_case([1049, 70, 300, 900], seed=5))  # other lengths, same T, B and max_seqlen
+    assert len(kv._VARLEN_PLANS) == 1 and len(dqm._VARLEN_PLANS) == 1
+    assert len([s for s in seen if s[0].startswith("_attn_bwd")]) == 2
+
+
+def test_gluon_jagged_plan_launch_equals_the_checked_launch(monkeypatch):
+    """With plans off (MXATTN_LAUNCH_PLANS=0: every call checked, descriptors built) the launches carry the same
+    arguments as the plan's, bound to the kernels' parameter names (the constexprs go positionally on both)."""
+    import inspect
+
+    from mxattn.kernels import launch as L
+
+    kv = pytest.importorskip("mxattn.kernels.attn_bwd_dkdv_gluon")
+    dqm = pytest.importorskip("mxattn.kernels.attn_bwd_dq_gluon")
+    case = _host_case([5, 130, 64], Hq=2, Hkv=1, D=64)
+
+    def bound(plans: bool):
+        monkeypatch.setattr(L, "PLANS", plans)
+        seen = _record(monkeypatch)
+        for _ in range(2):
+            _gluon_host_call(*case, causal=True)
+        out = []
+        for name, grid, args, kw in (s for s in seen if s[0].startswith("_attn_bwd")):
+            fn = (kv._attn_bwd_dkdv_ws_kernel if "dkdv" in name else dqm._attn_bwd_dq_ws_kernel).fn
+            b = inspect.signature(fn).bind(*args)
+            out.append((name, tuple(grid), kw, {k: (v if k == "SLOTS" else _arg_sig(v)) for k, v in b.arguments.items()}))
+        return out
+
+    kv._VARLEN_PLANS.clear()
+    dqm._VARLEN_PLANS.clear()
+    checked = bound(False)
+    assert not kv._VARLEN_PLANS and not dqm._VARLEN_PLANS
+    planned = bound(True)
+    assert len(checked) == len(planned) == 4
+    for c, p in zip(checked, planned):
+        assert c[:3] == p[:3]
+        assert {k: v for k, v in c[3].items() if k != "SLOTS"} == {k: v for k, v in p[3].items() if k != "SLOTS"}
+        assert c[3]["VARLEN"] is True and c[3]["SLOTS"].shape == p[3]["SLOTS"].shape
+
+
+def test_gluon_jagged_host_path_does_not_sync(monkeypatch):
+    """The Gluon jagged backward's host side (dO producers, δ / lse padding, tile tables, both launchers), first
+    call and plan hit, reads no device value on the host: no item / tolist / cpu / numpy / int / bool of a tensor,
+    no op that syncs on CUDA (``_local_scalar_dense``, ``nonzero``, tensor-``repeats`` ``repeat_interleave``, copies
+    to another device).  The launches themselves are recorded, not run."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    pytest.importorskip("mxattn.kernels.attn_bwd_dkdv_gluon")
+    case = _host_case([900, 300, 70, 1049])
+    _record(monkeypatch)
+    bad = []
+
+    def refuse(name):
+        return lambda self, *a, **k: bad.append(name) or pytest.fail(f"host read of a tensor: Tensor.{name}")
+
+    class Syncs(TorchDispatchMode):
+        SYNC = ("_local_scalar_dense", "nonzero", "repeat_interleave.Tensor", "masked_select", "unique", "_unique")
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            if any(s in name for s in self.SYNC) or (name.startswith("aten._to_copy") and "device" in (kwargs or {})):
+                bad.append(name)
+            return func(*args, **(kwargs or {}))
+
+    for name in ("item", "tolist", "cpu", "numpy", "__int__", "__index__", "__bool__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse(name))
+    with Syncs():
+        _gluon_host_call(*case)  # checked path (or a plan from an earlier test)
+        _gluon_host_call(*case)  # plan hit
+    monkeypatch.undo()
+    assert not bad, bad
+
+
+def test_dout_producers_take_the_offsets_of_q(seed):
+    """dO's producers with ``offsets_of`` (the backward passes q and q_seq: same cu_seqlens tensor) give the bytes
+    of the producers that compute their offsets (in the sequences' columns), and refuse an operand of another layout or other sequences."""
+    from mxattn.kernels import attn_bwd
+    from mxattn.kernels import varlen as V
+
+    lens = [5, 0, 130, 64, 1]
+    do = _packed(lens, 2, 64, seed, device=DEV, spread=2)
+    cu = _cu(lens, DEV)
+    q, q_seq = V.varlen_k_operand(do * 3, cu, 130), V.varlen_v_operand(do * 3, cu, 130, align=V.BWD_SEQ_ALIGN)
+    for ref, got in ((V.varlen_k_operand(do, cu, 130), V.varlen_k_operand(do, cu, 130, offsets_of=q)),
+                     (V.varlen_v_operand(do, cu, 130, align=V.BWD_SEQ_ALIGN),
+                      V.varlen_v_operand(do, cu, 130, align=V.BWD_SEQ_ALIGN, offsets_of=q_seq))):
+        if ref.role == "v":  # the columns of the sequences (the tail past the last one is never written or read)
+            n = int(ref.cu_data[-1])
+            _same_bytes(got.data[..., :n], ref.data[..., :n], "v")
+            assert got.data.shape == ref.data.shape
+        else:
+            _same_bytes(got.data, ref.data, ref.role)
+        assert torch.equal(ref.exp, got.exp)
+        assert torch.equal(ref.cu_data, got.cu_data) and (ref.cu_exp is None) == (got.cu_exp is None)
+        assert ref.cu_exp is None or torch.equal(ref.cu_exp, got.cu_exp)
+    assert attn_bwd._dout_offsets(q, q_seq) == (q, q_seq)
+    q16 = V.varlen_v_operand(do, cu, 130)  # 16-aligned: not dO's layout
+    assert attn_bwd._dout_offsets(q, q16) == (q, None)
+    with pytest.raises(ValueError, match="offsets_of"):
+        V.varlen_v_operand(do, cu, 130, align=V.BWD_SEQ_ALIGN, offsets_of=q16)
+    with pytest.raises(ValueError, match="offsets_of"):
+        V.varlen_k_operand(do, cu.clone(), 130, offsets_of=q)  # other offsets tensor
+    with pytest.raises(ValueError, match="offsets_of"):
+        V.varlen_k_operand(do, cu, 130, offsets_of=q_seq)
+
+
+def test_bench_parts_time_each_piece(monkeypatch):
+    """``bench_varlen_bwd``'s ``parts_ms`` (``varlen._varlen_bwd_parts``) times the tl preprocessing, and on the Gluon
+    path the padded preprocessing, both tile tables and each launcher: run here on the CPU with do_bench calling its
+    function once and the launches recorded."""
+    import triton.testing
+
+    from mxattn.kernels import varlen as V
+
+    pytest.importorskip("mxattn.kernels.attn_bwd_dkdv_gluon")
+    calls = []
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, *a, **k: calls.append(fn()) or 1.0)
+    seen = _record(monkeypatch)
+    ops, out, do, lse = _host_case([70, 300, 5])
+    assert V._varlen_bwd_parts(ops, out, do, lse, True, gluon=False) == {"preprocess": 1.0}
+    seen.clear()
+    parts = V._varlen_bwd_parts(ops, out, do, lse, True, gluon=True)
+    assert list(parts) == ["preprocess", "gluon_preprocess", "tile_tables", "gluon_dkdv", "gluon_dq"]
+    names = [s[0] for s in seen]
+    assert names.count("_attn_bwd_dkdv_ws_kernel") == 1 and names.count("_attn_bwd_dq_ws_kernel") == 1
+    assert names.count("_bwd_tile_slots_kernel") == 4  # two in tile_tables, one per launcher
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU
 # ----------------------------------------------------------------------------------------------
@@ -515,7 +724,9 @@ def test_public_varlen_function_takes_the_gluon_kernels(seed, monkeypatch):
 @needs_cuda
 def test_bench_varlen_bwd_gluon_row(monkeypatch):
     """bench_varlen_bwd times the Gluon jagged path when asked (MXATTN_VARLEN_BWD_KERNEL=gluon; the default is tl
-    until the Gluon jagged mode passes on the GPU) and names it."""
+    until the Gluon jagged mode passes on the GPU), names it and times its parts.  A smoke test: at this size
+    (2949 tokens, 4 heads) every path is host-bound (its host_ms is about its ms); the speed rows are
+    bench_varlen_bwd's defaults (B 16, H 16, mean length 2048: gpu_check.sh's varlenbwd stage)."""
     from mxattn.kernels.varlen import bench_varlen_bwd
 
     if torch.cuda.get_device_capability() != (9, 0):
@@ -523,4 +734,6 @@ def test_bench_varlen_bwd_gluon_row(monkeypatch):
     monkeypatch.setenv("MXATTN_VARLEN_BWD_KERNEL", "gluon")
     row = bench_varlen_bwd(batch=4, mean_len=512, heads_q=4, heads_kv=4, with_sdpa=False)
     assert row["varlen_kernel"] == "gluon" and row["ms"]["varlen"] > 0 and row["ms"]["varlen_tl"] > 0
+    assert set(row["parts_ms"]) == {"preprocess", "gluon_preprocess", "tile_tables", "gluon_dkdv", "gluon_dq"}
+    assert set(row["host_ms"]) == {"varlen", "varlen_tl", "dense_padded", "dense_mean"}
     print(row)

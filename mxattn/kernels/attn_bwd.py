@@ -1040,7 +1040,7 @@ def _check_varlen_seq(t, name: str, H: int, D: int, B: int) -> None:
 
 def attn_bwd_preprocess_varlen(out: torch.Tensor, dout: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
                                dout_hdim=None, dout_seq=None, delta_padded: bool = False,
-                               lse: Optional[torch.Tensor] = None):
+                               lse: Optional[torch.Tensor] = None, offsets_of: tuple = (None, None)):
     """``attn_bwd_preprocess`` for a jagged batch: dO (Tq, Hq, D) in both orientations as ``VarlenFP8`` (hdim in
     the K layout: one exponent per 128 rows from each sequence's start, ``varlen_k_operand``; seq in the V layout
     with 64-aligned sequence starts, ``varlen_v_operand(align=BWD_SEQ_ALIGN)``) and ``delta`` (Hq, Tq) fp32,
@@ -1051,13 +1051,16 @@ def attn_bwd_preprocess_varlen(out: torch.Tensor, dout: torch.Tensor, cu_seqlens
     ``lse`` (only with ``delta_padded``): the forward's packed (Hq, Tq) fp32 lse, also moved into those columns in
     the same launch (zero in the padding; ``attn_bwd_dkdv_gluon.padded_lse`` is its PyTorch twin): the jagged dK/dV
     kernel's lse boxes must start 16-byte aligned, which packed sequence starts are not.
+    ``offsets_of`` (hdim, seq): operands over the same ``cu_seqlens_q`` tensor whose offsets dO's producers take
+    (``varlen_k_operand`` / ``varlen_v_operand``'s ``offsets_of``; the backward passes q and q_seq, ``_dout_offsets``):
+    the same values without the offset arithmetic's small launches.
     Returns (dout_hdim, dout_seq, delta), and the padded lse fourth when ``lse`` is given."""
     from mxattn.kernels.varlen import BWD_SEQ_ALIGN, varlen_k_operand, varlen_v_operand
 
     if dout_hdim is None:
-        dout_hdim = varlen_k_operand(dout, cu_seqlens_q, max_seqlen_q)
+        dout_hdim = varlen_k_operand(dout, cu_seqlens_q, max_seqlen_q, offsets_of=offsets_of[0])
     if dout_seq is None:  # q_seq's column layout (varlen_bwd_operands), which the Gluon kernels need
-        dout_seq = varlen_v_operand(dout, cu_seqlens_q, max_seqlen_q, align=BWD_SEQ_ALIGN)
+        dout_seq = varlen_v_operand(dout, cu_seqlens_q, max_seqlen_q, align=BWD_SEQ_ALIGN, offsets_of=offsets_of[1])
     g = _varlen_row_group(dout_hdim, "dout_hdim")
     Tq, Hq, D = out.shape
     B = cu_seqlens_q.numel() - 1
@@ -1090,6 +1093,17 @@ def attn_bwd_preprocess_varlen(out: torch.Tensor, dout: torch.Tensor, cu_seqlens
     if lse is not None:
         return dout_hdim, dout_seq, delta, lse_pad
     return dout_hdim, dout_seq, delta
+
+
+def _dout_offsets(q, q_seq) -> tuple:
+    """(hdim, seq): q and q_seq where dO's producers can take their offsets (``attn_bwd_preprocess_varlen``'s
+    ``offsets_of``: same cu_seqlens tensor, q in the K layout, q_seq in 64-aligned rows), else None."""
+    from mxattn.kernels.varlen import BWD_SEQ_ALIGN
+
+    hdim = q if q.role == "k" and q.cu_exp is not None else None
+    seq = q_seq if (q_seq.align == BWD_SEQ_ALIGN and not q_seq.v_blocks
+                    and q_seq.cu_seqlens is q.cu_seqlens) else None
+    return hdim, seq
 
 
 def attn_bwd_hopper_varlen(
@@ -1194,7 +1208,8 @@ def attn_bwd_hopper_varlen(
 
         # δ and lse in dout_seq's padded columns (zero past each sequence's end: what the kernels' 64-wide boxes read)
         doh, dos, delta, lse_pad = attn_bwd_preprocess_varlen(out, dout, q.cu_seqlens, q.max_seqlen, dout_hdim,
-                                                              dout_seq, delta_padded=True, lse=lse)
+                                                              dout_seq, delta_padded=True, lse=lse,
+                                                              offsets_of=_dout_offsets(q, q_seq))
         split = gluon_split()
         dk, dv = attn_bwd_dkdv_gluon_varlen(q, k, v_hdim, q_seq, doh, dos, lse_pad, delta, causal=causal,
                                             softmax_scale=softmax_scale, grad_dtype=grad_dtype,
@@ -1203,7 +1218,8 @@ def attn_bwd_hopper_varlen(
                                       softmax_scale=softmax_scale, grad_dtype=grad_dtype,
                                       config=GluonDqConfig(split=True) if split else None)
         return dq, dk, dv
-    doh, dos, delta = attn_bwd_preprocess_varlen(out, dout, q.cu_seqlens, q.max_seqlen, dout_hdim, dout_seq)
+    doh, dos, delta = attn_bwd_preprocess_varlen(out, dout, q.cu_seqlens, q.max_seqlen, dout_hdim, dout_seq,
+                                                 offsets_of=_dout_offsets(q, q_seq))
     dg = _varlen_row_group(doh, "dout_hdim")
     if dg > 1 and _tile_group(dg, cfg) == 1:
         raise ValueError(f"block_m={cfg.block_m} and dq_block_m={cfg.dq_block_m} must divide {dg} (dO's rows per "

@@ -1149,6 +1149,26 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
     return dk, dv
 
 
+# Launch plans of the jagged launcher, as the dense one's (_PLANS above): keyed on every operand's signature
+# (``attn_bwd_dq_gluon.varlen_sig``: dtypes, shapes, strides, alignment, sequence count, max_seqlen, layout), which
+# fixes the grid and every scalar; a hit skips the checks, the eight descriptors' constructors and the launcher's
+# key, and still builds the call's own tile table (one launch: the offsets' values are not in the key).  The tile
+# table and the constexprs go positionally (the bound launch keeps only its keywords, the launch options, fixed).
+_VARLEN_PLANS: dict = {}
+
+
+def _varlen_launch_key(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, causal, softmax_scale, grad_dtype,
+                       config):
+    from mxattn.kernels.attn_bwd_dq_gluon import varlen_sig
+
+    ops = tuple(varlen_sig(t) for t in (q, k, v_hdim, q_seq, dout_hdim, dout_seq))
+    if None in ops or not isinstance(lse, torch.Tensor) or not isinstance(delta, torch.Tensor) or not launch.PLANS:
+        return None  # (bad operands: the checks on the slow path say what is wrong)
+    dev = torch.cuda.current_device() if q.data.is_cuda else -1
+    return (ops, tensor_sig(lse), lse.device, tensor_sig(delta), delta.device, causal, softmax_scale, grad_dtype,
+            config, dev)
+
+
 def attn_bwd_dkdv_gluon_varlen(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse: torch.Tensor, delta: torch.Tensor, *,
                                causal: bool = False, softmax_scale: Optional[float] = None,
                                grad_dtype: torch.dtype = torch.bfloat16, config: Optional[GluonDkdvConfig] = None):
@@ -1172,70 +1192,92 @@ def attn_bwd_dkdv_gluon_varlen(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse: to
     from mxattn.kernels.attn_bwd_dq_gluon import _packed_view, check_varlen_operands
     from mxattn.kernels.bwd_varlen_tiles import bwd_tile_slots, tile_rows_bound
 
-    if config is not None:  # before the operands: a 128-query step is refused whatever they are
-        config.check_launch(None, varlen=True)
-    Tq, Hq, _ = q.data.shape
+    key = _varlen_launch_key(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, causal, softmax_scale,
+                             grad_dtype, config)
+    plan = _VARLEN_PLANS.get(key)
+    if plan is None:  # first call of this signature: every check
+        if config is not None:  # before the operands: a 128-query step is refused whatever they are
+            config.check_launch(None, varlen=True)
+        Tq, Hq, _ = q.data.shape
+        Tk, Hkv, _ = k.data.shape
+        B, D = check_varlen_operands(dict(q=q, k=k, v_hdim=v_hdim, dout_hdim=dout_hdim),
+                                     dict(q_seq=q_seq, dout_seq=dout_seq), {}, Hq, Hkv, grad_dtype)
+        Tv = q_seq.data.shape[2]
+        # lse packed (Hq, Tq), or already in the padded columns (Hq, Tv) (``attn_bwd_preprocess_varlen(lse=...)``).
+        # Tv == Tq only when every sequence's length is a multiple of the alignment, and then the two layouts are one.
+        if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or lse.dim() != 2 or lse.shape[0] != Hq \
+                or lse.shape[1] not in (Tq, Tv) or lse.device != q.data.device:
+            raise ValueError(f"lse must be float32 ({Hq}, {Tq}) (packed) or ({Hq}, {Tv}) (padded) on {q.data.device}, "
+                             f"got {getattr(lse, 'dtype', type(lse).__name__)} {tuple(getattr(lse, 'shape', ()))}")
+        if dout_seq.data.shape[2] != Tv or q_seq.align != dout_seq.align:
+            raise ValueError(f"q_seq and dout_seq must share one column layout (Tv {Tv} / {dout_seq.data.shape[2]}, "
+                             f"align {q_seq.align} / {dout_seq.align})")
+        if not isinstance(delta, torch.Tensor) or delta.dtype != torch.float32 or tuple(delta.shape) != (Hq, Tv):
+            raise ValueError(f"delta must be the padded float32 {(Hq, Tv)} (attn_bwd_preprocess_varlen(delta_padded="
+                             f"True)), got {getattr(delta, 'dtype', type(delta).__name__)} "
+                             f"{tuple(getattr(delta, 'shape', ()))}")
+        # 64-query steps whatever the dense default becomes (the jagged tile table and exponent rows are per 64 rows)
+        cfg = config or replace(default_config(D, causal), block_m=BLOCK_M_DEFAULT)
+        if cfg.stages < 1:
+            raise ValueError(f"stages must be >= 1, got {cfg.stages}")
+        cfg.check_launch(D, varlen=True)
+        if Tq == 0 or Tk == 0 or B * Hkv == 0:  # no query anywhere: no key is seen (no plan: nothing to launch)
+            z = torch.zeros(Tk, Hkv, D, dtype=grad_dtype, device=q.data.device)
+            return z, z.clone()
+    else:
+        cfg = plan[4]
+    Tq, Hq, D = q.data.shape
     Tk, Hkv, _ = k.data.shape
-    B, D = check_varlen_operands(dict(q=q, k=k, v_hdim=v_hdim, dout_hdim=dout_hdim),
-                                 dict(q_seq=q_seq, dout_seq=dout_seq), {}, Hq, Hkv, grad_dtype)
     Tv = q_seq.data.shape[2]
-    # lse packed (Hq, Tq), or already in the padded columns (Hq, Tv) (``attn_bwd_preprocess_varlen(lse=...)``).
-    # Tv == Tq only when every sequence's length is a multiple of the alignment, and then the two layouts are one.
-    if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or lse.dim() != 2 or lse.shape[0] != Hq \
-            or lse.shape[1] not in (Tq, Tv) or lse.device != q.data.device:
-        raise ValueError(f"lse must be float32 ({Hq}, {Tq}) (packed) or ({Hq}, {Tv}) (padded) on {q.data.device}, "
-                         f"got {getattr(lse, 'dtype', type(lse).__name__)} {tuple(getattr(lse, 'shape', ()))}")
-    if dout_seq.data.shape[2] != Tv or q_seq.align != dout_seq.align:
-        raise ValueError(f"q_seq and dout_seq must share one column layout (Tv {Tv} / {dout_seq.data.shape[2]}, "
-                         f"align {q_seq.align} / {dout_seq.align})")
-    if not isinstance(delta, torch.Tensor) or delta.dtype != torch.float32 or tuple(delta.shape) != (Hq, Tv):
-        raise ValueError(f"delta must be the padded float32 {(Hq, Tv)} (attn_bwd_preprocess_varlen(delta_padded="
-                         f"True)), got {getattr(delta, 'dtype', type(delta).__name__)} "
-                         f"{tuple(getattr(delta, 'shape', ()))}")
-    # 64-query steps whatever the dense default becomes (the jagged tile table and exponent rows are per 64 rows)
-    cfg = config or replace(default_config(D, causal), block_m=BLOCK_M_DEFAULT)
-    if cfg.stages < 1:
-        raise ValueError(f"stages must be >= 1, got {cfg.stages}")
-    cfg.check_launch(D, varlen=True)
-    softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
     dev = q.data.device
-    if Tq == 0 or Tk == 0 or B * Hkv == 0:  # no query anywhere: no key is seen
-        z = torch.zeros(Tk, Hkv, D, dtype=grad_dtype, device=dev)
-        return z, z.clone()
     dk = torch.empty(Tk, Hkv, D, dtype=grad_dtype, device=dev)
     dv = torch.empty(Tk, Hkv, D, dtype=grad_dtype, device=dev)
     slots = bwd_tile_slots(q.cu_seqlens, k.cu_seqlens, q.cu_exp, k.cu_exp, q_seq.cu_data, dout_hdim.cu_exp,
                            dout_seq.cu_data, k.max_seqlen, key_tiles=True, causal=causal)
-    bm, bn = cfg.block_m, (BLOCK_N_WG if cfg.split else BLOCK_N).value
-    row_layout, key_layout, seq_layout = nvmma_fp8_layout(bm, D), nvmma_fp8_layout(bn, D), nvmma_fp8_layout(D, bm)
+    bm = cfg.block_m
+    # lse and δ both (Hq, Tv) in dout_seq's padded columns, as (B=1, H, S) rows for the [1, 64] boxes
+    if lse.shape[1] != Tv:
+        lse = padded_lse(lse.contiguous(), q.cu_seqlens, dout_seq.cu_data, Tv)
+    lse3, dl3 = lse.unsqueeze(0), delta.unsqueeze(0)
     qd, dd = _packed_view(q.data, "q"), _packed_view(dout_hdim.data, "dout_hdim")
     kd, vd = _packed_view(k.data, "k"), _packed_view(v_hdim.data, "v_hdim")
+    # exponents: q's / dout_hdim's one per 64-row tile (each group of 128 rows from a sequence's start is two
+    # tiles: rows 2 cu_exp[b] + m0 / 64); all contiguous (the kernel's UNIT_STRIDES)
+    qe, de = (t.exp.repeat_interleave(2, dim=0) for t in (q, dout_hdim))
+    ke, ve = (t.exp.contiguous() for t in (k, v_hdim))
+    qse, dse = q_seq.exp.contiguous(), dout_seq.exp.contiguous()
+    tensors = (qe, de, ke, ve, qse, dse, dk, dv)
+    if plan is not None:  # a signature seen before: checked then; the descriptors rebuilt over today's tensors
+        bound, templates, scalars, consts, _ = plan
+        bases = (qd, dd, q_seq.data, dout_seq.data, _lse_rows(lse3, bm)[0], _vector_rows(dl3)[0], kd, vd)
+        bound(*(rebased(t, b) for t, b in zip(templates, bases)), *tensors, *scalars, *consts, slots, True)
+        return dk, dv
+    bn = (BLOCK_N_WG if cfg.split else BLOCK_N).value
+    row_layout, key_layout, seq_layout = nvmma_fp8_layout(bm, D), nvmma_fp8_layout(bn, D), nvmma_fp8_layout(D, bm)
     q_desc = TensorDescriptor(qd, [Tq, Hq * D], [Hq * D, 1], [bm, D], row_layout)
     do_desc = TensorDescriptor(dd, [Tq, Hq * D], [Hq * D, 1], [bm, D], row_layout)
     qs_desc = TensorDescriptor(q_seq.data, [Hq * D, Tv], [Tv, 1], [D, bm], seq_layout)
     dos_desc = TensorDescriptor(dout_seq.data, [Hq * D, Tv], [Tv, 1], [D, bm], seq_layout)
     k_desc = TensorDescriptor(kd, [Tk, Hkv * D], [Hkv * D, 1], [bn, D], key_layout)
     v_desc = TensorDescriptor(vd, [Tk, Hkv * D], [Hkv * D, 1], [bn, D], key_layout)
-    # lse and δ both (Hq, Tv) in dout_seq's padded columns, as (B=1, H, S) rows for the [1, 64] boxes
-    if lse.shape[1] != Tv:
-        lse = padded_lse(lse.contiguous(), q.cu_seqlens, dout_seq.cu_data, Tv)
-    lse_desc, dl_desc = _vector_descriptors(lse.unsqueeze(0), delta.unsqueeze(0))
-    # exponents: q's / dout_hdim's one per 64-row tile (each group of 128 rows from a sequence's start is two
-    # tiles: rows 2 cu_exp[b] + m0 / 64); all contiguous (the kernel's UNIT_STRIDES)
-    qe, de = (t.exp.repeat_interleave(2, dim=0) for t in (q, dout_hdim))
-    ke, ve = (t.exp.contiguous() for t in (k, v_hdim))
-    qse, dse = q_seq.exp.contiguous(), dout_seq.exp.contiguous()
+    lse_desc, dl_desc = _vector_descriptors(lse3, dl3)
+    descs = (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc)
     grp = lambda e: (0, e.stride(0), e.stride(1))  # noqa: E731  (groups, H, 1), no batch dim
-    grid = (tile_rows_bound(Tk, B, k.max_seqlen), Hkv)
-    fast_launcher(_attn_bwd_dkdv_ws_kernel)[grid](
-        q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, qe, de, ke, ve, qse, dse, dk, dv,
-        *grp(qe), *grp(de), *grp(ke), *grp(ve), *qse.stride(), 0, *dk.stride(),
-        Hq, Hkv, 0, 0, Hq // Hkv, softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
-        HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
-        SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=cfg.defers_dk, DS_KEY_EXP=cfg.key_exp,
-        BLOCK_M=bm, SLOTS=slots, VARLEN=True,
-        num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg,
-    )
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    scalars = (*grp(qe), *grp(de), *grp(ke), *grp(ve), *qse.stride(), 0, *dk.stride(),
+               Hq, Hkv, 0, 0, Hq // Hkv, scale * LOG2E, scale * 2.0**-P_SCALE_LOG2)
+    # HEAD_DIM .. BLOCK_M in signature order, then SLOTS and VARLEN
+    consts = (D, cfg.stages, causal, cfg.producer_regs, cfg.split, cfg.consumer_regs, cfg.defers_dk, cfg.key_exp, bm)
+    grid = (tile_rows_bound(Tk, q.batch, k.max_seqlen), Hkv)
+    options = dict(num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
+    args = (*descs, *tensors, *scalars, *consts, slots, True)
+    if key is None:
+        fast_launcher(_attn_bwd_dkdv_ws_kernel)[grid](*args, **options)
+        return dk, dv
+    if len(_VARLEN_PLANS) >= _MAX_PLANS:
+        _VARLEN_PLANS.clear()
+    _VARLEN_PLANS[key] = (BoundLaunch(fast_launcher(_attn_bwd_dkdv_ws_kernel), grid, args, options), descs, scalars,
+                          consts, cfg)
     return dk, dv
 
 

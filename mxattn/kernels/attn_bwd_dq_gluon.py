@@ -752,6 +752,19 @@ def _packed_view(data: torch.Tensor, name: str) -> torch.Tensor:
     return data
 
 
+def varlen_sig(t) -> Optional[tuple]:
+    """What a jagged launch plan's key holds of a ``VarlenFP8`` operand (None for anything else): role, layout
+    (v_blocks, align, whether it has group offsets), sequence count and max_seqlen (they size the grid), and its data
+    and exponents' dtype, shape, strides and 16-byte alignment (``launch.tensor_sig``), with the data's device.  Not
+    the offsets' values: they are read on the device only (the tile table)."""
+    from mxattn.kernels.varlen import VarlenFP8
+
+    if not isinstance(t, VarlenFP8):
+        return None
+    return (t.role, t.v_blocks, t.align, t.cu_exp is None, t.batch, t.max_seqlen, tensor_sig(t.data), t.data.device,
+            tensor_sig(t.exp))
+
+
 def check_varlen_operands(hdim: dict, seq: dict, vectors: dict, Hq: int, Hkv: int, grad_dtype) -> tuple[int, int]:
     """The jagged Gluon backward's operand rules (both kernels): ``hdim`` name -> VarlenFP8 in the K layout (one
     exponent per 128 rows from each sequence's start; q and dout_hdim over cu_seqlens_q, k and v_hdim over
@@ -802,6 +815,22 @@ def check_varlen_operands(hdim: dict, seq: dict, vectors: dict, Hq: int, Hkv: in
     return B, D
 
 
+# Launch plans of the jagged launcher (as attn_bwd_dkdv_gluon's _VARLEN_PLANS): keyed on the operands'
+# ``varlen_sig``s, lse, δ and the options; a hit skips the checks, the five descriptors' constructors and the
+# launcher's key, and builds the call's own tile table (one launch).
+_VARLEN_PLANS: dict = {}
+
+
+def _varlen_launch_key(q, k, v_hdim, k_seq, dout_hdim, lse, delta, delta_cols, causal, softmax_scale, grad_dtype,
+                       config):
+    ops = tuple(varlen_sig(t) for t in (q, k, v_hdim, k_seq, dout_hdim))
+    if None in ops or not all(isinstance(t, torch.Tensor) for t in (lse, delta, delta_cols)) or not launch.PLANS:
+        return None  # (bad operands: the checks on the slow path say what is wrong)
+    dev = torch.cuda.current_device() if q.data.is_cuda else -1
+    return (ops, tensor_sig(lse), lse.device, tensor_sig(delta), delta.device, delta_cols.dtype, delta_cols.shape,
+            causal, softmax_scale, grad_dtype, config, dev)
+
+
 def attn_bwd_dq_gluon_varlen(q, k, v_hdim, k_seq, dout_hdim, lse: torch.Tensor, delta: torch.Tensor,
                              delta_cols: torch.Tensor, *, causal: bool = False, softmax_scale: Optional[float] = None,
                              grad_dtype: torch.dtype = torch.bfloat16,
@@ -822,53 +851,70 @@ def attn_bwd_dq_gluon_varlen(q, k, v_hdim, k_seq, dout_hdim, lse: torch.Tensor, 
     GPU and triton 3.6's Gluon."""
     from mxattn.kernels.bwd_varlen_tiles import bwd_tile_slots, tile_rows_bound
 
-    Tq, Hq, _ = q.data.shape
-    Hkv = k.data.shape[1]
-    B, D = check_varlen_operands(dict(q=q, k=k, v_hdim=v_hdim, dout_hdim=dout_hdim), dict(k_seq=k_seq),
-                                 dict(lse=lse), Hq, Hkv, grad_dtype)
-    if (not isinstance(delta, torch.Tensor) or delta.dtype != torch.float32 or delta.ndim != 2
-            or delta.shape[0] != Hq or delta.device != lse.device):
-        raise ValueError(f"delta must be the padded float32 ({Hq}, Tv) of attn_bwd_preprocess_varlen(delta_padded="
-                         f"True), got {getattr(delta, 'dtype', type(delta).__name__)} "
-                         f"{tuple(getattr(delta, 'shape', ()))}")
-    if delta_cols.dtype != torch.int32 or tuple(delta_cols.shape) != (B + 1,):
-        raise ValueError(f"delta_cols must be int32 ({B + 1},), got {delta_cols.dtype} {tuple(delta_cols.shape)}")
-    Tk = k.data.shape[0]
-    cfg = config or default_config(D, causal)
-    if cfg.stages < 1:
-        raise ValueError(f"stages must be >= 1, got {cfg.stages}")
-    check_block_n(cfg, D, varlen=True)
-    softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
-    dev = q.data.device
-    if Tq == 0 or Tk == 0 or B * Hq == 0:  # no key anywhere: every row sees nothing
-        return torch.zeros(Tq, Hq, D, dtype=grad_dtype, device=dev)
-    dq = torch.empty(Tq, Hq, D, dtype=grad_dtype, device=dev)
+    key = _varlen_launch_key(q, k, v_hdim, k_seq, dout_hdim, lse, delta, delta_cols, causal, softmax_scale,
+                             grad_dtype, config)
+    plan = _VARLEN_PLANS.get(key)
+    if plan is None:  # first call of this signature: every check
+        Tq, Hq, _ = q.data.shape
+        Hkv = k.data.shape[1]
+        B, D = check_varlen_operands(dict(q=q, k=k, v_hdim=v_hdim, dout_hdim=dout_hdim), dict(k_seq=k_seq),
+                                     dict(lse=lse), Hq, Hkv, grad_dtype)
+        if (not isinstance(delta, torch.Tensor) or delta.dtype != torch.float32 or delta.ndim != 2
+                or delta.shape[0] != Hq or delta.device != lse.device):
+            raise ValueError(f"delta must be the padded float32 ({Hq}, Tv) of attn_bwd_preprocess_varlen("
+                             f"delta_padded=True), got {getattr(delta, 'dtype', type(delta).__name__)} "
+                             f"{tuple(getattr(delta, 'shape', ()))}")
+        if delta_cols.dtype != torch.int32 or tuple(delta_cols.shape) != (B + 1,):
+            raise ValueError(f"delta_cols must be int32 ({B + 1},), got {delta_cols.dtype} {tuple(delta_cols.shape)}")
+        Tk = k.data.shape[0]
+        cfg = config or default_config(D, causal)
+        if cfg.stages < 1:
+            raise ValueError(f"stages must be >= 1, got {cfg.stages}")
+        check_block_n(cfg, D, varlen=True)
+        if Tq == 0 or Tk == 0 or B * Hq == 0:  # no key anywhere: every row sees nothing (no plan: no launch)
+            return torch.zeros(Tq, Hq, D, dtype=grad_dtype, device=q.data.device)
+    else:
+        cfg = plan[4]
+    Tq, Hq, D = q.data.shape
+    Tk, Hkv, _ = k.data.shape
+    dq = torch.empty(Tq, Hq, D, dtype=grad_dtype, device=q.data.device)
     slots = bwd_tile_slots(q.cu_seqlens, k.cu_seqlens, q.cu_exp, k.cu_exp, k_seq.cu_data, dout_hdim.cu_exp,
                            delta_cols, q.max_seqlen, key_tiles=False, causal=causal)
-    bm, bn = (WG_ROWS if cfg.split else BLOCK_M).value, cfg.block_n
-    row_layout, key_layout = nvmma_fp8_layout(bm, D), nvmma_fp8_layout(bn, D)
     qd, dd = _packed_view(q.data, "q"), _packed_view(dout_hdim.data, "dout_hdim")
     kd, vd = _packed_view(k.data, "k"), _packed_view(v_hdim.data, "v_hdim")
     ksd = k_seq.data
+    bases = (qd, dd, kd, vd, ksd)
+    tensors = (q.exp, dout_hdim.exp, k.exp, v_hdim.exp, k_seq.exp, lse, delta, dq)
+    if plan is not None:  # a signature seen before: checked then; the descriptors rebuilt over today's tensors
+        bound, templates, scalars, consts, _ = plan
+        bound(*(rebased(t, b) for t, b in zip(templates, bases)), *tensors, *scalars, *consts, slots, True)
+        return dq
+    bm, bn = (WG_ROWS if cfg.split else BLOCK_M).value, cfg.block_n
+    row_layout, key_layout = nvmma_fp8_layout(bm, D), nvmma_fp8_layout(bn, D)
     Tv = ksd.shape[2]
     descs = (TensorDescriptor(qd, [Tq, Hq * D], [Hq * D, 1], [bm, D], row_layout),
              TensorDescriptor(dd, [Tq, Hq * D], [Hq * D, 1], [bm, D], row_layout),
              TensorDescriptor(kd, [Tk, Hkv * D], [Hkv * D, 1], [bn, D], key_layout),
              TensorDescriptor(vd, [Tk, Hkv * D], [Hkv * D, 1], [bn, D], key_layout),
              TensorDescriptor(ksd, [Hkv * D, Tv], [Tv, 1], [D, bn], nvmma_fp8_layout(D, bn)))
-    qe, de, ke, ve, kse = q.exp, dout_hdim.exp, k.exp, v_hdim.exp, k_seq.exp
+    qe, de, ke, ve, kse = tensors[:5]
     grp = lambda e: (0, e.stride(0), e.stride(1))  # noqa: E731  (groups, H, 1), no batch dim
-    grid = (tile_rows_bound(Tq, B, q.max_seqlen), Hq)
-    fast_launcher(_attn_bwd_dq_ws_kernel)[grid](
-        *descs, qe, de, ke, ve, kse, lse, delta, dq,
-        *grp(qe), *grp(de), *grp(ke), *grp(ve), *kse.stride(),
-        0, *lse.stride(), 0, *delta.stride(), 0, *dq.stride(),
-        Hq, Hkv, 0, 0, Hq // Hkv, ROW_GROUP, ROW_GROUP,
-        softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
-        HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
-        SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, BLOCK_N=cfg.block_n, SLOTS=slots, VARLEN=True,
-        num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg,
-    )
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    scalars = (*grp(qe), *grp(de), *grp(ke), *grp(ve), *kse.stride(),
+               0, *lse.stride(), 0, *delta.stride(), 0, *dq.stride(),
+               Hq, Hkv, 0, 0, Hq // Hkv, ROW_GROUP, ROW_GROUP, scale * LOG2E, scale * 2.0**-P_SCALE_LOG2)
+    # HEAD_DIM .. BLOCK_N in signature order, then SLOTS and VARLEN
+    consts = (D, cfg.stages, causal, cfg.producer_regs, cfg.split, cfg.consumer_regs, cfg.block_n)
+    grid = (tile_rows_bound(Tq, q.batch, q.max_seqlen), Hq)
+    options = dict(num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
+    args = (*descs, *tensors, *scalars, *consts, slots, True)
+    if key is None:
+        fast_launcher(_attn_bwd_dq_ws_kernel)[grid](*args, **options)
+        return dq
+    if len(_VARLEN_PLANS) >= _MAX_PLANS:
+        _VARLEN_PLANS.clear()
+    _VARLEN_PLANS[key] = (BoundLaunch(fast_launcher(_attn_bwd_dq_ws_kernel), grid, args, options), descs, scalars,
+                          consts, cfg)
     return dq
 
 

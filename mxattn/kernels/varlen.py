@@ -361,17 +361,37 @@ def varlen_q_operand(q: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: 
     return VarlenFP8("q", rs.data, rs.exp, cu_seqlens_q, cu_seqlens_q, cu_seqlens_q, max_seqlen_q)
 
 
+def _offsets_of(like: Optional["VarlenFP8"], role: str, cu_seqlens: torch.Tensor, T: int, align: int = V_ALIGN):
+    """``like``'s offsets for an operand of ``role`` over the same sequences (the ``offsets_of`` argument of the
+    producers), or None without ``like``.  Its offsets are the ones this producer would compute from ``cu_seqlens``
+    (the same tensor, by identity) whenever ``like`` came from a producer; reusing them saves the few small launches
+    of ``cu_blocks``."""
+    if like is None:
+        return None
+    if not isinstance(like, VarlenFP8) or like.role != role or like.cu_seqlens is not cu_seqlens or like.v_blocks \
+            or (role == "k" and (like.cu_exp is None or like.data.shape[0] != T)) or (role == "v" and like.align != align):
+        raise ValueError(f"offsets_of must be a role {role!r} VarlenFP8 over the same cu_seqlens tensor and {T} "
+                         f"tokens (align {align}, not v_blocks), got {getattr(like, 'role', type(like).__name__)!r}")
+    return like
+
+
 def varlen_k_operand(k: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: int,
-                     scale_mode: Union[str, ScaleMode] = "rceil") -> VarlenFP8:
-    """K of a jagged batch (layout: module docstring): one pass, one program per (sequence, 128 keys, head)."""
+                     scale_mode: Union[str, ScaleMode] = "rceil",
+                     offsets_of: Optional["VarlenFP8"] = None) -> VarlenFP8:
+    """K of a jagged batch (layout: module docstring): one pass, one program per (sequence, 128 keys, head).
+    ``offsets_of``: a K-layout operand over the same ``cu_seqlens_k`` tensor and token count (the backward's q, for
+    dO) whose group offsets and exponent rows this one takes instead of computing them (same values, fewer
+    launches)."""
     rceil = ScaleMode.parse(scale_mode) is ScaleMode.RCEIL
     x4 = _packed_input(k, "k")
     _, T, H, D = x4.shape
     B = cu_seqlens_k.numel() - 1
     dev = x4.device
-    cu_g = cu_blocks(cu_seqlens_k, K_GROUP)
+    like = _offsets_of(offsets_of, "k", cu_seqlens_k, T)
+    cu_g = cu_blocks(cu_seqlens_k, K_GROUP) if like is None else like.cu_exp
     data = torch.empty(T, H, D, dtype=torch.uint8, device=dev)
-    exp = torch.zeros(_k_groups_bound(T, B), H, 1, dtype=torch.int32, device=dev)
+    exp = torch.zeros(_k_groups_bound(T, B) if like is None else like.exp.shape[0], H, 1, dtype=torch.int32,
+                      device=dev)
     n_tiles = cdiv(max_seqlen_k, K_GROUP)
     if B * n_tiles * H * T > 0:
         dp = _d_pad(D)
@@ -388,13 +408,15 @@ def varlen_k_operand(k: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: 
 
 def varlen_v_operand(v: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: int,
                      scale_mode: Union[str, ScaleMode] = "rceil", v_blocks: bool = False,
-                     align: int = V_ALIGN) -> VarlenFP8:
+                     align: int = V_ALIGN, offsets_of: Optional["VarlenFP8"] = None) -> VarlenFP8:
     """V of a jagged batch (layout: module docstring): pass 1 the per-(sequence, head, channel) exponents, pass 2
     the channel-major data with 16-aligned sequence starts: (H, D, Tv) rows over the whole batch, or with
     ``v_blocks`` one (H, D, round16(len)) block per sequence starting at element 16-aligned-start * H * D (the
     forward's layout: a V tile's channel rows are then one sequence long, not the batch's Tv).
     ``align`` (a multiple of 16; rows only): sequence starts at multiples of it, zeros to there
-    (``BWD_SEQ_ALIGN`` for the backward's seq operands)."""
+    (``BWD_SEQ_ALIGN`` for the backward's seq operands).
+    ``offsets_of`` (rows only): a V-layout operand over the same ``cu_seqlens_k`` tensor with this ``align`` (the
+    backward's q_seq, for dO) whose column offsets and width Tv this one takes (same values, fewer launches)."""
     if align % V_ALIGN or align < V_ALIGN or (v_blocks and align != V_ALIGN):
         raise ValueError(f"align must be a multiple of {V_ALIGN} ({V_ALIGN} with v_blocks), got {align}")
     rceil = ScaleMode.parse(scale_mode) is ScaleMode.RCEIL
@@ -402,8 +424,11 @@ def varlen_v_operand(v: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: 
     _, T, H, D = x4.shape
     B = cu_seqlens_k.numel() - 1
     dev = x4.device
-    cu_v = align * cu_blocks(cu_seqlens_k, align)
-    Tv = _v_columns_bound(T, B, align)
+    if v_blocks and offsets_of is not None:
+        raise ValueError("offsets_of is for the (H, D, Tv) rows layout, not v_blocks")
+    like = _offsets_of(offsets_of, "v", cu_seqlens_k, T, align)
+    cu_v = align * cu_blocks(cu_seqlens_k, align) if like is None else like.cu_data
+    Tv = _v_columns_bound(T, B, align) if like is None else like.data.shape[2]
     buf = torch.empty(H * D * Tv if v_blocks else (H, D, Tv), dtype=torch.uint8, device=dev)
     exp = torch.full((B, H, D), _NO_EXP_HOST, dtype=torch.int32, device=dev)
     if B * H > 0:
@@ -662,6 +687,60 @@ def _cumsum(xs):
         yield s
 
 
+def _host_ms(fn, n: int = 20) -> float:
+    """Host time (ms) per call of ``fn``: ``n`` calls issued after a sync, clock read before the closing sync (few
+    enough launches that the GPU's queue never makes the host wait).  Close to do_bench's time: host-bound."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) * 1e3 / n
+
+
+def _varlen_bwd_parts(ops, out, do, lse, causal: bool, gluon: bool) -> dict:
+    """Each piece of the jagged backward timed alone (do_bench, ms) on the dispatch's operands: ``preprocess`` (dO's
+    two producers and the δ kernel as the tl path runs them), and with ``gluon`` ``gluon_preprocess`` (the same with
+    δ and lse in the padded columns), ``tile_tables`` (both tables), ``gluon_dkdv`` and ``gluon_dq`` (each launcher
+    on prepared operands: its tile table, exponent copies and kernel)."""
+    from triton.testing import do_bench
+
+    from mxattn.kernels.attn_bwd import _dout_offsets, attn_bwd_preprocess_varlen, gluon_split
+
+    q, k, v_hdim, q_seq, k_seq = ops
+    cu, ms, offs = q.cu_seqlens, q.max_seqlen, _dout_offsets(q, q_seq)
+    parts = {"preprocess": do_bench(lambda: attn_bwd_preprocess_varlen(out, do, cu, ms, offsets_of=offs))}
+    if not gluon:
+        return parts
+    from mxattn.kernels.attn_bwd_dkdv_gluon import GluonDkdvConfig, attn_bwd_dkdv_gluon_varlen
+    from mxattn.kernels.attn_bwd_dq_gluon import GluonDqConfig, attn_bwd_dq_gluon_varlen
+    from mxattn.kernels.bwd_varlen_tiles import bwd_tile_slots
+
+    pre = lambda: attn_bwd_preprocess_varlen(out, do, cu, ms, delta_padded=True, lse=lse,  # noqa: E731
+                                             offsets_of=offs)
+    parts["gluon_preprocess"] = do_bench(pre)
+    doh, dos, delta, lse_pad = pre()
+    split = gluon_split()
+    kv_cfg, dq_cfg = (GluonDkdvConfig(split=True), GluonDqConfig(split=True)) if split else (None, None)
+
+    def tables():
+        bwd_tile_slots(cu, k.cu_seqlens, q.cu_exp, k.cu_exp, q_seq.cu_data, doh.cu_exp, dos.cu_data, k.max_seqlen,
+                       key_tiles=True, causal=causal)
+        bwd_tile_slots(cu, k.cu_seqlens, q.cu_exp, k.cu_exp, k_seq.cu_data, doh.cu_exp, dos.cu_data, ms,
+                       key_tiles=False, causal=causal)
+
+    parts["tile_tables"] = do_bench(tables)
+    parts["gluon_dkdv"] = do_bench(lambda: attn_bwd_dkdv_gluon_varlen(q, k, v_hdim, q_seq, doh, dos, lse_pad, delta,
+                                                                      causal=causal, config=kv_cfg))
+    parts["gluon_dq"] = do_bench(lambda: attn_bwd_dq_gluon_varlen(q, k, v_hdim, k_seq, doh, lse, delta, dos.cu_data,
+                                                                  causal=causal, config=dq_cfg))
+    return parts
+
+
 def bench_varlen_bwd(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, heads_kv: int = 16, head_dim: int = 128,
                      causal: bool = False, seed: int = 0, lengths: Optional[list[int]] = None,
                      deterministic: bool = False, with_sdpa: bool = True) -> dict:
@@ -680,6 +759,10 @@ def bench_varlen_bwd(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, h
     the Gluon jagged kernels with ``MXATTN_VARLEN_BWD_KERNEL=gluon``; named in ``varlen_kernel``) and once more on
     the ``tl`` kernels (``ms["varlen_tl"]``,
     ``rate_vs_dense_tl``), both against the dense default backward (the Gluon kernels on Hopper).
+    ``parts_ms`` (``_varlen_bwd_parts``): the pieces of the jagged backward timed alone on the same operands (dO
+    producers and δ, tile tables, each Gluon kernel's launcher), so that a slow row says where its time goes.
+    ``host_ms`` (``_host_ms``): host time per call of each timed backward; where it is close to the row's ``ms``
+    the row measures the host (small batches), not the kernels.
     """
     if not torch.cuda.is_available():
         raise RuntimeError("bench_varlen_bwd needs a CUDA GPU")
@@ -711,27 +794,32 @@ def bench_varlen_bwd(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, h
     run_var = lambda: attn_bwd_hopper_varlen(*ops, out, do, lse, causal=causal, deterministic=deterministic)  # noqa: E731
     kernel = varlen_backward_kernel(torch.device(dev))
     t_var = do_bench(run_var)
+    host = {"varlen": _host_ms(run_var)}
+    parts = _varlen_bwd_parts(ops, out, do, lse, causal, gluon=kernel == "gluon")
     saved = os.environ.get("MXATTN_VARLEN_BWD_KERNEL")
     os.environ["MXATTN_VARLEN_BWD_KERNEL"] = "tl"
     try:
         t_var_tl = do_bench(run_var)
+        host["varlen_tl"] = _host_ms(run_var)
     finally:
         if saved is None:
             os.environ.pop("MXATTN_VARLEN_BWD_KERNEL")
         else:
             os.environ["MXATTN_VARLEN_BWD_KERNEL"] = saved
 
-    def dense(S: int):
+    def dense(S: int, name: str):
         qd, kd, vd, dod = mk(B, S, heads_q, D), mk(B, S, heads_kv, D), mk(B, S, heads_kv, D), mk(B, S, heads_q, D)
         od, ld = attn_fwd_hopper(row_scaled_triton(qd, "q"), row_scaled_triton(kd, "k"), row_scaled_triton(vd, "v"),
                                  causal=causal)
         bops = (row_scaled_triton(qd, "k", k_group=Q_EXP_GROUP), row_scaled_triton(kd, "k"),
                 row_scaled_triton(vd, "k"), row_scaled_triton(qd, "v"), row_scaled_triton(kd, "v"))
-        ms = do_bench(lambda: attn_bwd_hopper(*bops, od, dod, ld, causal=causal, deterministic=deterministic))
+        run = lambda: attn_bwd_hopper(*bops, od, dod, ld, causal=causal, deterministic=deterministic)  # noqa: E731
+        ms = do_bench(run)
+        host[name] = _host_ms(run)
         return ms, (qd, kd, vd, dod)
 
-    t_pad, padded = dense(smax)
-    t_mean, _ = dense(mean_len)
+    t_pad, padded = dense(smax, "dense_padded")
+    t_mean, _ = dense(mean_len, "dense_mean")
     sdpa = {}
     if with_sdpa:
         for name, be in (("sdpa_cudnn_bf16_padded", "CUDNN_ATTENTION"), ("sdpa_flash_bf16_padded", "FLASH_ATTENTION")):
@@ -746,6 +834,7 @@ def bench_varlen_bwd(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, h
         "mean_len": mean_len, "max_len": smax, "tokens": T, "fill": T / (B * smax), "varlen_kernel": kernel,
         "ms": {"varlen": t_var, "varlen_tl": t_var_tl, "dense_padded": t_pad, "dense_mean": t_mean,
                "producers": t_prod, **sdpa},
+        "parts_ms": parts, "host_ms": host,
         "tflops": {"varlen": tf(real, t_var), "varlen_tl": tf(real, t_var_tl), "dense_padded_real": tf(real, t_pad),
                    "dense_mean": tf(dense_flops, t_mean), **{k + "_real": tf(real, ms) for k, ms in sdpa.items()}},
         "speedup_vs_padded": t_pad / t_var,
