@@ -20,6 +20,7 @@ same fp32 values.  The fast mode is also compared to ``linear_quant_reference`` 
 from __future__ import annotations
 
 import os
+import types
 
 import pytest
 import torch
@@ -71,6 +72,14 @@ def test_switch_values_and_fallbacks(clean_switch):
     assert kl.linear_kernel(x, w, False) == "tl"
     clean_switch.setattr(kl, "KERNEL_OVERRIDE", "auto")
     assert kl.linear_kernel(x, w, True) == "tl"  # a tl tile was asked for
+
+
+def test_auto_keeps_tl_on_an_unverified_triton(clean_switch):
+    """auto takes the Gluon kernel only on a Triton it was verified on (``kernels.gluon_verified``, the attention
+    kernels' rule): on another release the tl kernel runs, before the Gluon module is even asked."""
+    fake = types.SimpleNamespace(device=torch.device("cuda", 0))
+    clean_switch.setattr(kl, "gluon_verified", lambda: False)
+    assert kl.linear_kernel(fake, fake, False) == "tl"
 
 
 def test_gluon_refused_through_the_api_on_cpu(clean_switch, gen):

@@ -29,8 +29,8 @@ Launchers (inputs checked by ``mxattn.producers``):
     and ``cs`` (B, ceil(S/32), N) u8 (seq).  M tiles never cross a batch boundary.
 
 Kernel choice (``linear_kernel``): ``MXATTN_LINEAR_KERNEL=auto|tl|gluon`` (or ``KERNEL_OVERRIDE``).  ``auto``
-takes the persistent warp-specialized Gluon kernel (``kernels.linear_quant_gluon``) on sm_90 when it takes the
-operands (TMA alignment, ``gluon_eligible``) and no ``tl`` tile was asked for (``tile`` / ``TILE_OVERRIDE``),
+takes the persistent warp-specialized Gluon kernel (``kernels.linear_quant_gluon``) on sm_90 with a Triton it was
+verified on (``kernels.gluon_verified``) when it takes the operands (TMA alignment, ``gluon_eligible``) and no ``tl`` tile was asked for (``tile`` / ``TILE_OVERRIDE``),
 else this module's ``tl`` kernel (also under the interpreter and off Hopper); ``gluon`` raises when the Gluon
 kernel cannot run.  Same outputs: with ``precise_acc`` (default) both kernels sum per-``block_k`` wgmma partials
 into fp32 in K order (the Gluon module docstring says why they agree).
@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from mxattn.formats import MXTensor, RowScaledFP8, blackwell_scale_bytes
+from mxattn.kernels import gluon_verified
 from mxattn.kernels.launch import cdiv, fast_launcher, next_pow2
 from mxattn.kernels.quantize import (
     SEQ_ALIGN,
@@ -98,6 +99,8 @@ def linear_kernel(xd: torch.Tensor, wd: torch.Tensor, tile_asked: bool) -> str:
     if mode == "tl" or (mode == "auto" and tile_asked):
         return "tl"
     ok = xd.device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    if ok and mode == "auto" and not gluon_verified():
+        return "tl"  # another Triton: Gluon's API moves between releases (the attention kernels' rule)
     if ok:
         from mxattn.kernels.linear_quant_gluon import gluon_eligible
 
