@@ -358,7 +358,8 @@ def attention_backward(
       ds_q_block:  the block length along q of dK's dS quantization (default 32: MX).  The Hopper
                    dK/dV kernels with one dS exponent per key and query tile (``GluonDkdvConfig(
                    ds_exp="key")``, ``BwdConfig(ds_tile_scale=False)``) are ``ds_q_block=64``: one RCEIL
-                   power of two per key per 64 queries, tiles from each sequence's first query (their
+                   power of two per key per 64 queries (``ds_q_block=128`` at D = 64 through the public
+                   backward, whose dK/dV steps cover 128 queries there), tiles from each sequence's first query (their
                    bound on an exponent's drop, 64 binades below the key's largest, is not emulated).
       Sequence-orientation quantizations (dO along q, dS along q) run per sequence: blocks of 32
       start at each sequence's first token (batch entry when dense, cu_seqlens start when packed)

@@ -421,6 +421,41 @@ def test_backward_gluon_split_equals_tl_64_tiles(D, causal, seed, monkeypatch):
         assert_same_up_to_summation_order(a, b, name)
 
 
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("split", ["1", "0"])
+def test_gluon_dispatch_steps(D, split, seed, monkeypatch):
+    """What ``attn_bwd_hopper`` hands the Gluon launchers (recorded on the CPU, not run): the split builds by
+    default, with 128-query dK/dV and 128-key dQ steps at D = 64 (session 11's measurement) and 64 at D = 128;
+    the whole-tile builds' own defaults (``config=None``) with ``MXATTN_BWD_GLUON_SPLIT=0``."""
+    import mxattn.kernels.attn_bwd_dkdv_gluon as kv
+    import mxattn.kernels.attn_bwd_dq_gluon as dqm
+
+    bwd = _bwd()
+    require_kernels()
+    args, _ = _kernel_args(130, 70, 1, D, seed)
+    seen = {}
+
+    def dkdv(q, k, *a, config=None, dk_out=None, dv_out=None, **kw):
+        seen["dkdv"] = config
+        return dk_out, dv_out
+
+    def dq(q, *a, config=None, **kw):
+        seen["dq"] = config
+        return torch.zeros(q.data.shape, dtype=torch.bfloat16)
+
+    monkeypatch.setattr(bwd, "backward_kernel", lambda dev=None: "gluon")
+    monkeypatch.setattr(kv, "attn_bwd_dkdv_gluon", dkdv)
+    monkeypatch.setattr(dqm, "attn_bwd_dq_gluon", dq)
+    monkeypatch.setenv("MXATTN_BWD_GLUON_SPLIT", split)
+    bwd.attn_bwd_hopper(*args, causal=True)
+    if split == "0":
+        assert seen == {"dkdv": None, "dq": None}
+        return
+    wide = 128 if D == 64 else 64
+    assert seen["dkdv"] == kv.GluonDkdvConfig(split=True, block_m=wide)
+    assert seen["dq"] == dqm.GluonDqConfig(split=True, block_n=wide)
+
+
 def test_gluon_split_setting(monkeypatch):
     """The split Gluon backward kernels are the default; MXATTN_BWD_GLUON_SPLIT=0 takes the whole-tile ones and
     anything else is refused by name."""

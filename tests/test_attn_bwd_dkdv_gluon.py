@@ -607,6 +607,7 @@ BM128_KEY_CASES = [
     (2, 1000, 1000, 16, 2, 64, False),
     (1, 300, 3000, 2, 2, 64, True),
     (1, 1024, 1024, 4, 4, 64, False),
+    (1, 1000, 300, 4, 2, 64, True),  # causal Sq > Sk: query rows that see no key (lse -inf inside Sq)
 ]
 BM128_TILE_CASES = [(2, 1000, 1000, 16, 2, 64, True), (3, 129, 257, 2, 1, 64, False)]
 # (case, ds_exp, tiny): the tiny case first (-k "bm128 and tiny": a barrier or layout bug shows as a hang or a
@@ -795,6 +796,8 @@ def test_launch_plan_repeats_the_checked_launch(monkeypatch):
     ops_nc = _cpu_operands(Sq=70)
     seen3 = _recorded_launches(monkeypatch, lambda: m.attn_bwd_dkdv_gluon(**ops_nc), n=1)
     assert len(m._PLANS) == 2 and seen3[0][1][-5] == 70  # Sq among the scalars
+    for plan in m._PLANS.values():  # the plans hold no call's tensors (launch.unbased)
+        assert all(d.base is None for d in plan[1])
 
 
 def test_launch_plan_keeps_the_query_step(monkeypatch):

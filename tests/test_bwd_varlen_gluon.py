@@ -413,6 +413,30 @@ def test_gluon_jagged_launch_plans(monkeypatch):
     assert len([s for s in seen if s[0].startswith("_attn_bwd")]) == 2
 
 
+def test_gluon_jagged_plans_hold_no_operand(monkeypatch):
+    """A plan keeps its descriptors without their tensors (``launch.unbased``): once the caller drops a call's
+    operands they are freed, although the plan stays (packed training makes a plan per new batch shape)."""
+    import gc
+    import weakref
+
+    kv = pytest.importorskip("mxattn.kernels.attn_bwd_dkdv_gluon")
+    dqm = pytest.importorskip("mxattn.kernels.attn_bwd_dq_gluon")
+    kv._VARLEN_PLANS.clear()
+    dqm._VARLEN_PLANS.clear()
+    case = _host_case([900, 300, 70, 1049])
+    seen = _record(monkeypatch)
+    _gluon_host_call(*case)
+    assert len(kv._VARLEN_PLANS) == 1 and len(dqm._VARLEN_PLANS) == 1
+    refs = [weakref.ref(t) for t in (case[0][0].data, case[0][1].data, case[0][3].data, case[0][4].data)]
+    seen.clear()
+    del case
+    gc.collect()
+    assert all(r() is None for r in refs), "a plan kept a call's operand alive"
+    for plans in (kv._VARLEN_PLANS, dqm._VARLEN_PLANS):
+        for plan in plans.values():
+            assert all(d.base is None for d in plan[1])
+
+
 def test_gluon_jagged_plan_launch_equals_the_checked_launch(monkeypatch):
     """With plans off (MXATTN_LAUNCH_PLANS=0: every call checked, descriptors built) the launches carry the same
     arguments as the plan's, bound to the kernels' parameter names (the constexprs go positionally on both)."""

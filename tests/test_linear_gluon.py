@@ -77,9 +77,47 @@ def test_switch_values_and_fallbacks(clean_switch):
 def test_auto_keeps_tl_on_an_unverified_triton(clean_switch):
     """auto takes the Gluon kernel only on a Triton it was verified on (``kernels.gluon_verified``, the attention
     kernels' rule): on another release the tl kernel runs, before the Gluon module is even asked."""
+    import mxattn.kernels.linear_quant_gluon as lg
+
     fake = types.SimpleNamespace(device=torch.device("cuda", 0))
+    clean_switch.setenv("TRITON_INTERPRET", "0")  # (this module sets it on a CPU machine)
+    clean_switch.setattr(lg, "gluon_eligible", lambda *a: True)
+    clean_switch.setattr(kl, "gluon_verified", lambda: True)
+    assert kl.linear_kernel(fake, fake, False) == "gluon"  # the control: verified Triton, operands it takes
     clean_switch.setattr(kl, "gluon_verified", lambda: False)
+    clean_switch.setattr(lg, "gluon_eligible", lambda *a: pytest.fail("auto asked the Gluon module"))
     assert kl.linear_kernel(fake, fake, False) == "tl"
+
+
+class _FakeOperand:
+    """What ``gluon_eligible`` reads of an operand, on a CUDA device that this machine need not have."""
+
+    def __init__(self, shape, strides, ptr=0):
+        self.shape, self._strides, self._ptr = torch.Size(shape), strides, ptr
+        self.device = torch.device("cuda", 0)
+
+    def dim(self):
+        return len(self.shape)
+
+    def stride(self, i=None):
+        return self._strides if i is None else self._strides[i]
+
+    def data_ptr(self):
+        return self._ptr
+
+
+@pytest.mark.parametrize("strides,ptr,ok", [
+    ((128, 1), 0, True), ((256, 1), 0, True),
+    ((0, 1), 0, False),  # a broadcast row
+    ((64, 1), 0, False),  # rows overlapping (pitch under a row)
+    ((136, 1), 0, False), ((128, 1), 8, False), ((1, 128), 0, False),  # pitch / base not 16-byte aligned, K strided
+])
+def test_gluon_eligible_operands(clean_switch, strides, ptr, ok):
+    import mxattn.kernels.linear_quant_gluon as lg
+
+    clean_switch.setattr(lg, "_major", lambda dev: 9)
+    w = _FakeOperand((96, 128), (128, 1))
+    assert lg.gluon_eligible(_FakeOperand((64, 128), strides, ptr), w) is ok
 
 
 def test_gluon_refused_through_the_api_on_cpu(clean_switch, gen):

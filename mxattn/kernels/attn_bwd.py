@@ -1101,7 +1101,7 @@ def _dout_offsets(q, q_seq) -> tuple:
     from mxattn.kernels.varlen import BWD_SEQ_ALIGN
 
     hdim = q if q.role == "k" and q.cu_exp is not None else None
-    seq = q_seq if (q_seq.align == BWD_SEQ_ALIGN and not q_seq.v_blocks
+    seq = q_seq if (q_seq.role == "v" and q_seq.align == BWD_SEQ_ALIGN and not q_seq.v_blocks
                     and q_seq.cu_seqlens is q.cu_seqlens) else None
     return hdim, seq
 

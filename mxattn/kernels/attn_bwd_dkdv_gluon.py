@@ -155,7 +155,8 @@ nothing else (before session 7: 72 B at d128, and at d128 causal 11 LDL/STL per 
 the way: a tuple of partition arguments held in a variable turns its constexprs into runtime values, so each
 partition's tuple is written out in the call.
 
-128-query step (``GluonDkdvConfig(block_m=128)``, session 9; compiled on the CPU, not yet run on a GPU; default 64):
+128-query step (``GluonDkdvConfig(block_m=128)``, session 9; this module's default stays 64, the public backward
+(``attn_bwd.attn_bwd_hopper``) takes it at D = 64 since session 11: 2.20 / 1.38 ms against 2.54 / 1.40 at S 8k):
 BLOCK_M is a kernel constexpr, so every step covers 128 queries at D = 64 (FA3's d64 tile), dense launches only
 (``check_launch``; the jagged mode keeps 64).  Per warpgroup and step: Sᵀ and dPᵀ as 64 x 128 tiles (2 + 2
 ``m64n128k32``, 64 registers each), dV and dK with K = 128 (4 + 4 ``m64n64k32``); Q / dO boxes [128, D], Q_seq /
@@ -205,7 +206,8 @@ from mxattn.kernels.attn_bwd_dq_gluon import (
     time_against_tl,
 )
 from mxattn.kernels import launch
-from mxattn.kernels.launch import BoundLaunch, cdiv, fast_launcher, nvmma_fp8_layout, rebased, tensor_sig
+from mxattn.kernels.launch import (BoundLaunch, cdiv, fast_launcher, nvmma_fp8_layout, rebased, tensor_sig,
+                                   unbased)
 
 __all__ = ["GluonDkdvConfig", "default_config", "tl_twin_config", "attn_bwd_dkdv_gluon",
            "attn_bwd_dkdv_gluon_varlen", "bench_attn_bwd_dkdv_gluon", "dkdv_operands"]
@@ -1145,7 +1147,7 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
         return dk, dv
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
-    _PLANS[key] = (BoundLaunch(fast_launcher(kernel), grid, args, constexprs), descs, scalars, bm)
+    _PLANS[key] = (BoundLaunch(fast_launcher(kernel), grid, args, constexprs), unbased(descs), scalars, bm)
     return dk, dv
 
 
@@ -1276,7 +1278,7 @@ def attn_bwd_dkdv_gluon_varlen(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse: to
         return dk, dv
     if len(_VARLEN_PLANS) >= _MAX_PLANS:
         _VARLEN_PLANS.clear()
-    _VARLEN_PLANS[key] = (BoundLaunch(fast_launcher(_attn_bwd_dkdv_ws_kernel), grid, args, options), descs, scalars,
+    _VARLEN_PLANS[key] = (BoundLaunch(fast_launcher(_attn_bwd_dkdv_ws_kernel), grid, args, options), unbased(descs), scalars,
                           consts, cfg)
     return dk, dv
 

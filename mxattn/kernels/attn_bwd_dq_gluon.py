@@ -86,7 +86,9 @@ masked ones) and exponent tiles are the same.  Half the steps per score: the per
 reduction and loop overhead are paid once per 128 keys.  sm_90a, 3 stages, d64 (split and whole, causal and not):
 no spills, highest SASS register R237, 90 656 B shared memory (split), 631-641 SASS on a step's path against
 380-382 for 64 keys, i.e. 9.9-10.0 instead of 11.9 instructions per score and thread (perf-notes-attn-bwd.md,
-"Session 9").  Not the default until a GPU run says it is faster; at d128 it spills (80 B, 8 LDL/STL per step).
+"Session 9").  Measured in session 11 (B2 H16 S8k d64, split): 1.67 / 0.86 ms against 2.24 / 1.17 for 64 keys, so the
+public backward (``attn_bwd.attn_bwd_hopper``) takes it at D = 64; this module's ``default_config`` and the jagged
+launcher keep 64.  At d128 it spills (80 B, 8 LDL/STL per step).
 """
 
 from __future__ import annotations
@@ -109,7 +111,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxattn.formats import RowScaledFP8
 from mxattn.kernels import launch
-from mxattn.kernels.launch import BoundLaunch, cdiv, fast_launcher, nvmma_fp8_layout, rebased, tensor_sig
+from mxattn.kernels.launch import (BoundLaunch, cdiv, fast_launcher, nvmma_fp8_layout, rebased, tensor_sig,
+                                   unbased)
 
 __all__ = ["GluonDqConfig", "default_config", "check_block_n", "split_tl_config", "tl_twin_config",
            "attn_bwd_dq_gluon", "attn_bwd_dq_gluon_varlen", "check_varlen_operands", "backward_operands",
@@ -737,7 +740,7 @@ def attn_bwd_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, k_
         return dq
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
-    _PLANS[key] = (BoundLaunch(fast_launcher(_attn_bwd_dq_ws_kernel), grid, args, constexprs), descs, scalars)
+    _PLANS[key] = (BoundLaunch(fast_launcher(_attn_bwd_dq_ws_kernel), grid, args, constexprs), unbased(descs), scalars)
     return dq
 
 
@@ -913,7 +916,7 @@ def attn_bwd_dq_gluon_varlen(q, k, v_hdim, k_seq, dout_hdim, lse: torch.Tensor, 
         return dq
     if len(_VARLEN_PLANS) >= _MAX_PLANS:
         _VARLEN_PLANS.clear()
-    _VARLEN_PLANS[key] = (BoundLaunch(fast_launcher(_attn_bwd_dq_ws_kernel), grid, args, options), descs, scalars,
+    _VARLEN_PLANS[key] = (BoundLaunch(fast_launcher(_attn_bwd_dq_ws_kernel), grid, args, options), unbased(descs), scalars,
                           consts, cfg)
     return dq
 

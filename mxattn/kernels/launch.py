@@ -218,6 +218,12 @@ def rebased(desc, base):
     return d
 
 
+def unbased(descs) -> tuple:
+    """Gluon descriptors as a launch plan keeps them: without their tensors (``rebased`` over ``None``), so a plan
+    holds no call's operands alive; a plan hit rebases each over that call's tensors."""
+    return tuple(rebased(d, None) for d in descs)
+
+
 def tensor_sig(t: torch.Tensor) -> tuple:
     """What a launch plan's key holds of a tensor argument: dtype, shape, strides, 16-byte alignment."""
     return (t.dtype, t.shape, t.stride(), t.data_ptr() & 15)

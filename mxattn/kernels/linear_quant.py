@@ -102,9 +102,12 @@ def linear_kernel(xd: torch.Tensor, wd: torch.Tensor, tile_asked: bool) -> str:
     if ok and mode == "auto" and not gluon_verified():
         return "tl"  # another Triton: Gluon's API moves between releases (the attention kernels' rule)
     if ok:
-        from mxattn.kernels.linear_quant_gluon import gluon_eligible
-
-        ok = gluon_eligible(xd, wd)
+        try:
+            from mxattn.kernels.linear_quant_gluon import gluon_eligible
+        except ImportError:  # a Triton without Gluon's Hopper module
+            ok = False
+        else:
+            ok = gluon_eligible(xd, wd)
     if mode == "gluon" and not ok:
         raise ValueError("the Gluon linear kernel needs an sm_90 CUDA device (not the interpreter) and FP8 "
                          "operands with 16-byte aligned rows and base pointers")

@@ -432,11 +432,12 @@ def _acc_smem_layout():
 # ------------------------------------------------------------------------------------------------- launcher
 def gluon_eligible(xd: torch.Tensor, wd: torch.Tensor, block_n: int = 128) -> bool:
     """Whether the Gluon kernel takes these FP8 operands: a CUDA sm_90 device, unit stride along K, row pitches
-    and base pointers 16-byte aligned (TMA), no empty dimension, BLOCK_N a multiple of 32."""
+    of at least a row and 16-byte aligned, base pointers too (TMA), no empty dimension, BLOCK_N a multiple of 32."""
     if xd.device.type != "cuda" or _major(xd.device) != 9 or block_n % 32:
         return False
     for t in (xd, wd):
-        if t.dim() != 2 or 0 in t.shape or t.stride(-1) != 1 or t.stride(0) % 16 or t.data_ptr() % 16:
+        if (t.dim() != 2 or 0 in t.shape or t.stride(-1) != 1 or t.stride(0) % 16 or t.stride(0) < t.shape[1]
+                or t.data_ptr() % 16):  # (rows apart by at least a row: no broadcast or overlapping rows)
             return False
     return True
 
