@@ -377,12 +377,9 @@ def _arg_sig(x):
     return x
 
 
-def test_gluon_jagged_launch_plans(monkeypatch):
-    """The jagged launchers keep a plan per operand signature: the second call of a signature skips the checks
-    (check_varlen_operands would fail here) and the descriptors' constructors, and launches what the first call
-    launched (same grid, options, scalars, constexprs, descriptors over the same tensors), with its own tile table
-    (positional: a bound launch fixes only its keywords).  A batch of other lengths with the same token count,
-    sequence count and longest sequence takes the same plans (the lengths are read on the device only)."""
+def _first_jagged_call(monkeypatch):
+    """Both jagged launchers' plan tables emptied, then one recorded call on a four-sequence batch: (dK/dV module,
+    dQ module, the case, the recorded launches)."""
     kv = pytest.importorskip("mxattn.kernels.attn_bwd_dkdv_gluon")
     dqm = pytest.importorskip("mxattn.kernels.attn_bwd_dq_gluon")
     kv._VARLEN_PLANS.clear()
@@ -390,6 +387,16 @@ def test_gluon_jagged_launch_plans(monkeypatch):
     case = _host_case([900, 300, 70, 1049])
     seen = _record(monkeypatch)
     _gluon_host_call(*case)
+    return kv, dqm, case, seen
+
+
+def test_gluon_jagged_launch_plans(monkeypatch):
+    """The jagged launchers keep a plan per operand signature: the second call of a signature skips the checks
+    (check_varlen_operands would fail here) and the descriptors' constructors, and launches what the first call
+    launched (same grid, options, scalars, constexprs, descriptors over the same tensors), with its own tile table
+    (positional: a bound launch fixes only its keywords).  A batch of other lengths with the same token count,
+    sequence count and longest sequence takes the same plans (the lengths are read on the device only)."""
+    kv, dqm, case, seen = _first_jagged_call(monkeypatch)
     first = [s for s in seen if s[0].startswith("_attn_bwd")]
     assert len(kv._VARLEN_PLANS) == 1 and len(dqm._VARLEN_PLANS) == 1
     monkeypatch.setattr(dqm, "check_varlen_operands", lambda *a, **k: pytest.fail("a plan hit runs no checks"))
@@ -419,13 +426,7 @@ def test_gluon_jagged_plans_hold_no_operand(monkeypatch):
     import gc
     import weakref
 
-    kv = pytest.importorskip("mxattn.kernels.attn_bwd_dkdv_gluon")
-    dqm = pytest.importorskip("mxattn.kernels.attn_bwd_dq_gluon")
-    kv._VARLEN_PLANS.clear()
-    dqm._VARLEN_PLANS.clear()
-    case = _host_case([900, 300, 70, 1049])
-    seen = _record(monkeypatch)
-    _gluon_host_call(*case)
+    kv, dqm, case, seen = _first_jagged_call(monkeypatch)
     assert len(kv._VARLEN_PLANS) == 1 and len(dqm._VARLEN_PLANS) == 1
     refs = [weakref.ref(t) for t in (case[0][0].data, case[0][1].data, case[0][3].data, case[0][4].data)]
     seen.clear()
