@@ -1278,8 +1278,8 @@ def attn_bwd_dkdv_gluon_varlen(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse: to
         return dk, dv
     if len(_VARLEN_PLANS) >= _MAX_PLANS:
         _VARLEN_PLANS.clear()
-    _VARLEN_PLANS[key] = (BoundLaunch(fast_launcher(_attn_bwd_dkdv_ws_kernel), grid, args, options), unbased(descs), scalars,
-                          consts, cfg)
+    bound = BoundLaunch(fast_launcher(_attn_bwd_dkdv_ws_kernel), grid, args, options)
+    _VARLEN_PLANS[key] = (bound, unbased(descs), scalars, consts, cfg)
     return dk, dv
 
 

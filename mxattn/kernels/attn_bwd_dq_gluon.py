@@ -916,8 +916,8 @@ def attn_bwd_dq_gluon_varlen(q, k, v_hdim, k_seq, dout_hdim, lse: torch.Tensor, 
         return dq
     if len(_VARLEN_PLANS) >= _MAX_PLANS:
         _VARLEN_PLANS.clear()
-    _VARLEN_PLANS[key] = (BoundLaunch(fast_launcher(_attn_bwd_dq_ws_kernel), grid, args, options), unbased(descs), scalars,
-                          consts, cfg)
+    bound = BoundLaunch(fast_launcher(_attn_bwd_dq_ws_kernel), grid, args, options)
+    _VARLEN_PLANS[key] = (bound, unbased(descs), scalars, consts, cfg)
     return dq
 
 

@@ -30,18 +30,17 @@ Launchers (inputs checked by ``mxattn.producers``):
 
 Kernel choice (``linear_kernel``): ``MXATTN_LINEAR_KERNEL=auto|tl|gluon`` (or ``KERNEL_OVERRIDE``).  ``auto``
 takes the persistent warp-specialized Gluon kernel (``kernels.linear_quant_gluon``) on sm_90 with a Triton it was
-verified on (``kernels.gluon_verified``) when it takes the operands (TMA alignment, ``gluon_eligible``) and no ``tl`` tile was asked for (``tile`` / ``TILE_OVERRIDE``),
-else this module's ``tl`` kernel (also under the interpreter and off Hopper); ``gluon`` raises when the Gluon
+verified on (``kernels.gluon_verified``) when it takes the operands (TMA alignment, ``gluon_eligible``) and no
+``tl`` tile was asked for (``tile`` / ``TILE_OVERRIDE``), else this module's ``tl`` kernel (also under the interpreter and off Hopper); ``gluon`` raises when the Gluon
 kernel cannot run.  Same outputs: with ``precise_acc`` (default) both kernels sum per-``block_k`` wgmma partials
 into fp32 in K order (the Gluon module docstring says why they agree).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
-
-import os
 
 import torch
 import triton
