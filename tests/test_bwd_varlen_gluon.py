@@ -270,14 +270,20 @@ def test_tl_varlen_bwd_same_on_16_and_64_aligned_seq_operands(seed):
 
 
 def test_varlen_backward_kernel_switch(monkeypatch):
-    """MXATTN_VARLEN_BWD_KERNEL: tl by default, auto follows the dense choice (tl without a Hopper GPU), a bad value is refused,
-    and "gluon" without a GPU raises before any launch (no silent fallback when asked by name)."""
+    """MXATTN_VARLEN_BWD_KERNEL: auto by default (the dense choice: tl without a Hopper GPU, Gluon on one), tl when
+    asked, a bad value is refused, and "gluon" without a GPU raises before any launch (no silent fallback when asked
+    by name)."""
     from mxattn.kernels import attn_bwd
     from mxattn.kernels import varlen as V
 
     monkeypatch.delenv("MXATTN_BWD_KERNEL", raising=False)
-    monkeypatch.delenv("MXATTN_VARLEN_BWD_KERNEL", raising=False)  # the default: tl, GPU or not (opt-in Gluon)
-    assert attn_bwd.varlen_backward_kernel(torch.device("cuda", 0)) == "tl"
+    monkeypatch.delenv("MXATTN_VARLEN_BWD_KERNEL", raising=False)  # the default: auto, i.e. the dense choice
+    for dev in (torch.device("cpu"), torch.device("cuda", 0)):
+        assert attn_bwd.varlen_backward_kernel(dev) == attn_bwd.backward_kernel(dev)
+    assert attn_bwd.varlen_backward_kernel(torch.device("cpu")) == "tl"
+    monkeypatch.setenv("MXATTN_BWD_KERNEL", "gluon")  # auto follows an explicit dense choice
+    assert attn_bwd.varlen_backward_kernel(torch.device("cpu")) == "gluon"
+    monkeypatch.delenv("MXATTN_BWD_KERNEL")
     monkeypatch.setenv("MXATTN_VARLEN_BWD_KERNEL", "auto")
     assert attn_bwd.varlen_backward_kernel(torch.device("cpu")) == "tl"
     monkeypatch.setenv("MXATTN_VARLEN_BWD_KERNEL", "tl")

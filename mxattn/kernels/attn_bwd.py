@@ -42,8 +42,9 @@ Jagged batches (``VARLEN``, launcher ``attn_bwd_hopper_varlen``, operands ``kern
 the same three kernels: each program reads its sequence's offsets (``CU_*``), moves its base pointers there, sets
 ``Sq``, ``Sk`` to the sequence's lengths and exits when its tile is past them; the rest is the dense code at batch 0.
 The dense launches pass None for the offsets (constexpr), so the dense kernels compile to the same code as before
-(TTGIR and PTX compared for sm90: docs/perf-notes-varlen.md).  The jagged backward runs these ``tl`` kernels by
-default; the Gluon kernels' jagged mode is opt-in until it passes its GPU tests (``varlen_backward_kernel``).
+(TTGIR and PTX compared for sm90: docs/perf-notes-varlen.md).  On Hopper the
+jagged backward takes the Gluon kernels' jagged mode by default ("auto", ``varlen_backward_kernel``); these ``tl``
+kernels run it elsewhere and for operands the Gluon kernels do not take.
 """
 
 from __future__ import annotations
@@ -839,16 +840,15 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def varlen_backward_kernel(device: Optional[torch.device] = None) -> str:
-    """The jagged backward's kernels on ``device``: ``MXATTN_VARLEN_BWD_KERNEL`` = "tl" (default), "auto" or
-    "gluon".  "tl" runs the ``tl`` kernels (``VARLEN=True``).  "auto" follows the dense choice (``backward_kernel``,
-    i.e. ``MXATTN_BWD_KERNEL``): the Gluon kernels' jagged mode on Hopper with a verified Triton, and
-    ``attn_bwd_hopper_varlen`` falls back to the ``tl`` kernels for operands the Gluon kernels do not take; an
-    explicit "gluon" raises there instead.  Read at each call.
-    The default stays "tl" until the Gluon jagged mode has passed all its GPU tests: the lse fix (session 9's fault
-    on sequences starting at packed rows not a multiple of 4) and its own 18 GPU tests passed in session 11, where it
-    also measured 1.01x / 1.10x the dense kernel's rate on real tokens against the tl path's 0.59x / 0.71x; 8 of
-    tests/test_varlen_bwd.py's GPU tests have not yet run under it (docs/pending-gpu-checks.md)."""
-    choice = os.environ.get("MXATTN_VARLEN_BWD_KERNEL", "tl")
+    """The jagged backward's kernels on ``device``: ``MXATTN_VARLEN_BWD_KERNEL`` = "auto" (default), "tl" or
+    "gluon".  "auto" follows the dense choice (``backward_kernel``, i.e. ``MXATTN_BWD_KERNEL``): the Gluon kernels'
+    jagged mode on Hopper with a verified Triton, and ``attn_bwd_hopper_varlen`` falls back to the ``tl`` kernels
+    for operands the Gluon kernels do not take; an explicit "gluon" raises there instead.  "tl" runs the ``tl``
+    kernels (``VARLEN=True``).  Read at each call.
+    The Gluon jagged mode measured 1.01x / 1.10x the dense kernel's rate on real tokens (non-causal / causal, B16 H16
+    d128, mean length 2048) against the tl path's 0.59x / 0.71x (session 11, ``varlen_bwd-*-s11-lean.json``); its
+    own GPU tests and those of tests/test_varlen_bwd.py pass under it (docs/perf-notes-varlen.md)."""
+    choice = os.environ.get("MXATTN_VARLEN_BWD_KERNEL", "auto")
     if choice not in BWD_KERNELS:
         raise ValueError(f"MXATTN_VARLEN_BWD_KERNEL must be one of {', '.join(BWD_KERNELS)}, got {choice!r}")
     return backward_kernel(device) if choice == "auto" else choice
@@ -1139,7 +1139,7 @@ def attn_bwd_hopper_varlen(
     Causal masks are bottom-right per sequence; rows that see no key get dq = 0, keys that no query sees dk = dv = 0.
     Returns dq (Tq, Hq, D), dk, dv (Tk, Hkv, D) in ``grad_dtype``, contiguous.  Every sequence's gradients are
     those of ``attn_bwd_hopper`` on that sequence alone (same tiles, same arithmetic).
-    Kernels (``varlen_backward_kernel``; "tl" by default): with "auto" or "gluon" on Hopper the warp-specialized
+    Kernels (``varlen_backward_kernel``; "auto" by default): with "auto" or "gluon" on Hopper the warp-specialized
     Gluon kernels in their jagged mode (``attn_bwd_dkdv_gluon_varlen``, ``attn_bwd_dq_gluon_varlen``; always deterministic, split
     variants unless ``MXATTN_BWD_GLUON_SPLIT=0``) when ``config`` is None, D is 64 or 128, q / dout_hdim have the K
     layout and the seq operands 64-aligned columns (``varlen_bwd_operands`` makes them so); else the ``tl``

@@ -755,8 +755,8 @@ def bench_varlen_bwd(batch: int = 16, mean_len: int = 2048, heads_q: int = 16, h
     real tokens only: 2.5 * sum_b 4 Hq len_b^2 D (half when causal).  Returns a row for ``benchmarks/results``
     (what="varlen_bwd"): times in ms, TFLOP/s on real FLOPs, ``speedup_vs_padded`` (dense padded / varlen),
     ``speedup_vs_sdpa_cudnn_padded`` and ``rate_vs_dense`` (varlen TFLOP/s / dense TFLOP/s at (batch, mean_len)).
-    The jagged backward is timed as dispatched (``attn_bwd.varlen_backward_kernel``: the ``tl`` kernels by default,
-    the Gluon jagged kernels with ``MXATTN_VARLEN_BWD_KERNEL=gluon``; named in ``varlen_kernel``) and once more on
+    The jagged backward is timed as dispatched (``attn_bwd.varlen_backward_kernel``: on Hopper the Gluon jagged kernels by
+    default, the ``tl`` kernels with ``MXATTN_VARLEN_BWD_KERNEL=tl``; named in ``varlen_kernel``) and once more on
     the ``tl`` kernels (``ms["varlen_tl"]``,
     ``rate_vs_dense_tl``), both against the dense default backward (the Gluon kernels on Hopper).
     ``parts_ms`` (``_varlen_bwd_parts``): the pieces of the jagged backward timed alone on the same operands (dO
