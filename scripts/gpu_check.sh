@@ -19,7 +19,7 @@
 #   producers  rmsnorm_quant / linear_quant vs unfused and cuBLAS FP8
 #   varlen     jagged forward vs the dense kernel at 50 % fill
 #   varlensweep  the same over several length draws, d128 and d64, and d64 tile configs
-#   varlenbwd  jagged backward (Gluon jagged mode, opt-in, asked here by name: compile checks, tiny cases, its GPU
+#   varlenbwd  jagged backward (Gluon jagged mode, the Hopper default, asked here by name: compile checks, tiny cases, its GPU
 #              tests) vs the dense default backward (Gluon on Hopper), the tl jagged path and SDPA, two draws
 #   varlenbwdtime  varlenbwd's timing rows alone (B16 H16 d128, mean length 2048; VARLEN_BWD_SEEDS, default "0 1"):
 #              per row ms of each path, parts_ms (preprocessing, tile tables, each Gluon launcher) and host_ms
@@ -197,8 +197,8 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
 " "$OUT" "${VARLEN_SEEDS:-0 1 2 3}" ;;
     varlenbwd|varlenbwdtime)
       # issue 8: the jagged backward against the dense default (the Gluon backward on Hopper since session 5).
-      # The Gluon kernels' jagged mode (VARLEN) is opt-in until it passes here (the default jagged path is tl):
-      # compile checks, two tiny cases under a short timeout (a barrier bug hangs rather than fails), its GPU tests,
+      # The Gluon kernels' jagged mode (VARLEN; the default on Hopper since session 12): compile checks, two tiny
+      # cases under a short timeout (a barrier bug hangs rather than fails), its GPU tests,
       # then the timings with MXATTN_VARLEN_BWD_KERNEL=gluon unless set (each row: the asked path and the tl
       # jagged path, both against the dense Gluon backward). varlenbwdtime: the timings alone
       if [ "$st" = varlenbwd ]; then
