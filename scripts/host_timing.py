@@ -86,6 +86,50 @@ def direct_launch(jit_fn, launch):
     return lambda: runner(*values)
 
 
+def jagged_new_lengths(calls: int, spec_table: bool, backward: bool, same: bool = False) -> float:
+    """Median host us per jagged call (``mxfp8_attn_varlen_func``, 2 sequences, H2 D128) when every call brings a
+    token count not seen before, as packed training steps do: each launch then misses the by-value launch table.
+    A warm pass over ``calls`` batches compiles what they need; the timed pass shifts every length by 2048, which
+    changes each int argument's value and keeps its Triton features, so no call compiles and every launch asks
+    the second table (``spec_table``) or Triton's dispatch.  ``same``: the timed pass repeats one batch (by-value
+    hits: the floor)."""
+    from mxattn import mxfp8_attn_varlen_func
+    from mxattn.kernels import launch
+
+    def batch(n: int):
+        lens = [n, 67]
+        x = torch.randn(sum(lens), 2, 128, device="cuda", dtype=torch.bfloat16)
+        q, k, v = (x.clone().requires_grad_(backward) for _ in range(3))
+        cu = torch.tensor([0, lens[0], sum(lens)], device="cuda", dtype=torch.int32)
+        return q, k, v, cu, max(lens)
+
+    def call(b):
+        q, k, v, cu, m = b
+        if backward:
+            mxfp8_attn_varlen_func(q, k, v, cu, cu, m, m).sum().backward()
+        else:
+            with torch.no_grad():
+                mxfp8_attn_varlen_func(q, k, v, cu, cu, m, m)
+
+    warm = [batch(131 + 16 * j) for j in range(calls)]
+    timed = [warm[0]] * calls if same else [batch(131 + 16 * j + 2048) for j in range(calls)]
+    for b in warm:
+        call(b)
+    torch.cuda.synchronize()
+    was, launch.SPEC_TABLE[0] = launch.SPEC_TABLE[0], spec_table
+    try:
+        ts = []
+        for b in timed:
+            t0 = time.perf_counter()
+            call(b)
+            ts.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    finally:
+        launch.SPEC_TABLE[0] = was
+    ts.sort()
+    return ts[len(ts) // 2] * 1e6
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=200)
@@ -132,11 +176,21 @@ def main(argv=None) -> None:
                          direct_launch(_attn_fwd_kernel, lambda: attn_fwd_hopper(qr, kr, vr))))
     except Exception as e:  # triton internals moved: report and go on
         print(f"(no direct-launch row: {type(e).__name__}: {e})")
+    for bwd in (False, True):  # jagged batches whose token count changes every call (the second launch table)
+        what = "fwd+bwd" if bwd else "no_grad fwd"
+        cases += [
+            (f"jagged {what}, the same lengths every call (median)",
+             lambda bwd=bwd: jagged_new_lengths(args.calls, True, bwd, same=True)),
+            (f"jagged {what}, new lengths every call, second launch table (median)",
+             lambda bwd=bwd: jagged_new_lengths(args.calls, True, bwd)),
+            (f"jagged {what}, new lengths every call, Triton's dispatch on a miss (median)",
+             lambda bwd=bwd: jagged_new_lengths(args.calls, False, bwd)),
+        ]
     print(f"host us per call, B{B} S{S} H{H} D{D}, {args.calls} calls each")
     rows = []
     for name, fn in cases:
         try:
-            us = host_us(fn, args.calls)
+            us = fn() if name.startswith("jagged") else host_us(fn, args.calls)
         except Exception as e:  # one broken row does not hide the others
             print(f"   failed  {name}: {type(e).__name__}: {e}", flush=True)
             continue
@@ -144,21 +198,23 @@ def main(argv=None) -> None:
         rows.append({"layer": name, "host_us_per_call": us})
     from mxattn.kernels import launch
 
-    print("\nfast launch path, per kernel: hits / misses over the whole run (a miss per call would mean a key that "
-          "changes every call)")
+    print("\nfast launch path, per kernel: hits (of them second-table hits) / misses over the whole run (a miss per "
+          "call would mean a key that changes every call)")
     for fl in launch._LAUNCHERS.values():
         if fl.hits or fl.misses:
-            print(f"{fl.hits:8d} / {fl.misses:<6d} {getattr(fl.jit_fn, '__name__', fl.jit_fn)}")
+            print(f"{fl.hits:8d} ({fl.spec_hits:6d}) / {fl.misses:<6d} {getattr(fl.jit_fn, '__name__', fl.jit_fn)}")
     if args.out:
         from mxattn.bench.results import write_result
 
         print(write_result("host_timing", rows, args.out, extra={
             "shape": f"B{B} S{S} H{H} D{D} (GPU work negligible: time per call is the host's)",
             "command": "PYTHONPATH=. python scripts/host_timing.py", "calls": args.calls,
-            "fast_launch": {getattr(fl.jit_fn, "__name__", "?"): [fl.hits, fl.misses]
+            "fast_launch": {getattr(fl.jit_fn, "__name__", "?"): [fl.hits, fl.misses, fl.spec_hits]
                             for fl in launch._LAUNCHERS.values() if fl.hits or fl.misses}}))
     if args.profile:
         for name, fn in cases:
+            if name.startswith("jagged"):  # each of these times a whole pass itself
+                continue
             print(f"\n--- {name}: {args.profile} costliest functions (own time), {args.calls} calls")
             try:
                 profile_calls(fn, args.calls, args.profile)

@@ -225,3 +225,157 @@ def test_bound_launch_check_mode_catches_a_wrong_kernel(monkeypatch):
     b.kernel = _FakeKernel("stale")
     with pytest.raises(RuntimeError, match="another kernel than the one bound"):
         b(x, 7, 0.5)
+
+
+# ---- the second table: Triton's own specialization of the call ----------------------------------------------------
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+def _spec_probe_fn(X, n, scale, m, BLOCK: tl.constexpr = 16):
+    pass
+
+
+# a JITFunction even where the tests run under TRITON_INTERPRET=1 (whose triton.jit makes an InterpretedFunction)
+_spec_probe = triton.runtime.jit.JITFunction(_spec_probe_fn)
+
+
+def _real_binder():
+    """Triton's binder for ``_spec_probe`` with the CUDA backend, built on the CPU (no driver needed)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import create_function_from_signature
+
+    return create_function_from_signature(_spec_probe.signature, _spec_probe.params,
+                                          CUDABackend(GPUTarget("cuda", 90, 32)))
+
+
+class _SpecJit:
+    """A stand-in for a JITFunction whose ``run`` picks kernels exactly as Triton does: one per (specialization,
+    options) from Triton's real binder; ``device_caches`` holds that binder where Triton keeps it."""
+
+    def __init__(self):
+        binder = _real_binder()
+        self.device_caches = {0: (None, None, None, None, binder)}
+        self.binder = binder
+        self.runs = []
+        self.kernels = {}
+        self.fn = _spec_probe.fn
+
+    __name__ = "spec_probe"
+
+    def triton_kernel(self, args, kwargs):
+        _, spec, options = self.binder(*args, **kwargs)
+        key = (tuple(spec), tuple(sorted(options.items())))
+        return self.kernels.setdefault(key, _FakeKernel(str(len(self.kernels))))
+
+    def run(self, *args, grid, warmup, **kwargs):
+        self.runs.append((args, kwargs, warmup))
+        kernel = self.triton_kernel(args, kwargs)
+        if not warmup:  # the kernel's own launcher takes every parameter, the constexpr too
+            kernel[grid](*args, kwargs.get("BLOCK", 16))
+        return kernel
+
+
+def _spec_launcher(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    fl = L.FastLauncher(_SpecJit())
+    fl.enabled, fl._binder_ok, fl._sig = True, True, inspect.signature(_spec_probe.fn)
+    return fl
+
+
+def test_spec_table_hit_when_only_unspecialized_values_change(monkeypatch):
+    """A new token count with the same divisibility (7 -> 9, 32 -> 48) finds the kernel in the second table: Triton
+    runs once per specialization, and each launch gets its own call's arguments."""
+    fl = _spec_launcher(monkeypatch)
+    x = torch.zeros(64)
+    fl[(1,)](x, 7, 0.5, 32, BLOCK=32)
+    fl[(1,)](x, 9, 0.25, 48, BLOCK=32)  # ints of the same features, another float: Triton's kernel is the same
+    assert len(fl.jit_fn.runs) == 1 and fl.spec_hits == 1 and fl.hits == 1
+    (kernel,) = fl.jit_fn.kernels.values()
+    assert [a[1:4] for _, a in kernel.launches] == [(7, 0.5, 32), (9, 0.25, 48)]
+    fl[(1,)](x, 9, 0.25, 48, BLOCK=32)  # now a by-value hit
+    assert fl.hits == 2 and fl.spec_hits == 1
+
+
+@pytest.mark.parametrize("other", [
+    lambda x: ((x, 16, 0.5, 32), {"BLOCK": 32}),  # int % 16 == 0
+    lambda x: ((x, 1, 0.5, 32), {"BLOCK": 32}),  # int == 1
+    lambda x: ((x, 2**40, 0.5, 32), {"BLOCK": 32}),  # 64-bit int
+    lambda x: ((x[1:], 7, 0.5, 32), {"BLOCK": 32}),  # unaligned pointer
+    lambda x: ((x.half(), 7, 0.5, 32), {"BLOCK": 32}),  # dtype
+    lambda x: ((x, 7, 0.5, 32), {"BLOCK": 64}),  # constexpr value
+    lambda x: ((x, 7, 0.5, 32), {"BLOCK": 32, "num_warps": 8}),  # a launch option
+])
+def test_spec_table_misses_on_any_triton_specialization_change(monkeypatch, other):
+    fl = _spec_launcher(monkeypatch)
+    x = torch.zeros(64)
+    fl[(1,)](x, 7, 0.5, 32, BLOCK=32)
+    args, kwargs = other(x)
+    fl[(1,)](*args, **kwargs)
+    assert fl.spec_hits == 0 and fl.misses == 2 and len(fl.jit_fn.runs) == 2
+
+
+def test_spec_table_launches_tritons_kernel_for_random_calls(monkeypatch):
+    """Property: over random calls (ints around 1, multiples of 16 and 2^31, aligned and unaligned pointers,
+    constexprs), every launch goes to the kernel Triton's own dispatch would pick, with that call's arguments."""
+    import random
+
+    fl = _spec_launcher(monkeypatch)
+    log = []  # (kernel, arguments) in launch order, over all kernels
+    monkeypatch.setattr(_FakeKernel, "__getitem__", lambda k, grid: lambda *a: log.append((k, a)))
+    rng = random.Random(1234)
+    base = torch.zeros(256)
+    ints = [1, 2, 15, 16, 17, 31, 32, 48, 1000, 4096, 2**31 - 16, 2**31, 2**33 + 5]
+    for i in range(300):
+        args = (base[rng.choice([0, 0, 1, 4]):], rng.choice(ints), rng.choice([0.5, 1.0, 3.0]), rng.choice(ints))
+        kwargs = {"BLOCK": rng.choice([16, 32])}
+        want = fl.jit_fn.triton_kernel(args, kwargs)
+        fl[(1,)](*args, **kwargs)
+        kernel, launched = log[-1]
+        assert len(log) == i + 1 and kernel is want, (args, kwargs)
+        assert launched[0] is args[0] and launched[1:4] == args[1:] and launched[4] == kwargs["BLOCK"]
+    assert fl.spec_hits > 50 and len(fl.jit_fn.runs) == fl.misses
+
+
+def test_spec_table_check_mode_catches_a_wrong_kernel(monkeypatch):
+    fl = _spec_launcher(monkeypatch)
+    monkeypatch.setattr(L, "_CHECK", True)
+    x = torch.zeros(64)
+    fl[(1,)](x, 7, 0.5, 32)
+    key = next(iter(fl._spec_cache))
+    fl._spec_cache[key] = _FakeKernel("stale")
+    with pytest.raises(RuntimeError, match="another kernel"):
+        fl[(1,)](x, 9, 0.5, 32)  # a by-value miss, a second-table hit on the stale kernel
+
+
+def test_spec_table_skipped_without_a_binder(monkeypatch):
+    """A Triton whose JITFunction keeps no binder where this expects it: the second table is switched off, and
+    every by-value miss goes through Triton as before."""
+    fl = _spec_launcher(monkeypatch)
+    fl.jit_fn.device_caches = {}
+    x = torch.zeros(64)
+    fl[(1,)](x, 7, 0.5, 32)
+    fl[(1,)](x, 9, 0.5, 32)
+    assert not fl._binder_ok and fl.spec_hits == 0 and fl.misses == 2 and not fl._spec_cache
+
+
+@pytest.mark.gpu
+def test_gpu_spec_table_matches_triton(monkeypatch):
+    """Sequence lengths that change value but not Triton's features (300, 301, 333; 4099, 4115) reach the second
+    table, and every such launch is the kernel Triton's own dispatch picks (check mode) and writes the same bytes."""
+    from mxattn.kernels.quantize import row_scaled_triton
+
+    monkeypatch.setattr(L, "_CHECK", True)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    before = sum(fl.spec_hits for fl in L._LAUNCHERS.values())
+    for S in (300, 301, 333, 4099, 4115):
+        x = torch.randn(2, S, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+        for role in ("q", "k", "v"):
+            fast = row_scaled_triton(x, role)
+            with L.triton_dispatch():
+                slow = row_scaled_triton(x, role)
+            assert torch.equal(fast.data.view(torch.uint8), slow.data.view(torch.uint8)), (S, role)
+            assert torch.equal(fast.exp, slow.exp), (S, role)
+    assert sum(fl.spec_hits for fl in L._LAUNCHERS.values()) > before

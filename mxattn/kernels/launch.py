@@ -15,6 +15,13 @@ GPU machine's CPU for a kernel of ~40 arguments, against ~17 us for the compiled
   than Triton's and a hit never takes a kernel compiled for other specializations.  A miss goes through
   ``jit_fn.run`` (Triton compiles or finds the kernel and launches it) and records the kernel it returned; a cache
   grown past ``MAX_ENTRIES`` (shapes that keep changing) starts over.
+- A miss of that table asks a second one, keyed by Triton's own specialization of the call: the list Triton's
+  binder makes (each argument's type and specialization, constexprs by value) and the launch options.  It holds
+  the kernel for every call whose arguments differ only in values Triton does not specialize on (a jagged batch's
+  token count, a new sequence length that keeps the same divisibility), so such a call skips Triton's cache-key
+  and launch-metadata work and only pays the binder (~a tenth of Triton's launch).  The entry is Triton's own
+  choice for that specialization, recorded when Triton launched it, so the second table cannot take another
+  kernel than Triton would.  A Triton whose JITFunction has no binder where this expects it skips the table.
 - Arguments the key cannot hash, the interpreter (``TRITON_INTERPRET=1``) and ``MXATTN_FAST_LAUNCH=0`` take
   Triton's own path.
 - ``MXATTN_FAST_LAUNCH=check`` asks Triton for the kernel on every hit too (``warmup=True``: no launch) and raises
@@ -41,6 +48,8 @@ _BYPASS = [False]  # set by ``triton_dispatch()``: every launcher takes Triton's
 # MXATTN_LAUNCH_PLANS=0: no launch plans anywhere (quantize wrappers, the tl forward, the Gluon backward launchers):
 # every call takes its checked path, for telling a plan's fault from a kernel's
 PLANS = os.environ.get("MXATTN_LAUNCH_PLANS", "1").lower() not in ("0", "false", "off")
+# MXATTN_FAST_LAUNCH_SPEC=0: no second table (a by-value miss goes through Triton's dispatch); read at each miss
+SPEC_TABLE = [os.environ.get("MXATTN_FAST_LAUNCH_SPEC", "1").lower() not in ("0", "false", "off")]
 _Tensor = torch.Tensor
 
 try:  # the Gluon host-side TMA descriptor (triton >= 3.5)
@@ -92,8 +101,11 @@ class FastLauncher:
         self.jit_fn = jit_fn
         self.enabled = _ENABLED and isinstance(jit_fn, triton.runtime.JITFunction)
         self._cache: dict = {}
+        self._spec_cache: dict = {}  # Triton's specialization of a call -> (kernel, rest), asked on a by-value miss
+        self._binder_ok = self.enabled  # False once the binder is missing or fails: the second table is skipped
         self._sig = inspect.signature(jit_fn.fn) if self.enabled else None
         self.hits = 0
+        self.spec_hits = 0  # hits of the second table (counted in ``hits`` too)
         self.misses = 0
 
     @functools.lru_cache(maxsize=None)  # noqa: B019  (one launcher per kernel, kept for the process anyway)
@@ -120,6 +132,32 @@ class FastLauncher:
                         (_desc_feature(v) if type(v) is _GluonDesc else v)) for k, v in kw)
         return (torch.cuda.current_device(), feats, kw)
 
+    def _binder(self):
+        """Triton's argument binder for the current device (``JITFunction.device_caches[device][4]`` in triton
+        3.6-3.9): ``binder(*args, **kwargs) -> (bound_args, specialization, options)``."""
+        return self.jit_fn.device_caches[torch.cuda.current_device()][4]
+
+    def _spec_key(self, args, kwargs):
+        """The second table's key: the current device, Triton's specialization list of the call and its launch
+        options; None where the binder is unavailable (then the table is skipped for good) or the key unhashable."""
+        if not (self._binder_ok and SPEC_TABLE[0]):
+            return None
+        try:
+            _, spec, options = self._binder()(*args, **kwargs)
+            key = (torch.cuda.current_device(), tuple(spec), tuple(options.items()))
+            hash(key)
+        except TypeError:  # an unhashable specialization value: this call only
+            return None
+        except Exception:  # noqa: BLE001  (no binder where expected: another Triton's internals)
+            self._binder_ok = False
+            return None
+        return key
+
+    def _record(self, table: dict, key, entry) -> None:
+        if len(table) >= MAX_ENTRIES:
+            table.clear()
+        table[key] = entry
+
     def launch(self, grid, args, kwargs) -> None:
         if not self.enabled or _BYPASS[0] or callable(grid):  # a grid function takes Triton's bound arguments
             self.jit_fn[grid](*args, **kwargs)
@@ -132,16 +170,22 @@ class FastLauncher:
             return
         g = tuple(grid)
         if entry is None:
-            kernel = self.jit_fn.run(*args, grid=g, warmup=False, **kwargs)
-            self.misses += 1
-            if kernel is None or hasattr(kernel, "result"):
-                return  # compiled asynchronously: leave it to Triton next time too
-            if len(self._cache) >= MAX_ENTRIES:
-                self._cache.clear()
             rest, required = self._rest(len(args))
-            if required.issubset(kwargs):  # (Triton raised already if not)
-                self._cache[key] = (kernel, rest)
-            return
+            spec_key = self._spec_key(args, kwargs) if required.issubset(kwargs) else None
+            spec_entry = self._spec_cache.get(spec_key) if spec_key is not None else None
+            if spec_entry is None:
+                kernel = self.jit_fn.run(*args, grid=g, warmup=False, **kwargs)
+                self.misses += 1
+                if kernel is None or hasattr(kernel, "result"):
+                    return  # compiled asynchronously: leave it to Triton next time too
+                if required.issubset(kwargs):  # (Triton raised already if not)
+                    self._record(self._cache, key, (kernel, rest))
+                    if spec_key is not None:
+                        self._record(self._spec_cache, spec_key, kernel)
+                return
+            entry = (spec_entry, rest)
+            self._record(self._cache, key, entry)
+            self.spec_hits += 1
         kernel, rest = entry
         if _CHECK:
             ref = self.jit_fn.run(*args, grid=g, warmup=True, **kwargs)
