@@ -212,12 +212,14 @@ def has_fast_backward(device) -> bool:
 
 
 # The warp-specialized Gluon forward (kernels/attn_fwd_gluon.py) measured faster than the `tl` kernel on the H200 at
-# d=128 from S = 8k (1.19-1.29x vs 1.13-1.20x cuDNN BF16, same run) and slower at d=64 and S <= 4k
-# (docs/perf-notes-attn-fwd-gluon.md), so it takes those shapes only.  Blackwell (compute capability 10.x) runs the
+# d=128 from S = 8k (1.19-1.29x vs 1.13-1.20x cuDNN BF16, same run), and without a causal mask from S = 4k (682-688
+# vs 656-666 TFLOP/s in sessions 8, 9 and 11, `attn_fwd-*-s{8,9,11}.json`); it is slower at d=64, at S 2k and causal
+# at S 4k (510-513 vs 560-564) (docs/perf-notes-attn-fwd-gluon.md), so it takes those shapes only.  Blackwell (compute capability 10.x) runs the
 # block-scaled forward (kernels/attn_fwd_blockscaled.py: tl.dot_scaled on the MX operands, docs/blackwell.md).
 # MXATTN_FWD_KERNEL=tl|gluon|blockscaled|auto overrides the automatic choice; the ``backend`` argument of
 # ``mxfp8_attn_func`` overrides both.
-GLUON_MIN_SEQ = 8192
+GLUON_MIN_SEQ = 8192  # causal
+GLUON_MIN_SEQ_NONCAUSAL = 4096
 BACKENDS = ("auto", "hopper", "gluon", "blockscaled")
 _BACKEND_KERNEL = {"hopper": "tl", "gluon": "gluon", "blockscaled": "blockscaled"}
 
@@ -228,12 +230,14 @@ def _check_backend(backend) -> str:
     return backend
 
 
-def forward_kernel_for(q_shape, k_shape, device, backend: str = "auto") -> str:
+def forward_kernel_for(q_shape, k_shape, device, backend: str = "auto", causal: bool = True) -> str:
     """"tl", "gluon" or "blockscaled": which forward kernel a CUDA call with these (B, S, H, D) shapes runs.
 
     ``backend`` other than "auto" decides ("hopper" is the `tl` kernel); with "auto", MXATTN_FWD_KERNEL
     (auto | tl | gluon | blockscaled) decides when set to a kernel; otherwise compute capability 10.x gets
-    "blockscaled", 9.x "gluon" at d128 from S = 8k (when Gluon imports) and "tl" below; anything else "tl"."""
+    "blockscaled", 9.x "gluon" at d128 from S = 8k (``GLUON_MIN_SEQ``; from 4k without a causal mask,
+    ``GLUON_MIN_SEQ_NONCAUSAL``) when Gluon imports, and "tl" below; anything else "tl".  ``causal`` defaults to
+    the stricter rule, so a caller that does not say gets a kernel measured fast for either mask."""
     if _check_backend(backend) != "auto":
         return _BACKEND_KERNEL[backend]
     choice = os.environ.get("MXATTN_FWD_KERNEL", "auto")
@@ -248,7 +252,8 @@ def forward_kernel_for(q_shape, k_shape, device, backend: str = "auto") -> str:
         return "blockscaled"
     if major != 9:
         return "tl"
-    if q_shape[3] == 128 and min(q_shape[1], k_shape[1]) >= GLUON_MIN_SEQ and _gluon_importable():
+    min_seq = GLUON_MIN_SEQ if causal else GLUON_MIN_SEQ_NONCAUSAL
+    if q_shape[3] == 128 and min(q_shape[1], k_shape[1]) >= min_seq and _gluon_importable():
         return "gluon"
     return "tl"
 
@@ -285,7 +290,7 @@ def _hopper_forward(q: Operand, k: Operand, v: Operand, causal: bool, scale: flo
                     backend: str = "auto"):
     """CUDA forward with the kernel ``forward_kernel_for`` picks: the block-scaled one on the MX operands, or the
     Hopper ones on the Hopper operands (one Triton pass each)."""
-    kernel = forward_kernel_for(q.shape, k.shape, q.device, backend)
+    kernel = forward_kernel_for(q.shape, k.shape, q.device, backend, causal)
     if kernel == "blockscaled":
         return _blockscaled_forward(q, k, v, causal, scale, scale_mode, out_dtype)
     return _hopper_kernel(kernel, *_hopper_forward_operands(q, k, v, scale_mode), causal, scale, out_dtype)
@@ -309,7 +314,7 @@ def _hopper_forward_keeping_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     (K in both orientations, V along the head dim: 3 bytes per k / v element pair against bf16's 4) are saved
     instead of k and v.  ``kv`` is None where the block-scaled kernel
     runs (its backward takes the float tensors)."""
-    kernel = forward_kernel_for(q.shape, k.shape, q.device, backend)
+    kernel = forward_kernel_for(q.shape, k.shape, q.device, backend, causal)
     if kernel == "blockscaled":
         out, lse = _blockscaled_forward(q, k, v, causal, scale, scale_mode, q.dtype)
         return out, lse, None
