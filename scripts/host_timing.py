@@ -86,13 +86,15 @@ def direct_launch(jit_fn, launch):
     return lambda: runner(*values)
 
 
-def jagged_new_lengths(calls: int, spec_table: bool, backward: bool, same: bool = False) -> float:
+def jagged_new_lengths(calls: int, spec_table: bool, backward: bool, same: bool = False, shift: int = 1) -> float:
     """Median host us per jagged call (``mxfp8_attn_varlen_func``, 2 sequences, H2 D128) when every call brings a
     token count not seen before, as packed training steps do: each launch then misses the by-value launch table.
-    A warm pass over ``calls`` batches compiles what they need; the timed pass shifts every length by 2048, which
-    changes each int argument's value and keeps its Triton features, so no call compiles and every launch asks
-    the second table (``spec_table``) or Triton's dispatch.  ``same``: the timed pass repeats one batch (by-value
-    hits: the floor)."""
+    A warm pass over ``calls`` batches compiles what they need; the timed pass shifts every length by
+    ``2048 * shift`` (give each row its own ``shift``: a length another row timed would hit the by-value table),
+    which changes each int argument's value and keeps its Triton features, so no call compiles and every launch
+    asks the second table (``spec_table``) or Triton's dispatch.  ``same``: the timed pass repeats one batch
+    (by-value hits: the floor).  ``cu_seqlens`` are CPU tensors: with CUDA ones each call reads them back (the
+    jagged API's length checks), a sync that would put the GPU's time into the host's."""
     from mxattn import mxfp8_attn_varlen_func
     from mxattn.kernels import launch
 
@@ -100,7 +102,7 @@ def jagged_new_lengths(calls: int, spec_table: bool, backward: bool, same: bool 
         lens = [n, 67]
         x = torch.randn(sum(lens), 2, 128, device="cuda", dtype=torch.bfloat16)
         q, k, v = (x.clone().requires_grad_(backward) for _ in range(3))
-        cu = torch.tensor([0, lens[0], sum(lens)], device="cuda", dtype=torch.int32)
+        cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)  # on the CPU: no read-back sync per call
         return q, k, v, cu, max(lens)
 
     def call(b):
@@ -112,7 +114,7 @@ def jagged_new_lengths(calls: int, spec_table: bool, backward: bool, same: bool 
                 mxfp8_attn_varlen_func(q, k, v, cu, cu, m, m)
 
     warm = [batch(131 + 16 * j) for j in range(calls)]
-    timed = [warm[0]] * calls if same else [batch(131 + 16 * j + 2048) for j in range(calls)]
+    timed = [warm[0]] * calls if same else [batch(131 + 16 * j + 2048 * shift) for j in range(calls)]
     for b in warm:
         call(b)
     torch.cuda.synchronize()
@@ -182,9 +184,9 @@ def main(argv=None) -> None:
             (f"jagged {what}, the same lengths every call (median)",
              lambda bwd=bwd: jagged_new_lengths(args.calls, True, bwd, same=True)),
             (f"jagged {what}, new lengths every call, second launch table (median)",
-             lambda bwd=bwd: jagged_new_lengths(args.calls, True, bwd)),
+             lambda bwd=bwd: jagged_new_lengths(args.calls, True, bwd, shift=1 + 2 * bwd)),
             (f"jagged {what}, new lengths every call, Triton's dispatch on a miss (median)",
-             lambda bwd=bwd: jagged_new_lengths(args.calls, False, bwd)),
+             lambda bwd=bwd: jagged_new_lengths(args.calls, False, bwd, shift=2 + 2 * bwd)),
         ]
     print(f"host us per call, B{B} S{S} H{H} D{D}, {args.calls} calls each")
     rows = []
