@@ -14,8 +14,7 @@ the *executed* instruction count per element: the kernel's loops are found in th
 innermost loop around each instruction), each loop body's instructions are counted once per trip (its trip count
 is the number of chunks: a loop is one pass over N; passes the kernel unrolls are counted as written), the rest
 once, and the total per thread divided by the elements a thread owns (32 tokens x N / threads for the seq
-kernels; 32 x BLOCK_N for a cooperative program, whose loops are the wait and the fallback).  Only the common path
-counts: rare ``if`` bodies and the longer side of an if / else are left out (``off_common_path``).  Budget: the H200 issues ~33 T lane-instructions/s (132 SMs x 4
+kernels).  Budget: the H200 issues ~33 T lane-instructions/s (132 SMs x 4
 schedulers x 32 lanes x 1.98 GHz); at the copy rate of 4.27 TB/s a kernel moving b bytes per element has
 33.4e12 / (4.27e12 / b) instructions per element, 23.5 for seq (3.03 B) and 31.8 for both (4.06 B).
 """
@@ -140,10 +139,11 @@ def natural_loops(succ: list[list[int]]) -> list[tuple[int, set[int]]]:
     return sorted(found.items(), key=lambda hb: len(hb[1]))
 
 
-def executed_per_thread(sass: str, trips: int) -> tuple[int, list[int]]:
+def executed_per_thread(sass: str, trips: int, passes: int = 2) -> tuple[int, list[int]]:
     """Instructions one thread executes on the cheapest path from entry to exit, every loop run ``trips`` times
     (the cheapest path through one iteration, inner loops included): rare branches (the NaN-patching side of a
-    kernel, the division slow paths, a cooperative program's self-summing fallback) are off that path.  Also
+    kernel, the division slow paths) are off that path; it goes through ``passes`` loops (the kernels' passes over
+    the chunks: pass 1 and the last pass).  Also
     returns the instructions of one iteration of each loop, innermost first."""
     ins = _sass_instrs(sass)
     blocks, succ = cfg(ins)
@@ -180,19 +180,25 @@ def executed_per_thread(sass: str, trips: int) -> tuple[int, list[int]]:
                 node_of[b] = h
         for u in edges:
             edges[u] = {h if v in nodes else v for v in edges[u]} - ({h} if u == h else set())
-    # cheapest entry -> exit path over the collapsed graph
-    dist = {0: cost[0]}
-    todo = [0]
+    # cheapest entry -> exit path over the collapsed graph through at least ``passes`` loops (with runtime trip
+    # counts each loop has a guard that jumps over it; the kernels run every pass, the chunks are never zero)
+    headers = {h for h, _ in natural_loops(succ)}
+    passes = min(passes, len(headers))  # the one-chunk hdim kernel has no loop
+    start = (0, 1 if 0 in headers else 0)
+    dist = {start: cost[0]}
+    todo = [start]
     best = None
     while todo:
         u = min(todo, key=lambda x: dist[x])
         todo.remove(u)
-        if not edges[u]:
+        node, seen = u
+        if not edges[node] and seen >= passes:
             best = dist[u] if best is None else min(best, dist[u])
-        for v in edges[u]:
-            if dist.get(v, 1 << 60) > dist[u] + cost[v]:
-                dist[v] = dist[u] + cost[v]
-                todo.append(v)
+        for v in edges[node]:
+            nv = (v, min(passes, seen + (v in headers)))
+            if dist.get(nv, 1 << 60) > dist[u] + cost[v]:
+                dist[nv] = dist[u] + cost[v]
+                todo.append(nv)
     return best or 0, iteration
 
 
@@ -202,17 +208,14 @@ def report(M: int, N: int, orient: str, tile, dump: str | None) -> dict:
     m = cl.metrics(k)
     c = cl._constexprs(lc)
     threads = 32 * cl._options(lc)["num_warps"]
-    coop = c.get("COOP", False)
     rows = c["MB"] * c["MI"] if "MB" in c else 32
     block_n = c.get("BLOCK_N", c.get("NB", 0) * 32)
-    # a cooperative program owns one chunk: its loops (the wait, the self-summing fallback) do not run on the
-    # common path; the other kernels' loops are passes over the row's chunks
-    trips = 0 if coop else c["NCHUNK"]
+    trips = -(-N // block_n)  # every loop of these kernels is a pass over the row's chunks
     executed, bodies = executed_per_thread(m["_asm"]["sass"], trips)
-    per_elem = executed / (rows * (block_n if coop else N) / threads)
+    per_elem = executed / (rows * N / threads)
     name = f"{orient} M{M} N{N} tile ({rows}, {block_n}, {threads // 32} warps" + (
         f", maxnreg {lc.kwargs['maxnreg']}" if "maxnreg" in lc.kwargs else "") + (
-        ", coop)" if coop else ", rowsets)" if "NB" in c else ")") + f" {lc.name}"
+        ", rowsets)" if "NB" in c else ")") + f" {lc.name}"
     print(f"\n== {name}: grid {lc.grid}")
     ops = {key: v for key, v in m.items() if key != "_asm" and key.split(".")[0] in cl.MEM_OPS}
     print(f"   registers {m['registers (launch)']}, spills {m['spill stores + loads (ptxas -v, bytes)']}, "

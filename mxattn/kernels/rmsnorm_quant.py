@@ -452,7 +452,7 @@ def _chunk_rows(xp, sxs, n0, S_rem, N, BN: tl.constexpr, EVICT: tl.constexpr):
 
 
 @triton.jit
-def _store_chunk_sums(part, c, xr, NPC: tl.constexpr, BN: tl.constexpr, LOG_BN: tl.constexpr):
+def _store_chunk_sums(part, c, xr, NPC, BN: tl.constexpr, LOG_BN: tl.constexpr):
     """Chunk c's pairwise sums of squares of the 32 rows of ``xr`` (32, BN) into part[row, c]: the subtree of each
     row's tree that covers the chunk (its start is a multiple of BN)."""
     xf = _to_f32(xr)
@@ -460,8 +460,8 @@ def _store_chunk_sums(part, c, xr, NPC: tl.constexpr, BN: tl.constexpr, LOG_BN: 
 
 
 @triton.jit
-def _all_chunk_sums(xp, sxs, w_ptr, part, S_rem, N, BN: tl.constexpr, LOG_BN: tl.constexpr,
-                    NCHUNK: tl.constexpr, NPC: tl.constexpr, EVICT: tl.constexpr):
+def _all_chunk_sums(xp, sxs, w_ptr, part, S_rem, N, NCHUNK, NPC, BN: tl.constexpr, LOG_BN: tl.constexpr,
+                    EVICT: tl.constexpr):
     """Every chunk's sums of squares into ``part`` (the next chunk's loads issued before the current one's sums),
     and the largest weight magnitude bits per column slot, (BN,)."""
     cl = tl.arange(0, BN)
@@ -477,7 +477,7 @@ def _all_chunk_sums(xp, sxs, w_ptr, part, S_rem, N, BN: tl.constexpr, LOG_BN: tl
 
 
 @triton.jit
-def _rowset_rstd(part, eps, n_f, NB: tl.constexpr, LOG_NB: tl.constexpr, NCHUNK: tl.constexpr, NPC: tl.constexpr):
+def _rowset_rstd(part, eps, n_f, NCHUNK, NPC, NB: tl.constexpr, LOG_NB: tl.constexpr):
     """Sums of squares and rstd of the program's 32 rows, each (8, 2, 2) as ``_rowset_tree`` returns them, from
     the chunk sums part[row, c]: the top of each row's tree.  The chunk sums are read as (8, NB, 32) tiles (chunk c
     at column c, NCHUNK <= NB * 32; zero past NCHUNK, which leaves every sum as it is), so the tree runs in the row
@@ -658,9 +658,9 @@ def _rowset_emit(x0, x1, x2, x3, wf, n0, R0, R1, R2, R3, b64, s0, S, N, S_pad,
 
 
 @triton.jit
-def _rowset_reread(xp, sxs, w_ptr, R0, R1, R2, R3, b64, s0, S, N, S_pad, hd_ptr, hs_ptr, cw_ptr, cs_ptr,
-                   NB: tl.constexpr, NCHUNK: tl.constexpr, HDIM: tl.constexpr, SEQ: tl.constexpr,
-                   BAD: tl.constexpr, RCEIL: tl.constexpr, SOFT: tl.constexpr):
+def _rowset_reread(xp, sxs, w_ptr, R0, R1, R2, R3, b64, s0, S, N, S_pad, NCHUNK, hd_ptr, hs_ptr, cw_ptr, cs_ptr,
+                   NB: tl.constexpr, HDIM: tl.constexpr, SEQ: tl.constexpr, BAD: tl.constexpr,
+                   RCEIL: tl.constexpr, SOFT: tl.constexpr):
     """The last pass of the re-reading kernel: the chunks in reverse order (the last ones summed are the likeliest
     still in L2), each chunk's loads issued before the previous chunk's work."""
     BN: tl.constexpr = NB * 32
@@ -690,7 +690,8 @@ def _rmsnorm_quant_rowset_kernel(
     part_ptr,  # fp32 (programs, 32, NPC): the chunk sums of each row
     hd_ptr, hs_ptr, cw_ptr, cs_ptr,  # hdim data / scales, seq channel-major int32 words / scales (see _emit_mx)
     S, N, S_pad, n_s_tiles, eps, n_f,
-    NB: tl.constexpr, LOG_NB: tl.constexpr, NCHUNK: tl.constexpr, NPC: tl.constexpr,
+    NCHUNK, NPC,  # chunks of NB * 32 columns (<= NB * 32 of them), NCHUNK rounded up to a power of two
+    NB: tl.constexpr, LOG_NB: tl.constexpr,
     HDIM: tl.constexpr, SEQ: tl.constexpr, RCEIL: tl.constexpr, SOFT: tl.constexpr,
 ):
     """RMSNorm + MX quantization of one token block (32 tokens of one batch), with a seq orientation.
@@ -712,9 +713,9 @@ def _rmsnorm_quant_rowset_kernel(
     S_rem = S - s0
     part = part_ptr + pid.to(tl.int64) * (32 * NPC)
 
-    wmax = _all_chunk_sums(xp, sxs, w_ptr, part, S_rem, N, BN, LOG_NB + 5, NCHUNK, NPC, "evict_last")
+    wmax = _all_chunk_sums(xp, sxs, w_ptr, part, S_rem, N, NCHUNK, NPC, BN, LOG_NB + 5, "evict_last")
     tl.debug_barrier()  # the chunk sums written by some threads are read by others
-    ss, rstd = _rowset_rstd(part, eps, n_f, NB, LOG_NB, NCHUNK, NPC)
+    ss, rstd = _rowset_rstd(part, eps, n_f, NCHUNK, NPC, NB, LOG_NB)
     rows = 4 * tl.arange(0, 8)[:, None, None] + 2 * tl.arange(0, 2)[None, :, None] + tl.arange(0, 2)[None, None, :]
     tl.store(rstd_ptr + b64 * S + s0 + rows, rstd, mask=rows < S_rem)
     # y can only be non-finite where a row's ss or rstd is (x holds Inf / NaN, or eps = 0 on a zero row) or a
@@ -722,11 +723,11 @@ def _rmsnorm_quant_rowset_kernel(
     rows_fin = tl.min(((_finite(ss) & _finite(rstd)) | (rows >= S_rem)).to(tl.int32))
     R0, R1, R2, R3 = _row_sets(rstd)
     if (tl.max(wmax) >= _W_SMALL_BITS) | (rows_fin == 0):
-        _rowset_reread(xp, sxs, w_ptr, R0, R1, R2, R3, b64, s0, S, N, S_pad, hd_ptr, hs_ptr, cw_ptr, cs_ptr,
-                       NB, NCHUNK, HDIM, SEQ, True, RCEIL, SOFT)
+        _rowset_reread(xp, sxs, w_ptr, R0, R1, R2, R3, b64, s0, S, N, S_pad, NCHUNK, hd_ptr, hs_ptr, cw_ptr, cs_ptr,
+                       NB, HDIM, SEQ, True, RCEIL, SOFT)
     else:
-        _rowset_reread(xp, sxs, w_ptr, R0, R1, R2, R3, b64, s0, S, N, S_pad, hd_ptr, hs_ptr, cw_ptr, cs_ptr,
-                       NB, NCHUNK, HDIM, SEQ, False, RCEIL, SOFT)
+        _rowset_reread(xp, sxs, w_ptr, R0, R1, R2, R3, b64, s0, S, N, S_pad, NCHUNK, hd_ptr, hs_ptr, cw_ptr, cs_ptr,
+                       NB, HDIM, SEQ, False, RCEIL, SOFT)
 
 
 @triton.jit
@@ -875,8 +876,8 @@ def _launch_rowsets(x3, weight, eps, out, hd, hs, cd, cs, s_pad, n_s_tiles, nchu
     part = torch.empty(groups * 32 * npc, dtype=torch.float32, device=dev)
     fast_launcher(_rmsnorm_quant_rowset_kernel)[(groups,)](
         x3, x3.stride(0), x3.stride(1), weight, out["rstd"], part,
-        hd, hs, cd.view(torch.int32), cs, S, N, s_pad, n_s_tiles, float(eps), float(N),
-        NB=tile.block_n // 32, LOG_NB=_log2(tile.block_n // 32), NCHUNK=nchunk, NPC=npc,
+        hd, hs, cd.view(torch.int32), cs, S, N, s_pad, n_s_tiles, float(eps), float(N), nchunk, npc,
+        NB=tile.block_n // 32, LOG_NB=_log2(tile.block_n // 32),
         HDIM=hdim, SEQ=True, RCEIL=rceil, SOFT=_soft(dev),
         num_warps=tile.num_warps, enable_fp_fusion=False, **({"maxnreg": tile.maxnreg} if tile.maxnreg else {}),
     )
