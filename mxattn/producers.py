@@ -985,10 +985,11 @@ def bench_producers(
 # the row-set tiles the sweep and the session-12 bench compare with the defaults (seq / both orientations):
 # 32 tokens x 32 channels per warp and chunk, 4 row sets of 8 channels per thread (kernels.rmsnorm_quant,
 # _rmsnorm_quant_rowset_kernel); (32, 512, 16): one 16-warp program per SM, whose 32-token x N working set
-# (256 KB at N = 4096) keeps the whole grid's re-read inside L2; register caps where "both" wants more than 128
+# (256 KB at N = 4096) keeps the whole grid's re-read inside L2; "both" at 4 warps takes 168 registers (3 CTAs
+# per SM), capped at 128 it spills 16 B for a fourth (docs/perf-notes-producers.md, session 12)
 ROWSET_TILES = {
     "seq": ((32, 128, 4, None), (32, 256, 8, None), (32, 512, 16, None)),
-    "both": ((32, 128, 4, None), (32, 128, 4, 128), (32, 256, 8, 168), (32, 512, 16, None)),
+    "both": ((32, 128, 4, None), (32, 128, 4, 128), (32, 512, 16, None)),
 }
 
 

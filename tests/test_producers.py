@@ -822,7 +822,7 @@ def _packing_kernel(y_ptr, words_ptr, runs_ptr, SOFT: tl.constexpr):
 
 
 @pytest.mark.gpu
-def test_gpu_e4m3_packers_equal_the_cast(gen):
+def test_gpu_rmsnorm_rowsets_packers_equal_the_cast(gen):
     """``_e4m3_word`` / ``_e4m3_run`` (inline cvt.rn.satfinite.e4m3x2 on the GPU) give the bytes of the e4m3
     cast, in the stated byte order, on random values and every special one (+-0, subnormals, halfway cases,
     448 / 464 / 480, Inf, NaN)."""
