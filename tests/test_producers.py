@@ -384,6 +384,23 @@ def test_rmsnorm_quant_rowsets_weights_decide_the_nan_path(kernels, gen, orient)
             assert int((_u8(s.scale) == 255).sum()) > 0, "the overflow case made no NaN block: not a test"
 
 
+def test_fwd_tile_defaults():
+    """seq / both with MX scales take the row-set tiles the session-12 bench chose; row-scaled output and rows
+    narrower than the tile's chunk keep the 4-D tile kernel; hdim-only is unchanged."""
+    seq, both = kr.ROWSET_DEFAULTS["seq"], kr.ROWSET_DEFAULTS["both"]
+    assert seq.rowsets and both.rowsets
+    for N in (4096, 8192, 16384):
+        assert kr.fwd_tile(N, True) == seq
+        assert kr.fwd_tile(N, True, hdim=True) == both
+        assert not kr.fwd_tile(N, True, row_scaled=True, hdim=True).rowsets
+        assert not kr.fwd_tile(N, False).rowsets
+    assert not kr.fwd_tile(seq.block_n - 1, True).rowsets
+    assert not kr.fwd_tile(both.block_n - 1, True, hdim=True).rowsets
+    with pytest.raises(ValueError, match="row-set tile"):
+        kr.rmsnorm_quant_fwd(torch.zeros(1, 4, 64), torch.ones(64), 1e-6, hdim=True, seq=True, row_scaled=True,
+                             rceil=True, tile=kr.FwdTile(32, 64, 4, rowsets=True))
+
+
 @triton.jit
 def _exponents_kernel(a_ptr, out_ptr, n, RCEIL: tl.constexpr):
     i = tl.arange(0, 64)

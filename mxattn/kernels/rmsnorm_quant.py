@@ -128,15 +128,26 @@ def _warps(elems: int) -> int:
     return 4 if elems <= 4096 else (8 if elems <= 8192 else 16)
 
 
-def fwd_tile(N: int, seq: bool, row_scaled: bool = False) -> FwdTile:
+# seq / "both" with MX scales: the row-set kernel, as the session-12 bench on the H200 found
+# (benchmarks/results/rmsnorm_quant-nvidia-h200-2026-12-01-s12.json, M 16384 bf16, N 4096 / 8192):
+# seq (32, 512, 16) 0.119 / 0.222 ms against the 4-D tile kernel's 0.132 (session 11; this run's 4096 default row is
+# an outlier, docs/perf-notes-producers.md) / 0.249; both (32, 128, 4, maxnreg 128) 0.142 / 0.281 against
+# 0.338 / 0.661.  Row-scaled hdim output, and rows narrower than a chunk (not measured), keep the 4-D kernel.
+ROWSET_DEFAULTS = {"seq": FwdTile(32, 512, 16, rowsets=True), "both": FwdTile(32, 128, 4, 128, rowsets=True)}
+
+
+def fwd_tile(N: int, seq: bool, row_scaled: bool = False, hdim: bool = False) -> FwdTile:
     """Forward tile for rows of N elements.  hdim only: whole rows (one chunk) up to N = 8192, ``block_m`` rows
-    so that a program holds ~4K elements; wider rows go through chunks of 8192.  With a seq orientation:
-    32 tokens x chunks of at most 256 columns (8K elements).  ``row_scaled``: the hdim output is re-expressed to
-    row exponents (the row-set kernel does not do that)."""
+    so that a program holds ~4K elements; wider rows go through chunks of 8192.  With a seq orientation (``hdim``
+    too: "both"): the row-set tile of ``ROWSET_DEFAULTS`` when the output has MX scales (not ``row_scaled``) and
+    N is at least its chunk width, else 32 tokens x chunks of at most 256 columns (8K elements)."""
     if "fwd" in TILE_OVERRIDES:
         return TILE_OVERRIDES["fwd"]
     np2 = _np2(N)
     if seq:
+        rowset = ROWSET_DEFAULTS["both" if hdim else "seq"]
+        if not row_scaled and N >= rowset.block_n:
+            return rowset
         # 4 warps: 0.131 / 0.250 ms against 0.185 / 0.380 at 8 warps (N 4096 / 8192, M 16384; the sweep in
         # rmsnorm_quant_sweep-nvidia-h200-2026-11-30-s8.json): more resident programs hide the serial chain
         bn = min(np2, 256)
@@ -815,7 +826,7 @@ def rmsnorm_quant_fwd(
     ``tiled_scales``: ``hs`` is instead the 128x4-tiled layout of one (B S, ceil(N/32)) matrix (flat u8)."""
     B, S, N = x3.shape
     dev = x3.device
-    tile = tile or fwd_tile(N, seq, row_scaled)
+    tile = tile or fwd_tile(N, seq, row_scaled, hdim)
     if seq and tile.block_m % 32:
         raise ValueError(f"a seq orientation needs block_m to be a multiple of 32, got {tile.block_m}")
     rowsets = tile.rowsets
