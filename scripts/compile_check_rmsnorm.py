@@ -1,7 +1,7 @@
 """Compile the launched builds of ``rmsnorm_quant``'s forward for sm_90a without a GPU; count what they execute.
 
     /tmp/g36/bin/python scripts/compile_check_rmsnorm.py [--m 16384] [--n 4096,8192] [--orient hdim,seq,both]
-        [--tile BM,BN,WARPS[,MAXNREG][,seq_kernel]] [--dump DIR]
+        [--tile BM,BN,WARPS[,MAXNREG][,rowsets]] [--dump DIR] [--opcodes]
 
 Needs triton 3.6 (the H200's; its bundled ptxas 12.8).  Each build is the one a launch makes: the launcher
 ``kernels.rmsnorm_quant.rmsnorm_quant_fwd`` runs on CPU tensors of the shape asked for under
@@ -10,11 +10,11 @@ rounding (``_soft`` answered as on CUDA), and ``compile_launched.compile_launch`
 Triton's own ``JITFunction.run`` (its specialization of every argument, then the compile).
 
 Printed per build: registers, spills (``ptxas -v``), shared memory, SASS memory / barrier / shuffle opcodes, and
-the *executed* instruction count per element: the kernel's loops are found in the SASS (backward branches; the
-innermost loop around each instruction), each loop body's instructions are counted once per trip (its trip count
-is the number of chunks: a loop is one pass over N; passes the kernel unrolls are counted as written), the rest
-once, and the total per thread divided by the elements a thread owns (32 tokens x N / threads for the seq
-kernels).  Budget: the H200 issues ~33 T lane-instructions/s (132 SMs x 4
+the *executed* instruction count per element (``executed_per_thread``): the SASS is cut into basic blocks, its
+natural loops found (dominators), each loop costed as its cheapest iteration times the number of chunks (every loop
+of these kernels is a pass over N), and the cheapest path from entry to exit through two such passes taken, so the
+NaN-patching side of a kernel and the division slow paths are left out; the total per thread is divided by the
+elements a thread owns (rows x N / threads).  Budget: the H200 issues ~33 T lane-instructions/s (132 SMs x 4
 schedulers x 32 lanes x 1.98 GHz); at the copy rate of 4.27 TB/s a kernel moving b bytes per element has
 33.4e12 / (4.27e12 / b) instructions per element, 23.5 for seq (3.03 B) and 31.8 for both (4.06 B).
 """
@@ -219,7 +219,7 @@ def report(M: int, N: int, orient: str, tile, dump: str | None) -> dict:
     print(f"\n== {name}: grid {lc.grid}")
     ops = {key: v for key, v in m.items() if key != "_asm" and key.split(".")[0] in cl.MEM_OPS}
     print(f"   registers {m['registers (launch)']}, spills {m['spill stores + loads (ptxas -v, bytes)']}, "
-          f"shared {m['shared bytes']} B, SASS {m['SASS instructions']}; loop bodies {bodies} x {trips} trips")
+          f"shared {m['shared bytes']} B, SASS {m['SASS instructions']}; loop iterations {bodies} x {trips} trips")
     print(f"   memory / sync ops: {ops}")
     print(f"   executed instructions per thread {executed}, per element {per_elem:.1f} "
           f"(budget at the copy rate {budget(orient):.1f})")

@@ -39,7 +39,10 @@ registers).  With a seq orientation a program owns 32 tokens of one batch (one s
 chunks of ``block_n``: pass 1 sums squares chunk by chunk (each chunk a subtree of the pairwise tree, the
 chunk sums placed in a small vector that is tree-reduced at the end), pass 2 (only for row-scaled hdim output
 in chunked mode) finds the row exponents, the last pass re-reads the chunks **in reverse order** (the most
-recently read chunks are the likeliest to still be in L2) and quantizes.  Tiles: ``fwd_tile``/``bwd_plan``.
+recently read chunks are the likeliest to still be in L2) and quantizes.  Seq and "both" output with MX scales
+take the row-set kernel instead (``_rmsnorm_quant_rowset_kernel``, ``FwdTile(rowsets=True)``): the same passes, the
+last one reading the 32 tokens as four row sets so that seq words pack in registers and both block reductions stay
+inside a warp.  Tiles: ``fwd_tile``/``bwd_plan``.
 """
 
 from __future__ import annotations
@@ -435,6 +438,14 @@ def _rowset_weight(w_ptr, n0, N, NB: tl.constexpr):
 
 
 @triton.jit
+def _block_sums(v, NB: tl.constexpr):
+    """(8, NB, 32) -> (8, NB): the pairwise sum of each block of 32 (levels 1-5 of ``_rowset_tree``)."""
+    for i in tl.static_range(5):
+        v = tl.sum(tl.reshape(v, (8, NB, 16 >> i, 2)), axis=3)
+    return tl.reshape(v, (8, NB))
+
+
+@triton.jit
 def _rowset_tree(v0, v1, v2, v3, NB: tl.constexpr, LOG_NB: tl.constexpr):
     """Pairwise sums over the NB * 32 columns of four row-set tiles (8, NB, 32) fp32 -> (8, 2, 2): [w, a, b] is row
     set k = 2a + b, i.e. row 4w + k.  Column 32 nb + j: levels 1-5 pair j's (within a warp), the next ones pair
@@ -443,14 +454,6 @@ def _rowset_tree(v0, v1, v2, v3, NB: tl.constexpr, LOG_NB: tl.constexpr):
     for i in tl.static_range(LOG_NB):
         v = tl.sum(tl.reshape(v, (8, NB >> (i + 1), 2, 2, 2)), axis=2)
     return tl.reshape(v, (8, 2, 2))
-
-
-@triton.jit
-def _block_sums(v, NB: tl.constexpr):
-    """(8, NB, 32) -> (8, NB): the pairwise sum of each block of 32 (levels 1-5 of ``_rowset_tree``)."""
-    for i in tl.static_range(5):
-        v = tl.sum(tl.reshape(v, (8, NB, 16 >> i, 2)), axis=3)
-    return tl.reshape(v, (8, NB))
 
 
 @triton.jit
@@ -491,9 +494,11 @@ def _all_chunk_sums(xp, sxs, w_ptr, part, S_rem, N, NCHUNK, NPC, BN: tl.constexp
 def _rowset_rstd(part, eps, n_f, NCHUNK, NPC, NB: tl.constexpr, LOG_NB: tl.constexpr):
     """Sums of squares and rstd of the program's 32 rows, each (8, 2, 2) as ``_rowset_tree`` returns them, from
     the chunk sums part[row, c]: the top of each row's tree.  The chunk sums are read as (8, NB, 32) tiles (chunk c
-    at column c, NCHUNK <= NB * 32; zero past NCHUNK, which leaves every sum as it is), so the tree runs in the row
-    sets' layout family (from an (8, NPC) tile, Triton once converted the x tiles into the reduction's layout
-    instead of converting rstd: 256 elements per thread).  Read past L1 (``.cg``): other threads wrote them."""
+    at column c, NCHUNK <= NB * 32; zero past NCHUNK, which leaves every sum as it is), so the tree is
+    ``_rowset_tree``, in the row sets' layout, with the four row sets' cross-warp levels joined (an (8, NPC) tile
+    per row set is a layout of its own; in a straight-line kernel Triton then converted the x tiles into it rather
+    than convert rstd, docs/perf-notes-producers.md, session 12).  Read past L1 (``.cg``): other threads wrote
+    them."""
     w = tl.arange(0, 8)[:, None, None]
     c = tl.arange(0, NB)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
     pk = part + (4 * w) * NPC + c
@@ -712,9 +717,9 @@ def _rmsnorm_quant_rowset_kernel(
     whose top ``_rowset_rstd`` sums.  The last pass re-reads the chunks in reverse order (the last ones summed are
     the likeliest still in L2) as four row sets (rows 4w + k, ``_rowset_load``): a thread holds the same 8 channels
     of 4 consecutive tokens, packs their seq bytes into one int32 word in registers, and both block reductions stay
-    inside a warp (hdim: 8 values x 4 lanes; seq: 4 row sets x 8 lanes).  Whether a tile can hold Inf / NaN is
-    decided once per program from the rows' sums and the weights (``bad``), so finite programs run a loop without
-    the NaN handling."""
+    inside a warp (hdim: 8 values x 4 lanes; seq: 4 row sets x 8 lanes).  Whether the program can meet Inf / NaN
+    is decided once, from its rows' sums and rstd and the weights, before the last pass: finite programs run a
+    loop without the NaN handling (``_rowset_reread`` with BAD False)."""
     BN: tl.constexpr = NB * 32
     pid = tl.program_id(0)
     b = pid // n_s_tiles
