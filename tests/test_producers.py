@@ -787,8 +787,13 @@ def test_gpu_rmsnorm_quant_rowsets_bit_exact(kernels, gen, orient, tile, M, N):
     _check_rowsets(x, w, 1e-6, orient, "rceil", f"gpu rowsets {_tile_id(tile)} M{M} N{N} {orient}")
 
 
+def _gpu_first_rowset_tiles():
+    """The first row-set tile of each orientation (``_gpu_rowset_tiles``' parameters)."""
+    return [p for p in _gpu_rowset_tiles() if p.values[1] == P.rowset_tiles(p.values[0])[0]]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("orient,tile", [p for p in _gpu_rowset_tiles() if p.values[1] == P.rowset_tiles(p.values[0])[0]])
+@pytest.mark.parametrize("orient,tile", _gpu_first_rowset_tiles())
 def test_gpu_rmsnorm_quant_rowsets_soft_floor_and_dtypes(kernels, gen, monkeypatch, orient, tile):
     """The explicit fp32 rounding (``SOFT_ROUND_ON_GPU``), FLOOR, and fp16 / fp32 inputs through the row-set
     kernel on the GPU (one tile per orientation: each combination is a build of its own, ~3 s on the GPU
