@@ -57,6 +57,7 @@ Reference semantics (the kernels equal these; see each function)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -1029,10 +1030,10 @@ def sweep_rmsnorm_tiles(M: int = 16384, Ns=(4096, 8192), rep_ms: int = 100, outd
                  "seq": [kr.FwdTile(32, c, nw) for c in (128, 256, 512) for nw in (4, 8, 16)] + rowset_tiles("seq"),
                  "both": rowset_tiles("both")}
         # register caps on the default tiles: more CTAs per SM for a latency-bound kernel (80: one spilled word
-        # in the sm_90a build; 72 / 64: 12 / 35 spilled words, L1-resident)
+        # in the sm_90a build of the hdim tile; 72 / 64: 12 / 35 spilled words, L1-resident)
         for orient in ("hdim", "seq"):
             t = kr.fwd_tile(N, orient == "seq")
-            cands[orient] += [kr.FwdTile(t.block_m, t.block_n, t.num_warps, mr) for mr in (80, 72, 64)]
+            cands[orient] += [dataclasses.replace(t, maxnreg=mr) for mr in (80, 72, 64)]
         nbytes = _rmsnorm_bytes(M, N)
         for orient in orients:
             tiles = cands[orient]
