@@ -57,6 +57,7 @@ Reference semantics (the kernels equal these; see each function)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -782,7 +783,20 @@ def _median_ms(fn, rep_ms: int) -> float:
     return float(triton.testing.do_bench(fn, warmup=max(10, rep_ms // 4), rep=rep_ms, return_mode="median"))
 
 
-def _bench_rmsnorm(M: int, N: int, rep: int, progress: bool) -> list[dict]:
+def _rmsnorm_bytes(M: int, N: int) -> dict:
+    """Bytes read + written by ``rmsnorm_quant`` of a bf16 (M, N) x per orientation (x, weight, outputs, rstd)."""
+    nb, nsb = -(-N // 32), -(-M // 32)
+    return {"hdim": 2 * M * N + 2 * N + M * N + M * nb + 4 * M,
+            "hdim_row_scaled": 2 * M * N + 2 * N + M * N + 8 * M,
+            "seq": 2 * M * N + 2 * N + M * N + N * nsb + 4 * M,
+            "both": 2 * M * N + 2 * N + 2 * M * N + M * nb + N * nsb + 4 * M}
+
+
+def _bench_rmsnorm(M: int, N: int, rep: int, progress: bool, variants=None) -> list[dict]:
+    """One row per orientation with the default tiles, and one per tile of ``variants`` ({orientation: [FwdTile]},
+    orientations "seq" / "both"), each with the default's time of that orientation (``default_ms``); the device
+    copy and the unfused pair (measured once per orientation) in the same run."""
+    from mxattn.kernels import rmsnorm_quant as kr
     from mxattn.kernels.quantize import quantize_mxfp8_triton
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -797,32 +811,55 @@ def _bench_rmsnorm(M: int, N: int, rep: int, progress: bool) -> list[dict]:
         y = torch.nn.functional.rms_norm(x, (N,), w, 1e-6)
         return quantize_mxfp8_triton(y.view(1, M, N // d, d), orient)
 
-    nb = -(-N // 32)
-    cases = {
-        # name: (callable, bytes read + written)
-        "hdim": (lambda: rmsnorm_quant(x, w), 2 * M * N + 2 * N + M * N + M * nb + 4 * M),
-        "hdim_row_scaled": (lambda: rmsnorm_quant(x, w, row_scaled=True), 2 * M * N + 2 * N + M * N + 8 * M),
-        "seq": (lambda: rmsnorm_quant(x, w, orientations="seq"), 2 * M * N + 2 * N + M * N + N * -(-M // 32) + 4 * M),
-        "both": (lambda: rmsnorm_quant(x, w, orientations="both"),
-                 2 * M * N + 2 * N + 2 * M * N + M * nb + N * -(-M // 32) + 4 * M),
+    nbytes = _rmsnorm_bytes(M, N)
+    cases = {  # name: (callable, orientation of the unfused pair)
+        "hdim": (lambda: rmsnorm_quant(x, w), "hdim"),
+        "hdim_row_scaled": (lambda: rmsnorm_quant(x, w, row_scaled=True), "hdim"),
+        "seq": (lambda: rmsnorm_quant(x, w, orientations="seq"), "seq"),
+        "both": (lambda: rmsnorm_quant(x, w, orientations="both"), "both"),
     }
+    unfused_ms = {}
     rows = []
-    for name, (fn, nbytes) in cases.items():
-        fn()
-        ms = _median_ms(fn, rep)
-        orient = "both" if name == "both" else ("seq" if name == "seq" else "hdim")
-        un = (lambda o=orient: unfused(o))
-        un()
-        un_ms = _median_ms(un, rep)
-        row = {"kernel": name, "M": M, "N": N, "dtype": "bfloat16", "ms": ms, "bytes": nbytes,
-               "gbps": nbytes / ms / 1e6, "copy_gbps": copy_gbps, "unfused_ms": un_ms}
+
+    def add_row(name, ms, tile=None, default_ms=None):
+        orient = cases[name][1]
+        if orient not in unfused_ms:
+            un = (lambda o=orient: unfused(o))
+            un()
+            unfused_ms[orient] = _median_ms(un, rep)
+        un_ms = unfused_ms[orient]
+        row = {"kernel": name, "M": M, "N": N, "dtype": "bfloat16", "ms": ms, "bytes": nbytes[name],
+               "gbps": nbytes[name] / ms / 1e6, "copy_gbps": copy_gbps, "unfused_ms": un_ms}
+        if tile is not None:
+            row["tile"] = {"block_m": tile.block_m, "block_n": tile.block_n, "num_warps": tile.num_warps,
+                           "maxnreg": tile.maxnreg, "rowsets": tile.rowsets}
+            row["default_ms"] = default_ms
         row["pct_of_copy"] = 100.0 * row["gbps"] / copy_gbps
         row["speedup_vs_unfused"] = un_ms / ms
         rows.append(row)
         if progress:
-            print(f"  rmsnorm_quant {name:<16} M{M} N{N}: {ms:7.3f} ms {row['gbps']:6.0f} GB/s = "
+            label = name if tile is None else f"{name} {row['tile']}"
+            print(f"  rmsnorm_quant {label:<16} M{M} N{N}: {ms:7.3f} ms {row['gbps']:6.0f} GB/s = "
                   f"{row['pct_of_copy']:5.1f}% of copy; unfused bf16 rms_norm + quantize {un_ms:7.3f} ms "
                   f"({row['speedup_vs_unfused']:.2f}x)", flush=True)
+
+    default_ms = {}
+    for name, (fn, _o) in cases.items():
+        fn()
+        default_ms[name] = _median_ms(fn, rep)
+        add_row(name, default_ms[name])
+    saved = kr.TILE_OVERRIDES.get("fwd")
+    try:
+        for name, tiles in (variants or {}).items():
+            fn = cases[name][0]
+            for tile in tiles:
+                kr.TILE_OVERRIDES["fwd"] = tile
+                fn()
+                add_row(name, _median_ms(fn, rep), tile, default_ms[name])
+    finally:
+        kr.TILE_OVERRIDES.pop("fwd", None)
+        if saved is not None:
+            kr.TILE_OVERRIDES["fwd"] = saved
     return rows
 
 
@@ -911,6 +948,7 @@ def bench_producers(
     linear_sizes=LINEAR_BENCH_SIZES,
     linear_tiles=(None,),
     progress: bool = True,
+    rms_variants=None,
 ) -> dict:
     """Speed of the fused producers on the GPU, with their baselines measured in the same run.
 
@@ -921,9 +959,10 @@ def bench_producers(
     accumulation; row-wise) and BF16 matmul followed by ``quantize_mxfp8_triton``; ``mxattn`` is the default
     kernel choice, ``mxattn_tl`` / ``mxattn_gluon`` / ``mxattn_gluon_inline`` each kernel forced on the same
     operands (the Gluon ones on sm_90 only).  ``linear_tiles``: a list of
-    ``kernels.linear_quant.LinearTile`` (None = default) to sweep.  Returns ``{"rmsnorm_quant": rows,
-    "linear_quant": rows}``; with ``outdir``, writes one results file per op (DESIGN §6) and adds the paths
-    under ``"files"``.  Needs CUDA; importable anywhere."""
+    ``kernels.linear_quant.LinearTile`` (None = default) to sweep.  ``rms_variants``: {orientation: [FwdTile]}
+    ("seq" / "both"), rmsnorm_quant rows with those forward tiles beside the defaults' (``_bench_rmsnorm``).
+    Returns ``{"rmsnorm_quant": rows, "linear_quant": rows}``; with ``outdir``, writes one results file per op
+    that has rows (DESIGN §6) and adds the paths under ``"files"``.  Needs CUDA; importable anywhere."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench_producers needs a CUDA device")
     rep = max(25, rep_ms // 2) if quick else rep_ms
@@ -931,7 +970,7 @@ def bench_producers(
     linear_sizes = tuple(linear_sizes)[:1] if quick else tuple(linear_sizes)
     out = {"rmsnorm_quant": [], "linear_quant": []}
     for M, N in rms_sizes:
-        out["rmsnorm_quant"] += _bench_rmsnorm(M, N, rep, progress)
+        out["rmsnorm_quant"] += _bench_rmsnorm(M, N, rep, progress, rms_variants)
         torch.cuda.empty_cache()
     for M, K, N in linear_sizes:
         out["linear_quant"] += _bench_linear(M, K, N, rep, progress, linear_tiles)
@@ -939,20 +978,42 @@ def bench_producers(
     if outdir is not None:
         from mxattn.bench.results import write_result
 
-        out["files"] = [str(write_result(what, out[what], outdir)) for what in ("rmsnorm_quant", "linear_quant")]
+        out["files"] = [str(write_result(what, out[what], outdir)) for what in ("rmsnorm_quant", "linear_quant")
+                        if out[what]]
     return out
 
 
+# the row-set tiles the sweep and the session-12 bench compare with the defaults (seq / both orientations):
+# 32 tokens x 32 channels per warp and chunk, 4 row sets of 8 channels per thread (kernels.rmsnorm_quant,
+# _rmsnorm_quant_rowset_kernel); (32, 512, 16): one 16-warp program per SM, whose 32-token x N working set
+# (256 KB at N = 4096) keeps the whole grid's re-read inside L2; "both" at 4 warps takes 168 registers (3 CTAs
+# per SM), capped at 128 it spills 16 B for a fourth (docs/perf-notes-producers.md, session 12)
+ROWSET_TILES = {
+    "seq": ((32, 128, 4, None), (32, 256, 8, None), (32, 512, 16, None)),
+    "both": ((32, 128, 4, None), (32, 128, 4, 128), (32, 512, 16, None)),
+}
+
+
+def rowset_tiles(orient: str) -> list:
+    """``ROWSET_TILES[orient]`` as ``FwdTile`` s."""
+    from mxattn.kernels.rmsnorm_quant import FwdTile
+
+    return [FwdTile(bm, bn, nw, mr, rowsets=True) for bm, bn, nw, mr in ROWSET_TILES[orient]]
+
+
 def sweep_rmsnorm_tiles(M: int = 16384, Ns=(4096, 8192), rep_ms: int = 100, outdir=None,
-                        progress: bool = True) -> list[dict]:
-    """GB/s of ``rmsnorm_quant`` (bf16 (M, N) in) per forward tile, hdim and seq outputs (GPU).
+                        progress: bool = True, orients=("hdim", "seq")) -> list[dict]:
+    """GB/s of ``rmsnorm_quant`` (bf16 (M, N) in) per forward tile, per orientation in ``orients`` (GPU).
 
     The default tile (``kernels.rmsnorm_quant.fwd_tile``) gives a program ~4K elements, i.e. one 4096-wide row:
     at N = 4096 the kernel moved half the bytes of N = 8192 in the same time (31 % vs 57 % of copy), which points
-    at per-program latency.  Tried here: 1, 2, 4 (and 8) whole rows per program with 4, 8, 16 warps for hdim, and
-    32 tokens x 128 / 256 / 512 columns for seq.  One row per (N, orientation, tile) with ``pct_of_copy`` and the
-    default tile's time as ``default_ms``; with ``outdir``, written as what="rmsnorm_quant_sweep"."""
+    at per-program latency.  Tried here: 1, 2, 4 (and 8) whole rows per program with 4, 8, 16 warps for hdim,
+    32 tokens x 128 / 256 / 512 columns for seq, and the row-set tiles (``ROWSET_TILES``) for seq and "both".
+    One row per (N, orientation, tile) with ``pct_of_copy``, the default tile's time as ``default_ms`` and the
+    unfused pair's (BF16 rms_norm, then quantize) as ``unfused_ms``; with ``outdir``, written as
+    what="rmsnorm_quant_sweep"."""
     from mxattn.kernels import rmsnorm_quant as kr
+    from mxattn.kernels.quantize import quantize_mxfp8_triton
 
     if not torch.cuda.is_available():
         raise RuntimeError("sweep_rmsnorm_tiles needs a CUDA device")
@@ -963,18 +1024,24 @@ def sweep_rmsnorm_tiles(M: int = 16384, Ns=(4096, 8192), rep_ms: int = 100, outd
         w = torch.randn(N, device="cuda", dtype=torch.bfloat16, generator=gen)
         dst = torch.empty_like(x)
         copy_gbps = 2 * x.numel() * 2 / _median_ms(lambda: dst.copy_(x), rep_ms) / 1e6
+        d = 128 if N % 128 == 0 else N
         bn = min(kr._np2(N), kr._SINGLE_CHUNK_MAX)
         cands = {"hdim": [kr.FwdTile(bm, bn, nw) for bm in (1, 2, 4, 8) if bm * bn <= 32768 for nw in (4, 8, 16)],
-                 "seq": [kr.FwdTile(32, c, nw) for c in (128, 256, 512) for nw in (4, 8, 16)]}
+                 "seq": [kr.FwdTile(32, c, nw) for c in (128, 256, 512) for nw in (4, 8, 16)] + rowset_tiles("seq"),
+                 "both": rowset_tiles("both")}
         # register caps on the default tiles: more CTAs per SM for a latency-bound kernel (80: one spilled word
-        # in the sm_90a build; 72 / 64: 12 / 35 spilled words, L1-resident)
-        for orient in cands:
+        # in the sm_90a build of the hdim tile; 72 / 64: 12 / 35 spilled words, L1-resident)
+        for orient in ("hdim", "seq"):
             t = kr.fwd_tile(N, orient == "seq")
-            cands[orient] += [kr.FwdTile(t.block_m, t.block_n, t.num_warps, mr) for mr in (80, 72, 64)]
-        nbytes = {"hdim": 2 * M * N + 2 * N + M * N + M * -(-N // 32) + 4 * M,
-                  "seq": 2 * M * N + 2 * N + M * N + N * -(-M // 32) + 4 * M}
-        for orient, tiles in cands.items():
+            cands[orient] += [dataclasses.replace(t, maxnreg=mr) for mr in (80, 72, 64)]
+        nbytes = _rmsnorm_bytes(M, N)
+        for orient in orients:
+            tiles = cands[orient]
             fn = lambda o=orient: rmsnorm_quant(x, w, orientations=o)  # noqa: E731
+            un = lambda o=orient: quantize_mxfp8_triton(  # noqa: E731
+                torch.nn.functional.rms_norm(x, (N,), w, 1e-6).view(1, M, N // d, d), o)
+            un()
+            unfused_ms = _median_ms(un, rep_ms)
             kr.TILE_OVERRIDES.pop("fwd", None)
             fn()
             default_ms = _median_ms(fn, rep_ms)
@@ -989,16 +1056,18 @@ def sweep_rmsnorm_tiles(M: int = 16384, Ns=(4096, 8192), rep_ms: int = 100, outd
                 finally:
                     kr.TILE_OVERRIDES.pop("fwd", None)
                 row = {"kernel": orient, "M": M, "N": N, "tile": [tile.block_m, tile.block_n, tile.num_warps],
-                       "maxnreg": tile.maxnreg,
-                       "ms": ms, "default_ms": default_ms, "gbps": nbytes[orient] / ms / 1e6,
-                       "copy_gbps": copy_gbps}
+                       "maxnreg": tile.maxnreg, "rowsets": tile.rowsets,
+                       "ms": ms, "default_ms": default_ms, "unfused_ms": unfused_ms,
+                       "gbps": nbytes[orient] / ms / 1e6, "copy_gbps": copy_gbps}
                 row["pct_of_copy"] = 100.0 * row["gbps"] / copy_gbps
+                row["speedup_vs_unfused"] = unfused_ms / ms
                 if err:
                     row["error"] = err
                 rows.append(row)
                 if progress:
-                    print(f"  rmsnorm_quant {orient} N{N} tile {row['tile']} maxnreg {tile.maxnreg}: {ms:.3f} ms "
-                          f"({row['pct_of_copy']:.1f}% of copy; default {default_ms:.3f} ms)", flush=True)
+                    print(f"  rmsnorm_quant {orient} N{N} tile {row['tile']} maxnreg {tile.maxnreg} rowsets "
+                          f"{tile.rowsets}: {ms:.3f} ms ({row['pct_of_copy']:.1f}% of copy; default {default_ms:.3f}"
+                          f" ms, unfused {unfused_ms:.3f} ms)", flush=True)
         del x, dst
         torch.cuda.empty_cache()
     if outdir is not None:

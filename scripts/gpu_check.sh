@@ -17,6 +17,9 @@
 #   accuracy   `mxattn accuracy` with the GPU kernel row
 #   quant      quantization kernels vs device copy
 #   producers  rmsnorm_quant / linear_quant vs unfused and cuBLAS FP8
+#   rmsnormrows  rmsnorm_quant's row-set kernel (perf-notes-producers.md, session 12): every rmsnorm GPU test as four
+#              processes side by side (grouped by tile: each builds only its kernels), then bench_producers with
+#              the row-set tiles (producers.ROWSET_TILES) beside the defaults, rmsnorm only, alone on the GPU
 #   varlen     jagged forward vs the dense kernel at 50 % fill
 #   varlensweep  the same over several length draws, d128 and d64, and d64 tile configs
 #   varlenbwd  jagged backward (Gluon jagged mode, the Hopper default, asked here by name: compile checks, tiny cases, its GPU
@@ -161,6 +164,22 @@ print(write_result('quantize', rows, sys.argv[1]))
       run $PY -c "import sys; from mxattn.producers import bench_producers; print(bench_producers(outdir=sys.argv[1]))" "$OUT"
       # PRODUCERS_SWEEP=1: rmsnorm_quant forward tiles (rows per program, warps; seq column chunks)
       [ "${PRODUCERS_SWEEP:-0}" = 1 ] && run $PY -c "import sys; from mxattn.producers import sweep_rmsnorm_tiles; sweep_rmsnorm_tiles(outdir=sys.argv[1])" "$OUT" ;;
+    rmsnormrows)
+      pids=()
+      i=0
+      for g in "rmsnorm and (not rowsets or packers)" "rmsnorm and rowsets and seq-" \
+               "rmsnorm and rowsets and both-32x128x4" "rmsnorm and rowsets and both-32x512x16"; do
+        i=$((i + 1))
+        ( export OMP_NUM_THREADS=4; echo "-k $g"
+          run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_producers.py -k "$g"
+          echo "exit $status" ) > "$OUT/rmsnorm_tests_$i.txt" 2>&1 &
+        pids+=($!)
+      done
+      for p in "${pids[@]}"; do wait "$p"; done
+      for f in "$OUT"/rmsnorm_tests_*.txt; do
+        echo "--- $f"; tail -n 6 "$f"; grep -q "^exit 0$" "$f" || status=1
+      done
+      run $PY -c "import sys; from mxattn.producers import bench_producers, rowset_tiles; bench_producers(rep_ms=50, outdir=sys.argv[1], linear_sizes=(), rms_variants={o: rowset_tiles(o) for o in ('seq', 'both')})" "$OUT" ;;
     varlen)
       run $PY -c "
 import json, sys

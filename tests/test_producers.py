@@ -25,6 +25,8 @@ from typing import Optional
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
@@ -289,6 +291,143 @@ def test_rmsnorm_quant_cpu_path_same_api(gen):
     assert torch.equal(rstd, r)
     rs = P.rmsnorm_quant(x, w, row_scaled=True).out
     assert isinstance(rs, F.RowScaledFP8) and rs.exp.shape == (2, 40, 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# rmsnorm_quant forward: the row-set kernel (seq / both orientations, MX scales; FwdTile(rowsets=True))
+# ----------------------------------------------------------------------------------------------
+
+# chunks of 32 / 64 columns so that the tiny shapes below have several (N = 160: 5 / 3 chunks); on the GPU the
+# bench's tiles (producers.ROWSET_TILES)
+ROWSET_CPU_TILES = [kr.FwdTile(32, 32, 4, rowsets=True), kr.FwdTile(32, 64, 4, rowsets=True)]
+
+ROWSET_CASES = [
+    # shape, dtype, orientations, scale_mode
+    ((2, 37, 160), torch.bfloat16, "both", "rceil"),  # two batches, each with a 5-token block; N = 5 blocks
+    ((40, 64), torch.bfloat16, "seq", "floor"),  # 2-D x: one full block and 8 tokens
+    ((1, 33, 50), torch.float16, "both", "rceil"),  # N not a multiple of 32; a one-token block
+    ((3, 5, 96), torch.float32, "seq", "floor"),  # S < 32: every block partial
+    ((1, 96, 1), torch.bfloat16, "both", "rceil"),  # N = 1
+    ((64, 200), torch.bfloat16, "both", "floor"),  # whole blocks, N % 64 = 8
+]
+
+
+def _tile_id(t) -> str:
+    return f"{t.block_m}x{t.block_n}x{t.num_warps}" + (f"r{t.maxnreg}" if t.maxnreg else "")
+
+
+def _seq_padding(t: F.MXTensor) -> torch.Tensor:
+    """Bytes of the tokens [S, S_pad) of a seq output's channel-major buffer (its data is the (.., S, N) view)."""
+    d = t.data.view(U8)
+    S, N, s_pad = d.shape[-2], d.shape[-1], d.stride(-1)
+    full = torch.as_strided(d, (*d.shape[:-2], N, s_pad), (*d.stride()[:-2], s_pad, 1), d.storage_offset())
+    return full[..., S:]
+
+
+def _check_rowsets(x, w, eps, orient, mode, what):
+    got = _check_rmsnorm(x, w, eps, orient, mode, False, what)
+    s = got.out[1] if orient == "both" else got.out
+    pad = _seq_padding(s)
+    assert int(pad.count_nonzero()) == 0, f"{what}: {int(pad.count_nonzero())} nonzero padding bytes"
+
+
+@pytest.mark.parametrize("tile", ROWSET_CPU_TILES, ids=_tile_id)
+@pytest.mark.parametrize("shape,dtype,orient,mode", ROWSET_CASES, ids=str)
+def test_rmsnorm_quant_rowsets_bit_exact(kernels, gen, tile, shape, dtype, orient, mode):
+    kr.TILE_OVERRIDES["fwd"] = tile
+    x = _rand(shape, dtype, gen, 3.0)
+    w = _rand(shape[-1:], dtype, gen)
+    w[::7] = -w[::7].abs()  # negative weights: padding tokens must still come out as +0 bytes
+    _check_rowsets(x, w, 1e-5, orient, mode, f"rowsets {_tile_id(tile)} {shape} {dtype} {orient} {mode}")
+
+
+def _special_rows(gen) -> torch.Tensor:
+    """70 tokens (blocks of 32, 32, 6) x 64: Inf / NaN / zero / tiny / overflowing rows in the first two blocks,
+    the third block finite (the kernel then takes its finite path there)."""
+    x = torch.randn(70, 64, generator=gen) * 2
+    x[0] = 0.0  # zero row: rstd = 1/sqrt(eps) (Inf with eps = 0: NaN row), scale byte 127
+    x[1, 5] = float("nan")  # NaN row: every block NaN
+    x[2, 7] = float("inf")  # Inf row: rstd = 0, y NaN at the Inf, 0 elsewhere
+    x[3] = 1e-30  # tiny row
+    x[4] = 3e38  # x*x overflows: rstd = 0, y = 0
+    x[5, :32] = 1e-12  # a block far below the row maximum
+    x[40, 3] = -float("inf")  # second block
+    x[66, :] = 0.0  # a zero row in the finite block
+    return x
+
+
+@pytest.mark.parametrize("orient", ["seq", "both"])
+def test_rmsnorm_quant_rowsets_special_values(kernels, gen, orient):
+    kr.TILE_OVERRIDES["fwd"] = kr.FwdTile(32, 32, 4, rowsets=True)
+    x = _special_rows(gen).to(DEVICE)
+    w = _rand((64,), torch.float32, gen)
+    w[9] = 0.0
+    w[11] = -w[11].abs()
+    for mode in ("rceil", "floor"):
+        for eps in (1e-6, 0.0):  # eps = 0: the zero rows get rstd = Inf, so y = 0 * Inf = NaN
+            _check_rowsets(x, w, eps, orient, mode, f"rowsets special {orient} {mode} eps={eps}")
+
+
+@pytest.mark.parametrize("orient", ["seq", "both"])
+def test_rmsnorm_quant_rowsets_weights_decide_the_nan_path(kernels, gen, orient):
+    """Rows all finite: a weight at or above 2^120 sends the program to the NaN-handling path (here y overflows
+    to Inf, its blocks must get scale 255), one just below keeps the finite path (y cannot overflow)."""
+    kr.TILE_OVERRIDES["fwd"] = kr.FwdTile(32, 32, 4, rowsets=True)
+    x = _rand((2, 40, 64), torch.float32, gen, 2.0)
+    for big, what in ((3e38, "overflowing weight"), (2.0 ** 119 * 1.99, "largest finite-path weight"),
+                      (float("inf"), "Inf weight"), (float("nan"), "NaN weight")):
+        w = _rand((64,), torch.float32, gen)
+        w[3] = big
+        got = _check_rmsnorm(x, w, 1e-6, orient, "rceil", False, f"rowsets {what} {orient}")
+        s = got.out[1] if orient == "both" else got.out
+        if big == 3e38:
+            assert int((_u8(s.scale) == 255).sum()) > 0, "the overflow case made no NaN block: not a test"
+
+
+def test_fwd_tile_defaults():
+    """seq / both with MX scales take the row-set tiles the session-12 bench chose; row-scaled output and rows
+    narrower than the tile's chunk keep the 4-D tile kernel; hdim-only is unchanged."""
+    seq, both = kr.ROWSET_DEFAULTS["seq"], kr.ROWSET_DEFAULTS["both"]
+    assert seq.rowsets and both.rowsets
+    for N in (4096, 8192, 16384):
+        assert kr.fwd_tile(N, True) == seq
+        assert kr.fwd_tile(N, True, hdim=True) == both
+        assert not kr.fwd_tile(N, True, row_scaled=True, hdim=True).rowsets
+        assert not kr.fwd_tile(N, False).rowsets
+    assert not kr.fwd_tile(seq.block_n - 1, True).rowsets
+    assert not kr.fwd_tile(both.block_n - 1, True, hdim=True).rowsets
+    with pytest.raises(ValueError, match="row-set tile"):
+        kr.rmsnorm_quant_fwd(torch.zeros(1, 4, 64), torch.ones(64), 1e-6, hdim=True, seq=True, row_scaled=True,
+                             rceil=True, tile=kr.FwdTile(32, 64, 4, rowsets=True))
+
+
+@triton.jit
+def _exponents_kernel(a_ptr, out_ptr, n, RCEIL: tl.constexpr):
+    i = tl.arange(0, 64)
+    ok = i < n
+    amax = tl.load(a_ptr + i, mask=ok, other=0)
+    e_exact = kq._mx_exponent(amax, RCEIL)
+    e_fast = kr._finite_exponent(amax, RCEIL)
+    tl.store(out_ptr + i, e_exact, mask=ok)
+    tl.store(out_ptr + 64 + i, tl.where(amax == 0, e_exact, e_fast), mask=ok)
+    tl.store(out_ptr + 128 + i, tl.where(amax < 0x7F800000, e_exact + 127, 255), mask=ok)
+    tl.store(out_ptr + 192 + i, kr._finite_scale(amax, e_fast).to(tl.int32), mask=ok)
+
+
+@pytest.mark.parametrize("rceil", [True, False], ids=["rceil", "floor"])
+def test_finite_exponent_is_mx_exponent(rceil):
+    """The row-set kernel's finite-tile exponent and scale byte against ``_mx_exponent``'s on block maxima around
+    every rounding edge: zero, fp32 subnormals, mantissas 1.75 -> next (RCEIL's step), powers of two, the
+    largest finite value."""
+    mags = [0, 1, 0x7FFFFF, 0x600000, 0x600001, 0x800000, 0xDFFFFF, 0xE00000, 0xE00001, 0x3F800000, 0x3FE00000,
+            0x3FE00001, 0x43E00000, 0x43E00001, 0x43FFFFFF, 0x7F000000, 0x7F600000, 0x7F600001, 0x7F7FFFFF]
+    a = torch.tensor(mags, dtype=torch.int32, device=DEVICE)
+    out = torch.zeros(256, dtype=torch.int32, device=DEVICE)
+    _exponents_kernel[(1,)](a, out, len(mags), RCEIL=rceil)
+    o = out.cpu()
+    n = len(mags)
+    assert torch.equal(o[64:64 + n], o[:n]), f"exponents differ: {o[:n].tolist()} vs {o[64:64 + n].tolist()}"
+    assert torch.equal(o[192:192 + n], o[128:128 + n]), "scale bytes differ"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -628,6 +767,99 @@ def test_gpu_rmsnorm_quant_bit_exact(kernels, gen, monkeypatch, soft, M, N, orie
     x = _rand((3, M // 3, N) if orient != "hdim" else (M, N), torch.bfloat16, gen, 4.0)
     w = _rand((N,), torch.bfloat16, gen)
     _check_rmsnorm(x, w, 1e-6, orient, "rceil", row_scaled, f"gpu M{M} N{N} {orient} soft={soft}")
+
+
+def _gpu_rowset_tiles():
+    """Every row-set tile the session-12 bench compares with the defaults (producers.ROWSET_TILES): whichever
+    becomes a default has passed these."""
+    return [pytest.param(orient, t, id=f"{orient}-{_tile_id(t)}") for orient in P.ROWSET_TILES
+            for t in P.rowset_tiles(orient)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("orient,tile", _gpu_rowset_tiles())
+@pytest.mark.parametrize("M,N", [(2048, 4096), (3 * 341, 8192), (999, 1000), (513, 16384), (96, 100)])
+def test_gpu_rmsnorm_quant_rowsets_bit_exact(kernels, gen, orient, tile, M, N):
+    kr.TILE_OVERRIDES["fwd"] = tile
+    x = _rand((3, M // 3, N), torch.bfloat16, gen, 4.0)
+    w = _rand((N,), torch.bfloat16, gen)
+    w[::7] = -w[::7].abs()
+    _check_rowsets(x, w, 1e-6, orient, "rceil", f"gpu rowsets {_tile_id(tile)} M{M} N{N} {orient}")
+
+
+def _gpu_first_rowset_tiles():
+    """The first row-set tile of each orientation (``_gpu_rowset_tiles``' parameters)."""
+    return [p for p in _gpu_rowset_tiles() if p.values[1] == P.rowset_tiles(p.values[0])[0]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("orient,tile", _gpu_first_rowset_tiles())
+def test_gpu_rmsnorm_quant_rowsets_soft_floor_and_dtypes(kernels, gen, monkeypatch, orient, tile):
+    """The explicit fp32 rounding (``SOFT_ROUND_ON_GPU``), FLOOR, and fp16 / fp32 inputs through the row-set
+    kernel on the GPU (one tile per orientation: each combination is a build of its own, ~3 s on the GPU
+    machine; the tiles differ in layout, which every test of the other GPU tests runs)."""
+    kr.TILE_OVERRIDES["fwd"] = tile
+    for soft, mode, dtype in ((True, "rceil", torch.bfloat16), (False, "floor", torch.float16),
+                              (True, "floor", torch.float32)):
+        monkeypatch.setattr(kq, "SOFT_ROUND_ON_GPU", soft)
+        x = _rand((2, 777, 1024), dtype, gen, 4.0)
+        w = _rand((1024,), dtype, gen)
+        _check_rowsets(x, w, 1e-6, orient, mode, f"gpu rowsets {_tile_id(tile)} soft={soft} {mode} {dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("orient,tile", _gpu_rowset_tiles())
+def test_gpu_rmsnorm_quant_rowsets_special_values(kernels, gen, orient, tile):
+    """Inf / NaN / zero / overflowing rows and huge weights on the GPU: the NaN path's bytes come from the
+    hardware conversion OR'ed with 0x7F, the finite path skips it (a finite block beside the bad ones)."""
+    kr.TILE_OVERRIDES["fwd"] = tile
+    bf = torch.bfloat16  # the builds of test_gpu_rmsnorm_quant_rowsets_bit_exact (and bf16 holds 3e38)
+    x = _special_rows(gen).to(bf).to(DEVICE)
+    w = _rand((64,), bf, gen)
+    w[9] = 0.0
+    for mode in ("rceil", "floor"):
+        for eps in (1e-6, 0.0):
+            _check_rowsets(x, w, eps, orient, mode, f"gpu rowsets special {_tile_id(tile)} {mode} eps={eps}")
+    x2 = _rand((2, 40, 300), bf, gen, 2.0)
+    for big in (3e38, 2.0 ** 119 * 1.99, float("inf"), float("nan")):
+        w2 = _rand((300,), bf, gen)
+        w2[3] = big
+        _check_rowsets(x2, w2, 1e-6, orient, "rceil", f"gpu rowsets weight {big} {_tile_id(tile)}")
+
+
+@triton.jit
+def _packing_kernel(y_ptr, words_ptr, runs_ptr, SOFT: tl.constexpr):
+    """The row-set kernel's two e4m3 packers against Triton's own cast of the same values."""
+    i = tl.arange(0, 1024)
+    y0 = tl.load(y_ptr + i)
+    y1 = tl.load(y_ptr + 1024 + i)
+    y2 = tl.load(y_ptr + 2048 + i)
+    y3 = tl.load(y_ptr + 3072 + i)
+    tl.store(words_ptr + i, kr._e4m3_word(y0, y1, y2, y3, SOFT))
+    plain = (kq._e4m3_bytes(y0, SOFT).to(tl.int32) | (kq._e4m3_bytes(y1, SOFT).to(tl.int32) << 8)
+             | (kq._e4m3_bytes(y2, SOFT).to(tl.int32) << 16) | (kq._e4m3_bytes(y3, SOFT).to(tl.int32) << 24))
+    tl.store(words_ptr + 1024 + i, plain)
+    tl.store(runs_ptr + i, kr._e4m3_run(y0, SOFT))
+    tl.store(runs_ptr + 1024 + i, kq._e4m3_bytes(y0, SOFT))
+
+
+@pytest.mark.gpu
+def test_gpu_rmsnorm_rowsets_packers_equal_the_cast(gen):
+    """``_e4m3_word`` / ``_e4m3_run`` (inline cvt.rn.satfinite.e4m3x2 on the GPU) give the bytes of the e4m3
+    cast, in the stated byte order, on random values and every special one (+-0, subnormals, halfway cases,
+    448 / 464 / 480, Inf, NaN)."""
+    y = torch.randn(4096, generator=gen) * torch.exp2(torch.randint(-12, 10, (4096,), generator=gen).float())
+    specials = torch.tensor([0.0, -0.0, 2.0 ** -9, 2.0 ** -10, 3 * 2.0 ** -10, 2.0 ** -6, 0.9375 * 2.0 ** -6,
+                             448.0, -448.0, 464.0, 480.0, 1e30, float("inf"), -float("inf"), float("nan"),
+                             1.0625, 1.1875, 17.0, -17.0])
+    y[:len(specials)] = specials
+    y[1024:1024 + len(specials)] = specials.flip(0)
+    y = y.to(DEVICE)
+    words = torch.empty(2048, dtype=torch.int32, device=DEVICE)
+    runs = torch.empty(2048, dtype=torch.uint8, device=DEVICE)
+    _packing_kernel[(1,)](y, words, runs, SOFT=False)
+    assert_same_bytes(words[:1024].view(U8), words[1024:].view(U8), "e4m3 words", nan_sign=False)
+    assert_same_bytes(runs[:1024], runs[1024:], "e4m3 runs", nan_sign=False)
 
 
 @pytest.mark.gpu

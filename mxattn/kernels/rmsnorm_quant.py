@@ -39,7 +39,10 @@ registers).  With a seq orientation a program owns 32 tokens of one batch (one s
 chunks of ``block_n``: pass 1 sums squares chunk by chunk (each chunk a subtree of the pairwise tree, the
 chunk sums placed in a small vector that is tree-reduced at the end), pass 2 (only for row-scaled hdim output
 in chunked mode) finds the row exponents, the last pass re-reads the chunks **in reverse order** (the most
-recently read chunks are the likeliest to still be in L2) and quantizes.  Tiles: ``fwd_tile``/``bwd_plan``.
+recently read chunks are the likeliest to still be in L2) and quantizes.  Seq and "both" output with MX scales
+take the row-set kernel instead (``_rmsnorm_quant_rowset_kernel``, ``FwdTile(rowsets=True)``): the same passes, the
+last one reading the 32 tokens as four row sets so that seq words pack in registers and both block reductions stay
+inside a warp.  Tiles: ``fwd_tile``/``bwd_plan``.
 """
 
 from __future__ import annotations
@@ -100,6 +103,9 @@ class FwdTile:
     # 4096/8192-wide row per program take 95/96 registers: 5 CTAs of 4 warps / 2 CTAs of 8 warps per SM, while the
     # kernel is latency-bound (docs/perf-notes-producers.md, session 7); 80 costs one spilled word.
     maxnreg: Optional[int] = None
+    # seq / both orientations with MX scales only (block_m 32): the row-set kernel (``_rmsnorm_quant_rowset_kernel``)
+    # instead of the 4-D tile one
+    rowsets: bool = False
 
 
 @dataclass(frozen=True)
@@ -125,14 +131,26 @@ def _warps(elems: int) -> int:
     return 4 if elems <= 4096 else (8 if elems <= 8192 else 16)
 
 
-def fwd_tile(N: int, seq: bool) -> FwdTile:
+# seq / "both" with MX scales: the row-set kernel, as the session-12 bench on the H200 found
+# (benchmarks/results/rmsnorm_quant-nvidia-h200-2026-12-01-s12.json, M 16384 bf16, N 4096 / 8192):
+# seq (32, 512, 16) 0.119 / 0.222 ms against the 4-D tile kernel's 0.132 (session 11; this run's 4096 default row is
+# an outlier, docs/perf-notes-producers.md) / 0.249; both (32, 128, 4, maxnreg 128) 0.142 / 0.281 against
+# 0.338 / 0.661.  Row-scaled hdim output, and rows narrower than a chunk (not measured), keep the 4-D kernel.
+ROWSET_DEFAULTS = {"seq": FwdTile(32, 512, 16, rowsets=True), "both": FwdTile(32, 128, 4, 128, rowsets=True)}
+
+
+def fwd_tile(N: int, seq: bool, row_scaled: bool = False, hdim: bool = False) -> FwdTile:
     """Forward tile for rows of N elements.  hdim only: whole rows (one chunk) up to N = 8192, ``block_m`` rows
-    so that a program holds ~4K elements; wider rows go through chunks of 8192.  With a seq orientation:
-    32 tokens x chunks of at most 256 columns (8K elements)."""
+    so that a program holds ~4K elements; wider rows go through chunks of 8192.  With a seq orientation (``hdim``
+    too: "both"): the row-set tile of ``ROWSET_DEFAULTS`` when the output has MX scales (not ``row_scaled``) and
+    N is at least its chunk width, else 32 tokens x chunks of at most 256 columns (8K elements)."""
     if "fwd" in TILE_OVERRIDES:
         return TILE_OVERRIDES["fwd"]
     np2 = _np2(N)
     if seq:
+        rowset = ROWSET_DEFAULTS["both" if hdim else "seq"]
+        if not row_scaled and N >= rowset.block_n:
+            return rowset
         # 4 warps: 0.131 / 0.250 ms against 0.185 / 0.380 at 8 warps (N 4096 / 8192, M 16384; the sweep in
         # rmsnorm_quant_sweep-nvidia-h200-2026-11-30-s8.json): more resident programs hide the serial chain
         bn = min(np2, 256)
@@ -380,6 +398,354 @@ def _rmsnorm_quant_fwd_kernel(
                      MB, MI, NB, HDIM, SEQ, ROWSCALED, RCEIL, SOFT, SWZ)
 
 
+# ----------------------------------------------------------------------------------------------
+# Row-set forward (seq / both orientations with MX scales)
+# ----------------------------------------------------------------------------------------------
+
+_INF_BITS = tl.constexpr(0x7F800000)
+# bits of 2^120: a weight below it in magnitude keeps y = (x rstd) w finite, because |x rstd| <= sqrt(N) (1 + 2^-20)
+# <= 2^7 (1 + 2^-20) for every element of a row whose sum of squares and rstd are finite (ss >= x_i^2 and every
+# rounding on the way to rstd is monotone), so |y| < 2^127.01 < FLT_MAX
+_W_SMALL_BITS = tl.constexpr(0x7B800000)
+
+
+@triton.jit
+def _rowset_cols(n0, NB: tl.constexpr):
+    """Channels of a row-set tile, (1, NB, 32): n0 + 32 nb + j."""
+    return n0 + tl.arange(0, NB)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+
+
+@triton.jit
+def _rowset_load(xp, sxs, k: tl.constexpr, n0, S_rem, N, NB: tl.constexpr, EVICT: tl.constexpr):
+    """Raw x of row set ``k`` of the chunk that starts at column ``n0``: rows 4w + k (w = 0..7) of the program's 32
+    tokens, shape (8, NB, 32), channel n0 + 32 nb + j at [w, nb, j].  Zero past S_rem rows and N columns.
+
+    Axis order matters: Triton orders the dims of a load by contiguity, ties by lower dim first, and fills lanes in
+    that order, so this gets 8 channels per thread, 4 lanes along j, 8 lanes along w and the warps along nb: the
+    hdim (axis 2) and seq (axis 0) reductions stay inside a warp."""
+    w = tl.arange(0, 8)[:, None, None]
+    c = _rowset_cols(n0, NB)
+    r = 4 * w + k
+    return tl.load(xp + r * sxs + c, mask=(r < S_rem) & (c < N), other=0.0, eviction_policy=EVICT)
+
+
+@triton.jit
+def _rowset_weight(w_ptr, n0, N, NB: tl.constexpr):
+    """fp32 weight of a chunk broadcast over the 8 words, (8, NB, 32): loaded at the row sets' shape so that it
+    gets their layout (a (1, NB, 32) load gets one element per thread and a whole-tile layout conversion)."""
+    c = _rowset_cols(n0, NB) + tl.zeros((8, 1, 1), tl.int32)
+    return _to_f32(tl.load(w_ptr + c, mask=c < N, other=0.0))
+
+
+@triton.jit
+def _block_sums(v, NB: tl.constexpr):
+    """(8, NB, 32) -> (8, NB): the pairwise sum of each block of 32 (levels 1-5 of ``_rowset_tree``)."""
+    for i in tl.static_range(5):
+        v = tl.sum(tl.reshape(v, (8, NB, 16 >> i, 2)), axis=3)
+    return tl.reshape(v, (8, NB))
+
+
+@triton.jit
+def _rowset_tree(v0, v1, v2, v3, NB: tl.constexpr, LOG_NB: tl.constexpr):
+    """Pairwise sums over the NB * 32 columns of four row-set tiles (8, NB, 32) fp32 -> (8, 2, 2): [w, a, b] is row
+    set k = 2a + b, i.e. row 4w + k.  Column 32 nb + j: levels 1-5 pair j's (within a warp), the next ones pair
+    blocks; the four row sets are joined before those (they cross warps), so each is one reduction."""
+    v = tl.join(tl.join(_block_sums(v0, NB), _block_sums(v2, NB)), tl.join(_block_sums(v1, NB), _block_sums(v3, NB)))
+    for i in tl.static_range(LOG_NB):
+        v = tl.sum(tl.reshape(v, (8, NB >> (i + 1), 2, 2, 2)), axis=2)
+    return tl.reshape(v, (8, 2, 2))
+
+
+@triton.jit
+def _chunk_rows(xp, sxs, n0, S_rem, N, BN: tl.constexpr, EVICT: tl.constexpr):
+    """Raw x of the program's 32 rows at columns n0 .. n0 + BN as a plain (32, BN) tile (a row's chunk lies in one
+    warp, so its pairwise sum needs no shared memory); zero past S_rem rows and N columns."""
+    r = tl.arange(0, 32)[:, None]
+    c = n0 + tl.arange(0, BN)[None, :]
+    return tl.load(xp + r * sxs + c, mask=(r < S_rem) & (c < N), other=0.0, eviction_policy=EVICT)
+
+
+@triton.jit
+def _store_chunk_sums(part, c, xr, NPC, BN: tl.constexpr, LOG_BN: tl.constexpr):
+    """Chunk c's pairwise sums of squares of the 32 rows of ``xr`` (32, BN) into part[row, c]: the subtree of each
+    row's tree that covers the chunk (its start is a multiple of BN)."""
+    xf = _to_f32(xr)
+    tl.store(part + tl.arange(0, 32) * NPC + c, _pairwise_rows(xf * xf, 32, BN, LOG_BN))
+
+
+@triton.jit
+def _all_chunk_sums(xp, sxs, w_ptr, part, S_rem, N, NCHUNK, NPC, BN: tl.constexpr, LOG_BN: tl.constexpr,
+                    EVICT: tl.constexpr):
+    """Every chunk's sums of squares into ``part`` (the next chunk's loads issued before the current one's sums),
+    and the largest weight magnitude bits per column slot, (BN,)."""
+    cl = tl.arange(0, BN)
+    wmax = tl.zeros((BN,), tl.int32)
+    xr = _chunk_rows(xp, sxs, 0, S_rem, N, BN, EVICT)
+    for c in range(NCHUNK):
+        xn = _chunk_rows(xp, sxs, tl.minimum(c + 1, NCHUNK - 1) * BN, S_rem, N, BN, EVICT)  # the last trip: again
+        _store_chunk_sums(part, c, xr, NPC, BN, LOG_BN)
+        wv = _to_f32(tl.load(w_ptr + c * BN + cl, mask=c * BN + cl < N, other=0.0))
+        wmax = tl.maximum(wmax, wv.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+        xr = xn
+    return wmax
+
+
+@triton.jit
+def _rowset_rstd(part, eps, n_f, NCHUNK, NPC, NB: tl.constexpr, LOG_NB: tl.constexpr):
+    """Sums of squares and rstd of the program's 32 rows, each (8, 2, 2) as ``_rowset_tree`` returns them, from
+    the chunk sums part[row, c]: the top of each row's tree.  The chunk sums are read as (8, NB, 32) tiles (chunk c
+    at column c, NCHUNK <= NB * 32; zero past NCHUNK, which leaves every sum as it is), so the tree is
+    ``_rowset_tree``, in the row sets' layout, with the four row sets' cross-warp levels joined (an (8, NPC) tile
+    per row set is a layout of its own; in a straight-line kernel Triton then converted the x tiles into it rather
+    than convert rstd, docs/perf-notes-producers.md, session 12).  Read past L1 (``.cg``): other threads wrote
+    them."""
+    w = tl.arange(0, 8)[:, None, None]
+    c = tl.arange(0, NB)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+    pk = part + (4 * w) * NPC + c
+    ok = c < NCHUNK
+    p0 = tl.load(pk, mask=ok, other=0.0, cache_modifier=".cg")
+    p1 = tl.load(pk + NPC, mask=ok, other=0.0, cache_modifier=".cg")
+    p2 = tl.load(pk + 2 * NPC, mask=ok, other=0.0, cache_modifier=".cg")
+    p3 = tl.load(pk + 3 * NPC, mask=ok, other=0.0, cache_modifier=".cg")
+    ss = _rowset_tree(p0, p1, p2, p3, NB, LOG_NB)
+    return ss, tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, n_f) + eps))
+
+
+@triton.jit
+def _row_sets(v):
+    """(8, 2, 2) [w, a, b] -> the four row sets' (8, 1, 1) columns, k = 2a + b."""
+    e, o = tl.split(v)  # b = 0, 1
+    v0, v2 = tl.split(e)
+    v1, v3 = tl.split(o)
+    return (tl.reshape(v0, (8, 1, 1)), tl.reshape(v1, (8, 1, 1)), tl.reshape(v2, (8, 1, 1)),
+            tl.reshape(v3, (8, 1, 1)))
+
+
+@triton.jit
+def _finite(v):
+    return (v.to(tl.int32, bitcast=True) & 0x7FFFFFFF) < _INF_BITS
+
+
+@triton.jit
+def _rowset_y(xr, rstd, wf, live):
+    """y = (x rstd) w of one row set (rstd (8, 1, 1)) and its magnitude bits, zero on padding rows (live 0)."""
+    y = (_to_f32(xr) * rstd) * wf
+    return y, y.to(tl.int32, bitcast=True) & live
+
+
+@triton.jit
+def _nan_fill(mag):
+    """0x7F where the magnitude bits are a NaN's, else 0: OR'ed into e4m3 bytes it makes them NaN (S1111111)
+    whatever the conversion gave (the interpreter's rounding clamps NaN)."""
+    return tl.where(mag > _INF_BITS, 0x7F, 0)
+
+
+# cvt.rn.satfinite.e4m3x2 (what Triton's fp32 -> e4m3 cast compiles to on sm_90) of two pairs, the two 16-bit
+# halves moved into one register: bytes 0..3 = e4m3($1), e4m3($2), e4m3($3), e4m3($4) (the cvt puts its first
+# operand in the high byte)
+_E4M3X4_ASM = tl.constexpr("{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
+                           "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }")
+
+
+@triton.jit
+def _e4m3_word(y0, y1, y2, y3, SOFT: tl.constexpr):
+    """int32 words whose byte k is the e4m3 byte of y_k (RNE, saturated to +-448).  On the GPU two conversions and
+    one move per word; the shifts and ORs of bytes that Triton makes of the plain form cost ~8 instructions."""
+    if SOFT:
+        wd = _e4m3_bytes(y0, SOFT).to(tl.int32)
+        wd |= _e4m3_bytes(y1, SOFT).to(tl.int32) << 8
+        wd |= _e4m3_bytes(y2, SOFT).to(tl.int32) << 16
+        wd |= _e4m3_bytes(y3, SOFT).to(tl.int32) << 24
+    else:
+        wd = tl.inline_asm_elementwise(_E4M3X4_ASM, "=r,r,r,r,r", [y0, y1, y2, y3], dtype=tl.int32, is_pure=True,
+                                       pack=1)
+    return wd
+
+
+@triton.jit
+def _e4m3_run(y, SOFT: tl.constexpr):
+    """e4m3 bytes (uint8) of y, converted 4 register-consecutive elements at a time on the GPU (a thread's 8
+    consecutive channels: the bytes land in store order)."""
+    if SOFT:
+        out = _e4m3_bytes(y, SOFT)
+    else:
+        out = tl.inline_asm_elementwise(_E4M3X4_ASM, "=r,r,r,r,r", [y], dtype=tl.uint8, is_pure=True, pack=4)
+    return out
+
+
+@triton.jit
+def _finite_exponent(amax, RCEIL: tl.constexpr):
+    """``_mx_exponent`` of blocks known to be finite, in three instructions: the biased exponent of the maximum
+    (for RCEIL with 0x1FFFFF added first, which carries into the exponent exactly when the mantissa is above
+    1.75), minus 135, at least -127 (fp32 subnormal maxima land there as in ``_mx_exponent``; finite maxima never
+    reach +127).  Zero blocks get -127 instead of 0: their data is 0 with any exponent, and their scale byte is
+    set apart (``_finite_scale``)."""
+    if RCEIL:
+        eb = (amax + 0x1FFFFF) >> 23
+    else:
+        eb = amax >> 23
+    return tl.maximum(eb - 135, -127)
+
+
+@triton.jit
+def _finite_scale(amax, e):
+    return tl.where(amax == 0, 127, e + 127).to(tl.uint8)
+
+
+@triton.jit
+def _rowset_hdim(y, mag, hd, ok, BAD: tl.constexpr, RCEIL: tl.constexpr, SOFT: tl.constexpr):
+    """hdim blocks (axis 2: 32 channels) of one row set: bytes to ``hd`` (8, NB, 32); returns the scale bytes
+    (8, NB, 1).  ``BAD``: the tile may hold Inf / NaN (the exact exponent rule and the NaN bytes)."""
+    amax = tl.max(mag, axis=2, keep_dims=True)
+    if BAD:
+        e = _mx_exponent(amax, RCEIL)
+        tl.store(hd, _e4m3_run(y * _pow2(-e), SOFT) | _nan_fill(mag).to(tl.uint8), mask=ok)
+        sc = tl.where(amax < _INF_BITS, e + 127, 255).to(tl.uint8)
+    else:
+        e = _finite_exponent(amax, RCEIL)
+        tl.store(hd, _e4m3_run(y * _pow2(-e), SOFT), mask=ok)
+        sc = _finite_scale(amax, e)
+    return sc
+
+
+@triton.jit
+def _rowset_seq(y0, y1, y2, y3, m0, m1, m2, m3, word_live, cw, cs, ok, blk_ok,
+                BAD: tl.constexpr, RCEIL: tl.constexpr, SOFT: tl.constexpr):
+    """seq blocks (the 32 tokens: the four row sets and axis 0) of one chunk: int32 words of 4 consecutive tokens
+    of a channel (byte k = row set k) to the channel-major ``cw`` (8, NB, 32), scale bytes to ``cs`` (1, NB, 32).
+    ``word_live`` (8, 1, 1) clears the bytes of padding tokens; ``BAD`` as in ``_rowset_hdim``."""
+    amax = tl.max(tl.maximum(tl.maximum(m0, m1), tl.maximum(m2, m3)), axis=0, keep_dims=True)
+    if BAD:
+        e = _mx_exponent(amax, RCEIL)
+        p = _pow2(-e)
+        nan = _nan_fill(m0) | (_nan_fill(m1) << 8) | (_nan_fill(m2) << 16) | (_nan_fill(m3) << 24)
+        tl.store(cw, (_e4m3_word(y0 * p, y1 * p, y2 * p, y3 * p, SOFT) & word_live) | nan, mask=ok)
+        tl.store(cs, tl.where(amax < _INF_BITS, e + 127, 255).to(tl.uint8), mask=blk_ok)
+    else:
+        e = _finite_exponent(amax, RCEIL)
+        p = _pow2(-e)
+        tl.store(cw, _e4m3_word(y0 * p, y1 * p, y2 * p, y3 * p, SOFT) & word_live, mask=ok)
+        tl.store(cs, _finite_scale(amax, e), mask=blk_ok)
+
+
+@triton.jit
+def _rowset_emit(x0, x1, x2, x3, wf, n0, R0, R1, R2, R3, b64, s0, S, N, S_pad,
+                 hd_ptr, hs_ptr, cw_ptr, cs_ptr, NB: tl.constexpr, HDIM: tl.constexpr, SEQ: tl.constexpr,
+                 BAD: tl.constexpr, RCEIL: tl.constexpr, SOFT: tl.constexpr):
+    """Normalize, quantize and store one chunk (the four raw row sets, the weight ``wf`` (8, NB, 32) fp32, the
+    rows' rstd R0..R3 (8, 1, 1)) in the orientations asked for; layouts as in ``_emit_mx``.  ``BAD``: the chunk
+    may hold Inf / NaN (a constexpr: the caller branches once, outside its chunk loop)."""
+    w = tl.arange(0, 8)[:, None, None]
+    c = _rowset_cols(n0, NB)
+    col_ok = c < N
+    S_rem = S - s0
+    ok0 = 4 * w < S_rem
+    ok1 = 4 * w + 1 < S_rem
+    ok2 = 4 * w + 2 < S_rem
+    ok3 = 4 * w + 3 < S_rem
+    y0, m0 = _rowset_y(x0, R0, wf, tl.where(ok0, 0x7FFFFFFF, 0))
+    y1, m1 = _rowset_y(x1, R1, wf, tl.where(ok1, 0x7FFFFFFF, 0))
+    y2, m2 = _rowset_y(x2, R2, wf, tl.where(ok2, 0x7FFFFFFF, 0))
+    y3, m3 = _rowset_y(x3, R3, wf, tl.where(ok3, 0x7FFFFFFF, 0))
+    if HDIM:
+        row = b64 * S + s0  # int64 scalar
+        hd = hd_ptr + row * N + c + 4 * w * N
+        sc0 = _rowset_hdim(y0, m0, hd, ok0 & col_ok, BAD, RCEIL, SOFT)
+        sc1 = _rowset_hdim(y1, m1, hd + N, ok1 & col_ok, BAD, RCEIL, SOFT)
+        sc2 = _rowset_hdim(y2, m2, hd + 2 * N, ok2 & col_ok, BAD, RCEIL, SOFT)
+        sc3 = _rowset_hdim(y3, m3, hd + 3 * N, ok3 & col_ok, BAD, RCEIL, SOFT)
+        # the four row sets' scale bytes joined, [w, nb, 0, a, b] = row 4w + 2a + b: one store (one layout
+        # conversion) instead of four
+        sc = tl.join(tl.join(sc0, sc2), tl.join(sc1, sc3))
+        NBH = (N + 31) // 32
+        nb = n0 // 32 + tl.arange(0, NB)[None, :, None, None, None]
+        srow = (4 * tl.arange(0, 8)[:, None, None, None, None] + 2 * tl.arange(0, 2)[None, None, None, :, None]
+                + tl.arange(0, 2)[None, None, None, None, :])
+        tl.store(hs_ptr + row * NBH + srow * NBH + nb, sc, mask=(srow < S_rem) & (nb < NBH))
+    if SEQ:
+        live = tl.where(ok0, 0xFF, 0) | tl.where(ok1, 0xFF00, 0) | tl.where(ok2, 0xFF0000, 0)
+        live |= tl.where(ok3, 0xFF, 0) << 24
+        row_w = S_pad // 4  # int32 words per channel-major row
+        cw = cw_ptr + b64 * N * row_w + s0 // 4 + c.to(tl.int64) * row_w + w
+        NSB = (S + 31) // 32  # > s0 // 32: the launcher's blocks start below S (S_pad <= S rounded up to 32)
+        cs = cs_ptr + (b64 * NSB + s0 // 32) * N + c
+        _rowset_seq(y0, y1, y2, y3, m0, m1, m2, m3, live, cw, cs, (s0 // 4 + w < row_w) & col_ok, col_ok,
+                    BAD, RCEIL, SOFT)
+
+
+@triton.jit
+def _rowset_reread(xp, sxs, w_ptr, R0, R1, R2, R3, b64, s0, S, N, S_pad, NCHUNK, hd_ptr, hs_ptr, cw_ptr, cs_ptr,
+                   NB: tl.constexpr, HDIM: tl.constexpr, SEQ: tl.constexpr, BAD: tl.constexpr,
+                   RCEIL: tl.constexpr, SOFT: tl.constexpr):
+    """The last pass of the re-reading kernel: the chunks in reverse order (the last ones summed are the likeliest
+    still in L2), each chunk's loads issued before the previous chunk's work."""
+    BN: tl.constexpr = NB * 32
+    S_rem = S - s0
+    last = (NCHUNK - 1) * BN
+    x0 = _rowset_load(xp, sxs, 0, last, S_rem, N, NB, "evict_first")
+    x1 = _rowset_load(xp, sxs, 1, last, S_rem, N, NB, "evict_first")
+    x2 = _rowset_load(xp, sxs, 2, last, S_rem, N, NB, "evict_first")
+    x3 = _rowset_load(xp, sxs, 3, last, S_rem, N, NB, "evict_first")
+    for i in range(NCHUNK):
+        n0 = (NCHUNK - 1 - i) * BN
+        nxt = tl.maximum(n0 - BN, 0)  # the next chunk (the last trip loads chunk 0 again)
+        y0 = _rowset_load(xp, sxs, 0, nxt, S_rem, N, NB, "evict_first")
+        y1 = _rowset_load(xp, sxs, 1, nxt, S_rem, N, NB, "evict_first")
+        y2 = _rowset_load(xp, sxs, 2, nxt, S_rem, N, NB, "evict_first")
+        y3 = _rowset_load(xp, sxs, 3, nxt, S_rem, N, NB, "evict_first")
+        wf = _rowset_weight(w_ptr, n0, N, NB)
+        _rowset_emit(x0, x1, x2, x3, wf, n0, R0, R1, R2, R3, b64, s0, S, N, S_pad,
+                     hd_ptr, hs_ptr, cw_ptr, cs_ptr, NB, HDIM, SEQ, BAD, RCEIL, SOFT)
+        x0, x1, x2, x3 = y0, y1, y2, y3
+
+
+@triton.jit
+def _rmsnorm_quant_rowset_kernel(
+    x_ptr, sxb, sxs,  # x (B, S, N), unit stride along N
+    w_ptr, rstd_ptr,  # weight (N,); rstd fp32 (B, S)
+    part_ptr,  # fp32 (programs, 32, NPC): the chunk sums of each row
+    hd_ptr, hs_ptr, cw_ptr, cs_ptr,  # hdim data / scales, seq channel-major int32 words / scales (see _emit_mx)
+    S, N, S_pad, n_s_tiles, eps, n_f,
+    NCHUNK, NPC,  # chunks of NB * 32 columns (<= NB * 32 of them), NCHUNK rounded up to a power of two
+    NB: tl.constexpr, LOG_NB: tl.constexpr,
+    HDIM: tl.constexpr, SEQ: tl.constexpr, RCEIL: tl.constexpr, SOFT: tl.constexpr,
+):
+    """RMSNorm + MX quantization of one token block (32 tokens of one batch), with a seq orientation.
+
+    Pass 1 sums each chunk of BN = NB * 32 columns of the 32 rows (plain (32, BN) tiles, the next chunk's loads
+    issued before the current one's sums) into ``part``: chunk subtrees of each row's fixed tree (module docstring),
+    whose top ``_rowset_rstd`` sums.  The last pass re-reads the chunks in reverse order (the last ones summed are
+    the likeliest still in L2) as four row sets (rows 4w + k, ``_rowset_load``): a thread holds the same 8 channels
+    of 4 consecutive tokens, packs their seq bytes into one int32 word in registers, and both block reductions stay
+    inside a warp (hdim: 8 values x 4 lanes; seq: 4 row sets x 8 lanes).  Whether the program can meet Inf / NaN
+    is decided once, from its rows' sums and rstd and the weights, before the last pass: finite programs run a
+    loop without the NaN handling (``_rowset_reread`` with BAD False)."""
+    BN: tl.constexpr = NB * 32
+    pid = tl.program_id(0)
+    b = pid // n_s_tiles
+    s0 = (pid % n_s_tiles) * 32
+    b64 = b.to(tl.int64)
+    xp = x_ptr + b64 * sxb + s0.to(tl.int64) * sxs
+    S_rem = S - s0
+    part = part_ptr + pid.to(tl.int64) * (32 * NPC)
+
+    wmax = _all_chunk_sums(xp, sxs, w_ptr, part, S_rem, N, NCHUNK, NPC, BN, LOG_NB + 5, "evict_last")
+    tl.debug_barrier()  # the chunk sums written by some threads are read by others
+    ss, rstd = _rowset_rstd(part, eps, n_f, NCHUNK, NPC, NB, LOG_NB)
+    rows = 4 * tl.arange(0, 8)[:, None, None] + 2 * tl.arange(0, 2)[None, :, None] + tl.arange(0, 2)[None, None, :]
+    tl.store(rstd_ptr + b64 * S + s0 + rows, rstd, mask=rows < S_rem)
+    # y can only be non-finite where a row's ss or rstd is (x holds Inf / NaN, or eps = 0 on a zero row) or a
+    # weight is huge (_W_SMALL_BITS); elsewhere the NaN patching and the exact exponent rule are skipped
+    rows_fin = tl.min(((_finite(ss) & _finite(rstd)) | (rows >= S_rem)).to(tl.int32))
+    R0, R1, R2, R3 = _row_sets(rstd)
+    if (tl.max(wmax) >= _W_SMALL_BITS) | (rows_fin == 0):
+        _rowset_reread(xp, sxs, w_ptr, R0, R1, R2, R3, b64, s0, S, N, S_pad, NCHUNK, hd_ptr, hs_ptr, cw_ptr, cs_ptr,
+                       NB, HDIM, SEQ, True, RCEIL, SOFT)
+    else:
+        _rowset_reread(xp, sxs, w_ptr, R0, R1, R2, R3, b64, s0, S, N, S_pad, NCHUNK, hd_ptr, hs_ptr, cw_ptr, cs_ptr,
+                       NB, HDIM, SEQ, False, RCEIL, SOFT)
+
+
 @triton.jit
 def _rmsnorm_bwd_kernel(
     x_ptr, sxm, dy_ptr, sdym, dys_ptr, sdysm,  # x (M, N); dy (M, N) float or MX bytes; dy scales (M, ceil(N/32))
@@ -465,9 +831,16 @@ def rmsnorm_quant_fwd(
     ``tiled_scales``: ``hs`` is instead the 128x4-tiled layout of one (B S, ceil(N/32)) matrix (flat u8)."""
     B, S, N = x3.shape
     dev = x3.device
-    tile = tile or fwd_tile(N, seq)
+    tile = tile or fwd_tile(N, seq, row_scaled, hdim)
     if seq and tile.block_m % 32:
         raise ValueError(f"a seq orientation needs block_m to be a multiple of 32, got {tile.block_m}")
+    rowsets = tile.rowsets
+    if rowsets and (not seq or row_scaled or tile.block_m != 32):
+        raise ValueError(f"a row-set tile emits a seq orientation with MX scales from 32-token programs: got {tile} "
+                         f"for seq={seq}, row_scaled={row_scaled}")
+    if rowsets and (tile.block_n < 32 or cdiv(N, tile.block_n) > tile.block_n):
+        raise ValueError(f"a row-set tile needs block_n >= 32 and at most block_n chunks (N <= block_n^2): got "
+                         f"block_n {tile.block_n} for N {N}")
     out = {"rstd": torch.empty(B, S, dtype=torch.float32, device=dev)}
     dummy = torch.empty(16, dtype=torch.uint8, device=dev)
     hd = hs = cd = cs = dummy
@@ -496,6 +869,9 @@ def rmsnorm_quant_fwd(
     nchunk = cdiv(N, bn)
     npc = next_pow2(nchunk)
     n_s_tiles = cdiv(s_cover, bm)
+    if rowsets:
+        _launch_rowsets(x3, weight, eps, out, hd, hs, cd, cs, s_pad, n_s_tiles, nchunk, npc, tile, hdim, rceil)
+        return out
     scr = torch.empty(B * n_s_tiles * bm * npc if nchunk > 1 else 1, dtype=torch.float32, device=dev)
     fast_launcher(_rmsnorm_quant_fwd_kernel)[(B * n_s_tiles,)](
         x3, x3.stride(0), x3.stride(1), weight, out["rstd"], scr,
@@ -506,6 +882,21 @@ def rmsnorm_quant_fwd(
         num_warps=tile.num_warps, enable_fp_fusion=False, **({"maxnreg": tile.maxnreg} if tile.maxnreg else {}),
     )
     return out
+
+
+def _launch_rowsets(x3, weight, eps, out, hd, hs, cd, cs, s_pad, n_s_tiles, nchunk, npc, tile, hdim, rceil) -> None:
+    """``_rmsnorm_quant_rowset_kernel`` for ``rmsnorm_quant_fwd`` (seq orientation, MX scales, 32-token groups)."""
+    B, S, N = x3.shape
+    dev = x3.device
+    groups = B * n_s_tiles
+    part = torch.empty(groups * 32 * npc, dtype=torch.float32, device=dev)
+    fast_launcher(_rmsnorm_quant_rowset_kernel)[(groups,)](
+        x3, x3.stride(0), x3.stride(1), weight, out["rstd"], part,
+        hd, hs, cd.view(torch.int32), cs, S, N, s_pad, n_s_tiles, float(eps), float(N), nchunk, npc,
+        NB=tile.block_n // 32, LOG_NB=_log2(tile.block_n // 32),
+        HDIM=hdim, SEQ=True, RCEIL=rceil, SOFT=_soft(dev),
+        num_warps=tile.num_warps, enable_fp_fusion=False, **({"maxnreg": tile.maxnreg} if tile.maxnreg else {}),
+    )
 
 
 def rmsnorm_bwd(
