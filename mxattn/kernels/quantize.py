@@ -91,26 +91,38 @@ class Tile:
     row_groups: int = 1  # ``_quantize_tile``'s J: groups of four row sets (1 or 2)
 
 
-def _tile(kind: str, d_pad: int, group: int = 0) -> Tile:
-    """Tile for a kernel family at padded head dim ``d_pad`` (a power of two times 32).
+def _tile(kind: str, d_pad: int, group: int = 0, warps: Optional[int] = None) -> Tile:
+    """Tile for a kernel family at padded head dim ``d_pad`` (a power of two times 32); ``warps`` (the kinds sized
+    by elements: ``hdim``, ``seq``, ``vexp``) asks for that many warps at the same elements per thread (the fused
+    launches of ``_operands_kernel`` run every job at the launch's warps).
 
-    Measured on the H200 (docs/perf-notes-quantize.md, B8 S8192 H16 D128 bf16, tiles swept over
-    BLOCK_S 32-128 x 4-16 warps): small programs win, because each program's load -> reduce -> store chain
-    is serial and only many resident programs overlap it.
-    * ``quant`` (hdim / seq / both / Q / V pass 2), ``rescale`` (from MX), ``dequant``: 4096 elements per
-      program, 4 warps (32 per thread); at D=128 BLOCK_S=32: hdim 69%, seq 70%, both 57% of copy, against
-      61/54/49% at 8192 elements and 8 warps and 46/26/34% at 16384.  The grid is B*H*S/32 programs.
-    * ``k``: the program must own whole exponent groups, so BLOCK_S = the group (128 by default), 8 warps.
-    * ``seqexp`` (V pass 1, read only): 8192 elements, 4 warps (best of the sweep: 0.38 ms for the whole V
-      operand against 0.52-0.90 ms), several tiles per program (``_seq_chunk``).
+    Kernels of this module (session 12; docs/perf-notes-quantize.md has the measurements):
+    * ``hdim`` (``_hdim_kernel``: MX head-dim, Q): ``HDIM_ELEMS`` elements per 4 warps, 64 per thread (8 16-byte
+      loads in flight per thread).  ``hdim_k`` (K): BLOCK_S = the exponent group, warps for 64 per thread.
+    * ``seq`` (``_quantize_kernel``: seq / both / V pass 2): ``SEQ_ELEMS`` per 4 warps, two groups of row sets
+      (a thread holds 8 tokens of each seq block).  ``seq_k`` (K+V layouts in one pass): BLOCK_S = the group.
+    * ``vexp`` (V pass 1 on float input): ``VEXP_ELEMS`` per S tile of its loop at 4 warps, several tiles per
+      program (``_seq_chunk``).
+    Older kinds, kept for the kernels that still use them (varlen, from-MX, dequantize; sessions 2-3 sweep, B8 S8192
+    H16 D128 bf16): ``quant``, ``rescale``, ``dequant``: 4096 elements per program and 4 warps won there (hdim 69%,
+    seq 70%, both 57% of copy against 61/54/49% at 8192 elements and 8 warps); ``k``: BLOCK_S = the group, 8 warps;
+    ``seqexp`` (V pass 1 from MX): 8192 elements, 4 warps.
     """
     if kind in TILE_OVERRIDES:
         return TILE_OVERRIDES[kind]
-    if kind == "vexp":  # V pass 1 on float input: a running maximum of 32 elements per thread
-        return Tile(max(32, VEXP_ELEMS // d_pad), 4)
-    if kind in ("hdim", "hdim_k"):
-        bs = group if kind == "hdim_k" else max(1, HDIM_ELEMS // d_pad)
-        return Tile(bs, max(4, min(16, bs * d_pad * 4 // HDIM_ELEMS)))
+    w4 = (warps or 4) // 4
+    if kind == "vexp":
+        return Tile(max(32, VEXP_ELEMS * w4 // d_pad), 4 * w4)
+    if kind == "hdim":
+        return Tile(max(1, HDIM_ELEMS * w4 // d_pad), 4 * w4)
+    if kind == "seq":
+        return Tile(max(32, SEQ_ELEMS * w4 // d_pad), 4 * w4, SEQ_GROUPS)
+    if kind in ("mx_hdim", "mx_hdim_k"):  # MX input blocked along D (from-MX Q/K, dequantize)
+        bs = group if kind == "mx_hdim_k" else max(1, MX_HDIM_ELEMS * w4 // d_pad)
+        return Tile(bs, warps or max(4, min(16, bs * d_pad * 4 // MX_HDIM_ELEMS)))
+    if kind in ("hdim_k", "seq_k"):
+        per4 = HDIM_ELEMS if kind == "hdim_k" else SEQ_ELEMS
+        return Tile(group, warps or max(4, min(16, group * d_pad * 4 // per4)), SEQ_GROUPS if kind == "seq_k" else 1)
     if kind == "k":
         bs = group
     elif kind == "seqexp":
@@ -127,8 +139,13 @@ def _tile(kind: str, d_pad: int, group: int = 0) -> Tile:
 
 # ``_hdim_kernel`` (head-dim orientation alone: MX, Q, K): elements per 4 warps (64 per thread).
 HDIM_ELEMS = 8192
+# ``_quantize_tile`` (seq orientation, alone or with the head-dim one): elements per 4 warps, and its J.
+SEQ_ELEMS = 8192
+SEQ_GROUPS = 2
 # V pass 1 on float input (``vexp``): elements per S tile of its loop, 4 warps.
 VEXP_ELEMS = 4096
+# ``_hdim_rescale_kernel`` / ``_hdim_dequant_kernel`` (MX input blocked along D): elements per 4 warps.
+MX_HDIM_ELEMS = 8192
 
 # Tile per kind for experiments (the benchmark's sweeps): {"quant": Tile(128, 8), ...}; K's block_s must
 # stay its group.
@@ -610,18 +627,18 @@ def _row_set(xp, sxs, q4, k: tl.constexpr, s0, S, d, in_d, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _hdim_row_set(xr, xf, RCEIL: tl.constexpr):
-    """Per block along D (axis 3) of one row set: magnitude-maximum bits, exponent, and xf scaled by 2^-e."""
+def _hdim_row_set(xf, RCEIL: tl.constexpr):
+    """Per block along D (axis 3) of one row set: magnitude-maximum bits and exponent."""
     amax = _abs_max_bits(xf, 3)
-    e = _mx_exponent(amax, RCEIL)
-    return amax, e, xf * _pow2(-e)
+    return amax, _mx_exponent(amax, RCEIL)
 
 
 @triton.jit
 def _store_hdim_mx(hd, hs, ht, q4, k: tl.constexpr, s0, S, in_d, db, msc, H, D, ND, NCT, xr, xf, RCEIL: tl.constexpr,
                    SOFT: tl.constexpr, SWZ: tl.constexpr, EVEN: tl.constexpr):
     """MX data and scale bytes of row set k, blocked along D."""
-    amax, e, y = _hdim_row_set(xr, xf, RCEIL)
+    amax, e = _hdim_row_set(xf, RCEIL)
+    y = xf * _pow2(-e)
     sc = tl.where(amax < 0x7F800000, e + 127, 255).to(tl.uint8)
     rows = q4 + k
     ok = s0 + rows < S
@@ -663,17 +680,16 @@ def _max4(a, b, c, d):
 
 @triton.jit
 def _k_group_exp(a0, e0, a1, e1, a2, e2, a3, e3):
-    """The largest exponent among four row sets' nonzero blocks along D (``_NO_EXP`` if none), a scalar."""
-    return tl.maximum(tl.maximum(tl.max(tl.where(_nonzero_block(a0), e0, _NO_EXP)),
-                                 tl.max(tl.where(_nonzero_block(a1), e1, _NO_EXP))),
-                      tl.maximum(tl.max(tl.where(_nonzero_block(a2), e2, _NO_EXP)),
-                                 tl.max(tl.where(_nonzero_block(a3), e3, _NO_EXP))))
+    """Per block position, the largest exponent among four row sets' nonzero blocks along D (``_NO_EXP`` if none);
+    the caller reduces it once over the tile."""
+    return tl.maximum(tl.maximum(tl.where(_nonzero_block(a0), e0, _NO_EXP), tl.where(_nonzero_block(a1), e1, _NO_EXP)),
+                      tl.maximum(tl.where(_nonzero_block(a2), e2, _NO_EXP), tl.where(_nonzero_block(a3), e3, _NO_EXP)))
 
 
 @triton.jit
-def _store_k_rows(hd, rows, s0, S, in_d, H, D, a, e, y, E, SOFT: tl.constexpr, EVEN: tl.constexpr):
-    """Row-scaled bytes (K layout: exponent E for the tile) of one row set blocked along D."""
-    _store_rows(hd + rows * (H * D), _rs_bytes(y, e, E, a < 0x7F800000, SOFT), s0 + rows < S, in_d, EVEN)
+def _store_k_rows(hd, rows, s0, S, in_d, H, D, a, e, xf, E, SOFT: tl.constexpr, EVEN: tl.constexpr):
+    """Row-scaled bytes (K layout: exponent E for the tile) of one row set (fp32 ``xf``) blocked along D."""
+    _store_rows(hd + rows * (H * D), _rs_bytes(xf * _pow2(-e), e, E, a < 0x7F800000, SOFT), s0 + rows < S, in_d, EVEN)
 
 
 @triton.jit
@@ -764,28 +780,29 @@ def _quantize_tile(
                 _store_hdim_mx(hd, hs, ht, q4, G1 + 3, s0, S, in_d, db, msc, H, D, ND, NCT, x7r, x7, RCEIL, SOFT, SWZ,
                                EVEN)
         else:  # K layout: the tile is the group
-            a0, e0, y0 = _hdim_row_set(x0r, x0, RCEIL)
-            a1, e1, y1 = _hdim_row_set(x1r, x1, RCEIL)
-            a2, e2, y2 = _hdim_row_set(x2r, x2, RCEIL)
-            a3, e3, y3 = _hdim_row_set(x3r, x3, RCEIL)
-            E = _k_group_exp(a0, e0, a1, e1, a2, e2, a3, e3)
+            a0, e0 = _hdim_row_set(x0, RCEIL)
+            a1, e1 = _hdim_row_set(x1, RCEIL)
+            a2, e2 = _hdim_row_set(x2, RCEIL)
+            a3, e3 = _hdim_row_set(x3, RCEIL)
+            en = _k_group_exp(a0, e0, a1, e1, a2, e2, a3, e3)
             if J == 2:
-                a4, e4, y4 = _hdim_row_set(x4r, x4, RCEIL)
-                a5, e5, y5 = _hdim_row_set(x5r, x5, RCEIL)
-                a6, e6, y6 = _hdim_row_set(x6r, x6, RCEIL)
-                a7, e7, y7 = _hdim_row_set(x7r, x7, RCEIL)
-                E = tl.maximum(E, _k_group_exp(a4, e4, a5, e5, a6, e6, a7, e7))
+                a4, e4 = _hdim_row_set(x4, RCEIL)
+                a5, e5 = _hdim_row_set(x5, RCEIL)
+                a6, e6 = _hdim_row_set(x6, RCEIL)
+                a7, e7 = _hdim_row_set(x7, RCEIL)
+                en = tl.maximum(en, _k_group_exp(a4, e4, a5, e5, a6, e6, a7, e7))
+            E = tl.max(en)
             E = tl.where(E == _NO_EXP, 0, E)
             tl.store(he_ptr + (b64 * n_groups + st) * H + h64, E)
-            _store_k_rows(hd, q4, s0, S, in_d, H, D, a0, e0, y0, E, SOFT, EVEN)
-            _store_k_rows(hd, q4 + 1, s0, S, in_d, H, D, a1, e1, y1, E, SOFT, EVEN)
-            _store_k_rows(hd, q4 + 2, s0, S, in_d, H, D, a2, e2, y2, E, SOFT, EVEN)
-            _store_k_rows(hd, q4 + 3, s0, S, in_d, H, D, a3, e3, y3, E, SOFT, EVEN)
+            _store_k_rows(hd, q4, s0, S, in_d, H, D, a0, e0, x0, E, SOFT, EVEN)
+            _store_k_rows(hd, q4 + 1, s0, S, in_d, H, D, a1, e1, x1, E, SOFT, EVEN)
+            _store_k_rows(hd, q4 + 2, s0, S, in_d, H, D, a2, e2, x2, E, SOFT, EVEN)
+            _store_k_rows(hd, q4 + 3, s0, S, in_d, H, D, a3, e3, x3, E, SOFT, EVEN)
             if J == 2:
-                _store_k_rows(hd, q4 + G1, s0, S, in_d, H, D, a4, e4, y4, E, SOFT, EVEN)
-                _store_k_rows(hd, q4 + G1 + 1, s0, S, in_d, H, D, a5, e5, y5, E, SOFT, EVEN)
-                _store_k_rows(hd, q4 + G1 + 2, s0, S, in_d, H, D, a6, e6, y6, E, SOFT, EVEN)
-                _store_k_rows(hd, q4 + G1 + 3, s0, S, in_d, H, D, a7, e7, y7, E, SOFT, EVEN)
+                _store_k_rows(hd, q4 + G1, s0, S, in_d, H, D, a4, e4, x4, E, SOFT, EVEN)
+                _store_k_rows(hd, q4 + G1 + 1, s0, S, in_d, H, D, a5, e5, x5, E, SOFT, EVEN)
+                _store_k_rows(hd, q4 + G1 + 2, s0, S, in_d, H, D, a6, e6, x6, E, SOFT, EVEN)
+                _store_k_rows(hd, q4 + G1 + 3, s0, S, in_d, H, D, a7, e7, x7, E, SOFT, EVEN)
 
     if SEQ:
         mall = _max4(x0, x1, x2, x3)
@@ -872,6 +889,7 @@ def _seq_exponent_tile(
             sbyte = sbyte.to(tl.int32)
             eb = tl.where(anyq & (sbyte != 255), sbyte - 127, _NO_EXP)
             acc = tl.maximum(acc, tl.max(eb, axis=0, keep_dims=True))
+        tl.atomic_max(exp_ptr + (b64 * H + h64) * D + d, acc, mask=in_d, sem="relaxed")
     else:
         # The largest exponent of a channel's nonzero blocks is the exponent of its largest finite block maximum
         # (the exponent is monotone in the maximum, and a block is nonzero iff its maximum passes a threshold,
@@ -879,21 +897,30 @@ def _seq_exponent_tile(
         # reduction, no exponent work.  Only where that maximum is NaN/Inf must non-finite blocks be left out: then
         # the chunk is read again block by block (a chunk holding a NaN or an Inf only).
         xp = x_ptr + b64 * sxb + h64 * sxh
-        run = tl.zeros((BLOCK_S // 32, 32, NDP, 32), tl.float32)
+        i = tl.arange(0, BLOCK_S)[:, None]
+        if IDX64:
+            i = i.to(tl.int64)
+        c = tl.arange(0, NDP * 32)
+        # a 2-D tile (the loop needs no seq blocks) in the input's dtype: the maximum of |x| is exact in it, and
+        # for 16-bit inputs it is one packed max.NaN per 2 elements
+        run = tl.zeros((BLOCK_S, NDP * 32), x_ptr.dtype.element_ty)
         for t in tl.range(t0, t1, num_stages=STAGES):
             s0 = t * BLOCK_S
-            xr = tl.load(xp + s0.to(tl.int64) * sxs + sl * sxs + d, mask=(s0 + sl < S) & in_d, other=0.0)
-            run = tl.maximum(run, tl.abs(_to_f32(xr)), propagate_nan=tl.PropagateNan.ALL)
-        cm = tl.max(_abs_max_bits(run, 1), axis=0, keep_dims=True)  # (1, 1, NDP, 32): bits of the channel maxima
-        if tl.max(cm) >= 0x7F800000:
-            cm = tl.zeros((1, 1, NDP, 32), tl.int32)
-            for t in range(t0, t1):
-                s0 = t * BLOCK_S
-                xr = tl.load(xp + s0.to(tl.int64) * sxs + sl * sxs + d, mask=(s0 + sl < S) & in_d, other=0.0)
-                bm = _abs_max_bits(_to_f32(xr), 1)  # (BS/32, 1, NDP, 32): per seq block
-                cm = tl.maximum(cm, tl.max(tl.where(bm < 0x7F800000, bm, 0), axis=0, keep_dims=True))
-        acc = tl.where(_nonzero_block(cm), _mx_exponent(cm, RCEIL), _NO_EXP)
-    tl.atomic_max(exp_ptr + (b64 * H + h64) * D + d, acc, mask=in_d, sem="relaxed")
+            xr = tl.load(xp + s0.to(tl.int64) * sxs + i * sxs + c[None, :], mask=(s0 + i < S) & (c[None, :] < D),
+                         other=0.0)
+            run = tl.maximum(run, tl.abs(xr), propagate_nan=tl.PropagateNan.ALL).to(xr.dtype)
+        cm = tl.reduce(_to_f32(run), 0, _max_keep_nan).to(tl.int32, bitcast=True)  # (D_pad,): channel maxima bits
+        if tl.max(cm) >= 0x7F800000:  # the chunk again, one seq block at a time, its non-finite blocks left out
+            j = tl.arange(0, 32)[:, None]
+            cm = tl.zeros((NDP * 32,), tl.int32)
+            for blk in range(t0 * (BLOCK_S // 32), t1 * (BLOCK_S // 32)):
+                s0 = blk * 32
+                xr = tl.load(xp + s0.to(tl.int64) * sxs + j * sxs + c[None, :], mask=(s0 + j < S) & (c[None, :] < D),
+                             other=0.0)
+                bm = tl.reduce(tl.abs(_to_f32(xr)), 0, _max_keep_nan).to(tl.int32, bitcast=True)
+                cm = tl.maximum(cm, tl.where(bm < 0x7F800000, bm, 0))
+        e = tl.where(_nonzero_block(cm), _mx_exponent(cm, RCEIL), _NO_EXP)
+        tl.atomic_max(exp_ptr + (b64 * H + h64) * D + c, e, mask=c < D, sem="relaxed")
 
 
 @triton.jit
@@ -944,6 +971,137 @@ def _operands_kernel(
         if F:
             _seq_exponent_tile(pid - n_a - n_b - n_e, fx, fS, fH, fsxb, fsxs, fsxh, fsxd, fexp, 0, 0, 0, 0, fexp,
                                fn_tiles, fper, fS, D, NDP, F_BS, False, RCEIL, IDX64, 1, 0, F_STAGES)
+
+
+@triton.jit
+def _mx_rows_coords(pid, S, H, n_s_tiles, BLOCK_S: tl.constexpr, NDP: tl.constexpr, IDX64: tl.constexpr):
+    """Tile of ``_hdim_tile``'s shape for MX inputs blocked along D: (b, s tile, h), s0, the token index i
+    (BLOCK_S, 1, 1), the block index db (1, NDP, 1) and the channel d (1, NDP, 32)."""
+    b, st, h = _split_pid(pid, n_s_tiles, H)
+    i = tl.arange(0, BLOCK_S)[:, None, None]
+    db = tl.arange(0, NDP)[None, :, None]
+    d = db * 32 + tl.arange(0, 32)[None, None, :]
+    if IDX64:
+        i = i.to(tl.int64)
+        d = d.to(tl.int64)
+    return b.to(tl.int64), st, h.to(tl.int64), st * BLOCK_S, i, db, d
+
+
+@triton.jit
+def _e4m3_to_f32(qb, SOFT: tl.constexpr):
+    """fp32 values of e4m3 bytes ``qb`` (uint8); NaN bytes give NaN (the interpreter decodes them as 480)."""
+    q = qb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if SOFT:
+        q = tl.where((qb & 0x7F) == 0x7F, float("nan"), q)
+    return q
+
+
+@triton.jit
+def _rescale_words(qw, m, fin, SOFT: tl.constexpr):
+    """Words of 4 e4m3 bytes ``qw`` (int32) re-expressed: e4m3(q * m), m = 2^(e - E) in [2^-20, 1] (see
+    ``_rs_bytes``); NaN data bytes stay as they are in finite blocks, NaN blocks (``fin`` false) become 0x7F bytes."""
+    if SOFT:
+        o = _e4m3_bytes((qw & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * m, True).to(tl.int32)
+        o |= _e4m3_bytes(((qw >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * m,
+                         True).to(tl.int32) << 8
+        o |= _e4m3_bytes(((qw >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * m,
+                         True).to(tl.int32) << 16
+        o |= _e4m3_bytes(((qw >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * m,
+                         True).to(tl.int32) << 24
+    else:
+        m16 = tl.broadcast_to(m.to(tl.float16), qw.shape)
+        o = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi, m; .reg .b32 a, b, mm; mov.b32 {lo, hi}, $1; mov.b32 mm, {$2, $2}; "
+            "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; mul.rn.f16x2 a, a, mm; mul.rn.f16x2 b, b, mm; "
+            "cvt.rn.satfinite.e4m3x2.f16x2 lo, a; cvt.rn.satfinite.e4m3x2.f16x2 hi, b; mov.b32 $0, {lo, hi}; }",
+            "=r,r,h", [qw, m16], dtype=tl.int32, is_pure=True, pack=1)
+    # 0xFF in the input's NaN bytes (0x7F / 0xFF): (b & 0x7F) + 1 carries into bit 7 of that byte alone
+    nan = ((((qw & 0x7F7F7F7F) + 0x01010101) >> 7) & 0x01010101) * 255
+    return tl.where(fin, (o & ~nan) | (qw & nan), 0x7F7F7F7F)
+
+
+@triton.jit
+def _hdim_rescale_kernel(
+    q_ptr, S, H, sqb, sqs, sqh,  # MX data (B, S, H, D) as int32 words of 4 bytes, unit stride along D (or its
+    #                              (1, B*S*H, 1, D/4) view); strides in words
+    sc_ptr, scb, scs, sch,  # MX scale bytes (B, S, H, ND), unit stride along ND
+    out_ptr, exp_ptr,  # data (B, S, H, D) contiguous, as int32 words; exponents (B, S, H, 1) (Q) or
+    #                    (B, n_groups, H, 1) (K)
+    n_s_tiles, n_groups,
+    D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr, GROUP: tl.constexpr, SOFT: tl.constexpr,
+    IDX64: tl.constexpr,
+):
+    """``to_row_scaled`` of an MXTensor blocked along D, for Q (GROUP 1) or K (GROUP = BLOCK_S tokens of one head)
+    on ``_hdim_tile``'s tile, in words of 4 bytes (D % 4 == 0): a block is 8 words, whether it holds a nonzero byte
+    is a max over (word & 0x7F7F7F7F), and the re-expression converts 4 bytes per word."""
+    b, st, h = _split_pid(tl.program_id(0), n_s_tiles, H)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    s0 = st * BLOCK_S
+    i = tl.arange(0, BLOCK_S)[:, None, None]
+    db = tl.arange(0, NDP)[None, :, None]
+    dw = db * 8 + tl.arange(0, 8)[None, None, :]  # word of the row
+    if IDX64:
+        i = i.to(tl.int64)
+        dw = dw.to(tl.int64)
+    ND: tl.constexpr = (D + 31) // 32
+    DW: tl.constexpr = D // 4
+    in_s = i < S - s0
+    qw = tl.load(q_ptr + (b64 * sqb + s0.to(tl.int64) * sqs + h64 * sqh) + i * sqs + dw, mask=in_s & (dw < DW),
+                 other=0)
+    sb = tl.load(sc_ptr + (b64 * scb + s0.to(tl.int64) * scs + h64 * sch) + i * scs + db, mask=in_s & (db < ND),
+                 other=127).to(tl.int32)
+    fin = sb != 255
+    nz = fin & (tl.max(qw & 0x7F7F7F7F, axis=2, keep_dims=True) != 0)
+    en = tl.where(nz, sb - 127, _NO_EXP)
+    if GROUP == 1:
+        E = tl.max(en, axis=1, keep_dims=True)
+    else:
+        E = tl.max(en)
+    E = tl.where(E == _NO_EXP, 0, E)
+    row = (b64 * S + s0) * H + h64
+    out = _rescale_words(qw, _pow2(_rs_shift(sb - 127, E)), fin, SOFT)
+    tl.store(out_ptr + row * DW + (i * H * DW + dw), out, mask=in_s & (dw < DW))
+    if GROUP == 1:
+        tl.store(exp_ptr + row + i * H, E, mask=in_s)
+    else:
+        tl.store(exp_ptr + (b64 * n_groups + st) * H + h64, E)
+
+
+@triton.jit
+def _hdim_dequant_kernel(
+    q_ptr, S, H, sqb, sqs, sqh,  # MX data bytes (B, S, H, D), unit stride along D (or its row view)
+    sc_ptr, scb, scs, sch,  # MX scale bytes (B, S, H, ND), unit stride along ND
+    out_ptr,  # (B, S, H, D) contiguous, of the output dtype
+    n_s_tiles,
+    D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr, SOFT: tl.constexpr, IDX64: tl.constexpr,
+):
+    """``dequantize_mxfp8`` of an MXTensor blocked along D on ``_hdim_tile``'s tile: data * 2^(scale - 127), NaN for
+    scale byte 255 and for NaN data."""
+    b64, st, h64, s0, i, db, d = _mx_rows_coords(tl.program_id(0), S, H, n_s_tiles, BLOCK_S, NDP, IDX64)
+    ND: tl.constexpr = (D + 31) // 32
+    in_s = i < S - s0
+    qb = tl.load(q_ptr + (b64 * sqb + s0.to(tl.int64) * sqs + h64 * sqh) + i * sqs + d, mask=in_s & (d < D), other=0)
+    sb = tl.load(sc_ptr + (b64 * scb + s0.to(tl.int64) * scs + h64 * sch) + i * scs + db, mask=in_s & (db < ND),
+                 other=127).to(tl.int32)
+    # 2^(byte-127): byte 0 is the fp32 subnormal 2^-127 (bits 0x400000), byte 255 is NaN
+    sf = tl.where(sb == 255, 0x7FC00000, tl.where(sb == 0, 0x400000, sb << 23)).to(tl.float32, bitcast=True)
+    y = _e4m3_to_f32(qb, SOFT) * sf
+    row = (b64 * S + s0) * H + h64
+    tl.store(out_ptr + row * D + (i * H * D + d), _round_out(y, out_ptr.dtype.element_ty, SOFT), mask=in_s & (d < D))
+
+
+@triton.jit
+def _round_out(y, dtype: tl.constexpr, SOFT: tl.constexpr):
+    """fp32 ``y`` rounded (nearest even) to the output dtype; NaN stays NaN.  For bf16 the explicit path rounds in
+    the bits (the interpreter's fp32->bf16 cast truncates and drops subnormals), the GPU's cvt does the same."""
+    if dtype == tl.bfloat16 and SOFT:
+        yb = y.to(tl.int32, bitcast=True)
+        yb = tl.where(y != y, 0x7FC00000, yb + 0x7FFF + ((yb >> 16) & 1))
+        out = (yb >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        out = y.to(dtype)
+    return out
 
 
 @triton.jit
@@ -1234,7 +1392,7 @@ def quantize_mxfp8_triton(
     return res[0] if len(res) == 1 else tuple(res)
 
 
-def _quantize_spec(x4, s_pad, *, HDIM, SEQ, HDIM_GROUP, SEQ_RS, rceil, group, swz=False):
+def _quantize_spec(x4, s_pad, *, HDIM, SEQ, HDIM_GROUP, SEQ_RS, rceil, group, swz=False, warps=None):
     """One quantize launch without its tensors: (grid, the scalars after ``x``, the scalars after the outputs, the
     constexprs, the kernel kind), or None when there is no work.  Kind "hdim": ``_hdim_kernel`` (head-dim orientation
     alone); "hdim_rows": the same on ``_rows_view(x4)``; "rowset": ``_quantize_kernel`` (any seq orientation)."""
@@ -1251,7 +1409,7 @@ def _quantize_spec(x4, s_pad, *, HDIM, SEQ, HDIM_GROUP, SEQ_RS, rceil, group, sw
         flat = HDIM_GROUP <= 1 and not swz and rows is not None
         xv = rows if flat else x4
         Bv, Sv, Hv, _ = xv.shape
-        tile = _tile("hdim_k" if HDIM_GROUP > 1 else "hdim", dp, group)
+        tile = _tile("hdim_k" if HDIM_GROUP > 1 else "hdim", dp, group, warps)
         bs = tile.block_s
         n_s_tiles = cdiv(Sv, bs)
         sxb, sxs, sxh, _ = xv.stride()
@@ -1260,7 +1418,7 @@ def _quantize_spec(x4, s_pad, *, HDIM, SEQ, HDIM_GROUP, SEQ_RS, rceil, group, sw
                 dict(D=D, NDP=dp // 32, BLOCK_S=bs, GROUP=HDIM_GROUP, RCEIL=rceil, SOFT=_soft(x4.device),
                      IDX64=idx64, SWZ=swz, num_warps=tile.num_warps),
                 "hdim_rows" if flat else "hdim")
-    tile = _tile("k" if HDIM_GROUP > 1 else "quant", dp, group)
+    tile = _tile("seq_k" if HDIM_GROUP > 1 else "seq", dp, group, warps)
     bs = tile.block_s
     # seq outputs cover the zero padding up to s_pad, so tiles run over max(S, s_pad)
     s_cover = max(S, s_pad)
@@ -1307,14 +1465,14 @@ def _launch_quantize(x4, hd, he, cd, ce, s_pad, **flags):
     fast_launcher(_quantize_jit(spec))[spec[0]](*_quantize_args(spec, x4, hd, he, cd, ce, dummy), **spec[3])
 
 
-def _v_exponents_spec(src4, sc4, *, from_mx: bool, rceil: bool):
+def _v_exponents_spec(src4, sc4, *, from_mx: bool, rceil: bool, warps=None):
     """One ``_seq_exponent_kernel`` launch without its tensors: (grid, the scalars after ``src``, the scale
     strides, the scalars after ``exp``, the constexprs), or None when there is no work."""
     B, S, H, D = src4.shape
     if B * H * S == 0:
         return None
     dp = _d_pad(D)
-    tile = _tile("seqexp" if from_mx else "vexp", dp)
+    tile = _tile("seqexp", dp) if from_mx else _tile("vexp", dp, warps=warps)
     bs = tile.block_s
     n_s_tiles = cdiv(S, bs)
     per = _seq_chunk(B * H, S, bs)
@@ -1539,10 +1697,8 @@ class _ForwardOperandsPlan:
         self.soft = _soft(self.dev)
         Sk = k4.shape[1]
         self.s_pad = cdiv(max(Sk, 1), SEQ_ALIGN) * SEQ_ALIGN
-        self.q_spec = _quantize_spec(q4, SEQ_ALIGN, HDIM=True, SEQ=False, HDIM_GROUP=1, SEQ_RS=False, rceil=rceil,
-                                     group=0)
-        self.v_exp_spec = _v_exponents_spec(v4, None, from_mx=False, rceil=rceil)
         if keep_kv:
+            warps = None  # first launch: Q and the two exponent passes, all at their own 4 warps
             self.k_exp_spec = _v_exponents_spec(k4, None, from_mx=False, rceil=rceil)
             both = dict(HDIM=True, SEQ=True, HDIM_GROUP=group, SEQ_RS=True, rceil=rceil, group=group)
             self.k_spec = _quantize_spec(k4, self.s_pad, **both)
@@ -1552,6 +1708,12 @@ class _ForwardOperandsPlan:
                                          rceil=rceil, group=group)
             self.v_spec = _quantize_spec(v4, self.s_pad, HDIM=False, SEQ=True, HDIM_GROUP=0, SEQ_RS=True,
                                          rceil=rceil, group=0)
+            # the first launch runs at K's warps (its tile is a whole exponent group): Q and V's exponent pass take
+            # tiles of as many warps, at their own elements per thread
+            warps = self.k_spec[3]["num_warps"] if self.k_spec is not None else None
+        self.q_spec = _quantize_spec(q4, SEQ_ALIGN, HDIM=True, SEQ=False, HDIM_GROUP=1, SEQ_RS=False, rceil=rceil,
+                                     group=0, warps=warps)
+        self.v_exp_spec = _v_exponents_spec(v4, None, from_mx=False, rceil=rceil, warps=warps)
         self.dummy = q4.new_empty(4, dtype=torch.uint8)
         self.bound: dict = {}
 
@@ -1827,7 +1989,15 @@ def _row_scaled_from_mx(mx: MXTensor, role: str, seq_dim: Optional[int], group: 
     else:
         exp = torch.empty(B, n_groups, H, 1, dtype=torch.int32, device=dev)
     n_s_tiles = cdiv(S, tile.block_s)
-    if B * H * S > 0:
+    hspec = _mx_hdim_spec(q8, sc4, group if role == "k" else 1, words=True)
+    if hspec is not None:  # unit stride along D, whole words: the head-dim tile
+        (qv, sv, Sv, Hv, n_tiles, bs, warps, idx) = hspec
+        fast_launcher(_hdim_rescale_kernel)[(qv.shape[0] * n_tiles * Hv,)](
+            qv, Sv, Hv, qv.stride(0), qv.stride(1), qv.stride(2), sv, sv.stride(0), sv.stride(1), sv.stride(2),
+            hd.view(torch.int32), exp, n_tiles, n_groups, D=D, NDP=dp // 32, BLOCK_S=bs,
+            GROUP=group if role == "k" else 1, SOFT=soft, IDX64=idx, num_warps=warps,
+        )
+    elif B * H * S > 0:
         idx = _needs_i64(tile.block_s * abs(q8.stride(1)), dp * abs(q8.stride(3))) or _needs_i64(tile.block_s * H * D, dp)
         fast_launcher(_rescale_mx_kernel)[(B * n_s_tiles * H,)](
             q8, *q8.stride(), sc4, *sc4.stride(), hd, exp, S, H, SEQ_ALIGN, n_s_tiles, n_groups, _s_load_bound(q8),
@@ -1838,6 +2008,31 @@ def _row_scaled_from_mx(mx: MXTensor, role: str, seq_dim: Optional[int], group: 
     if role == "q":
         return RowScaledFP8(data, _unpack(exp, packed), mx.ndim - 1)
     return RowScaledFP8(data, _unpack(exp, packed), mx.ndim - 1, group_dim=sd, group=group)
+
+
+def _mx_hdim_spec(q8: torch.Tensor, sc4: torch.Tensor, group: int, words: bool = False):
+    """For MX data (B, S, H, D) bytes blocked along D with unit stride along D and ND, the head-dim tile's launch:
+    (data (as int32 words of 4 bytes when ``words``), scales (their (1, B*S*H, 1, .) row views when both have evenly
+    spaced rows and ``group`` <= 1), S, H of those, tiles along S, BLOCK_S, warps, IDX64); None when the strides (or,
+    for words, D or the alignment) do not allow it or there is no work."""
+    B, S, H, D = q8.shape
+    if B * S * H == 0 or (D > 1 and q8.stride(3) != 1) or (sc4.shape[3] > 1 and sc4.stride(3) != 1):
+        return None
+    if words:
+        if D % 4 or q8.storage_offset() % 4 or any(st % 4 for st in q8.stride()[:3]) or q8.data_ptr() % 4:
+            return None
+        q8 = q8.view(torch.int32)
+    qv, sv = q8, sc4
+    if group <= 1:
+        qr, sr = _rows_view(q8), _rows_view(sc4)
+        if qr is not None and sr is not None:
+            qv, sv = qr, sr
+    dp = _d_pad(D)
+    tile = _tile("mx_hdim_k" if group > 1 else "mx_hdim", dp, group)
+    _, Sv, Hv, _ = qv.shape
+    idx = (_needs_i64(tile.block_s * abs(qv.stride(1)), dp) or _needs_i64(tile.block_s * abs(sv.stride(1)), dp)
+           or _needs_i64(tile.block_s * Hv * D, dp))  # (words: offsets in words, counted here as bytes)
+    return qv, sv, Sv, Hv, cdiv(Sv, tile.block_s), tile.block_s, tile.num_warps, idx
 
 
 def dequantize_mxfp8_triton(t: MXTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -1868,6 +2063,14 @@ def dequantize_mxfp8_triton(t: MXTensor, dtype: torch.dtype = torch.bfloat16) ->
     if out.numel() == 0:
         return out.reshape(t.shape)
     q8 = q4.view(torch.uint8)
+    hspec = _mx_hdim_spec(q8, s4, 1) if bdim == 3 else None
+    if hspec is not None:  # blocked along a unit-stride D: the head-dim tile
+        (qv, sv, Sv, Hv, n_tiles, bs, warps, idx) = hspec
+        fast_launcher(_hdim_dequant_kernel)[(qv.shape[0] * n_tiles * Hv,)](
+            qv, Sv, Hv, qv.stride(0), qv.stride(1), qv.stride(2), sv, sv.stride(0), sv.stride(1), sv.stride(2), out,
+            n_tiles, D=D, NDP=_d_pad(D) // 32, BLOCK_S=bs, SOFT=_soft(q8.device), IDX64=idx, num_warps=warps,
+        )
+        return out.reshape(t.shape)
     bd = min(128, 32 * next_pow2(cdiv(D, 32)))
     tile = _tile("dequant", bd)
     bs = tile.block_s
