@@ -160,6 +160,10 @@ SEQEXP_MIN_PROGRAMS = 1024
 # V pass 1 on float input: ``tl.range`` pipelining depth of its loop over S tiles (1: none); the sweep varies it.
 SEQEXP_STAGES = 1
 
+# ``eviction_policy="evict_first"`` on the float input's loads (read once) of the head-dim, row-set and V exponent
+# kernels; the sweep varies it.
+EVICT_FIRST = False
+
 
 def _seq_chunk(n_rows: int, S: int, block_s: int) -> int:
     """Tiles of S per program in the V exponent pass: as many as possible (fewer atomics) while the grid
@@ -534,11 +538,11 @@ def _tiled_offset(r, c, n_col_tiles):
 def _hdim_kernel(
     x_ptr, S, H, sxb, sxs, sxh, hd_ptr, he_ptr, n_s_tiles, n_groups,
     D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr, GROUP: tl.constexpr, RCEIL: tl.constexpr,
-    SOFT: tl.constexpr, IDX64: tl.constexpr, SWZ: tl.constexpr,
+    SOFT: tl.constexpr, IDX64: tl.constexpr, SWZ: tl.constexpr, EVICT: tl.constexpr = False,
 ):
     """One ``_hdim_tile`` per program (the arguments are documented there)."""
     _hdim_tile(tl.program_id(0), x_ptr, S, H, sxb, sxs, sxh, hd_ptr, he_ptr, n_s_tiles, n_groups,
-               D, NDP, BLOCK_S, GROUP, RCEIL, SOFT, IDX64, SWZ)
+               D, NDP, BLOCK_S, GROUP, RCEIL, SOFT, IDX64, SWZ, EVICT)
 
 
 @triton.jit
@@ -553,6 +557,7 @@ def _hdim_tile(
     D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr,
     GROUP: tl.constexpr,  # 0: MX scales; 1: Q (one exponent per row); > 1: K (one per tile; BLOCK_S == GROUP)
     RCEIL: tl.constexpr, SOFT: tl.constexpr, IDX64: tl.constexpr, SWZ: tl.constexpr,
+    EVICT: tl.constexpr = False,  # ``_load_x``
 ):
     """Quantize BLOCK_S tokens x D channels of one (b, h) along D: blocks are the tile's last axis.
 
@@ -573,7 +578,7 @@ def _hdim_tile(
     ND: tl.constexpr = (D + 31) // 32
     in_s = i < S - s0
     in_d = d < D
-    xr = tl.load(x_ptr + (b64 * sxb + s0.to(tl.int64) * sxs + h64 * sxh) + i * sxs + d, mask=in_s & in_d, other=0.0)
+    xr = _load_x(x_ptr + (b64 * sxb + s0.to(tl.int64) * sxs + h64 * sxh) + i * sxs + d, in_s & in_d, EVICT)
     xf = _to_f32(xr)
     amax = _abs_max_bits(xf, 2)  # (BLOCK_S, NDP, 1)
     e = _mx_exponent(amax, RCEIL)
@@ -608,21 +613,32 @@ def _quantize_kernel(
     x_ptr, S, H, sxb, sxs, sxh, hd_ptr, he_ptr, cw_ptr, ce_ptr, S_pad, NSB, n_s_tiles, n_groups,
     D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr, HDIM: tl.constexpr, SEQ: tl.constexpr,
     HDIM_GROUP: tl.constexpr, SEQ_RS: tl.constexpr, RCEIL: tl.constexpr, SOFT: tl.constexpr, IDX64: tl.constexpr,
-    SWZ: tl.constexpr = False, EVEN: tl.constexpr = False, J: tl.constexpr = 1,
+    SWZ: tl.constexpr = False, EVEN: tl.constexpr = False, J: tl.constexpr = 1, EVICT: tl.constexpr = False,
 ):
     """One ``_quantize_tile`` per program (the arguments are documented there)."""
     _quantize_tile(tl.program_id(0), x_ptr, S, H, sxb, sxs, sxh, hd_ptr, he_ptr, cw_ptr, ce_ptr, S_pad, NSB,
                    n_s_tiles, n_groups, D, NDP, BLOCK_S, HDIM, SEQ, HDIM_GROUP, SEQ_RS, RCEIL, SOFT, IDX64, SWZ, EVEN,
-                   J)
+                   J, EVICT)
 
 
 @triton.jit
-def _row_set(xp, sxs, q4, k: tl.constexpr, s0, S, d, in_d, EVEN: tl.constexpr):
+def _load_x(ptr, mask, EVICT: tl.constexpr):
+    """``tl.load`` of float input (0 where masked), with the L2 hint ``evict_first`` when ``EVICT`` (``EVICT_FIRST``:
+    the input is read once)."""
+    if EVICT:
+        x = tl.load(ptr, mask=mask, other=0.0, eviction_policy="evict_first")
+    else:
+        x = tl.load(ptr, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
+def _row_set(xp, sxs, q4, k: tl.constexpr, s0, S, d, in_d, EVEN: tl.constexpr, EVICT: tl.constexpr):
     """Rows s0 + q4 + k of the tile (q4 = 4 * word index): raw values and fp32.  ``EVEN``: every row exists."""
     if EVEN:
-        xr = tl.load(xp + (q4 + k) * sxs + d, mask=in_d, other=0.0)
+        xr = _load_x(xp + (q4 + k) * sxs + d, in_d, EVICT)
     else:
-        xr = tl.load(xp + (q4 + k) * sxs + d, mask=(s0 + q4 + k < S) & in_d, other=0.0)
+        xr = _load_x(xp + (q4 + k) * sxs + d, (s0 + q4 + k < S) & in_d, EVICT)
     return xr, _to_f32(xr)
 
 
@@ -724,6 +740,7 @@ def _quantize_tile(
     SWZ: tl.constexpr,  # MX scales in the 128x4-tiled layout of Blackwell MMA, per (b, h) (he_ptr, ce_ptr)
     EVEN: tl.constexpr = False,  # every token of every tile exists (S % BLOCK_S == 0 == S_pad - S): no row masks
     J: tl.constexpr = 1,  # groups of four row sets: a thread holds 4 * J tokens of each seq block it touches
+    EVICT: tl.constexpr = False,  # ``_load_x``
 ):
     """Quantize BLOCK_S tokens x D channels of one (b, h), along S (and along D too when HDIM).
 
@@ -747,15 +764,15 @@ def _quantize_tile(
     G1: tl.constexpr = 4 * W  # first row of group 1, relative to q4
 
     xp = x_ptr + b64 * sxb + s0.to(tl.int64) * sxs + h64 * sxh
-    x0r, x0 = _row_set(xp, sxs, q4, 0, s0, S, d, in_d, EVEN)
-    x1r, x1 = _row_set(xp, sxs, q4, 1, s0, S, d, in_d, EVEN)
-    x2r, x2 = _row_set(xp, sxs, q4, 2, s0, S, d, in_d, EVEN)
-    x3r, x3 = _row_set(xp, sxs, q4, 3, s0, S, d, in_d, EVEN)
+    x0r, x0 = _row_set(xp, sxs, q4, 0, s0, S, d, in_d, EVEN, EVICT)
+    x1r, x1 = _row_set(xp, sxs, q4, 1, s0, S, d, in_d, EVEN, EVICT)
+    x2r, x2 = _row_set(xp, sxs, q4, 2, s0, S, d, in_d, EVEN, EVICT)
+    x3r, x3 = _row_set(xp, sxs, q4, 3, s0, S, d, in_d, EVEN, EVICT)
     if J == 2:
-        x4r, x4 = _row_set(xp, sxs, q4, G1, s0, S, d, in_d, EVEN)
-        x5r, x5 = _row_set(xp, sxs, q4, G1 + 1, s0, S, d, in_d, EVEN)
-        x6r, x6 = _row_set(xp, sxs, q4, G1 + 2, s0, S, d, in_d, EVEN)
-        x7r, x7 = _row_set(xp, sxs, q4, G1 + 3, s0, S, d, in_d, EVEN)
+        x4r, x4 = _row_set(xp, sxs, q4, G1, s0, S, d, in_d, EVEN, EVICT)
+        x5r, x5 = _row_set(xp, sxs, q4, G1 + 1, s0, S, d, in_d, EVEN, EVICT)
+        x6r, x6 = _row_set(xp, sxs, q4, G1 + 2, s0, S, d, in_d, EVEN, EVICT)
+        x7r, x7 = _row_set(xp, sxs, q4, G1 + 3, s0, S, d, in_d, EVEN, EVICT)
 
     if HDIM:
         hrow = (b64 * S + s0) * H + h64  # row of (b, s0, h) in (B, S, H)
@@ -849,11 +866,11 @@ def _seq_exponent_kernel(
     x_ptr, S, H, sxb, sxs, sxh, sxd, sc_ptr, scb, scs, sch, scd, exp_ptr, n_s_tiles, tiles_per_prog, S_ld,
     D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr,
     FROM_MX: tl.constexpr, RCEIL: tl.constexpr, IDX64: tl.constexpr, QU: tl.constexpr, SU: tl.constexpr,
-    STAGES: tl.constexpr = 1,
+    STAGES: tl.constexpr = 1, EVICT: tl.constexpr = False,
 ):
     """One ``_seq_exponent_tile`` per program (the arguments are documented there)."""
     _seq_exponent_tile(tl.program_id(0), x_ptr, S, H, sxb, sxs, sxh, sxd, sc_ptr, scb, scs, sch, scd, exp_ptr,
-                       n_s_tiles, tiles_per_prog, S_ld, D, NDP, BLOCK_S, FROM_MX, RCEIL, IDX64, QU, SU, STAGES)
+                       n_s_tiles, tiles_per_prog, S_ld, D, NDP, BLOCK_S, FROM_MX, RCEIL, IDX64, QU, SU, STAGES, EVICT)
 
 
 @triton.jit
@@ -866,6 +883,7 @@ def _seq_exponent_tile(
     D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr,
     FROM_MX: tl.constexpr, RCEIL: tl.constexpr, IDX64: tl.constexpr, QU: tl.constexpr, SU: tl.constexpr,
     STAGES: tl.constexpr,  # software-pipelining depth of the float input's loop (``tl.range``)
+    EVICT: tl.constexpr = False,  # ``_load_x`` (float input)
 ):
     """Pass 1 of V: per channel, the largest exponent among the seq blocks that hold a nonzero element."""
     n_chunks = tl.cdiv(n_s_tiles, tiles_per_prog)
@@ -906,8 +924,7 @@ def _seq_exponent_tile(
         run = tl.zeros((BLOCK_S, NDP * 32), x_ptr.dtype.element_ty)
         for t in tl.range(t0, t1, num_stages=STAGES):
             s0 = t * BLOCK_S
-            xr = tl.load(xp + s0.to(tl.int64) * sxs + i * sxs + c[None, :], mask=(s0 + i < S) & (c[None, :] < D),
-                         other=0.0)
+            xr = _load_x(xp + s0.to(tl.int64) * sxs + i * sxs + c[None, :], (s0 + i < S) & (c[None, :] < D), EVICT)
             run = tl.maximum(run, tl.abs(xr), propagate_nan=tl.PropagateNan.ALL).to(xr.dtype)
         cm = tl.reduce(_to_f32(run), 0, _max_keep_nan).to(tl.int32, bitcast=True)  # (D_pad,): channel maxima bits
         if tl.max(cm) >= 0x7F800000:  # the chunk again, one seq block at a time, its non-finite blocks left out
@@ -938,7 +955,7 @@ def _operands_kernel(
     B: tl.constexpr, B_BS: tl.constexpr, B_HDIM: tl.constexpr, B_SEQ: tl.constexpr, B_GROUP: tl.constexpr,
     B_RS: tl.constexpr, B_ROWSET: tl.constexpr, B_EVEN: tl.constexpr, B_J: tl.constexpr,
     E: tl.constexpr, E_BS: tl.constexpr, E_STAGES: tl.constexpr, F: tl.constexpr, F_BS: tl.constexpr,
-    F_STAGES: tl.constexpr,
+    F_STAGES: tl.constexpr, EVICT: tl.constexpr = False,
 ):
     """Up to four independent jobs of one attention call in one launch (the host's cost is per launch): each
     program runs one tile of one job, the jobs laid end to end on the grid.  A job is exactly the tile its own
@@ -950,27 +967,27 @@ def _operands_kernel(
             if A_ROWSET:
                 _quantize_tile(pid, ax, aS, aH, asxb, asxs, asxh, ahd, ahe, acw, ace, aS_pad, aNSB, an_tiles,
                                an_groups, D, NDP, A_BS, A_HDIM, A_SEQ, A_GROUP, A_RS, RCEIL, SOFT, IDX64, False,
-                               A_EVEN, A_J)
+                               A_EVEN, A_J, EVICT)
             else:
                 _hdim_tile(pid, ax, aS, aH, asxb, asxs, asxh, ahd, ahe, an_tiles, an_groups, D, NDP, A_BS, A_GROUP,
-                           RCEIL, SOFT, IDX64, False)
+                           RCEIL, SOFT, IDX64, False, EVICT)
     elif pid < n_a + n_b:
         if B:
             if B_ROWSET:
                 _quantize_tile(pid - n_a, bx, bS, bH, bsxb, bsxs, bsxh, bhd, bhe, bcw, bce, bS_pad, bNSB, bn_tiles,
                                bn_groups, D, NDP, B_BS, B_HDIM, B_SEQ, B_GROUP, B_RS, RCEIL, SOFT, IDX64, False,
-                               B_EVEN, B_J)
+                               B_EVEN, B_J, EVICT)
             else:
                 _hdim_tile(pid - n_a, bx, bS, bH, bsxb, bsxs, bsxh, bhd, bhe, bn_tiles, bn_groups, D, NDP, B_BS,
-                           B_GROUP, RCEIL, SOFT, IDX64, False)
+                           B_GROUP, RCEIL, SOFT, IDX64, False, EVICT)
     elif pid < n_a + n_b + n_e:
         if E:
             _seq_exponent_tile(pid - n_a - n_b, ex, eS, eH, esxb, esxs, esxh, esxd, eexp, 0, 0, 0, 0, eexp,
-                               en_tiles, eper, eS, D, NDP, E_BS, False, RCEIL, IDX64, 1, 0, E_STAGES)
+                               en_tiles, eper, eS, D, NDP, E_BS, False, RCEIL, IDX64, 1, 0, E_STAGES, EVICT)
     else:
         if F:
             _seq_exponent_tile(pid - n_a - n_b - n_e, fx, fS, fH, fsxb, fsxs, fsxh, fsxd, fexp, 0, 0, 0, 0, fexp,
-                               fn_tiles, fper, fS, D, NDP, F_BS, False, RCEIL, IDX64, 1, 0, F_STAGES)
+                               fn_tiles, fper, fS, D, NDP, F_BS, False, RCEIL, IDX64, 1, 0, F_STAGES, EVICT)
 
 
 @triton.jit
@@ -1416,7 +1433,7 @@ def _quantize_spec(x4, s_pad, *, HDIM, SEQ, HDIM_GROUP, SEQ_RS, rceil, group, sw
         idx64 = _needs_i64(bs * sxs, dp) or _needs_i64(bs * Hv * D, dp)
         return ((Bv * n_s_tiles * Hv,), (Sv, Hv, sxb, sxs, sxh), (n_s_tiles, cdiv(S, group) if group else 1),
                 dict(D=D, NDP=dp // 32, BLOCK_S=bs, GROUP=HDIM_GROUP, RCEIL=rceil, SOFT=_soft(x4.device),
-                     IDX64=idx64, SWZ=swz, num_warps=tile.num_warps),
+                     IDX64=idx64, SWZ=swz, EVICT=EVICT_FIRST, num_warps=tile.num_warps),
                 "hdim_rows" if flat else "hdim")
     tile = _tile("seq_k" if HDIM_GROUP > 1 else "seq", dp, group, warps)
     bs = tile.block_s
@@ -1429,7 +1446,7 @@ def _quantize_spec(x4, s_pad, *, HDIM, SEQ, HDIM_GROUP, SEQ_RS, rceil, group, sw
     return ((B * n_s_tiles * H,), (S, H, sxb, sxs, sxh), (s_pad, cdiv(S, 32), n_s_tiles, n_groups),
             dict(D=D, NDP=dp // 32, BLOCK_S=bs, HDIM=HDIM, SEQ=SEQ, HDIM_GROUP=HDIM_GROUP, SEQ_RS=SEQ_RS,
                  RCEIL=rceil, SOFT=_soft(x4.device), IDX64=idx64, SWZ=swz, EVEN=S % bs == 0 and s_pad <= S,
-                 J=tile.row_groups, num_warps=tile.num_warps), "rowset")
+                 J=tile.row_groups, EVICT=EVICT_FIRST, num_warps=tile.num_warps), "rowset")
 
 
 def _rows_view(x4: torch.Tensor) -> Optional[torch.Tensor]:
@@ -1483,7 +1500,7 @@ def _v_exponents_spec(src4, sc4, *, from_mx: bool, rceil: bool, warps=None):
     return ((B * n_chunks * H,), (S, H, *st), tuple(scs), (n_s_tiles, per, _s_load_bound(src4) if from_mx else S),
             dict(D=D, NDP=dp // 32, BLOCK_S=bs, FROM_MX=from_mx, RCEIL=rceil, IDX64=idx64,
                  QU=_unit(src4), SU=_unit(sc4) if sc4 is not None else 0, STAGES=1 if from_mx else SEQEXP_STAGES,
-                 num_warps=tile.num_warps))
+                 EVICT=EVICT_FIRST and not from_mx, num_warps=tile.num_warps))
 
 
 def _v_exponents(src4, sc4, *, from_mx: bool, rceil: bool) -> torch.Tensor:
@@ -1529,7 +1546,7 @@ def _plan_key(kind: str, x, scale_mode, seq_dim, k_group):
     if type(x) is not _Tensor or type(k_group) is not int or TILE_OVERRIDES or not _launch.PLANS:
         return None
     return (kind, x.shape, x.stride(), x.dtype, x.device, _current_device(x), scale_mode, seq_dim, k_group,
-            x.data_ptr() & 15, SEQEXP_MIN_PROGRAMS, SOFT_ROUND_ON_GPU)
+            x.data_ptr() & 15, SEQEXP_MIN_PROGRAMS, SEQEXP_STAGES, EVICT_FIRST, SOFT_ROUND_ON_GPU)
 
 
 def _trusted_row_scaled(data, exp, dim, group_dim=None, group=1) -> RowScaledFP8:
@@ -1673,7 +1690,7 @@ def _operands_launch(state: dict, name: str, quant: list, exps: list, D: int, rc
     ea = list(exps) + [None] * (2 - len(exps))
     present = [j for j in qa + ea if j is not None]
     c = dict(D=D, NDP=_d_pad(D) // 32, RCEIL=rceil, SOFT=soft, IDX64=any(j[1]["IDX64"] for j in present),
-             num_warps=max(j[1]["num_warps"] for j in present))
+             EVICT=EVICT_FIRST, num_warps=max(j[1]["num_warps"] for j in present))
     for tag, job in (("A", qa[0]), ("B", qa[1])):
         jc = job[1] if job is not None else dict(BLOCK_S=32, HDIM=False, SEQ=False, HDIM_GROUP=0, SEQ_RS=False,
                                                  ROWSET=True)
@@ -1794,7 +1811,7 @@ def row_scaled_triton_both_pair(x: torch.Tensor, y: torch.Tensor, scale_mode: Un
     if type(x) is _Tensor and type(y) is _Tensor and type(k_group) is int and not TILE_OVERRIDES and _launch.PLANS:
         key = ("pair", x.shape, x.stride(), y.shape, y.stride(), x.dtype, y.dtype, x.device, y.device,
                _current_device(x), scale_mode, k_group, x.data_ptr() & 15, y.data_ptr() & 15, SEQEXP_MIN_PROGRAMS,
-               SOFT_ROUND_ON_GPU)
+               SEQEXP_STAGES, EVICT_FIRST, SOFT_ROUND_ON_GPU)
         plan = _PLANS.get(key)
         if plan is not None:
             return plan(*(t if t.stride(3) == 1 else t.contiguous() for t in (x, y)))
@@ -1827,7 +1844,8 @@ def forward_operands_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             and not TILE_OVERRIDES and _launch.PLANS:
         key = ("forward", keep_kv, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
                v.dtype, q.device, k.device, v.device, _current_device(q), scale_mode, k_group, q.data_ptr() & 15,
-               k.data_ptr() & 15, v.data_ptr() & 15, SEQEXP_MIN_PROGRAMS, SOFT_ROUND_ON_GPU)
+               k.data_ptr() & 15, v.data_ptr() & 15, SEQEXP_MIN_PROGRAMS, SEQEXP_STAGES, EVICT_FIRST,
+               SOFT_ROUND_ON_GPU)
         plan = _PLANS.get(key)
         if plan is not None:
             return plan(*(x if x.stride(3) == 1 else x.contiguous() for x in (q, k, v)))
