@@ -198,7 +198,7 @@ def format_quantize_table(rows: list[dict]) -> str:
 # Per tile kind of ``quantize._tile``: the rows that use it and the tiles (block_s, num_warps[, row_groups]) swept
 # (K kinds: block_s is the exponent group, 128).
 SWEEP_PLAN = {
-    "hdim": (("quant_hdim", "rs_q"), ((32, 4), (64, 4), (128, 4), (128, 8), (256, 8))),
+    "hdim": (("quant_hdim", "rs_q"), ((32, 4), (64, 4), (128, 4), (128, 8))),
     "hdim_k": (("rs_k",), ((128, 4), (128, 8), (128, 16))),
     "seq": (("quant_seq", "quant_both", "rs_v"),
             ((32, 4, 1), (32, 4, 2), (64, 4, 1), (64, 4, 2), (64, 8, 2), (128, 8, 2))),
@@ -207,7 +207,7 @@ SWEEP_PLAN = {
 }
 # V's exponent pass: (tile, SEQEXP_MIN_PROGRAMS, SEQEXP_STAGES) combinations
 SWEEP_VEXP = (((32, 4), 1024, 1), ((32, 4), 4096, 1), ((32, 4), 16384, 1), ((32, 4), 1024, 3), ((32, 4), 4096, 3),
-              ((32, 4), 4096, 2), ((64, 8), 1024, 1), ((64, 8), 4096, 3))
+              ((64, 8), 4096, 1))
 # rows timed again with EVICT_FIRST (evict_first on the float input's loads)
 SWEEP_EVICT = ("quant_hdim", "quant_seq", "rs_v_exps", "fwd_operands")
 
