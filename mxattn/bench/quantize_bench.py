@@ -196,7 +196,8 @@ def format_quantize_table(rows: list[dict]) -> str:
 
 
 # Per tile kind of ``quantize._tile``: the rows that use it and the tiles (block_s, num_warps[, row_groups]) swept
-# (K kinds: block_s is the exponent group, 128).
+# (K kinds: block_s is the exponent group, 128).  The session-12 sweep (benchmarks/results, docs/perf-notes-quantize.md)
+# picked the defaults from these.
 SWEEP_PLAN = {
     "hdim": (("quant_hdim", "rs_q"), ((32, 4), (64, 4), (128, 4), (128, 8))),
     "hdim_k": (("rs_k",), ((128, 4), (128, 8), (128, 16))),
@@ -205,30 +206,26 @@ SWEEP_PLAN = {
     "seq_k": (("rs_both",), ((128, 8, 1), (128, 8, 2), (128, 16, 2))),
     "mx_hdim": (("rs_q_from_mx", "dequant_hdim"), ((32, 4), (64, 4), (128, 8))),
 }
-# V's exponent pass: (tile, SEQEXP_MIN_PROGRAMS, SEQEXP_STAGES) combinations
+# V's exponent pass: (tile, VEXP_MIN_PROGRAMS, VEXP_STAGES) combinations
 SWEEP_VEXP = (((32, 4), 1024, 1), ((32, 4), 4096, 1), ((32, 4), 16384, 1), ((32, 4), 1024, 3), ((32, 4), 4096, 3),
               ((64, 8), 4096, 1))
-# rows timed again with EVICT_FIRST (evict_first on the float input's loads)
-SWEEP_EVICT = ("quant_hdim", "quant_seq", "rs_v_exps", "fwd_operands")
 
 
 def run_tile_sweep(
     size: tuple[int, int, int, int] = (8, 8192, 16, 128),
     plan: Optional[dict] = None,
     vexp: Iterable = SWEEP_VEXP,
-    evict: Iterable[str] = SWEEP_EVICT,
     progress: bool = True,
     rep_ms: int = 100,
 ) -> list[dict]:
     """Rows of ``run_quantize_bench`` at ``size`` for every tile of ``plan`` (default ``SWEEP_PLAN``; rows get
-    ``tile_kind``, ``block_s``, ``num_warps``, ``row_groups``), for V's exponent pass alone over ``vexp``
-    (``seqexp_min_programs``, ``seqexp_stages``), and for the rows ``evict`` with ``EVICT_FIRST`` set (``evict_first``).
-    Every knob is restored afterwards."""
+    ``tile_kind``, ``block_s``, ``num_warps``, ``row_groups``) and for V's exponent pass alone over ``vexp``
+    (``vexp_min_programs``, ``vexp_stages``).  Every knob is restored afterwards."""
     from mxattn.kernels import quantize as kq
 
     plan = plan if plan is not None else SWEEP_PLAN
     rows = []
-    saved = (dict(kq.TILE_OVERRIDES), kq.SEQEXP_MIN_PROGRAMS, kq.SEQEXP_STAGES, kq.EVICT_FIRST)
+    saved = (dict(kq.TILE_OVERRIDES), kq.VEXP_MIN_PROGRAMS, kq.VEXP_STAGES)
 
     def bench(kernels, **tags):
         for r in run_quantize_bench([size], progress=False, kernels=kernels, rep_ms=rep_ms):
@@ -246,15 +243,11 @@ def run_tile_sweep(
         kq.TILE_OVERRIDES.clear()
         for t, programs, stages in vexp:
             kq.TILE_OVERRIDES["vexp"] = kq.Tile(*t)
-            kq.SEQEXP_MIN_PROGRAMS, kq.SEQEXP_STAGES = programs, stages
-            bench(("rs_v_exps",), tile_kind="vexp", block_s=t[0], num_warps=t[1], seqexp_min_programs=programs,
-                  seqexp_stages=stages)
-        kq.TILE_OVERRIDES.clear()
-        kq.SEQEXP_MIN_PROGRAMS, kq.SEQEXP_STAGES = saved[1], saved[2]
-        kq.EVICT_FIRST = True
-        bench(tuple(evict), evict_first=True)
+            kq.VEXP_MIN_PROGRAMS, kq.VEXP_STAGES = programs, stages
+            bench(("rs_v_exps",), tile_kind="vexp", block_s=t[0], num_warps=t[1], vexp_min_programs=programs,
+                  vexp_stages=stages)
     finally:
         kq.TILE_OVERRIDES.clear()
         kq.TILE_OVERRIDES.update(saved[0])
-        kq.SEQEXP_MIN_PROGRAMS, kq.SEQEXP_STAGES, kq.EVICT_FIRST = saved[1:]
+        kq.VEXP_MIN_PROGRAMS, kq.VEXP_STAGES = saved[1:]
     return rows

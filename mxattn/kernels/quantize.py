@@ -97,12 +97,15 @@ def _tile(kind: str, d_pad: int, group: int = 0, warps: Optional[int] = None) ->
     launches of ``_operands_kernel`` run every job at the launch's warps).
 
     Kernels of this module (session 12; docs/perf-notes-quantize.md has the measurements):
-    * ``hdim`` (``_hdim_kernel``: MX head-dim, Q): ``HDIM_ELEMS`` elements per 4 warps, 64 per thread (8 16-byte
-      loads in flight per thread).  ``hdim_k`` (K): BLOCK_S = the exponent group, warps for 64 per thread.
-    * ``seq`` (``_quantize_kernel``: seq / both / V pass 2): ``SEQ_ELEMS`` per 4 warps, two groups of row sets
-      (a thread holds 8 tokens of each seq block).  ``seq_k`` (K+V layouts in one pass): BLOCK_S = the group.
+    * ``hdim`` (``_hdim_kernel``: MX head-dim, Q): ``HDIM_ELEMS`` elements per 4 warps.  ``hdim_k`` (K): BLOCK_S =
+      the exponent group, 4 warps up to ``K_TILE_4WARPS`` elements.
+    * ``seq`` (``_quantize_kernel``: seq / both / V pass 2): ``SEQ_ELEMS`` per 4 warps, ``SEQ_GROUPS`` groups of
+      row sets.  ``seq_k`` (K+V layouts in one pass): BLOCK_S = the group, ``SEQ_K_GROUPS``.
     * ``vexp`` (V pass 1 on float input): ``VEXP_ELEMS`` per S tile of its loop at 4 warps, several tiles per
-      program (``_seq_chunk``).
+      program (``_seq_chunk`` with ``VEXP_MIN_PROGRAMS``), ``VEXP_STAGES`` deep.
+    * ``mx_hdim`` (``_hdim_rescale_kernel`` Q, ``_hdim_dequant_kernel``): ``MX_HDIM_ELEMS`` per 4 warps;
+      ``mx_hdim_k`` (K from MX) like ``hdim_k``.
+    The sizes and the measurements behind them are at the constants below.
     Older kinds, kept for the kernels that still use them (varlen, from-MX, dequantize; sessions 2-3 sweep, B8 S8192
     H16 D128 bf16): ``quant``, ``rescale``, ``dequant``: 4096 elements per program and 4 warps won there (hdim 69%,
     seq 70%, both 57% of copy against 61/54/49% at 8192 elements and 8 warps); ``k``: BLOCK_S = the group, 8 warps;
@@ -117,12 +120,12 @@ def _tile(kind: str, d_pad: int, group: int = 0, warps: Optional[int] = None) ->
         return Tile(max(1, HDIM_ELEMS * w4 // d_pad), 4 * w4)
     if kind == "seq":
         return Tile(max(32, SEQ_ELEMS * w4 // d_pad), 4 * w4, SEQ_GROUPS)
-    if kind in ("mx_hdim", "mx_hdim_k"):  # MX input blocked along D (from-MX Q/K, dequantize)
-        bs = group if kind == "mx_hdim_k" else max(1, MX_HDIM_ELEMS * w4 // d_pad)
-        return Tile(bs, warps or max(4, min(16, bs * d_pad * 4 // MX_HDIM_ELEMS)))
-    if kind in ("hdim_k", "seq_k"):
-        per4 = HDIM_ELEMS if kind == "hdim_k" else SEQ_ELEMS
-        return Tile(group, warps or max(4, min(16, group * d_pad * 4 // per4)), SEQ_GROUPS if kind == "seq_k" else 1)
+    if kind == "mx_hdim":  # MX input blocked along D (from-MX Q, dequantize)
+        return Tile(max(1, MX_HDIM_ELEMS * w4 // d_pad), 4 * w4)
+    if kind in ("hdim_k", "mx_hdim_k"):
+        return Tile(group, warps or (4 if group * d_pad <= K_TILE_4WARPS else 8))
+    if kind == "seq_k":
+        return Tile(group, warps or max(4, min(16, group * d_pad // 2048)), SEQ_K_GROUPS)
     if kind == "k":
         bs = group
     elif kind == "seqexp":
@@ -137,15 +140,22 @@ def _tile(kind: str, d_pad: int, group: int = 0, warps: Optional[int] = None) ->
     return Tile(bs, warps)
 
 
-# ``_hdim_kernel`` (head-dim orientation alone: MX, Q, K): elements per 4 warps (64 per thread).
-HDIM_ELEMS = 8192
-# ``_quantize_tile`` (seq orientation, alone or with the head-dim one): elements per 4 warps, and its J.
-SEQ_ELEMS = 8192
-SEQ_GROUPS = 2
-# V pass 1 on float input (``vexp``): elements per S tile of its loop, 4 warps.
+# Elements per 4 warps of the kinds sized by elements (B8 S8192 H16 D128 bf16 sweep, session 12, % of copy):
+# ``hdim`` (MX head-dim, Q): 4096 (32 per thread) 96 / 96, 8192 92 / 92, 16384 84 / 93;
+HDIM_ELEMS = 4096
+# ``seq`` (seq, both, V pass 2) with one group of row sets: 4096 88 / 76 / 79 (quant_seq / quant_both / rs_v),
+# 8192 83 / 78 / 76; two groups (J = 2) lost at every size (8192: 71 / 69 / 72).
+SEQ_ELEMS = 4096
+SEQ_GROUPS = 1
+# ``seq_k`` (K+V layouts in one pass, BLOCK_S = the group): 8 warps, J = 2: 70% (J = 1 62%, 16 warps 44%).
+SEQ_K_GROUPS = 2
+# ``vexp`` (V pass 1 on float input): elements per S tile of its loop, 4 warps (8192 at 8 warps: 59%).
 VEXP_ELEMS = 4096
-# ``_hdim_rescale_kernel`` / ``_hdim_dequant_kernel`` (MX input blocked along D): elements per 4 warps.
-MX_HDIM_ELEMS = 8192
+# ``mx_hdim`` (from-MX Q, dequantize head-dim): 4096 71 / 90 (rs_q_from_mx / dequant_hdim), 8192 69 / 86.
+MX_HDIM_ELEMS = 4096
+# K tiles (one exponent group, 128 x D_pad): 4 warps up to 16384 elements (rs_k 94% at d128, against 83% at 8
+# warps and 70% at 16), then 8.
+K_TILE_4WARPS = 16384
 
 # Tile per kind for experiments (the benchmark's sweeps): {"quant": Tile(128, 8), ...}; K's block_s must
 # stay its group.
@@ -157,19 +167,18 @@ TILE_OVERRIDES: dict = {}
 SEQEXP_MIN_PROGRAMS = 1024
 
 
-# V pass 1 on float input: ``tl.range`` pipelining depth of its loop over S tiles (1: none); the sweep varies it.
-SEQEXP_STAGES = 1
+# V pass 1 on float input (``vexp`` tiles): at least this many programs, and the ``tl.range`` pipelining depth of
+# each program's loop over S tiles (cp.async into shared memory).  Measured (B8 S8192 H16 D128 bf16, the pass
+# alone): 1024 programs / no pipelining 71% of copy, 4096 / 3 stages 82%, 16384 / none 45%.
+VEXP_MIN_PROGRAMS = 4096
+VEXP_STAGES = 3
 
-# ``eviction_policy="evict_first"`` on the float input's loads (read once) of the head-dim, row-set and V exponent
-# kernels; the sweep varies it.
-EVICT_FIRST = False
 
-
-def _seq_chunk(n_rows: int, S: int, block_s: int) -> int:
+def _seq_chunk(n_rows: int, S: int, block_s: int, min_programs: Optional[int] = None) -> int:
     """Tiles of S per program in the V exponent pass: as many as possible (fewer atomics) while the grid
     keeps ``SEQEXP_MIN_PROGRAMS`` programs, and at most 32."""
     n_tiles = cdiv(S, block_s)
-    per = max(1, (n_tiles * n_rows) // SEQEXP_MIN_PROGRAMS)
+    per = max(1, (n_tiles * n_rows) // (min_programs or SEQEXP_MIN_PROGRAMS))
     return min(per, n_tiles, 32)
 
 
@@ -359,10 +368,33 @@ def _sign_byte(xr):
 
 
 @triton.jit
+def _e4m3_code(r):
+    """The e4m3 byte (int32) of an fp32 value on the e4m3 grid (finite, |r| <= 448), by arithmetic on its bits.
+
+    The explicit-rounding paths pack four bytes per word; with cvt instructions there, ptxas 12.8 folds a
+    cvt.rn.satfinite.e4m3x2 and the packing ``mov.b32 {lo, hi}`` whose ``hi`` is ``lo >> 8`` and leaves a byte reading
+    a register that never holds the conversion (docs/quantize-both-byte3.md; seen again at d256 in
+    ``_hdim_rescale_kernel``).  Normal values: exponent field e + 7, the top 3 mantissa bits; subnormal ones
+    (k * 2^-9, k < 8): k from the significand."""
+    bits = r.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    e = (mag >> 23) - 127
+    sub = ((mag & 0x7FFFFF) | 0x800000) >> tl.minimum(tl.maximum(14 - e, 0), 31)
+    code = tl.where(e >= -6, ((e + 7) << 3) | ((mag >> 20) & 7), tl.where(mag == 0, 0, sub))
+    return code | ((bits >> 24) & 0x80)
+
+
+@triton.jit
+def _soft_e4m3(y):
+    """The e4m3 byte (int32) of fp32 ``y`` (finite), rounded to nearest even and saturated, explicitly."""
+    return _e4m3_code(_round_to_e4m3_grid(y))
+
+
+@triton.jit
 def _soft_mx_bytes(xr, xf, y):
     """MX data bytes by the explicit rounding: its byte's magnitude, 0x7F for NaN (the rounding does not handle
     NaN), the input's sign (finite and infinite values already carry it: -tiny gives -0, +-Inf saturates)."""
-    b = tl.where(xf != xf, 127, _e4m3_bytes(y, True).to(tl.int32)).to(tl.uint8)
+    b = tl.where(xf != xf, 127, _soft_e4m3(tl.where(xf != xf, 0.0, y))).to(tl.uint8)
     return b | _sign_byte(xr)
 
 
@@ -400,7 +432,7 @@ def _rs_bytes(y, e, E, fin, SOFT: tl.constexpr):
     rounds to 0 in e4m3 either way; NaN blocks multiply by NaN, which converts to 0x7F."""
     m = _pow2(_rs_shift(e, E))
     if SOFT:
-        r = tl.where(fin, _e4m3_bytes(_round_to_e4m3_grid(y) * m, True).to(tl.int32), 127).to(tl.uint8)
+        r = tl.where(fin, _soft_e4m3(_round_to_e4m3_grid(tl.where(fin, y, 0.0)) * m), 127).to(tl.uint8)
     else:
         m16 = tl.broadcast_to(tl.where(fin, m, float("nan")).to(tl.float16), y.shape)
         r = tl.inline_asm_elementwise(
@@ -447,9 +479,9 @@ def _mx_word(y0, y1, y2, y3, r0, r1, r2, r3, x0, x1, x2, x3, SOFT: tl.constexpr)
 def _rs_word(y0, y1, y2, y3, e, E, SOFT: tl.constexpr):
     """One channel-major word of row-scaled bytes (``_rs_bytes`` of tokens 4w + k, finite blocks)."""
     m = _pow2(_rs_shift(e, E))
-    if SOFT:
-        wd = _pack_words(_e4m3_bytes(_round_to_e4m3_grid(y0) * m, True), _e4m3_bytes(_round_to_e4m3_grid(y1) * m, True),
-                         _e4m3_bytes(_round_to_e4m3_grid(y2) * m, True), _e4m3_bytes(_round_to_e4m3_grid(y3) * m, True))
+    if SOFT:  # (NaN blocks are replaced by the caller; their bytes here are whatever the rounding makes)
+        wd = _pack_words(_soft_e4m3(_round_to_e4m3_grid(y0) * m), _soft_e4m3(_round_to_e4m3_grid(y1) * m),
+                         _soft_e4m3(_round_to_e4m3_grid(y2) * m), _soft_e4m3(_round_to_e4m3_grid(y3) * m))
     else:
         m16 = tl.broadcast_to(m.to(tl.float16), y0.shape)
         wd = tl.inline_asm_elementwise(
@@ -538,11 +570,11 @@ def _tiled_offset(r, c, n_col_tiles):
 def _hdim_kernel(
     x_ptr, S, H, sxb, sxs, sxh, hd_ptr, he_ptr, n_s_tiles, n_groups,
     D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr, GROUP: tl.constexpr, RCEIL: tl.constexpr,
-    SOFT: tl.constexpr, IDX64: tl.constexpr, SWZ: tl.constexpr, EVICT: tl.constexpr = False,
+    SOFT: tl.constexpr, IDX64: tl.constexpr, SWZ: tl.constexpr,
 ):
     """One ``_hdim_tile`` per program (the arguments are documented there)."""
     _hdim_tile(tl.program_id(0), x_ptr, S, H, sxb, sxs, sxh, hd_ptr, he_ptr, n_s_tiles, n_groups,
-               D, NDP, BLOCK_S, GROUP, RCEIL, SOFT, IDX64, SWZ, EVICT)
+               D, NDP, BLOCK_S, GROUP, RCEIL, SOFT, IDX64, SWZ)
 
 
 @triton.jit
@@ -557,7 +589,6 @@ def _hdim_tile(
     D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr,
     GROUP: tl.constexpr,  # 0: MX scales; 1: Q (one exponent per row); > 1: K (one per tile; BLOCK_S == GROUP)
     RCEIL: tl.constexpr, SOFT: tl.constexpr, IDX64: tl.constexpr, SWZ: tl.constexpr,
-    EVICT: tl.constexpr = False,  # ``_load_x``
 ):
     """Quantize BLOCK_S tokens x D channels of one (b, h) along D: blocks are the tile's last axis.
 
@@ -578,7 +609,7 @@ def _hdim_tile(
     ND: tl.constexpr = (D + 31) // 32
     in_s = i < S - s0
     in_d = d < D
-    xr = _load_x(x_ptr + (b64 * sxb + s0.to(tl.int64) * sxs + h64 * sxh) + i * sxs + d, in_s & in_d, EVICT)
+    xr = tl.load(x_ptr + (b64 * sxb + s0.to(tl.int64) * sxs + h64 * sxh) + i * sxs + d, mask=in_s & in_d, other=0.0)
     xf = _to_f32(xr)
     amax = _abs_max_bits(xf, 2)  # (BLOCK_S, NDP, 1)
     e = _mx_exponent(amax, RCEIL)
@@ -613,32 +644,21 @@ def _quantize_kernel(
     x_ptr, S, H, sxb, sxs, sxh, hd_ptr, he_ptr, cw_ptr, ce_ptr, S_pad, NSB, n_s_tiles, n_groups,
     D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr, HDIM: tl.constexpr, SEQ: tl.constexpr,
     HDIM_GROUP: tl.constexpr, SEQ_RS: tl.constexpr, RCEIL: tl.constexpr, SOFT: tl.constexpr, IDX64: tl.constexpr,
-    SWZ: tl.constexpr = False, EVEN: tl.constexpr = False, J: tl.constexpr = 1, EVICT: tl.constexpr = False,
+    SWZ: tl.constexpr = False, EVEN: tl.constexpr = False, J: tl.constexpr = 1,
 ):
     """One ``_quantize_tile`` per program (the arguments are documented there)."""
     _quantize_tile(tl.program_id(0), x_ptr, S, H, sxb, sxs, sxh, hd_ptr, he_ptr, cw_ptr, ce_ptr, S_pad, NSB,
                    n_s_tiles, n_groups, D, NDP, BLOCK_S, HDIM, SEQ, HDIM_GROUP, SEQ_RS, RCEIL, SOFT, IDX64, SWZ, EVEN,
-                   J, EVICT)
+                   J)
 
 
 @triton.jit
-def _load_x(ptr, mask, EVICT: tl.constexpr):
-    """``tl.load`` of float input (0 where masked), with the L2 hint ``evict_first`` when ``EVICT`` (``EVICT_FIRST``:
-    the input is read once)."""
-    if EVICT:
-        x = tl.load(ptr, mask=mask, other=0.0, eviction_policy="evict_first")
-    else:
-        x = tl.load(ptr, mask=mask, other=0.0)
-    return x
-
-
-@triton.jit
-def _row_set(xp, sxs, q4, k: tl.constexpr, s0, S, d, in_d, EVEN: tl.constexpr, EVICT: tl.constexpr):
+def _row_set(xp, sxs, q4, k: tl.constexpr, s0, S, d, in_d, EVEN: tl.constexpr):
     """Rows s0 + q4 + k of the tile (q4 = 4 * word index): raw values and fp32.  ``EVEN``: every row exists."""
     if EVEN:
-        xr = _load_x(xp + (q4 + k) * sxs + d, in_d, EVICT)
+        xr = tl.load(xp + (q4 + k) * sxs + d, mask=in_d, other=0.0)
     else:
-        xr = _load_x(xp + (q4 + k) * sxs + d, (s0 + q4 + k < S) & in_d, EVICT)
+        xr = tl.load(xp + (q4 + k) * sxs + d, mask=(s0 + q4 + k < S) & in_d, other=0.0)
     return xr, _to_f32(xr)
 
 
@@ -740,7 +760,6 @@ def _quantize_tile(
     SWZ: tl.constexpr,  # MX scales in the 128x4-tiled layout of Blackwell MMA, per (b, h) (he_ptr, ce_ptr)
     EVEN: tl.constexpr = False,  # every token of every tile exists (S % BLOCK_S == 0 == S_pad - S): no row masks
     J: tl.constexpr = 1,  # groups of four row sets: a thread holds 4 * J tokens of each seq block it touches
-    EVICT: tl.constexpr = False,  # ``_load_x``
 ):
     """Quantize BLOCK_S tokens x D channels of one (b, h), along S (and along D too when HDIM).
 
@@ -764,15 +783,15 @@ def _quantize_tile(
     G1: tl.constexpr = 4 * W  # first row of group 1, relative to q4
 
     xp = x_ptr + b64 * sxb + s0.to(tl.int64) * sxs + h64 * sxh
-    x0r, x0 = _row_set(xp, sxs, q4, 0, s0, S, d, in_d, EVEN, EVICT)
-    x1r, x1 = _row_set(xp, sxs, q4, 1, s0, S, d, in_d, EVEN, EVICT)
-    x2r, x2 = _row_set(xp, sxs, q4, 2, s0, S, d, in_d, EVEN, EVICT)
-    x3r, x3 = _row_set(xp, sxs, q4, 3, s0, S, d, in_d, EVEN, EVICT)
+    x0r, x0 = _row_set(xp, sxs, q4, 0, s0, S, d, in_d, EVEN)
+    x1r, x1 = _row_set(xp, sxs, q4, 1, s0, S, d, in_d, EVEN)
+    x2r, x2 = _row_set(xp, sxs, q4, 2, s0, S, d, in_d, EVEN)
+    x3r, x3 = _row_set(xp, sxs, q4, 3, s0, S, d, in_d, EVEN)
     if J == 2:
-        x4r, x4 = _row_set(xp, sxs, q4, G1, s0, S, d, in_d, EVEN, EVICT)
-        x5r, x5 = _row_set(xp, sxs, q4, G1 + 1, s0, S, d, in_d, EVEN, EVICT)
-        x6r, x6 = _row_set(xp, sxs, q4, G1 + 2, s0, S, d, in_d, EVEN, EVICT)
-        x7r, x7 = _row_set(xp, sxs, q4, G1 + 3, s0, S, d, in_d, EVEN, EVICT)
+        x4r, x4 = _row_set(xp, sxs, q4, G1, s0, S, d, in_d, EVEN)
+        x5r, x5 = _row_set(xp, sxs, q4, G1 + 1, s0, S, d, in_d, EVEN)
+        x6r, x6 = _row_set(xp, sxs, q4, G1 + 2, s0, S, d, in_d, EVEN)
+        x7r, x7 = _row_set(xp, sxs, q4, G1 + 3, s0, S, d, in_d, EVEN)
 
     if HDIM:
         hrow = (b64 * S + s0) * H + h64  # row of (b, s0, h) in (B, S, H)
@@ -866,11 +885,11 @@ def _seq_exponent_kernel(
     x_ptr, S, H, sxb, sxs, sxh, sxd, sc_ptr, scb, scs, sch, scd, exp_ptr, n_s_tiles, tiles_per_prog, S_ld,
     D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr,
     FROM_MX: tl.constexpr, RCEIL: tl.constexpr, IDX64: tl.constexpr, QU: tl.constexpr, SU: tl.constexpr,
-    STAGES: tl.constexpr = 1, EVICT: tl.constexpr = False,
+    STAGES: tl.constexpr = 1,
 ):
     """One ``_seq_exponent_tile`` per program (the arguments are documented there)."""
     _seq_exponent_tile(tl.program_id(0), x_ptr, S, H, sxb, sxs, sxh, sxd, sc_ptr, scb, scs, sch, scd, exp_ptr,
-                       n_s_tiles, tiles_per_prog, S_ld, D, NDP, BLOCK_S, FROM_MX, RCEIL, IDX64, QU, SU, STAGES, EVICT)
+                       n_s_tiles, tiles_per_prog, S_ld, D, NDP, BLOCK_S, FROM_MX, RCEIL, IDX64, QU, SU, STAGES)
 
 
 @triton.jit
@@ -883,7 +902,6 @@ def _seq_exponent_tile(
     D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr,
     FROM_MX: tl.constexpr, RCEIL: tl.constexpr, IDX64: tl.constexpr, QU: tl.constexpr, SU: tl.constexpr,
     STAGES: tl.constexpr,  # software-pipelining depth of the float input's loop (``tl.range``)
-    EVICT: tl.constexpr = False,  # ``_load_x`` (float input)
 ):
     """Pass 1 of V: per channel, the largest exponent among the seq blocks that hold a nonzero element."""
     n_chunks = tl.cdiv(n_s_tiles, tiles_per_prog)
@@ -924,7 +942,8 @@ def _seq_exponent_tile(
         run = tl.zeros((BLOCK_S, NDP * 32), x_ptr.dtype.element_ty)
         for t in tl.range(t0, t1, num_stages=STAGES):
             s0 = t * BLOCK_S
-            xr = _load_x(xp + s0.to(tl.int64) * sxs + i * sxs + c[None, :], (s0 + i < S) & (c[None, :] < D), EVICT)
+            xr = tl.load(xp + s0.to(tl.int64) * sxs + i * sxs + c[None, :], mask=(s0 + i < S) & (c[None, :] < D),
+                         other=0.0)
             run = tl.maximum(run, tl.abs(xr), propagate_nan=tl.PropagateNan.ALL).to(xr.dtype)
         cm = tl.reduce(_to_f32(run), 0, _max_keep_nan).to(tl.int32, bitcast=True)  # (D_pad,): channel maxima bits
         if tl.max(cm) >= 0x7F800000:  # the chunk again, one seq block at a time, its non-finite blocks left out
@@ -955,7 +974,7 @@ def _operands_kernel(
     B: tl.constexpr, B_BS: tl.constexpr, B_HDIM: tl.constexpr, B_SEQ: tl.constexpr, B_GROUP: tl.constexpr,
     B_RS: tl.constexpr, B_ROWSET: tl.constexpr, B_EVEN: tl.constexpr, B_J: tl.constexpr,
     E: tl.constexpr, E_BS: tl.constexpr, E_STAGES: tl.constexpr, F: tl.constexpr, F_BS: tl.constexpr,
-    F_STAGES: tl.constexpr, EVICT: tl.constexpr = False,
+    F_STAGES: tl.constexpr,
 ):
     """Up to four independent jobs of one attention call in one launch (the host's cost is per launch): each
     program runs one tile of one job, the jobs laid end to end on the grid.  A job is exactly the tile its own
@@ -967,27 +986,27 @@ def _operands_kernel(
             if A_ROWSET:
                 _quantize_tile(pid, ax, aS, aH, asxb, asxs, asxh, ahd, ahe, acw, ace, aS_pad, aNSB, an_tiles,
                                an_groups, D, NDP, A_BS, A_HDIM, A_SEQ, A_GROUP, A_RS, RCEIL, SOFT, IDX64, False,
-                               A_EVEN, A_J, EVICT)
+                               A_EVEN, A_J)
             else:
                 _hdim_tile(pid, ax, aS, aH, asxb, asxs, asxh, ahd, ahe, an_tiles, an_groups, D, NDP, A_BS, A_GROUP,
-                           RCEIL, SOFT, IDX64, False, EVICT)
+                           RCEIL, SOFT, IDX64, False)
     elif pid < n_a + n_b:
         if B:
             if B_ROWSET:
                 _quantize_tile(pid - n_a, bx, bS, bH, bsxb, bsxs, bsxh, bhd, bhe, bcw, bce, bS_pad, bNSB, bn_tiles,
                                bn_groups, D, NDP, B_BS, B_HDIM, B_SEQ, B_GROUP, B_RS, RCEIL, SOFT, IDX64, False,
-                               B_EVEN, B_J, EVICT)
+                               B_EVEN, B_J)
             else:
                 _hdim_tile(pid - n_a, bx, bS, bH, bsxb, bsxs, bsxh, bhd, bhe, bn_tiles, bn_groups, D, NDP, B_BS,
-                           B_GROUP, RCEIL, SOFT, IDX64, False, EVICT)
+                           B_GROUP, RCEIL, SOFT, IDX64, False)
     elif pid < n_a + n_b + n_e:
         if E:
             _seq_exponent_tile(pid - n_a - n_b, ex, eS, eH, esxb, esxs, esxh, esxd, eexp, 0, 0, 0, 0, eexp,
-                               en_tiles, eper, eS, D, NDP, E_BS, False, RCEIL, IDX64, 1, 0, E_STAGES, EVICT)
+                               en_tiles, eper, eS, D, NDP, E_BS, False, RCEIL, IDX64, 1, 0, E_STAGES)
     else:
         if F:
             _seq_exponent_tile(pid - n_a - n_b - n_e, fx, fS, fH, fsxb, fsxs, fsxh, fsxd, fexp, 0, 0, 0, 0, fexp,
-                               fn_tiles, fper, fS, D, NDP, F_BS, False, RCEIL, IDX64, 1, 0, F_STAGES, EVICT)
+                               fn_tiles, fper, fS, D, NDP, F_BS, False, RCEIL, IDX64, 1, 0, F_STAGES)
 
 
 @triton.jit
@@ -1017,14 +1036,11 @@ def _e4m3_to_f32(qb, SOFT: tl.constexpr):
 def _rescale_words(qw, m, fin, SOFT: tl.constexpr):
     """Words of 4 e4m3 bytes ``qw`` (int32) re-expressed: e4m3(q * m), m = 2^(e - E) in [2^-20, 1] (see
     ``_rs_bytes``); NaN data bytes stay as they are in finite blocks, NaN blocks (``fin`` false) become 0x7F bytes."""
-    if SOFT:
-        o = _e4m3_bytes((qw & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * m, True).to(tl.int32)
-        o |= _e4m3_bytes(((qw >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * m,
-                         True).to(tl.int32) << 8
-        o |= _e4m3_bytes(((qw >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * m,
-                         True).to(tl.int32) << 16
-        o |= _e4m3_bytes(((qw >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * m,
-                         True).to(tl.int32) << 24
+    if SOFT:  # (NaN bytes and blocks are replaced below; their bytes here are whatever the rounding makes)
+        o = _pack_words(_soft_e4m3(_e4m3_to_f32((qw & 0xFF).to(tl.uint8), False) * m),
+                        _soft_e4m3(_e4m3_to_f32(((qw >> 8) & 0xFF).to(tl.uint8), False) * m),
+                        _soft_e4m3(_e4m3_to_f32(((qw >> 16) & 0xFF).to(tl.uint8), False) * m),
+                        _soft_e4m3(_e4m3_to_f32(((qw >> 24) & 0xFF).to(tl.uint8), False) * m))
     else:
         m16 = tl.broadcast_to(m.to(tl.float16), qw.shape)
         o = tl.inline_asm_elementwise(
@@ -1433,7 +1449,7 @@ def _quantize_spec(x4, s_pad, *, HDIM, SEQ, HDIM_GROUP, SEQ_RS, rceil, group, sw
         idx64 = _needs_i64(bs * sxs, dp) or _needs_i64(bs * Hv * D, dp)
         return ((Bv * n_s_tiles * Hv,), (Sv, Hv, sxb, sxs, sxh), (n_s_tiles, cdiv(S, group) if group else 1),
                 dict(D=D, NDP=dp // 32, BLOCK_S=bs, GROUP=HDIM_GROUP, RCEIL=rceil, SOFT=_soft(x4.device),
-                     IDX64=idx64, SWZ=swz, EVICT=EVICT_FIRST, num_warps=tile.num_warps),
+                     IDX64=idx64, SWZ=swz, num_warps=tile.num_warps),
                 "hdim_rows" if flat else "hdim")
     tile = _tile("seq_k" if HDIM_GROUP > 1 else "seq", dp, group, warps)
     bs = tile.block_s
@@ -1446,7 +1462,7 @@ def _quantize_spec(x4, s_pad, *, HDIM, SEQ, HDIM_GROUP, SEQ_RS, rceil, group, sw
     return ((B * n_s_tiles * H,), (S, H, sxb, sxs, sxh), (s_pad, cdiv(S, 32), n_s_tiles, n_groups),
             dict(D=D, NDP=dp // 32, BLOCK_S=bs, HDIM=HDIM, SEQ=SEQ, HDIM_GROUP=HDIM_GROUP, SEQ_RS=SEQ_RS,
                  RCEIL=rceil, SOFT=_soft(x4.device), IDX64=idx64, SWZ=swz, EVEN=S % bs == 0 and s_pad <= S,
-                 J=tile.row_groups, EVICT=EVICT_FIRST, num_warps=tile.num_warps), "rowset")
+                 J=tile.row_groups, num_warps=tile.num_warps), "rowset")
 
 
 def _rows_view(x4: torch.Tensor) -> Optional[torch.Tensor]:
@@ -1492,15 +1508,15 @@ def _v_exponents_spec(src4, sc4, *, from_mx: bool, rceil: bool, warps=None):
     tile = _tile("seqexp", dp) if from_mx else _tile("vexp", dp, warps=warps)
     bs = tile.block_s
     n_s_tiles = cdiv(S, bs)
-    per = _seq_chunk(B * H, S, bs)
+    per = _seq_chunk(B * H, S, bs, None if from_mx else VEXP_MIN_PROGRAMS)
     n_chunks = cdiv(n_s_tiles, per)
     st = src4.stride()
     scs = sc4.stride() if sc4 is not None else (0, 0, 0, 0)
     idx64 = _needs_i64(bs * abs(st[1]), dp * abs(st[3]))
     return ((B * n_chunks * H,), (S, H, *st), tuple(scs), (n_s_tiles, per, _s_load_bound(src4) if from_mx else S),
             dict(D=D, NDP=dp // 32, BLOCK_S=bs, FROM_MX=from_mx, RCEIL=rceil, IDX64=idx64,
-                 QU=_unit(src4), SU=_unit(sc4) if sc4 is not None else 0, STAGES=1 if from_mx else SEQEXP_STAGES,
-                 EVICT=EVICT_FIRST and not from_mx, num_warps=tile.num_warps))
+                 QU=_unit(src4), SU=_unit(sc4) if sc4 is not None else 0, STAGES=1 if from_mx else VEXP_STAGES,
+                 num_warps=tile.num_warps))
 
 
 def _v_exponents(src4, sc4, *, from_mx: bool, rceil: bool) -> torch.Tensor:
@@ -1546,7 +1562,7 @@ def _plan_key(kind: str, x, scale_mode, seq_dim, k_group):
     if type(x) is not _Tensor or type(k_group) is not int or TILE_OVERRIDES or not _launch.PLANS:
         return None
     return (kind, x.shape, x.stride(), x.dtype, x.device, _current_device(x), scale_mode, seq_dim, k_group,
-            x.data_ptr() & 15, SEQEXP_MIN_PROGRAMS, SEQEXP_STAGES, EVICT_FIRST, SOFT_ROUND_ON_GPU)
+            x.data_ptr() & 15, SEQEXP_MIN_PROGRAMS, VEXP_MIN_PROGRAMS, VEXP_STAGES, SOFT_ROUND_ON_GPU)
 
 
 def _trusted_row_scaled(data, exp, dim, group_dim=None, group=1) -> RowScaledFP8:
@@ -1690,7 +1706,7 @@ def _operands_launch(state: dict, name: str, quant: list, exps: list, D: int, rc
     ea = list(exps) + [None] * (2 - len(exps))
     present = [j for j in qa + ea if j is not None]
     c = dict(D=D, NDP=_d_pad(D) // 32, RCEIL=rceil, SOFT=soft, IDX64=any(j[1]["IDX64"] for j in present),
-             EVICT=EVICT_FIRST, num_warps=max(j[1]["num_warps"] for j in present))
+             num_warps=max(j[1]["num_warps"] for j in present))
     for tag, job in (("A", qa[0]), ("B", qa[1])):
         jc = job[1] if job is not None else dict(BLOCK_S=32, HDIM=False, SEQ=False, HDIM_GROUP=0, SEQ_RS=False,
                                                  ROWSET=True)
@@ -1811,7 +1827,7 @@ def row_scaled_triton_both_pair(x: torch.Tensor, y: torch.Tensor, scale_mode: Un
     if type(x) is _Tensor and type(y) is _Tensor and type(k_group) is int and not TILE_OVERRIDES and _launch.PLANS:
         key = ("pair", x.shape, x.stride(), y.shape, y.stride(), x.dtype, y.dtype, x.device, y.device,
                _current_device(x), scale_mode, k_group, x.data_ptr() & 15, y.data_ptr() & 15, SEQEXP_MIN_PROGRAMS,
-               SEQEXP_STAGES, EVICT_FIRST, SOFT_ROUND_ON_GPU)
+               VEXP_MIN_PROGRAMS, VEXP_STAGES, SOFT_ROUND_ON_GPU)
         plan = _PLANS.get(key)
         if plan is not None:
             return plan(*(t if t.stride(3) == 1 else t.contiguous() for t in (x, y)))
@@ -1844,7 +1860,7 @@ def forward_operands_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             and not TILE_OVERRIDES and _launch.PLANS:
         key = ("forward", keep_kv, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
                v.dtype, q.device, k.device, v.device, _current_device(q), scale_mode, k_group, q.data_ptr() & 15,
-               k.data_ptr() & 15, v.data_ptr() & 15, SEQEXP_MIN_PROGRAMS, SEQEXP_STAGES, EVICT_FIRST,
+               k.data_ptr() & 15, v.data_ptr() & 15, SEQEXP_MIN_PROGRAMS, VEXP_MIN_PROGRAMS, VEXP_STAGES,
                SOFT_ROUND_ON_GPU)
         plan = _PLANS.get(key)
         if plan is not None:
