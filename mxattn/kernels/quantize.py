@@ -23,22 +23,25 @@ Public functions (inputs (B, S, H, D), or packed (T, H, D) with ``seq_dim=0``; D
       like the ``seq`` MXTensor above.
 
 How the numbers are made exactly (the same code runs under ``TRITON_INTERPRET=1`` and on the GPU):
-* Block exponents come from the bits of the block's |x| maximum (an integer max of the magnitude bits, so
-  NaN and Inf are seen): ``e = k - 8 + (mantissa > 1.75)`` (RCEIL) or ``k - 8`` (FLOOR), clamped to
-  [-127, 127]; fp32 subnormal maxima have k = -127 from the bits, which the clamp makes right.
+* Block exponents come from the bits of the block's |x| maximum, a NaN-propagating float maximum
+  (``_abs_max_bits``: >= 0x7F800000 exactly where the block holds NaN/Inf): ``e = k - 8 + (mantissa > 1.75)``
+  (RCEIL) or ``k - 8`` (FLOOR), clamped to [-127, 127]; fp32 subnormal maxima have k = -127 from the bits, which
+  the clamp makes right.  A block holds a nonzero e4m3 element iff its maximum exceeds 2^-137 (``_nonzero_block``).
 * ``x * 2^-e`` is one fp32 multiply by an exact power of two (normal for every reachable e); it is exact,
-  or lands below 2^-126 where every later rounding gives zero anyway.
-* Rounding to e4m3 (RNE, saturating at 448): on the GPU the ``cvt.rn.satfinite`` the cast compiles to;
-  under the interpreter (whose fp32->fp8 cast mis-rounds, DESIGN §5) ``_round_to_e4m3_grid`` first rounds
-  in fp32 with the add-a-power-of-two trick, and the cast of an on-grid value is exact.  ``SOFT_ROUND_ON_GPU``
-  switches the GPU to the explicit rounding too (the GPU tests run both).
-* NaN/Inf never reach the fast path: a program whose tile holds a non-finite block patches its NaN bytes
-  (0x7F with the input's sign, as ``torch`` makes them) in a branch that finite tiles skip.
+  or lands below 2^-126 where every later rounding gives zero anyway.  The re-expression of the Hopper operands
+  multiplies the e4m3 value by 2^(e - E) in fp16 on the GPU (exact where it matters, ``_rs_bytes``).
+* Rounding to e4m3 (RNE, saturating at 448): on the GPU the ``cvt.rn.satfinite`` instructions, as inline PTX
+  that also packs the bytes and puts the input's sign on NaN bytes (0x7F with the input's sign, as ``torch`` makes
+  them); under the interpreter (whose fp32->fp8 cast mis-rounds, DESIGN §5) ``_round_to_e4m3_grid`` rounds in fp32
+  with the add-a-power-of-two trick and ``_e4m3_code`` encodes the on-grid value.  ``SOFT_ROUND_ON_GPU`` switches
+  the GPU to the explicit rounding too (the GPU tests run both).  No path branches on NaN/Inf.
 
-Layout of a program's work: one (b, h) pair and ``BLOCK_S`` tokens, all D channels, read as four row sets
-(rows s0 + 4w + k), each a 4-D tile (BLOCK_S/32, 8, D/32, 32): the D blocks are reductions over axis 3, the
-S blocks over axis 1 of the four sets' maximum, and the four seq-orientation bytes of a channel pack into one
-int32 before the channel-major store.  Tile sizes are in ``_tile`` with the measurements behind them
+Kernels: ``_hdim_kernel`` (head-dim orientation alone: MX, Q, K) takes tiles (BLOCK_S, D/32, 32) of consecutive
+rows (the (b, s, h) rows of a contiguous tensor as one run, per (b, h) otherwise); ``_quantize_kernel`` (any seq
+orientation) takes one (b, h) pair and ``BLOCK_S`` tokens, read as row sets (rows s0 + 4w + k), each a 4-D tile
+(BLOCK_S/32, W, D/32, 32): the S blocks are reductions over axis 1 of the sets' maximum, and the four
+seq-orientation bytes of a channel pack into one int32 before the channel-major store.  V's exponent pass keeps a
+running maximum over a chunk of S.  Tile sizes are in ``_tile`` with the measurements behind them
 (docs/perf-notes-quantize.md).
 """
 
@@ -763,9 +766,8 @@ def _quantize_tile(
 ):
     """Quantize BLOCK_S tokens x D channels of one (b, h), along S (and along D too when HDIM).
 
-    The tile is read as row sets, rows s0 + 4w + 16 * (8 / J) * j ... : group j (of J) is four row sets,
-    rows s0 + 4 (w + j W) + k for k = 0..3 (w = word index, shape (BLOCK_S/32, W = 8/J, 1, 1); channels d, shape
-    (1, 1, NDP, 32)).  The same thread then holds 4 consecutive tokens of a channel in each group, so the four
+    The tile is read as row sets: group j (of J) is four row sets, rows s0 + 4 (w + j W) + k for k = 0..3
+    (w = word index, shape (BLOCK_S/32, W = 8/J, 1, 1); channels d, shape (1, 1, NDP, 32)).  The same thread then holds 4 consecutive tokens of a channel in each group, so the four
     seq-orientation bytes pack into one int32 word of the channel-major row before the transposing store (a 4-byte
     transpose instead of a byte transpose), and with J = 2 it holds 8 tokens of each seq block: the block's exponent
     work and its cross-lane maximum are shared by twice as many elements.  Maxima are NaN-propagating float maxima
@@ -1430,6 +1432,8 @@ def _quantize_spec(x4, s_pad, *, HDIM, SEQ, HDIM_GROUP, SEQ_RS, rceil, group, sw
     constexprs, the kernel kind), or None when there is no work.  Kind "hdim": ``_hdim_kernel`` (head-dim orientation
     alone); "hdim_rows": the same on ``_rows_view(x4)``; "rowset": ``_quantize_kernel`` (any seq orientation)."""
     B, S, H, D = x4.shape
+    if SEQ and HDIM and HDIM_GROUP == 1:
+        raise ValueError("the row-set kernel writes the K layout (a group of rows) or MX scales along D, not Q's")
     if B * H == 0:
         return None
     dp = _d_pad(D)
