@@ -553,6 +553,18 @@ def test_dequantize_hdim_layouts(layout, dtype, gen):
                       f"dequantize hdim {layout} {dtype}")
 
 
+def test_hdim_padded_rows(gen):
+    """Rows evenly spaced but padded (a (B, S, H, 64) slice of a 96-wide buffer): the head-dim kernel takes them as one
+    run of rows with a row stride of 96; MX and Q, and the plan's second call on fresh data."""
+    kq._PLANS.clear()
+    for i in range(2):
+        wide = make_input((2, 37, 3, 96), torch.bfloat16, "adversarial", gen)
+        x = wide[..., :64]
+        assert kq._rows_view(x) is not None and kq._rows_view(x).stride(1) == 96
+        assert_same_mx(kq.quantize_mxfp8_triton(x.to(DEVICE), "hdim"), F.quantize_mxfp8(x, -1), f"padded hdim {i}")
+        assert_same_rs(kq.row_scaled_triton(x.to(DEVICE), "q"), ref_rs(x, "q"), f"padded q {i}")
+
+
 @pytest.mark.parametrize("role", ["q", "k"])
 def test_row_scaled_strided_rows(role, gen):
     """Q/K of a fused (B, S, 3, H, D) projection: rows not evenly spaced, so the head-dim kernel works per head."""
