@@ -71,35 +71,50 @@ def compile_tl(fn, consts: dict, ptrs: dict, num_warps: int):
 
 
 def quantize_variant(D: int, kind: str):
+    """The single-pass launch of a role at the default tiles: Q and K on ``_hdim_kernel``, V and K+V ("both") on
+    ``_quantize_kernel`` (partial tiles: EVEN off)."""
     dp = kq._d_pad(D)
-    flags = {"q": dict(HDIM=True, SEQ=False, HDIM_GROUP=1, SEQ_RS=False, tile="quant"),
-             "k": dict(HDIM=True, SEQ=False, HDIM_GROUP=128, SEQ_RS=False, tile="k"),
-             "v": dict(HDIM=False, SEQ=True, HDIM_GROUP=0, SEQ_RS=True, tile="quant"),
-             "both": dict(HDIM=True, SEQ=True, HDIM_GROUP=128, SEQ_RS=True, tile="k")}[kind]
-    tile = kq._tile(flags.pop("tile"), dp, 128)
-    consts = dict(D=D, NDP=dp // 32, BLOCK_S=tile.block_s, RCEIL=True, SOFT=False, IDX64=False, SWZ=False, **flags)
     ptrs = {"x_ptr": "*bf16", "hd_ptr": PTRS_U8, "he_ptr": "*i32", "cw_ptr": "*i32", "ce_ptr": "*i32"}
+    if kind in ("q", "k"):
+        tile = kq._tile("hdim_k" if kind == "k" else "hdim", dp, 128)
+        consts = dict(D=D, NDP=dp // 32, BLOCK_S=tile.block_s, GROUP=128 if kind == "k" else 1, RCEIL=True,
+                      SOFT=False, IDX64=False, SWZ=False)
+        return compile_tl(kq._hdim_kernel, consts, ptrs, tile.num_warps)
+    flags = {"v": dict(HDIM=False, SEQ=True, HDIM_GROUP=0, SEQ_RS=True),
+             "both": dict(HDIM=True, SEQ=True, HDIM_GROUP=128, SEQ_RS=True)}[kind]
+    tile = kq._tile("seq_k" if kind == "both" else "seq", dp, 128)
+    consts = dict(D=D, NDP=dp // 32, BLOCK_S=tile.block_s, RCEIL=True, SOFT=False, IDX64=False, SWZ=False, EVEN=False,
+                  J=tile.row_groups, **flags)
     return compile_tl(kq._quantize_kernel, consts, ptrs, tile.num_warps)
 
 
 def operands_variant(D: int, launch: str):
     """``_operands_kernel`` as ``forward_operands_triton`` launches it: "first" (Q, K hdim; V exponents), "second"
-    (V seq), "first_keep" (Q; K and V exponents), "second_keep" (K and V in both orientations)."""
+    (V seq), "first_keep" (Q; K and V exponents), "second_keep" (K and V in both orientations).  Tiles as the plan
+    picks them (the first launch at K's warps), partial tiles (EVEN off)."""
     dp = kq._d_pad(D)
-    off = dict(BS=32, HDIM=False, SEQ=False, GROUP=0, RS=False)
-    q = dict(BS=kq._tile("quant", dp).block_s, HDIM=True, SEQ=False, GROUP=1, RS=False)
-    k = dict(BS=128, HDIM=True, SEQ=False, GROUP=128, RS=False)
-    v = dict(BS=kq._tile("quant", dp).block_s, HDIM=False, SEQ=True, GROUP=0, RS=True)
-    both = dict(BS=128, HDIM=True, SEQ=True, GROUP=128, RS=True)
-    ebs = kq._tile("seqexp", dp).block_s
-    a, b, e, f = {"first": (q, k, True, False), "second": (v, None, False, False),
-                  "first_keep": (q, None, True, True), "second_keep": (both, both, False, False)}[launch]
-    consts = dict(D=D, NDP=dp // 32, RCEIL=True, SOFT=False, IDX64=False, E=e, E_BS=ebs, F=f, F_BS=ebs)
+    kt = kq._tile("hdim_k", dp, 128)
+    warps_first = kt.num_warps
+    off = dict(BS=32, HDIM=False, SEQ=False, GROUP=0, RS=False, ROWSET=True, J=1)
+    q = dict(BS=kq._tile("hdim", dp, warps=warps_first).block_s, HDIM=True, SEQ=False, GROUP=1, RS=False, ROWSET=False,
+             J=1)
+    q_keep = dict(q, BS=kq._tile("hdim", dp).block_s)
+    k = dict(BS=128, HDIM=True, SEQ=False, GROUP=128, RS=False, ROWSET=False, J=1)
+    vt = kq._tile("seq", dp)
+    v = dict(BS=vt.block_s, HDIM=False, SEQ=True, GROUP=0, RS=True, ROWSET=True, J=vt.row_groups)
+    bt = kq._tile("seq_k", dp, 128)
+    both = dict(BS=128, HDIM=True, SEQ=True, GROUP=128, RS=True, ROWSET=True, J=bt.row_groups)
+    a, b, e, f, warps = {"first": (q, k, True, False, warps_first), "second": (v, None, False, False, vt.num_warps),
+                         "first_keep": (q_keep, None, True, True, 4),
+                         "second_keep": (both, both, False, False, bt.num_warps)}[launch]
+    ebs = kq._tile("vexp", dp, warps=warps).block_s
+    consts = dict(D=D, NDP=dp // 32, RCEIL=True, SOFT=False, IDX64=False, E=e, E_BS=ebs, E_STAGES=kq.VEXP_STAGES, F=f,
+                  F_BS=ebs, F_STAGES=kq.VEXP_STAGES)
     for tag, job in (("A", a), ("B", b)):
         j = job or off
         consts.update({tag: job is not None, f"{tag}_BS": j["BS"], f"{tag}_HDIM": j["HDIM"], f"{tag}_SEQ": j["SEQ"],
-                       f"{tag}_GROUP": j["GROUP"], f"{tag}_RS": j["RS"]})
-    warps = 8 if any(j is not None and j["BS"] == 128 for j in (a, b)) else 4
+                       f"{tag}_GROUP": j["GROUP"], f"{tag}_RS": j["RS"], f"{tag}_ROWSET": j["ROWSET"],
+                       f"{tag}_EVEN": False, f"{tag}_J": j["J"]})
     ptrs = {n: "*bf16" for n in ("ax", "bx", "ex", "fx")}
     ptrs.update({n: PTRS_U8 for n in ("ahd", "bhd")})
     ptrs.update({n: "*i32" for n in ("ahe", "ace", "acw", "bhe", "bce", "bcw", "eexp", "fexp")})
@@ -119,7 +134,7 @@ def main(argv=None) -> int:
         if ints not in ("none", "lengths", "all"):
             ap.error(f"--ints: {ints!r} is not none, lengths or all")
         for D in (int(x) for x in args.d.split(",")):
-            builds += [(f"_quantize_kernel {kind} d{D} ints={ints}", ints,
+            builds += [(f"quantize {kind} d{D} ints={ints}", ints,
                         lambda D=D, kind=kind: quantize_variant(D, kind)) for kind in ("q", "k", "v", "both")]
             builds += [(f"_operands_kernel {launch} d{D} ints={ints}", ints,
                         lambda D=D, launch=launch: operands_variant(D, launch))

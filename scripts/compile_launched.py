@@ -4,7 +4,9 @@
         [--compare-checked] [--check] [--all] [--no-compile] [--json PATH]
 
 CASE: ``dkdv`` (the Gluon dK/dV kernel), ``dq`` (the Gluon dQ kernel), ``fwd-gluon``, ``fwd-tl``, ``quant-forward``
-(``forward_operands_triton``'s launches, without and with ``keep_kv``).  Default shape B2 S8192 H16 Hkv16 d128.
+(``forward_operands_triton``'s launches, without and with ``keep_kv``), ``quant-bench`` (every row of
+``mxattn.bench.quantize_bench`` on a (B, S, H, D) bf16 input; tags name the rows).  Default shape B2 S8192 H16 Hkv16
+d128 (the quantize bench's is 8,8192,16,16,128).
 Needs triton 3.6 for the builds (its Gluon and its bundled ptxas 12.8, the GPU machine's versions); the capture
 and ``--no-compile`` also run with other versions (the ``tl`` cases; the specialization is then that version's).
 
@@ -96,11 +98,14 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # what the H200's driver reports (capability 9.0, 32 threads per warp)
-CASES = ("dkdv", "dq", "fwd-gluon", "fwd-tl", "quant-forward")
+CASES = ("dkdv", "dq", "fwd-gluon", "fwd-tl", "quant-forward", "quant-bench")
 # the kernels each case reports (function names; ``--all``: every captured launch)
 CASE_KERNELS = {"dkdv": ("_attn_bwd_dkdv_ws_kernel",), "dq": ("_attn_bwd_dq_ws_kernel",),
                 "fwd-gluon": ("_attn_fwd_ws_kernel",), "fwd-tl": ("_attn_fwd_kernel",),
-                "quant-forward": ("_operands_kernel",)}
+                "quant-forward": ("_operands_kernel",),
+                "quant-bench": ("_quantize_kernel", "_hdim_kernel", "_seq_exponent_kernel", "_rescale_mx_kernel", "_dequantize_kernel",
+                                "_hdim_rescale_kernel", "_hdim_dequant_kernel",
+                                "_operands_kernel")}
 MEM_OPS = ("LDG", "STG", "LDS", "STS", "LDL", "STL", "BAR", "SHFL")
 
 
@@ -217,6 +222,17 @@ def capture_case(case: str, shape, causal: bool) -> list[Launch]:
                 n = len(launches)
                 forward_operands_triton(q, k, v, "rceil", k_group=K_EXP_GROUP, keep_kv=keep)
                 _tag(launches, n, "keep_kv" if keep else "no keep_kv")
+        elif case == "quant-bench":
+            from mxattn.bench.quantize_bench import KERNELS, _make_call
+
+            for kernel in KERNELS:
+                n = len(launches)
+                fn = _make_call(kernel, q)
+                _tag(launches, n, kernel + " (setup)")
+                n = len(launches)
+                fn()
+                _tag(launches, n, kernel)
+            launches[:] = [lc for lc in launches if not lc.tag.endswith("(setup)")]
         elif case in ("fwd-gluon", "fwd-tl"):
             _forward(q, k, v, causal, "gluon" if case == "fwd-gluon" else "hopper")
             _tag(launches, 0, "forward")

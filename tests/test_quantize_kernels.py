@@ -442,6 +442,138 @@ def test_dequantize_channel_major(gen):
 # ----------------------------------------------------------------------------------------------
 
 
+# ----------------------------------------------------------------------------------------------
+# session 12 paths: the head-dim kernel (MX, Q, K), the row-set kernel's tiles (J groups, EVEN tiles), V's exponent
+# pass (running maximum, per-block pass for NaN/Inf chunks), the head-dim kernels from MX (words) and dequantize
+# ----------------------------------------------------------------------------------------------
+
+# S a multiple of every default tile along S (seq: 8192 elements; K groups 128): the EVEN builds, no row masks
+EVEN_SHAPES = [(1, 128, 2, 128), (2, 128, 1, 64), (1, 256, 1, 32)]
+# row-set tiles (BLOCK_S, warps, J) the benchmark's sweep may pick: each must be bit-exact
+ROWSET_TILES = [(32, 4, 1), (32, 4, 2), (64, 4, 2), (64, 8, 2), (128, 8, 1)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", SMALL + EVEN_SHAPES, ids=str)
+def test_quantize_hdim_adversarial(shape, dtype, mode, gen):
+    """The head-dim kernel alone (rows of a contiguous tensor as one run): zeros, -0, ties, e4m3 subnormals,
+    fp32/bf16 subnormals, the 2^-127 clamp, values near the dtype's max, NaN/Inf of both signs."""
+    check_quantize(shape, dtype, mode, "adversarial", gen, "hdim")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", EVEN_SHAPES, ids=str)
+def test_even_tiles(shape, mode, gen):
+    """Tiles whose every row exists (the EVEN builds): MX both orientations, V, and the fused K+V layouts."""
+    check_quantize(shape, torch.bfloat16, mode, "adversarial", gen)
+    check_row_scaled(shape, torch.bfloat16, mode, "adversarial", "v", gen)
+    check_row_scaled_both(shape, mode, "adversarial", gen)
+
+
+@pytest.mark.parametrize("tile", ROWSET_TILES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 64, 2, 64), (2, 45, 1, 128)], ids=str)
+def test_row_set_tiles(shape, tile, gen, monkeypatch):
+    """Every row-set tile of the sweep (one or two groups of four row sets, 4 or 8 warps), even and partial tiles."""
+    kq._PLANS.clear()
+    monkeypatch.setitem(kq.TILE_OVERRIDES, "seq", kq.Tile(*tile))
+    monkeypatch.setitem(kq.TILE_OVERRIDES, "seq_k", kq.Tile(64, tile[1], tile[2]))
+    check_quantize(shape, torch.bfloat16, "rceil", "adversarial", gen)
+    check_row_scaled(shape, torch.float32, "floor", "adversarial", "v", gen)
+    check_row_scaled_both(shape, "rceil", "adversarial", gen, group=64)
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+def test_v_exponent_chunks(stages, gen, monkeypatch):
+    """V's exponent pass with many S tiles per program: chunks without NaN/Inf (the running maximum) and chunks with
+    them (read again block by block, non-finite blocks left out), the channel maximum in another block of the chunk
+    than the NaN/Inf."""
+    monkeypatch.setattr(kq, "VEXP_MIN_PROGRAMS", 1)
+    monkeypatch.setattr(kq, "VEXP_STAGES", stages)
+    kq._PLANS.clear()
+    x = make_input((2, 300, 2, 64), torch.bfloat16, "random", gen)
+    x[0, 10, 0, 3] = float("nan")  # channel 3: its largest element lies in another block of the chunk
+    x[0, 200, 0, 3] = 1.0e4
+    x[0, 50, 1, 7] = -float("inf")  # channel 7: only the block with the Inf holds nonzero elements
+    x[0, :, 1, 7] = torch.where(torch.arange(300) // 32 == 50 // 32, x[0, :, 1, 7], torch.zeros(()))
+    x[1, :, 0, 9] = 0.0
+    x[1, 299, 0, 9] = float("nan")  # channel 9: a NaN in the last, partial block, zeros elsewhere
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        xd = x.to(dt)
+        assert_same_rs(kq.row_scaled_triton(xd.to(DEVICE), "v"), ref_rs(xd, "v"), f"V chunks {dt} stages={stages}")
+        hdim, seq = kq.row_scaled_triton_both(xd.to(DEVICE))
+        assert_same_rs(seq, ref_rs(xd, "v"), f"both: V layout, chunks {dt}")
+
+
+def test_nonzero_threshold():
+    """A block is nonzero iff its maximum exceeds 2^-137 (fp32 bits 0x1000; 2^-10 ties to 0 at the -127 clamp)."""
+    x = torch.zeros(1, 64, 1, 64)
+    x[0, 0, 0, 0] = _bits_f32(0x1000)  # rounds to 0: a zero block, no exponent
+    x[0, 33, 0, 1] = _bits_f32(0x1001)  # rounds to 2^-9
+    x[0, 2, 0, 40] = _bits_f32(0x1000)
+    x[0, 40, 0, 41] = _bits_f32(0x0FFF)
+    for role in "qkv":
+        assert_same_rs(kq.row_scaled_triton(x.to(DEVICE), role), ref_rs(x, role), f"{role} threshold")
+    check_quantize_x(x, "threshold")
+
+
+def check_quantize_x(x, what):
+    h, s = kq.quantize_mxfp8_triton(x.to(DEVICE), "both")
+    assert_same_mx(h, F.quantize_mxfp8(x, -1), f"{what} hdim")
+    assert_same_mx(s, F.quantize_mxfp8(x, 1), f"{what} seq")
+
+
+@pytest.mark.parametrize("role", ["q", "k"])
+@pytest.mark.parametrize("layout", ["rows", "strided", "odd_d"])
+def test_from_mx_random_bytes(layout, role, gen):
+    """Q/K from MXTensors of random bytes (every e4m3 code, NaN data in finite blocks, scale bytes 0, 254, 255): the
+    head-dim kernel on words (contiguous, and per head for a strided tensor) and the generic kernel (D % 4 != 0)."""
+    D = 70 if layout == "odd_d" else 64
+    mx = random_mx((2, 70, 3, D), 3, gen)
+    if layout == "strided":  # (B, S, H, D) seen through a (B, H, S, D) buffer: rows not evenly spaced
+        mx = F.MXTensor(mx.data.transpose(1, 2).contiguous().transpose(1, 2), mx.scale.transpose(1, 2).contiguous()
+                        .transpose(1, 2), 3)
+    want = F.to_row_scaled(mx, 1 if role == "k" else None, 64 if role == "k" else 1)
+    got = kq.row_scaled_triton(mx.to(DEVICE), role, k_group=64)
+    assert_same_rs(got, want, f"{role} from random MX {layout}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["rows", "strided", "padded"])
+def test_dequantize_hdim_layouts(layout, dtype, gen):
+    """The head-dim dequantize kernel on a run of rows, per head (strided rows) and on rows with padding."""
+    mx = random_mx((2, 45, 3, 96), 3, gen)
+    if layout == "strided":
+        mx = F.MXTensor(mx.data.transpose(1, 2).contiguous().transpose(1, 2), mx.scale, 3)
+    elif layout == "padded":
+        wide = torch.zeros(2, 45, 3, 128, dtype=U8)
+        wide[..., :96] = mx.data.view(U8)
+        mx = F.MXTensor(wide[..., :96].view(torch.float8_e4m3fn), mx.scale, 3)
+    assert_same_float(kq.dequantize_mxfp8_triton(mx.to(DEVICE), dtype), F.dequantize_mxfp8(mx, dtype),
+                      f"dequantize hdim {layout} {dtype}")
+
+
+def test_hdim_padded_rows(gen):
+    """Rows evenly spaced but padded (a (B, S, H, 64) slice of a 96-wide buffer): the head-dim kernel takes them as one
+    run of rows with a row stride of 96; MX and Q, and the plan's second call on fresh data."""
+    kq._PLANS.clear()
+    for i in range(2):
+        wide = make_input((2, 37, 3, 96), torch.bfloat16, "adversarial", gen)
+        x = wide[..., :64]
+        assert kq._rows_view(x) is not None and kq._rows_view(x).stride(1) == 96
+        assert_same_mx(kq.quantize_mxfp8_triton(x.to(DEVICE), "hdim"), F.quantize_mxfp8(x, -1), f"padded hdim {i}")
+        assert_same_rs(kq.row_scaled_triton(x.to(DEVICE), "q"), ref_rs(x, "q"), f"padded q {i}")
+
+
+@pytest.mark.parametrize("role", ["q", "k"])
+def test_row_scaled_strided_rows(role, gen):
+    """Q/K of a fused (B, S, 3, H, D) projection: rows not evenly spaced, so the head-dim kernel works per head."""
+    qkv = make_input((2, 70, 3, 2, 64), torch.bfloat16, "adversarial", gen)
+    x = qkv[:, :, 1]
+    assert_same_rs(kq.row_scaled_triton(x.to(DEVICE), role, k_group=64), ref_rs_mode(x, role, "rceil", 64),
+                   f"{role} strided rows")
+
+
 def test_validation():
     x = torch.randn(1, 8, 1, 64, device=DEVICE)
     with pytest.raises(TypeError, match="x must be"):
@@ -543,6 +675,75 @@ def test_gpu_dequantize(shape, dim, dtype, gen):
     assert_same_float(kq.dequantize_mxfp8_triton(mx.to(DEVICE), dtype), F.dequantize_mxfp8(mx, dtype), "dequantize")
 
 
+GPU_EVEN_SHAPES = [(2, 1024, 4, 128), (1, 2048, 8, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", GPU_SHAPES + GPU_EVEN_SHAPES, ids=str)
+def test_gpu_quantize_hdim(shape, dtype, mode, gpu_rounding, gen):
+    """The head-dim kernel alone (``test_gpu_quantize`` runs both orientations, the row-set kernel)."""
+    check_quantize(shape, dtype, mode, "adversarial", gen, "hdim")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", GPU_EVEN_SHAPES, ids=str)
+def test_gpu_even_tiles(shape, mode, gpu_rounding, gen):
+    for dtype in DTYPES:
+        check_quantize(shape, dtype, mode, "adversarial", gen)
+    for role in "qkv":
+        check_row_scaled(shape, torch.bfloat16, mode, "adversarial", role, gen)
+    check_row_scaled_both(shape, mode, "adversarial", gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", ROWSET_TILES, ids=str)
+@pytest.mark.parametrize("shape", [(2, 1000, 4, 128), (2, 1024, 4, 128), (1, 2048, 4, 64)], ids=str)
+def test_gpu_row_set_tiles(shape, tile, gen, monkeypatch):
+    kq._PLANS.clear()
+    monkeypatch.setitem(kq.TILE_OVERRIDES, "seq", kq.Tile(*tile))
+    monkeypatch.setitem(kq.TILE_OVERRIDES, "seq_k", kq.Tile(128, max(tile[1], 8), tile[2]))
+    check_quantize(shape, torch.bfloat16, "rceil", "adversarial", gen)
+    check_row_scaled(shape, torch.bfloat16, "floor", "outliers", "v", gen)
+    check_row_scaled_both(shape, "rceil", "adversarial", gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("min_programs", [1024, 4096])
+def test_gpu_v_exponent_pass(stages, min_programs, gen, monkeypatch):
+    monkeypatch.setattr(kq, "VEXP_STAGES", stages)
+    monkeypatch.setattr(kq, "VEXP_MIN_PROGRAMS", min_programs)
+    kq._PLANS.clear()
+    for kind in ("adversarial", "random"):
+        check_row_scaled((2, 3000, 4, 128), torch.bfloat16, "rceil", kind, "v", gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("role", ["q", "k"])
+@pytest.mark.parametrize("layout", ["rows", "strided"])
+def test_gpu_from_mx_random_bytes(layout, role, gpu_rounding, gen):
+    mx = random_mx((2, 1000, 4, 128), 3, gen)
+    if layout == "strided":
+        mx = F.MXTensor(mx.data.transpose(1, 2).contiguous().transpose(1, 2), mx.scale.transpose(1, 2).contiguous()
+                        .transpose(1, 2), 3)
+    want = F.to_row_scaled(mx, 1 if role == "k" else None, 128 if role == "k" else 1)
+    assert_same_rs(kq.row_scaled_triton(mx.to(DEVICE), role), want, f"{role} from random MX {layout}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["rows", "strided"])
+def test_gpu_dequantize_hdim_layouts(layout, dtype, gen):
+    mx = random_mx((2, 1000, 4, 96), 3, gen)
+    if layout == "strided":
+        mx = F.MXTensor(mx.data.transpose(1, 2).contiguous().transpose(1, 2), mx.scale, 3)
+    assert_same_float(kq.dequantize_mxfp8_triton(mx.to(DEVICE), dtype), F.dequantize_mxfp8(mx, dtype),
+                      f"dequantize hdim {layout} {dtype}")
+
+
 @pytest.mark.gpu
 def test_gpu_beyond_int32_offsets(gen):
     """A (B, S, H, D) tensor of more than 2^31 elements: the last batch entry must still be right
@@ -631,7 +832,8 @@ def _same_rs_layout(got, want, what):
 
 
 @pytest.mark.parametrize("keep_kv", [False, True])
-@pytest.mark.parametrize("dims", [(1, 37, 70, 4, 2, 64), (2, 130, 33, 2, 1, 128), (1, 1, 5, 3, 3, 64)], ids=str)
+@pytest.mark.parametrize("dims", [(1, 37, 70, 4, 2, 64), (2, 130, 33, 2, 1, 128), (1, 1, 5, 3, 3, 64),
+                                  (1, 64, 128, 2, 2, 128)], ids=str)
 def test_forward_operands_in_two_launches(dims, keep_kv, gen):
     """``forward_operands_triton`` (Q, K and V's exponents in one launch, V in the next; with ``keep_kv`` the
     backward's K/V orientations too) equals the single passes bit for bit, on fresh data at each call of one

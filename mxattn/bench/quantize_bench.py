@@ -16,7 +16,8 @@ from typing import Iterable, Optional
 
 import torch
 
-__all__ = ["DEFAULT_SIZES", "QUICK_SIZES", "KERNELS", "run_quantize_bench", "run_tile_sweep", "format_quantize_table"]
+__all__ = ["DEFAULT_SIZES", "QUICK_SIZES", "KERNELS", "run_quantize_bench", "run_tile_sweep", "format_quantize_table",
+           "SWEEP_PLAN"]
 
 # (B, S, H, D): 268 MB of bf16 each (B*S*H*D = 2^27)
 DEFAULT_SIZES = ((8, 8192, 16, 128), (16, 8192, 16, 64))
@@ -25,7 +26,10 @@ KERNELS = (
     "quant_hdim", "quant_seq", "quant_both", "quant_both_fp32",
     "rs_q", "rs_k", "rs_v", "rs_q_from_mx", "rs_k_from_mx", "rs_v_from_mx",
     "dequant_hdim", "dequant_seq",
+    "fwd_operands", "rs_both",
 )
+# rows for tile sweeps only: V's exponent pass alone
+SWEEP_ONLY = ("rs_v_exps",)
 
 
 def _bytes(kernel: str, B: int, S: int, H: int, D: int) -> tuple[int, int, int]:
@@ -61,6 +65,15 @@ def _bytes(kernel: str, B: int, S: int, H: int, D: int) -> tuple[int, int, int]:
         r, w = n + nb, 2 * n
     elif kernel == "dequant_seq":
         r, w = cm + sb, 2 * n
+    elif kernel == "fwd_operands":  # Q, K, V of this shape each (forward_operands_triton): V's input read twice
+        r = 3 * 2 * n
+        w = (n + 4 * B * S * H) + (n + 4 * B * -(-S // 128) * H) + (cm + 4 * B * H * D)
+        return r, w, r + w + 2 * n
+    elif kernel == "rs_both":  # row_scaled_triton_both: K and V layouts, the input read twice
+        r, w = 2 * n, n + 4 * B * -(-S // 128) * H + cm + 4 * B * H * D
+        return r, w, r + w + 2 * n
+    elif kernel == "rs_v_exps":  # V's exponent pass alone (read only)
+        r, w = 2 * n, 4 * B * H * D
     else:
         raise ValueError(f"unknown kernel {kernel!r}; choose from {KERNELS}")
     return r, w, r + w
@@ -94,6 +107,13 @@ def _make_call(kernel: str, x: torch.Tensor):
     if kernel == "dequant_seq":
         mx = kq.quantize_mxfp8_triton(x, "seq")
         return lambda: kq.dequantize_mxfp8_triton(mx, torch.bfloat16)
+    if kernel == "fwd_operands":
+        k, v = torch.randn_like(x), torch.randn_like(x)
+        return lambda: kq.forward_operands_triton(x, k, v)
+    if kernel == "rs_both":
+        return lambda: kq.row_scaled_triton_both(x)
+    if kernel == "rs_v_exps":
+        return lambda: kq._v_exponents(x, None, from_mx=False, rceil=True)
     raise ValueError(f"unknown kernel {kernel!r}; choose from {KERNELS}")
 
 
@@ -126,7 +146,7 @@ def run_quantize_bench(
     rep = max(50, rep_ms // 2) if quick else rep_ms
     kernels = tuple(kernels)
     for k in kernels:
-        if k not in KERNELS:
+        if k not in KERNELS + SWEEP_ONLY:
             raise ValueError(f"unknown kernel {k!r}; choose from {KERNELS}")
     rows = []
     saved = kq.SOFT_ROUND_ON_GPU
@@ -175,58 +195,59 @@ def format_quantize_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-SWEEP_KERNELS = {
-    "quant": ("quant_hdim", "quant_seq", "quant_both", "rs_q"),
-    "seqexp": ("rs_v",),
-    "rescale": ("rs_q_from_mx", "rs_v_from_mx"),
-    "dequant": ("dequant_hdim", "dequant_seq"),
+# Per tile kind of ``quantize._tile``: the rows that use it and the tiles (block_s, num_warps[, row_groups]) swept
+# (K kinds: block_s is the exponent group, 128).  The session-12 sweep (benchmarks/results, docs/perf-notes-quantize.md)
+# picked the defaults from these.
+SWEEP_PLAN = {
+    "hdim": (("quant_hdim", "rs_q"), ((32, 4), (64, 4), (128, 4), (128, 8))),
+    "hdim_k": (("rs_k",), ((128, 4), (128, 8), (128, 16))),
+    "seq": (("quant_seq", "quant_both", "rs_v"),
+            ((32, 4, 1), (32, 4, 2), (64, 4, 1), (64, 4, 2), (64, 8, 2), (128, 8, 2))),
+    "seq_k": (("rs_both",), ((128, 8, 1), (128, 8, 2), (128, 16, 2))),
+    "mx_hdim": (("rs_q_from_mx", "dequant_hdim"), ((32, 4), (64, 4), (128, 8))),
 }
-SWEEP_TILES = ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8))
-SWEEP_SEQEXP_PROGRAMS = (1024, 4096, 16384)
+# V's exponent pass: (tile, VEXP_MIN_PROGRAMS, VEXP_STAGES) combinations
+SWEEP_VEXP = (((32, 4), 1024, 1), ((32, 4), 4096, 1), ((32, 4), 16384, 1), ((32, 4), 1024, 3), ((32, 4), 4096, 3),
+              ((64, 8), 4096, 1))
 
 
 def run_tile_sweep(
     size: tuple[int, int, int, int] = (8, 8192, 16, 128),
-    kinds: Optional[dict] = None,
-    tiles: Iterable[tuple[int, int]] = SWEEP_TILES,
+    plan: Optional[dict] = None,
+    vexp: Iterable = SWEEP_VEXP,
     progress: bool = True,
     rep_ms: int = 100,
-    seqexp_programs: Iterable[int] = SWEEP_SEQEXP_PROGRAMS,
 ) -> list[dict]:
-    """Rows of ``run_quantize_bench`` for every (block_s, num_warps) in ``tiles`` per tile kind of
-    ``mxattn.kernels.quantize._tile`` (each row gets ``tile_kind``, ``block_s``, ``num_warps``), then the
-    V operand for each ``SEQEXP_MIN_PROGRAMS`` in ``seqexp_programs`` (rows get ``seqexp_min_programs``)."""
+    """Rows of ``run_quantize_bench`` at ``size`` for every tile of ``plan`` (default ``SWEEP_PLAN``; rows get
+    ``tile_kind``, ``block_s``, ``num_warps``, ``row_groups``) and for V's exponent pass alone over ``vexp``
+    (``vexp_min_programs``, ``vexp_stages``).  Every knob is restored afterwards."""
     from mxattn.kernels import quantize as kq
 
-    kinds = kinds if kinds is not None else SWEEP_KERNELS
+    plan = plan if plan is not None else SWEEP_PLAN
     rows = []
-    saved = dict(kq.TILE_OVERRIDES)
+    saved = (dict(kq.TILE_OVERRIDES), kq.VEXP_MIN_PROGRAMS, kq.VEXP_STAGES)
+
+    def bench(kernels, **tags):
+        for r in run_quantize_bench([size], progress=False, kernels=kernels, rep_ms=rep_ms):
+            r.update(tags)
+            rows.append(r)
+            if progress:
+                print(f"  {tags} {r['kernel']:<14} {r['ms']:7.3f} ms {r['pct_of_copy']:5.1f}% of copy", flush=True)
+
     try:
-        for kind, kernels in kinds.items():
-            for bs, nw in tiles:
+        for kind, (kernels, tiles) in plan.items():
+            for t in tiles:
                 kq.TILE_OVERRIDES.clear()
-                kq.TILE_OVERRIDES[kind] = kq.Tile(bs, nw)
-                for r in run_quantize_bench([size], progress=False, kernels=kernels, rep_ms=rep_ms):
-                    r.update(tile_kind=kind, block_s=bs, num_warps=nw)
-                    rows.append(r)
-                    if progress:
-                        print(f"  {kind:<8} BS{bs:<4} w{nw:<3} {r['kernel']:<16} {r['ms']:7.3f} ms "
-                              f"{r['pct_of_copy']:5.1f}% of copy", flush=True)
+                kq.TILE_OVERRIDES[kind] = kq.Tile(*t)
+                bench(kernels, tile_kind=kind, block_s=t[0], num_warps=t[1], row_groups=t[2] if len(t) > 2 else 1)
         kq.TILE_OVERRIDES.clear()
-        kq.TILE_OVERRIDES.update(saved)
-        saved_mp = kq.SEQEXP_MIN_PROGRAMS
-        try:
-            for mp in seqexp_programs:
-                kq.SEQEXP_MIN_PROGRAMS = mp
-                for r in run_quantize_bench([size], progress=False, kernels=("rs_v", "rs_v_from_mx"), rep_ms=rep_ms):
-                    r.update(tile_kind="seqexp", seqexp_min_programs=mp)
-                    rows.append(r)
-                    if progress:
-                        print(f"  seqexp min_programs={mp:<6} {r['kernel']:<16} {r['ms']:7.3f} ms "
-                              f"{r['pct_of_copy']:5.1f}% of copy", flush=True)
-        finally:
-            kq.SEQEXP_MIN_PROGRAMS = saved_mp
+        for t, programs, stages in vexp:
+            kq.TILE_OVERRIDES["vexp"] = kq.Tile(*t)
+            kq.VEXP_MIN_PROGRAMS, kq.VEXP_STAGES = programs, stages
+            bench(("rs_v_exps",), tile_kind="vexp", block_s=t[0], num_warps=t[1], vexp_min_programs=programs,
+                  vexp_stages=stages)
     finally:
         kq.TILE_OVERRIDES.clear()
-        kq.TILE_OVERRIDES.update(saved)
+        kq.TILE_OVERRIDES.update(saved[0])
+        kq.VEXP_MIN_PROGRAMS, kq.VEXP_STAGES = saved[1:]
     return rows

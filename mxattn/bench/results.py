@@ -35,6 +35,7 @@ WHATS = (
     "host_timing",
     "memory",
     "quantize",
+    "quantize_sweep",
     "rmsnorm_quant",
     "rmsnorm_quant_sweep",
     "linear_quant",

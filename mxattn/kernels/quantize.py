@@ -23,22 +23,25 @@ Public functions (inputs (B, S, H, D), or packed (T, H, D) with ``seq_dim=0``; D
       like the ``seq`` MXTensor above.
 
 How the numbers are made exactly (the same code runs under ``TRITON_INTERPRET=1`` and on the GPU):
-* Block exponents come from the bits of the block's |x| maximum (an integer max of the magnitude bits, so
-  NaN and Inf are seen): ``e = k - 8 + (mantissa > 1.75)`` (RCEIL) or ``k - 8`` (FLOOR), clamped to
-  [-127, 127]; fp32 subnormal maxima have k = -127 from the bits, which the clamp makes right.
+* Block exponents come from the bits of the block's |x| maximum, a NaN-propagating float maximum
+  (``_abs_max_bits``: >= 0x7F800000 exactly where the block holds NaN/Inf): ``e = k - 8 + (mantissa > 1.75)``
+  (RCEIL) or ``k - 8`` (FLOOR), clamped to [-127, 127]; fp32 subnormal maxima have k = -127 from the bits, which
+  the clamp makes right.  A block holds a nonzero e4m3 element iff its maximum exceeds 2^-137 (``_nonzero_block``).
 * ``x * 2^-e`` is one fp32 multiply by an exact power of two (normal for every reachable e); it is exact,
-  or lands below 2^-126 where every later rounding gives zero anyway.
-* Rounding to e4m3 (RNE, saturating at 448): on the GPU the ``cvt.rn.satfinite`` the cast compiles to;
-  under the interpreter (whose fp32->fp8 cast mis-rounds, DESIGN §5) ``_round_to_e4m3_grid`` first rounds
-  in fp32 with the add-a-power-of-two trick, and the cast of an on-grid value is exact.  ``SOFT_ROUND_ON_GPU``
-  switches the GPU to the explicit rounding too (the GPU tests run both).
-* NaN/Inf never reach the fast path: a program whose tile holds a non-finite block patches its NaN bytes
-  (0x7F with the input's sign, as ``torch`` makes them) in a branch that finite tiles skip.
+  or lands below 2^-126 where every later rounding gives zero anyway.  The re-expression of the Hopper operands
+  multiplies the e4m3 value by 2^(e - E) in fp16 on the GPU (exact where it matters, ``_rs_bytes``).
+* Rounding to e4m3 (RNE, saturating at 448): on the GPU the ``cvt.rn.satfinite`` instructions, as inline PTX
+  that also packs the bytes and puts the input's sign on NaN bytes (0x7F with the input's sign, as ``torch`` makes
+  them); under the interpreter (whose fp32->fp8 cast mis-rounds, DESIGN §5) ``_round_to_e4m3_grid`` rounds in fp32
+  with the add-a-power-of-two trick and ``_e4m3_code`` encodes the on-grid value.  ``SOFT_ROUND_ON_GPU`` switches
+  the GPU to the explicit rounding too (the GPU tests run both).  No path branches on NaN/Inf.
 
-Layout of a program's work: one (b, h) pair and ``BLOCK_S`` tokens, all D channels, read as four row sets
-(rows s0 + 4w + k), each a 4-D tile (BLOCK_S/32, 8, D/32, 32): the D blocks are reductions over axis 3, the
-S blocks over axis 1 of the four sets' maximum, and the four seq-orientation bytes of a channel pack into one
-int32 before the channel-major store.  Tile sizes are in ``_tile`` with the measurements behind them
+Kernels: ``_hdim_kernel`` (head-dim orientation alone: MX, Q, K) takes tiles (BLOCK_S, D/32, 32) of consecutive
+rows (the (b, s, h) rows of a contiguous tensor as one run, per (b, h) otherwise); ``_quantize_kernel`` (any seq
+orientation) takes one (b, h) pair and ``BLOCK_S`` tokens, read as row sets (rows s0 + 4w + k), each a 4-D tile
+(BLOCK_S/32, W, D/32, 32): the S blocks are reductions over axis 1 of the sets' maximum, and the four
+seq-orientation bytes of a channel pack into one int32 before the channel-major store.  V's exponent pass keeps a
+running maximum over a chunk of S.  Tile sizes are in ``_tile`` with the measurements behind them
 (docs/perf-notes-quantize.md).
 """
 
@@ -88,23 +91,44 @@ _SCALE_NAN = tl.constexpr(E8M0_NAN)
 class Tile:
     block_s: int  # tokens per program (a multiple of 32: whole seq blocks)
     num_warps: int
+    row_groups: int = 1  # ``_quantize_tile``'s J: groups of four row sets (1 or 2)
 
 
-def _tile(kind: str, d_pad: int, group: int = 0) -> Tile:
-    """Tile for a kernel family at padded head dim ``d_pad`` (a power of two times 32).
+def _tile(kind: str, d_pad: int, group: int = 0, warps: Optional[int] = None) -> Tile:
+    """Tile for a kernel family at padded head dim ``d_pad`` (a power of two times 32); ``warps`` (the kinds sized
+    by elements: ``hdim``, ``seq``, ``vexp``) asks for that many warps at the same elements per thread (the fused
+    launches of ``_operands_kernel`` run every job at the launch's warps).
 
-    Measured on the H200 (docs/perf-notes-quantize.md, B8 S8192 H16 D128 bf16, tiles swept over
-    BLOCK_S 32-128 x 4-16 warps): small programs win, because each program's load -> reduce -> store chain
-    is serial and only many resident programs overlap it.
-    * ``quant`` (hdim / seq / both / Q / V pass 2), ``rescale`` (from MX), ``dequant``: 4096 elements per
-      program, 4 warps (32 per thread); at D=128 BLOCK_S=32: hdim 69%, seq 70%, both 57% of copy, against
-      61/54/49% at 8192 elements and 8 warps and 46/26/34% at 16384.  The grid is B*H*S/32 programs.
-    * ``k``: the program must own whole exponent groups, so BLOCK_S = the group (128 by default), 8 warps.
-    * ``seqexp`` (V pass 1, read only): 8192 elements, 4 warps (best of the sweep: 0.38 ms for the whole V
-      operand against 0.52-0.90 ms), several tiles per program (``_seq_chunk``).
+    Kernels of this module (session 12; docs/perf-notes-quantize.md has the measurements):
+    * ``hdim`` (``_hdim_kernel``: MX head-dim, Q): ``HDIM_ELEMS`` elements per 4 warps.  ``hdim_k`` (K): BLOCK_S =
+      the exponent group, 4 warps up to ``K_TILE_4WARPS`` elements.
+    * ``seq`` (``_quantize_kernel``: seq / both / V pass 2): ``SEQ_ELEMS`` per 4 warps, ``SEQ_GROUPS`` groups of
+      row sets.  ``seq_k`` (K+V layouts in one pass): BLOCK_S = the group, ``SEQ_K_GROUPS``.
+    * ``vexp`` (V pass 1 on float input): ``VEXP_ELEMS`` per S tile of its loop at 4 warps, several tiles per
+      program (``_seq_chunk`` with ``VEXP_MIN_PROGRAMS``), ``VEXP_STAGES`` deep.
+    * ``mx_hdim`` (``_hdim_rescale_kernel`` Q, ``_hdim_dequant_kernel``): ``MX_HDIM_ELEMS`` per 4 warps;
+      ``mx_hdim_k`` (K from MX) like ``hdim_k``.
+    The sizes and the measurements behind them are at the constants below.
+    Older kinds, kept for the kernels that still use them (varlen, from-MX, dequantize; sessions 2-3 sweep, B8 S8192
+    H16 D128 bf16): ``quant``, ``rescale``, ``dequant``: 4096 elements per program and 4 warps won there (hdim 69%,
+    seq 70%, both 57% of copy against 61/54/49% at 8192 elements and 8 warps); ``k``: BLOCK_S = the group, 8 warps;
+    ``seqexp`` (V pass 1 from MX): 8192 elements, 4 warps.
     """
     if kind in TILE_OVERRIDES:
         return TILE_OVERRIDES[kind]
+    w4 = (warps or 4) // 4
+    if kind == "vexp":
+        return Tile(max(32, VEXP_ELEMS * w4 // d_pad), 4 * w4)
+    if kind == "hdim":
+        return Tile(max(1, HDIM_ELEMS * w4 // d_pad), 4 * w4)
+    if kind == "seq":
+        return Tile(max(32, SEQ_ELEMS * w4 // d_pad), 4 * w4, SEQ_GROUPS)
+    if kind == "mx_hdim":  # MX input blocked along D (from-MX Q, dequantize)
+        return Tile(max(1, MX_HDIM_ELEMS * w4 // d_pad), 4 * w4)
+    if kind in ("hdim_k", "mx_hdim_k"):
+        return Tile(group, warps or (4 if group * d_pad <= K_TILE_4WARPS else 8))
+    if kind == "seq_k":
+        return Tile(group, warps or max(4, min(16, group * d_pad // 2048)), SEQ_K_GROUPS)
     if kind == "k":
         bs = group
     elif kind == "seqexp":
@@ -119,6 +143,23 @@ def _tile(kind: str, d_pad: int, group: int = 0) -> Tile:
     return Tile(bs, warps)
 
 
+# Elements per 4 warps of the kinds sized by elements (B8 S8192 H16 D128 bf16 sweep, session 12, % of copy):
+# ``hdim`` (MX head-dim, Q): 4096 (32 per thread) 96 / 96, 8192 92 / 92, 16384 84 / 93;
+HDIM_ELEMS = 4096
+# ``seq`` (seq, both, V pass 2) with one group of row sets: 4096 88 / 76 / 79 (quant_seq / quant_both / rs_v),
+# 8192 83 / 78 / 76; two groups (J = 2) lost at every size (8192: 71 / 69 / 72).
+SEQ_ELEMS = 4096
+SEQ_GROUPS = 1
+# ``seq_k`` (K+V layouts in one pass, BLOCK_S = the group): 8 warps, J = 2: 70% (J = 1 62%, 16 warps 44%).
+SEQ_K_GROUPS = 2
+# ``vexp`` (V pass 1 on float input): elements per S tile of its loop, 4 warps (8192 at 8 warps: 59%).
+VEXP_ELEMS = 4096
+# ``mx_hdim`` (from-MX Q, dequantize head-dim): 4096 71 / 90 (rs_q_from_mx / dequant_hdim), 8192 69 / 86.
+MX_HDIM_ELEMS = 4096
+# K tiles (one exponent group, 128 x D_pad): 4 warps up to 16384 elements (rs_k 94% at d128, against 83% at 8
+# warps and 70% at 16), then 8.
+K_TILE_4WARPS = 16384
+
 # Tile per kind for experiments (the benchmark's sweeps): {"quant": Tile(128, 8), ...}; K's block_s must
 # stay its group.
 TILE_OVERRIDES: dict = {}
@@ -129,11 +170,18 @@ TILE_OVERRIDES: dict = {}
 SEQEXP_MIN_PROGRAMS = 1024
 
 
-def _seq_chunk(n_rows: int, S: int, block_s: int) -> int:
+# V pass 1 on float input (``vexp`` tiles): at least this many programs, and the ``tl.range`` pipelining depth of
+# each program's loop over S tiles (cp.async into shared memory).  Measured (B8 S8192 H16 D128 bf16, the pass
+# alone): 1024 programs / no pipelining 71% of copy, 4096 / 3 stages 82%, 16384 / none 45%.
+VEXP_MIN_PROGRAMS = 4096
+VEXP_STAGES = 3
+
+
+def _seq_chunk(n_rows: int, S: int, block_s: int, min_programs: Optional[int] = None) -> int:
     """Tiles of S per program in the V exponent pass: as many as possible (fewer atomics) while the grid
     keeps ``SEQEXP_MIN_PROGRAMS`` programs, and at most 32."""
     n_tiles = cdiv(S, block_s)
-    per = max(1, (n_tiles * n_rows) // SEQEXP_MIN_PROGRAMS)
+    per = max(1, (n_tiles * n_rows) // (min_programs or SEQEXP_MIN_PROGRAMS))
     return min(per, n_tiles, 32)
 
 
@@ -281,6 +329,173 @@ def _pid_bsh(n_s_tiles, H):
     return _split_pid(tl.program_id(0), n_s_tiles, H)
 
 
+@triton.jit
+def _max_keep_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _abs_max_bits(xf, axis: tl.constexpr):
+    """fp32 bits (int32) of max |xf| along ``axis`` (kept), NaN-propagating: >= 0x7F800000 exactly where the slice
+    holds a NaN or an Inf.  One float max per element (``max.NaN`` with the abs folded into its operands), where the
+    bits' integer max costs a mask and a max."""
+    return tl.reduce(tl.abs(xf), axis, _max_keep_nan, keep_dims=True).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _nonzero_block(amax_bits):
+    """Whether a block of magnitude maximum ``amax_bits`` quantizes to a nonzero element, from the bits alone.
+
+    Below the -127 clamp of the exponent (amax < 2^-118) the maximum maps to amax * 2^127, which rounds to a nonzero
+    e4m3 value iff it exceeds 2^-10 (2^-10 itself ties to 0), i.e. iff amax > 2^-137 (fp32 bits 0x1000); any larger
+    block maps to [224, 512).  Non-finite blocks are not nonzero blocks."""
+    return (amax_bits > 0x1000) & (amax_bits < 0x7F800000)
+
+
+# Bytes and words of the outputs.  Each maker has the explicit-rounding path (``SOFT``: plain ``tl``, what the
+# interpreter runs) and the hardware path, inline PTX over the cvt instructions: e4m3x2 conversions paired the way the
+# bytes are stored, the NaN sign and the packing as one permute and one logic op.  Left to the compiler, the packing
+# and sign of each byte took ~5 instructions per element of the ~20 that the seq orientation cost (sm_90a SASS,
+# scripts/compile_launched.py quant-bench); the hardware cvt gives 0x7F for any NaN (``y`` is then the canonical
+# NaN of the multiply), and the sign is taken from the raw input, as torch keeps it.
+
+
+@triton.jit
+def _sign_byte(xr):
+    """0x80 where the raw input ``xr`` has its sign bit set, else 0 (uint8)."""
+    if xr.dtype.primitive_bitwidth == 16:
+        s = (xr.to(tl.uint16, bitcast=True) >> 8).to(tl.uint8)
+    else:
+        s = (xr.to(tl.uint32, bitcast=True) >> 24).to(tl.uint8)
+    return s & 0x80
+
+
+@triton.jit
+def _e4m3_code(r):
+    """The e4m3 byte (int32) of an fp32 value on the e4m3 grid (finite, |r| <= 448), by arithmetic on its bits.
+
+    The explicit-rounding paths pack four bytes per word; with cvt instructions there, ptxas 12.8 folds a
+    cvt.rn.satfinite.e4m3x2 and the packing ``mov.b32 {lo, hi}`` whose ``hi`` is ``lo >> 8`` and leaves a byte reading
+    a register that never holds the conversion (docs/quantize-both-byte3.md; seen again at d256 in
+    ``_hdim_rescale_kernel``).  Normal values: exponent field e + 7, the top 3 mantissa bits; subnormal ones
+    (k * 2^-9, k < 8): k from the significand."""
+    bits = r.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    e = (mag >> 23) - 127
+    sub = ((mag & 0x7FFFFF) | 0x800000) >> tl.minimum(tl.maximum(14 - e, 0), 31)
+    code = tl.where(e >= -6, ((e + 7) << 3) | ((mag >> 20) & 7), tl.where(mag == 0, 0, sub))
+    return code | ((bits >> 24) & 0x80)
+
+
+@triton.jit
+def _soft_e4m3(y):
+    """The e4m3 byte (int32) of fp32 ``y`` (finite), rounded to nearest even and saturated, explicitly."""
+    return _e4m3_code(_round_to_e4m3_grid(y))
+
+
+@triton.jit
+def _soft_mx_bytes(xr, xf, y):
+    """MX data bytes by the explicit rounding: its byte's magnitude, 0x7F for NaN (the rounding does not handle
+    NaN), the input's sign (finite and infinite values already carry it: -tiny gives -0, +-Inf saturates)."""
+    b = tl.where(xf != xf, 127, _soft_e4m3(tl.where(xf != xf, 0.0, y))).to(tl.uint8)
+    return b | _sign_byte(xr)
+
+
+@triton.jit
+def _mx_bytes(xr, xf, y, SOFT: tl.constexpr):
+    """MX data bytes of raw inputs ``xr`` (fp32 ``xf``) scaled to ``y = xf * 2^-e``, NaN/Inf included, no branch."""
+    if SOFT:
+        b = _soft_mx_bytes(xr, xf, y)
+    elif xr.dtype.primitive_bitwidth == 16:  # 4 elements: 2 cvt, the 4 sign bytes in one permute
+        b = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; .reg .b32 s, w; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
+            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 w, {lo, hi}; prmt.b32 s, $5, $6, 0x7531; "
+            "and.b32 s, s, 0x80808080; or.b32 $0, w, s; }",
+            "=r,r,r,r,r,r,r", [y, xr.to(tl.int16, bitcast=True)], dtype=tl.uint8, is_pure=True, pack=4)
+    else:
+        b = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; .reg .b32 s, t, w; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
+            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 w, {lo, hi}; prmt.b32 s, $5, $6, 0x73; "
+            "prmt.b32 t, $7, $8, 0x73; prmt.b32 s, s, t, 0x5410; and.b32 s, s, 0x80808080; or.b32 $0, w, s; }",
+            "=r,r,r,r,r,r,r,r,r", [y, xr.to(tl.int32, bitcast=True)], dtype=tl.uint8, is_pure=True, pack=4)
+    return b
+
+
+@triton.jit
+def _rs_shift(e, E):
+    """The re-expression shift e - E of a block, clamped to [-20, 0]: from -19 down every e4m3 value rounds to 0."""
+    return tl.minimum(tl.maximum(e - E, -20), 0)
+
+
+@triton.jit
+def _rs_bytes(y, e, E, fin, SOFT: tl.constexpr):
+    """Row-scaled bytes e4m3(e4m3(y) * 2^(e - E)) of blocks with exponent e (``y`` = x * 2^-e) re-expressed to E;
+    0x7F in NaN blocks (``fin`` false).  On the GPU the product is formed in fp16 (e4m3x2 <-> f16x2 are single
+    conversions): an e4m3 value times 2^(e - E) >= 2^-20 is exact in fp16 wherever it is >= 2^-14, and below that it
+    rounds to 0 in e4m3 either way; NaN blocks multiply by NaN, which converts to 0x7F."""
+    m = _pow2(_rs_shift(e, E))
+    if SOFT:
+        r = tl.where(fin, _soft_e4m3(_round_to_e4m3_grid(tl.where(fin, y, 0.0)) * m), 127).to(tl.uint8)
+    else:
+        m16 = tl.broadcast_to(tl.where(fin, m, float("nan")).to(tl.float16), y.shape)
+        r = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; .reg .b32 a, b; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
+            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
+            "mul.rn.f16x2 a, a, $5; mul.rn.f16x2 b, b, $6; cvt.rn.satfinite.e4m3x2.f16x2 lo, a; "
+            "cvt.rn.satfinite.e4m3x2.f16x2 hi, b; mov.b32 $0, {lo, hi}; }",
+            "=r,r,r,r,r,r,r", [y, m16], dtype=tl.uint8, is_pure=True, pack=4)
+    return r
+
+
+@triton.jit
+def _pack_words(b0, b1, b2, b3):
+    """Four byte tensors (tokens 4w .. 4w+3 of a channel) as the int32 words of the channel-major row."""
+    return b0.to(tl.int32) | (b1.to(tl.int32) << 8) | (b2.to(tl.int32) << 16) | (b3.to(tl.int32) << 24)
+
+
+@triton.jit
+def _mx_word(y0, y1, y2, y3, r0, r1, r2, r3, x0, x1, x2, x3, SOFT: tl.constexpr):
+    """One channel-major word of MX bytes: tokens 4w + k scaled to ``y_k`` (raw ``r_k``, fp32 ``x_k``)."""
+    if SOFT:
+        wd = _pack_words(_soft_mx_bytes(r0, x0, y0), _soft_mx_bytes(r1, x1, y1), _soft_mx_bytes(r2, x2, y2),
+                         _soft_mx_bytes(r3, x3, y3))
+    elif r0.dtype.primitive_bitwidth == 16:
+        wd = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; .reg .b32 s, t, w; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
+            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 w, {lo, hi}; mov.b32 s, {$5, $6}; "
+            "mov.b32 t, {$7, $8}; prmt.b32 s, s, t, 0x7531; and.b32 s, s, 0x80808080; or.b32 $0, w, s; }",
+            "=r,r,r,r,r,h,h,h,h", [y0, y1, y2, y3, r0.to(tl.int16, bitcast=True), r1.to(tl.int16, bitcast=True),
+                                   r2.to(tl.int16, bitcast=True), r3.to(tl.int16, bitcast=True)],
+            dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        wd = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; .reg .b32 s, t, w; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
+            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 w, {lo, hi}; prmt.b32 s, $5, $6, 0x73; "
+            "prmt.b32 t, $7, $8, 0x73; prmt.b32 s, s, t, 0x5410; and.b32 s, s, 0x80808080; or.b32 $0, w, s; }",
+            "=r,r,r,r,r,r,r,r,r", [y0, y1, y2, y3, r0.to(tl.int32, bitcast=True), r1.to(tl.int32, bitcast=True),
+                                   r2.to(tl.int32, bitcast=True), r3.to(tl.int32, bitcast=True)],
+            dtype=tl.int32, is_pure=True, pack=1)
+    return wd
+
+
+@triton.jit
+def _rs_word(y0, y1, y2, y3, e, E, SOFT: tl.constexpr):
+    """One channel-major word of row-scaled bytes (``_rs_bytes`` of tokens 4w + k, finite blocks)."""
+    m = _pow2(_rs_shift(e, E))
+    if SOFT:  # (NaN blocks are replaced by the caller; their bytes here are whatever the rounding makes)
+        wd = _pack_words(_soft_e4m3(_round_to_e4m3_grid(y0) * m), _soft_e4m3(_round_to_e4m3_grid(y1) * m),
+                         _soft_e4m3(_round_to_e4m3_grid(y2) * m), _soft_e4m3(_round_to_e4m3_grid(y3) * m))
+    else:
+        m16 = tl.broadcast_to(m.to(tl.float16), y0.shape)
+        wd = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; .reg .b32 a, b, m; mov.b32 m, {$5, $5}; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
+            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
+            "mul.rn.f16x2 a, a, m; mul.rn.f16x2 b, b, m; cvt.rn.satfinite.e4m3x2.f16x2 lo, a; "
+            "cvt.rn.satfinite.e4m3x2.f16x2 hi, b; mov.b32 $0, {lo, hi}; }",
+            "=r,r,r,r,r,h", [y0, y1, y2, y3, m16], dtype=tl.int32, is_pure=True, pack=1)
+    return wd
+
+
 # ----------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------
@@ -355,152 +570,316 @@ def _tiled_offset(r, c, n_col_tiles):
 
 
 @triton.jit
+def _hdim_kernel(
+    x_ptr, S, H, sxb, sxs, sxh, hd_ptr, he_ptr, n_s_tiles, n_groups,
+    D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr, GROUP: tl.constexpr, RCEIL: tl.constexpr,
+    SOFT: tl.constexpr, IDX64: tl.constexpr, SWZ: tl.constexpr,
+):
+    """One ``_hdim_tile`` per program (the arguments are documented there)."""
+    _hdim_tile(tl.program_id(0), x_ptr, S, H, sxb, sxs, sxh, hd_ptr, he_ptr, n_s_tiles, n_groups,
+               D, NDP, BLOCK_S, GROUP, RCEIL, SOFT, IDX64, SWZ)
+
+
+@triton.jit
+def _hdim_tile(
+    pid,  # the tile: (b, s tile, h) = _split_pid(pid, n_s_tiles, H)
+    x_ptr, S, H, sxb, sxs, sxh,  # input (B, S, H, D), unit stride along D; the launcher passes a tensor whose
+    #                              (b, s, h) rows are evenly spaced as (1, B*S*H, 1, D), so that a tile is one run of rows
+    hd_ptr,  # data (B, S, H, D) u8, contiguous
+    he_ptr,  # GROUP 0: MX scales u8 (B, S, H, ND) (SWZ: 128x4-tiled per (b, h)); 1: exponents i32 (B, S, H, 1);
+    #          > 1: exponents i32 (B, n_groups, H, 1)
+    n_s_tiles, n_groups,
+    D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr,
+    GROUP: tl.constexpr,  # 0: MX scales; 1: Q (one exponent per row); > 1: K (one per tile; BLOCK_S == GROUP)
+    RCEIL: tl.constexpr, SOFT: tl.constexpr, IDX64: tl.constexpr, SWZ: tl.constexpr,
+):
+    """Quantize BLOCK_S tokens x D channels of one (b, h) along D: blocks are the tile's last axis.
+
+    The tile is (BLOCK_S, NDP, 32): the block maximum is a reduction over the last axis (4 lanes of 8 elements at
+    d128), so loads and data stores are 16-byte vectors and nothing goes through shared memory but the Q/K row and
+    group maxima.  NaN/Inf need no branch: the scale byte comes from the NaN-propagating block maximum, the data byte
+    from ``_mx_bytes`` (MX) or a select of 0x7F (NaN blocks of the row-scaled operands)."""
+    b, st, h = _split_pid(pid, n_s_tiles, H)
+    s0 = st * BLOCK_S
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    i = tl.arange(0, BLOCK_S)[:, None, None]
+    db = tl.arange(0, NDP)[None, :, None]
+    d = db * 32 + tl.arange(0, 32)[None, None, :]
+    if IDX64:
+        i = i.to(tl.int64)
+        d = d.to(tl.int64)
+    ND: tl.constexpr = (D + 31) // 32
+    in_s = i < S - s0
+    in_d = d < D
+    xr = tl.load(x_ptr + (b64 * sxb + s0.to(tl.int64) * sxs + h64 * sxh) + i * sxs + d, mask=in_s & in_d, other=0.0)
+    xf = _to_f32(xr)
+    amax = _abs_max_bits(xf, 2)  # (BLOCK_S, NDP, 1)
+    e = _mx_exponent(amax, RCEIL)
+    y = xf * _pow2(-e)
+    row = (b64 * S + s0) * H + h64  # output row of (b, s0, h) in (B, S, H)
+    ri = i * H  # rows of the tile's tokens, relative to row
+    if GROUP == 0:
+        tl.store(hd_ptr + row * D + (ri * D + d), _mx_bytes(xr, xf, y, SOFT), mask=in_s & in_d)
+        sc = tl.where(amax < 0x7F800000, e + 127, 255).to(tl.uint8)
+        if SWZ:  # scale matrix (S tokens, ND blocks) of this (b, h), tiled
+            NCT: tl.constexpr = (ND + 3) // 4
+            ht = he_ptr + (b64 * H + h64) * (tl.cdiv(S, 128) * NCT * 512)
+            tl.store(ht + _tiled_offset(s0 + i, db, NCT), sc, mask=in_s & (db < ND))
+        else:
+            tl.store(he_ptr + row * ND + (ri * ND + db), sc, mask=in_s & (db < ND))
+    else:
+        en = tl.where(_nonzero_block(amax), e, _NO_EXP)
+        if GROUP == 1:
+            E = tl.max(en, axis=1, keep_dims=True)  # (BLOCK_S, 1, 1)
+        else:
+            E = tl.max(en)
+        E = tl.where(E == _NO_EXP, 0, E)
+        tl.store(hd_ptr + row * D + (ri * D + d), _rs_bytes(y, e, E, amax < 0x7F800000, SOFT), mask=in_s & in_d)
+        if GROUP == 1:
+            tl.store(he_ptr + row + ri, E, mask=in_s)
+        else:
+            tl.store(he_ptr + (b64 * n_groups + st) * H + h64, E)
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr, S, H, sxb, sxs, sxh, hd_ptr, he_ptr, cw_ptr, ce_ptr, S_pad, NSB, n_s_tiles, n_groups,
     D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr, HDIM: tl.constexpr, SEQ: tl.constexpr,
     HDIM_GROUP: tl.constexpr, SEQ_RS: tl.constexpr, RCEIL: tl.constexpr, SOFT: tl.constexpr, IDX64: tl.constexpr,
-    SWZ: tl.constexpr = False,
+    SWZ: tl.constexpr = False, EVEN: tl.constexpr = False, J: tl.constexpr = 1,
 ):
     """One ``_quantize_tile`` per program (the arguments are documented there)."""
     _quantize_tile(tl.program_id(0), x_ptr, S, H, sxb, sxs, sxh, hd_ptr, he_ptr, cw_ptr, ce_ptr, S_pad, NSB,
-                   n_s_tiles, n_groups, D, NDP, BLOCK_S, HDIM, SEQ, HDIM_GROUP, SEQ_RS, RCEIL, SOFT, IDX64, SWZ)
+                   n_s_tiles, n_groups, D, NDP, BLOCK_S, HDIM, SEQ, HDIM_GROUP, SEQ_RS, RCEIL, SOFT, IDX64, SWZ, EVEN,
+                   J)
+
+
+@triton.jit
+def _row_set(xp, sxs, q4, k: tl.constexpr, s0, S, d, in_d, EVEN: tl.constexpr):
+    """Rows s0 + q4 + k of the tile (q4 = 4 * word index): raw values and fp32.  ``EVEN``: every row exists."""
+    if EVEN:
+        xr = tl.load(xp + (q4 + k) * sxs + d, mask=in_d, other=0.0)
+    else:
+        xr = tl.load(xp + (q4 + k) * sxs + d, mask=(s0 + q4 + k < S) & in_d, other=0.0)
+    return xr, _to_f32(xr)
+
+
+@triton.jit
+def _hdim_row_set(xf, RCEIL: tl.constexpr):
+    """Per block along D (axis 3) of one row set: magnitude-maximum bits and exponent."""
+    amax = _abs_max_bits(xf, 3)
+    return amax, _mx_exponent(amax, RCEIL)
+
+
+@triton.jit
+def _store_hdim_mx(hd, hs, ht, q4, k: tl.constexpr, s0, S, in_d, db, msc, H, D, ND, NCT, xr, xf, RCEIL: tl.constexpr,
+                   SOFT: tl.constexpr, SWZ: tl.constexpr, EVEN: tl.constexpr):
+    """MX data and scale bytes of row set k, blocked along D."""
+    amax, e = _hdim_row_set(xf, RCEIL)
+    y = xf * _pow2(-e)
+    sc = tl.where(amax < 0x7F800000, e + 127, 255).to(tl.uint8)
+    rows = q4 + k
+    ok = s0 + rows < S
+    _store_rows(hd + rows * (H * D), _mx_bytes(xr, xf, y, SOFT), ok, in_d, EVEN)
+    if SWZ:
+        _store_rows(ht + _tiled_offset(s0 + rows, db, NCT), sc, ok, msc, EVEN)
+    else:
+        _store_rows(hs + rows * (H * ND), sc, ok, msc, EVEN)
+
+
+@triton.jit
+def _store_rows(ptr, val, row_ok, col_ok, EVEN: tl.constexpr):
+    """``tl.store`` masked to ``row_ok & col_ok``, or to ``col_ok`` alone when every row exists (``EVEN``)."""
+    if EVEN:
+        tl.store(ptr, val, mask=col_ok)
+    else:
+        tl.store(ptr, val, mask=row_ok & col_ok)
+
+
+@triton.jit
+def _word_coords(BLOCK_S: tl.constexpr, W: tl.constexpr, NDP: tl.constexpr, IDX64: tl.constexpr):
+    """Word index w of the first group of row sets, shape (BLOCK_S/32, W, 1, 1) (the words 8 * block + 0..W-1; the
+    tile holds 8 / W such groups, group j at words w + j * W), and channel d, shape (1, 1, NDP, 32)."""
+    w = tl.arange(0, BLOCK_S // 32)[:, None, None, None] * 8 + tl.arange(0, W)[None, :, None, None]
+    d = tl.arange(0, NDP)[None, None, :, None] * 32 + tl.arange(0, 32)[None, None, None, :]
+    if IDX64:
+        w = w.to(tl.int64)
+        d = d.to(tl.int64)
+    return w, d
+
+
+@triton.jit
+def _max4(a, b, c, d):
+    """max(|a|, |b|, |c|, |d|), NaN-propagating."""
+    n: tl.constexpr = tl.PropagateNan.ALL
+    return tl.maximum(tl.maximum(tl.abs(a), tl.abs(b), propagate_nan=n), tl.maximum(tl.abs(c), tl.abs(d),
+                                                                                      propagate_nan=n), propagate_nan=n)
+
+
+@triton.jit
+def _k_group_exp(a0, e0, a1, e1, a2, e2, a3, e3):
+    """Per block position, the largest exponent among four row sets' nonzero blocks along D (``_NO_EXP`` if none);
+    the caller reduces it once over the tile."""
+    return tl.maximum(tl.maximum(tl.where(_nonzero_block(a0), e0, _NO_EXP), tl.where(_nonzero_block(a1), e1, _NO_EXP)),
+                      tl.maximum(tl.where(_nonzero_block(a2), e2, _NO_EXP), tl.where(_nonzero_block(a3), e3, _NO_EXP)))
+
+
+@triton.jit
+def _store_k_rows(hd, rows, s0, S, in_d, H, D, a, e, xf, E, SOFT: tl.constexpr, EVEN: tl.constexpr):
+    """Row-scaled bytes (K layout: exponent E for the tile) of one row set (fp32 ``xf``) blocked along D."""
+    _store_rows(hd + rows * (H * D), _rs_bytes(xf * _pow2(-e), e, E, a < 0x7F800000, SOFT), s0 + rows < S, in_d, EVEN)
+
+
+@triton.jit
+def _seq_word(x0r, x0, x1r, x1, x2r, x2, x3r, x3, p, e, E, fin, n_real, SEQ_RS: tl.constexpr, SOFT: tl.constexpr,
+              EVEN: tl.constexpr):
+    """The channel-major word of four row sets (tokens 4w + k) blocked along S (multiplier ``p`` = 2^-e): MX bytes, or
+    re-expressed to the channel's E with 0x7F in NaN blocks for the real tokens (``n_real`` of the word's 4)."""
+    if SEQ_RS:
+        wd = _rs_word(x0 * p, x1 * p, x2 * p, x3 * p, e, E, SOFT)
+        if EVEN:
+            nan_word = 0x7F7F7F7F
+        else:  # the padding past S stays 0
+            nan_word = tl.where(n_real <= 0, 0, 0x7F7F7F7F >> (32 - 8 * tl.minimum(n_real, 4)))
+        wd = tl.where(fin, wd, nan_word)
+    else:
+        wd = _mx_word(x0 * p, x1 * p, x2 * p, x3 * p, x0r, x1r, x2r, x3r, x0, x1, x2, x3, SOFT)
+    return wd
 
 
 @triton.jit
 def _quantize_tile(
     pid,  # the tile: (b, s tile, h) = _split_pid(pid, n_s_tiles, H)
     x_ptr, S, H, sxb, sxs, sxh,  # input (B, S, H, D), unit stride along D
-    hd_ptr, he_ptr,  # hdim data (B, S, H, D) u8; hdim scales u8 (B, S, H, ND) or exponents i32 (Q/K)
+    hd_ptr, he_ptr,  # hdim data (B, S, H, D) u8; hdim scales u8 (B, S, H, ND) or exponents i32 (K)
     cw_ptr, ce_ptr,  # seq data: channel-major (B, H, D, S_pad) as int32 words; seq scales u8 (B, NSB, H, D) or V exps
     S_pad, NSB, n_s_tiles, n_groups,
     D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr,
     HDIM: tl.constexpr, SEQ: tl.constexpr,
-    HDIM_GROUP: tl.constexpr,  # 0: MX scales; 1: Q (exponent per row); >1: K (exponent per tile = group)
+    HDIM_GROUP: tl.constexpr,  # 0: MX scales; >1: K (exponent per tile = group); Q's layout is _hdim_tile's alone
     SEQ_RS: tl.constexpr,  # False: MX scales; True: V, re-expressed to the per-channel exponents in ce_ptr
     RCEIL: tl.constexpr, SOFT: tl.constexpr, IDX64: tl.constexpr,
     SWZ: tl.constexpr,  # MX scales in the 128x4-tiled layout of Blackwell MMA, per (b, h) (he_ptr, ce_ptr)
+    EVEN: tl.constexpr = False,  # every token of every tile exists (S % BLOCK_S == 0 == S_pad - S): no row masks
+    J: tl.constexpr = 1,  # groups of four row sets: a thread holds 4 * J tokens of each seq block it touches
 ):
-    """Quantize BLOCK_S tokens x D channels of one (b, h).
+    """Quantize BLOCK_S tokens x D channels of one (b, h), along S (and along D too when HDIM).
 
-    The tile is read as four row sets, rows s0 + 4w + k for k = 0..3 (w = word index in the tile, shape
-    (BLOCK_S/32, 8, 1, 1); channels d, shape (1, 1, NDP, 32)): the same thread then holds 4 consecutive tokens
-    of a channel, so the four seq-orientation bytes pack into one int32 word of the channel-major row before
-    the transposing store (a 4-byte transpose instead of a byte transpose)."""
+    The tile is read as row sets: group j (of J) is four row sets, rows s0 + 4 (w + j W) + k for k = 0..3
+    (w = word index, shape (BLOCK_S/32, W = 8/J, 1, 1); channels d, shape (1, 1, NDP, 32)).  The same thread then holds 4 consecutive tokens of a channel in each group, so the four
+    seq-orientation bytes pack into one int32 word of the channel-major row before the transposing store (a 4-byte
+    transpose instead of a byte transpose), and with J = 2 it holds 8 tokens of each seq block: the block's exponent
+    work and its cross-lane maximum are shared by twice as many elements.  Maxima are NaN-propagating float maxima
+    of |x| (``_abs_max_bits``), so no branch is needed for NaN/Inf: MX data bytes take the input's sign
+    (``_mx_bytes``, ``_mx_word``), NaN blocks of the row-scaled layouts are one select per word or byte."""
+    W: tl.constexpr = 8 // J
     b, st, h = _split_pid(pid, n_s_tiles, H)
     s0 = st * BLOCK_S
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
-    w, d = _row_set_coords(BLOCK_S, NDP, IDX64)
+    w, d = _word_coords(BLOCK_S, W, NDP, IDX64)
     q4 = w * 4
     in_d = d < D
     ND: tl.constexpr = (D + 31) // 32
+    G1: tl.constexpr = 4 * W  # first row of group 1, relative to q4
 
     xp = x_ptr + b64 * sxb + s0.to(tl.int64) * sxs + h64 * sxh
-    x0r, x0, m0 = _load_rows(xp, sxs, q4, 0, s0, S, d, in_d)
-    x1r, x1, m1 = _load_rows(xp, sxs, q4, 1, s0, S, d, in_d)
-    x2r, x2, m2 = _load_rows(xp, sxs, q4, 2, s0, S, d, in_d)
-    x3r, x3, m3 = _load_rows(xp, sxs, q4, 3, s0, S, d, in_d)
-    mall = tl.maximum(tl.maximum(m0, m1), tl.maximum(m2, m3))
-    bad = tl.max(mall) >= 0x7F800000  # the tile holds NaN/Inf: take the patching branches
+    x0r, x0 = _row_set(xp, sxs, q4, 0, s0, S, d, in_d, EVEN)
+    x1r, x1 = _row_set(xp, sxs, q4, 1, s0, S, d, in_d, EVEN)
+    x2r, x2 = _row_set(xp, sxs, q4, 2, s0, S, d, in_d, EVEN)
+    x3r, x3 = _row_set(xp, sxs, q4, 3, s0, S, d, in_d, EVEN)
+    if J == 2:
+        x4r, x4 = _row_set(xp, sxs, q4, G1, s0, S, d, in_d, EVEN)
+        x5r, x5 = _row_set(xp, sxs, q4, G1 + 1, s0, S, d, in_d, EVEN)
+        x6r, x6 = _row_set(xp, sxs, q4, G1 + 2, s0, S, d, in_d, EVEN)
+        x7r, x7 = _row_set(xp, sxs, q4, G1 + 3, s0, S, d, in_d, EVEN)
 
     if HDIM:
         hrow = (b64 * S + s0) * H + h64  # row of (b, s0, h) in (B, S, H)
         hd = hd_ptr + hrow * D + d
-        rs = q4 * (H * D)
         if HDIM_GROUP == 0:
             db = tl.arange(0, NDP)[None, None, :, None]
-            if SWZ:  # scale matrix (S tokens, ND blocks) of this (b, h), tiled
-                NCT: tl.constexpr = (ND + 3) // 4
-                ht = he_ptr + (b64 * H + h64) * (tl.cdiv(S, 128) * NCT * 512)
-            else:
-                hs = he_ptr + hrow * ND + db
-                rsc = q4 * (H * ND)
+            NCT: tl.constexpr = (ND + 3) // 4
+            ht = he_ptr + (b64 * H + h64) * (tl.cdiv(S, 128) * NCT * 512)  # SWZ: scale matrix of this (b, h)
+            hs = he_ptr + hrow * ND + db
             msc = db < ND
-            o, sc = _hdim_mx(x0r, x0, m0, bad, RCEIL, SOFT)
-            tl.store(hd + rs, o, mask=(s0 + q4 < S) & in_d)
-            if SWZ:
-                tl.store(ht + _tiled_offset(s0 + q4, db, NCT), sc, mask=(s0 + q4 < S) & msc)
-            else:
-                tl.store(hs + rsc, sc, mask=(s0 + q4 < S) & msc)
-            o, sc = _hdim_mx(x1r, x1, m1, bad, RCEIL, SOFT)
-            tl.store(hd + rs + H * D, o, mask=(s0 + q4 + 1 < S) & in_d)
-            if SWZ:
-                tl.store(ht + _tiled_offset(s0 + q4 + 1, db, NCT), sc, mask=(s0 + q4 + 1 < S) & msc)
-            else:
-                tl.store(hs + rsc + H * ND, sc, mask=(s0 + q4 + 1 < S) & msc)
-            o, sc = _hdim_mx(x2r, x2, m2, bad, RCEIL, SOFT)
-            tl.store(hd + rs + 2 * H * D, o, mask=(s0 + q4 + 2 < S) & in_d)
-            if SWZ:
-                tl.store(ht + _tiled_offset(s0 + q4 + 2, db, NCT), sc, mask=(s0 + q4 + 2 < S) & msc)
-            else:
-                tl.store(hs + rsc + 2 * H * ND, sc, mask=(s0 + q4 + 2 < S) & msc)
-            o, sc = _hdim_mx(x3r, x3, m3, bad, RCEIL, SOFT)
-            tl.store(hd + rs + 3 * H * D, o, mask=(s0 + q4 + 3 < S) & in_d)
-            if SWZ:
-                tl.store(ht + _tiled_offset(s0 + q4 + 3, db, NCT), sc, mask=(s0 + q4 + 3 < S) & msc)
-            else:
-                tl.store(hs + rsc + 3 * H * ND, sc, mask=(s0 + q4 + 3 < S) & msc)
-        else:
-            q0, e0, f0, n0 = _hdim_rows(x0, m0, RCEIL, SOFT)
-            q1, e1, f1, n1 = _hdim_rows(x1, m1, RCEIL, SOFT)
-            q2, e2, f2, n2 = _hdim_rows(x2, m2, RCEIL, SOFT)
-            q3, e3, f3, n3 = _hdim_rows(x3, m3, RCEIL, SOFT)
-            if HDIM_GROUP == 1:  # Q: one exponent per row
-                E0 = tl.max(n0, axis=2, keep_dims=True)
-                E1 = tl.max(n1, axis=2, keep_dims=True)
-                E2 = tl.max(n2, axis=2, keep_dims=True)
-                E3 = tl.max(n3, axis=2, keep_dims=True)
-                E0 = tl.where(E0 == _NO_EXP, 0, E0)
-                E1 = tl.where(E1 == _NO_EXP, 0, E1)
-                E2 = tl.where(E2 == _NO_EXP, 0, E2)
-                E3 = tl.where(E3 == _NO_EXP, 0, E3)
-                he = he_ptr + hrow + q4 * H
-                tl.store(he, E0, mask=s0 + q4 < S)
-                tl.store(he + H, E1, mask=s0 + q4 + 1 < S)
-                tl.store(he + 2 * H, E2, mask=s0 + q4 + 2 < S)
-                tl.store(he + 3 * H, E3, mask=s0 + q4 + 3 < S)
-            else:  # K: the tile is the group
-                E0 = tl.maximum(tl.maximum(tl.max(n0), tl.max(n1)), tl.maximum(tl.max(n2), tl.max(n3)))
-                E0 = tl.where(E0 == _NO_EXP, 0, E0)
-                E1 = E0
-                E2 = E0
-                E3 = E0
-                tl.store(he_ptr + (b64 * n_groups + st) * H + h64, E0)
-            tl.store(hd + rs, _reexpress(q0, e0, E0, f0, bad, SOFT), mask=(s0 + q4 < S) & in_d)
-            tl.store(hd + rs + H * D, _reexpress(q1, e1, E1, f1, bad, SOFT), mask=(s0 + q4 + 1 < S) & in_d)
-            tl.store(hd + rs + 2 * H * D, _reexpress(q2, e2, E2, f2, bad, SOFT), mask=(s0 + q4 + 2 < S) & in_d)
-            tl.store(hd + rs + 3 * H * D, _reexpress(q3, e3, E3, f3, bad, SOFT), mask=(s0 + q4 + 3 < S) & in_d)
+            _store_hdim_mx(hd, hs, ht, q4, 0, s0, S, in_d, db, msc, H, D, ND, NCT, x0r, x0, RCEIL, SOFT, SWZ, EVEN)
+            _store_hdim_mx(hd, hs, ht, q4, 1, s0, S, in_d, db, msc, H, D, ND, NCT, x1r, x1, RCEIL, SOFT, SWZ, EVEN)
+            _store_hdim_mx(hd, hs, ht, q4, 2, s0, S, in_d, db, msc, H, D, ND, NCT, x2r, x2, RCEIL, SOFT, SWZ, EVEN)
+            _store_hdim_mx(hd, hs, ht, q4, 3, s0, S, in_d, db, msc, H, D, ND, NCT, x3r, x3, RCEIL, SOFT, SWZ, EVEN)
+            if J == 2:
+                _store_hdim_mx(hd, hs, ht, q4, G1, s0, S, in_d, db, msc, H, D, ND, NCT, x4r, x4, RCEIL, SOFT, SWZ,
+                               EVEN)
+                _store_hdim_mx(hd, hs, ht, q4, G1 + 1, s0, S, in_d, db, msc, H, D, ND, NCT, x5r, x5, RCEIL, SOFT, SWZ,
+                               EVEN)
+                _store_hdim_mx(hd, hs, ht, q4, G1 + 2, s0, S, in_d, db, msc, H, D, ND, NCT, x6r, x6, RCEIL, SOFT, SWZ,
+                               EVEN)
+                _store_hdim_mx(hd, hs, ht, q4, G1 + 3, s0, S, in_d, db, msc, H, D, ND, NCT, x7r, x7, RCEIL, SOFT, SWZ,
+                               EVEN)
+        else:  # K layout: the tile is the group
+            a0, e0 = _hdim_row_set(x0, RCEIL)
+            a1, e1 = _hdim_row_set(x1, RCEIL)
+            a2, e2 = _hdim_row_set(x2, RCEIL)
+            a3, e3 = _hdim_row_set(x3, RCEIL)
+            en = _k_group_exp(a0, e0, a1, e1, a2, e2, a3, e3)
+            if J == 2:
+                a4, e4 = _hdim_row_set(x4, RCEIL)
+                a5, e5 = _hdim_row_set(x5, RCEIL)
+                a6, e6 = _hdim_row_set(x6, RCEIL)
+                a7, e7 = _hdim_row_set(x7, RCEIL)
+                en = tl.maximum(en, _k_group_exp(a4, e4, a5, e5, a6, e6, a7, e7))
+            E = tl.max(en)
+            E = tl.where(E == _NO_EXP, 0, E)
+            tl.store(he_ptr + (b64 * n_groups + st) * H + h64, E)
+            _store_k_rows(hd, q4, s0, S, in_d, H, D, a0, e0, x0, E, SOFT, EVEN)
+            _store_k_rows(hd, q4 + 1, s0, S, in_d, H, D, a1, e1, x1, E, SOFT, EVEN)
+            _store_k_rows(hd, q4 + 2, s0, S, in_d, H, D, a2, e2, x2, E, SOFT, EVEN)
+            _store_k_rows(hd, q4 + 3, s0, S, in_d, H, D, a3, e3, x3, E, SOFT, EVEN)
+            if J == 2:
+                _store_k_rows(hd, q4 + G1, s0, S, in_d, H, D, a4, e4, x4, E, SOFT, EVEN)
+                _store_k_rows(hd, q4 + G1 + 1, s0, S, in_d, H, D, a5, e5, x5, E, SOFT, EVEN)
+                _store_k_rows(hd, q4 + G1 + 2, s0, S, in_d, H, D, a6, e6, x6, E, SOFT, EVEN)
+                _store_k_rows(hd, q4 + G1 + 3, s0, S, in_d, H, D, a7, e7, x7, E, SOFT, EVEN)
 
     if SEQ:
-        amax = tl.max(mall, axis=1, keep_dims=True)  # (BS/32, 1, NDP, 32): one per 32 tokens and channel
+        mall = _max4(x0, x1, x2, x3)
+        if J == 2:
+            mall = tl.maximum(mall, _max4(x4, x5, x6, x7), propagate_nan=tl.PropagateNan.ALL)
+        amax = _abs_max_bits(mall, 1)  # (BS/32, 1, NDP, 32): one per 32 tokens and channel
         fin = amax < 0x7F800000
         e = _mx_exponent(amax, RCEIL)
+        p = _pow2(-e)
+        E = e
         if SEQ_RS:
             ep = ce_ptr + (b64 * H + h64) * D + d
-            E = tl.load(ep, mask=in_d, other=0)
+            if st == 0:  # the sentinel becomes 0 (readers map both the same way)
+                E0 = tl.load(ep, mask=in_d, other=0)
+                tl.store(ep, tl.where(E0 == _NO_EXP, 0, E0), mask=in_d)
+            # loaded at every word of the tile (the same 4 bytes per channel, from L1): a load of the tile's shape
+            # takes the tile's layout, where a (1, 1, NDP, 32) load made the compiler move the loaded rows into its
+            # layout through shared memory, one 2-byte access per element
+            E = tl.load(ep + w * 0, mask=in_d, other=0)
             E = tl.where(E == _NO_EXP, 0, E)
-            if st == 0:
-                tl.store(ep, E, mask=in_d)  # the sentinel becomes 0 (readers map both the same way)
         else:
-            E = e
             sbk = tl.arange(0, BLOCK_S // 32)[:, None, None, None]
+            sc = tl.where(fin, e + 127, 255).to(tl.uint8)
             if SWZ:  # scale matrix (D channels, NSB blocks) of this (b, h), tiled
                 NCTS = tl.cdiv(NSB, 4)
                 st_base = ce_ptr + (b64 * H + h64) * (((D + 127) // 128) * NCTS * 512)
-                sc = tl.where(fin, e + 127, 255).to(tl.uint8)
                 sp = st_base + _tiled_offset(d, st * (BLOCK_S // 32) + sbk, NCTS)
                 tl.store(sp, sc, mask=(st * (BLOCK_S // 32) + sbk < NSB) & in_d)
             else:
                 sbase = ce_ptr + ((b64 * NSB + st * (BLOCK_S // 32)) * H + h64) * D
-                sc = tl.where(fin, e + 127, 255).to(tl.uint8)
                 tl.store(sbase + sbk * (H * D) + d, sc, mask=(st * (BLOCK_S // 32) + sbk < NSB) & in_d)
-        wd = _seq_bytes(x0r, x0, m0, e, E, fin, s0 + q4 >= S, SEQ_RS, SOFT)
-        wd |= _seq_bytes(x1r, x1, m1, e, E, fin, s0 + q4 + 1 >= S, SEQ_RS, SOFT) << 8
-        wd |= _seq_bytes(x2r, x2, m2, e, E, fin, s0 + q4 + 2 >= S, SEQ_RS, SOFT) << 16
-        wd |= _seq_bytes(x3r, x3, m3, e, E, fin, s0 + q4 + 3 >= S, SEQ_RS, SOFT) << 24
         row_w = S_pad // 4  # int32 words per channel-major row
-        cbase = cw_ptr + (b64 * H + h64) * D * row_w + st * (BLOCK_S // 4)
-        tl.store(cbase + d * row_w + w, wd, mask=(st * (BLOCK_S // 4) + w < row_w) & in_d)  # word mask: 16 B stores
+        cp = cw_ptr + (b64 * H + h64) * D * row_w + st * (BLOCK_S // 4) + d * row_w + w
+        wo = st * (BLOCK_S // 4) + w  # word of the row (the mask keeps 16-byte stores: row_w % 4 == 0)
+        wd = _seq_word(x0r, x0, x1r, x1, x2r, x2, x3r, x3, p, e, E, fin, S - (s0 + q4), SEQ_RS, SOFT, EVEN)
+        _store_rows(cp, wd, wo < row_w, in_d, EVEN)
+        if J == 2:
+            wd = _seq_word(x4r, x4, x5r, x5, x6r, x6, x7r, x7, p, e, E, fin, S - (s0 + q4 + G1), SEQ_RS, SOFT, EVEN)
+            _store_rows(cp + W, wd, wo + W < row_w, in_d, EVEN)
 
 
 @triton.jit
@@ -508,10 +887,11 @@ def _seq_exponent_kernel(
     x_ptr, S, H, sxb, sxs, sxh, sxd, sc_ptr, scb, scs, sch, scd, exp_ptr, n_s_tiles, tiles_per_prog, S_ld,
     D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr,
     FROM_MX: tl.constexpr, RCEIL: tl.constexpr, IDX64: tl.constexpr, QU: tl.constexpr, SU: tl.constexpr,
+    STAGES: tl.constexpr = 1,
 ):
     """One ``_seq_exponent_tile`` per program (the arguments are documented there)."""
     _seq_exponent_tile(tl.program_id(0), x_ptr, S, H, sxb, sxs, sxh, sxd, sc_ptr, scb, scs, sch, scd, exp_ptr,
-                       n_s_tiles, tiles_per_prog, S_ld, D, NDP, BLOCK_S, FROM_MX, RCEIL, IDX64, QU, SU)
+                       n_s_tiles, tiles_per_prog, S_ld, D, NDP, BLOCK_S, FROM_MX, RCEIL, IDX64, QU, SU, STAGES)
 
 
 @triton.jit
@@ -523,6 +903,7 @@ def _seq_exponent_tile(
     n_s_tiles, tiles_per_prog, S_ld,
     D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr,
     FROM_MX: tl.constexpr, RCEIL: tl.constexpr, IDX64: tl.constexpr, QU: tl.constexpr, SU: tl.constexpr,
+    STAGES: tl.constexpr,  # software-pipelining depth of the float input's loop (``tl.range``)
 ):
     """Pass 1 of V: per channel, the largest exponent among the seq blocks that hold a nonzero element."""
     n_chunks = tl.cdiv(n_s_tiles, tiles_per_prog)
@@ -531,14 +912,13 @@ def _seq_exponent_tile(
     h64 = h.to(tl.int64)
     sl, d = _tile_coords(0, BLOCK_S, NDP, IDX64)
     in_d = d < D
-    acc = tl.full((1, 1, NDP, 32), _NO_EXP, tl.int32)
     t0 = ch * tiles_per_prog
     t1 = tl.minimum(t0 + tiles_per_prog, n_s_tiles)
-    for t in range(t0, t1):
-        s0 = t * BLOCK_S
-        in_s = s0 + sl < S
-        xp = x_ptr + b64 * sxb + s0.to(tl.int64) * sxs + h64 * sxh
-        if FROM_MX:
+    if FROM_MX:
+        acc = tl.full((1, 1, NDP, 32), _NO_EXP, tl.int32)
+        for t in range(t0, t1):
+            s0 = t * BLOCK_S
+            xp = x_ptr + b64 * sxb + s0.to(tl.int64) * sxs + h64 * sxh
             qb = _load_bytes(xp + _offs(sl, d, sxs, sxd, QU), s0 + sl, S, S_ld, in_d, QU)
             anyq = tl.max(qb & 0x7F, axis=1, keep_dims=True) != 0
             sbk = tl.arange(0, BLOCK_S // 32)[:, None, None, None]
@@ -546,14 +926,39 @@ def _seq_exponent_tile(
             sbyte = tl.load(sp + _offs(sbk, d, scs, scd, SU), mask=(s0 + sbk * 32 < S) & in_d, other=_SCALE_NAN)
             sbyte = sbyte.to(tl.int32)
             eb = tl.where(anyq & (sbyte != 255), sbyte - 127, _NO_EXP)
-        else:
-            xf = _to_f32(tl.load(xp + sl * sxs + d, mask=in_s & in_d, other=0.0))
-            amax = tl.max(xf.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1, keep_dims=True)
-            e = _mx_exponent(amax, RCEIL)
-            nz = (amax < 0x7F800000) & (_round_to_e4m3_grid(amax.to(tl.float32, bitcast=True) * _pow2(-e)) != 0.0)
-            eb = tl.where(nz, e, _NO_EXP)
-        acc = tl.maximum(acc, tl.max(eb, axis=0, keep_dims=True))
-    tl.atomic_max(exp_ptr + (b64 * H + h64) * D + d, acc, mask=in_d, sem="relaxed")
+            acc = tl.maximum(acc, tl.max(eb, axis=0, keep_dims=True))
+        tl.atomic_max(exp_ptr + (b64 * H + h64) * D + d, acc, mask=in_d, sem="relaxed")
+    else:
+        # The largest exponent of a channel's nonzero blocks is the exponent of its largest finite block maximum
+        # (the exponent is monotone in the maximum, and a block is nonzero iff its maximum passes a threshold,
+        # ``_nonzero_block``), so the loop keeps only a running element-wise maximum: one float max per element, no
+        # reduction, no exponent work.  Only where that maximum is NaN/Inf must non-finite blocks be left out: then
+        # the chunk is read again block by block (a chunk holding a NaN or an Inf only).
+        xp = x_ptr + b64 * sxb + h64 * sxh
+        i = tl.arange(0, BLOCK_S)[:, None]
+        if IDX64:
+            i = i.to(tl.int64)
+        c = tl.arange(0, NDP * 32)
+        # a 2-D tile (the loop needs no seq blocks) in the input's dtype: the maximum of |x| is exact in it, and
+        # for 16-bit inputs it is one packed max.NaN per 2 elements
+        run = tl.zeros((BLOCK_S, NDP * 32), x_ptr.dtype.element_ty)
+        for t in tl.range(t0, t1, num_stages=STAGES):
+            s0 = t * BLOCK_S
+            xr = tl.load(xp + s0.to(tl.int64) * sxs + i * sxs + c[None, :], mask=(s0 + i < S) & (c[None, :] < D),
+                         other=0.0)
+            run = tl.maximum(run, tl.abs(xr), propagate_nan=tl.PropagateNan.ALL).to(xr.dtype)
+        cm = tl.reduce(_to_f32(run), 0, _max_keep_nan).to(tl.int32, bitcast=True)  # (D_pad,): channel maxima bits
+        if tl.max(cm) >= 0x7F800000:  # the chunk again, one seq block at a time, its non-finite blocks left out
+            j = tl.arange(0, 32)[:, None]
+            cm = tl.zeros((NDP * 32,), tl.int32)
+            for blk in range(t0 * (BLOCK_S // 32), t1 * (BLOCK_S // 32)):
+                s0 = blk * 32
+                xr = tl.load(xp + s0.to(tl.int64) * sxs + j * sxs + c[None, :], mask=(s0 + j < S) & (c[None, :] < D),
+                             other=0.0)
+                bm = tl.reduce(tl.abs(_to_f32(xr)), 0, _max_keep_nan).to(tl.int32, bitcast=True)
+                cm = tl.maximum(cm, tl.where(bm < 0x7F800000, bm, 0))
+        e = tl.where(_nonzero_block(cm), _mx_exponent(cm, RCEIL), _NO_EXP)
+        tl.atomic_max(exp_ptr + (b64 * H + h64) * D + c, e, mask=c < D, sem="relaxed")
 
 
 @triton.jit
@@ -567,31 +972,171 @@ def _operands_kernel(
     n_a, n_b, n_e,  # programs of A, B and E; F takes the rest of the grid
     D: tl.constexpr, NDP: tl.constexpr, RCEIL: tl.constexpr, SOFT: tl.constexpr, IDX64: tl.constexpr,
     A: tl.constexpr, A_BS: tl.constexpr, A_HDIM: tl.constexpr, A_SEQ: tl.constexpr, A_GROUP: tl.constexpr,
-    A_RS: tl.constexpr,
+    A_RS: tl.constexpr, A_ROWSET: tl.constexpr, A_EVEN: tl.constexpr, A_J: tl.constexpr,
     B: tl.constexpr, B_BS: tl.constexpr, B_HDIM: tl.constexpr, B_SEQ: tl.constexpr, B_GROUP: tl.constexpr,
-    B_RS: tl.constexpr,
-    E: tl.constexpr, E_BS: tl.constexpr, F: tl.constexpr, F_BS: tl.constexpr,
+    B_RS: tl.constexpr, B_ROWSET: tl.constexpr, B_EVEN: tl.constexpr, B_J: tl.constexpr,
+    E: tl.constexpr, E_BS: tl.constexpr, E_STAGES: tl.constexpr, F: tl.constexpr, F_BS: tl.constexpr,
+    F_STAGES: tl.constexpr,
 ):
     """Up to four independent jobs of one attention call in one launch (the host's cost is per launch): each
     program runs one tile of one job, the jobs laid end to end on the grid.  A job is exactly the tile its own
-    kernel would run (``_quantize_kernel``, ``_seq_exponent_kernel``), so the results are the same bit for bit."""
+    kernel would run (``_quantize_kernel`` when ``*_ROWSET``, else ``_hdim_kernel``; ``_seq_exponent_kernel``), so
+    the results are the same bit for bit."""
     pid = tl.program_id(0)
     if pid < n_a:
         if A:
-            _quantize_tile(pid, ax, aS, aH, asxb, asxs, asxh, ahd, ahe, acw, ace, aS_pad, aNSB, an_tiles, an_groups,
-                           D, NDP, A_BS, A_HDIM, A_SEQ, A_GROUP, A_RS, RCEIL, SOFT, IDX64, False)
+            if A_ROWSET:
+                _quantize_tile(pid, ax, aS, aH, asxb, asxs, asxh, ahd, ahe, acw, ace, aS_pad, aNSB, an_tiles,
+                               an_groups, D, NDP, A_BS, A_HDIM, A_SEQ, A_GROUP, A_RS, RCEIL, SOFT, IDX64, False,
+                               A_EVEN, A_J)
+            else:
+                _hdim_tile(pid, ax, aS, aH, asxb, asxs, asxh, ahd, ahe, an_tiles, an_groups, D, NDP, A_BS, A_GROUP,
+                           RCEIL, SOFT, IDX64, False)
     elif pid < n_a + n_b:
         if B:
-            _quantize_tile(pid - n_a, bx, bS, bH, bsxb, bsxs, bsxh, bhd, bhe, bcw, bce, bS_pad, bNSB, bn_tiles,
-                           bn_groups, D, NDP, B_BS, B_HDIM, B_SEQ, B_GROUP, B_RS, RCEIL, SOFT, IDX64, False)
+            if B_ROWSET:
+                _quantize_tile(pid - n_a, bx, bS, bH, bsxb, bsxs, bsxh, bhd, bhe, bcw, bce, bS_pad, bNSB, bn_tiles,
+                               bn_groups, D, NDP, B_BS, B_HDIM, B_SEQ, B_GROUP, B_RS, RCEIL, SOFT, IDX64, False,
+                               B_EVEN, B_J)
+            else:
+                _hdim_tile(pid - n_a, bx, bS, bH, bsxb, bsxs, bsxh, bhd, bhe, bn_tiles, bn_groups, D, NDP, B_BS,
+                           B_GROUP, RCEIL, SOFT, IDX64, False)
     elif pid < n_a + n_b + n_e:
         if E:
             _seq_exponent_tile(pid - n_a - n_b, ex, eS, eH, esxb, esxs, esxh, esxd, eexp, 0, 0, 0, 0, eexp,
-                               en_tiles, eper, eS, D, NDP, E_BS, False, RCEIL, IDX64, 1, 0)
+                               en_tiles, eper, eS, D, NDP, E_BS, False, RCEIL, IDX64, 1, 0, E_STAGES)
     else:
         if F:
             _seq_exponent_tile(pid - n_a - n_b - n_e, fx, fS, fH, fsxb, fsxs, fsxh, fsxd, fexp, 0, 0, 0, 0, fexp,
-                               fn_tiles, fper, fS, D, NDP, F_BS, False, RCEIL, IDX64, 1, 0)
+                               fn_tiles, fper, fS, D, NDP, F_BS, False, RCEIL, IDX64, 1, 0, F_STAGES)
+
+
+@triton.jit
+def _mx_rows_coords(pid, S, H, n_s_tiles, BLOCK_S: tl.constexpr, NDP: tl.constexpr, IDX64: tl.constexpr):
+    """Tile of ``_hdim_tile``'s shape for MX inputs blocked along D: (b, s tile, h), s0, the token index i
+    (BLOCK_S, 1, 1), the block index db (1, NDP, 1) and the channel d (1, NDP, 32)."""
+    b, st, h = _split_pid(pid, n_s_tiles, H)
+    i = tl.arange(0, BLOCK_S)[:, None, None]
+    db = tl.arange(0, NDP)[None, :, None]
+    d = db * 32 + tl.arange(0, 32)[None, None, :]
+    if IDX64:
+        i = i.to(tl.int64)
+        d = d.to(tl.int64)
+    return b.to(tl.int64), st, h.to(tl.int64), st * BLOCK_S, i, db, d
+
+
+@triton.jit
+def _e4m3_to_f32(qb, SOFT: tl.constexpr):
+    """fp32 values of e4m3 bytes ``qb`` (uint8); NaN bytes give NaN (the interpreter decodes them as 480)."""
+    q = qb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if SOFT:
+        q = tl.where((qb & 0x7F) == 0x7F, float("nan"), q)
+    return q
+
+
+@triton.jit
+def _rescale_words(qw, m, fin, SOFT: tl.constexpr):
+    """Words of 4 e4m3 bytes ``qw`` (int32) re-expressed: e4m3(q * m), m = 2^(e - E) in [2^-20, 1] (see
+    ``_rs_bytes``); NaN data bytes stay as they are in finite blocks, NaN blocks (``fin`` false) become 0x7F bytes."""
+    if SOFT:  # (NaN bytes and blocks are replaced below; their bytes here are whatever the rounding makes)
+        o = _pack_words(_soft_e4m3(_e4m3_to_f32((qw & 0xFF).to(tl.uint8), False) * m),
+                        _soft_e4m3(_e4m3_to_f32(((qw >> 8) & 0xFF).to(tl.uint8), False) * m),
+                        _soft_e4m3(_e4m3_to_f32(((qw >> 16) & 0xFF).to(tl.uint8), False) * m),
+                        _soft_e4m3(_e4m3_to_f32(((qw >> 24) & 0xFF).to(tl.uint8), False) * m))
+    else:
+        m16 = tl.broadcast_to(m.to(tl.float16), qw.shape)
+        o = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi, m; .reg .b32 a, b, mm; mov.b32 {lo, hi}, $1; mov.b32 mm, {$2, $2}; "
+            "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; mul.rn.f16x2 a, a, mm; mul.rn.f16x2 b, b, mm; "
+            "cvt.rn.satfinite.e4m3x2.f16x2 lo, a; cvt.rn.satfinite.e4m3x2.f16x2 hi, b; mov.b32 $0, {lo, hi}; }",
+            "=r,r,h", [qw, m16], dtype=tl.int32, is_pure=True, pack=1)
+    # 0xFF in the input's NaN bytes (0x7F / 0xFF): (b & 0x7F) + 1 carries into bit 7 of that byte alone
+    nan = ((((qw & 0x7F7F7F7F) + 0x01010101) >> 7) & 0x01010101) * 255
+    return tl.where(fin, (o & ~nan) | (qw & nan), 0x7F7F7F7F)
+
+
+@triton.jit
+def _hdim_rescale_kernel(
+    q_ptr, S, H, sqb, sqs, sqh,  # MX data (B, S, H, D) as int32 words of 4 bytes, unit stride along D (or its
+    #                              (1, B*S*H, 1, D/4) view); strides in words
+    sc_ptr, scb, scs, sch,  # MX scale bytes (B, S, H, ND), unit stride along ND
+    out_ptr, exp_ptr,  # data (B, S, H, D) contiguous, as int32 words; exponents (B, S, H, 1) (Q) or
+    #                    (B, n_groups, H, 1) (K)
+    n_s_tiles, n_groups,
+    D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr, GROUP: tl.constexpr, SOFT: tl.constexpr,
+    IDX64: tl.constexpr,
+):
+    """``to_row_scaled`` of an MXTensor blocked along D, for Q (GROUP 1) or K (GROUP = BLOCK_S tokens of one head)
+    on ``_hdim_tile``'s tile, in words of 4 bytes (D % 4 == 0): a block is 8 words, whether it holds a nonzero byte
+    is a max over (word & 0x7F7F7F7F), and the re-expression converts 4 bytes per word."""
+    b, st, h = _split_pid(tl.program_id(0), n_s_tiles, H)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    s0 = st * BLOCK_S
+    i = tl.arange(0, BLOCK_S)[:, None, None]
+    db = tl.arange(0, NDP)[None, :, None]
+    dw = db * 8 + tl.arange(0, 8)[None, None, :]  # word of the row
+    if IDX64:
+        i = i.to(tl.int64)
+        dw = dw.to(tl.int64)
+    ND: tl.constexpr = (D + 31) // 32
+    DW: tl.constexpr = D // 4
+    in_s = i < S - s0
+    qw = tl.load(q_ptr + (b64 * sqb + s0.to(tl.int64) * sqs + h64 * sqh) + i * sqs + dw, mask=in_s & (dw < DW),
+                 other=0)
+    sb = tl.load(sc_ptr + (b64 * scb + s0.to(tl.int64) * scs + h64 * sch) + i * scs + db, mask=in_s & (db < ND),
+                 other=127).to(tl.int32)
+    fin = sb != 255
+    nz = fin & (tl.max(qw & 0x7F7F7F7F, axis=2, keep_dims=True) != 0)
+    en = tl.where(nz, sb - 127, _NO_EXP)
+    if GROUP == 1:
+        E = tl.max(en, axis=1, keep_dims=True)
+    else:
+        E = tl.max(en)
+    E = tl.where(E == _NO_EXP, 0, E)
+    row = (b64 * S + s0) * H + h64
+    out = _rescale_words(qw, _pow2(_rs_shift(sb - 127, E)), fin, SOFT)
+    tl.store(out_ptr + row * DW + (i * H * DW + dw), out, mask=in_s & (dw < DW))
+    if GROUP == 1:
+        tl.store(exp_ptr + row + i * H, E, mask=in_s)
+    else:
+        tl.store(exp_ptr + (b64 * n_groups + st) * H + h64, E)
+
+
+@triton.jit
+def _hdim_dequant_kernel(
+    q_ptr, S, H, sqb, sqs, sqh,  # MX data bytes (B, S, H, D), unit stride along D (or its row view)
+    sc_ptr, scb, scs, sch,  # MX scale bytes (B, S, H, ND), unit stride along ND
+    out_ptr,  # (B, S, H, D) contiguous, of the output dtype
+    n_s_tiles,
+    D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr, SOFT: tl.constexpr, IDX64: tl.constexpr,
+):
+    """``dequantize_mxfp8`` of an MXTensor blocked along D on ``_hdim_tile``'s tile: data * 2^(scale - 127), NaN for
+    scale byte 255 and for NaN data."""
+    b64, st, h64, s0, i, db, d = _mx_rows_coords(tl.program_id(0), S, H, n_s_tiles, BLOCK_S, NDP, IDX64)
+    ND: tl.constexpr = (D + 31) // 32
+    in_s = i < S - s0
+    qb = tl.load(q_ptr + (b64 * sqb + s0.to(tl.int64) * sqs + h64 * sqh) + i * sqs + d, mask=in_s & (d < D), other=0)
+    sb = tl.load(sc_ptr + (b64 * scb + s0.to(tl.int64) * scs + h64 * sch) + i * scs + db, mask=in_s & (db < ND),
+                 other=127).to(tl.int32)
+    # 2^(byte-127): byte 0 is the fp32 subnormal 2^-127 (bits 0x400000), byte 255 is NaN
+    sf = tl.where(sb == 255, 0x7FC00000, tl.where(sb == 0, 0x400000, sb << 23)).to(tl.float32, bitcast=True)
+    y = _e4m3_to_f32(qb, SOFT) * sf
+    row = (b64 * S + s0) * H + h64
+    tl.store(out_ptr + row * D + (i * H * D + d), _round_out(y, out_ptr.dtype.element_ty, SOFT), mask=in_s & (d < D))
+
+
+@triton.jit
+def _round_out(y, dtype: tl.constexpr, SOFT: tl.constexpr):
+    """fp32 ``y`` rounded (nearest even) to the output dtype; NaN stays NaN.  For bf16 the explicit path rounds in
+    the bits (the interpreter's fp32->bf16 cast truncates and drops subnormals), the GPU's cvt does the same."""
+    if dtype == tl.bfloat16 and SOFT:
+        yb = y.to(tl.int32, bitcast=True)
+        yb = tl.where(y != y, 0x7FC00000, yb + 0x7FFF + ((yb >> 16) & 1))
+        out = (yb >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        out = y.to(dtype)
+    return out
 
 
 @triton.jit
@@ -882,60 +1427,100 @@ def quantize_mxfp8_triton(
     return res[0] if len(res) == 1 else tuple(res)
 
 
-def _quantize_spec(x4, s_pad, *, HDIM, SEQ, HDIM_GROUP, SEQ_RS, rceil, group, swz=False):
-    """One ``_quantize_kernel`` launch without its tensors: (grid, the scalars after ``x``, the scalars after the
-    four outputs, the constexprs), or None when there is no work."""
+def _quantize_spec(x4, s_pad, *, HDIM, SEQ, HDIM_GROUP, SEQ_RS, rceil, group, swz=False, warps=None):
+    """One quantize launch without its tensors: (grid, the scalars after ``x``, the scalars after the outputs, the
+    constexprs, the kernel kind), or None when there is no work.  Kind "hdim": ``_hdim_kernel`` (head-dim orientation
+    alone); "hdim_rows": the same on ``_rows_view(x4)``; "rowset": ``_quantize_kernel`` (any seq orientation)."""
     B, S, H, D = x4.shape
+    if SEQ and HDIM and HDIM_GROUP == 1:
+        raise ValueError("the row-set kernel writes the K layout (a group of rows) or MX scales along D, not Q's")
     if B * H == 0:
         return None
     dp = _d_pad(D)
-    tile = _tile("k" if HDIM_GROUP > 1 else "quant", dp, group)
+    rows = None if SEQ else _rows_view(x4)
+    if not SEQ:
+        if S == 0:
+            return None
+        # MX and Q tiles may take any run of rows; K tiles are one exponent group of one head, and tiled scales are
+        # per (b, h)
+        flat = HDIM_GROUP <= 1 and not swz and rows is not None
+        xv = rows if flat else x4
+        Bv, Sv, Hv, _ = xv.shape
+        tile = _tile("hdim_k" if HDIM_GROUP > 1 else "hdim", dp, group, warps)
+        bs = tile.block_s
+        n_s_tiles = cdiv(Sv, bs)
+        sxb, sxs, sxh, _ = xv.stride()
+        idx64 = _needs_i64(bs * sxs, dp) or _needs_i64(bs * Hv * D, dp)
+        return ((Bv * n_s_tiles * Hv,), (Sv, Hv, sxb, sxs, sxh), (n_s_tiles, cdiv(S, group) if group else 1),
+                dict(D=D, NDP=dp // 32, BLOCK_S=bs, GROUP=HDIM_GROUP, RCEIL=rceil, SOFT=_soft(x4.device),
+                     IDX64=idx64, SWZ=swz, num_warps=tile.num_warps),
+                "hdim_rows" if flat else "hdim")
+    tile = _tile("seq_k" if HDIM_GROUP > 1 else "seq", dp, group, warps)
     bs = tile.block_s
-    # seq outputs cover the zero padding up to s_pad, so tiles run over max(S, s_pad) when SEQ
-    s_cover = max(S, s_pad) if SEQ else S
-    if s_cover == 0:
-        return None
+    # seq outputs cover the zero padding up to s_pad, so tiles run over max(S, s_pad)
+    s_cover = max(S, s_pad)
     n_s_tiles = cdiv(s_cover, bs)
     n_groups = cdiv(S, group) if group else 1
     sxb, sxs, sxh, _ = x4.stride()
     idx64 = _needs_i64(bs * sxs, dp) or _needs_i64(bs * H * D, dp) or _needs_i64(dp * s_pad, bs)
     return ((B * n_s_tiles * H,), (S, H, sxb, sxs, sxh), (s_pad, cdiv(S, 32), n_s_tiles, n_groups),
             dict(D=D, NDP=dp // 32, BLOCK_S=bs, HDIM=HDIM, SEQ=SEQ, HDIM_GROUP=HDIM_GROUP, SEQ_RS=SEQ_RS,
-                 RCEIL=rceil, SOFT=_soft(x4.device), IDX64=idx64, SWZ=swz, num_warps=tile.num_warps))
+                 RCEIL=rceil, SOFT=_soft(x4.device), IDX64=idx64, SWZ=swz, EVEN=S % bs == 0 and s_pad <= S,
+                 J=tile.row_groups, num_warps=tile.num_warps), "rowset")
+
+
+def _rows_view(x4: torch.Tensor) -> Optional[torch.Tensor]:
+    """``x4`` (B, S, H, D) as (1, B*S*H, 1, D) when its (b, s, h) rows are evenly spaced (a contiguous tensor, or one
+    whose rows are padded), else None.  The head-dim kernel then takes tiles of consecutive rows: no per-program
+    (b, s, h) split and one run of memory per tile, with the same output offsets (outputs are contiguous)."""
+    B, S, H, D = x4.shape
+    try:
+        return x4.view(1, B * S * H, 1, D)
+    except RuntimeError:
+        return None
+
+
+def _quantize_args(spec, x4, hd, he, cd, ce, dummy) -> tuple:
+    """The positional arguments of the launch ``spec`` describes (``_quantize_spec``) for these tensors."""
+    _, head, tail, _, kind = spec
+    if kind == "rowset":
+        return (x4, *head, hd if hd is not None else dummy, he if he is not None else dummy,
+                cd.view(torch.int32) if cd is not None else dummy, ce if ce is not None else dummy, *tail)
+    xv = x4.view(1, head[0], 1, x4.shape[3]) if kind == "hdim_rows" else x4
+    return (xv, *head, hd, he, *tail)
+
+
+def _quantize_jit(spec):
+    return _quantize_kernel if spec[4] == "rowset" else _hdim_kernel
 
 
 def _launch_quantize(x4, hd, he, cd, ce, s_pad, **flags):
     spec = _quantize_spec(x4, s_pad, **flags)
     if spec is None:
         return
-    grid, head, tail, constexprs = spec
     dummy = x4.new_empty(4, dtype=torch.uint8)
-    fast_launcher(_quantize_kernel)[grid](
-        x4, *head,
-        hd if hd is not None else dummy, he if he is not None else dummy,
-        cd.view(torch.int32) if cd is not None else dummy, ce if ce is not None else dummy,
-        *tail, **constexprs,
-    )
+    fast_launcher(_quantize_jit(spec))[spec[0]](*_quantize_args(spec, x4, hd, he, cd, ce, dummy), **spec[3])
 
 
-def _v_exponents_spec(src4, sc4, *, from_mx: bool, rceil: bool):
+def _v_exponents_spec(src4, sc4, *, from_mx: bool, rceil: bool, warps=None):
     """One ``_seq_exponent_kernel`` launch without its tensors: (grid, the scalars after ``src``, the scale
     strides, the scalars after ``exp``, the constexprs), or None when there is no work."""
     B, S, H, D = src4.shape
     if B * H * S == 0:
         return None
     dp = _d_pad(D)
-    tile = _tile("seqexp", dp)
+    tile = _tile("seqexp", dp) if from_mx else _tile("vexp", dp, warps=warps)
     bs = tile.block_s
     n_s_tiles = cdiv(S, bs)
-    per = _seq_chunk(B * H, S, bs)
+    per = _seq_chunk(B * H, S, bs, None if from_mx else VEXP_MIN_PROGRAMS)
     n_chunks = cdiv(n_s_tiles, per)
     st = src4.stride()
     scs = sc4.stride() if sc4 is not None else (0, 0, 0, 0)
     idx64 = _needs_i64(bs * abs(st[1]), dp * abs(st[3]))
     return ((B * n_chunks * H,), (S, H, *st), tuple(scs), (n_s_tiles, per, _s_load_bound(src4) if from_mx else S),
             dict(D=D, NDP=dp // 32, BLOCK_S=bs, FROM_MX=from_mx, RCEIL=rceil, IDX64=idx64,
-                 QU=_unit(src4), SU=_unit(sc4) if sc4 is not None else 0, num_warps=tile.num_warps))
+                 QU=_unit(src4), SU=_unit(sc4) if sc4 is not None else 0, STAGES=1 if from_mx else VEXP_STAGES,
+                 num_warps=tile.num_warps))
 
 
 def _v_exponents(src4, sc4, *, from_mx: bool, rceil: bool) -> torch.Tensor:
@@ -981,7 +1566,7 @@ def _plan_key(kind: str, x, scale_mode, seq_dim, k_group):
     if type(x) is not _Tensor or type(k_group) is not int or TILE_OVERRIDES or not _launch.PLANS:
         return None
     return (kind, x.shape, x.stride(), x.dtype, x.device, _current_device(x), scale_mode, seq_dim, k_group,
-            x.data_ptr() & 15, SEQEXP_MIN_PROGRAMS, SOFT_ROUND_ON_GPU)
+            x.data_ptr() & 15, SEQEXP_MIN_PROGRAMS, VEXP_MIN_PROGRAMS, VEXP_STAGES, SOFT_ROUND_ON_GPU)
 
 
 def _trusted_row_scaled(data, exp, dim, group_dim=None, group=1) -> RowScaledFP8:
@@ -1021,11 +1606,9 @@ class _RowScaledPlan:
         self.dummy = x4.new_empty(4, dtype=torch.uint8)
 
     def _quantize(self, x4, hd, he, cd, ce) -> None:
-        grid, head, tail, constexprs = self.qspec
-        args = (x4, *head, hd if hd is not None else self.dummy, he if he is not None else self.dummy,
-                cd.view(torch.int32) if cd is not None else self.dummy, ce if ce is not None else self.dummy, *tail)
+        args = _quantize_args(self.qspec, x4, hd, he, cd, ce, self.dummy)
         if self.qlaunch is None:
-            self.qlaunch = BoundLaunch(fast_launcher(_quantize_kernel), grid, args, constexprs)
+            self.qlaunch = BoundLaunch(fast_launcher(_quantize_jit(self.qspec)), self.qspec[0], args, self.qspec[3])
         else:
             self.qlaunch(*args)
 
@@ -1081,10 +1664,12 @@ def _new_plan(key, kind: str, x: torch.Tensor, x4: torch.Tensor, packed: bool, r
 
 def _quant_slot(spec, x4, hd, he, cd, ce, dummy) -> tuple[tuple, dict, int]:
     """A ``_quantize_spec`` as one quantize job of ``_operands_kernel``: (arguments, constexprs, programs)."""
-    grid, head, tail, c = spec
-    args = (x4, *head, hd if hd is not None else dummy, he if he is not None else dummy,
-            cd.view(torch.int32) if cd is not None else dummy, ce if ce is not None else dummy, *tail)
-    return args, c, grid[0]
+    grid, head, tail, c, kind = spec
+    args = _quantize_args(spec, x4, hd, he, cd, ce, dummy)
+    if kind != "rowset":  # a head-dim job in the slot's argument list: no seq outputs
+        c = dict(c, HDIM=True, SEQ=False, HDIM_GROUP=c["GROUP"], SEQ_RS=False)
+        args = (*args[:8], dummy, dummy, 0, 0, *tail)
+    return args, dict(c, ROWSET=kind == "rowset"), grid[0]
 
 
 def _exp_slot(spec, x4, exp) -> tuple[tuple, dict, int]:
@@ -1127,11 +1712,14 @@ def _operands_launch(state: dict, name: str, quant: list, exps: list, D: int, rc
     c = dict(D=D, NDP=_d_pad(D) // 32, RCEIL=rceil, SOFT=soft, IDX64=any(j[1]["IDX64"] for j in present),
              num_warps=max(j[1]["num_warps"] for j in present))
     for tag, job in (("A", qa[0]), ("B", qa[1])):
-        jc = job[1] if job is not None else dict(BLOCK_S=32, HDIM=False, SEQ=False, HDIM_GROUP=0, SEQ_RS=False)
+        jc = job[1] if job is not None else dict(BLOCK_S=32, HDIM=False, SEQ=False, HDIM_GROUP=0, SEQ_RS=False,
+                                                 ROWSET=True)
         c.update({tag: job is not None, f"{tag}_BS": jc["BLOCK_S"], f"{tag}_HDIM": jc["HDIM"], f"{tag}_SEQ": jc["SEQ"],
-                  f"{tag}_GROUP": jc["HDIM_GROUP"], f"{tag}_RS": jc["SEQ_RS"]})
+                  f"{tag}_GROUP": jc["HDIM_GROUP"], f"{tag}_RS": jc["SEQ_RS"], f"{tag}_ROWSET": jc["ROWSET"],
+                  f"{tag}_EVEN": jc.get("EVEN", False), f"{tag}_J": jc.get("J", 1)})
     for tag, job in (("E", ea[0]), ("F", ea[1])):
-        c.update({tag: job is not None, f"{tag}_BS": job[1]["BLOCK_S"] if job is not None else 32})
+        c.update({tag: job is not None, f"{tag}_BS": job[1]["BLOCK_S"] if job is not None else 32,
+                  f"{tag}_STAGES": job[1]["STAGES"] if job is not None else 1})
     state[name] = BoundLaunch(fast_launcher(_operands_kernel), (sum(n),), tuple(args), c)
 
 
@@ -1146,10 +1734,8 @@ class _ForwardOperandsPlan:
         self.soft = _soft(self.dev)
         Sk = k4.shape[1]
         self.s_pad = cdiv(max(Sk, 1), SEQ_ALIGN) * SEQ_ALIGN
-        self.q_spec = _quantize_spec(q4, SEQ_ALIGN, HDIM=True, SEQ=False, HDIM_GROUP=1, SEQ_RS=False, rceil=rceil,
-                                     group=0)
-        self.v_exp_spec = _v_exponents_spec(v4, None, from_mx=False, rceil=rceil)
         if keep_kv:
+            warps = None  # first launch: Q and the two exponent passes, all at their own 4 warps
             self.k_exp_spec = _v_exponents_spec(k4, None, from_mx=False, rceil=rceil)
             both = dict(HDIM=True, SEQ=True, HDIM_GROUP=group, SEQ_RS=True, rceil=rceil, group=group)
             self.k_spec = _quantize_spec(k4, self.s_pad, **both)
@@ -1159,6 +1745,12 @@ class _ForwardOperandsPlan:
                                          rceil=rceil, group=group)
             self.v_spec = _quantize_spec(v4, self.s_pad, HDIM=False, SEQ=True, HDIM_GROUP=0, SEQ_RS=True,
                                          rceil=rceil, group=0)
+            # the first launch runs at K's warps (its tile is a whole exponent group): Q and V's exponent pass take
+            # tiles of as many warps, at their own elements per thread
+            warps = self.k_spec[3]["num_warps"] if self.k_spec is not None else None
+        self.q_spec = _quantize_spec(q4, SEQ_ALIGN, HDIM=True, SEQ=False, HDIM_GROUP=1, SEQ_RS=False, rceil=rceil,
+                                     group=0, warps=warps)
+        self.v_exp_spec = _v_exponents_spec(v4, None, from_mx=False, rceil=rceil, warps=warps)
         self.dummy = q4.new_empty(4, dtype=torch.uint8)
         self.bound: dict = {}
 
@@ -1239,7 +1831,7 @@ def row_scaled_triton_both_pair(x: torch.Tensor, y: torch.Tensor, scale_mode: Un
     if type(x) is _Tensor and type(y) is _Tensor and type(k_group) is int and not TILE_OVERRIDES and _launch.PLANS:
         key = ("pair", x.shape, x.stride(), y.shape, y.stride(), x.dtype, y.dtype, x.device, y.device,
                _current_device(x), scale_mode, k_group, x.data_ptr() & 15, y.data_ptr() & 15, SEQEXP_MIN_PROGRAMS,
-               SOFT_ROUND_ON_GPU)
+               VEXP_MIN_PROGRAMS, VEXP_STAGES, SOFT_ROUND_ON_GPU)
         plan = _PLANS.get(key)
         if plan is not None:
             return plan(*(t if t.stride(3) == 1 else t.contiguous() for t in (x, y)))
@@ -1272,7 +1864,8 @@ def forward_operands_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             and not TILE_OVERRIDES and _launch.PLANS:
         key = ("forward", keep_kv, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
                v.dtype, q.device, k.device, v.device, _current_device(q), scale_mode, k_group, q.data_ptr() & 15,
-               k.data_ptr() & 15, v.data_ptr() & 15, SEQEXP_MIN_PROGRAMS, SOFT_ROUND_ON_GPU)
+               k.data_ptr() & 15, v.data_ptr() & 15, SEQEXP_MIN_PROGRAMS, VEXP_MIN_PROGRAMS, VEXP_STAGES,
+               SOFT_ROUND_ON_GPU)
         plan = _PLANS.get(key)
         if plan is not None:
             return plan(*(x if x.stride(3) == 1 else x.contiguous() for x in (q, k, v)))
@@ -1434,7 +2027,15 @@ def _row_scaled_from_mx(mx: MXTensor, role: str, seq_dim: Optional[int], group: 
     else:
         exp = torch.empty(B, n_groups, H, 1, dtype=torch.int32, device=dev)
     n_s_tiles = cdiv(S, tile.block_s)
-    if B * H * S > 0:
+    hspec = _mx_hdim_spec(q8, sc4, group if role == "k" else 1, words=True)
+    if hspec is not None:  # unit stride along D, whole words: the head-dim tile
+        (qv, sv, Sv, Hv, n_tiles, bs, warps, idx) = hspec
+        fast_launcher(_hdim_rescale_kernel)[(qv.shape[0] * n_tiles * Hv,)](
+            qv, Sv, Hv, qv.stride(0), qv.stride(1), qv.stride(2), sv, sv.stride(0), sv.stride(1), sv.stride(2),
+            hd.view(torch.int32), exp, n_tiles, n_groups, D=D, NDP=dp // 32, BLOCK_S=bs,
+            GROUP=group if role == "k" else 1, SOFT=soft, IDX64=idx, num_warps=warps,
+        )
+    elif B * H * S > 0:
         idx = _needs_i64(tile.block_s * abs(q8.stride(1)), dp * abs(q8.stride(3))) or _needs_i64(tile.block_s * H * D, dp)
         fast_launcher(_rescale_mx_kernel)[(B * n_s_tiles * H,)](
             q8, *q8.stride(), sc4, *sc4.stride(), hd, exp, S, H, SEQ_ALIGN, n_s_tiles, n_groups, _s_load_bound(q8),
@@ -1445,6 +2046,31 @@ def _row_scaled_from_mx(mx: MXTensor, role: str, seq_dim: Optional[int], group: 
     if role == "q":
         return RowScaledFP8(data, _unpack(exp, packed), mx.ndim - 1)
     return RowScaledFP8(data, _unpack(exp, packed), mx.ndim - 1, group_dim=sd, group=group)
+
+
+def _mx_hdim_spec(q8: torch.Tensor, sc4: torch.Tensor, group: int, words: bool = False):
+    """For MX data (B, S, H, D) bytes blocked along D with unit stride along D and ND, the head-dim tile's launch:
+    (data (as int32 words of 4 bytes when ``words``), scales (their (1, B*S*H, 1, .) row views when both have evenly
+    spaced rows and ``group`` <= 1), S, H of those, tiles along S, BLOCK_S, warps, IDX64); None when the strides (or,
+    for words, D or the alignment) do not allow it or there is no work."""
+    B, S, H, D = q8.shape
+    if B * S * H == 0 or (D > 1 and q8.stride(3) != 1) or (sc4.shape[3] > 1 and sc4.stride(3) != 1):
+        return None
+    if words:
+        if D % 4 or q8.storage_offset() % 4 or any(st % 4 for st in q8.stride()[:3]) or q8.data_ptr() % 4:
+            return None
+        q8 = q8.view(torch.int32)
+    qv, sv = q8, sc4
+    if group <= 1:
+        qr, sr = _rows_view(q8), _rows_view(sc4)
+        if qr is not None and sr is not None:
+            qv, sv = qr, sr
+    dp = _d_pad(D)
+    tile = _tile("mx_hdim_k" if group > 1 else "mx_hdim", dp, group)
+    _, Sv, Hv, _ = qv.shape
+    idx = (_needs_i64(tile.block_s * abs(qv.stride(1)), dp) or _needs_i64(tile.block_s * abs(sv.stride(1)), dp)
+           or _needs_i64(tile.block_s * Hv * D, dp))  # (words: offsets in words, counted here as bytes)
+    return qv, sv, Sv, Hv, cdiv(Sv, tile.block_s), tile.block_s, tile.num_warps, idx
 
 
 def dequantize_mxfp8_triton(t: MXTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -1475,6 +2101,14 @@ def dequantize_mxfp8_triton(t: MXTensor, dtype: torch.dtype = torch.bfloat16) ->
     if out.numel() == 0:
         return out.reshape(t.shape)
     q8 = q4.view(torch.uint8)
+    hspec = _mx_hdim_spec(q8, s4, 1) if bdim == 3 else None
+    if hspec is not None:  # blocked along a unit-stride D: the head-dim tile
+        (qv, sv, Sv, Hv, n_tiles, bs, warps, idx) = hspec
+        fast_launcher(_hdim_dequant_kernel)[(qv.shape[0] * n_tiles * Hv,)](
+            qv, Sv, Hv, qv.stride(0), qv.stride(1), qv.stride(2), sv, sv.stride(0), sv.stride(1), sv.stride(2), out,
+            n_tiles, D=D, NDP=_d_pad(D) // 32, BLOCK_S=bs, SOFT=_soft(q8.device), IDX64=idx, num_warps=warps,
+        )
+        return out.reshape(t.shape)
     bd = min(128, 32 * next_pow2(cdiv(D, 32)))
     tile = _tile("dequant", bd)
     bs = tile.block_s
