@@ -245,13 +245,9 @@ def _e4m3_bytes(y, SOFT: tl.constexpr):
 @triton.jit
 def _row_set_coords(BLOCK_S: tl.constexpr, NDP: tl.constexpr, IDX64: tl.constexpr):
     """Coordinates of a row-set tile: word index w, shape (BLOCK_S/32, 8, 1, 1) (rows s0 + 4w + k, k = 0..3, so
-    that one thread holds 4 consecutive tokens of a channel), and channel d, shape (1, 1, NDP, 32)."""
-    w = tl.arange(0, BLOCK_S // 32)[:, None, None, None] * 8 + tl.arange(0, 8)[None, :, None, None]
-    d = tl.arange(0, NDP)[None, None, :, None] * 32 + tl.arange(0, 32)[None, None, None, :]
-    if IDX64:
-        w = w.to(tl.int64)
-        d = d.to(tl.int64)
-    return w, d
+    that one thread holds 4 consecutive tokens of a channel), and channel d, shape (1, 1, NDP, 32): ``_word_coords``
+    with all 8 row-set words of each 32-token block in one group."""
+    return _word_coords(BLOCK_S, 8, NDP, IDX64)
 
 
 @triton.jit
