@@ -214,8 +214,9 @@ def has_fast_backward(device) -> bool:
 # The warp-specialized Gluon forward (kernels/attn_fwd_gluon.py) measured faster than the `tl` kernel on the H200 at
 # d=128 from S = 8k (1.19-1.29x vs 1.13-1.20x cuDNN BF16, same run), and without a causal mask from S = 4k (682-688
 # vs 656-666 TFLOP/s in sessions 8, 9 and 11, `attn_fwd-*-s{8,9,11}.json`); it is slower at d=64, at S 2k and causal
-# at S 4k (510-513 vs 560-564) (docs/perf-notes-attn-fwd-gluon.md), so it takes those shapes only.  Blackwell (compute capability 10.x) runs the
-# block-scaled forward (kernels/attn_fwd_blockscaled.py: tl.dot_scaled on the MX operands, docs/blackwell.md).
+# at S 4k (510-513 vs 560-564) (docs/perf-notes-attn-fwd-gluon.md), so it takes those shapes only.  Blackwell
+# (compute capability 10.x) runs the block-scaled forward (kernels/attn_fwd_blockscaled.py: tl.dot_scaled on the
+# MX operands, docs/blackwell.md).
 # MXATTN_FWD_KERNEL=tl|gluon|blockscaled|auto overrides the automatic choice; the ``backend`` argument of
 # ``mxfp8_attn_func`` overrides both.
 GLUON_MIN_SEQ = 8192  # causal

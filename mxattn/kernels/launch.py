@@ -19,9 +19,9 @@ GPU machine's CPU for a kernel of ~40 arguments, against ~17 us for the compiled
   binder makes (each argument's type and specialization, constexprs by value) and the launch options.  It holds
   the kernel for every call whose arguments differ only in values Triton does not specialize on (a jagged batch's
   token count, a new sequence length that keeps the same divisibility), so such a call skips Triton's cache-key
-  and launch-metadata work and only pays the binder (~a tenth of Triton's launch).  The entry is Triton's own
-  choice for that specialization, recorded when Triton launched it, so the second table cannot take another
-  kernel than Triton would.  A Triton whose JITFunction has no binder where this expects it skips the table.
+  and launch-metadata work and pays only the binder (the gain per launch is not yet measured).  The entry is
+  Triton's own choice for that specialization, recorded when Triton launched it, so the second table cannot take
+  another kernel than Triton would.  A Triton whose JITFunction has no binder where this expects it skips the table.
 - Arguments the key cannot hash, the interpreter (``TRITON_INTERPRET=1``) and ``MXATTN_FAST_LAUNCH=0`` take
   Triton's own path.
 - ``MXATTN_FAST_LAUNCH=check`` asks Triton for the kernel on every hit too (``warmup=True``: no launch) and raises
@@ -101,7 +101,7 @@ class FastLauncher:
         self.jit_fn = jit_fn
         self.enabled = _ENABLED and isinstance(jit_fn, triton.runtime.JITFunction)
         self._cache: dict = {}
-        self._spec_cache: dict = {}  # Triton's specialization of a call -> (kernel, rest), asked on a by-value miss
+        self._spec_cache: dict = {}  # Triton's specialization of a call -> kernel, asked on a by-value miss
         self._binder_ok = self.enabled  # False once the binder is missing or fails: the second table is skipped
         self._sig = inspect.signature(jit_fn.fn) if self.enabled else None
         self.hits = 0
@@ -132,24 +132,28 @@ class FastLauncher:
                         (_desc_feature(v) if type(v) is _GluonDesc else v)) for k, v in kw)
         return (torch.cuda.current_device(), feats, kw)
 
-    def _binder(self):
-        """Triton's argument binder for the current device (``JITFunction.device_caches[device][4]`` in triton
-        3.6-3.9): ``binder(*args, **kwargs) -> (bound_args, specialization, options)``."""
-        return self.jit_fn.device_caches[torch.cuda.current_device()][4]
+    def _binder(self, device: int):
+        """Triton's argument binder for ``device`` (``JITFunction.device_caches[device][4]`` in triton 3.6-3.9):
+        ``binder(*args, **kwargs) -> (bound_args, specialization, options)``."""
+        return self.jit_fn.device_caches[device][4]
 
     def _spec_key(self, args, kwargs):
         """The second table's key: the current device, Triton's specialization list of the call and its launch
-        options; None where the binder is unavailable (then the table is skipped for good) or the key unhashable."""
+        options; None where the binder is unavailable (then the table is skipped for good), or where this call's
+        arguments do not bind or its key is unhashable (this call only: Triton's own path reports a bad call)."""
         if not (self._binder_ok and SPEC_TABLE[0]):
             return None
+        dev = torch.cuda.current_device()
         try:
-            _, spec, options = self._binder()(*args, **kwargs)
-            key = (torch.cuda.current_device(), tuple(spec), tuple(options.items()))
-            hash(key)
-        except TypeError:  # an unhashable specialization value: this call only
-            return None
+            binder = self._binder(dev)
         except Exception:  # noqa: BLE001  (no binder where expected: another Triton's internals)
             self._binder_ok = False
+            return None
+        try:
+            _, spec, options = binder(*args, **kwargs)
+            key = (dev, tuple(spec), tuple(options.items()))
+            hash(key)
+        except Exception:  # noqa: BLE001  (an argument Triton refuses, or an unhashable specialization value)
             return None
         return key
 
