@@ -73,15 +73,23 @@ VARLEN_SPLIT_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {"d128": 2, "d128_causal": 5
 # default) and every other 128-query build have none.
 BM128_TILE_SPILL_ALLOWANCE: dict[str, int] = {"d64_causal": 8}
 BM128_TILE_SPLIT_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {"d64_causal": 2}
+# fused dQ (--fuse-dq, session 13, d64 128-query steps): dS staged in shared memory for the sixth wgmma costs named
+# barriers around the store (Triton's shared-memory hazards: the previous step's wgmma read before it, the
+# wgmma after it) on top of the ring's two; the causal build runs the dQ product in two 64-query halves (its
+# whole 128-query product spilled ~770 B with 132 LDL / STL per step) and then waits four times per step, and
+# ptxas keeps one value spilled: 4 LDL / STL per step, both warpgroups together (triton 3.6)
+STEP_BAR_FUSED_DQ = 6
+FUSED_DQ_MAX_DEPBAR = 4
+FUSED_DQ_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {"d64_causal": 4}
 
 
 def compile_variant(head_dim: int, causal: bool, stages: int | None = None, split: bool = False,
                     defer_dk: bool | None = None, ds_exp: str | None = None, varlen: bool = False,
-                    block_m: int | None = None, regs: dict | None = None):
+                    block_m: int | None = None, regs: dict | None = None, fuse_dq: bool = False):
     """triton.compile of ``_attn_bwd_dkdv_ws_kernel`` for sm_90a, with the launcher's constexprs and options
     (``varlen``: the jagged build, SLOTS a pointer; ``block_m``: the query step, the config's default when None,
     refused where the launcher refuses it; ``regs``: GluonDkdvConfig register fields to override, e.g.
-    ``{"consumer_regs": 232}``)."""
+    ``{"consumer_regs": 232}``; ``fuse_dq``: the fused-dQ build, ``GluonDkdvConfig(fuse_dq=True)``)."""
     from dataclasses import replace
 
     from triton.experimental.gluon import language as gl
@@ -89,7 +97,7 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None, spli
     from mxattn.kernels import attn_bwd_dkdv_gluon as m
 
     cfg = m.default_config(head_dim, causal)
-    cfg = replace(cfg, **(regs or {}), block_m=block_m or cfg.block_m)
+    cfg = replace(cfg, **(regs or {}), block_m=block_m or cfg.block_m, split=split, fuse_dq=fuse_dq)
     cfg.check_launch(head_dim, varlen)
     stages = stages or cfg.stages
     lay = lambda shape: gl.NVMMASharedLayout.get_default_for(shape, gl.float8e4nv)  # noqa: E731
@@ -102,9 +110,15 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None, spli
             "DK": "*bf16", "DV": "*bf16"}
     # GluonDkdvConfig.defers_dk (not with one stage, nor with 128-query steps)
     defer = replace(cfg, stages=stages, defer_dk=cfg.defer_dk if defer_dk is None else defer_dk).defers_dk
+    if fuse_dq:  # K_seq's (D x 64-key) boxes and the fp32 dQ buffer
+        descs["ks_desc"] = fp8_desc([head_dim, bn], lay)
+        ptrs["DQ"] = "*fp32"
     key_exp = (ds_exp or cfg.ds_exp) == "key"  # as GluonDkdvConfig.key_exp
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs, SPLIT=split,
-                  CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=defer, DS_KEY_EXP=key_exp, VARLEN=varlen, BLOCK_M=bm)
+                  CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=defer, DS_KEY_EXP=key_exp, VARLEN=varlen, BLOCK_M=bm,
+                  FUSE_DQ=fuse_dq, DQ_HALVES=fuse_dq and (causal if cfg.dq_halves is None else cfg.dq_halves))
+    if not fuse_dq:  # the other builds leave the fused-dQ arguments at their defaults
+        consts |= {"ks_desc": None, "DQ": None}
     if varlen:
         ptrs["SLOTS"] = "*i32"
     else:
@@ -117,7 +131,8 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None, spli
 
 
 def check(k, name: str, dump: str | None, max_depbar: int = MAX_DEPBAR, spill_allowance: int | None = None,
-          split: bool = False, key_exp: bool | None = None, varlen: bool = False, block_m: int = 64) -> bool:
+          split: bool = False, key_exp: bool | None = None, varlen: bool = False, block_m: int = 64,
+          fuse_dq: bool = False) -> bool:
     """``compile_check_gluon.check`` with ``max_depbar`` DEPBARs per loop iteration and the variant's documented
     spill allowance (``SPILL_ALLOWANCE``); prints the report.  Split variants: ptxas spills a few loop-invariant
     values of each warpgroup (the epilogue's pointers: stored before the query-step loop, reloaded after it; 40 B
@@ -134,9 +149,12 @@ def check(k, name: str, dump: str | None, max_depbar: int = MAX_DEPBAR, spill_al
                else spill_allowance)
     loop_local = (VARLEN_SPLIT_LOOP_LOCAL_ALLOWANCE if varlen else BM128_TILE_SPLIT_LOOP_LOCAL_ALLOWANCE if bm128_tile
                   else SPLIT_LOOP_LOCAL_ALLOWANCE).get(name, 0)
+    if fuse_dq:
+        loop_local = FUSED_DQ_LOOP_LOCAL_ALLOWANCE.get(name, 0)
+        max_depbar = FUSED_DQ_MAX_DEPBAR
     ok = gluon_check(k, name, dump, max_depbar=max_depbar, allowed_spill_bytes=None if split else allowed,
                      allowed_loop_local=loop_local if split else 0,
-                     max_step_bar=STEP_BAR_KEY if key_exp else STEP_BAR_TILE)
+                     max_step_bar=STEP_BAR_FUSED_DQ if fuse_dq else STEP_BAR_KEY if key_exp else STEP_BAR_TILE)
     for st, score in per_score(k, block_m):
         print(f"      per score: {score:.1f} thread-instr (common step path {st} x 128 threads / (64 keys x {block_m} "
               f"queries))")
@@ -185,6 +203,9 @@ def main(argv=None) -> int:
     varlen = "--varlen" in argv
     if varlen:
         argv.remove("--varlen")
+    fuse_dq = "--fuse-dq" in argv  # GluonDkdvConfig(fuse_dq=True): needs --split and an undeferred step
+    if fuse_dq:
+        argv.remove("--fuse-dq")
     block_m = _flag_value(argv, "--block-m")  # the query step (GluonDkdvConfig.block_m); None: the default
     regs = {field: v for field, flag in (("maxnreg", "--maxnreg"), ("consumer_regs", "--consumer-regs"),
                                          ("producer_regs", "--producer-regs"))
@@ -193,9 +214,10 @@ def main(argv=None) -> int:
         argv += ["--only", "d64,d64_causal"]  # the only head dim the 128-query step builds for
     return run_variants(argv, __doc__, lambda d, c, st: compile_variant(d, c, st, split=split, defer_dk=defer,
                                                                         ds_exp=ds_exp, varlen=varlen,
-                                                                        block_m=block_m, regs=regs),
+                                                                        block_m=block_m, regs=regs,
+                                                                        fuse_dq=fuse_dq),
                         lambda k, name, dump: check(k, name, dump, split=split, key_exp=key_exp, varlen=varlen,
-                                                    block_m=block_m or 64),
+                                                    block_m=block_m or 64, fuse_dq=fuse_dq),
                         consumer_threads=128 if split else 256)
 
 

@@ -24,6 +24,8 @@
 #   varlensweep  the same over several length draws, d128 and d64, and d64 tile configs
 #   varlenbwd  jagged backward (Gluon jagged mode, the Hopper default, asked here by name: compile checks, tiny cases, its GPU
 #              tests) vs the dense default backward (Gluon on Hopper), the tl jagged path and SDPA, two draws
+#   fuseddq    the fused-dQ backward (GluonDkdvConfig.fuse_dq, opt-in): compile check, its GPU tests (tiny first),
+#              scripts/bench_fused_dq.py (kernels and public backward vs the split kernels and SDPA cuDNN, one run)
 #   varlenbwdtime  varlenbwd's timing rows alone (B16 H16 d128, mean length 2048; VARLEN_BWD_SEEDS, default "0 1"):
 #              per row ms of each path, parts_ms (preprocessing, tile tables, each Gluon launcher) and host_ms
 #   graph      `mxattn bench --cuda-graph`: forward as CUDA-graph replays (no host launch overhead), S 2k/4k
@@ -214,6 +216,18 @@ for kw in cases:
     print(r['D'], r['causal'], r['seed'], r['config'], 'fill %.2f' % r['fill'], 'rate_vs_dense %.3f' % r['rate_vs_dense'], flush=True)
 print(write_result('varlen_fwd', rows, sys.argv[1]))
 " "$OUT" "${VARLEN_SEEDS:-0 1 2 3}" ;;
+    fuseddq)
+      # the fused-dQ backward (GluonDkdvConfig.fuse_dq, session 13, opt-in MXATTN_BWD_FUSED_DQ=1): compile check,
+      # the tiny case under a short timeout (a barrier bug of the dS staging would hang), its other GPU tests, then
+      # scripts/bench_fused_dq.py (kernels and the public backward vs the split kernels and cuDNN, one run)
+      run $PY scripts/compile_check_bwd_dkdv_gluon.py --split --block-m 128 --fuse-dq 2>&1 | grep -E "^== |variants"
+      T_SAVE=$T; T=150
+      run $PY -m pytest -m gpu -q -x -rfE -p no:cacheprovider tests/test_attn_bwd_dkdv_gluon.py -k "fused_dq and tiny" \
+        2>&1 | tail -5
+      T=$T_SAVE
+      run $PY -m pytest -m gpu -q -rfE -s -p no:cacheprovider tests/test_attn_bwd_dkdv_gluon.py -k "fused_dq and not tiny" \
+        2>&1 | grep -E "SQNR|passed|failed|Error|assert" | tail -30
+      run $PY scripts/bench_fused_dq.py "$OUT" ${FUSED_DQ_SHAPES:-} ;;
     varlenbwd|varlenbwdtime)
       # issue 8: the jagged backward against the dense default (the Gluon backward on Hopper since session 5).
       # The Gluon kernels' jagged mode (VARLEN; the default on Hopper since session 12): compile checks, two tiny

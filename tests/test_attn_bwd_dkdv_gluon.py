@@ -194,6 +194,38 @@ def test_launcher_rejects_block_m128_where_it_cannot_build():
         m.attn_bwd_dkdv_gluon_varlen(*([None] * 8), config=cfg)
 
 
+def test_fused_dq_config_and_launcher_checks():
+    """``fuse_dq``: the steps are never deferred, the whole-tile and jagged builds are refused, and
+    ``attn_bwd_dkdv_dq_gluon`` rejects a missing or malformed k_seq and a config without fuse_dq before any launch;
+    MXATTN_BWD_FUSED_DQ takes 0 or 1 only."""
+    m = _mod()
+    from mxattn import formats
+    from mxattn.kernels import attn_bwd
+
+    assert not m.GluonDkdvConfig(split=True, fuse_dq=True).defers_dk
+    assert m.GluonDkdvConfig(split=True).defers_dk
+    with pytest.raises(ValueError, match="split"):
+        m.GluonDkdvConfig(fuse_dq=True).check_launch(64)
+    with pytest.raises(ValueError, match="dense"):
+        m.GluonDkdvConfig(split=True, fuse_dq=True).check_launch(64, varlen=True)
+    ops = _cpu_operands()
+    s = formats.row_scaled_from_float(torch.randn(1, 200, 2, 64), 1)
+    k_seq = formats.RowScaledFP8(formats.channel_major(s.data), s.exp, s.dim)
+    with pytest.raises(TypeError, match="k_seq"):
+        m.attn_bwd_dkdv_dq_gluon(**ops, k_seq=None)
+    with pytest.raises(ValueError, match="k_seq"):
+        m.attn_bwd_dkdv_dq_gluon(**ops, k_seq=ops["k"])  # the K layout, not the V layout
+    with pytest.raises(ValueError, match="fuse_dq=True"):
+        m.attn_bwd_dkdv_dq_gluon(**ops, k_seq=k_seq, config=m.GluonDkdvConfig(split=True, block_m=128))
+    for value, want in (("0", False), ("1", True)):
+        os.environ["MXATTN_BWD_FUSED_DQ"] = value
+        assert attn_bwd.fused_dq() is want
+    os.environ["MXATTN_BWD_FUSED_DQ"] = "yes"
+    with pytest.raises(ValueError, match="MXATTN_BWD_FUSED_DQ"):
+        attn_bwd.fused_dq()
+    del os.environ["MXATTN_BWD_FUSED_DQ"]
+
+
 def test_tile_exponents_expand_groups():
     """The launcher's per-step exponents (``_tile_exps``: one per 64 rows, or per 128 with 128-query steps) are the
     grouped operand's, row by row."""
@@ -349,6 +381,16 @@ def test_compiles_for_sm90_without_gpu_block_m128():
             assert "inside the consumer loops: 0;" in r.stdout and "inside the consumer loops: 1" not in r.stdout
     r = _compile_check(["--block-m", "128", "--only", "d128"])
     assert r.returncode == 1 and "head dim 64" in r.stdout, (r.stdout[-2000:], r.stderr[-2000:])
+
+
+@pytest.mark.slow
+def test_compiles_for_sm90_without_gpu_fused_dq():
+    """Where triton 3.6 is installed, the fused-dQ builds (``--split --block-m 128 --fuse-dq``, d64 causal and not)
+    compile for sm_90a within that script's fused-dQ rules (named barriers, DEPBARs, the causal build's documented
+    in-loop reload), with the sixth wgmma (m64n64k32, A from shared memory)."""
+    r = _compile_check(["--split", "--block-m", "128", "--fuse-dq"])
+    assert r.returncode == 0 and "all variants OK" in r.stdout, (r.stdout[-4000:], r.stderr[-2000:])
+    assert r.stdout.count("== d64") == 2, r.stdout[-4000:]
 
 
 RING = ("q", "do", "lse", "dl", "qs", "dos")  # the six loads of a query step, all on the stage's ready barrier
@@ -627,6 +669,74 @@ def test_attn_bwd_dkdv_gluon_bm128_matches_tl(case, ds_exp, tiny, split, seed):
     if not _is_hopper():
         pytest.skip("the Gluon dK/dV kernel needs an sm_90 GPU")
     _check_against_twin(case, _mod().GluonDkdvConfig(split=split, ds_exp=ds_exp, block_m=128), seed)
+
+
+# fused dQ (GluonDkdvConfig(fuse_dq=True), d64 128-query steps, session 13): the tiny case first (a barrier bug of
+# the dS staging shows as a hang there), then GQA 8:1 both masks, Sq < Sk and Sq > Sk causal (rows that see no key),
+# MQA across 64- / 128-row boundaries, one query row
+FUSED_DQ_CASES = [(1, 70, 130, 2, 1, 64, True), (2, 1000, 1000, 16, 2, 64, True), (2, 1000, 1000, 16, 2, 64, False),
+                  (1, 300, 3000, 2, 2, 64, True), (1, 1000, 300, 4, 2, 64, True), (3, 129, 257, 2, 1, 64, False),
+                  (1, 1, 77, 2, 2, 64, False)]
+
+
+def _fp64_dq(ops, causal: bool, scale: float) -> torch.Tensor:
+    """fp64 dQ of softmax attention on the dequantized FP8 operands (q, k, v_hdim, and dO from dout_hdim): the
+    truth both dQ paths are measured against."""
+    q = ops["q"].dequantize(torch.float64).requires_grad_()
+    k, v, do = (ops[n].dequantize(torch.float64) for n in ("k", "v_hdim", "dout_hdim"))
+    Sq, Hq, Sk, Hkv = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
+    k, v = (t.repeat_interleave(Hq // Hkv, dim=2) for t in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:  # bottom-right: query i sees key j iff j <= i + Sk - Sq
+        keep = torch.arange(Sk, device=q.device)[None, :] <= torch.arange(Sq, device=q.device)[:, None] + Sk - Sq
+        s = s.masked_fill(~keep, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows that see no key: zero output, zero gradient
+    return torch.autograd.grad(torch.einsum("bhqk,bkhd->bqhd", p, v), q, do)[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", FUSED_DQ_CASES, ids=[("tiny-" if i == 0 else "") + _case_id(c)
+                                                      for i, c in enumerate(FUSED_DQ_CASES)])
+def test_attn_bwd_dkdv_gluon_fused_dq(case, seed):
+    """``attn_bwd_dkdv_dq_gluon`` (dQ formed in the dK/dV kernel, added with atomics): dk and dv equal the 128-query
+    split build's up to fp32 summation order (the same code for them); dq is as accurate as the dQ kernel's against
+    fp64 gradients on the same FP8 operands (SQNR at most 0.5 dB lower), never NaN, and 0 in rows that see no key;
+    the public backward under MXATTN_BWD_FUSED_DQ=1 returns the launcher's gradients."""
+    if not _is_hopper():
+        pytest.skip("the Gluon dK/dV kernel needs an sm_90 GPU")
+    from mxattn.kernels.attn_bwd import attn_bwd_hopper
+    from mxattn.kernels.attn_bwd_dq_gluon import GluonDqConfig, attn_bwd_dq_gluon
+    from mxattn.kernels.quantize import row_scaled_triton as rs
+    from mxattn.reference import sqnr_db
+
+    m = _mod()
+    causal = case[6]
+    q, k, v, dout = _gpu_inputs(case, seed)
+    ops, out = m.dkdv_operands(q, k, v, dout, causal)
+    k_seq = rs(k, "v")
+    dq, dk, dv = m.attn_bwd_dkdv_dq_gluon(**ops, k_seq=k_seq, causal=causal)
+    dk0, dv0 = m.attn_bwd_dkdv_gluon(**ops, causal=causal, config=m.GluonDkdvConfig(split=True, block_m=128))
+    dq0 = attn_bwd_dq_gluon(ops["q"], ops["k"], ops["v_hdim"], k_seq, ops["dout_hdim"], ops["lse"], ops["delta"],
+                            causal=causal, config=GluonDqConfig(split=True, block_n=128))
+    torch.cuda.synchronize()
+    name = _case_id(case)
+    _assert_agree(dk, dk0, name + " dk")
+    _assert_agree(dv, dv0, name + " dv")
+    assert not torch.isnan(dq).any(), name
+    truth = _fp64_dq(ops, causal, case[5] ** -0.5)
+    got, want = sqnr_db(dq.double(), truth), sqnr_db(dq0.double(), truth)
+    print(f"{name}: dq SQNR fused {got:.2f} dB, dQ kernel {want:.2f} dB")
+    assert got >= want - 0.5, f"{name}: fused dq {got:.2f} dB against the dQ kernel's {want:.2f} dB"
+    assert (dq[(dq0 == 0).all(dim=-1)] == 0).all(), name  # query rows with no gradient (they see no key)
+    os.environ["MXATTN_BWD_FUSED_DQ"] = "1"
+    try:
+        pq, pk, pv = attn_bwd_hopper(ops["q"], ops["k"], ops["v_hdim"], ops["q_seq"], k_seq, out, dout, ops["lse"],
+                                     causal=causal, dout_hdim=ops["dout_hdim"], dout_seq=ops["dout_seq"])
+    finally:
+        del os.environ["MXATTN_BWD_FUSED_DQ"]
+    _assert_agree(pk, dk, name + " public dk")
+    _assert_agree(pv, dv, name + " public dv")
+    assert sqnr_db(pq.double(), dq.double()) > 30, name  # the same kernel; only the atomics' order differs
 
 
 @pytest.mark.gpu

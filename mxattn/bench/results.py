@@ -31,6 +31,7 @@ WHATS = (
     "attn_fwd_cuda_graph",
     "attn_bwd",
     "attn_bwd_kernels",
+    "attn_bwd_fused_dq",
     "profile_attn",
     "host_timing",
     "memory",

@@ -864,6 +864,16 @@ def gluon_split() -> bool:
     return value == "1"
 
 
+def fused_dq() -> bool:
+    """Whether the Gluon backward at D = 64 forms dQ inside the dK/dV kernel (``GluonDkdvConfig.fuse_dq``, session 13:
+    five products instead of seven, dQ added with atomics) instead of running the dQ kernel: opt-in with
+    MXATTN_BWD_FUSED_DQ=1, and never for a ``deterministic`` call."""
+    value = os.environ.get("MXATTN_BWD_FUSED_DQ", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"MXATTN_BWD_FUSED_DQ must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def attn_bwd_hopper(
     q: RowScaledFP8,
     k: RowScaledFP8,
@@ -915,6 +925,7 @@ def attn_bwd_hopper(
     Sk, Hkv = k.data.shape[1], k.data.shape[2]
     cfg = config or default_config(D, causal, Hq // max(Hkv, 1))
     qg = _check_operands(q, k, v_hdim, q_seq, k_seq, out, dout, lse, cfg)
+    fuse = not deterministic and D == 64 and fused_dq()  # (before the override below: the caller's flag)
     deterministic = deterministic or cfg.dq_kernel  # from here on: "dQ from the second kernel"
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
@@ -944,6 +955,13 @@ def attn_bwd_hopper(
         # split builds (the default); at D = 64 the 128-key dQ step and the 128-query dK/dV step (session 11,
         # S 8k d64: dQ 1.67 / 0.86 ms against 2.24 / 1.17, dK/dV 2.20 / 1.38 against 2.54 / 1.40, non-causal / causal)
         split, wide = gluon_split(), D == 64
+        if split and fuse:  # dQ inside the dK/dV kernel (opt-in, ``fused_dq``)
+            from mxattn.kernels.attn_bwd_dkdv_gluon import attn_bwd_dkdv_dq_gluon
+
+            dq, dk, dv = attn_bwd_dkdv_dq_gluon(q, k, v_hdim, q_seq, k_seq, doh, dos, lse, delta, causal=causal,
+                                                softmax_scale=softmax_scale, grad_dtype=grad_dtype, dk_out=dk,
+                                                dv_out=dv)
+            return ((lambda: dq) if defer_dq else dq), dk, dv
         dkdv_cfg = GluonDkdvConfig(split=True, block_m=128 if wide else 64) if split else None
         dq_cfg = GluonDqConfig(split=True, block_n=128 if wide else 64) if split else None
         dk, dv = attn_bwd_dkdv_gluon(q, k, v_hdim, q_seq, doh, dos, lse, delta, causal=causal,

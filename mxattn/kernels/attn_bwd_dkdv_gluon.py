@@ -182,6 +182,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -209,7 +210,7 @@ from mxattn.kernels import launch
 from mxattn.kernels.launch import (BoundLaunch, cdiv, fast_launcher, nvmma_fp8_layout, rebased, tensor_sig,
                                    unbased)
 
-__all__ = ["GluonDkdvConfig", "default_config", "tl_twin_config", "attn_bwd_dkdv_gluon",
+__all__ = ["GluonDkdvConfig", "default_config", "tl_twin_config", "attn_bwd_dkdv_gluon", "attn_bwd_dkdv_dq_gluon",
            "attn_bwd_dkdv_gluon_varlen", "bench_attn_bwd_dkdv_gluon", "dkdv_operands"]
 
 LOG2E = 1.4426950408889634
@@ -256,6 +257,14 @@ class GluonDkdvConfig:
     # exponent rows are per 64 rows); ``check_launch`` refuses the rest.  The dS exponent is then one per key (or
     # tile) and 128-query step, and the tl twin runs with block_m = 128 (``tl_twin_config``)
     block_m: int = BLOCK_M_DEFAULT
+    # dQ in this kernel (session 13, opt-in): each warpgroup also forms its 64 keys' part of dQ per step, dS·K_seq
+    # (a sixth wgmma, dS cast again with one exponent per tile), and adds it to an fp32 buffer with atomics, so the
+    # separate dQ kernel (which recomputes Sᵀ and dPᵀ: 7 products in all where 5 are needed) is not run.  Split,
+    # dense launches; the steps are then not deferred (``defers_dk``); not deterministic
+    fuse_dq: bool = False
+    # fused dQ's product 64 queries at a time (half the accumulator); None: the launcher's rule (causal builds,
+    # where the whole 128-query product spilled inside the loop, triton 3.6)
+    dq_halves: Optional[bool] = None
 
     def __post_init__(self):
         if self.ds_exp not in DS_EXPS:
@@ -269,6 +278,8 @@ class GluonDkdvConfig:
         if self.block_m == 128 and varlen:
             raise ValueError("block_m=128 is not supported by the jagged (varlen) Gluon dK/dV kernel: its tile table "
                              "and q / dO exponent rows are per 64 queries; use block_m=64")
+        if self.fuse_dq and (varlen or not self.split):
+            raise ValueError("fuse_dq needs a dense launch of the split build (split=True)")
         if self.block_m == 128 and head_dim is not None and head_dim != 64:
             raise ValueError(f"block_m=128 needs head dim 64 (got {head_dim}): at d128 the 64 x 128 Sᵀ / dPᵀ tiles "
                              f"and the dK / dV accumulators do not fit the consumers' 240 registers; use block_m=64")
@@ -278,7 +289,7 @@ class GluonDkdvConfig:
         """Whether the kernel is built with DEFER_DK (the deferral needs two stages: j − 1's and j's).  Not with
         block_m = 128: the deferred dSᵀ crosses the loop edge as its fp32 tile, 64 registers a thread there, and
         the build spilled 0.9-1.4 KB with ~200 LDL / STL per step inside the loop (triton 3.6, session 9)."""
-        return self.defer_dk and self.stages >= 2 and self.block_m == 64
+        return self.defer_dk and self.stages >= 2 and self.block_m == 64 and not self.fuse_dq
 
     @property
     def key_exp(self) -> bool:
@@ -483,6 +494,65 @@ def _producer_split(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_des
                     n_steps, HEAD_DIM, STAGES, VARLEN, BLOCK_M)
 
 
+@gluon.jit
+def _producer_split_dq(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, ks_desc, q_smem, do_smem,
+                       qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, ks_smem, kv_bar, ready, empty,
+                       k_row, k_col, ks_row, ks_col, q_row, seq_row, vec_row, h0, lo, n_m, n_steps,
+                       HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr):
+    """The fused-dQ build's producer (dense, split): ``_producer_split`` and each warpgroup's K_seq tile (D x 64 keys
+    of the channel-major K, the B operand of its dQ product) on the same once-only barrier."""
+    mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes + ks_desc.block_type.nbytes))
+    for w in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [k_row + w * BLOCK_N_WG, k_col], kv_bar, k_smem.index(w))
+        tma.async_copy_global_to_shared(v_desc, [k_row + w * BLOCK_N_WG, k_col], kv_bar, v_smem.index(w))
+        tma.async_copy_global_to_shared(ks_desc, [ks_row, ks_col + w * BLOCK_N_WG], kv_bar, ks_smem.index(w))
+    _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_smem, do_smem, qs_smem, dos_smem,
+                    lse_smem, dl_smem, ready, empty, q_row, seq_row, 0, vec_row, 0, 0, h0, lo, n_m,
+                    n_steps, HEAD_DIM, STAGES, False, BLOCK_M)
+
+
+@gluon.jit
+def _dq_stage(ds, dsq_smem):
+    """Fused dQ (``GluonDkdvConfig.fuse_dq``), first part: this warpgroup's keys' dS for the step's dQ product into
+    ``dsq_smem`` (BLOCK_M x 64, keys contiguous: the K-major A operand of dS[queries, keys] K[keys, :]); returns
+    the tile's exponent.
+
+    ds: 256·dSᵀ (64 keys x BLOCK_M queries, fp32).  dQ's product runs over keys, so dK's per-key exponent cannot be
+    factored out of it: dS is cast a second time, with one RCEIL power of two for the whole tile (its amax; the dQ
+    kernel's rule without the hysteresis, which only serves an accumulator kept across tiles).  An all-zero tile
+    gets −127 (``_dq_add`` skips it)."""
+    e = _rceil_exp(gl.max(gl.max(gl.abs(ds), 1), 0), -127)
+    dsq_smem.permute((1, 0)).store((ds * _pow2(-e)).to(gl.float8e4nv))
+    fence_async_shared()
+    return e
+
+
+@gluon.jit
+def _dq_issue(dsq_smem, ks_tile, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Fused dQ, second part: issue dS (``dsq_smem``) times ``ks_tile`` (K_seq, D x 64, keys contiguous: B is its
+    transpose) into a fresh accumulator."""
+    return warpgroup_mma(dsq_smem, ks_tile.permute((1, 0)),
+                         gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=_mma_layout(HEAD_DIM, 4)), use_acc=False,
+                         is_async=True)
+
+
+@gluon.jit
+def _dq_add(dq, e, DQ_b, hh, m0, Sq, stride_dqm, stride_dqh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Fused dQ, last part: dQ[m0 + i, head hh, :] += dq[i, :] · 2^e into the fp32 (B, Sq, Hq, D) buffer ``DQ_b``
+    (moved to the batch), relaxed atomic adds, rows past Sq masked.  The per-channel factor 2^kse[d] · scale · 2^-8
+    is the same for every tile of a head (K_seq's exponents of its kv head), so the launcher applies it once, when it
+    turns the buffer into dq.
+    Tiles that were all zero (e = −127: causal tiles before these keys, rows that see nothing) are skipped.  Not
+    deterministic: the two warpgroups and the key blocks add in any order."""
+    if e > -127:
+        d_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)
+        rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, d_layout))
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, d_layout))
+        ptrs = (DQ_b + hh * stride_dqh + gl.expand_dims(rows.to(gl.int64) * stride_dqm, 1)
+                + gl.expand_dims(offs_d, 0))
+        gl.atomic_add(ptrs, dq * _pow2(e), mask=gl.expand_dims(rows < Sq, 1), sem="relaxed")
+
+
 # ------------------------------------------------------------------------------------------------- consumer
 @gluon.jit
 def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_tile, kv_bar, ready, empty,
@@ -492,7 +562,8 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
               qe_row, de_row, seq_h, key_row,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
               WARPS: gl.constexpr, DEFER_DK: gl.constexpr, DS_KEY_EXP: gl.constexpr, VARLEN: gl.constexpr,
-              BLOCK_M: gl.constexpr):
+              BLOCK_M: gl.constexpr, ks_tile=None, dsq_smem=None, DQ_b=None, stride_dqm=0,
+              stride_dqh=0, FUSE_DQ: gl.constexpr = False, DQ_HALVES: gl.constexpr = False):
     """Keys n0 .. n0 + ROWS − 1 of one (b, hk), ROWS = 128 on 8 warps (the whole CTA's keys) or 64 on one warpgroup
     (split: keys n0 + 64·w ..); k_tile / v_tile their K and V_hdim tiles.  Pointers already moved to b (QE, DOE,
     QSE, DOSE) and to (b, hk, first key) (DK, DV); lse and δ of each query tile come through the ring
@@ -516,7 +587,11 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
     tile-exponent rescale of step j + 1 follow that wait, so dK sees the same operations in the same order as
     without the deferral (add dK_j, head rescale, exponent rescale, add dK_{j+1}): bit-identical results.
     DS_KEY_EXP deferred: the per-row exponent rescale of step j (a factor per row, every step) is applied at the
-    top of step j + 1 after the head rescale, before Sᵀ_{j+1}'s wgmma: the same order as the undeferred step."""
+    top of step j + 1 after the head rescale, before Sᵀ_{j+1}'s wgmma: the same order as the undeferred step.
+
+    FUSE_DQ (undeferred steps only, ``GluonDkdvConfig.fuse_dq``): each step also stages its keys' dS for dQ in
+    shared memory under dV's and dK's products (``_dq_stage``), then, once they are in, multiplies it by K_seq
+    (``_dq_product``) and adds the result to memory (``_dq_add``); dK and dV are unchanged."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_M, WARPS)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM, WARPS)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
@@ -677,8 +752,24 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
                     dk = dk * _pow2(dk_e - e)
             dk_e = e
             dk = warpgroup_mma(ds8, qs_smem.index(st).permute((1, 0)), dk, is_async=True)
-            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-            mbarrier.arrive(empty.index(st), count=1)  # stage st free: every read of it is done
+            if FUSE_DQ:  # dQ's product behind dK's (dS staged under dV's and dK's), the three waited together
+                dq_e = _dq_stage(ds, dsq_smem)
+                if DQ_HALVES:  # 64 queries at a time: half the accumulator registers (causal builds)
+                    dq = _dq_issue(dsq_smem.slice(0, 64), ks_tile, HEAD_DIM, 64)
+                    dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+                    mbarrier.arrive(empty.index(st), count=1)
+                    _dq_add(dq, dq_e, DQ_b, hh, m0, Sq, stride_dqm, stride_dqh, HEAD_DIM, 64)
+                    dq = _dq_issue(dsq_smem.slice(64, 64), ks_tile, HEAD_DIM, 64)
+                    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+                    _dq_add(dq, dq_e, DQ_b, hh, m0 + 64, Sq, stride_dqm, stride_dqh, HEAD_DIM, 64)
+                else:
+                    dq = _dq_issue(dsq_smem, ks_tile, HEAD_DIM, BLOCK_M)
+                    dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+                    mbarrier.arrive(empty.index(st), count=1)
+                    _dq_add(dq, dq_e, DQ_b, hh, m0, Sq, stride_dqm, stride_dqh, HEAD_DIM, BLOCK_M)
+            else:
+                dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+                mbarrier.arrive(empty.index(st), count=1)  # stage st free: every read of it is done
     if DEFER_DK:
         if n_steps > 0:  # the last step's deferred dK (n_steps >= 1 whenever Sq >= 1)
             sp = (n_steps - 1) % STAGES
@@ -725,6 +816,11 @@ def _attn_bwd_dkdv_ws_kernel(
     BLOCK_M: gl.constexpr,  # queries per step (GluonDkdvConfig.block_m): 64, or 128 at D = 64 (dense only)
     SLOTS=None,  # jagged: the (rows, SLOT_COLS) int32 tile table of kernels/bwd_varlen_tiles.py (None: dense)
     VARLEN: gl.constexpr = False,
+    # fused dQ (GluonDkdvConfig.fuse_dq; dense, split, undeferred): K_seq's descriptor ((B*Hkv*D, Sk), [D, 64]
+    # boxes) and the fp32 dQ buffer (B, Sq, Hq, D) the atomics add into
+    ks_desc=None, DQ=None, stride_dqb=0, stride_dqm=0, stride_dqh=0,
+    FUSE_DQ: gl.constexpr = False,
+    DQ_HALVES: gl.constexpr = False,  # fused dQ's product 64 queries at a time (GluonDkdvConfig.dq_halves)
 ):
     """Dense: grid (cdiv(Sk, 128), B * Hkv).  Jagged (VARLEN): grid (table rows, Hkv); CTA (r, hk) computes the
     key tile of row r of SLOTS (heaviest first) for kv head hk, on packed operands: k / v_hdim (Tk, Hkv, D) and
@@ -823,7 +919,36 @@ def _attn_bwd_dkdv_ws_kernel(
         de_row = 0
         seq_h = 0
         key_row = 0
-    if SPLIT:
+    if FUSE_DQ:
+        gl.static_assert(SPLIT and not VARLEN and not DEFER_DK, "fused dQ: split, dense, undeferred builds only")
+        wg_off = BLOCK_N_WG * stride_dkn
+        ks_smem = gl.allocate_shared_memory(ks_desc.dtype, [2] + ks_desc.block_type.shape, ks_desc.layout)
+        dsq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N_WG], gl.float8e4nv)
+        dsq_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, BLOCK_N_WG], dsq_layout)
+        DQ_b = DQ + b.to(gl.int64) * stride_dqb
+        gl.warp_specialize([
+            (_consumer, (q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem.index(0), v_smem.index(0),
+                         kv_bar, ready, empty, QE_b, DOE_b, QSE_b, DOSE_b, DK_t, DV_t,
+                         stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
+                         stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0,
+                         h0 + group_size - 1, lo, mid, n_m, n_steps, qk_scale, grad_scale,
+                         qe_row, de_row, seq_h, key_row, HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK, DS_KEY_EXP,
+                         VARLEN, BLOCK_M, ks_smem.index(0), dsq_smem.index(0), DQ_b, stride_dqm, stride_dqh,
+                         FUSE_DQ, DQ_HALVES)),
+            (_consumer, (q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem.index(1), v_smem.index(1),
+                         kv_bar, ready, empty, QE_b, DOE_b, QSE_b, DOSE_b, DK_t + wg_off, DV_t + wg_off,
+                         stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
+                         stride_dkd, KE_t, VE_t, Sk - n0 - BLOCK_N_WG,
+                         causal_off - n0 - BLOCK_N_WG, Sq, h0, h0 + group_size - 1, lo, mid, n_m, n_steps,
+                         qk_scale, grad_scale, qe_row, de_row, seq_h, key_row,
+                         HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK, DS_KEY_EXP, VARLEN, BLOCK_M, ks_smem.index(1),
+                         dsq_smem.index(1), DQ_b, stride_dqm, stride_dqh, FUSE_DQ, DQ_HALVES)),
+            (_producer_split_dq, (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, ks_desc,
+                                  q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, ks_smem,
+                                  kv_bar, ready, empty, k_row, hk * HEAD_DIM, (b * Hkv + hk) * HEAD_DIM, n0, q_row,
+                                  seq_row, vec_row, h0, lo, n_m, n_steps, HEAD_DIM, STAGES, BLOCK_M)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    elif SPLIT:
         wg_off = BLOCK_N_WG * stride_dkn
         gl.warp_specialize([
             (_consumer, (q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem.index(0), v_smem.index(0),
@@ -1149,6 +1274,79 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
         _PLANS.clear()
     _PLANS[key] = (BoundLaunch(fast_launcher(kernel), grid, args, constexprs), unbased(descs), scalars, bm)
     return dk, dv
+
+
+def _check_k_seq(k_seq, B: int, Sk: int, Hkv: int, D: int) -> None:
+    """k_seq: the V layout of k (channel-major, one exponent per (kv head, channel)), as q_seq."""
+    if not _is_rs(k_seq):
+        raise TypeError(f"k_seq must be a RowScaledFP8, got {type(k_seq).__name__}")
+    sd = k_seq.data
+    if sd.ndim != 4 or tuple(sd.shape) != (B, Sk, Hkv, D) or k_seq.dim != 1 or tuple(k_seq.exp.shape) != (B, 1, Hkv, D):
+        raise ValueError(f"k_seq: data {tuple(sd.shape)} (dim={k_seq.dim}), exp {tuple(k_seq.exp.shape)}; expected "
+                         f"{(B, Sk, Hkv, D)} blocked along the sequence with exp {(B, 1, Hkv, D)} (the V layout)")
+    s_pad = sd.stride(3)
+    if (sd.stride(1) != 1 or sd.stride(2) != D * s_pad or sd.stride(0) != Hkv * D * s_pad or s_pad % 16
+            or s_pad < Sk or sd.data_ptr() % 16):
+        raise ValueError("k_seq: data must be the (B, S, H, D) view of a channel-major (B, H, D, S_pad) buffer, S_pad "
+                         "a multiple of 16 (row_scaled_triton(k, 'v'))")
+
+
+def attn_bwd_dkdv_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, q_seq: RowScaledFP8,
+                           k_seq: RowScaledFP8, dout_hdim: RowScaledFP8, dout_seq: RowScaledFP8, lse: torch.Tensor,
+                           delta: torch.Tensor, *, causal: bool = False, softmax_scale: Optional[float] = None,
+                           grad_dtype: torch.dtype = torch.bfloat16, config: Optional[GluonDkdvConfig] = None,
+                           dk_out: Optional[torch.Tensor] = None, dv_out: Optional[torch.Tensor] = None):
+    """(dq, dk, dv) from one launch of the split kernel with dQ fused (``GluonDkdvConfig.fuse_dq``, session 13):
+    the operands of ``attn_bwd_dkdv_gluon`` plus ``k_seq`` (k in the V layout, as the dQ kernels take it).
+
+    dk and dv are those of ``attn_bwd_dkdv_gluon`` with the same config without ``fuse_dq`` (the same kernel code
+    for them).  dq: each CTA's warpgroups add dS·K over their keys into an fp32 (B, Sq, Hq, D) buffer (zeroed
+    here) with atomics, dS cast to e4m3 with one exponent per (64 keys x query step) tile; then one pass applies
+    the per-channel factor 2^kse · scale · 2^-8 and casts to ``grad_dtype``.  Not deterministic (the order of the
+    adds).  ``config``: default ``GluonDkdvConfig(split=True, block_m=128 at D = 64 else 64, defer_dk=False,
+    fuse_dq=True)``; ``dq_halves`` (the dQ product 64 queries at a time) defaults to the causal builds, where the
+    whole 128-query product spilled.  dk_out / dv_out as ``attn_bwd_dkdv_gluon``'s.  Needs an sm_90 GPU and triton
+    3.6's Gluon."""
+    _check(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, grad_dtype)
+    B, Sq, Hq, D = q.data.shape
+    Sk, Hkv = k.data.shape[1], k.data.shape[2]
+    _check_k_seq(k_seq, B, Sk, Hkv, D)
+    cfg = config or GluonDkdvConfig(split=True, block_m=128 if D == 64 else 64, defer_dk=False, fuse_dq=True)
+    if not cfg.fuse_dq:
+        raise ValueError("attn_bwd_dkdv_dq_gluon needs a config with fuse_dq=True")
+    cfg.check_launch(D)
+    bm = cfg.block_m
+    if bm != ROW_GROUP:
+        _check_row_groups(q, dout_hdim, bm)
+    softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    dev = q.data.device
+    dk, dv = grad_outputs(dk_out, dv_out, (B, Sk, Hkv, D), grad_dtype, dev)
+    dq_acc = torch.zeros(B, Sq, Hq, D, dtype=torch.float32, device=dev)
+    if Sq == 0 or B * Hkv == 0 or Sk == 0:
+        return dq_acc.to(grad_dtype), dk.zero_(), dv.zero_()
+    tiles = _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq, True, bm)
+    descs = (*tiles[:4], *_vector_descriptors(lse, delta, bm), *tiles[4:])
+    ksd = k_seq.data
+    ks_desc = TensorDescriptor(ksd, [B * Hkv * D, Sk], [ksd.stride(3), 1], [D, BLOCK_N_WG.value],
+                               nvmma_fp8_layout(D, BLOCK_N_WG.value))
+    qe, de = (_tile_exps(t, Sq, bm) for t in (q, dout_hdim))
+    ke, ve = (t.exp.contiguous() for t in (k, v_hdim))
+    qse, dse = q_seq.exp.contiguous(), dout_seq.exp.contiguous()
+    row_e = lambda e: (e.stride(0), e.stride(1), e.stride(2))  # noqa: E731  (B, S or groups, H)
+    chan_e = lambda e: (e.stride(0), e.stride(2), e.stride(3))  # noqa: E731  (B, H, D)
+    kernel = _attn_bwd_dkdv_ws_kernel_sq1 if Sq == 1 else _attn_bwd_dkdv_ws_kernel
+    halves = cfg.dq_halves if cfg.dq_halves is not None else causal
+    # everything positional (the fused-dQ arguments follow SLOTS / VARLEN), the launch options as keywords
+    args = (*descs, qe, de, ke, ve, qse, dse, dk, dv, *row_e(qe), *row_e(de), *row_e(ke), *row_e(ve), *chan_e(qse),
+            *dk.stride(), Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
+            D, cfg.stages, causal, cfg.producer_regs, True, cfg.consumer_regs, False, cfg.key_exp, bm, None, False,
+            ks_desc, dq_acc, dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2), True, bool(halves))
+    fast_launcher(kernel)[(cdiv(Sk, BLOCK_N.value), B * Hkv)](*args, num_warps=4, maxnreg=cfg.maxnreg)
+    # dQ rows of query head h hold K_seq's exponents of kv head h // G: one per-channel factor per (b, kv head)
+    col = torch.exp2(k_seq.exp.to(torch.float32)) * (softmax_scale * 2.0**-P_SCALE_LOG2)  # (B, 1, Hkv, D)
+    G = Hq // Hkv
+    dq = (dq_acc.view(B, Sq, Hkv, G, D) * col.view(B, 1, Hkv, 1, D)).view(B, Sq, Hq, D).to(grad_dtype)
+    return dq, dk, dv
 
 
 # Launch plans of the jagged launcher, as the dense one's (_PLANS above): keyed on every operand's signature
