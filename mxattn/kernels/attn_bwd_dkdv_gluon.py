@@ -169,6 +169,12 @@ no query-row mask.  The default builds (BLOCK_M = 64) compile to the same SASS a
 byte for byte, all dense and jagged builds).  A common step then issues 953-970 SASS instructions for 64 x 128
 scores (15.0 thread-instructions per score, per-key rule) where two 64-query steps issued 2 x 656 (20.5);
 perf-notes-attn-bwd.md, "Session 9: a 128-query step at d64".
+
+Fused dQ (``GluonDkdvConfig(fuse_dq=True)``, launcher ``attn_bwd_dkdv_dq_gluon``, session 13; opt-in through
+``attn_bwd.fused_dq``): the split build's warpgroups also form their keys' part of dQ per step (dS cast again with one
+exponent per tile, staged in shared memory, a sixth wgmma against a K_seq tile loaded once, fp32 atomics), so the dQ
+kernel and its recomputed Sᵀ and dPᵀ are not needed.  Correct on the H200, and 0.66-0.79x the two kernels at d64:
+the atomics bound it (perf-notes-attn-bwd.md, "Session 13").
 """
 
 from __future__ import annotations
