@@ -567,11 +567,12 @@ def check_quantize_x(x, what):
 
 
 @pytest.mark.parametrize("role", ["q", "k"])
-@pytest.mark.parametrize("layout", ["rows", "strided", "odd_d"])
+@pytest.mark.parametrize("layout", ["rows", "strided", "odd_d", "d40", "d128"])
 def test_from_mx_random_bytes(layout, role, gen):
     """Q/K from MXTensors of random bytes (every e4m3 code, NaN data in finite blocks, scale bytes 0, 254, 255): the
-    head-dim kernel on words (contiguous, and per head for a strided tensor) and the generic kernel (D % 4 != 0)."""
-    D = 70 if layout == "odd_d" else 64
+    head-dim kernel on words (contiguous, and per head for a strided tensor; d40: a block of 2 words, whose scale byte
+    is loaded at each of them), and the generic kernel (D % 4 != 0)."""
+    D = {"odd_d": 70, "d40": 40, "d128": 128}.get(layout, 64)
     mx = random_mx((2, 70, 3, D), 3, gen)
     if layout == "strided":  # (B, S, H, D) seen through a (B, H, S, D) buffer: rows not evenly spaced
         mx = F.MXTensor(mx.data.transpose(1, 2).contiguous().transpose(1, 2), mx.scale.transpose(1, 2).contiguous()
