@@ -1086,19 +1086,19 @@ def _hdim_rescale_kernel(
     ND: tl.constexpr = (D + 31) // 32
     DW: tl.constexpr = D // 4
     in_s = i < S - s0
+    # The scale bytes are loaded before the words: loaded after them, their (BLOCK_S, NDP, 1) load's layout was the
+    # one the compiler built the tile in at d128, and it moved the words into it and back through shared memory (Q:
+    # 8 + 8 16-byte shared accesses and 11 barriers per thread, K: 144 registers and 70 barriers); loaded first, the
+    # tile stays in the words' layout (Q 32 registers and no 16-byte shared access, K 94 registers and 10 barriers;
+    # sm_90a SASS of the launched builds, scripts/compile_launched.py quant-bench).  (Apparently the layout that
+    # reaches an op first wins a conflict.)
+    sb = tl.load(sc_ptr + (b64 * scb + s0.to(tl.int64) * scs + h64 * sch) + i * scs + db, mask=in_s & (db < ND),
+                 other=127).to(tl.int32)
     qw = tl.load(q_ptr + (b64 * sqb + s0.to(tl.int64) * sqs + h64 * sqh) + i * sqs + dw, mask=in_s & (dw < DW),
                  other=0)
-    # K: the scale bytes loaded at every word of their block (from L1).  Loaded as (BLOCK_S, NDP, 1), their layout
-    # was the one the compiler built the tile in, and it moved the words into it and back through shared memory
-    # (d128: 144 registers, 70 barriers; at the tile's shape 71 and 6).  Q keeps the small load: at the tile's shape
-    # its d64 build, which moved nothing, moved the words too (8 + 8 16-byte shared accesses); its d128 build moves
-    # them either way (sm_90a SASS, scripts/compile_launched.py quant-bench).
-    sw = db if GROUP == 1 else dw // 8  # the block of each loaded scale byte
-    sb = tl.load(sc_ptr + (b64 * scb + s0.to(tl.int64) * scs + h64 * sch) + i * scs + sw, mask=in_s & (sw < ND),
-                 other=127).to(tl.int32)
     fin = sb != 255
     nz = fin & (tl.max(qw & 0x7F7F7F7F, axis=2, keep_dims=True) != 0)
-    en = tl.max(tl.where(nz, sb - 127, _NO_EXP), axis=2, keep_dims=True)
+    en = tl.where(nz, sb - 127, _NO_EXP)
     if GROUP == 1:
         E = tl.max(en, axis=1, keep_dims=True)
     else:
