@@ -480,6 +480,21 @@ def test_dequantize_seq_word_layouts(layout, gen):
     assert_same_float(got, F.dequantize_mxfp8(mx.to("cpu"), torch.bfloat16), f"dequantize seq {layout}")
 
 
+@pytest.mark.parametrize("shape,s_pad", [((1, 45, 2, 64), None), ((2, 128, 1, 64), None), ((1, 96, 2, 128), None),
+                                         ((1, 33, 1, 96), None), ((2, 7, 3, 32), None), ((1, 70, 1, 256), None),
+                                         ((1, 44, 2, 64), 44), ((1, 45, 2, 64), 45)], ids=str)
+def test_v_from_channel_major_mx(shape, s_pad, gen):
+    """V from an MXTensor blocked along S with channel-major data of random bytes (NaN codes, scale bytes 0 / 254 /
+    255) and random row padding: the word kernel (``_seq_rescale_kernel``; EVEN at (2, 128, 1, 64)), and the generic
+    one for rows of S % 4 bytes without padding; the output's padding is zeros."""
+    mx = channel_major_mx(shape, gen, s_pad, DEVICE)
+    words = kq._mx_seq_words_spec(mx.data.view(U8), mx.scale) is not None
+    assert words == (shape[1] % 4 == 0 or s_pad is None)
+    got = kq.row_scaled_triton(mx, "v")
+    assert_same_rs(got, F.to_row_scaled(mx.to("cpu")), f"v from channel-major MX {shape} pad {s_pad}")
+    assert_channel_major(got.data)
+
+
 # ----------------------------------------------------------------------------------------------
 # input validation (raised before any launch)
 # ----------------------------------------------------------------------------------------------
@@ -720,6 +735,17 @@ def test_gpu_dequantize(shape, dim, dtype, gen):
 
 
 GPU_EVEN_SHAPES = [(2, 1024, 4, 128), (1, 2048, 8, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES[:4] + GPU_EVEN_SHAPES + [(1, 1002, 2, 64)], ids=str)
+def test_gpu_v_from_channel_major_mx(shape, gpu_rounding, gen):
+    """V from channel-major MX data on the GPU (``_seq_rescale_kernel``, both roundings): random bytes with random
+    row padding, whose output padding must be zeros."""
+    mx = channel_major_mx(shape, gen, device=DEVICE)
+    got = kq.row_scaled_triton(mx, "v")
+    assert_same_rs(got, F.to_row_scaled(mx.to("cpu")), f"v from channel-major MX {shape}")
+    assert_channel_major(got.data)
 
 
 @pytest.mark.gpu

@@ -109,7 +109,8 @@ def _tile(kind: str, d_pad: int, group: int = 0, warps: Optional[int] = None) ->
       program (``_seq_chunk`` with ``VEXP_MIN_PROGRAMS``), ``VEXP_STAGES`` deep.
     * ``mx_hdim`` (``_hdim_rescale_kernel`` Q, ``_hdim_dequant_kernel``): ``MX_HDIM_ELEMS`` per 4 warps;
       ``mx_hdim_k`` (K from MX) like ``hdim_k``.
-    * ``mx_seq`` (``_seq_dequant_kernel``, session 13): ``MX_SEQ_ELEMS`` per 4 warps, at least one seq block.
+    * ``mx_seq`` (``_seq_dequant_kernel``, ``_seq_rescale_kernel``: channel-major MX data, session 13):
+      ``MX_SEQ_ELEMS`` per 4 warps, at least one seq block.
     The sizes and the measurements behind them are at the constants below.
     Older kinds, kept for the kernels that still use them (varlen, from-MX, dequantize; sessions 2-3 sweep, B8 S8192
     H16 D128 bf16): ``quant``, ``rescale``, ``dequant``: 4096 elements per program and 4 warps won there (hdim 69%,
@@ -127,7 +128,7 @@ def _tile(kind: str, d_pad: int, group: int = 0, warps: Optional[int] = None) ->
         return Tile(max(32, SEQ_ELEMS * w4 // d_pad), 4 * w4, SEQ_GROUPS)
     if kind == "mx_hdim":  # MX input blocked along D (from-MX Q, dequantize)
         return Tile(max(1, MX_HDIM_ELEMS * w4 // d_pad), 4 * w4)
-    if kind == "mx_seq":  # channel-major MX input blocked along S (dequantize)
+    if kind == "mx_seq":  # channel-major MX input blocked along S (dequantize, V)
         return Tile(max(32, MX_SEQ_ELEMS * w4 // d_pad), 4 * w4)
     if kind in ("hdim_k", "mx_hdim_k"):
         return Tile(group, warps or (4 if group * d_pad <= K_TILE_4WARPS else 8))
@@ -162,7 +163,7 @@ SEQ_K_GROUPS = 2
 VEXP_ELEMS = 4096
 # ``mx_hdim`` (from-MX Q, dequantize head-dim): 4096 71 / 90 (rs_q_from_mx / dequant_hdim), 8192 69 / 86.
 MX_HDIM_ELEMS = 4096
-# ``mx_seq`` (dequantize of channel-major data): the row-set kernel's size (``SEQ_ELEMS``), not yet swept.
+# ``mx_seq`` (dequantize, V pass 2 from channel-major MX): the row-set kernel's size (``SEQ_ELEMS``), not yet swept.
 MX_SEQ_ELEMS = 4096
 # K tiles (one exponent group, 128 x D_pad): 4 warps up to 16384 elements (rs_k 94% at d128, against 83% at 8
 # warps and 70% at 16), then 8.
@@ -1182,6 +1183,54 @@ def _seq_dequant_kernel(
 
 
 @triton.jit
+def _seq_rescale_kernel(
+    cw_ptr, swb, swh, swd,  # MX data words, as ``_seq_dequant_kernel``'s
+    sc_ptr, scb, scs, sch, scd,  # MX scale bytes (B, NSB, H, D), any strides
+    out_ptr, exp_ptr,  # V data: channel-major (B, H, D, S_pad) as int32 words; exponents (B, 1, H, D) from pass 1
+    S, H, S_pad, n_s_tiles,
+    D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr, SOFT: tl.constexpr, IDX64: tl.constexpr,
+    EVEN: tl.constexpr,  # S % BLOCK_S == 0 == S_pad - S: no row masks
+):
+    """Pass 2 of V from an MXTensor blocked along S with channel-major data: each block re-expressed to its channel's
+    exponent, channel-major in and out, so the tile (``_row_set_coords``' words, tokens 4w..4w+3 of a channel) is
+    loaded and stored in one layout, 4 bytes per word converted at once (``_rescale_words``).  Tiles run over S_pad:
+    the row padding is written as zeros (bytes past S are cleared, whatever the input's padding holds)."""
+    b, st, h = _split_pid(tl.program_id(0), n_s_tiles, H)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    s0 = st * BLOCK_S
+    w, d = _row_set_coords(BLOCK_S, NDP, IDX64)
+    q4 = w * 4
+    in_d = d < D
+    # the exponents and scale bytes first, then the words: loaded after the words, these (., 1, NDP, 32) loads gave
+    # the tile their layout and the words went through shared memory twice (as in ``_hdim_rescale_kernel``)
+    ep = exp_ptr + (b64 * H + h64) * D + d
+    E = tl.load(ep, mask=in_d, other=0)
+    E = tl.where(E == _NO_EXP, 0, E)
+    if st == 0:  # the sentinel becomes 0 (readers map both the same way)
+        tl.store(ep, E, mask=in_d)
+    sbk = tl.arange(0, BLOCK_S // 32)[:, None, None, None]
+    sp = sc_ptr + (b64 * scb + (st * (BLOCK_S // 32)).to(tl.int64) * scs + h64 * sch) + sbk * scs + d * scd
+    wp = cw_ptr + (b64 * swb + h64 * swh + st * (BLOCK_S // 4)) + d * swd + w
+    if EVEN:
+        sb = tl.load(sp, mask=in_d, other=127).to(tl.int32)
+        qw = tl.load(wp, mask=in_d, other=0)
+    else:
+        sb = tl.load(sp, mask=(s0 + sbk * 32 < S) & in_d, other=127).to(tl.int32)
+        qw = tl.load(wp, mask=(s0 + q4 < S) & in_d, other=0)
+    out = _rescale_words(qw, _pow2(_rs_shift(sb - 127, E)), sb != 255, SOFT)
+    row_w = S_pad // 4  # words per channel-major row
+    wo = st * (BLOCK_S // 4) + w
+    op = out_ptr + (b64 * H + h64) * D * row_w + d * row_w + wo
+    if EVEN:
+        tl.store(op, out, mask=in_d)
+    else:  # bytes of tokens >= S are 0 (NaN blocks' 0x7F bytes too)
+        keep = S - (s0 + q4)
+        low = (1 << (8 * tl.minimum(tl.maximum(keep, 0), 3))) - 1
+        tl.store(op, tl.where(keep >= 4, out, out & low), mask=(wo < row_w) & in_d)
+
+
+@triton.jit
 def _dequant_words(qw, sf, dtype: tl.constexpr, SOFT: tl.constexpr):
     """Bytes 0..3 of the words ``qw`` (e4m3) times the scales ``sf`` (fp32), rounded to ``dtype``: four tensors.
 
@@ -2100,6 +2149,16 @@ def _row_scaled_from_mx(mx: MXTensor, role: str, seq_dim: Optional[int], group: 
     if role == "v":
         exp = _v_exponents(q8, sc4, from_mx=True, rceil=True)
         cd, s_pad = _channel_major_buffer(B, H, D, S, dev)
+        wspec = _mx_seq_words_spec(q8, sc4)
+        if wspec is not None:  # channel-major data in whole words: channel-major words out
+            qw, bs, warps, idx = wspec
+            n_tiles = cdiv(s_pad, bs)
+            fast_launcher(_seq_rescale_kernel)[(B * n_tiles * H,)](
+                qw, qw.stride(0), qw.stride(1), qw.stride(2), sc4, *sc4.stride(), cd.view(torch.int32), exp, S, H,
+                s_pad, n_tiles, D=D, NDP=dp // 32, BLOCK_S=bs, SOFT=soft, IDX64=idx or _needs_i64(dp * s_pad, bs),
+                EVEN=S % bs == 0 and s_pad == S, num_warps=warps,
+            )
+            return RowScaledFP8(_seq_view(cd, S, packed), _unpack(exp, packed), sd)
         tile = _tile("rescale", dp)
         n_s_tiles = cdiv(max(S, s_pad), tile.block_s)
         if B * H > 0:
@@ -2169,9 +2228,10 @@ def _mx_hdim_spec(q8: torch.Tensor, sc4: torch.Tensor, group: int, words: bool =
 
 def _mx_seq_words_spec(q8: torch.Tensor, sc4: torch.Tensor):
     """For MX data (B, S, H, D) bytes blocked along S with unit stride along S (a channel-major buffer's view), the
-    row-set tile's launch: (the data as int32 words (B, H, D, ceil(S/4)), tiles along S, BLOCK_S, warps, IDX64); None
-    when the other strides or the address are not whole words, when the last word would pass the storage (S % 4 and
-    no row padding: ``_s_load_bound``), or there is no work."""
+    launch of a kernel on ``_row_set_coords``' words (``_seq_dequant_kernel``, ``_seq_rescale_kernel``): (the data as
+    int32 words (B, H, D, ceil(S/4)), BLOCK_S, warps, IDX64 for the input and a (B, S, H, D) output); None when the
+    other strides or the address are not whole words, when the last word would pass the storage (S % 4 and no row
+    padding: ``_s_load_bound``), or there is no work."""
     B, S, H, D = q8.shape
     st = [x if n > 1 else 0 for n, x in zip(q8.shape, q8.stride())]  # (the stride of a length-1 axis is unused)
     if B * S * H * D == 0 or st[1] > 1 or any(x % 4 or x < 0 for x in (st[0], st[2], st[3])):
@@ -2185,7 +2245,7 @@ def _mx_seq_words_spec(q8: torch.Tensor, sc4: torch.Tensor):
     bs = tile.block_s
     idx = (_needs_i64(bs * H * D, dp) or _needs_i64(dp * (st[3] // 4), bs)
            or _needs_i64(bs * abs(sc4.stride(1)), dp * abs(sc4.stride(3))))
-    return words, cdiv(S, bs), bs, tile.num_warps, idx
+    return words, bs, tile.num_warps, idx
 
 
 def dequantize_mxfp8_triton(t: MXTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -2226,7 +2286,8 @@ def dequantize_mxfp8_triton(t: MXTensor, dtype: torch.dtype = torch.bfloat16) ->
         return out.reshape(t.shape)
     wspec = _mx_seq_words_spec(q8, s4) if bdim == 1 else None
     if wspec is not None:  # channel-major data in whole words: the row-set tile
-        qw, n_tiles, bs, warps, idx = wspec
+        qw, bs, warps, idx = wspec
+        n_tiles = cdiv(S, bs)
         fast_launcher(_seq_dequant_kernel)[(B * n_tiles * H,)](
             qw, qw.stride(0), qw.stride(1), qw.stride(2), s4, *s4.stride(), out, S, H, n_tiles, D=D,
             NDP=_d_pad(D) // 32, BLOCK_S=bs, SOFT=_soft(q8.device), IDX64=idx, EVEN=S % bs == 0, num_warps=warps,
