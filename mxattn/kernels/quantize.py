@@ -1144,6 +1144,20 @@ def _scale_value(sb):
 
 
 @triton.jit
+def _cm_words_coords(cw_ptr, swb, swh, swd, n_s_tiles, H, D: tl.constexpr, BLOCK_S: tl.constexpr, NDP: tl.constexpr,
+                     IDX64: tl.constexpr):
+    """This program's tile of channel-major words (``_seq_dequant_kernel``, ``_seq_rescale_kernel``): b, h (int64),
+    the s tile and its first token, the word index w and channel d (``_row_set_coords``), d < D, and the words'
+    addresses."""
+    b, st, h = _pid_bsh(n_s_tiles, H)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    w, d = _row_set_coords(BLOCK_S, NDP, IDX64)
+    wp = cw_ptr + (b64 * swb + h64 * swh + st * (BLOCK_S // 4)) + d * swd + w
+    return b64, h64, st, st * BLOCK_S, w, d, d < D, wp
+
+
+@triton.jit
 def _seq_dequant_kernel(
     cw_ptr, swb, swh, swd,  # MX data (B, H, D, S) with unit stride along S, as int32 words of 4 tokens (the rows
     #                         of a channel-major buffer); strides in words
@@ -1157,14 +1171,8 @@ def _seq_dequant_kernel(
     of one (b, h), the inverse of ``_quantize_tile``'s seq orientation.  The tile is loaded as words (tokens 4w..4w+3
     of a channel, shape (BLOCK_S/32, 8, NDP, 32) as ``_row_set_coords``), so the transpose to token rows moves 4-byte
     words; byte k of each word is row set k (rows s0 + 4w + k), stored with unit stride along D."""
-    b, st, h = _split_pid(tl.program_id(0), n_s_tiles, H)
-    b64 = b.to(tl.int64)
-    h64 = h.to(tl.int64)
-    s0 = st * BLOCK_S
-    w, d = _row_set_coords(BLOCK_S, NDP, IDX64)
+    b64, h64, st, s0, w, d, in_d, wp = _cm_words_coords(cw_ptr, swb, swh, swd, n_s_tiles, H, D, BLOCK_S, NDP, IDX64)
     q4 = w * 4
-    in_d = d < D
-    wp = cw_ptr + (b64 * swb + h64 * swh + st * (BLOCK_S // 4)) + d * swd + w
     if EVEN:
         qw = tl.load(wp, mask=in_d, other=0)
     else:  # a word that starts before S lies inside the row (its padding past S is never stored)
@@ -1195,13 +1203,8 @@ def _seq_rescale_kernel(
     exponent, channel-major in and out, so the tile (``_row_set_coords``' words, tokens 4w..4w+3 of a channel) is
     loaded and stored in one layout, 4 bytes per word converted at once (``_rescale_words``).  Tiles run over S_pad:
     the row padding is written as zeros (bytes past S are cleared, whatever the input's padding holds)."""
-    b, st, h = _split_pid(tl.program_id(0), n_s_tiles, H)
-    b64 = b.to(tl.int64)
-    h64 = h.to(tl.int64)
-    s0 = st * BLOCK_S
-    w, d = _row_set_coords(BLOCK_S, NDP, IDX64)
+    b64, h64, st, s0, w, d, in_d, wp = _cm_words_coords(cw_ptr, swb, swh, swd, n_s_tiles, H, D, BLOCK_S, NDP, IDX64)
     q4 = w * 4
-    in_d = d < D
     # the exponents and scale bytes first, then the words: loaded after the words, these (., 1, NDP, 32) loads gave
     # the tile their layout and the words went through shared memory twice (as in ``_hdim_rescale_kernel``)
     ep = exp_ptr + (b64 * H + h64) * D + d
@@ -1211,7 +1214,6 @@ def _seq_rescale_kernel(
         tl.store(ep, E, mask=in_d)
     sbk = tl.arange(0, BLOCK_S // 32)[:, None, None, None]
     sp = sc_ptr + (b64 * scb + (st * (BLOCK_S // 32)).to(tl.int64) * scs + h64 * sch) + sbk * scs + d * scd
-    wp = cw_ptr + (b64 * swb + h64 * swh + st * (BLOCK_S // 4)) + d * swd + w
     if EVEN:
         sb = tl.load(sp, mask=in_d, other=127).to(tl.int32)
         qw = tl.load(wp, mask=in_d, other=0)
