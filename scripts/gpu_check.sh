@@ -16,7 +16,7 @@
 #   bench      `mxattn bench`: forward/backward vs SDPA cuDNN/flash BF16, JSON + PNG
 #   accuracy   `mxattn accuracy` with the GPU kernel row
 #   quant      quantization kernels vs device copy
-#   quantcmp   session 13 of docs/perf-notes-quantize.md: the GPU tests of what it changed (six pytest processes side by
+#   quantcmp   session 13 of docs/perf-notes-quantize.md: the GPU tests of what it changed (eight pytest processes side by
 #              side), the bench rows QUANT_ROWS of a base tree and of this tree in the same call (QUANT_BASE, default
 #              _base: a directory holding another commit's mxattn, e.g. `git archive main mxattn | tar -x -C _base`;
 #              skipped when absent), then the tile sweep of the kinds QUANT_SWEEP at d128 and d64: quantize_cmp.json,
@@ -171,7 +171,9 @@ print(write_result('quantize', rows, sys.argv[1]))
       for k in "test_gpu_dequantize_seq_words" "(test_gpu_dequantize and not seq_words) or test_gpu_from_mx_random_bytes" \
                "test_gpu_v_from_channel_major_mx" \
                "$rs and (rceil-q or floor-q)" "$rs and (rceil-k or floor-k)" \
-               "(test_gpu_quantize_hdim and bfloat16 and (4097 or 2048)) or (test_gpu_even_tiles and 2048)"; do
+               "(test_gpu_quantize_hdim and bfloat16 and (4097 or 2048)) or (test_gpu_even_tiles and 2048)" \
+               "(test_gpu_quantize and not hdim and not blackwell and bfloat16) or (test_gpu_row_set_tiles and 1000)" \
+               "test_gpu_quantize_blackwell_scale_layout"; do
         i=$((i + 1))
         run $PY -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider tests/test_quantize_kernels.py -k "$k" \
           >"$OUT/quant_tests_$i.log" 2>&1 &
@@ -183,7 +185,7 @@ print(write_result('quantize', rows, sys.argv[1]))
         grep -E "^(FAILED|ERROR)" "$f" | head -20
       done
       out_abs=$(cd "$OUT" && pwd)
-      rows=${QUANT_ROWS:-quant_hdim rs_q rs_q_from_mx rs_k_from_mx rs_v_from_mx dequant_hdim dequant_seq fwd_operands}
+      rows=${QUANT_ROWS:-quant_hdim quant_both rs_q rs_q_from_mx rs_k_from_mx rs_v_from_mx dequant_hdim dequant_seq fwd_operands}
       rm -f "$out_abs/quantize_cmp.jsonl"
       for tree in "${QUANT_BASE:-_base}" .; do
         [ -d "$tree/mxattn" ] || { echo "!! no $tree/mxattn: its rows skipped"; continue; }
