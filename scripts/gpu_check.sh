@@ -16,11 +16,11 @@
 #   bench      `mxattn bench`: forward/backward vs SDPA cuDNN/flash BF16, JSON + PNG
 #   accuracy   `mxattn accuracy` with the GPU kernel row
 #   quant      quantization kernels vs device copy
-#   quantcmp   session 13 of docs/perf-notes-quantize.md: the GPU tests of what it changed (eight pytest processes side by
-#              side), the bench rows QUANT_ROWS of a base tree and of this tree in the same call (QUANT_BASE, default
-#              _base: a directory holding another commit's mxattn, e.g. `git archive main mxattn | tar -x -C _base`;
-#              skipped when absent), then the tile sweep of the kinds QUANT_SWEEP at d128 and d64: quantize_cmp.json,
-#              quantize_cmp_sweep.json, quant_tests_*.log
+#   quantcmp   session 13 of docs/perf-notes-quantize.md: the GPU tests of what it changed (eight pytest processes
+#              side by side), the bench rows QUANT_ROWS of a base tree and of this tree in the same call (QUANT_BASE,
+#              default _base: a directory holding another commit's mxattn, e.g. `git archive main mxattn | tar -x -C
+#              _base`; skipped when absent), then the tile sweep of the kinds QUANT_SWEEP at d128 and d64:
+#              quantize_cmp.json, quantize_cmp_sweep.json, quant_tests_*.log
 #   producers  rmsnorm_quant / linear_quant vs unfused and cuBLAS FP8
 #   rmsnormrows  rmsnorm_quant's row-set kernel (perf-notes-producers.md, session 12): every rmsnorm GPU test as four
 #              processes side by side (grouped by tile: each builds only its kernels), then bench_producers with
@@ -185,7 +185,8 @@ print(write_result('quantize', rows, sys.argv[1]))
         grep -E "^(FAILED|ERROR)" "$f" | head -20
       done
       out_abs=$(cd "$OUT" && pwd)
-      rows=${QUANT_ROWS:-quant_hdim quant_both rs_q rs_q_from_mx rs_k_from_mx rs_v_from_mx dequant_hdim dequant_seq fwd_operands}
+      rows=${QUANT_ROWS:-quant_hdim quant_both rs_q rs_q_from_mx rs_k_from_mx rs_v_from_mx dequant_hdim dequant_seq
+                    fwd_operands}
       rm -f "$out_abs/quantize_cmp.jsonl"
       for tree in "${QUANT_BASE:-_base}" .; do
         [ -d "$tree/mxattn" ] || { echo "!! no $tree/mxattn: its rows skipped"; continue; }
