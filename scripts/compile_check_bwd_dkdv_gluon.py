@@ -116,7 +116,8 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None, spli
     key_exp = (ds_exp or cfg.ds_exp) == "key"  # as GluonDkdvConfig.key_exp
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs, SPLIT=split,
                   CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=defer, DS_KEY_EXP=key_exp, VARLEN=varlen, BLOCK_M=bm,
-                  FUSE_DQ=fuse_dq, DQ_HALVES=fuse_dq and (causal if cfg.dq_halves is None else cfg.dq_halves))
+                  FUSE_DQ=fuse_dq, DQ_HALVES=fuse_dq and (causal if cfg.dq_halves is None else cfg.dq_halves),
+                  DQ_RED_V2=fuse_dq and cfg.dq_red_v2)
     if not fuse_dq:  # the other builds leave the fused-dQ arguments at their defaults
         consts |= {"ks_desc": None, "DQ": None}
     if varlen:
@@ -210,6 +211,9 @@ def main(argv=None) -> int:
     regs = {field: v for field, flag in (("maxnreg", "--maxnreg"), ("consumer_regs", "--consumer-regs"),
                                          ("producer_regs", "--producer-regs"))
             if (v := _flag_value(argv, flag)) is not None}
+    if "--red-v2" in argv:  # with --fuse-dq: GluonDkdvConfig(dq_red_v2=True)
+        argv.remove("--red-v2")
+        regs["dq_red_v2"] = True
     if block_m == 128 and "--only" not in argv:
         argv += ["--only", "d64,d64_causal"]  # the only head dim the 128-query step builds for
     return run_variants(argv, __doc__, lambda d, c, st: compile_variant(d, c, st, split=split, defer_dk=defer,
