@@ -275,12 +275,15 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
       # the fused-dQ backward (GluonDkdvConfig.fuse_dq, session 13, opt-in MXATTN_BWD_FUSED_DQ=1): compile check,
       # the tiny case under a short timeout (a barrier bug of the dS staging would hang), its other GPU tests, then
       # scripts/bench_fused_dq.py (kernels and the public backward vs the split kernels and cuDNN, one run)
-      run $PY scripts/compile_check_bwd_dkdv_gluon.py --split --block-m 128 --fuse-dq 2>&1 | grep -E "^== |variants"
+      for v in "" "--red-v2" "--red-v2 --pair"; do
+        run $PY scripts/compile_check_bwd_dkdv_gluon.py --split --block-m 128 --fuse-dq $v 2>&1 | grep -E "^== |variants"
+      done
       T_SAVE=$T; T=150
       run $PY -m pytest -m gpu -q -x -rfE -p no:cacheprovider tests/test_attn_bwd_dkdv_gluon.py -k "fused_dq and tiny" \
         2>&1 | tail -5
       T=$T_SAVE
-      run $PY -m pytest -m gpu -q -rfE -s -p no:cacheprovider tests/test_attn_bwd_dkdv_gluon.py -k "fused_dq and not tiny" \
+      run $PY -m pytest -m gpu -q -rfE -s -p no:cacheprovider tests/test_attn_bwd_dkdv_gluon.py \
+        -k "${FUSED_DQ_K:-fused_dq and not tiny}" \
         2>&1 | grep -E "SQNR|passed|failed|Error|assert" | tail -30
       run $PY scripts/bench_fused_dq.py "$OUT" ${FUSED_DQ_SHAPES:-} ;;
     varlenbwd|varlenbwdtime)
