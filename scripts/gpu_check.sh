@@ -31,6 +31,7 @@
 #              tests) vs the dense default backward (Gluon on Hopper), the tl jagged path and SDPA, two draws
 #   fuseddq    the fused-dQ backward (GluonDkdvConfig.fuse_dq, opt-in): compile check, its GPU tests (tiny first),
 #              scripts/bench_fused_dq.py (kernels and public backward vs the split kernels and SDPA cuDNN, one run)
+#              (FUSED_DQ_K narrows the tests, FUSED_DQ_BENCH=0 skips the bench; stage fuseddqbench: the bench alone)
 #   varlenbwdtime  varlenbwd's timing rows alone (B16 H16 d128, mean length 2048; VARLEN_BWD_SEEDS, default "0 1"):
 #              per row ms of each path, parts_ms (preprocessing, tile tables, each Gluon launcher) and host_ms
 #   graph      `mxattn bench --cuda-graph`: forward as CUDA-graph replays (no host launch overhead), S 2k/4k
@@ -168,7 +169,9 @@ print(format_quantize_table(rows))
 print(write_result('quantize', rows, sys.argv[1]))
 " "$OUT" ;;
     quantcmp)
+      # QUANT_TESTS=0 / QUANT_BENCH=0 / QUANT_SWEEP="" skip the tests / the base-vs-tree rows / the tile sweep
       i=0
+      [ "${QUANT_TESTS:-1}" = 0 ] || {
       rs="test_gpu_row_scaled and not both and adversarial and (1000 or 4097 or 513)"
       for k in "test_gpu_dequantize_seq_words" "(test_gpu_dequantize and not seq_words) or test_gpu_from_mx_random_bytes" \
                "test_gpu_v_from_channel_major_mx" \
@@ -186,7 +189,9 @@ print(write_result('quantize', rows, sys.argv[1]))
         grep -qE "(failed|error|no tests ran)" <(tail -1 "$f") && status=1
         grep -E "^(FAILED|ERROR)" "$f" | head -20
       done
+      }
       out_abs=$(cd "$OUT" && pwd)
+      [ "${QUANT_BENCH:-1}" = 0 ] || {
       rows=${QUANT_ROWS:-quant_hdim quant_both rs_q rs_q_from_mx rs_k_from_mx rs_v_from_mx dequant_hdim dequant_seq
                     fwd_operands}
       rm -f "$out_abs/quantize_cmp.jsonl"
@@ -210,7 +215,8 @@ json.dump(rows, open(sys.argv[2], 'w'), indent=1)
 for r in rows:
     print(f\"{r['code'][:24]:<26}{r['kernel']:<16}D{r['D']:<5}{r['ms']:8.3f} ms {r['pct_of_copy']:6.1f} % of copy\")
 " "$out_abs/quantize_cmp.jsonl" "$OUT/quantize_cmp.json" && rm -f "$out_abs/quantize_cmp.jsonl"
-      run $PY -c "
+      }
+      [ -z "${QUANT_SWEEP-mx_seq mx_hdim_k}" ] || run $PY -c "
 import json, sys
 from mxattn.bench.quantize_bench import SWEEP_PLAN, run_tile_sweep
 plan = {k: SWEEP_PLAN[k] for k in sys.argv[2:]}
@@ -285,6 +291,8 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
       run $PY -m pytest -m gpu -q -rfE -s -p no:cacheprovider tests/test_attn_bwd_dkdv_gluon.py \
         -k "${FUSED_DQ_K:-fused_dq and not tiny}" \
         2>&1 | grep -E "SQNR|passed|failed|Error|assert" | tail -30
+      [ "${FUSED_DQ_BENCH:-1}" = 0 ] || run $PY scripts/bench_fused_dq.py "$OUT" ${FUSED_DQ_SHAPES:-} ;;
+    fuseddqbench)  # the fuseddq stage's bench alone (its tests elsewhere in the call)
       run $PY scripts/bench_fused_dq.py "$OUT" ${FUSED_DQ_SHAPES:-} ;;
     varlenbwd|varlenbwdtime)
       # issue 8: the jagged backward against the dense default (the Gluon backward on Hopper since session 5).
