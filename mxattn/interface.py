@@ -62,6 +62,31 @@ def _check_heads(q_shape, k_shape, v_shape) -> None:
 
 def _check_attention_inputs(q: Operand, k: Operand, v: Operand, softmax_scale) -> tuple[bool, torch.device]:
     """Validate (q, k, v) for dense (B, S, H, D) attention; returns (inputs_are_mx, device)."""
+    if _plain_float_inputs(q, k, v):
+        is_mx, device = False, q.device
+    else:
+        is_mx, device = _check_operand_kinds(q, k, v)
+    _check_heads(q.shape, k.shape, v.shape)
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k has batch {k.shape[0]} but q has batch {q.shape[0]}")
+    _check_softmax_scale(softmax_scale)
+    return is_mx, device
+
+
+def _plain_float_inputs(q, k, v) -> bool:
+    """Whether q, k, v are the common call's plain 4-D float tensors of one dtype on one device: every check of
+    ``_check_operand_kinds`` passes, in a few attribute reads (it took ~10 us of host time per call on the H200's
+    host; a False here leaves the checks, and their messages, to it)."""
+    Tensor = torch.Tensor
+    if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
+        return False
+    dtype = q.dtype
+    return (dtype in _FLOAT_DTYPES and k.dtype == dtype and v.dtype == dtype and q.ndim == 4 and k.ndim == 4
+            and v.ndim == 4 and q.device == k.device == v.device)
+
+
+def _check_operand_kinds(q: Operand, k: Operand, v: Operand) -> tuple[bool, torch.device]:
+    """Types, dtypes, ranks, MX orientations and devices of (q, k, v); returns (inputs_are_mx, device)."""
     shapes = {n: _shape_of(n, t) for n, t in (("q", q), ("k", k), ("v", v))}
     kinds = {n: isinstance(t, MXTensor) for n, t in (("q", q), ("k", k), ("v", v))}
     if len(set(kinds.values())) != 1:
@@ -84,10 +109,6 @@ def _check_attention_inputs(q: Operand, k: Operand, v: Operand, softmax_scale) -
     devices = {n: t.device for n, t in (("q", q), ("k", k), ("v", v))}
     if len(set(devices.values())) != 1:
         raise ValueError("q, k, v must be on one device, got " + ", ".join(f"{n}: {d}" for n, d in devices.items()))
-    _check_heads(shapes["q"], shapes["k"], shapes["v"])
-    if shapes["k"][0] != shapes["q"][0]:
-        raise ValueError(f"k has batch {shapes['k'][0]} but q has batch {shapes['q'][0]}")
-    _check_softmax_scale(softmax_scale)
     return is_mx, devices["q"]
 
 
@@ -326,7 +347,7 @@ def _hopper_forward_keeping_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def _fwd_impl(q, k, v, causal: bool, scale: float, scale_mode: str, backend: str = "auto"):
-    if q.device.type == "cuda":
+    if q.is_cuda:
         return _hopper_forward(q, k, v, causal, scale, scale_mode, q.dtype, backend)
     out, lse = _reference_forward(q, k, v, causal, scale, scale_mode, q.dtype)
     return out.contiguous(), lse.contiguous()
@@ -367,11 +388,11 @@ def _bwd_impl(dout, q, k, v, out, lse, causal: bool, scale: float, scale_mode: s
               backend: str = "auto", kv=None):
     """Gradients on float q, k, v; ``kv``: the K hdim, K seq and V hdim operands the forward kept
     (``_hopper_forward_keeping_kv``), in which case k and v are not read (they may be None)."""
-    if kv is not None and q.device.type != "cuda":
+    if kv is not None and not q.is_cuda:
         raise RuntimeError("kept K/V operands come from the CUDA forward only")
-    if kv is None and q.device.type == "cuda" and forward_kernel_for(q.shape, k.shape, q.device, backend) == "blockscaled":
+    if kv is None and q.is_cuda and forward_kernel_for(q.shape, k.shape, q.device, backend) == "blockscaled":
         return _blockscaled_backward(dout, q, k, v, out, lse, causal, scale, scale_mode)
-    if q.device.type == "cuda":
+    if q.is_cuda:
         from mxattn.kernels.attn_bwd import DO_EXP_GROUP, Q_EXP_GROUP, attn_bwd_hopper
         from mxattn.kernels.quantize import row_scaled_triton, row_scaled_triton_both, row_scaled_triton_both_pair
 
@@ -466,8 +487,9 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, scale_mode, deterministic, backend):
+        ctx.set_materialize_grads(False)  # lse has no gradient: no zero tensor (and fill launch) made for it
         kv = None
-        if q.device.type == "cuda":
+        if q.is_cuda:
             out, lse, kv = _hopper_forward_keeping_kv(q, k, v, causal, scale, scale_mode, backend)
         else:
             out, lse = _fwd_impl(q, k, v, causal, scale, scale_mode, backend)
@@ -490,11 +512,17 @@ class _EagerAttention(torch.autograd.Function):
             q, k, v, out, lse = ctx.saved_tensors
             kv = None
         else:
+            from mxattn.kernels.quantize import _trusted_row_scaled
+
             q, out, lse, kd, ke, ks_buf, kse, vd, ve = ctx.saved_tensors
             k = v = None
             group, Sk = ctx.kv_meta
             ks_data = ks_buf[..., :Sk].permute(0, 3, 1, 2)  # the (B, S, H, D) view of the channel-major buffer
-            kv = (RowScaledFP8(kd, ke, 3, 1, group), RowScaledFP8(ks_data, kse, 1), RowScaledFP8(vd, ve, 3, 1, group))
+            # the forward's own operands, checked when they were made: rebuilt without RowScaledFP8's checks
+            kv = (_trusted_row_scaled(kd, ke, 3, 1, group), _trusted_row_scaled(ks_data, kse, 1),
+                  _trusted_row_scaled(vd, ve, 3, 1, group))
+        if dout is None:  # (an undefined gradient of out: not materialized since set_materialize_grads(False))
+            dout = torch.zeros_like(out)
         grads = _bwd_impl(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.scale_mode,
                           ctx.deterministic, ctx.backend, kv)
         return (*grads, None, None, None, None, None)
@@ -513,7 +541,7 @@ def _mx_forward(qkv_mx: tuple[MXTensor, MXTensor, MXTensor], causal: bool, scale
                 backend: str = "auto"):
     """Forward of MXFP8 attention on MXTensor inputs (the eager path; float inputs go through ``attn_fwd_op``).
     Forward-only: an MXTensor carries no gradient (``producers`` attaches its own straight-through carriers)."""
-    if qkv_mx[0].device.type == "cuda":
+    if qkv_mx[0].data.is_cuda:
         return _hopper_forward(*qkv_mx, causal, scale, scale_mode, torch.bfloat16, backend)
     return _reference_forward(*qkv_mx, causal, scale, scale_mode, torch.bfloat16)
 
@@ -685,7 +713,7 @@ class _MXFP8VarlenAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, scale_mode):
         ctx.causal, ctx.scale, ctx.scale_mode = causal, scale, scale_mode
         ctx.max_q, ctx.max_k = max_q, max_k
-        if q.device.type == "cuda":
+        if q.is_cuda:
             from mxattn.kernels.attn_fwd import attn_fwd_hopper_varlen
             from mxattn.kernels.varlen import varlen_operands
 
@@ -707,7 +735,7 @@ class _MXFP8VarlenAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
         mode = ctx.scale_mode
-        if q.device.type == "cuda":
+        if q.is_cuda:
             from mxattn.kernels.attn_bwd import attn_bwd_hopper_varlen
             from mxattn.kernels.varlen import varlen_bwd_operands
 
