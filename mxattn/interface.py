@@ -14,10 +14,12 @@ torch.compile sees float-input attention as two ``torch.library`` custom ops, ``
 
 from __future__ import annotations
 
+import collections
 import functools
 import importlib
 import math
 import os
+import weakref
 from typing import Optional, Union
 
 import torch
@@ -628,8 +630,46 @@ def mxfp8_attn_func(
 # ----------------------------------------------------------------------------------------------
 
 
+# Host values and device copies of the last CU_CACHE_SIZE cu_seqlens tensors, by identity: id -> (weak reference,
+# version counter, device, host values, device copy or None for the tensor itself).  The jagged API checks cu_seqlens
+# on the host before any launch; for a GPU tensor that read-back is a device sync, once per layer of a packed
+# training step that passes one cu_seqlens to every layer.  A tensor written in place through torch has a new
+# ``_version`` and is read again; a write torch does not see (through ``.numpy()`` or a raw pointer) is not seen.
+CU_CACHE_SIZE = 8
+_CU_CACHE: collections.OrderedDict = collections.OrderedDict()
+
+
+def _cu_host_and_device(cu: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """``cu`` (1-D int32) on ``device``, contiguous, and its values on the host: from ``_CU_CACHE`` when this very
+    tensor, unmodified, was seen for ``device`` (no read-back, no copy), else read (one device-to-host copy for a GPU
+    tensor) and kept.  A CPU tensor goes to a GPU through pinned memory, ``non_blocking`` (no sync).  Inference
+    tensors (no version counter) are read every call."""
+    try:
+        version = cu._version
+    except RuntimeError:  # an inference-mode tensor: no version counter, so nothing can be kept for it
+        version = None
+    entry = _CU_CACHE.get(id(cu)) if version is not None else None
+    if entry is not None and entry[0]() is cu and entry[1] == version and entry[2] == device:
+        _CU_CACHE.move_to_end(id(cu))
+        return (cu if entry[4] is None else entry[4]), entry[3]
+    host = cu.tolist()
+    if cu.device == device:
+        on_device = cu.contiguous()
+    elif cu.device.type == "cpu" and device.type == "cuda":
+        on_device = cu.pin_memory().to(device, non_blocking=True)
+    else:
+        on_device = cu.to(device).contiguous()
+    if version is not None:
+        _CU_CACHE[id(cu)] = (weakref.ref(cu), version, device, host, None if on_device is cu else on_device)
+        _CU_CACHE.move_to_end(id(cu))
+        while len(_CU_CACHE) > CU_CACHE_SIZE:
+            _CU_CACHE.popitem(last=False)
+    return on_device, host
+
+
 def _check_cu_seqlens(cu, name: str, total: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
-    """``cu`` on ``device`` and its values on the host (one device-to-host copy: the only sync of the call)."""
+    """``cu`` on ``device`` and its values on the host (``_cu_host_and_device``: at most one device-to-host copy, the
+    only sync of the call, and none for a tensor seen unmodified before), every value checked on every call."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -638,7 +678,7 @@ def _check_cu_seqlens(cu, name: str, total: int, device: torch.device) -> tuple[
         raise ValueError(f"{name} must be 1-D with batch + 1 entries, got shape {tuple(cu.shape)}")
     if cu.device.type not in ("cpu", device.type):
         raise ValueError(f"{name} is on {cu.device} but q is on {device}")
-    c = cu.tolist()
+    on_device, c = _cu_host_and_device(cu, device)
     if c[0] != 0:
         raise ValueError(f"{name} must start at 0, got {c[0]}")
     bad = next((i for i in range(len(c) - 1) if c[i + 1] < c[i]), None)
@@ -646,7 +686,7 @@ def _check_cu_seqlens(cu, name: str, total: int, device: torch.device) -> tuple[
         raise ValueError(f"{name} must not decrease, got {c[bad]} then {c[bad + 1]} at entries {bad}, {bad + 1}")
     if c[-1] != total:
         raise ValueError(f"{name} must end at the number of packed tokens {total}, got {c[-1]}")
-    return cu.to(device).contiguous(), c
+    return on_device, c
 
 
 def _check_max_seqlen(m, name: str, cu: list[int], cu_name: str) -> int:
