@@ -9,6 +9,9 @@ tensor, a re-read after an in-place write, values checked on every call, bounded
 entry.  ``_EagerAttention`` with an undefined gradient of out.  The CPU harness (scripts/host_overhead_cpu.py)
 runs every row, in a process of its own (it needs the fast launch path, which this test session's interpreter turns
 off).
+
+GPU (marker ``gpu``): gradients through a plan hit equal the checked path's bit for bit; the cu_seqlens cache with
+CUDA and CPU tensors (one read each, outputs equal).
 """
 
 from __future__ import annotations
@@ -292,6 +295,60 @@ def test_plain_float_inputs():
     assert not ok(x, x, x.to("meta")) and not ok(x, x, torch.nn.Parameter(x))
     with pytest.raises(TypeError, match="q, k, v must share one dtype"):
         interface.mxfp8_attn_func(x, x.half(), x)
+
+
+# ---------------------------------------------------------------------------------------- GPU
+def _hopper_gluon() -> bool:
+    return torch.cuda.is_available() and attn_bwd.backward_kernel(torch.device("cuda", 0)) == "gluon"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_plan_hit_equals_the_checked_path(causal, monkeypatch):
+    """On the H200: gradients through a plan hit are the checked path's bit for bit (the Gluon backward is
+    deterministic), for the public call and for ``attn_bwd_hopper`` with dO made inside."""
+    if not _hopper_gluon():
+        pytest.skip("the Gluon backward runs on a Hopper GPU with a verified Triton")
+    from mxattn.kernels import launch
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(2, 300, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+
+    def grads():
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        interface.mxfp8_attn_func(qg, kg, vg, causal=causal).backward(do)
+        return qg.grad, kg.grad, vg.grad
+
+    attn_bwd._GLUON_PLANS.clear()
+    first, hit = grads(), grads()
+    assert attn_bwd._GLUON_PLANS
+    monkeypatch.setattr(launch, "PLANS", False)
+    checked = grads()
+    for a, b, c in zip(first, hit, checked):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.gpu
+def test_gpu_cu_seqlens_cache(monkeypatch):
+    """On the GPU: a CUDA cu_seqlens is read back once over repeated calls; a CPU one goes over through pinned
+    memory; both give the output of a fresh tensor's call."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    seen = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: seen.append(self) or tolist(self))
+    interface._CU_CACHE.clear()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(300, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    lens = [0, 100, 100, 300]
+    cu_gpu = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    cu_cpu = torch.tensor(lens, dtype=torch.int32)
+    outs = [interface.mxfp8_attn_varlen_func(q, k, v, cu, cu, 200, 200, causal=True)
+            for cu in (cu_gpu, cu_gpu, cu_cpu, cu_cpu)]
+    assert sum(t is cu_gpu for t in seen) == 1 and sum(t is cu_cpu for t in seen) == 1
+    fresh = interface.mxfp8_attn_varlen_func(q, k, v, cu_gpu.clone(), cu_gpu.clone(), 200, 200, causal=True)
+    for out in outs:
+        assert torch.equal(out, fresh)
 
 
 # ---------------------------------------------------------------------------------------- the CPU harness
