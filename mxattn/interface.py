@@ -656,7 +656,7 @@ def _cu_host_and_device(cu: torch.Tensor, device: torch.device) -> tuple[torch.T
     if cu.device == device:
         on_device = cu.contiguous()
     elif cu.device.type == "cpu" and device.type == "cuda":
-        on_device = cu.pin_memory().to(device, non_blocking=True)
+        on_device = cu.contiguous().pin_memory().to(device, non_blocking=True)
     else:
         on_device = cu.to(device).contiguous()
     if version is not None:
