@@ -751,6 +751,7 @@ class _MXFP8VarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, scale_mode):
+        ctx.set_materialize_grads(False)  # lse has no gradient: no zero tensor (and fill launch) made for it
         ctx.causal, ctx.scale, ctx.scale_mode = causal, scale, scale_mode
         ctx.max_q, ctx.max_k = max_q, max_k
         if q.is_cuda:
@@ -775,6 +776,8 @@ class _MXFP8VarlenAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
         mode = ctx.scale_mode
+        if dout is None:  # (an undefined gradient of out: not materialized since set_materialize_grads(False))
+            dout = torch.zeros_like(out)
         if q.is_cuda:
             from mxattn.kernels.attn_bwd import attn_bwd_hopper_varlen
             from mxattn.kernels.varlen import varlen_bwd_operands

@@ -6,7 +6,7 @@ a plan hit launches the checked call's kernels with the same grids, keywords and
 runs no check; a changed shape, dtype or stride misses the plan, and bad input still raises on the checked path;
 the build variable (MXATTN_BWD_GLUON_SPLIT) is part of the plan.  The jagged API's cu_seqlens cache: one read per
 tensor, a re-read after an in-place write, values checked on every call, bounded, no reuse of a dead tensor's
-entry.  ``_EagerAttention`` with an undefined gradient of out.  The CPU harness (scripts/host_overhead_cpu.py)
+entry; the jagged operands' offsets built once per tensor.  ``_EagerAttention`` with an undefined gradient of out.  The CPU harness (scripts/host_overhead_cpu.py)
 runs every row, in a process of its own (it needs the fast launch path, which this test session's interpreter turns
 off).
 
@@ -259,6 +259,28 @@ def test_jagged_checks_read_cu_seqlens_once(reads):
     assert torch.equal(a, interface.mxfp8_attn_varlen_func(q, k, v, cu, cu, 9, 9))
 
 
+def test_cu_blocks_made_once_per_tensor():
+    """The jagged operands' offsets (``varlen.cu_blocks``) are built once per cu_seqlens tensor, block and scale:
+    the same tensor again on a repeat, new values after an in-place write, the values of a fresh build, bounded."""
+    from mxattn.kernels import varlen as V
+
+    V._OFFSETS.clear()
+    cu = torch.tensor([0, 5, 5, 140, 300], dtype=torch.int32)
+    a = V.cu_blocks(cu, 128)
+    assert V.cu_blocks(cu, 128) is a and a.tolist() == [0, 1, 1, 3, 5]
+    cols = V.cu_blocks(cu, 16, 16)
+    assert cols.tolist() == (16 * V.cu_blocks(cu.clone(), 16)).tolist() and V.cu_blocks(cu, 16, 16) is cols
+    cu[4] = 600
+    assert V.cu_blocks(cu, 128).tolist() == [0, 1, 1, 3, 7]
+    alive = [torch.tensor([0, i], dtype=torch.int32) for i in range(V._MAX_OFFSETS + 4)]
+    for t in alive:
+        V.cu_blocks(t, 128)
+    assert len(V._OFFSETS) == V._MAX_OFFSETS
+    with torch.inference_mode():
+        inf = torch.tensor([0, 300], dtype=torch.int32)
+        assert V.cu_blocks(inf, 128).tolist() == [0, 3] and V.cu_blocks(inf, 128) is not V.cu_blocks(inf, 128)
+
+
 # ---------------------------------------------------------------------------------------- eager autograd
 class _NoGrad(torch.autograd.Function):
     """Identity whose backward gives its input no gradient (None)."""
@@ -273,8 +295,8 @@ class _NoGrad(torch.autograd.Function):
 
 
 def test_eager_attention_with_an_undefined_output_gradient():
-    """lse's gradient is never materialized (set_materialize_grads(False)); an undefined gradient of out (a consumer
-    that gives none) still gives zero gradients to q, k, v."""
+    """lse's gradient is never materialized (set_materialize_grads(False), dense and jagged Functions); an undefined
+    gradient of out (a consumer that gives none) still gives zero gradients to q, k, v."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 8, 2, 64, generator=g).requires_grad_() for _ in range(3))
     out = interface.mxfp8_attn_func(q, k, v)
@@ -284,6 +306,11 @@ def test_eager_attention_with_an_undefined_output_gradient():
     out, lse = interface.mxfp8_attn_func(q, k, v, return_lse=True)
     out.sum().backward()
     assert k.grad is not None and v.grad is not None
+    jq, jk, jv = (torch.randn(9, 2, 64, generator=g).requires_grad_() for _ in range(3))  # the jagged Function too
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    out = interface.mxfp8_attn_varlen_func(jq, jk, jv, cu, cu, 5, 5)
+    (_NoGrad.apply(out).sum() + 0 * jq.sum()).backward()
+    assert jq.grad is not None and not jq.grad.any()
 
 
 def test_plain_float_inputs():

@@ -883,7 +883,7 @@ def gluon_split() -> bool:
 # first call of a signature (operands, kernels, configs), kept as the δ kernel's bound launch and the two Gluon
 # launchers' plans, so that a repeated call (every training step's backward) skips the operand checks, the kernel
 # choice, the config objects and the launchers' keys.  The CPU harness (scripts/host_overhead_cpu.py) measured
-# the Gluon backward's Python at 96 -> 59 us per call (docs/perf-notes-host.md).
+# the Gluon backward's Python at 98 -> 51 us per call (docs/perf-notes-host.md).
 _GLUON_PLANS: dict = {}
 _MAX_GLUON_PLANS = 256
 
@@ -919,10 +919,7 @@ def _gluon_plan_key(q, k, v_hdim, q_seq, k_seq, out, dout, lse, dout_hdim, dout_
 def _run_gluon_plan(plan, q, k, v_hdim, q_seq, k_seq, out, dout, lse, dout_hdim, dout_seq, defer_dq):
     """``attn_bwd_hopper``'s Gluon path on a call of a plan's signature: dO's missing operands, δ, dK/dV and dQ
     launched as the first call of the signature launched them, on this call's tensors."""
-    from mxattn.kernels import attn_bwd_dkdv_gluon as dkdv_gluon
-    from mxattn.kernels import attn_bwd_dq_gluon as dq_gluon
-
-    (delta_launch, delta_scalars), dkdv_plan, dq_plan, grad_dtype = plan
+    (delta_launch, delta_scalars), (run_dkdv, dkdv_plan), (run_dq, dq_plan), grad_dtype = plan
     doh, dos = _dout_operands(dout, dout_hdim, dout_seq)
     B, Sq, Hq, _ = out.shape
     _, Sk, Hkv, D = k.data.shape
@@ -931,10 +928,10 @@ def _run_gluon_plan(plan, q, k, v_hdim, q_seq, k_seq, out, dout, lse, dout_hdim,
     delta_launch(doh.data, doh.exp, out, delta, *delta_scalars)
     dk = torch.empty(B, Sk, Hkv, D, dtype=grad_dtype, device=dev)
     dv = torch.empty(B, Sk, Hkv, D, dtype=grad_dtype, device=dev)
-    dkdv_gluon.run_plan(dkdv_plan, q, k, v_hdim, q_seq, doh, dos, lse, delta, dk, dv)
+    run_dkdv(dkdv_plan, q, k, v_hdim, q_seq, doh, dos, lse, delta, dk, dv)
 
     def gluon_dq():
-        return dq_gluon.run_plan(dq_plan, q, k, v_hdim, k_seq, doh, lse, delta, grad_dtype)
+        return run_dq(dq_plan, q, k, v_hdim, k_seq, doh, lse, delta, grad_dtype)
 
     return (gluon_dq if defer_dq else gluon_dq()), dk, dv
 
@@ -1042,11 +1039,12 @@ def attn_bwd_hopper(
         def gluon_dq():
             dq = dq_gluon.attn_bwd_dq_gluon(*dq_args, **dq_kw)
             if delta_launch is not None:  # the plan, once both launchers have theirs
-                plans = dkdv_gluon.plan_for(*dkdv_args, **dkdv_kw), dq_gluon.plan_for(*dq_args, **dq_kw)
-                if None not in plans:
+                dkdv_plan, dq_plan = dkdv_gluon.plan_for(*dkdv_args, **dkdv_kw), dq_gluon.plan_for(*dq_args, **dq_kw)
+                if dkdv_plan is not None and dq_plan is not None:
                     if len(_GLUON_PLANS) >= _MAX_GLUON_PLANS:
                         _GLUON_PLANS.clear()
-                    _GLUON_PLANS[key] = (delta_launch, *plans, grad_dtype)
+                    _GLUON_PLANS[key] = (delta_launch, (dkdv_gluon.run_plan, dkdv_plan), (dq_gluon.run_plan, dq_plan),
+                                         grad_dtype)
             return dq
 
         return (gluon_dq if defer_dq else gluon_dq()), dk, dv
