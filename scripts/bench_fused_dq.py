@@ -7,9 +7,6 @@ Per shape (default: B2 H16 S4k / S8k d64 both masks, and the training run's B8 H
 * kernels on the same prepared operands: ``split_ms`` = the split dK/dV kernel (128-query steps) plus the split dQ
   kernel (128-key steps), the API's default pair at D = 64; ``fused_ms`` = ``attn_bwd_dkdv_dq_gluon`` (dK/dV and
   dQ from one launch, plus its zeroing of the fp32 dQ buffer and the pass that scales it into bf16);
-  ``fused_v2_ms`` the same with the adds two columns at a time (``dq_red_v2``), ``fused_pair_v2_ms`` with that and
-  the two warpgroups' tiles combined before the adds (``dq_pair``); ``dkdv_only_ms`` the dK/dV kernel
-  alone, so that fused − dkdv_only is what dQ costs inside it;
 * the public backward through ``loss.backward()`` from BF16 inputs with MXATTN_BWD_FUSED_DQ unset and set, and
   SDPA cuDNN BF16's, the forward outside the timed region (``backward_ms``).
 TFLOP/s count 2.5 forward-equivalents (5 products of 2·B·H·S²·D; half when causal) for the whole backward and
@@ -48,14 +45,10 @@ def kernel_row(B, H, S, D, causal) -> dict:
     row = {"B": B, "H": H, "S": S, "D": D, "causal": causal}
     row["split_ms"] = _ms(split)
     row["fused_ms"] = _ms(lambda: attn_bwd_dkdv_dq_gluon(**dkdv, k_seq=ops["k_seq"], causal=causal))
-    for name, extra in (("fused_v2", {}), ("fused_pair_v2", {"dq_pair": True})):
-        c = GluonDkdvConfig(split=True, block_m=128, fuse_dq=True, dq_red_v2=True, **extra)
-        row[f"{name}_ms"] = _ms(lambda: attn_bwd_dkdv_dq_gluon(**dkdv, k_seq=ops["k_seq"], causal=causal, config=c))
     row["dkdv_only_ms"] = _ms(lambda: attn_bwd_dkdv_gluon(**dkdv, causal=causal, config=kc))
-    for n in ("split", "fused", "fused_v2", "fused_pair_v2"):
+    for n in ("split", "fused"):
         row[f"{n}_tflops"] = flops / row[f"{n}_ms"] / 1e9
-    for n in ("fused", "fused_v2", "fused_pair_v2"):
-        row[f"{n}_speedup"] = row["split_ms"] / row[f"{n}_ms"]
+    row["fused_speedup"] = row["split_ms"] / row["fused_ms"]
     return row
 
 

@@ -81,12 +81,6 @@ BM128_TILE_SPLIT_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {"d64_causal": 2}
 STEP_BAR_FUSED_DQ = 6
 FUSED_DQ_MAX_DEPBAR = 4
 FUSED_DQ_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {"d64_causal": 4}
-# --pair (the two warpgroups' tiles combined through shared memory, with --red-v2): the hand-over adds a wait and an
-# arrive on two mbarriers (each with the partition's named barriers) and the other half's product (8 BAR.SYNC, 5
-# DEPBAR per step); ptxas keeps one or three values spilled (2 / 6 LDL / STL per step, both warpgroups together)
-STEP_BAR_FUSED_DQ_PAIR = 8
-FUSED_DQ_PAIR_MAX_DEPBAR = 5
-FUSED_DQ_PAIR_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {"d64": 2, "d64_causal": 6}
 
 
 def compile_variant(head_dim: int, causal: bool, stages: int | None = None, split: bool = False,
@@ -122,8 +116,7 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None, spli
     key_exp = (ds_exp or cfg.ds_exp) == "key"  # as GluonDkdvConfig.key_exp
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs, SPLIT=split,
                   CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=defer, DS_KEY_EXP=key_exp, VARLEN=varlen, BLOCK_M=bm,
-                  FUSE_DQ=fuse_dq, DQ_HALVES=fuse_dq and (causal if cfg.dq_halves is None else cfg.dq_halves),
-                  DQ_RED_V2=fuse_dq and cfg.dq_red_v2, DQ_PAIR=fuse_dq and cfg.dq_pair)
+                  FUSE_DQ=fuse_dq, DQ_HALVES=fuse_dq and (causal if cfg.dq_halves is None else cfg.dq_halves))
     if not fuse_dq:  # the other builds leave the fused-dQ arguments at their defaults
         consts |= {"ks_desc": None, "DQ": None}
     if varlen:
@@ -139,7 +132,7 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None, spli
 
 def check(k, name: str, dump: str | None, max_depbar: int = MAX_DEPBAR, spill_allowance: int | None = None,
           split: bool = False, key_exp: bool | None = None, varlen: bool = False, block_m: int = 64,
-          fuse_dq: bool = False, pair: bool = False) -> bool:
+          fuse_dq: bool = False) -> bool:
     """``compile_check_gluon.check`` with ``max_depbar`` DEPBARs per loop iteration and the variant's documented
     spill allowance (``SPILL_ALLOWANCE``); prints the report.  Split variants: ptxas spills a few loop-invariant
     values of each warpgroup (the epilogue's pointers: stored before the query-step loop, reloaded after it; 40 B
@@ -157,12 +150,11 @@ def check(k, name: str, dump: str | None, max_depbar: int = MAX_DEPBAR, spill_al
     loop_local = (VARLEN_SPLIT_LOOP_LOCAL_ALLOWANCE if varlen else BM128_TILE_SPLIT_LOOP_LOCAL_ALLOWANCE if bm128_tile
                   else SPLIT_LOOP_LOCAL_ALLOWANCE).get(name, 0)
     if fuse_dq:
-        loop_local = (FUSED_DQ_PAIR_LOOP_LOCAL_ALLOWANCE if pair else FUSED_DQ_LOOP_LOCAL_ALLOWANCE).get(name, 0)
-        max_depbar = FUSED_DQ_PAIR_MAX_DEPBAR if pair else FUSED_DQ_MAX_DEPBAR
+        loop_local = FUSED_DQ_LOOP_LOCAL_ALLOWANCE.get(name, 0)
+        max_depbar = FUSED_DQ_MAX_DEPBAR
     ok = gluon_check(k, name, dump, max_depbar=max_depbar, allowed_spill_bytes=None if split else allowed,
                      allowed_loop_local=loop_local if split else 0,
-                     max_step_bar=(STEP_BAR_FUSED_DQ_PAIR if pair else STEP_BAR_FUSED_DQ) if fuse_dq
-                     else STEP_BAR_KEY if key_exp else STEP_BAR_TILE)
+                     max_step_bar=STEP_BAR_FUSED_DQ if fuse_dq else STEP_BAR_KEY if key_exp else STEP_BAR_TILE)
     for st, score in per_score(k, block_m):
         print(f"      per score: {score:.1f} thread-instr (common step path {st} x 128 threads / (64 keys x {block_m} "
               f"queries))")
@@ -218,12 +210,6 @@ def main(argv=None) -> int:
     regs = {field: v for field, flag in (("maxnreg", "--maxnreg"), ("consumer_regs", "--consumer-regs"),
                                          ("producer_regs", "--producer-regs"))
             if (v := _flag_value(argv, flag)) is not None}
-    if "--red-v2" in argv:  # with --fuse-dq: GluonDkdvConfig(dq_red_v2=True)
-        argv.remove("--red-v2")
-        regs["dq_red_v2"] = True
-    if "--pair" in argv:  # with --fuse-dq: GluonDkdvConfig(dq_pair=True)
-        argv.remove("--pair")
-        regs["dq_pair"] = True
     if block_m == 128 and "--only" not in argv:
         argv += ["--only", "d64,d64_causal"]  # the only head dim the 128-query step builds for
     return run_variants(argv, __doc__, lambda d, c, st: compile_variant(d, c, st, split=split, defer_dk=defer,
@@ -231,8 +217,7 @@ def main(argv=None) -> int:
                                                                         block_m=block_m, regs=regs,
                                                                         fuse_dq=fuse_dq),
                         lambda k, name, dump: check(k, name, dump, split=split, key_exp=key_exp, varlen=varlen,
-                                                    block_m=block_m or 64, fuse_dq=fuse_dq,
-                                                    pair=bool(regs.get("dq_pair"))),
+                                                    block_m=block_m or 64, fuse_dq=fuse_dq),
                         consumer_threads=128 if split else 256)
 
 

@@ -388,10 +388,9 @@ def test_compiles_for_sm90_without_gpu_fused_dq():
     """Where triton 3.6 is installed, the fused-dQ builds (``--split --block-m 128 --fuse-dq``, d64 causal and not)
     compile for sm_90a within that script's fused-dQ rules (named barriers, DEPBARs, the causal build's documented
     in-loop reload), with the sixth wgmma (m64n64k32, A from shared memory)."""
-    for extra in ([], ["--red-v2"], ["--red-v2", "--pair"]):  # the three variants of the tests
-        r = _compile_check(["--split", "--block-m", "128", "--fuse-dq", *extra])
-        assert r.returncode == 0 and "all variants OK" in r.stdout, (extra, r.stdout[-4000:], r.stderr[-2000:])
-        assert r.stdout.count("== d64") == 2, r.stdout[-4000:]
+    r = _compile_check(["--split", "--block-m", "128", "--fuse-dq"])
+    assert r.returncode == 0 and "all variants OK" in r.stdout, (r.stdout[-4000:], r.stderr[-2000:])
+    assert r.stdout.count("== d64") == 2, r.stdout[-4000:]
 
 
 RING = ("q", "do", "lse", "dl", "qs", "dos")  # the six loads of a query step, all on the stage's ready barrier
@@ -695,24 +694,14 @@ def _fp64_dq(ops, causal: bool, scale: float) -> torch.Tensor:
     return torch.autograd.grad(torch.einsum("bhqk,bkhd->bqhd", p, v), q, do)[0]
 
 
-# (case, variant): every case with per-element adds; three with the two-column adds (``dq_red_v2``), and three
-# with those and the two warpgroups' tiles combined (``dq_pair``)
-FUSED_DQ_VARIANTS = {"": {}, "v2": dict(dq_red_v2=True), "pair": dict(dq_red_v2=True, dq_pair=True)}
-FUSED_DQ_RUNS = ([(c, "") for c in FUSED_DQ_CASES] + [(FUSED_DQ_CASES[i], "v2") for i in (0, 1, 5)]
-                 + [(FUSED_DQ_CASES[i], "pair") for i in (0, 1, 5)])
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("case,variant", FUSED_DQ_RUNS,
-                         ids=[("tiny-" if c == FUSED_DQ_CASES[0] else "") + _case_id(c) + (f"-{v}" if v else "")
-                              for c, v in FUSED_DQ_RUNS])
-def test_attn_bwd_dkdv_gluon_fused_dq(case, variant, seed):
+@pytest.mark.parametrize("case", FUSED_DQ_CASES, ids=[("tiny-" if i == 0 else "") + _case_id(c)
+                                                      for i, c in enumerate(FUSED_DQ_CASES)])
+def test_attn_bwd_dkdv_gluon_fused_dq(case, seed):
     """``attn_bwd_dkdv_dq_gluon`` (dQ formed in the dK/dV kernel, added with atomics): dk and dv equal the 128-query
     split build's up to fp32 summation order (the same code for them); dq is as accurate as the dQ kernel's against
     fp64 gradients on the same FP8 operands (SQNR at most 0.5 dB lower), never NaN, and 0 in rows that see no key;
-    the public backward under MXATTN_BWD_FUSED_DQ=1 returns the launcher's gradients.  ``variant`` "v2": the adds as
-    ``red.global.add.v2.f32`` (``GluonDkdvConfig.dq_red_v2``); "pair": also the two warpgroups' tiles combined
-    before the adds (``dq_pair``)."""
+    the public backward under MXATTN_BWD_FUSED_DQ=1 returns the launcher's gradients."""
     if not _is_hopper():
         pytest.skip("the Gluon dK/dV kernel needs an sm_90 GPU")
     from mxattn.kernels.attn_bwd import attn_bwd_hopper
@@ -725,8 +714,7 @@ def test_attn_bwd_dkdv_gluon_fused_dq(case, variant, seed):
     q, k, v, dout = _gpu_inputs(case, seed)
     ops, out = m.dkdv_operands(q, k, v, dout, causal)
     k_seq = rs(k, "v")
-    cfg = m.GluonDkdvConfig(split=True, block_m=128, fuse_dq=True, **FUSED_DQ_VARIANTS[variant])
-    dq, dk, dv = m.attn_bwd_dkdv_dq_gluon(**ops, k_seq=k_seq, causal=causal, config=cfg)
+    dq, dk, dv = m.attn_bwd_dkdv_dq_gluon(**ops, k_seq=k_seq, causal=causal)
     dk0, dv0 = m.attn_bwd_dkdv_gluon(**ops, causal=causal, config=m.GluonDkdvConfig(split=True, block_m=128))
     dq0 = attn_bwd_dq_gluon(ops["q"], ops["k"], ops["v_hdim"], k_seq, ops["dout_hdim"], ops["lse"], ops["delta"],
                             causal=causal, config=GluonDqConfig(split=True, block_n=128))
@@ -737,7 +725,7 @@ def test_attn_bwd_dkdv_gluon_fused_dq(case, variant, seed):
     assert not torch.isnan(dq).any(), name
     truth = _fp64_dq(ops, causal, case[5] ** -0.5)
     got, want = sqnr_db(dq.double(), truth), sqnr_db(dq0.double(), truth)
-    print(f"{name} {variant}: dq SQNR fused {got:.2f} dB, dQ kernel {want:.2f} dB")
+    print(f"{name}: dq SQNR fused {got:.2f} dB, dQ kernel {want:.2f} dB")
     assert got >= want - 0.5, f"{name}: fused dq {got:.2f} dB against the dQ kernel's {want:.2f} dB"
     assert (dq[(dq0 == 0).all(dim=-1)] == 0).all(), name  # query rows with no gradient (they see no key)
     os.environ["MXATTN_BWD_FUSED_DQ"] = "1"

@@ -271,12 +271,6 @@ class GluonDkdvConfig:
     # fused dQ's product 64 queries at a time (half the accumulator); None: the launcher's rule (causal builds,
     # where the whole 128-query product spilled inside the loop, triton 3.6)
     dq_halves: Optional[bool] = None
-    # fused dQ's adds as red.global.add.v2.f32 (two adjacent columns per operation) instead of one per element:
-    # the session-13 measurement of the per-element adds put them at ~2.4 TB/s of reductions, the bound
-    dq_red_v2: bool = False
-    # fused dQ with the two warpgroups' tiles combined in shared memory before the adds (each warpgroup adds one
-    # 64-query half of the step for all 128 keys): half the reduction traffic
-    dq_pair: bool = False
 
     def __post_init__(self):
         if self.ds_exp not in DS_EXPS:
@@ -549,67 +543,20 @@ def _dq_issue(dsq_smem, ks_tile, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _red_add_v2(ptrs, vals, ok):
-    """``red.global.add.v2.f32`` of each thread's adjacent column pairs (the wgmma accumulator holds columns 2c and
-    2c + 1 of a row in consecutive registers: pack=2 gives the asm one pair), where ``ok``: half the reduction
-    operations of per-element adds, for the same bytes.  sm_90 (vector ``red`` is PTX 8.1); the pair's address must
-    be 8-byte aligned (an even column of an fp32 row with an even pitch)."""
-    return gl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $6, 0; @p red.global.add.v2.f32 [$2], {$4, $5}; mov.b32 $0, 0; mov.b32 $1, 0; }",
-        "=r,=r,l,l,f,f,r,r", [ptrs.to(gl.int64), vals, ok.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=2)
-
-
-@gluon.jit
-def _dq_red(vals, DQ_b, hh, m0, Sq, stride_dqm, stride_dqh, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr,
-            RED_V2: gl.constexpr):
-    """dQ[m0 + i, head hh, :] += vals[i, :] (ROWS x D fp32 in the wgmma accumulator layout) into the fp32 (B, Sq, Hq,
-    D) buffer ``DQ_b`` (moved to the batch), relaxed atomic adds, rows past Sq masked; RED_V2
-    (``GluonDkdvConfig.dq_red_v2``): two columns per add (``_red_add_v2``) instead of ``gl.atomic_add``'s one."""
-    d_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)
-    rows = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, d_layout))
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, d_layout))
-    ptrs = DQ_b + hh * stride_dqh + gl.expand_dims(rows.to(gl.int64) * stride_dqm, 1) + gl.expand_dims(offs_d, 0)
-    if RED_V2:
-        _red_add_v2(ptrs, vals, gl.expand_dims(rows < Sq, 1) & gl.expand_dims(offs_d >= 0, 0))
-    else:
-        gl.atomic_add(ptrs, vals, mask=gl.expand_dims(rows < Sq, 1), sem="relaxed")
-
-
-@gluon.jit
-def _dq_add(dq, e, DQ_b, hh, m0, Sq, stride_dqm, stride_dqh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-            RED_V2: gl.constexpr = False):
-    """Fused dQ, last part: dq · 2^e added to rows m0 .. of head hh (``_dq_red``).  The per-channel factor
-    2^kse[d] · scale · 2^-8 is the same for every tile of a head (K_seq's exponents of its kv head), so the launcher
-    applies it once, when it turns the buffer into dq.  Tiles that were all zero (e = −127: causal tiles before these
-    keys, rows that see nothing) are skipped.  Not deterministic: the two warpgroups and the key blocks add in any
-    order."""
+def _dq_add(dq, e, DQ_b, hh, m0, Sq, stride_dqm, stride_dqh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Fused dQ, last part: dQ[m0 + i, head hh, :] += dq[i, :] · 2^e into the fp32 (B, Sq, Hq, D) buffer ``DQ_b``
+    (moved to the batch), relaxed atomic adds, rows past Sq masked.  The per-channel factor 2^kse[d] · scale · 2^-8
+    is the same for every tile of a head (K_seq's exponents of its kv head), so the launcher applies it once, when it
+    turns the buffer into dq.
+    Tiles that were all zero (e = −127: causal tiles before these keys, rows that see nothing) are skipped.  Not
+    deterministic: the two warpgroups and the key blocks add in any order."""
     if e > -127:
-        _dq_red(dq * _pow2(e), DQ_b, hh, m0, Sq, stride_dqm, stride_dqh, HEAD_DIM, BLOCK_M, RED_V2)
-
-
-@gluon.jit
-def _dq_pair(dq_e, dsq_smem, ks_tile, x_smem, x_full, x_empty, j, DQ_b, hh, m0, Sq, stride_dqm, stride_dqh,
-             HEAD_DIM: gl.constexpr, WG: gl.constexpr, RED_V2: gl.constexpr):
-    """Fused dQ with the two warpgroups' tiles combined (``GluonDkdvConfig.dq_pair``): warpgroup WG owns query half
-    WG of the step (64 rows).  It multiplies the other half first and hands dq · 2^e over through ``x_smem[1 − WG]``
-    (fp32, its accumulator layout, read back by the other warpgroup's thread of the same index), then multiplies
-    its own half, adds the other warpgroup's hand-over for it, and adds the sum to memory: one add per element per
-    128 keys instead of two.  x_full / x_empty: one pair of mbarriers per buffer, used once per step (parity j & 1);
-    the two warpgroups walk the same steps.  Called after dV's and dK's products are waited and the ring stage is
-    released."""
-    OTHER: gl.constexpr = 1 - WG
-    d_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)
-    dq = _dq_issue(dsq_smem.slice(OTHER * 64, 64), ks_tile, HEAD_DIM, 64)
-    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-    mbarrier.wait(x_empty.index(OTHER), (j & 1) ^ 1)  # the other warpgroup has read step j - 1's hand-over
-    x_smem.index(OTHER).store(dq * _pow2(dq_e))
-    mbarrier.arrive(x_full.index(OTHER), count=1)
-    dq = _dq_issue(dsq_smem.slice(WG * 64, 64), ks_tile, HEAD_DIM, 64)
-    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-    mbarrier.wait(x_full.index(WG), j & 1)
-    x = x_smem.index(WG).load(d_layout)
-    mbarrier.arrive(x_empty.index(WG), count=1)
-    _dq_red(dq * _pow2(dq_e) + x, DQ_b, hh, m0 + WG * 64, Sq, stride_dqm, stride_dqh, HEAD_DIM, 64, RED_V2)
+        d_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)
+        rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, d_layout))
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, d_layout))
+        ptrs = (DQ_b + hh * stride_dqh + gl.expand_dims(rows.to(gl.int64) * stride_dqm, 1)
+                + gl.expand_dims(offs_d, 0))
+        gl.atomic_add(ptrs, dq * _pow2(e), mask=gl.expand_dims(rows < Sq, 1), sem="relaxed")
 
 
 # ------------------------------------------------------------------------------------------------- consumer
@@ -622,9 +569,7 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
               WARPS: gl.constexpr, DEFER_DK: gl.constexpr, DS_KEY_EXP: gl.constexpr, VARLEN: gl.constexpr,
               BLOCK_M: gl.constexpr, ks_tile=None, dsq_smem=None, DQ_b=None, stride_dqm=0,
-              stride_dqh=0, FUSE_DQ: gl.constexpr = False, DQ_HALVES: gl.constexpr = False,
-              DQ_RED_V2: gl.constexpr = False, x_smem=None, x_full=None, x_empty=None, WG: gl.constexpr = 0,
-              DQ_PAIR: gl.constexpr = False):
+              stride_dqh=0, FUSE_DQ: gl.constexpr = False, DQ_HALVES: gl.constexpr = False):
     """Keys n0 .. n0 + ROWS − 1 of one (b, hk), ROWS = 128 on 8 warps (the whole CTA's keys) or 64 on one warpgroup
     (split: keys n0 + 64·w ..); k_tile / v_tile their K and V_hdim tiles.  Pointers already moved to b (QE, DOE,
     QSE, DOSE) and to (b, hk, first key) (DK, DV); lse and δ of each query tile come through the ring
@@ -815,24 +760,19 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
             dk = warpgroup_mma(ds8, qs_smem.index(st).permute((1, 0)), dk, is_async=True)
             if FUSE_DQ:  # dQ's product behind dK's (dS staged under dV's and dK's), the three waited together
                 dq_e = _dq_stage(ds, dsq_smem)
-                if DQ_PAIR:  # the two warpgroups' tiles combined before the adds
-                    dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-                    mbarrier.arrive(empty.index(st), count=1)
-                    _dq_pair(dq_e, dsq_smem, ks_tile, x_smem, x_full, x_empty, j, DQ_b, hh, m0, Sq, stride_dqm,
-                             stride_dqh, HEAD_DIM, WG, DQ_RED_V2)
-                elif DQ_HALVES:  # 64 queries at a time: half the accumulator registers (causal builds)
+                if DQ_HALVES:  # 64 queries at a time: half the accumulator registers (causal builds)
                     dq = _dq_issue(dsq_smem.slice(0, 64), ks_tile, HEAD_DIM, 64)
                     dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
                     mbarrier.arrive(empty.index(st), count=1)
-                    _dq_add(dq, dq_e, DQ_b, hh, m0, Sq, stride_dqm, stride_dqh, HEAD_DIM, 64, DQ_RED_V2)
+                    _dq_add(dq, dq_e, DQ_b, hh, m0, Sq, stride_dqm, stride_dqh, HEAD_DIM, 64)
                     dq = _dq_issue(dsq_smem.slice(64, 64), ks_tile, HEAD_DIM, 64)
                     dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-                    _dq_add(dq, dq_e, DQ_b, hh, m0 + 64, Sq, stride_dqm, stride_dqh, HEAD_DIM, 64, DQ_RED_V2)
+                    _dq_add(dq, dq_e, DQ_b, hh, m0 + 64, Sq, stride_dqm, stride_dqh, HEAD_DIM, 64)
                 else:
                     dq = _dq_issue(dsq_smem, ks_tile, HEAD_DIM, BLOCK_M)
                     dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
                     mbarrier.arrive(empty.index(st), count=1)
-                    _dq_add(dq, dq_e, DQ_b, hh, m0, Sq, stride_dqm, stride_dqh, HEAD_DIM, BLOCK_M, DQ_RED_V2)
+                    _dq_add(dq, dq_e, DQ_b, hh, m0, Sq, stride_dqm, stride_dqh, HEAD_DIM, BLOCK_M)
             else:
                 dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
                 mbarrier.arrive(empty.index(st), count=1)  # stage st free: every read of it is done
@@ -887,8 +827,6 @@ def _attn_bwd_dkdv_ws_kernel(
     ks_desc=None, DQ=None, stride_dqb=0, stride_dqm=0, stride_dqh=0,
     FUSE_DQ: gl.constexpr = False,
     DQ_HALVES: gl.constexpr = False,  # fused dQ's product 64 queries at a time (GluonDkdvConfig.dq_halves)
-    DQ_RED_V2: gl.constexpr = False,  # fused dQ's adds two columns at a time (GluonDkdvConfig.dq_red_v2)
-    DQ_PAIR: gl.constexpr = False,  # fused dQ's tiles of the two warpgroups combined (GluonDkdvConfig.dq_pair)
 ):
     """Dense: grid (cdiv(Sk, 128), B * Hkv).  Jagged (VARLEN): grid (table rows, Hkv); CTA (r, hk) computes the
     key tile of row r of SLOTS (heaviest first) for kv head hk, on packed operands: k / v_hdim (Tk, Hkv, D) and
@@ -994,14 +932,6 @@ def _attn_bwd_dkdv_ws_kernel(
         dsq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N_WG], gl.float8e4nv)
         dsq_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, BLOCK_N_WG], dsq_layout)
         DQ_b = DQ + b.to(gl.int64) * stride_dqb
-        # DQ_PAIR: the hand-over buffers (64 queries x D fp32 each, 16 KB at d64) and their full / empty mbarriers
-        x_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-        x_smem = gl.allocate_shared_memory(gl.float32, [2 if DQ_PAIR else 1, 64, HEAD_DIM], x_layout)
-        x_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        x_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(x_full.index(i), count=1)
-            mbarrier.init(x_empty.index(i), count=1)
         gl.warp_specialize([
             (_consumer, (q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem.index(0), v_smem.index(0),
                          kv_bar, ready, empty, QE_b, DOE_b, QSE_b, DOSE_b, DK_t, DV_t,
@@ -1010,7 +940,7 @@ def _attn_bwd_dkdv_ws_kernel(
                          h0 + group_size - 1, lo, mid, n_m, n_steps, qk_scale, grad_scale,
                          qe_row, de_row, seq_h, key_row, HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK, DS_KEY_EXP,
                          VARLEN, BLOCK_M, ks_smem.index(0), dsq_smem.index(0), DQ_b, stride_dqm, stride_dqh,
-                         FUSE_DQ, DQ_HALVES, DQ_RED_V2, x_smem, x_full, x_empty, 0, DQ_PAIR)),
+                         FUSE_DQ, DQ_HALVES)),
             (_consumer, (q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem.index(1), v_smem.index(1),
                          kv_bar, ready, empty, QE_b, DOE_b, QSE_b, DOSE_b, DK_t + wg_off, DV_t + wg_off,
                          stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
@@ -1018,8 +948,7 @@ def _attn_bwd_dkdv_ws_kernel(
                          causal_off - n0 - BLOCK_N_WG, Sq, h0, h0 + group_size - 1, lo, mid, n_m, n_steps,
                          qk_scale, grad_scale, qe_row, de_row, seq_h, key_row,
                          HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK, DS_KEY_EXP, VARLEN, BLOCK_M, ks_smem.index(1),
-                         dsq_smem.index(1), DQ_b, stride_dqm, stride_dqh, FUSE_DQ, DQ_HALVES, DQ_RED_V2, x_smem,
-                         x_full, x_empty, 1, DQ_PAIR)),
+                         dsq_smem.index(1), DQ_b, stride_dqm, stride_dqh, FUSE_DQ, DQ_HALVES)),
             (_producer_split_dq, (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, ks_desc,
                                   q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, ks_smem,
                                   kv_bar, ready, empty, k_row, hk * HEAD_DIM, (b * Hkv + hk) * HEAD_DIM, n0, q_row,
@@ -1431,8 +1360,7 @@ def attn_bwd_dkdv_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP
     args = (*descs, qe, de, ke, ve, qse, dse, dk, dv, *row_e(qe), *row_e(de), *row_e(ke), *row_e(ve), *chan_e(qse),
             *dk.stride(), Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
             D, cfg.stages, causal, cfg.producer_regs, True, cfg.consumer_regs, False, cfg.key_exp, bm, None, False,
-            ks_desc, dq_acc, dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2), True, bool(halves),
-            cfg.dq_red_v2, cfg.dq_pair)
+            ks_desc, dq_acc, dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2), True, bool(halves))
     fast_launcher(kernel)[(cdiv(Sk, BLOCK_N.value), B * Hkv)](*args, num_warps=4, maxnreg=cfg.maxnreg)
     # dQ rows of query head h hold K_seq's exponents of kv head h // G: one per-channel factor per (b, kv head)
     col = torch.exp2(k_seq.exp.to(torch.float32)) * (softmax_scale * 2.0**-P_SCALE_LOG2)  # (B, 1, Hkv, D)
