@@ -678,30 +678,19 @@ def _hdim_row_set(xf, RCEIL: tl.constexpr):
 
 
 @triton.jit
-def _store_hdim_mx(hd, q4, k: tl.constexpr, s0, S, in_d, H, D, xr, xf, RCEIL: tl.constexpr, SOFT: tl.constexpr,
-                   EVEN: tl.constexpr):
-    """MX data bytes of row set k, blocked along D; returns its scale bytes (``_store_hdim_scales`` stores them)."""
+def _store_hdim_mx(hd, hs, ht, q4, k: tl.constexpr, s0, S, in_d, db, msc, H, D, ND, NCT, xr, xf, RCEIL: tl.constexpr,
+                   SOFT: tl.constexpr, SWZ: tl.constexpr, EVEN: tl.constexpr):
+    """MX data and scale bytes of row set k, blocked along D."""
     amax, e = _hdim_row_set(xf, RCEIL)
     y = xf * _pow2(-e)
+    sc = tl.where(amax < 0x7F800000, e + 127, 255).to(tl.uint8)
     rows = q4 + k
-    _store_rows(hd + rows * (H * D), _mx_bytes(xr, xf, y, SOFT), s0 + rows < S, in_d, EVEN)
-    return tl.where(amax < 0x7F800000, e + 127, 255).to(tl.uint8)
-
-
-@triton.jit
-def _store_hdim_scales(hs, ht, q4, G: tl.constexpr, s0, S, db, msc, H, ND, NCT, c0, c1, c2, c3, SWZ: tl.constexpr,
-                       EVEN: tl.constexpr):
-    """The MX scale bytes ``c0..c3`` of four row sets (rows q4 + G + k) in one store: joined on two new axes (k = 2i +
-    j).  The bytes are held per block and stored per row, so the compiler changes their layout before the store
-    (through shared memory); stored per row set, that was one change and 2 barriers each (10 barriers per program at
-    32 x 4, d128), joined it is one (4 barriers; sm_90a SASS)."""
-    sc = tl.join(tl.join(c0, c2), tl.join(c1, c3))
-    rows = q4[:, :, :, :, None, None] + (G + tl.arange(0, 2)[:, None] * 2 + tl.arange(0, 2)[None, :])
+    ok = s0 + rows < S
+    _store_rows(hd + rows * (H * D), _mx_bytes(xr, xf, y, SOFT), ok, in_d, EVEN)
     if SWZ:
-        ptr = ht + _tiled_offset(s0 + rows, db[:, :, :, :, None, None], NCT)
+        _store_rows(ht + _tiled_offset(s0 + rows, db, NCT), sc, ok, msc, EVEN)
     else:
-        ptr = hs[:, :, :, :, None, None] + rows * (H * ND)
-    _store_rows(ptr, sc, s0 + rows < S, msc[:, :, :, :, None, None], EVEN)
+        _store_rows(hs + rows * (H * ND), sc, ok, msc, EVEN)
 
 
 @triton.jit
@@ -820,17 +809,19 @@ def _quantize_tile(
             ht = he_ptr + (b64 * H + h64) * (tl.cdiv(S, 128) * NCT * 512)  # SWZ: scale matrix of this (b, h)
             hs = he_ptr + hrow * ND + db
             msc = db < ND
-            c0 = _store_hdim_mx(hd, q4, 0, s0, S, in_d, H, D, x0r, x0, RCEIL, SOFT, EVEN)
-            c1 = _store_hdim_mx(hd, q4, 1, s0, S, in_d, H, D, x1r, x1, RCEIL, SOFT, EVEN)
-            c2 = _store_hdim_mx(hd, q4, 2, s0, S, in_d, H, D, x2r, x2, RCEIL, SOFT, EVEN)
-            c3 = _store_hdim_mx(hd, q4, 3, s0, S, in_d, H, D, x3r, x3, RCEIL, SOFT, EVEN)
-            _store_hdim_scales(hs, ht, q4, 0, s0, S, db, msc, H, ND, NCT, c0, c1, c2, c3, SWZ, EVEN)
+            _store_hdim_mx(hd, hs, ht, q4, 0, s0, S, in_d, db, msc, H, D, ND, NCT, x0r, x0, RCEIL, SOFT, SWZ, EVEN)
+            _store_hdim_mx(hd, hs, ht, q4, 1, s0, S, in_d, db, msc, H, D, ND, NCT, x1r, x1, RCEIL, SOFT, SWZ, EVEN)
+            _store_hdim_mx(hd, hs, ht, q4, 2, s0, S, in_d, db, msc, H, D, ND, NCT, x2r, x2, RCEIL, SOFT, SWZ, EVEN)
+            _store_hdim_mx(hd, hs, ht, q4, 3, s0, S, in_d, db, msc, H, D, ND, NCT, x3r, x3, RCEIL, SOFT, SWZ, EVEN)
             if J == 2:
-                c4 = _store_hdim_mx(hd, q4, G1, s0, S, in_d, H, D, x4r, x4, RCEIL, SOFT, EVEN)
-                c5 = _store_hdim_mx(hd, q4, G1 + 1, s0, S, in_d, H, D, x5r, x5, RCEIL, SOFT, EVEN)
-                c6 = _store_hdim_mx(hd, q4, G1 + 2, s0, S, in_d, H, D, x6r, x6, RCEIL, SOFT, EVEN)
-                c7 = _store_hdim_mx(hd, q4, G1 + 3, s0, S, in_d, H, D, x7r, x7, RCEIL, SOFT, EVEN)
-                _store_hdim_scales(hs, ht, q4, G1, s0, S, db, msc, H, ND, NCT, c4, c5, c6, c7, SWZ, EVEN)
+                _store_hdim_mx(hd, hs, ht, q4, G1, s0, S, in_d, db, msc, H, D, ND, NCT, x4r, x4, RCEIL, SOFT, SWZ,
+                               EVEN)
+                _store_hdim_mx(hd, hs, ht, q4, G1 + 1, s0, S, in_d, db, msc, H, D, ND, NCT, x5r, x5, RCEIL, SOFT, SWZ,
+                               EVEN)
+                _store_hdim_mx(hd, hs, ht, q4, G1 + 2, s0, S, in_d, db, msc, H, D, ND, NCT, x6r, x6, RCEIL, SOFT, SWZ,
+                               EVEN)
+                _store_hdim_mx(hd, hs, ht, q4, G1 + 3, s0, S, in_d, db, msc, H, D, ND, NCT, x7r, x7, RCEIL, SOFT, SWZ,
+                               EVEN)
         else:  # K layout: the tile is the group
             a0, e0 = _hdim_row_set(x0, RCEIL)
             a1, e1 = _hdim_row_set(x1, RCEIL)
