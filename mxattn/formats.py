@@ -89,10 +89,16 @@ class ScaleMode(str, enum.Enum):
     def parse(cls, mode: Union[str, "ScaleMode"]) -> "ScaleMode":
         if isinstance(mode, ScaleMode):
             return mode
+        found = _SCALE_MODES.get(mode) if type(mode) is str else None
+        if found is not None:  # the common spellings, without the Enum's own lookup (a few calls per eager call)
+            return found
         try:
             return cls(str(mode).lower())
         except ValueError:
             raise ValueError(f"scale_mode must be 'rceil' or 'floor', got {mode!r}") from None
+
+
+_SCALE_MODES = {m.value: m for m in ScaleMode}
 
 
 def _norm_dim(dim: int, ndim: int, name: str = "dim") -> int:

@@ -14,10 +14,12 @@ torch.compile sees float-input attention as two ``torch.library`` custom ops, ``
 
 from __future__ import annotations
 
+import collections
 import functools
 import importlib
 import math
 import os
+import weakref
 from typing import Optional, Union
 
 import torch
@@ -62,6 +64,31 @@ def _check_heads(q_shape, k_shape, v_shape) -> None:
 
 def _check_attention_inputs(q: Operand, k: Operand, v: Operand, softmax_scale) -> tuple[bool, torch.device]:
     """Validate (q, k, v) for dense (B, S, H, D) attention; returns (inputs_are_mx, device)."""
+    if _plain_float_inputs(q, k, v):
+        is_mx, device = False, q.device
+    else:
+        is_mx, device = _check_operand_kinds(q, k, v)
+    _check_heads(q.shape, k.shape, v.shape)
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k has batch {k.shape[0]} but q has batch {q.shape[0]}")
+    _check_softmax_scale(softmax_scale)
+    return is_mx, device
+
+
+def _plain_float_inputs(q, k, v) -> bool:
+    """Whether q, k, v are the common call's plain 4-D float tensors of one dtype on one device: every check of
+    ``_check_operand_kinds`` passes, in a few attribute reads (the whole input check 2.8 -> 1.4 us per call on the
+    CPU harness's machine, docs/perf-notes-host.md); a False here leaves the checks, and their messages, to it."""
+    Tensor = torch.Tensor
+    if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
+        return False
+    dtype = q.dtype
+    return (dtype in _FLOAT_DTYPES and k.dtype == dtype and v.dtype == dtype and q.ndim == 4 and k.ndim == 4
+            and v.ndim == 4 and q.device == k.device == v.device)
+
+
+def _check_operand_kinds(q: Operand, k: Operand, v: Operand) -> tuple[bool, torch.device]:
+    """Types, dtypes, ranks, MX orientations and devices of (q, k, v); returns (inputs_are_mx, device)."""
     shapes = {n: _shape_of(n, t) for n, t in (("q", q), ("k", k), ("v", v))}
     kinds = {n: isinstance(t, MXTensor) for n, t in (("q", q), ("k", k), ("v", v))}
     if len(set(kinds.values())) != 1:
@@ -84,10 +111,6 @@ def _check_attention_inputs(q: Operand, k: Operand, v: Operand, softmax_scale) -
     devices = {n: t.device for n, t in (("q", q), ("k", k), ("v", v))}
     if len(set(devices.values())) != 1:
         raise ValueError("q, k, v must be on one device, got " + ", ".join(f"{n}: {d}" for n, d in devices.items()))
-    _check_heads(shapes["q"], shapes["k"], shapes["v"])
-    if shapes["k"][0] != shapes["q"][0]:
-        raise ValueError(f"k has batch {shapes['k'][0]} but q has batch {shapes['q'][0]}")
-    _check_softmax_scale(softmax_scale)
     return is_mx, devices["q"]
 
 
@@ -326,7 +349,7 @@ def _hopper_forward_keeping_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def _fwd_impl(q, k, v, causal: bool, scale: float, scale_mode: str, backend: str = "auto"):
-    if q.device.type == "cuda":
+    if q.is_cuda:
         return _hopper_forward(q, k, v, causal, scale, scale_mode, q.dtype, backend)
     out, lse = _reference_forward(q, k, v, causal, scale, scale_mode, q.dtype)
     return out.contiguous(), lse.contiguous()
@@ -367,11 +390,11 @@ def _bwd_impl(dout, q, k, v, out, lse, causal: bool, scale: float, scale_mode: s
               backend: str = "auto", kv=None):
     """Gradients on float q, k, v; ``kv``: the K hdim, K seq and V hdim operands the forward kept
     (``_hopper_forward_keeping_kv``), in which case k and v are not read (they may be None)."""
-    if kv is not None and q.device.type != "cuda":
+    if kv is not None and not q.is_cuda:
         raise RuntimeError("kept K/V operands come from the CUDA forward only")
-    if kv is None and q.device.type == "cuda" and forward_kernel_for(q.shape, k.shape, q.device, backend) == "blockscaled":
+    if kv is None and q.is_cuda and forward_kernel_for(q.shape, k.shape, q.device, backend) == "blockscaled":
         return _blockscaled_backward(dout, q, k, v, out, lse, causal, scale, scale_mode)
-    if q.device.type == "cuda":
+    if q.is_cuda:
         from mxattn.kernels.attn_bwd import DO_EXP_GROUP, Q_EXP_GROUP, attn_bwd_hopper
         from mxattn.kernels.quantize import row_scaled_triton, row_scaled_triton_both, row_scaled_triton_both_pair
 
@@ -466,8 +489,9 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, scale_mode, deterministic, backend):
+        ctx.set_materialize_grads(False)  # lse has no gradient: no zero tensor (and fill launch) made for it
         kv = None
-        if q.device.type == "cuda":
+        if q.is_cuda:
             out, lse, kv = _hopper_forward_keeping_kv(q, k, v, causal, scale, scale_mode, backend)
         else:
             out, lse = _fwd_impl(q, k, v, causal, scale, scale_mode, backend)
@@ -490,11 +514,17 @@ class _EagerAttention(torch.autograd.Function):
             q, k, v, out, lse = ctx.saved_tensors
             kv = None
         else:
+            from mxattn.kernels.quantize import _trusted_row_scaled
+
             q, out, lse, kd, ke, ks_buf, kse, vd, ve = ctx.saved_tensors
             k = v = None
             group, Sk = ctx.kv_meta
             ks_data = ks_buf[..., :Sk].permute(0, 3, 1, 2)  # the (B, S, H, D) view of the channel-major buffer
-            kv = (RowScaledFP8(kd, ke, 3, 1, group), RowScaledFP8(ks_data, kse, 1), RowScaledFP8(vd, ve, 3, 1, group))
+            # the forward's own operands, checked when they were made: rebuilt without RowScaledFP8's checks
+            kv = (_trusted_row_scaled(kd, ke, 3, 1, group), _trusted_row_scaled(ks_data, kse, 1),
+                  _trusted_row_scaled(vd, ve, 3, 1, group))
+        if dout is None:  # (an undefined gradient of out: not materialized since set_materialize_grads(False))
+            dout = torch.zeros_like(out)
         grads = _bwd_impl(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.scale_mode,
                           ctx.deterministic, ctx.backend, kv)
         return (*grads, None, None, None, None, None)
@@ -513,7 +543,7 @@ def _mx_forward(qkv_mx: tuple[MXTensor, MXTensor, MXTensor], causal: bool, scale
                 backend: str = "auto"):
     """Forward of MXFP8 attention on MXTensor inputs (the eager path; float inputs go through ``attn_fwd_op``).
     Forward-only: an MXTensor carries no gradient (``producers`` attaches its own straight-through carriers)."""
-    if qkv_mx[0].device.type == "cuda":
+    if qkv_mx[0].data.is_cuda:
         return _hopper_forward(*qkv_mx, causal, scale, scale_mode, torch.bfloat16, backend)
     return _reference_forward(*qkv_mx, causal, scale, scale_mode, torch.bfloat16)
 
@@ -600,8 +630,46 @@ def mxfp8_attn_func(
 # ----------------------------------------------------------------------------------------------
 
 
+# Host values and device copies of the last CU_CACHE_SIZE cu_seqlens tensors, by identity: id -> (weak reference,
+# version counter, device, host values, device copy or None for the tensor itself).  The jagged API checks cu_seqlens
+# on the host before any launch; for a GPU tensor that read-back is a device sync, once per layer of a packed
+# training step that passes one cu_seqlens to every layer.  A tensor written in place through torch has a new
+# ``_version`` and is read again; a write torch does not see (through ``.numpy()`` or a raw pointer) is not seen.
+CU_CACHE_SIZE = 8
+_CU_CACHE: collections.OrderedDict = collections.OrderedDict()
+
+
+def _cu_host_and_device(cu: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """``cu`` (1-D int32) on ``device``, contiguous, and its values on the host: from ``_CU_CACHE`` when this very
+    tensor, unmodified, was seen for ``device`` (no read-back, no copy), else read (one device-to-host copy for a GPU
+    tensor) and kept.  A CPU tensor goes to a GPU through pinned memory, ``non_blocking`` (no sync).  Inference
+    tensors (no version counter) are read every call."""
+    try:
+        version = cu._version
+    except RuntimeError:  # an inference-mode tensor: no version counter, so nothing can be kept for it
+        version = None
+    entry = _CU_CACHE.get(id(cu)) if version is not None else None
+    if entry is not None and entry[0]() is cu and entry[1] == version and entry[2] == device:
+        _CU_CACHE.move_to_end(id(cu))
+        return (cu if entry[4] is None else entry[4]), entry[3]
+    host = cu.tolist()
+    if cu.device == device:
+        on_device = cu.contiguous()
+    elif cu.device.type == "cpu" and device.type == "cuda":
+        on_device = cu.contiguous().pin_memory().to(device, non_blocking=True)
+    else:
+        on_device = cu.to(device).contiguous()
+    if version is not None:
+        _CU_CACHE[id(cu)] = (weakref.ref(cu), version, device, host, None if on_device is cu else on_device)
+        _CU_CACHE.move_to_end(id(cu))
+        while len(_CU_CACHE) > CU_CACHE_SIZE:
+            _CU_CACHE.popitem(last=False)
+    return on_device, host
+
+
 def _check_cu_seqlens(cu, name: str, total: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
-    """``cu`` on ``device`` and its values on the host (one device-to-host copy: the only sync of the call)."""
+    """``cu`` on ``device`` and its values on the host (``_cu_host_and_device``: at most one device-to-host copy, the
+    only sync of the call, and none for a tensor seen unmodified before), every value checked on every call."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -610,7 +678,7 @@ def _check_cu_seqlens(cu, name: str, total: int, device: torch.device) -> tuple[
         raise ValueError(f"{name} must be 1-D with batch + 1 entries, got shape {tuple(cu.shape)}")
     if cu.device.type not in ("cpu", device.type):
         raise ValueError(f"{name} is on {cu.device} but q is on {device}")
-    c = cu.tolist()
+    on_device, c = _cu_host_and_device(cu, device)
     if c[0] != 0:
         raise ValueError(f"{name} must start at 0, got {c[0]}")
     bad = next((i for i in range(len(c) - 1) if c[i + 1] < c[i]), None)
@@ -618,7 +686,7 @@ def _check_cu_seqlens(cu, name: str, total: int, device: torch.device) -> tuple[
         raise ValueError(f"{name} must not decrease, got {c[bad]} then {c[bad + 1]} at entries {bad}, {bad + 1}")
     if c[-1] != total:
         raise ValueError(f"{name} must end at the number of packed tokens {total}, got {c[-1]}")
-    return cu.to(device).contiguous(), c
+    return on_device, c
 
 
 def _check_max_seqlen(m, name: str, cu: list[int], cu_name: str) -> int:
@@ -683,9 +751,10 @@ class _MXFP8VarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, scale_mode):
+        ctx.set_materialize_grads(False)  # lse has no gradient: no zero tensor (and fill launch) made for it
         ctx.causal, ctx.scale, ctx.scale_mode = causal, scale, scale_mode
         ctx.max_q, ctx.max_k = max_q, max_k
-        if q.device.type == "cuda":
+        if q.is_cuda:
             from mxattn.kernels.attn_fwd import attn_fwd_hopper_varlen
             from mxattn.kernels.varlen import varlen_operands
 
@@ -707,7 +776,9 @@ class _MXFP8VarlenAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
         mode = ctx.scale_mode
-        if q.device.type == "cuda":
+        if dout is None:  # (an undefined gradient of out: not materialized since set_materialize_grads(False))
+            dout = torch.zeros_like(out)
+        if q.is_cuda:
             from mxattn.kernels.attn_bwd import attn_bwd_hopper_varlen
             from mxattn.kernels.varlen import varlen_bwd_operands
 

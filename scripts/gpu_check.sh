@@ -16,6 +16,11 @@
 #   bench      `mxattn bench`: forward/backward vs SDPA cuDNN/flash BF16, JSON + PNG
 #   accuracy   `mxattn accuracy` with the GPU kernel row
 #   quant      quantization kernels vs device copy
+#   quantcmp   session 13 of docs/perf-notes-quantize.md: the GPU tests of what it changed (eight pytest processes
+#              side by side), the bench rows QUANT_ROWS of a base tree and of this tree in the same call (QUANT_BASE,
+#              default _base: a directory holding another commit's mxattn, e.g. `git archive main mxattn | tar -x -C
+#              _base`; skipped when absent), then the tile sweep of the kinds QUANT_SWEEP at d128 and d64:
+#              quantize_cmp.json, quantize_cmp_sweep.json, quant_tests_*.log
 #   producers  rmsnorm_quant / linear_quant vs unfused and cuBLAS FP8
 #   rmsnormrows  rmsnorm_quant's row-set kernel (perf-notes-producers.md, session 12): every rmsnorm GPU test as four
 #              processes side by side (grouped by tile: each builds only its kernels), then bench_producers with
@@ -26,6 +31,7 @@
 #              tests) vs the dense default backward (Gluon on Hopper), the tl jagged path and SDPA, two draws
 #   fuseddq    the fused-dQ backward (GluonDkdvConfig.fuse_dq, opt-in): compile check, its GPU tests (tiny first),
 #              scripts/bench_fused_dq.py (kernels and public backward vs the split kernels and SDPA cuDNN, one run)
+#              (FUSED_DQ_K narrows the tests, FUSED_DQ_BENCH=0 skips the bench; stage fuseddqbench: the bench alone)
 #   varlenbwdtime  varlenbwd's timing rows alone (B16 H16 d128, mean length 2048; VARLEN_BWD_SEEDS, default "0 1"):
 #              per row ms of each path, parts_ms (preprocessing, tile tables, each Gluon launcher) and host_ms
 #   graph      `mxattn bench --cuda-graph`: forward as CUDA-graph replays (no host launch overhead), S 2k/4k
@@ -162,6 +168,61 @@ rows = run_quantize_bench()
 print(format_quantize_table(rows))
 print(write_result('quantize', rows, sys.argv[1]))
 " "$OUT" ;;
+    quantcmp)
+      # QUANT_TESTS=0 / QUANT_BENCH=0 / QUANT_SWEEP="" skip the tests / the base-vs-tree rows / the tile sweep
+      i=0
+      [ "${QUANT_TESTS:-1}" = 0 ] || {
+      rs="test_gpu_row_scaled and not both and adversarial and (1000 or 4097 or 513)"
+      for k in "test_gpu_dequantize_seq_words" "(test_gpu_dequantize and not seq_words) or test_gpu_from_mx_random_bytes" \
+               "test_gpu_v_from_channel_major_mx" \
+               "$rs and (rceil-q or floor-q)" "$rs and (rceil-k or floor-k)" \
+               "(test_gpu_quantize_hdim and bfloat16 and (4097 or 2048)) or (test_gpu_even_tiles and 2048)" \
+               "(test_gpu_quantize and not hdim and not blackwell and bfloat16) or (test_gpu_row_set_tiles and 1000)" \
+               "test_gpu_quantize_blackwell_scale_layout"; do
+        i=$((i + 1))
+        run $PY -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider tests/test_quantize_kernels.py -k "$k" \
+          >"$OUT/quant_tests_$i.log" 2>&1 &
+      done
+      wait
+      for f in "$OUT"/quant_tests_*.log; do
+        echo "$(basename "$f"): $(tail -1 "$f")"
+        grep -qE "(failed|error|no tests ran)" <(tail -1 "$f") && status=1
+        grep -E "^(FAILED|ERROR)" "$f" | head -20
+      done
+      }
+      out_abs=$(cd "$OUT" && pwd)
+      [ "${QUANT_BENCH:-1}" = 0 ] || {
+      rows=${QUANT_ROWS:-quant_hdim quant_both rs_q rs_q_from_mx rs_k_from_mx rs_v_from_mx dequant_hdim dequant_seq
+                    fwd_operands}
+      rm -f "$out_abs/quantize_cmp.jsonl"
+      for tree in "${QUANT_BASE:-_base}" .; do
+        [ -d "$tree/mxattn" ] || { echo "!! no $tree/mxattn: its rows skipped"; continue; }
+        code=$([ "$tree" = . ] && echo "${MXATTN_COMMIT:-this tree}" || echo "base $tree")
+        # from inside the tree, so that its mxattn is the one imported
+        (cd "$tree" && PYTHONPATH=. run $PY -c "
+import json, sys
+from mxattn.bench.quantize_bench import run_quantize_bench, format_quantize_table
+rows = run_quantize_bench(kernels=sys.argv[3:])
+print(format_quantize_table(rows))
+with open(sys.argv[1], 'a') as f:
+    f.writelines(json.dumps({**r, 'code': sys.argv[2]}) + chr(10) for r in rows)
+" "$out_abs/quantize_cmp.jsonl" "$code" $rows)
+      done
+      $PY -c "
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+json.dump(rows, open(sys.argv[2], 'w'), indent=1)
+for r in rows:
+    print(f\"{r['code'][:24]:<26}{r['kernel']:<16}D{r['D']:<5}{r['ms']:8.3f} ms {r['pct_of_copy']:6.1f} % of copy\")
+" "$out_abs/quantize_cmp.jsonl" "$OUT/quantize_cmp.json" && rm -f "$out_abs/quantize_cmp.jsonl"
+      }
+      [ -z "${QUANT_SWEEP-mx_seq mx_hdim_k}" ] || run $PY -c "
+import json, sys
+from mxattn.bench.quantize_bench import SWEEP_PLAN, run_tile_sweep
+plan = {k: SWEEP_PLAN[k] for k in sys.argv[2:]}
+rows = [r for size in ((8, 8192, 16, 128), (16, 8192, 16, 64)) for r in run_tile_sweep(size, plan, vexp=())]
+json.dump(rows, open(sys.argv[1], 'w'), indent=1)
+" "$OUT/quantize_cmp_sweep.json" ${QUANT_SWEEP:-mx_seq mx_hdim_k} ;;
     producers)
       run $PY -c "import sys; from mxattn.producers import bench_producers; print(bench_producers(outdir=sys.argv[1]))" "$OUT"
       # PRODUCERS_SWEEP=1: rmsnorm_quant forward tiles (rows per program, warps; seq column chunks)
@@ -220,13 +281,18 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
       # the fused-dQ backward (GluonDkdvConfig.fuse_dq, session 13, opt-in MXATTN_BWD_FUSED_DQ=1): compile check,
       # the tiny case under a short timeout (a barrier bug of the dS staging would hang), its other GPU tests, then
       # scripts/bench_fused_dq.py (kernels and the public backward vs the split kernels and cuDNN, one run)
-      run $PY scripts/compile_check_bwd_dkdv_gluon.py --split --block-m 128 --fuse-dq 2>&1 | grep -E "^== |variants"
+      for v in "" "--red-v2" "--red-v2 --pair"; do
+        run $PY scripts/compile_check_bwd_dkdv_gluon.py --split --block-m 128 --fuse-dq $v 2>&1 | grep -E "^== |variants"
+      done
       T_SAVE=$T; T=150
       run $PY -m pytest -m gpu -q -x -rfE -p no:cacheprovider tests/test_attn_bwd_dkdv_gluon.py -k "fused_dq and tiny" \
         2>&1 | tail -5
       T=$T_SAVE
-      run $PY -m pytest -m gpu -q -rfE -s -p no:cacheprovider tests/test_attn_bwd_dkdv_gluon.py -k "fused_dq and not tiny" \
+      run $PY -m pytest -m gpu -q -rfE -s -p no:cacheprovider tests/test_attn_bwd_dkdv_gluon.py \
+        -k "${FUSED_DQ_K:-fused_dq and not tiny}" \
         2>&1 | grep -E "SQNR|passed|failed|Error|assert" | tail -30
+      [ "${FUSED_DQ_BENCH:-1}" = 0 ] || run $PY scripts/bench_fused_dq.py "$OUT" ${FUSED_DQ_SHAPES:-} ;;
+    fuseddqbench)  # the fuseddq stage's bench alone (its tests elsewhere in the call)
       run $PY scripts/bench_fused_dq.py "$OUT" ${FUSED_DQ_SHAPES:-} ;;
     varlenbwd|varlenbwdtime)
       # issue 8: the jagged backward against the dense default (the Gluon backward on Hopper since session 5).

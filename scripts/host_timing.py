@@ -93,8 +93,9 @@ def jagged_new_lengths(calls: int, spec_table: bool, backward: bool, same: bool 
     ``2048 * shift`` (give each row its own ``shift``: a length another row timed would hit the by-value table),
     which changes each int argument's value and keeps its Triton features, so no call compiles and every launch
     asks the second table (``spec_table``) or Triton's dispatch.  ``same``: the timed pass repeats one batch
-    (by-value hits: the floor).  ``cu_seqlens`` are CPU tensors: with CUDA ones each call reads them back (the
-    jagged API's length checks), a sync that would put the GPU's time into the host's."""
+    (by-value hits: the floor).  ``cu_seqlens`` are CPU tensors, one per batch for q and k: a CUDA one not seen
+    before is read back by the jagged API's length checks, a sync that would put the GPU's time into the host's
+    (a repeated one is not: ``interface._cu_host_and_device``)."""
     from mxattn import mxfp8_attn_varlen_func
     from mxattn.kernels import launch
 

@@ -437,6 +437,64 @@ def test_dequantize_channel_major(gen):
         assert_same_float(kq.dequantize_mxfp8_triton(t), F.dequantize_mxfp8(t.to("cpu"), torch.bfloat16), name)
 
 
+def channel_major_mx(shape, gen, s_pad=None, device="cpu") -> F.MXTensor:
+    """``random_mx`` blocked along S with its data in a channel-major (B, H, D, s_pad) buffer of random bytes (the
+    padding too) on ``device``, viewed as (B, S, H, D); ``s_pad`` defaults to S rounded up to 16.  (``MXTensor.to``
+    would not keep the layout: a copy of a view with gaps is made contiguous.)"""
+    B, S, H, D = shape
+    s_pad = s_pad or -(-S // 16) * 16
+    buf = torch.randint(0, 256, (B, H, D, s_pad), generator=gen, dtype=torch.int32).to(U8).to(device)
+    mx = random_mx(shape, 1, gen)
+    return F.MXTensor(buf[..., :S].permute(0, 3, 1, 2).view(torch.float8_e4m3fn), mx.scale.to(device), 1)
+
+
+# S: partial blocks and words, whole tiles (the EVEN builds at d64 / d128), S % 4 with the padding to read
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 45, 2, 64), (2, 128, 1, 64), (1, 96, 2, 128), (1, 33, 1, 96), (2, 7, 3, 32),
+                                   (1, 70, 1, 256)], ids=str)
+def test_dequantize_seq_words(shape, dtype, gen):
+    """The channel-major word kernel (``_seq_dequant_kernel``): random data bytes (NaN codes included) and scale bytes
+    (0, 254, 255 included); the row padding holds random bytes, which must not reach the output."""
+    mx = channel_major_mx(shape, gen, device=DEVICE)
+    assert kq._mx_seq_words_spec(mx.data.view(U8), mx.scale) is not None
+    got = kq.dequantize_mxfp8_triton(mx, dtype)
+    assert_same_float(got, F.dequantize_mxfp8(mx.to("cpu"), dtype), f"dequantize seq words {shape} {dtype}")
+
+
+@pytest.mark.parametrize("layout", ["unpadded", "unpadded_s4", "odd_stride", "packed"])
+def test_dequantize_seq_word_layouts(layout, gen):
+    """Which channel-major layouts take the word kernel: rows without padding take it when S % 4 == 0 (the last word
+    stays inside the row), not otherwise, nor with strides that are not whole words; packed (T, H, D) data takes it."""
+    shape = {"unpadded": (1, 45, 2, 64), "unpadded_s4": (1, 44, 2, 64), "odd_stride": (1, 45, 2, 64),
+             "packed": (1, 70, 3, 64)}[layout]
+    s_pad = {"unpadded": 45, "unpadded_s4": 44, "odd_stride": 47}.get(layout)
+    mx = channel_major_mx(shape, gen, s_pad, DEVICE)
+    if layout == "packed":
+        mx = F.MXTensor(mx.data[0], mx.scale[0], 0)
+    q8, sc = mx.data.view(U8), mx.scale
+    if layout == "packed":
+        q8, sc = q8.unsqueeze(0), sc.unsqueeze(0)
+    words = kq._mx_seq_words_spec(q8, sc)
+    assert (words is not None) == (layout in ("unpadded_s4", "packed")), layout
+    got = kq.dequantize_mxfp8_triton(mx)
+    assert_same_float(got, F.dequantize_mxfp8(mx.to("cpu"), torch.bfloat16), f"dequantize seq {layout}")
+
+
+@pytest.mark.parametrize("shape,s_pad", [((1, 45, 2, 64), None), ((2, 128, 1, 64), None), ((1, 96, 2, 128), None),
+                                         ((1, 33, 1, 96), None), ((2, 7, 3, 32), None), ((1, 70, 1, 256), None),
+                                         ((1, 44, 2, 64), 44), ((1, 45, 2, 64), 45)], ids=str)
+def test_v_from_channel_major_mx(shape, s_pad, gen):
+    """V from an MXTensor blocked along S with channel-major data of random bytes (NaN codes, scale bytes 0 / 254 /
+    255) and random row padding: the word kernel (``_seq_rescale_kernel``; EVEN at (2, 128, 1, 64)), and the generic
+    one for rows of S % 4 bytes without padding; the output's padding is zeros."""
+    mx = channel_major_mx(shape, gen, s_pad, DEVICE)
+    words = kq._mx_seq_words_spec(mx.data.view(U8), mx.scale) is not None
+    assert words == (shape[1] % 4 == 0 or s_pad is None)
+    got = kq.row_scaled_triton(mx, "v")
+    assert_same_rs(got, F.to_row_scaled(mx.to("cpu")), f"v from channel-major MX {shape} pad {s_pad}")
+    assert_channel_major(got.data)
+
+
 # ----------------------------------------------------------------------------------------------
 # input validation (raised before any launch)
 # ----------------------------------------------------------------------------------------------
@@ -524,11 +582,12 @@ def check_quantize_x(x, what):
 
 
 @pytest.mark.parametrize("role", ["q", "k"])
-@pytest.mark.parametrize("layout", ["rows", "strided", "odd_d"])
+@pytest.mark.parametrize("layout", ["rows", "strided", "odd_d", "d40", "d128"])
 def test_from_mx_random_bytes(layout, role, gen):
     """Q/K from MXTensors of random bytes (every e4m3 code, NaN data in finite blocks, scale bytes 0, 254, 255): the
-    head-dim kernel on words (contiguous, and per head for a strided tensor) and the generic kernel (D % 4 != 0)."""
-    D = 70 if layout == "odd_d" else 64
+    head-dim kernel on words (contiguous, and per head for a strided tensor; d40: a block of 2 words, whose scale byte
+    is loaded at each of them), and the generic kernel (D % 4 != 0)."""
+    D = {"odd_d": 70, "d40": 40, "d128": 128}.get(layout, 64)
     mx = random_mx((2, 70, 3, D), 3, gen)
     if layout == "strided":  # (B, S, H, D) seen through a (B, H, S, D) buffer: rows not evenly spaced
         mx = F.MXTensor(mx.data.transpose(1, 2).contiguous().transpose(1, 2), mx.scale.transpose(1, 2).contiguous()
@@ -676,6 +735,32 @@ def test_gpu_dequantize(shape, dim, dtype, gen):
 
 
 GPU_EVEN_SHAPES = [(2, 1024, 4, 128), (1, 2048, 8, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES[:4] + GPU_EVEN_SHAPES + [(1, 1002, 2, 64)], ids=str)
+def test_gpu_v_from_channel_major_mx(shape, gpu_rounding, gen):
+    """V from channel-major MX data on the GPU (``_seq_rescale_kernel``, both roundings): random bytes with random
+    row padding, whose output padding must be zeros."""
+    mx = channel_major_mx(shape, gen, device=DEVICE)
+    got = kq.row_scaled_triton(mx, "v")
+    assert_same_rs(got, F.to_row_scaled(mx.to("cpu")), f"v from channel-major MX {shape}")
+    assert_channel_major(got.data)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", GPU_SHAPES[:4] + GPU_EVEN_SHAPES + [(1, 1002, 2, 64)], ids=str)
+def test_gpu_dequantize_seq_words(shape, dtype, gen):
+    """The channel-major word kernel on the GPU (its inline PTX for bf16 / fp16): random bytes, and the seq
+    orientation of ``quantize_mxfp8_triton`` (whose padding is zeros)."""
+    mx = channel_major_mx(shape, gen, device=DEVICE)
+    assert kq._mx_seq_words_spec(mx.data.view(U8), mx.scale) is not None
+    assert_same_float(kq.dequantize_mxfp8_triton(mx, dtype), F.dequantize_mxfp8(mx.to("cpu"), dtype),
+                      f"dequantize seq words {shape} {dtype}")
+    s = kq.quantize_mxfp8_triton(make_input(shape, torch.bfloat16, "adversarial", gen).to(DEVICE), "seq")
+    assert_same_float(kq.dequantize_mxfp8_triton(s, dtype), F.dequantize_mxfp8(s.to("cpu"), dtype),
+                      f"dequantize quantized seq {shape} {dtype}")
 
 
 @pytest.mark.gpu

@@ -205,6 +205,8 @@ SWEEP_PLAN = {
             ((32, 4, 1), (32, 4, 2), (64, 4, 1), (64, 4, 2), (64, 8, 2), (128, 8, 2))),
     "seq_k": (("rs_both",), ((128, 8, 1), (128, 8, 2), (128, 16, 2))),
     "mx_hdim": (("rs_q_from_mx", "dequant_hdim"), ((32, 4), (64, 4), (128, 8))),
+    "mx_hdim_k": (("rs_k_from_mx",), ((128, 4), (128, 8))),
+    "mx_seq": (("dequant_seq", "rs_v_from_mx"), ((32, 4), (64, 4), (64, 8), (128, 8))),
 }
 # V's exponent pass: (tile, VEXP_MIN_PROGRAMS, VEXP_STAGES) combinations
 SWEEP_VEXP = (((32, 4), 1024, 1), ((32, 4), 4096, 1), ((32, 4), 16384, 1), ((32, 4), 1024, 3), ((32, 4), 4096, 3),

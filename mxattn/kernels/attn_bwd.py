@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 
 from mxattn.formats import RowScaledFP8
-from mxattn.kernels.launch import cdiv, fast_launcher
+from mxattn.kernels.launch import BoundLaunch, cdiv, fast_launcher, tensor_sig
 from mxattn.kernels.quantize import _round_to_e4m3_grid, row_scaled_triton, row_scaled_triton_both
 
 __all__ = [
@@ -737,24 +737,39 @@ def attn_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, dout_hdim: Option
     (``row_scaled_triton(dout, "k", k_group=128)``; the per-row Q layout works too, slower);
     ``dout_seq``: the V layout (``row_scaled_triton(dout, "v")``, channel-major).  Either may be given (e.g. by a
     fused producer); the missing ones are made from ``dout`` here.  Returns (dout_hdim, dout_seq, delta)."""
+    return _preprocess(out, dout, dout_hdim, dout_seq)[:3]
+
+
+def _preprocess(out, dout, dout_hdim, dout_seq, bind: bool = False):
+    """``attn_bwd_preprocess``, and with ``bind`` also the δ launch for a plan: (the kernel's ``BoundLaunch``, its
+    arguments after the four tensors), None for an empty ``out`` (nothing launched)."""
+    dout_hdim, dout_seq = _dout_operands(dout, dout_hdim, dout_seq)
+    g = _row_group(dout_hdim, "dout_hdim")
+    B, Sq, Hq, D = out.shape
+    delta = torch.empty(B, Hq, Sq, dtype=torch.float32, device=out.device)
+    bound = None
+    if B * Sq * Hq:
+        block_r = max(1, min(128, 8192 // D))
+        dd, de = dout_hdim.data, dout_hdim.exp
+        args = (dd, de, out, delta, *dd.stride(), de.stride(0), de.stride(1), de.stride(2), *out.stride(),
+                *delta.stride(), Sq, Hq, B * Sq * Hq, None, None)
+        grid, kwargs = (cdiv(B * Sq * Hq, block_r),), dict(HEAD_DIM=D, BLOCK_R=block_r, DO_GROUP=g, num_warps=4)
+        if bind:
+            bound = (BoundLaunch(fast_launcher(_delta_kernel), grid, args, kwargs), args[4:])
+        else:
+            fast_launcher(_delta_kernel)[grid](*args, **kwargs)
+    return dout_hdim, dout_seq, delta, bound
+
+
+def _dout_operands(dout: torch.Tensor, dout_hdim: Optional[RowScaledFP8], dout_seq: Optional[RowScaledFP8]):
+    """``attn_bwd_preprocess``'s dO operands: the given ones, the missing ones made from ``dout``."""
     if dout_hdim is None and dout_seq is None:
-        dout_hdim, dout_seq = row_scaled_triton_both(dout, k_group=DO_EXP_GROUP)  # one read of dO for both
+        return row_scaled_triton_both(dout, k_group=DO_EXP_GROUP)  # one read of dO for both
     if dout_hdim is None:
         dout_hdim = row_scaled_triton(dout, "k", k_group=DO_EXP_GROUP)
     if dout_seq is None:
         dout_seq = row_scaled_triton(dout, "v")
-    g = _row_group(dout_hdim, "dout_hdim")
-    B, Sq, Hq, D = out.shape
-    delta = torch.empty(B, Hq, Sq, dtype=torch.float32, device=out.device)
-    n_rows = B * Sq * Hq
-    if n_rows:
-        block_r = max(1, min(128, 8192 // D))
-        dd, de = dout_hdim.data, dout_hdim.exp
-        fast_launcher(_delta_kernel)[(cdiv(n_rows, block_r),)](
-            dd, de, out, delta, *dd.stride(), de.stride(0), de.stride(1), de.stride(2), *out.stride(),
-            *delta.stride(), Sq, Hq, n_rows, None, None, HEAD_DIM=D, BLOCK_R=block_r, DO_GROUP=g, num_warps=4,
-        )
-    return dout_hdim, dout_seq, delta
+    return dout_hdim, dout_seq
 
 
 def _check_operands(q, k, v_hdim, q_seq, k_seq, out, dout, lse, cfg: BwdConfig) -> int:
@@ -874,6 +889,64 @@ def fused_dq() -> bool:
     return value == "1"
 
 
+# Gluon backward plans per call signature (``_gluon_plan_key``): what ``attn_bwd_hopper`` checked and chose on the
+# first call of a signature (operands, kernels, configs), kept as the δ kernel's bound launch and the two Gluon
+# launchers' plans, so that a repeated call (every training step's backward) skips the operand checks, the kernel
+# choice, the config objects and the launchers' keys.  The CPU harness (scripts/host_overhead_cpu.py) measured
+# the Gluon backward's Python at 98 -> 51 us per call (docs/perf-notes-host.md).
+_GLUON_PLANS: dict = {}
+_MAX_GLUON_PLANS = 256
+
+
+def _rs_sig(t) -> Optional[tuple]:
+    """What a plan key holds of a ``RowScaledFP8`` operand (None for anything else)."""
+    if type(t) is not RowScaledFP8:
+        return None
+    return tensor_sig(t.data), tensor_sig(t.exp), t.dim, t.group_dim, t.group
+
+
+def _gluon_plan_key(q, k, v_hdim, q_seq, k_seq, out, dout, lse, dout_hdim, dout_seq, causal, softmax_scale,
+                    deterministic, grad_dtype, defer_dq) -> Optional[tuple]:
+    """A plan's key, asked where ``backward_kernel`` says "gluon": every operand's dtype, shape, strides and 16-byte
+    alignment (``launch.tensor_sig``), the RowScaledFP8 layouts, the devices, the options, the build choices
+    (``gluon_split``'s and ``fused_dq``'s variables: the fused path makes no plan, so with it on no plan is found)
+    and the current device; None for arguments a plan cannot take (the checked path
+    then says what is wrong) or with ``MXATTN_LAUNCH_PLANS=0``."""
+    from mxattn.kernels import launch
+
+    ops = tuple(_rs_sig(t) for t in (q, k, v_hdim, q_seq, k_seq))
+    dos = tuple(None if t is None else _rs_sig(t) or False for t in (dout_hdim, dout_seq))
+    if None in ops or False in dos or not launch.PLANS:
+        return None
+    try:
+        plain = tuple((tensor_sig(t), t.device) for t in (out, dout, lse))
+    except AttributeError:  # not tensors
+        return None
+    dev = torch.cuda.current_device() if q.data.is_cuda else -1
+    return (ops, dos, plain, q.data.device, causal, softmax_scale, deterministic, grad_dtype, defer_dq,
+            os.environ.get("MXATTN_BWD_GLUON_SPLIT"), os.environ.get("MXATTN_BWD_FUSED_DQ"), dev)
+
+
+def _run_gluon_plan(plan, q, k, v_hdim, q_seq, k_seq, out, dout, lse, dout_hdim, dout_seq, defer_dq):
+    """``attn_bwd_hopper``'s Gluon path on a call of a plan's signature: dO's missing operands, δ, dK/dV and dQ
+    launched as the first call of the signature launched them, on this call's tensors."""
+    (delta_launch, delta_scalars), (run_dkdv, dkdv_plan), (run_dq, dq_plan), grad_dtype = plan
+    doh, dos = _dout_operands(dout, dout_hdim, dout_seq)
+    B, Sq, Hq, _ = out.shape
+    _, Sk, Hkv, D = k.data.shape
+    dev = q.data.device
+    delta = torch.empty(B, Hq, Sq, dtype=torch.float32, device=dev)
+    delta_launch(doh.data, doh.exp, out, delta, *delta_scalars)
+    dk = torch.empty(B, Sk, Hkv, D, dtype=grad_dtype, device=dev)
+    dv = torch.empty(B, Sk, Hkv, D, dtype=grad_dtype, device=dev)
+    run_dkdv(dkdv_plan, q, k, v_hdim, q_seq, doh, dos, lse, delta, dk, dv)
+
+    def gluon_dq():
+        return run_dq(dq_plan, q, k, v_hdim, k_seq, doh, lse, delta, grad_dtype)
+
+    return (gluon_dq if defer_dq else gluon_dq()), dk, dv
+
+
 def attn_bwd_hopper(
     q: RowScaledFP8,
     k: RowScaledFP8,
@@ -920,7 +993,18 @@ def attn_bwd_hopper(
     defer_dq: return a callable in place of dq that launches the dQ kernel (where dQ has its own kernel) and
     returns dq, so that a caller can act on dk, dv first (the ring sends them on while dQ runs).
     dk_out, dv_out: where to write dK and dV (``grad_outputs``), e.g. straight into the ring's traveling buffer.
+    A call that runs the Gluon kernels without ``config``, ``dk_out`` or ``dv_out`` makes a plan of its signature
+    (``_gluon_plan_key``); a later call of that signature launches the same kernels with the same arguments on its
+    own tensors without the checks and choices (``_run_gluon_plan``).
     """
+    key = None
+    if config is None and dk_out is None and dv_out is None and type(q) is RowScaledFP8 \
+            and backward_kernel(q.data.device) == "gluon":
+        key = _gluon_plan_key(q, k, v_hdim, q_seq, k_seq, out, dout, lse, dout_hdim, dout_seq, causal, softmax_scale,
+                              deterministic, grad_dtype, defer_dq)
+        plan = _GLUON_PLANS.get(key)
+        if plan is not None:
+            return _run_gluon_plan(plan, q, k, v_hdim, q_seq, k_seq, out, dout, lse, dout_hdim, dout_seq, defer_dq)
     B, Sq, Hq, D = q.data.shape
     Sk, Hkv = k.data.shape[1], k.data.shape[2]
     cfg = config or default_config(D, causal, Hq // max(Hkv, 1))
@@ -947,30 +1031,38 @@ def attn_bwd_hopper(
         dv.zero_()
         dq = torch.zeros(B, Sq, Hq, D, dtype=grad_dtype, device=dev)
         return ((lambda: dq) if defer_dq else dq), dk, dv
-    doh, dos, delta = attn_bwd_preprocess(out, dout, dout_hdim, dout_seq)
+    doh, dos, delta, delta_launch = _preprocess(out, dout, dout_hdim, dout_seq, bind=use_gluon and key is not None)
     if use_gluon:
-        from mxattn.kernels.attn_bwd_dkdv_gluon import GluonDkdvConfig, attn_bwd_dkdv_gluon
-        from mxattn.kernels.attn_bwd_dq_gluon import GluonDqConfig, attn_bwd_dq_gluon
+        from mxattn.kernels import attn_bwd_dkdv_gluon as dkdv_gluon
+        from mxattn.kernels import attn_bwd_dq_gluon as dq_gluon
 
         # split builds (the default); at D = 64 the 128-key dQ step and the 128-query dK/dV step (session 11,
         # S 8k d64: dQ 1.67 / 0.86 ms against 2.24 / 1.17, dK/dV 2.20 / 1.38 against 2.54 / 1.40, non-causal / causal)
         split, wide = gluon_split(), D == 64
-        if split and fuse:  # dQ inside the dK/dV kernel (opt-in, ``fused_dq``)
-            from mxattn.kernels.attn_bwd_dkdv_gluon import attn_bwd_dkdv_dq_gluon
-
-            dq, dk, dv = attn_bwd_dkdv_dq_gluon(q, k, v_hdim, q_seq, k_seq, doh, dos, lse, delta, causal=causal,
-                                                softmax_scale=softmax_scale, grad_dtype=grad_dtype, dk_out=dk,
-                                                dv_out=dv)
+        if split and fuse:  # dQ inside the dK/dV kernel (opt-in, ``fused_dq``; no plan is made of it)
+            dq, dk, dv = dkdv_gluon.attn_bwd_dkdv_dq_gluon(q, k, v_hdim, q_seq, k_seq, doh, dos, lse, delta,
+                                                           causal=causal, softmax_scale=softmax_scale,
+                                                           grad_dtype=grad_dtype, dk_out=dk, dv_out=dv)
             return ((lambda: dq) if defer_dq else dq), dk, dv
-        dkdv_cfg = GluonDkdvConfig(split=True, block_m=128 if wide else 64) if split else None
-        dq_cfg = GluonDqConfig(split=True, block_n=128 if wide else 64) if split else None
-        dk, dv = attn_bwd_dkdv_gluon(q, k, v_hdim, q_seq, doh, dos, lse, delta, causal=causal,
-                                     softmax_scale=softmax_scale, grad_dtype=grad_dtype,
-                                     config=dkdv_cfg, dk_out=dk, dv_out=dv)
+        dkdv_cfg = dkdv_gluon.GluonDkdvConfig(split=True, block_m=128 if wide else 64) if split else None
+        dq_cfg = dq_gluon.GluonDqConfig(split=True, block_n=128 if wide else 64) if split else None
+        dkdv_args = (q, k, v_hdim, q_seq, doh, dos, lse, delta)
+        dkdv_kw = dict(causal=causal, softmax_scale=softmax_scale, grad_dtype=grad_dtype, config=dkdv_cfg,
+                       dk_out=dk, dv_out=dv)
+        dk, dv = dkdv_gluon.attn_bwd_dkdv_gluon(*dkdv_args, **dkdv_kw)
+        dq_args = (q, k, v_hdim, k_seq, doh, lse, delta)
+        dq_kw = dict(causal=causal, softmax_scale=softmax_scale, grad_dtype=grad_dtype, config=dq_cfg)
 
         def gluon_dq():
-            return attn_bwd_dq_gluon(q, k, v_hdim, k_seq, doh, lse, delta, causal=causal,
-                                     softmax_scale=softmax_scale, grad_dtype=grad_dtype, config=dq_cfg)
+            dq = dq_gluon.attn_bwd_dq_gluon(*dq_args, **dq_kw)
+            if delta_launch is not None:  # the plan, once both launchers have theirs
+                dkdv_plan, dq_plan = dkdv_gluon.plan_for(*dkdv_args, **dkdv_kw), dq_gluon.plan_for(*dq_args, **dq_kw)
+                if dkdv_plan is not None and dq_plan is not None:
+                    if len(_GLUON_PLANS) >= _MAX_GLUON_PLANS:
+                        _GLUON_PLANS.clear()
+                    _GLUON_PLANS[key] = (delta_launch, (dkdv_gluon.run_plan, dkdv_plan), (dq_gluon.run_plan, dq_plan),
+                                         grad_dtype)
+            return dq
 
         return (gluon_dq if defer_dq else gluon_dq()), dk, dv
     q_group = _tile_group(qg, cfg)

@@ -1201,6 +1201,27 @@ def _launch_key(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, causal, so
     return (ops, tensor_sig(lse), tensor_sig(delta), causal, softmax_scale, grad_dtype, config, outs, dev)
 
 
+def plan_for(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, *, causal=False, softmax_scale=None,
+             grad_dtype=torch.bfloat16, config=None, dk_out=None, dv_out=None):
+    """The launch plan ``attn_bwd_dkdv_gluon`` made for a call with these arguments (None if it made none), for
+    ``run_plan``: a caller that keeps it (``attn_bwd.attn_bwd_hopper``'s own plans) skips this launcher's key."""
+    return _PLANS.get(_launch_key(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, causal, softmax_scale,
+                                  grad_dtype, config, dk_out, dv_out))
+
+
+def run_plan(plan, q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, dk, dv) -> None:
+    """Launch ``plan`` (``plan_for``) on a call of its signature, writing ``dk`` and ``dv`` (new tensors, or outputs
+    of the signature's): the descriptors rebuilt over this call's tensors (``launch.rebased``), the bound kernel.
+    Unchecked: the plan's signature was checked when it was made."""
+    bound, templates, scalars, bm = plan
+    Sq = q.data.shape[1]
+    bases = (_hdim_view(q.data, "q"), _hdim_view(dout_hdim.data, "dout_hdim"), q_seq.data, dout_seq.data,
+             _lse_rows(lse, bm)[0], _vector_rows(delta)[0], _hdim_view(k.data, "k"), _hdim_view(v_hdim.data, "v_hdim"))
+    bound(*(rebased(t, b) for t, b in zip(templates, bases)), _tile_exps(q, Sq, bm), _tile_exps(dout_hdim, Sq, bm),
+          k.exp.contiguous(), v_hdim.exp.contiguous(), q_seq.exp.contiguous(), dout_seq.exp.contiguous(), dk, dv,
+          *scalars)
+
+
 def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, q_seq: RowScaledFP8,
                         dout_hdim: RowScaledFP8, dout_seq: RowScaledFP8, lse: torch.Tensor, delta: torch.Tensor, *,
                         causal: bool = False, softmax_scale: Optional[float] = None,
@@ -1223,17 +1244,10 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
     key = _launch_key(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, causal, softmax_scale, grad_dtype,
                       config, dk_out, dv_out)
     plan = _PLANS.get(key)
-    if plan is not None:  # a signature seen before: checked then; rebuild the descriptors on today's tensors
-        bound, templates, scalars, bm = plan
-        B, Sq, Hq, D = q.data.shape
-        Sk, Hkv = k.data.shape[1], k.data.shape[2]
+    if plan is not None:  # a signature seen before: checked then
+        B, Sk, Hkv, D = k.data.shape
         dk, dv = grad_outputs(dk_out, dv_out, (B, Sk, Hkv, D), grad_dtype, q.data.device)
-        bases = (_hdim_view(q.data, "q"), _hdim_view(dout_hdim.data, "dout_hdim"), q_seq.data, dout_seq.data,
-                 _lse_rows(lse, bm)[0], _vector_rows(delta)[0], _hdim_view(k.data, "k"),
-                 _hdim_view(v_hdim.data, "v_hdim"))
-        bound(*(rebased(t, b) for t, b in zip(templates, bases)), _tile_exps(q, Sq, bm), _tile_exps(dout_hdim, Sq, bm),
-               k.exp.contiguous(), v_hdim.exp.contiguous(), q_seq.exp.contiguous(), dout_seq.exp.contiguous(), dk, dv,
-               *scalars)
+        run_plan(plan, q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, dk, dv)
         return dk, dv
     _check(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, grad_dtype)
     B, Sq, Hq, D = q.data.shape

@@ -679,6 +679,27 @@ def _launch_key(q, k, v_hdim, k_seq, dout_hdim, lse, delta, causal, softmax_scal
     return (ops, tensor_sig(lse), tensor_sig(delta), causal, softmax_scale, grad_dtype, config, dev)
 
 
+def plan_for(q, k, v_hdim, k_seq, dout_hdim, lse, delta, *, causal=False, softmax_scale=None,
+             grad_dtype=torch.bfloat16, config=None):
+    """The launch plan ``attn_bwd_dq_gluon`` made for a call with these arguments (None if it made none), for
+    ``run_plan``: a caller that keeps it (``attn_bwd.attn_bwd_hopper``'s own plans) skips this launcher's key."""
+    return _PLANS.get(_launch_key(q, k, v_hdim, k_seq, dout_hdim, lse, delta, causal, softmax_scale, grad_dtype,
+                                  config))
+
+
+def run_plan(plan, q, k, v_hdim, k_seq, dout_hdim, lse, delta, grad_dtype) -> torch.Tensor:
+    """Launch ``plan`` (``plan_for``) on a call of its signature and return dq: the descriptors rebuilt over this
+    call's tensors (``launch.rebased``), the bound kernel.  Unchecked: the plan's signature was checked when it was
+    made."""
+    bound, templates, scalars = plan
+    dq = torch.empty(q.data.shape, dtype=grad_dtype, device=q.data.device)
+    bases = (_hdim_view(q.data, "q"), _hdim_view(dout_hdim.data, "dout_hdim"), _hdim_view(k.data, "k"),
+             _hdim_view(v_hdim.data, "v_hdim"), k_seq.data)
+    bound(*(rebased(t, b) for t, b in zip(templates, bases)), q.exp, dout_hdim.exp, k.exp, v_hdim.exp, k_seq.exp,
+          lse, delta, dq, *scalars)
+    return dq
+
+
 def attn_bwd_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, k_seq: RowScaledFP8,
                       dout_hdim: RowScaledFP8, lse: torch.Tensor, delta: torch.Tensor, *, causal: bool = False,
                       softmax_scale: Optional[float] = None, grad_dtype: torch.dtype = torch.bfloat16,
@@ -698,14 +719,8 @@ def attn_bwd_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, k_
     """
     key = _launch_key(q, k, v_hdim, k_seq, dout_hdim, lse, delta, causal, softmax_scale, grad_dtype, config)
     plan = _PLANS.get(key)
-    if plan is not None:  # a signature seen before: checked then; rebuild the descriptors on today's tensors
-        bound, templates, scalars = plan
-        dq = torch.empty(q.data.shape, dtype=grad_dtype, device=q.data.device)
-        bases = (_hdim_view(q.data, "q"), _hdim_view(dout_hdim.data, "dout_hdim"), _hdim_view(k.data, "k"),
-                 _hdim_view(v_hdim.data, "v_hdim"), k_seq.data)
-        bound(*(rebased(t, b) for t, b in zip(templates, bases)), q.exp, dout_hdim.exp, k.exp, v_hdim.exp,
-               k_seq.exp, lse, delta, dq, *scalars)
-        return dq
+    if plan is not None:  # a signature seen before: checked then
+        return run_plan(plan, q, k, v_hdim, k_seq, dout_hdim, lse, delta, grad_dtype)
     _check(q, k, v_hdim, k_seq, dout_hdim, lse, delta, grad_dtype)
     B, Sq, Hq, D = q.data.shape
     Sk, Hkv = k.data.shape[1], k.data.shape[2]

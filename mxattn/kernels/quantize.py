@@ -100,7 +100,8 @@ def _tile(kind: str, d_pad: int, group: int = 0, warps: Optional[int] = None) ->
     launches of ``_operands_kernel`` run every job at the launch's warps).
 
     Kernels of this module (session 12; docs/perf-notes-quantize.md has the measurements):
-    * ``hdim`` (``_hdim_kernel``: MX head-dim, Q): ``HDIM_ELEMS`` elements per 4 warps.  ``hdim_k`` (K): BLOCK_S =
+    * ``hdim`` (``_hdim_kernel``: MX head-dim, Q): ``HDIM_ELEMS`` elements per 4 warps (``HDIM_ELEMS_BY_D`` at the
+      head dims measured apart).  ``hdim_k`` (K): BLOCK_S =
       the exponent group, 4 warps up to ``K_TILE_4WARPS`` elements.
     * ``seq`` (``_quantize_kernel``: seq / both / V pass 2): ``SEQ_ELEMS`` per 4 warps, ``SEQ_GROUPS`` groups of
       row sets.  ``seq_k`` (K+V layouts in one pass): BLOCK_S = the group, ``SEQ_K_GROUPS``.
@@ -108,6 +109,8 @@ def _tile(kind: str, d_pad: int, group: int = 0, warps: Optional[int] = None) ->
       program (``_seq_chunk`` with ``VEXP_MIN_PROGRAMS``), ``VEXP_STAGES`` deep.
     * ``mx_hdim`` (``_hdim_rescale_kernel`` Q, ``_hdim_dequant_kernel``): ``MX_HDIM_ELEMS`` per 4 warps;
       ``mx_hdim_k`` (K from MX) like ``hdim_k``.
+    * ``mx_seq`` (``_seq_dequant_kernel``, ``_seq_rescale_kernel``: channel-major MX data, session 13):
+      ``MX_SEQ_ELEMS`` per 4 warps, at least one seq block.
     The sizes and the measurements behind them are at the constants below.
     Older kinds, kept for the kernels that still use them (varlen, from-MX, dequantize; sessions 2-3 sweep, B8 S8192
     H16 D128 bf16): ``quant``, ``rescale``, ``dequant``: 4096 elements per program and 4 warps won there (hdim 69%,
@@ -120,11 +123,13 @@ def _tile(kind: str, d_pad: int, group: int = 0, warps: Optional[int] = None) ->
     if kind == "vexp":
         return Tile(max(32, VEXP_ELEMS * w4 // d_pad), 4 * w4)
     if kind == "hdim":
-        return Tile(max(1, HDIM_ELEMS * w4 // d_pad), 4 * w4)
+        return Tile(max(1, HDIM_ELEMS_BY_D.get(d_pad, HDIM_ELEMS) * w4 // d_pad), 4 * w4)
     if kind == "seq":
         return Tile(max(32, SEQ_ELEMS * w4 // d_pad), 4 * w4, SEQ_GROUPS)
     if kind == "mx_hdim":  # MX input blocked along D (from-MX Q, dequantize)
         return Tile(max(1, MX_HDIM_ELEMS * w4 // d_pad), 4 * w4)
+    if kind == "mx_seq":  # channel-major MX input blocked along S (dequantize, V)
+        return Tile(max(32, MX_SEQ_ELEMS * w4 // d_pad), 4 * w4)
     if kind in ("hdim_k", "mx_hdim_k"):
         return Tile(group, warps or (4 if group * d_pad <= K_TILE_4WARPS else 8))
     if kind == "seq_k":
@@ -144,8 +149,10 @@ def _tile(kind: str, d_pad: int, group: int = 0, warps: Optional[int] = None) ->
 
 
 # Elements per 4 warps of the kinds sized by elements (B8 S8192 H16 D128 bf16 sweep, session 12, % of copy):
-# ``hdim`` (MX head-dim, Q): 4096 (32 per thread) 96 / 96, 8192 92 / 92, 16384 84 / 93;
+# ``hdim`` (MX head-dim, Q): 4096 (32 per thread) 96 / 96, 8192 92 / 92, 16384 84 / 93; at d64 (B16 S8192 H16,
+# session 12's two calls) 8192 elements 89.8 / 94.0 against 75.0 / 90.4 at 4096: d64 keeps 128 tokens per program.
 HDIM_ELEMS = 4096
+HDIM_ELEMS_BY_D = {64: 8192}
 # ``seq`` (seq, both, V pass 2) with one group of row sets: 4096 88 / 76 / 79 (quant_seq / quant_both / rs_v),
 # 8192 83 / 78 / 76; two groups (J = 2) lost at every size (8192: 71 / 69 / 72).
 SEQ_ELEMS = 4096
@@ -156,6 +163,8 @@ SEQ_K_GROUPS = 2
 VEXP_ELEMS = 4096
 # ``mx_hdim`` (from-MX Q, dequantize head-dim): 4096 71 / 90 (rs_q_from_mx / dequant_hdim), 8192 69 / 86.
 MX_HDIM_ELEMS = 4096
+# ``mx_seq`` (dequantize, V pass 2 from channel-major MX): the row-set kernel's size (``SEQ_ELEMS``), not yet swept.
+MX_SEQ_ELEMS = 4096
 # K tiles (one exponent group, 128 x D_pad): 4 warps up to 16384 elements (rs_k 94% at d128, against 83% at 8
 # warps and 70% at 16), then 8.
 K_TILE_4WARPS = 16384
@@ -1078,10 +1087,16 @@ def _hdim_rescale_kernel(
     ND: tl.constexpr = (D + 31) // 32
     DW: tl.constexpr = D // 4
     in_s = i < S - s0
-    qw = tl.load(q_ptr + (b64 * sqb + s0.to(tl.int64) * sqs + h64 * sqh) + i * sqs + dw, mask=in_s & (dw < DW),
-                 other=0)
+    # The scale bytes are loaded before the words: loaded after them, their (BLOCK_S, NDP, 1) load's layout was the
+    # one the compiler built the tile in at d128, and it moved the words into it and back through shared memory (Q:
+    # 8 + 8 16-byte shared accesses and 11 barriers per thread, K: 144 registers and 70 barriers); loaded first, the
+    # tile stays in the words' layout (Q 32 registers and no 16-byte shared access, K 94 registers and 10 barriers;
+    # sm_90a SASS of the launched builds, scripts/compile_launched.py quant-bench).  (Apparently the layout that
+    # reaches an op first wins a conflict.)
     sb = tl.load(sc_ptr + (b64 * scb + s0.to(tl.int64) * scs + h64 * sch) + i * scs + db, mask=in_s & (db < ND),
                  other=127).to(tl.int32)
+    qw = tl.load(q_ptr + (b64 * sqb + s0.to(tl.int64) * sqs + h64 * sqh) + i * sqs + dw, mask=in_s & (dw < DW),
+                 other=0)
     fin = sb != 255
     nz = fin & (tl.max(qw & 0x7F7F7F7F, axis=2, keep_dims=True) != 0)
     en = tl.where(nz, sb - 127, _NO_EXP)
@@ -1114,12 +1129,146 @@ def _hdim_dequant_kernel(
     in_s = i < S - s0
     qb = tl.load(q_ptr + (b64 * sqb + s0.to(tl.int64) * sqs + h64 * sqh) + i * sqs + d, mask=in_s & (d < D), other=0)
     sb = tl.load(sc_ptr + (b64 * scb + s0.to(tl.int64) * scs + h64 * sch) + i * scs + db, mask=in_s & (db < ND),
-                 other=127).to(tl.int32)
-    # 2^(byte-127): byte 0 is the fp32 subnormal 2^-127 (bits 0x400000), byte 255 is NaN
-    sf = tl.where(sb == 255, 0x7FC00000, tl.where(sb == 0, 0x400000, sb << 23)).to(tl.float32, bitcast=True)
-    y = _e4m3_to_f32(qb, SOFT) * sf
+                 other=127)
+    y = _e4m3_to_f32(qb, SOFT) * _scale_value(sb)
     row = (b64 * S + s0) * H + h64
     tl.store(out_ptr + row * D + (i * H * D + d), _round_out(y, out_ptr.dtype.element_ty, SOFT), mask=in_s & (d < D))
+
+
+@triton.jit
+def _scale_value(sb):
+    """fp32 2^(byte - 127) of E8M0 scale bytes ``sb``: byte 0 is the fp32 subnormal 2^-127 (bits 0x400000), byte 255
+    is NaN."""
+    sb = sb.to(tl.int32)
+    return tl.where(sb == 255, 0x7FC00000, tl.where(sb == 0, 0x400000, sb << 23)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _cm_words_coords(cw_ptr, swb, swh, swd, n_s_tiles, H, D: tl.constexpr, BLOCK_S: tl.constexpr, NDP: tl.constexpr,
+                     IDX64: tl.constexpr):
+    """This program's tile of channel-major words (``_seq_dequant_kernel``, ``_seq_rescale_kernel``): b, h (int64),
+    the s tile and its first token, the word index w and channel d (``_row_set_coords``), d < D, and the words'
+    addresses."""
+    b, st, h = _pid_bsh(n_s_tiles, H)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    w, d = _row_set_coords(BLOCK_S, NDP, IDX64)
+    wp = cw_ptr + (b64 * swb + h64 * swh + st * (BLOCK_S // 4)) + d * swd + w
+    return b64, h64, st, st * BLOCK_S, w, d, d < D, wp
+
+
+@triton.jit
+def _seq_dequant_kernel(
+    cw_ptr, swb, swh, swd,  # MX data (B, H, D, S) with unit stride along S, as int32 words of 4 tokens (the rows
+    #                         of a channel-major buffer); strides in words
+    sc_ptr, scb, scs, sch, scd,  # MX scale bytes (B, NSB, H, D), any strides
+    out_ptr,  # (B, S, H, D) contiguous, of the output dtype
+    S, H, n_s_tiles,
+    D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr, SOFT: tl.constexpr, IDX64: tl.constexpr,
+    EVEN: tl.constexpr,  # S % BLOCK_S == 0: no row masks
+):
+    """``dequantize_mxfp8`` of an MXTensor blocked along S whose data is channel-major: BLOCK_S tokens x D channels
+    of one (b, h), the inverse of ``_quantize_tile``'s seq orientation.  The tile is loaded as words (tokens 4w..4w+3
+    of a channel, shape (BLOCK_S/32, 8, NDP, 32) as ``_row_set_coords``), so the transpose to token rows moves 4-byte
+    words; byte k of each word is row set k (rows s0 + 4w + k), stored with unit stride along D."""
+    b64, h64, st, s0, w, d, in_d, wp = _cm_words_coords(cw_ptr, swb, swh, swd, n_s_tiles, H, D, BLOCK_S, NDP, IDX64)
+    q4 = w * 4
+    if EVEN:
+        qw = tl.load(wp, mask=in_d, other=0)
+    else:  # a word that starts before S lies inside the row (its padding past S is never stored)
+        qw = tl.load(wp, mask=(s0 + q4 < S) & in_d, other=0)
+    # the scale bytes loaded at every word of their block (from L1): a load of the tile's shape takes the stores'
+    # layout, where a (BLOCK_S/32, 1, NDP, 32) load took one of its own and the compiler built the outputs in both
+    sbk = w // 8
+    sp = sc_ptr + (b64 * scb + (st * (BLOCK_S // 32)).to(tl.int64) * scs + h64 * sch)
+    sf = _scale_value(tl.load(sp + sbk * scs + d * scd, mask=(s0 + sbk * 32 < S) & in_d, other=127))
+    op = out_ptr + ((b64 * S + s0) * H + h64) * D + d
+    y0, y1, y2, y3 = _dequant_words(qw, sf, out_ptr.dtype.element_ty, SOFT)
+    _store_rows(op + q4 * (H * D), y0, s0 + q4 < S, in_d, EVEN)
+    _store_rows(op + (q4 + 1) * (H * D), y1, s0 + q4 + 1 < S, in_d, EVEN)
+    _store_rows(op + (q4 + 2) * (H * D), y2, s0 + q4 + 2 < S, in_d, EVEN)
+    _store_rows(op + (q4 + 3) * (H * D), y3, s0 + q4 + 3 < S, in_d, EVEN)
+
+
+@triton.jit
+def _seq_rescale_kernel(
+    cw_ptr, swb, swh, swd,  # MX data words, as ``_seq_dequant_kernel``'s
+    sc_ptr, scb, scs, sch, scd,  # MX scale bytes (B, NSB, H, D), any strides
+    out_ptr, exp_ptr,  # V data: channel-major (B, H, D, S_pad) as int32 words; exponents (B, 1, H, D) from pass 1
+    S, H, S_pad, n_s_tiles,
+    D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr, SOFT: tl.constexpr, IDX64: tl.constexpr,
+    EVEN: tl.constexpr,  # S % BLOCK_S == 0 == S_pad - S: no row masks
+):
+    """Pass 2 of V from an MXTensor blocked along S with channel-major data: each block re-expressed to its channel's
+    exponent, channel-major in and out, so the tile (``_row_set_coords``' words, tokens 4w..4w+3 of a channel) is
+    loaded and stored in one layout, 4 bytes per word converted at once (``_rescale_words``).  Tiles run over S_pad:
+    the row padding is written as zeros (bytes past S are cleared, whatever the input's padding holds)."""
+    b64, h64, st, s0, w, d, in_d, wp = _cm_words_coords(cw_ptr, swb, swh, swd, n_s_tiles, H, D, BLOCK_S, NDP, IDX64)
+    q4 = w * 4
+    # the exponents and scale bytes first, then the words: loaded after the words, these (., 1, NDP, 32) loads gave
+    # the tile their layout and the words went through shared memory twice (as in ``_hdim_rescale_kernel``)
+    ep = exp_ptr + (b64 * H + h64) * D + d
+    E = tl.load(ep, mask=in_d, other=0)
+    E = tl.where(E == _NO_EXP, 0, E)
+    if st == 0:  # the sentinel becomes 0 (readers map both the same way)
+        tl.store(ep, E, mask=in_d)
+    sbk = tl.arange(0, BLOCK_S // 32)[:, None, None, None]
+    sp = sc_ptr + (b64 * scb + (st * (BLOCK_S // 32)).to(tl.int64) * scs + h64 * sch) + sbk * scs + d * scd
+    if EVEN:
+        sb = tl.load(sp, mask=in_d, other=127).to(tl.int32)
+        qw = tl.load(wp, mask=in_d, other=0)
+    else:
+        sb = tl.load(sp, mask=(s0 + sbk * 32 < S) & in_d, other=127).to(tl.int32)
+        qw = tl.load(wp, mask=(s0 + q4 < S) & in_d, other=0)
+    out = _rescale_words(qw, _pow2(_rs_shift(sb - 127, E)), sb != 255, SOFT)
+    row_w = S_pad // 4  # words per channel-major row
+    wo = st * (BLOCK_S // 4) + w
+    op = out_ptr + (b64 * H + h64) * D * row_w + d * row_w + wo
+    if EVEN:
+        tl.store(op, out, mask=in_d)
+    else:  # bytes of tokens >= S are 0 (NaN blocks' 0x7F bytes too)
+        keep = S - (s0 + q4)
+        low = (1 << (8 * tl.minimum(tl.maximum(keep, 0), 3))) - 1
+        tl.store(op, tl.where(keep >= 4, out, out & low), mask=(wo < row_w) & in_d)
+
+
+@triton.jit
+def _dequant_words(qw, sf, dtype: tl.constexpr, SOFT: tl.constexpr):
+    """Bytes 0..3 of the words ``qw`` (e4m3) times the scales ``sf`` (fp32), rounded to ``dtype``: four tensors.
+
+    On the GPU (bf16 / fp16 out) one inline-PTX op per two elements (two words): the bytes paired by ``prmt``, one
+    e4m3x2 -> f16x2 conversion per pair, the products in fp32 and one packing conversion.  Left to the compiler, each
+    byte was cut from the word as an i8 tensor, and the layout change of the transpose moved those bytes one at a time
+    through shared memory (STS.U8); the op keeps the word whole up to it."""
+    if SOFT or dtype == tl.float32:
+        y0 = _round_out(_e4m3_to_f32((qw & 0xFF).to(tl.uint8), SOFT) * sf, dtype, SOFT)
+        y1 = _round_out(_e4m3_to_f32(((qw >> 8) & 0xFF).to(tl.uint8), SOFT) * sf, dtype, SOFT)
+        y2 = _round_out(_e4m3_to_f32(((qw >> 16) & 0xFF).to(tl.uint8), SOFT) * sf, dtype, SOFT)
+        y3 = _round_out(_e4m3_to_f32(((qw >> 24) & 0xFF).to(tl.uint8), SOFT) * sf, dtype, SOFT)
+    elif dtype == tl.bfloat16:
+        y0, y1, y2, y3 = tl.inline_asm_elementwise(
+            _DEQUANT_WORDS_BF16, "=r,=r,=r,=r,r,r,r,r", [qw, tl.broadcast_to(sf, qw.shape)],
+            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+    else:
+        y0, y1, y2, y3 = tl.inline_asm_elementwise(
+            _DEQUANT_WORDS_F16, "=r,=r,=r,=r,r,r,r,r", [qw, tl.broadcast_to(sf, qw.shape)],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
+    return y0, y1, y2, y3
+
+
+def _dequant_words_asm(cvt: str) -> tl.constexpr:
+    """``_dequant_words``' PTX for the packing conversion ``cvt``: two words $4, $5 (channels d, d + 1) and their
+    scales $6, $7 give $k = byte k of both, each e4m3 -> f16 -> f32, times its scale, packed by ``cvt``."""
+    body = "{ .reg .b32 p, q, a; .reg .b16 l0, h0, l1, h1, x, y; .reg .f32 f, g; prmt.b32 p, $4, $5, 0x5140; " \
+           "prmt.b32 q, $4, $5, 0x7362; mov.b32 {l0, h0}, p; mov.b32 {l1, h1}, q; "
+    for k, src in enumerate(("l0", "h0", "l1", "h1")):
+        body += (f"cvt.rn.f16x2.e4m3x2 a, {src}; mov.b32 {{x, y}}, a; cvt.f32.f16 f, x; cvt.f32.f16 g, y; "
+                 f"mul.f32 f, f, $6; mul.f32 g, g, $7; {cvt} ${k}, g, f; ")
+    return tl.constexpr(body + "}")
+
+
+_DEQUANT_WORDS_BF16 = _dequant_words_asm("cvt.rn.bf16x2.f32")
+_DEQUANT_WORDS_F16 = _dequant_words_asm("cvt.rn.f16x2.f32")
 
 
 @triton.jit
@@ -2002,6 +2151,16 @@ def _row_scaled_from_mx(mx: MXTensor, role: str, seq_dim: Optional[int], group: 
     if role == "v":
         exp = _v_exponents(q8, sc4, from_mx=True, rceil=True)
         cd, s_pad = _channel_major_buffer(B, H, D, S, dev)
+        wspec = _mx_seq_words_spec(q8, sc4)
+        if wspec is not None:  # channel-major data in whole words: channel-major words out
+            qw, bs, warps, idx = wspec
+            n_tiles = cdiv(s_pad, bs)
+            fast_launcher(_seq_rescale_kernel)[(B * n_tiles * H,)](
+                qw, qw.stride(0), qw.stride(1), qw.stride(2), sc4, *sc4.stride(), cd.view(torch.int32), exp, S, H,
+                s_pad, n_tiles, D=D, NDP=dp // 32, BLOCK_S=bs, SOFT=soft, IDX64=idx or _needs_i64(dp * s_pad, bs),
+                EVEN=S % bs == 0 and s_pad == S, num_warps=warps,
+            )
+            return RowScaledFP8(_seq_view(cd, S, packed), _unpack(exp, packed), sd)
         tile = _tile("rescale", dp)
         n_s_tiles = cdiv(max(S, s_pad), tile.block_s)
         if B * H > 0:
@@ -2069,6 +2228,28 @@ def _mx_hdim_spec(q8: torch.Tensor, sc4: torch.Tensor, group: int, words: bool =
     return qv, sv, Sv, Hv, cdiv(Sv, tile.block_s), tile.block_s, tile.num_warps, idx
 
 
+def _mx_seq_words_spec(q8: torch.Tensor, sc4: torch.Tensor):
+    """For MX data (B, S, H, D) bytes blocked along S with unit stride along S (a channel-major buffer's view), the
+    launch of a kernel on ``_row_set_coords``' words (``_seq_dequant_kernel``, ``_seq_rescale_kernel``): (the data as
+    int32 words (B, H, D, ceil(S/4)), BLOCK_S, warps, IDX64 for the input and a (B, S, H, D) output); None when the
+    other strides or the address are not whole words, when the last word would pass the storage (S % 4 and no row
+    padding: ``_s_load_bound``), or there is no work."""
+    B, S, H, D = q8.shape
+    st = [x if n > 1 else 0 for n, x in zip(q8.shape, q8.stride())]  # (the stride of a length-1 axis is unused)
+    if B * S * H * D == 0 or st[1] > 1 or any(x % 4 or x < 0 for x in (st[0], st[2], st[3])):
+        return None
+    if q8.data_ptr() % 4 or (S % 4 and _s_load_bound(q8) == S):
+        return None
+    words = torch.empty(0, dtype=torch.int32, device=q8.device).set_(
+        q8.untyped_storage(), q8.storage_offset() // 4, (B, H, D, cdiv(S, 4)), (st[0] // 4, st[2] // 4, st[3] // 4, 1))
+    dp = _d_pad(D)
+    tile = _tile("mx_seq", dp)
+    bs = tile.block_s
+    idx = (_needs_i64(bs * H * D, dp) or _needs_i64(dp * (st[3] // 4), bs)
+           or _needs_i64(bs * abs(sc4.stride(1)), dp * abs(sc4.stride(3))))
+    return words, bs, tile.num_warps, idx
+
+
 def dequantize_mxfp8_triton(t: MXTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``t.data * 2^(scale - 127)`` (NaN for scale byte 255) as a contiguous tensor of ``dtype``.
 
@@ -2103,6 +2284,15 @@ def dequantize_mxfp8_triton(t: MXTensor, dtype: torch.dtype = torch.bfloat16) ->
         fast_launcher(_hdim_dequant_kernel)[(qv.shape[0] * n_tiles * Hv,)](
             qv, Sv, Hv, qv.stride(0), qv.stride(1), qv.stride(2), sv, sv.stride(0), sv.stride(1), sv.stride(2), out,
             n_tiles, D=D, NDP=_d_pad(D) // 32, BLOCK_S=bs, SOFT=_soft(q8.device), IDX64=idx, num_warps=warps,
+        )
+        return out.reshape(t.shape)
+    wspec = _mx_seq_words_spec(q8, s4) if bdim == 1 else None
+    if wspec is not None:  # channel-major data in whole words: the row-set tile
+        qw, bs, warps, idx = wspec
+        n_tiles = cdiv(S, bs)
+        fast_launcher(_seq_dequant_kernel)[(B * n_tiles * H,)](
+            qw, qw.stride(0), qw.stride(1), qw.stride(2), s4, *s4.stride(), out, S, H, n_tiles, D=D,
+            NDP=_d_pad(D) // 32, BLOCK_S=bs, SOFT=_soft(q8.device), IDX64=idx, EVEN=S % bs == 0, num_warps=warps,
         )
         return out.reshape(t.shape)
     bd = min(128, 32 * next_pow2(cdiv(D, 32)))

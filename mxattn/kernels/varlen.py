@@ -65,7 +65,9 @@ kernels with ``VARLEN=True``).  Speed helpers: ``bench_varlen``, ``bench_varlen_
 
 from __future__ import annotations
 
+import collections
 import random
+import weakref
 from dataclasses import asdict, dataclass
 from typing import Optional, Union
 
@@ -193,13 +195,39 @@ class VarlenFP8:
 # ----------------------------------------------------------------------------------------------
 
 
-def cu_blocks(cu_seqlens: torch.Tensor, block: int) -> torch.Tensor:
-    """Exclusive prefix sum of ceil(len_b / block): (B + 1) int32 on cu_seqlens' device.
+# cu_blocks results of the last _MAX_OFFSETS (tensor, block, scale) by identity and version counter: key -> (weak
+# reference, offsets).  A jagged training step builds the same K group and V column offsets in its forward and again
+# in its backward, from the cu_seqlens tensor the jagged API hands every layer (its cache keeps one device copy per
+# cu_seqlens tensor: interface._cu_host_and_device); each build was five or six ATen kernels, ~40 small launches a
+# step, now made once per tensor.  A write through torch bumps the version (a new key); the offsets are shared by
+# their users, who only read them.
+_OFFSETS: collections.OrderedDict = collections.OrderedDict()
+_MAX_OFFSETS = 16
 
-    ``cu_blocks(cu_k, 128)`` is K's group offsets; ``V_ALIGN * cu_blocks(cu_k, V_ALIGN)`` V's column offsets."""
+
+def cu_blocks(cu_seqlens: torch.Tensor, block: int, scale: int = 1) -> torch.Tensor:
+    """``scale`` times the exclusive prefix sum of ceil(len_b / block): (B + 1) int32 on cu_seqlens' device, kept for
+    this tensor (``_OFFSETS``; inference tensors, without a version counter, are computed every call).
+
+    ``cu_blocks(cu_k, 128)`` is K's group offsets; ``cu_blocks(cu_k, V_ALIGN, V_ALIGN)`` V's column offsets."""
+    try:
+        key = (id(cu_seqlens), cu_seqlens._version, block, scale)
+    except RuntimeError:  # an inference-mode tensor
+        key = None
+    hit = _OFFSETS.get(key) if key is not None else None
+    if hit is not None and hit[0]() is cu_seqlens:
+        _OFFSETS.move_to_end(key)
+        return hit[1]
     n = (cu_seqlens[1:] - cu_seqlens[:-1] + (block - 1)) // block
     out = torch.zeros_like(cu_seqlens)
     torch.cumsum(n, 0, dtype=torch.int32, out=out[1:])
+    if scale != 1:
+        out.mul_(scale)
+    if key is not None:
+        _OFFSETS[key] = (weakref.ref(cu_seqlens), out)
+        _OFFSETS.move_to_end(key)
+        while len(_OFFSETS) > _MAX_OFFSETS:
+            _OFFSETS.popitem(last=False)
     return out
 
 
@@ -427,7 +455,7 @@ def varlen_v_operand(v: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: 
     if v_blocks and offsets_of is not None:
         raise ValueError("offsets_of is for the (H, D, Tv) rows layout, not v_blocks")
     like = _offsets_of(offsets_of, "v", cu_seqlens_k, T, align)
-    cu_v = align * cu_blocks(cu_seqlens_k, align) if like is None else like.cu_data
+    cu_v = cu_blocks(cu_seqlens_k, align, align) if like is None else like.cu_data
     Tv = _v_columns_bound(T, B, align) if like is None else like.data.shape[2]
     buf = torch.empty(H * D * Tv if v_blocks else (H, D, Tv), dtype=torch.uint8, device=dev)
     exp = torch.full((B, H, D), _NO_EXP_HOST, dtype=torch.int32, device=dev)
@@ -533,7 +561,7 @@ def varlen_v_operand_torch(v, cu_seqlens_k, max_seqlen_k: int, scale_mode="rceil
     and sequence; unused columns (past the last sequence) are zero here."""
     T, H, D = v.shape
     B = cu_seqlens_k.numel() - 1
-    cu_v = align * cu_blocks(cu_seqlens_k, align)
+    cu_v = cu_blocks(cu_seqlens_k, align, align)
     Tv = _v_columns_bound(T, B, align)
     buf = torch.zeros(H * D * Tv if v_blocks else (H, D, Tv), dtype=torch.float8_e4m3fn, device=v.device)
     exp = torch.zeros(B, H, D, dtype=torch.int32, device=v.device)
