@@ -505,6 +505,16 @@ def _line_of(path: Path, needle: str, after: int = 0) -> int:
     raise AssertionError(f"{needle!r} not in {path.name}")
 
 
+def _block_header(path: Path, line_no: int) -> int:
+    """The 1-based line of the nearest less-indented line above ``line_no``: the header of the block it sits in."""
+    text = path.read_text().splitlines()
+    indent = len(text[line_no - 1]) - len(text[line_no - 1].lstrip())
+    k = line_no - 2
+    while k >= 0 and (not text[k].strip() or len(text[k]) - len(text[k].lstrip()) >= indent):
+        k -= 1
+    return k + 1
+
+
 def _hazard(addr: str, kernel: str, write: tuple, read: tuple) -> str:
     return (f"========= Error: Potential RAW hazard detected at __shared__ {addr} in block (0,0,0) :\n"
             f"=========     Write Thread (31,0,0) at {kernel}+0x70d0 in {write[0]}:{write[1]}\n"
@@ -522,8 +532,8 @@ def test_racecheck_classify_sorts_ws_lowering_from_kernel_lines(tmp_path):
     name, kern = src.name, "_attn_bwd_dkdv_ws_kernel"
     def_line = _line_of(src, f"def {kern}(")
     ws_call = _line_of(src, "gl.warp_specialize(", after=def_line)
-    header = _line_of(src, "if SPLIT:", after=def_line)
-    assert header < ws_call
+    header = _block_header(src, ws_call)  # the `if` / `elif` the first call sits in
+    assert def_line < header < ws_call
     body = _line_of(src, "mbarrier.wait(")  # a partition's line: never lowering
     ws_log = (_hazard("0xc5e8", kern, (name, header), (name, def_line))
               + _hazard("0xc5e9", kern, (name, ws_call), (name, def_line))
