@@ -173,8 +173,9 @@ perf-notes-attn-bwd.md, "Session 9: a 128-query step at d64".
 Fused dQ (``GluonDkdvConfig(fuse_dq=True)``, launcher ``attn_bwd_dkdv_dq_gluon``, session 13; opt-in through
 ``attn_bwd.fused_dq``): the split build's warpgroups also form their keys' part of dQ per step (dS cast again with one
 exponent per tile, staged in shared memory, a sixth wgmma against a K_seq tile loaded once, fp32 atomics), so the dQ
-kernel and its recomputed Sᵀ and dPᵀ are not needed.  Correct on the H200, and 0.66-0.79x the two kernels at d64:
-the atomics bound it (perf-notes-attn-bwd.md, "Session 13").
+kernel and its recomputed Sᵀ and dPᵀ are not needed.  Correct on the H200, and 0.66-0.79x the two kernels at d64;
+halving the atomics' operations or bytes did not change that, so the staging and the extra product on each step's
+chain are what to look at next (perf-notes-attn-bwd.md, "Session 13").
 """
 
 from __future__ import annotations
@@ -204,6 +205,7 @@ from mxattn.kernels.attn_bwd_dq_gluon import (
     _mma_layout,
     _pow2,
     _rceil_exp,
+    _check_seq_layout,
     _row_group,
     _static_tiles,
     _sticky_exp,
@@ -597,7 +599,8 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
 
     FUSE_DQ (undeferred steps only, ``GluonDkdvConfig.fuse_dq``): each step also stages its keys' dS for dQ in
     shared memory under dV's and dK's products (``_dq_stage``), then, once they are in, multiplies it by K_seq
-    (``_dq_product``) and adds the result to memory (``_dq_add``); dK and dV are unchanged."""
+    (``_dq_issue``) and adds the result to memory (``_dq_add``), 64 queries at a time with DQ_HALVES; dK and dV are
+    unchanged."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_M, WARPS)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM, WARPS)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
@@ -758,21 +761,18 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
                     dk = dk * _pow2(dk_e - e)
             dk_e = e
             dk = warpgroup_mma(ds8, qs_smem.index(st).permute((1, 0)), dk, is_async=True)
-            if FUSE_DQ:  # dQ's product behind dK's (dS staged under dV's and dK's), the three waited together
+            if FUSE_DQ:  # dQ's product behind dK's (dS staged under dV's and dK's), the first waited with them
                 dq_e = _dq_stage(ds, dsq_smem)
-                if DQ_HALVES:  # 64 queries at a time: half the accumulator registers (causal builds)
-                    dq = _dq_issue(dsq_smem.slice(0, 64), ks_tile, HEAD_DIM, 64)
-                    dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
-                    mbarrier.arrive(empty.index(st), count=1)
-                    _dq_add(dq, dq_e, DQ_b, hh, m0, Sq, stride_dqm, stride_dqh, HEAD_DIM, 64)
-                    dq = _dq_issue(dsq_smem.slice(64, 64), ks_tile, HEAD_DIM, 64)
-                    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-                    _dq_add(dq, dq_e, DQ_b, hh, m0 + 64, Sq, stride_dqm, stride_dqh, HEAD_DIM, 64)
-                else:
-                    dq = _dq_issue(dsq_smem, ks_tile, HEAD_DIM, BLOCK_M)
-                    dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
-                    mbarrier.arrive(empty.index(st), count=1)
-                    _dq_add(dq, dq_e, DQ_b, hh, m0, Sq, stride_dqm, stride_dqh, HEAD_DIM, BLOCK_M)
+                # DQ_HALVES: 64 queries at a time, half the accumulator registers (causal builds)
+                DQ_ROWS: gl.constexpr = BLOCK_M // 2 if DQ_HALVES else BLOCK_M
+                for part in gl.static_range(BLOCK_M // DQ_ROWS):
+                    dq = _dq_issue(dsq_smem.slice(part * DQ_ROWS, DQ_ROWS), ks_tile, HEAD_DIM, DQ_ROWS)
+                    if part == 0:
+                        dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+                        mbarrier.arrive(empty.index(st), count=1)
+                    else:
+                        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+                    _dq_add(dq, dq_e, DQ_b, hh, m0 + part * DQ_ROWS, Sq, stride_dqm, stride_dqh, HEAD_DIM, DQ_ROWS)
             else:
                 dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
                 mbarrier.arrive(empty.index(st), count=1)  # stage st free: every read of it is done
@@ -925,9 +925,12 @@ def _attn_bwd_dkdv_ws_kernel(
         de_row = 0
         seq_h = 0
         key_row = 0
+    wg_off = BLOCK_N_WG * stride_dkn  # (split: the second warpgroup's first key row of dk / dv)
+    # The three calls below differ in a few arguments, but each partition's argument tuple has to be written out at
+    # its call: a tuple held in a variable turns its constexprs into runtime values.  The fused-dQ build has its own
+    # call so that the other builds get no captured extra arguments (which changed the dense split build before).
     if FUSE_DQ:
         gl.static_assert(SPLIT and not VARLEN and not DEFER_DK, "fused dQ: split, dense, undeferred builds only")
-        wg_off = BLOCK_N_WG * stride_dkn
         ks_smem = gl.allocate_shared_memory(ks_desc.dtype, [2] + ks_desc.block_type.shape, ks_desc.layout)
         dsq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N_WG], gl.float8e4nv)
         dsq_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, BLOCK_N_WG], dsq_layout)
@@ -955,7 +958,6 @@ def _attn_bwd_dkdv_ws_kernel(
                                   seq_row, vec_row, h0, lo, n_m, n_steps, HEAD_DIM, STAGES, BLOCK_M)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     elif SPLIT:
-        wg_off = BLOCK_N_WG * stride_dkn
         gl.warp_specialize([
             (_consumer, (q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem.index(0), v_smem.index(0),
                          kv_bar, ready, empty, QE_b, DOE_b, QSE_b, DOSE_b, DK_t, DV_t,
@@ -1035,16 +1037,7 @@ def _check(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, grad_dtype):
             raise ValueError(f"{name}: needs one exponent per {KV_EXP_GROUP} keys (the K layout), got group "
                              f"{t.group}")
     for name, t in (("q_seq", q_seq), ("dout_seq", dout_seq)):
-        want = (B, 1, Hq, D)
-        if t.dim != 1 or tuple(t.exp.shape) != want:
-            raise ValueError(f"{name}: exp {tuple(t.exp.shape)} (dim={t.dim}), expected {want}: one exponent per "
-                             f"channel, blocked along the sequence (the V layout)")
-        sd = t.data
-        s_pad = sd.stride(3)
-        if (sd.stride(1) != 1 or sd.stride(2) != D * s_pad or sd.stride(0) != Hq * D * s_pad or s_pad % 16
-                or s_pad < Sq or sd.data_ptr() % 16):
-            raise ValueError(f"{name}: data must be the (B, S, H, D) view of a channel-major (B, H, D, S_pad) "
-                             f"buffer, S_pad a multiple of 16 (formats.channel_major / row_scaled_triton(x, 'v'))")
+        _check_seq_layout(name, t, B, Sq, Hq, D)
     for name, t in (("lse", lse), ("delta", delta)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (B, Hq, Sq):
             raise ValueError(f"{name} must be a float32 tensor {(B, Hq, Sq)}, got "
@@ -1222,6 +1215,28 @@ def run_plan(plan, q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, dk, dv)
           *scalars)
 
 
+def _exps_and_scalars(q, k, v_hdim, q_seq, dout_hdim, dout_seq, dk, dv, bm: int, softmax_scale: float):
+    """The kernel's exponent tensors (QE, DOE, KE, VE, QSE, DOSE) and its integer / float scalars (strides, sizes,
+    scales) for a launch with query step ``bm``, as both dense launchers pass them.
+
+    The exponents are contiguous: the unit strides the compiled variant is specialized for (UNIT_STRIDES).  q's and
+    dout_hdim's are expanded to one per query step of bm rows (their groups are multiples of bm): the kernel indexes
+    them by m0 // BLOCK_M, with no per-operand group argument (fewer live scalars in the consumer); with bm = 128
+    and 128-row groups they are the operands' own."""
+    B, Sq, Hq, _ = q.data.shape
+    Sk, Hkv = k.data.shape[1], k.data.shape[2]
+    qe, de = (_tile_exps(t, Sq, bm) for t in (q, dout_hdim))
+    ke, ve = (t.exp.contiguous() for t in (k, v_hdim))
+    qse, dse = q_seq.exp.contiguous(), dout_seq.exp.contiguous()
+    # the kernel takes one set of strides for q_seq's / dout_seq's exponents and for dk / dv
+    assert qse.stride() == dse.stride() and dk.stride() == dv.stride()
+    row_e = lambda e: (e.stride(0), e.stride(1), e.stride(2))  # noqa: E731  (B, S or groups, H)
+    chan_e = lambda e: (e.stride(0), e.stride(2), e.stride(3))  # noqa: E731  (B, H, D)
+    scalars = (*row_e(qe), *row_e(de), *row_e(ke), *row_e(ve), *chan_e(qse), *dk.stride(),
+               Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2)
+    return (qe, de, ke, ve, qse, dse), scalars
+
+
 def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, q_seq: RowScaledFP8,
                         dout_hdim: RowScaledFP8, dout_seq: RowScaledFP8, lse: torch.Tensor, delta: torch.Tensor, *,
                         causal: bool = False, softmax_scale: Optional[float] = None,
@@ -1267,26 +1282,14 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
     q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc = _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq,
                                                                      cfg.split, bm)
     lse_desc, dl_desc = _vector_descriptors(lse, delta, bm)
-    # contiguous exponents: the unit strides the compiled variant is specialized for (UNIT_STRIDES)
-    # q's and dout_hdim's exponents expanded to one per query step of bm rows (their groups are multiples of bm):
-    # the kernel indexes them by m0 // BLOCK_M, with no per-operand group argument (fewer live scalars in the
-    # consumer); with bm = 128 and 128-row groups they are the operands' own
-    qe, de = (_tile_exps(t, Sq, bm) for t in (q, dout_hdim))
-    ke, ve = (t.exp.contiguous() for t in (k, v_hdim))
-    qse, dse = q_seq.exp.contiguous(), dout_seq.exp.contiguous()
-    # the kernel takes one set of strides for q_seq's / dout_seq's exponents and for dk / dv
-    assert qse.stride() == dse.stride() and dk.stride() == dv.stride()
-    row_e = lambda e: (e.stride(0), e.stride(1), e.stride(2))  # noqa: E731  (B, S or groups, H)
-    chan_e = lambda e: (e.stride(0), e.stride(2), e.stride(3))  # noqa: E731  (B, H, D)
     grid = (cdiv(Sk, BLOCK_N.value), B * Hkv)
     kernel = _attn_bwd_dkdv_ws_kernel_sq1 if Sq == 1 else _attn_bwd_dkdv_ws_kernel
     descs = (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc)
-    scalars = (*row_e(qe), *row_e(de), *row_e(ke), *row_e(ve), *chan_e(qse), *dk.stride(),
-               Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2)
+    exps, scalars = _exps_and_scalars(q, k, v_hdim, q_seq, dout_hdim, dout_seq, dk, dv, bm, softmax_scale)
     constexprs = dict(HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
                       SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=cfg.defers_dk, DS_KEY_EXP=cfg.key_exp,
                       BLOCK_M=bm, num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
-    args = (*descs, qe, de, ke, ve, qse, dse, dk, dv, *scalars)
+    args = (*descs, *exps, dk, dv, *scalars)
     if key is None:
         fast_launcher(kernel)[grid](*args, **constexprs)
         return dk, dv
@@ -1300,15 +1303,9 @@ def _check_k_seq(k_seq, B: int, Sk: int, Hkv: int, D: int) -> None:
     """k_seq: the V layout of k (channel-major, one exponent per (kv head, channel)), as q_seq."""
     if not _is_rs(k_seq):
         raise TypeError(f"k_seq must be a RowScaledFP8, got {type(k_seq).__name__}")
-    sd = k_seq.data
-    if sd.ndim != 4 or tuple(sd.shape) != (B, Sk, Hkv, D) or k_seq.dim != 1 or tuple(k_seq.exp.shape) != (B, 1, Hkv, D):
-        raise ValueError(f"k_seq: data {tuple(sd.shape)} (dim={k_seq.dim}), exp {tuple(k_seq.exp.shape)}; expected "
-                         f"{(B, Sk, Hkv, D)} blocked along the sequence with exp {(B, 1, Hkv, D)} (the V layout)")
-    s_pad = sd.stride(3)
-    if (sd.stride(1) != 1 or sd.stride(2) != D * s_pad or sd.stride(0) != Hkv * D * s_pad or s_pad % 16
-            or s_pad < Sk or sd.data_ptr() % 16):
-        raise ValueError("k_seq: data must be the (B, S, H, D) view of a channel-major (B, H, D, S_pad) buffer, S_pad "
-                         "a multiple of 16 (row_scaled_triton(k, 'v'))")
+    if k_seq.data.ndim != 4 or tuple(k_seq.data.shape) != (B, Sk, Hkv, D):
+        raise ValueError(f"k_seq: data {tuple(k_seq.data.shape)}, expected {(B, Sk, Hkv, D)}")
+    _check_seq_layout("k_seq", k_seq, B, Sk, Hkv, D)
 
 
 def attn_bwd_dkdv_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, q_seq: RowScaledFP8,
@@ -1349,17 +1346,11 @@ def attn_bwd_dkdv_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP
     ksd = k_seq.data
     ks_desc = TensorDescriptor(ksd, [B * Hkv * D, Sk], [ksd.stride(3), 1], [D, BLOCK_N_WG.value],
                                nvmma_fp8_layout(D, BLOCK_N_WG.value))
-    qe, de = (_tile_exps(t, Sq, bm) for t in (q, dout_hdim))
-    ke, ve = (t.exp.contiguous() for t in (k, v_hdim))
-    qse, dse = q_seq.exp.contiguous(), dout_seq.exp.contiguous()
-    row_e = lambda e: (e.stride(0), e.stride(1), e.stride(2))  # noqa: E731  (B, S or groups, H)
-    chan_e = lambda e: (e.stride(0), e.stride(2), e.stride(3))  # noqa: E731  (B, H, D)
+    exps, scalars = _exps_and_scalars(q, k, v_hdim, q_seq, dout_hdim, dout_seq, dk, dv, bm, softmax_scale)
     kernel = _attn_bwd_dkdv_ws_kernel_sq1 if Sq == 1 else _attn_bwd_dkdv_ws_kernel
     halves = cfg.dq_halves if cfg.dq_halves is not None else causal
     # everything positional (the fused-dQ arguments follow SLOTS / VARLEN), the launch options as keywords
-    args = (*descs, qe, de, ke, ve, qse, dse, dk, dv, *row_e(qe), *row_e(de), *row_e(ke), *row_e(ve), *chan_e(qse),
-            *dk.stride(), Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
-            D, cfg.stages, causal, cfg.producer_regs, True, cfg.consumer_regs, False, cfg.key_exp, bm, None, False,
+    args = (*descs, *exps, dk, dv, *scalars, D, cfg.stages, causal, cfg.producer_regs, True, cfg.consumer_regs, False, cfg.key_exp, bm, None, False,
             ks_desc, dq_acc, dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2), True, bool(halves))
     fast_launcher(kernel)[(cdiv(Sk, BLOCK_N.value), B * Hkv)](*args, num_warps=4, maxnreg=cfg.maxnreg)
     # dQ rows of query head h hold K_seq's exponents of kv head h // G: one per-channel factor per (b, kv head)

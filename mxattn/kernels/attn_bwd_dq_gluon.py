@@ -598,6 +598,21 @@ def _hdim_view(data: torch.Tensor, name: str) -> torch.Tensor:
     return data
 
 
+def _check_seq_layout(name: str, t, B: int, S: int, H: int, D: int) -> None:
+    """A sequence-blocked operand (q_seq, dout_seq, k_seq): one exponent per (head, channel), data the (B, S, H, D)
+    view of a channel-major (B, H, D, S_pad) buffer the TMA boxes can read."""
+    want = (B, 1, H, D)
+    if t.dim != 1 or tuple(t.exp.shape) != want:
+        raise ValueError(f"{name}: exp {tuple(t.exp.shape)} (dim={t.dim}), expected {want}: one exponent per "
+                         f"channel, blocked along the sequence (the V layout)")
+    sd = t.data
+    s_pad = sd.stride(3)
+    if (sd.stride(1) != 1 or sd.stride(2) != D * s_pad or sd.stride(0) != H * D * s_pad or s_pad % 16
+            or s_pad < S or sd.data_ptr() % 16):
+        raise ValueError(f"{name}: data must be the (B, S, H, D) view of a channel-major (B, H, D, S_pad) "
+                         f"buffer, S_pad a multiple of 16 (formats.channel_major / row_scaled_triton(x, 'v'))")
+
+
 def _check(q, k, v_hdim, k_seq, dout_hdim, lse, delta, grad_dtype):
     for name, t in (("q", q), ("k", k), ("v_hdim", v_hdim), ("k_seq", k_seq), ("dout_hdim", dout_hdim)):
         if not _is_rs(t):
@@ -623,16 +638,7 @@ def _check(q, k, v_hdim, k_seq, dout_hdim, lse, delta, grad_dtype):
         if _row_group(t, name) != KV_EXP_GROUP.value:
             raise ValueError(f"{name}: needs one exponent per {KV_EXP_GROUP.value} keys (the K layout), got group "
                              f"{t.group}")
-    want = (B, 1, Hkv, D)
-    if k_seq.dim != 1 or tuple(k_seq.exp.shape) != want:
-        raise ValueError(f"k_seq: exp {tuple(k_seq.exp.shape)} (dim={k_seq.dim}), expected {want}: one exponent per "
-                         f"channel, blocked along the sequence (the V layout)")
-    kd = k_seq.data
-    s_pad = kd.stride(3)
-    if (kd.stride(1) != 1 or kd.stride(2) != D * s_pad or kd.stride(0) != Hkv * D * s_pad or s_pad % 16
-            or s_pad < Sk or kd.data_ptr() % 16):
-        raise ValueError("k_seq: data must be the (B, S, H, D) view of a channel-major (B, H, D, S_pad) buffer, "
-                         "S_pad a multiple of 16 (formats.channel_major / row_scaled_triton(k, 'v'))")
+    _check_seq_layout("k_seq", k_seq, B, Sk, Hkv, D)
     for name, t in (("lse", lse), ("delta", delta)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (B, Hq, Sq):
             raise ValueError(f"{name} must be a float32 tensor {(B, Hq, Sq)}, got "
