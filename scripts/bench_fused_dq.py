@@ -7,7 +7,8 @@ Per shape (default: B2 H16 S4k / S8k d64 both masks, and the training run's B8 H
 * kernels on the same prepared operands: ``split_ms`` = the split dK/dV kernel (128-query steps) plus the split dQ
   kernel (128-key steps), the API's default pair at D = 64; ``fused_ms`` = ``attn_bwd_dkdv_dq_gluon`` (dK/dV and
   dQ from one launch, plus its zeroing of the fp32 dQ buffer and the pass that scales it into bf16);
-* the public backward through ``loss.backward()`` from BF16 inputs with MXATTN_BWD_FUSED_DQ unset and set, and
+* the public backward through autograd (``torch.autograd.grad`` of the output) from BF16 inputs with
+  MXATTN_BWD_FUSED_DQ unset and set, and
   SDPA cuDNN BF16's, the forward outside the timed region (``backward_ms``).
 TFLOP/s count 2.5 forward-equivalents (5 products of 2·B·H·S²·D; half when causal) for the whole backward and
 for both kernel rows.  One JSON (``attn_bwd_fused_dq-*.json``) under OUTDIR.
