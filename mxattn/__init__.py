@@ -10,12 +10,13 @@ from mxattn.formats import (
     row_scaled_from_float,
     to_row_scaled,
 )
-from mxattn.interface import mxfp8_attn_func, mxfp8_attn_varlen_func
+from mxattn.interface import MXKVGrads, mxfp8_attn_func, mxfp8_attn_varlen_func
 from mxattn.producers import linear_quant, rmsnorm_quant
 from mxattn.qkv import qkv_proj
 
 __all__ = [
     "__version__",
+    "MXKVGrads",
     "MXTensor",
     "RowScaledFP8",
     "ScaleMode",

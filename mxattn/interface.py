@@ -372,7 +372,8 @@ def _attn_fwd_fake(q, k, v, causal, scale, scale_mode, deterministic, backend="a
     return q.new_empty(B, Sq, Hq, D), q.new_empty(B, Hq, Sq, dtype=torch.float32)
 
 
-def _blockscaled_backward(dout, q, k, v, out, lse, causal: bool, scale: float, scale_mode: str):
+def _blockscaled_backward(dout, q, k, v, out, lse, causal: bool, scale: float, scale_mode: str,
+                          grad_dtype: Optional[torch.dtype] = None):
     """CUDA backward on ``tl.dot_scaled`` (kernels/attn_bwd_blockscaled.py): Q and K quantized in both orientations
     from one read each, V along the head dim; dO is quantized by the launcher.  Native block-scaled MMA on
     Blackwell; on Hopper Triton upcasts to bf16 (correct, slow)."""
@@ -383,17 +384,19 @@ def _blockscaled_backward(dout, q, k, v, out, lse, causal: bool, scale: float, s
     kh, ks = quantize_mxfp8_triton(k, "both", scale_mode=scale_mode)
     vh = quantize_mxfp8_triton(v, "hdim", scale_mode=scale_mode)
     return attn_bwd_blockscaled(qh, kh, vh, qs, ks, out, dout.contiguous(), lse, causal=causal, softmax_scale=scale,
-                                grad_dtype=q.dtype)
+                                grad_dtype=grad_dtype or q.dtype)
 
 
 def _bwd_impl(dout, q, k, v, out, lse, causal: bool, scale: float, scale_mode: str, deterministic: bool,
-              backend: str = "auto", kv=None):
-    """Gradients on float q, k, v; ``kv``: the K hdim, K seq and V hdim operands the forward kept
-    (``_hopper_forward_keeping_kv``), in which case k and v are not read (they may be None)."""
+              backend: str = "auto", kv=None, grad_dtype: Optional[torch.dtype] = None):
+    """Gradients on float q, k, v, in ``grad_dtype`` (default q's dtype); ``kv``: the K hdim, K seq and V hdim
+    operands the forward kept (``_hopper_forward_keeping_kv``), in which case k and v are not read (they may be
+    None)."""
+    grad_dtype = grad_dtype or q.dtype
     if kv is not None and not q.is_cuda:
         raise RuntimeError("kept K/V operands come from the CUDA forward only")
     if kv is None and q.is_cuda and forward_kernel_for(q.shape, k.shape, q.device, backend) == "blockscaled":
-        return _blockscaled_backward(dout, q, k, v, out, lse, causal, scale, scale_mode)
+        return _blockscaled_backward(dout, q, k, v, out, lse, causal, scale, scale_mode, grad_dtype)
     if q.is_cuda:
         from mxattn.kernels.attn_bwd import DO_EXP_GROUP, Q_EXP_GROUP, attn_bwd_hopper
         from mxattn.kernels.quantize import row_scaled_triton, row_scaled_triton_both, row_scaled_triton_both_pair
@@ -413,7 +416,7 @@ def _bwd_impl(dout, q, k, v, out, lse, causal: bool, scale: float, scale_mode: s
             kr, k_seq, v_hdim = kv
         return attn_bwd_hopper(
             qr, kr, v_hdim, q_seq, k_seq, out, dout, lse, causal=causal, softmax_scale=scale,
-            deterministic=deterministic, grad_dtype=q.dtype, dout_hdim=doh, dout_seq=dos,
+            deterministic=deterministic, grad_dtype=grad_dtype, dout_hdim=doh, dout_seq=dos,
         )
     from mxattn import reference
 
@@ -425,7 +428,7 @@ def _bwd_impl(dout, q, k, v, out, lse, causal: bool, scale: float, scale_mode: s
         k_seq=formats.quantize_mxfp8(k, dim=1, scale_mode=scale_mode),
         v_hdim=formats.quantize_mxfp8(v, dim=3, scale_mode=scale_mode),
     )
-    return tuple(g.to(q.dtype).contiguous() for g in grads)
+    return tuple(g.to(grad_dtype).contiguous() for g in grads)
 
 
 @torch.library.custom_op("mxattn::attn_bwd", mutates_args=())
@@ -488,8 +491,9 @@ class _EagerAttention(torch.autograd.Function):
     runs only when a gradient is wanted) and saves them in place of k and v."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, scale_mode, deterministic, backend):
+    def forward(ctx, q, k, v, causal, scale, scale_mode, deterministic, backend, mx_kv_grads=None):
         ctx.set_materialize_grads(False)  # lse has no gradient: no zero tensor (and fill launch) made for it
+        ctx.mx_kv_grads = mx_kv_grads
         kv = None
         if q.is_cuda:
             out, lse, kv = _hopper_forward_keeping_kv(q, k, v, causal, scale, scale_mode, backend)
@@ -525,18 +529,84 @@ class _EagerAttention(torch.autograd.Function):
                   _trusted_row_scaled(vd, ve, 3, 1, group))
         if dout is None:  # (an undefined gradient of out: not materialized since set_materialize_grads(False))
             dout = torch.zeros_like(out)
-        grads = _bwd_impl(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.scale_mode,
-                          ctx.deterministic, ctx.backend, kv)
-        return (*grads, None, None, None, None, None)
+        sink = ctx.mx_kv_grads
+        if sink is None:
+            grads = _bwd_impl(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.scale_mode,
+                              ctx.deterministic, ctx.backend, kv)
+            return (*grads, None, None, None, None, None, None)
+        # dK / dV wanted as MXFP8: the kernels' fp32 gradients, quantized once (no bf16 rounding in between)
+        dq, dk, dv = _bwd_impl(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.scale_mode,
+                               ctx.deterministic, ctx.backend, kv, grad_dtype=torch.float32)
+        sink._fill(dk, dv)
+        if sink.keep_float_grads:
+            dk, dv = dk.to(q.dtype), dv.to(q.dtype)
+        else:
+            dk = dv = None
+        return (dq.to(q.dtype), dk, dv, None, None, None, None, None, None)
 
 
-def _attn_fwd(q, k, v, causal: bool, scale: float, scale_mode: str, deterministic: bool, backend: str):
+def _attn_fwd(q, k, v, causal: bool, scale: float, scale_mode: str, deterministic: bool, backend: str,
+              mx_kv_grads: Optional["MXKVGrads"] = None):
     """``attn_fwd_op`` under torch.compile, ``_EagerAttention`` otherwise (same results, less host time)."""
     if torch.compiler.is_compiling():
+        if mx_kv_grads is not None:
+            raise RuntimeError("mx_kv_grads is not supported under torch.compile (the custom op's backward returns "
+                               "float gradients); call the layer eagerly or leave mx_kv_grads=None")
         return attn_fwd_op(q, k, v, causal, scale, scale_mode, deterministic, backend)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        if mx_kv_grads is not None:
+            return _EagerAttention.apply(q, k, v, causal, scale, scale_mode, deterministic, backend, mx_kv_grads)
         return _EagerAttention.apply(q, k, v, causal, scale, scale_mode, deterministic, backend)
     return _fwd_impl(q, k, v, causal, scale, scale_mode, backend)
+
+
+class MXKVGrads:
+    """Receives dK and dV as MXFP8 when the backward of ``mxfp8_attn_func(..., mx_kv_grads=this)`` runs: the input
+    a following MX weight-gradient GEMM takes, with no bf16 gradient in between.
+
+    orientations: ``"seq"`` (default: blocks of 32 tokens along the sequence, dim 1 of (B, Sk, Hkv, D), the
+        contraction of the K / V projections' weight gradient dW = dKᵀ X), ``"hdim"`` (blocks along the head dim,
+        dim 3: the input gradient dX = dK W) or ``"both"`` (a ``(hdim, seq)`` pair each).
+    scale_mode: ``"rceil"`` (default) or ``"floor"``, as ``quantize_mxfp8``.
+    keep_float_grads: also return dK / dV to autograd in k's dtype (so ``k.grad`` / ``v.grad`` and the producers
+        of k and v get them as usual).  Default False: autograd gets no gradient for k and v, which is the point
+        of asking for MXFP8 ones; ``k.grad`` stays None and nothing flows to k's producers.  dQ always flows.
+
+    After each backward, ``dk`` and ``dv`` hold ``MXTensor``s (B, Sk, Hkv, D), summed over each kv head's query
+    heads, equal bit for bit to ``quantize_mxfp8`` of the backward's fp32 dK / dV along the orientation's dim; a
+    second backward through the same graph overwrites them.  They stay None until a backward runs (no_grad calls,
+    inputs that need no gradient).  One instance per attention call of a step.  Eager mode only (a RuntimeError
+    under torch.compile); dense calls only (not ``mxfp8_attn_varlen_func``)."""
+
+    def __init__(self, orientations: str = "seq", scale_mode: str = "rceil", keep_float_grads: bool = False):
+        if orientations not in ("seq", "hdim", "both"):
+            raise ValueError(f"orientations must be 'seq', 'hdim' or 'both', got {orientations!r}")
+        formats.ScaleMode.parse(scale_mode)  # ValueError on anything else
+        if not isinstance(keep_float_grads, bool):
+            raise TypeError(f"keep_float_grads must be a bool, got {type(keep_float_grads).__name__}")
+        self.orientations, self.scale_mode, self.keep_float_grads = orientations, scale_mode, keep_float_grads
+        self.dk = self.dv = None
+
+    def clear(self) -> None:
+        self.dk = self.dv = None
+
+    def _quantize(self, g: torch.Tensor):
+        if g.is_cuda:
+            from mxattn.kernels.quantize import quantize_mxfp8_triton
+
+            return quantize_mxfp8_triton(g, self.orientations, scale_mode=self.scale_mode)
+        if self.orientations == "both":
+            return (formats.quantize_mxfp8(g, dim=3, scale_mode=self.scale_mode),
+                    formats.quantize_mxfp8(g, dim=1, scale_mode=self.scale_mode))
+        return formats.quantize_mxfp8(g, dim=1 if self.orientations == "seq" else 3, scale_mode=self.scale_mode)
+
+    def _fill(self, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        self.dk, self.dv = self._quantize(dk), self._quantize(dv)
+
+    def __repr__(self) -> str:
+        got = "empty" if self.dk is None else "filled"
+        return (f"MXKVGrads(orientations={self.orientations!r}, scale_mode={self.scale_mode!r}, "
+                f"keep_float_grads={self.keep_float_grads}, {got})")
 
 
 def _mx_forward(qkv_mx: tuple[MXTensor, MXTensor, MXTensor], causal: bool, scale: float, scale_mode: str,
@@ -565,6 +635,7 @@ def mxfp8_attn_func(
     scale_mode: str = "rceil",
     deterministic: bool = False,
     backend: str = "auto",
+    mx_kv_grads: Optional[MXKVGrads] = None,
 ):
     """MXFP8 attention, ``flash_attn_func`` conventions.
 
@@ -585,6 +656,9 @@ def mxfp8_attn_func(
             whatever the backend.  The backward follows it: "blockscaled" runs the ``tl.dot_scaled`` backward
             (kernels/attn_bwd_blockscaled.py), the others the Hopper FP8 backward; both re-quantize the saved
             float q, k, v.
+        mx_kv_grads: an ``MXKVGrads`` that receives dK and dV as MXFP8 when the backward runs (for an MX
+            weight-gradient GEMM); then k and v get no float gradient unless it was made with
+            ``keep_float_grads=True``.  Eager mode, float inputs or producers' MX inputs.
 
     Float inputs are quantized to MXFP8 on the way in (q, k along D, v along S); MXTensor inputs are the
     end-to-end path.  Hq must be a multiple of Hkv (GQA/MQA); D in {64, 128}.  Returns the output in q's
@@ -604,6 +678,8 @@ def mxfp8_attn_func(
     """
     is_mx, _ = _check_attention_inputs(q, k, v, softmax_scale)
     backend = _check_backend(backend)
+    if mx_kv_grads is not None and not isinstance(mx_kv_grads, MXKVGrads):
+        raise TypeError(f"mx_kv_grads must be an mxattn.MXKVGrads or None, got {type(mx_kv_grads).__name__}")
     mode = formats.ScaleMode.parse(scale_mode).value
     for name, flag in (("causal", causal), ("return_lse", return_lse), ("deterministic", deterministic)):
         if not isinstance(flag, bool):
@@ -617,11 +693,11 @@ def mxfp8_attn_func(
         # and every element is already on that grid), so the forward equals the MX path, and the backward runs
         # the FP8 backward kernel from those values.
         qf, kf, vf = (t.dequantize(torch.bfloat16) for t in (q, k, v))
-        out, lse = _attn_fwd(qf, kf, vf, causal, scale, mode, deterministic, backend)
+        out, lse = _attn_fwd(qf, kf, vf, causal, scale, mode, deterministic, backend, mx_kv_grads)
     elif is_mx:
         out, lse = _mx_forward((q, k, v), causal, scale, scale_mode, backend)
     else:
-        out, lse = _attn_fwd(q, k, v, causal, scale, mode, deterministic, backend)
+        out, lse = _attn_fwd(q, k, v, causal, scale, mode, deterministic, backend, mx_kv_grads)
     return (out, lse) if return_lse else out
 
 
