@@ -182,6 +182,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
@@ -324,10 +325,14 @@ def tl_twin_config(config: Optional[GluonDkdvConfig] = None):
 
 # ------------------------------------------------------------------------------------------------- helpers
 BLOCK_N_WG = gl.constexpr(64)  # keys per consumer warpgroup when split
-import os as _os
-# cost-split probe of the fused dQ (timing only, wrong dq): 0 as built; 1 no dS store; 2 no product and no add;
-# 3 no add; 4 nothing but the exponent
-DQ_PROBE = gl.constexpr(int(_os.environ.get("MXATTN_DQ_PROBE", "0")))
+# Cost-split builds of the fused dQ (``fuse_dq``), for timing only: their dq is wrong.  Read once at import from
+# MXATTN_DQ_PROBE (scripts/probe_fused_dq.py runs one process per value): 0 (default) the real kernel; 1 no dS
+# store into shared memory; 3 the adds replaced by plain stores under a mask that never holds (their addressing
+# and issue, no memory traffic); 4 only dS's exponent (no store, no product, no add).  (2, no product and no add
+# but the store, crashed ptxas 12.8 at d64 and is not offered.)  Builds without fuse_dq never read it.
+DQ_PROBE = gl.constexpr(int(os.environ.get("MXATTN_DQ_PROBE", "0")))
+if DQ_PROBE.value not in (0, 1, 3, 4):
+    raise ValueError(f"MXATTN_DQ_PROBE must be 0, 1, 3 or 4, got {DQ_PROBE.value}")
 
 
 @gluon.jit
