@@ -32,6 +32,8 @@
 #   fuseddq    the fused-dQ backward (GluonDkdvConfig.fuse_dq, opt-in): compile check, its GPU tests (tiny first),
 #              scripts/bench_fused_dq.py (kernels and public backward vs the split kernels and SDPA cuDNN, one run)
 #              (FUSED_DQ_K narrows the tests, FUSED_DQ_BENCH=0 skips the bench; stage fuseddqbench: the bench alone)
+#   dqprobe    the fused dQ's cost split: scripts/probe_fused_dq.py per MXATTN_DQ_PROBE build (no dS store, adds
+#              without traffic, exponent only) beside the real one, timing only: OUTDIR/dq_probe.jsonl
 #   varlenbwdtime  varlenbwd's timing rows alone (B16 H16 d128, mean length 2048; VARLEN_BWD_SEEDS, default "0 1"):
 #              per row ms of each path, parts_ms (preprocessing, tile tables, each Gluon launcher) and host_ms
 #   graph      `mxattn bench --cuda-graph`: forward as CUDA-graph replays (no host launch overhead), S 2k/4k
@@ -281,9 +283,7 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
       # the fused-dQ backward (GluonDkdvConfig.fuse_dq, session 13, opt-in MXATTN_BWD_FUSED_DQ=1): compile check,
       # the tiny case under a short timeout (a barrier bug of the dS staging would hang), its other GPU tests, then
       # scripts/bench_fused_dq.py (kernels and the public backward vs the split kernels and cuDNN, one run)
-      for v in "" "--red-v2" "--red-v2 --pair"; do
-        run $PY scripts/compile_check_bwd_dkdv_gluon.py --split --block-m 128 --fuse-dq $v 2>&1 | grep -E "^== |variants"
-      done
+      run $PY scripts/compile_check_bwd_dkdv_gluon.py --split --block-m 128 --fuse-dq 2>&1 | grep -E "^== |variants"
       T_SAVE=$T; T=150
       run $PY -m pytest -m gpu -q -x -rfE -p no:cacheprovider tests/test_attn_bwd_dkdv_gluon.py -k "fused_dq and tiny" \
         2>&1 | tail -5
@@ -292,6 +292,15 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
         -k "${FUSED_DQ_K:-fused_dq and not tiny}" \
         2>&1 | grep -E "SQNR|passed|failed|Error|assert" | tail -30
       [ "${FUSED_DQ_BENCH:-1}" = 0 ] || run $PY scripts/bench_fused_dq.py "$OUT" ${FUSED_DQ_SHAPES:-} ;;
+    dqprobe)
+      # the fused dQ's cost split (attn_bwd_dkdv_gluon.DQ_PROBE, timing only): the probe builds compiled side by side
+      # on tiny shapes, then timed one after the other at B2 H16 S8k d64 (both masks) and B8 H12 S2k d64 causal;
+      # probe 0 also times the split kernels and dK/dV alone.  Rows: OUTDIR/dq_probe.jsonl, printed
+      for p in 0 1 3 4; do
+        MXATTN_DQ_PROBE=$p run $PY scripts/probe_fused_dq.py --compile-only "$OUT/dq_probe_compile.jsonl" &
+      done
+      wait
+      for p in 0 1 3 4; do MXATTN_DQ_PROBE=$p run $PY scripts/probe_fused_dq.py "$OUT/dq_probe.jsonl"; done ;;
     fuseddqbench)  # the fuseddq stage's bench alone (its tests elsewhere in the call)
       run $PY scripts/bench_fused_dq.py "$OUT" ${FUSED_DQ_SHAPES:-} ;;
     varlenbwd|varlenbwdtime)

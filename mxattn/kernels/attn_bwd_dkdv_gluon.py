@@ -182,6 +182,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
@@ -324,6 +325,14 @@ def tl_twin_config(config: Optional[GluonDkdvConfig] = None):
 
 # ------------------------------------------------------------------------------------------------- helpers
 BLOCK_N_WG = gl.constexpr(64)  # keys per consumer warpgroup when split
+# Cost-split builds of the fused dQ (``fuse_dq``), for timing only: their dq is wrong.  Read once at import from
+# MXATTN_DQ_PROBE (scripts/probe_fused_dq.py runs one process per value): 0 (default) the real kernel; 1 no dS
+# store into shared memory; 3 the adds replaced by plain stores under a mask that never holds (their addressing
+# and issue, no memory traffic); 4 only dS's exponent (no store, no product, no add).  (2, no product and no add
+# but the store, crashed ptxas 12.8 at d64 and is not offered.)  Builds without fuse_dq never read it.
+DQ_PROBE = gl.constexpr(int(os.environ.get("MXATTN_DQ_PROBE", "0")))
+if DQ_PROBE.value not in (0, 1, 3, 4):
+    raise ValueError(f"MXATTN_DQ_PROBE must be 0, 1, 3 or 4, got {DQ_PROBE.value}")
 
 
 @gluon.jit
@@ -530,8 +539,9 @@ def _dq_stage(ds, dsq_smem):
     kernel's rule without the hysteresis, which only serves an accumulator kept across tiles).  An all-zero tile
     gets −127 (``_dq_add`` skips it)."""
     e = _rceil_exp(gl.max(gl.max(gl.abs(ds), 1), 0), -127)
-    dsq_smem.permute((1, 0)).store((ds * _pow2(-e)).to(gl.float8e4nv))
-    fence_async_shared()
+    if DQ_PROBE != 1 and DQ_PROBE != 4:
+        dsq_smem.permute((1, 0)).store((ds * _pow2(-e)).to(gl.float8e4nv))
+        fence_async_shared()
     return e
 
 
@@ -559,6 +569,17 @@ def _dq_add(dq, e, DQ_b, hh, m0, Sq, stride_dqm, stride_dqh, HEAD_DIM: gl.conste
         ptrs = (DQ_b + hh * stride_dqh + gl.expand_dims(rows.to(gl.int64) * stride_dqm, 1)
                 + gl.expand_dims(offs_d, 0))
         gl.atomic_add(ptrs, dq * _pow2(e), mask=gl.expand_dims(rows < Sq, 1), sem="relaxed")
+
+
+@gluon.jit
+def _dq_add_probe(dq, e, DQ_b, hh, m0, Sq, stride_dqm, stride_dqh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    if e > -127:
+        d_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)
+        rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, d_layout))
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, d_layout))
+        ptrs = (DQ_b + hh * stride_dqh + gl.expand_dims(rows.to(gl.int64) * stride_dqm, 1)
+                + gl.expand_dims(offs_d, 0))
+        gl.store(ptrs, dq * _pow2(e), mask=gl.expand_dims(rows < Sq + e * 1000000, 1))
 
 
 # ------------------------------------------------------------------------------------------------- consumer
@@ -765,14 +786,24 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
                 dq_e = _dq_stage(ds, dsq_smem)
                 # DQ_HALVES: 64 queries at a time, half the accumulator registers (causal builds)
                 DQ_ROWS: gl.constexpr = BLOCK_M // 2 if DQ_HALVES else BLOCK_M
-                for part in gl.static_range(BLOCK_M // DQ_ROWS):
-                    dq = _dq_issue(dsq_smem.slice(part * DQ_ROWS, DQ_ROWS), ks_tile, HEAD_DIM, DQ_ROWS)
-                    if part == 0:
-                        dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
-                        mbarrier.arrive(empty.index(st), count=1)
-                    else:
-                        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-                    _dq_add(dq, dq_e, DQ_b, hh, m0 + part * DQ_ROWS, Sq, stride_dqm, stride_dqh, HEAD_DIM, DQ_ROWS)
+                if DQ_PROBE == 2 or DQ_PROBE == 4:
+                    dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+                    mbarrier.arrive(empty.index(st), count=1)
+                else:
+                    for part in gl.static_range(BLOCK_M // DQ_ROWS):
+                        dq = _dq_issue(dsq_smem.slice(part * DQ_ROWS, DQ_ROWS), ks_tile, HEAD_DIM, DQ_ROWS)
+                        if part == 0:
+                            dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+                            mbarrier.arrive(empty.index(st), count=1)
+                        else:
+                            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+                        if DQ_PROBE != 3:
+                            _dq_add(dq, dq_e, DQ_b, hh, m0 + part * DQ_ROWS, Sq, stride_dqm, stride_dqh, HEAD_DIM,
+                                    DQ_ROWS)
+                        else:  # the adds' addressing and issue without their memory traffic: plain stores
+                            # under a mask that never holds (e >= -127)
+                            _dq_add_probe(dq, dq_e, DQ_b, hh, m0 + part * DQ_ROWS, Sq, stride_dqm, stride_dqh,
+                                          HEAD_DIM, DQ_ROWS)
             else:
                 dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
                 mbarrier.arrive(empty.index(st), count=1)  # stage st free: every read of it is done
