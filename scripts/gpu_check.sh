@@ -32,6 +32,8 @@
 #   fuseddq    the fused-dQ backward (GluonDkdvConfig.fuse_dq, opt-in): compile check, its GPU tests (tiny first),
 #              scripts/bench_fused_dq.py (kernels and public backward vs the split kernels and SDPA cuDNN, one run)
 #              (FUSED_DQ_K narrows the tests, FUSED_DQ_BENCH=0 skips the bench; stage fuseddqbench: the bench alone)
+#   fwdprobe   the Gluon forward's cost split: scripts/probe_fwd_gluon.py per MXATTN_FWD_PROBE build (no exp2, no O
+#              rescale, no row max, no softmax) beside the real one, timing only: OUTDIR/fwd_probe.jsonl
 #   dqprobe    the fused dQ's cost split: scripts/probe_fused_dq.py per MXATTN_DQ_PROBE build (no dS store, adds
 #              without traffic, exponent only) beside the real one, timing only: OUTDIR/dq_probe.jsonl
 #   varlenbwdtime  varlenbwd's timing rows alone (B16 H16 d128, mean length 2048; VARLEN_BWD_SEEDS, default "0 1"):
@@ -292,6 +294,15 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
         -k "${FUSED_DQ_K:-fused_dq and not tiny}" \
         2>&1 | grep -E "SQNR|passed|failed|Error|assert" | tail -30
       [ "${FUSED_DQ_BENCH:-1}" = 0 ] || run $PY scripts/bench_fused_dq.py "$OUT" ${FUSED_DQ_SHAPES:-} ;;
+    fwdprobe)
+      # the Gluon forward's cost split (attn_fwd_gluon.FWD_PROBE, timing only): the probe builds compiled side by
+      # side, then timed one after the other on FP8 operands (d128 S 8k both masks, S 4k, d64 S 8k); probe 0 also
+      # times the tl kernel and SDPA cuDNN BF16.  Rows: OUTDIR/fwd_probe.jsonl, printed
+      for p in 0 1 2 3 4; do
+        MXATTN_FWD_PROBE=$p run $PY scripts/probe_fwd_gluon.py --compile-only "$OUT/fwd_probe_compile.jsonl" &
+      done
+      wait
+      for p in 0 1 2 3 4; do MXATTN_FWD_PROBE=$p run $PY scripts/probe_fwd_gluon.py "$OUT/fwd_probe.jsonl"; done ;;
     dqprobe)
       # the fused dQ's cost split (attn_bwd_dkdv_gluon.DQ_PROBE, timing only): the probe builds compiled side by side
       # on tiny shapes, then timed one after the other at B2 H16 S8k d64 (both masks) and B8 H12 S2k d64 causal;

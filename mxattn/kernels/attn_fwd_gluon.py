@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,15 @@ LOG2E = 1.4426950408889634
 K_EXP_GROUP = gl.constexpr(128)  # keys sharing one K exponent (formats.RowScaledFP8 K layout); BLOCK_N divides it
 WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 BLOCK_M = gl.constexpr(128)  # query rows per CTA: two consumer warpgroups
+# Cost-split builds of the consumer loop, for timing only (their output is wrong).  Read once at import from
+# MXATTN_FWD_PROBE (scripts/probe_fwd_gluon.py runs one process per value): 0 (default) the real kernel; 1 no exp2
+# on the scores (p = x, so the MUFU work of a tile is its 64 alpha values); 2 no O rescale; 3 no row max (the
+# shift is the previous max: no FMNMX tree, no shuffles); 4 no softmax at all (P = S: only the two products,
+# the conversion and the ring).  Unmasked tiles only: the masked branch (partial and diagonal tiles) is the real
+# one in every build.  (A build without the P V product serialized the wgmma pipeline, C7514: not offered.)
+FWD_PROBE = gl.constexpr(int(os.environ.get("MXATTN_FWD_PROBE", "0")))
+if FWD_PROBE.value not in range(5):
+    raise ValueError(f"MXATTN_FWD_PROBE must be 0..4, got {FWD_PROBE.value}")
 
 
 @dataclass(frozen=True)
@@ -158,7 +168,10 @@ def _scores(qk, m_i, rs, offs_m, n0, Sk, causal_off,
     else:
         # rs > 0: max(qk * rs) = max(qk) * rs, and scale and shift are one FMA per element.  Explicit fma in both
         # branches: with a plain mul + sub LLVM sank the common sub below the branch join and the FMA was lost.
-        m_new = gl.maximum(m_i, gl.max(qk, 1) * rs)
+        if FWD_PROBE == 3:
+            m_new = m_i
+        else:
+            m_new = gl.maximum(m_i, gl.max(qk, 1) * rs)
         x = gl.fma(qk, rs2, gl.expand_dims(8.0 - m_new, 1))
     return x, m_new
 
@@ -176,8 +189,13 @@ def _softmax_tile(qk, m_i, l_i, rs, offs_m, n0, masked, Sk, causal_off,
         x, m_new = _scores(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N, True, CAUSAL, K_PERM)
         p = gl.where(x == float("-inf"), 0.0, gl.exp2(x))
     else:
+        if FWD_PROBE == 4:
+            return qk, m_i, gl.full_like(m_i, 1.0), l_i
         x, m_new = _scores(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N, False, CAUSAL, K_PERM)
-        p = gl.exp2(x)  # <= 256: fits e4m3 with the constant scale 2^-8
+        if FWD_PROBE == 1:
+            p = x
+        else:
+            p = gl.exp2(x)  # <= 256: fits e4m3 with the constant scale 2^-8
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, 1)  # from the fp32 p (summing p8 back in fp32 gave NaNs on triton 3.6)
     return p, m_new, alpha, l_i
@@ -263,7 +281,8 @@ def _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bar
                                              BLOCK_N, CAUSAL, K_PERM)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(v_empty.index(sv), count=1)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        if FWD_PROBE != 2:
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         m_i = m_new
     # issue block n_tiles: O += P_{n-1} V_{n-1}
     sv = (n_tiles - 1) % STAGES
