@@ -34,6 +34,8 @@
 #              (FUSED_DQ_K narrows the tests, FUSED_DQ_BENCH=0 skips the bench; stage fuseddqbench: the bench alone)
 #   fwdprobe   the Gluon forward's cost split: scripts/probe_fwd_gluon.py per MXATTN_FWD_PROBE build (no exp2, no O
 #              rescale, no row max, no softmax) beside the real one, timing only: OUTDIR/fwd_probe.jsonl
+#   bwdprobe   the Gluon dK/dV step's cost split: scripts/probe_bwd_gluon.py per MXATTN_DKDV_PROBE build (no exp2, no
+#              dS exponent) beside the real one, timing only: OUTDIR/bwd_probe.jsonl
 #   dqprobe    the fused dQ's cost split: scripts/probe_fused_dq.py per MXATTN_DQ_PROBE build (no dS store, adds
 #              without traffic, exponent only) beside the real one, timing only: OUTDIR/dq_probe.jsonl
 #   varlenbwdtime  varlenbwd's timing rows alone (B16 H16 d128, mean length 2048; VARLEN_BWD_SEEDS, default "0 1"):
@@ -303,6 +305,15 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
       done
       wait
       for p in 0 1 2 3 4; do MXATTN_FWD_PROBE=$p run $PY scripts/probe_fwd_gluon.py "$OUT/fwd_probe.jsonl"; done ;;
+    bwdprobe)
+      # the Gluon dK/dV step's cost split (attn_bwd_dkdv_gluon.DKDV_PROBE, timing only): builds compiled side by side,
+      # then timed one after the other (d128 S 8k both masks, S 4k, the training shape B8 H12 S2k d64 causal); probe
+      # 0 also times the dQ kernel.  Rows: OUTDIR/bwd_probe.jsonl, printed
+      for p in 0 1 2; do
+        MXATTN_DKDV_PROBE=$p run $PY scripts/probe_bwd_gluon.py --compile-only "$OUT/bwd_probe_compile.jsonl" &
+      done
+      wait
+      for p in 0 1 2; do MXATTN_DKDV_PROBE=$p run $PY scripts/probe_bwd_gluon.py "$OUT/bwd_probe.jsonl"; done ;;
     dqprobe)
       # the fused dQ's cost split (attn_bwd_dkdv_gluon.DQ_PROBE, timing only): the probe builds compiled side by side
       # on tiny shapes, then timed one after the other at B2 H16 S8k d64 (both masks) and B8 H12 S2k d64 causal;

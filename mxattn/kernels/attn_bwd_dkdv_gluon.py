@@ -333,6 +333,14 @@ BLOCK_N_WG = gl.constexpr(64)  # keys per consumer warpgroup when split
 DQ_PROBE = gl.constexpr(int(os.environ.get("MXATTN_DQ_PROBE", "0")))
 if DQ_PROBE.value not in (0, 1, 3, 4):
     raise ValueError(f"MXATTN_DQ_PROBE must be 0, 1, 3 or 4, got {DQ_PROBE.value}")
+# Cost-split builds of the dK / dV step (no fused dQ), for timing only: their gradients are wrong.  Read once at
+# import from MXATTN_DKDV_PROBE (scripts/probe_bwd_gluon.py, one process per value): 0 (default) the real kernel;
+# 1 no exp2 on the unmasked tiles (Pᵀ = x); 2 no dS exponent with ``ds_exp="key"`` (the keys' exponents stay: no
+# amax, no dK row rescale).  (Builds without one of the products would serialize the wgmma pipeline, as the
+# forward's did: not offered.)
+DKDV_PROBE = gl.constexpr(int(os.environ.get("MXATTN_DKDV_PROBE", "0")))
+if DKDV_PROBE.value not in range(3):
+    raise ValueError(f"MXATTN_DKDV_PROBE must be 0, 1 or 2, got {DKDV_PROBE.value}")
 
 
 @gluon.jit
@@ -352,6 +360,8 @@ def _p_tile(s, a, b_row, m0, key_lim, diag, MASKED: gl.constexpr, CAUSAL: gl.con
         else:
             keep = rows < key_lim
         x = gl.where(keep, x, float("-inf"))
+    elif DKDV_PROBE == 1:
+        return x
     return gl.exp2(x)  # P * 256, 0 where masked or where the query row sees nothing
 
 
@@ -678,7 +688,8 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
                 # end of step j after dK_{j-1}'s wait, under dV_j (ptxas sinks them below the final wait, onto the
                 # step's tail, and with the wait before dV_j's issue it hoists that wait up to dPᵀ_j's)
                 dk = _dk_pending(dk, dk_hh, 0, QSE, stride_qseh, stride_qsed, o_layout, HEAD_DIM)
-                dk = _row_scale(dk, dk_f, o_layout)
+                if DKDV_PROBE != 2:
+                    dk = _row_scale(dk, dk_f, o_layout)
             else:
                 dk = _dk_pending(dk, dk_hh, dk_sh, QSE, stride_qseh, stride_qsed, o_layout, HEAD_DIM)
             if j - t * n_m == 0:
@@ -741,7 +752,10 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
         # the tile's exponent (a cross-warp max) or the keys' (DS_KEY_EXP: row maxima), its e4m3 dSᵀ and the dK
         # rescale (rare per tile, every step per key), under dV's product
         if DS_KEY_EXP:
-            e, dk_hi = _key_exp(ds, dk_e, dk_hi)  # the bound too (all-zero rows leave it: no split special case)
+            if DKDV_PROBE == 2:
+                e = dk_e
+            else:
+                e, dk_hi = _key_exp(ds, dk_e, dk_hi)  # the bound too (all-zero rows leave it: no split special case)
         else:
             amax = gl.max(gl.max(gl.abs(ds), 1), 0)
             e = gl.maximum(_sticky_exp(_rceil_exp(amax, dk_e), dk_e), dk_hi - 64)  # _bounded_exp(_sticky_exp(...))
@@ -775,7 +789,8 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
         else:
             if DS_KEY_EXP:
                 ds8 = gl.convert_layout((ds * gl.expand_dims(_pow2(-e), 1)).to(gl.float8e4nv), a_layout)
-                dk = _row_scale(dk, _pow2(dk_e - e), o_layout)
+                if DKDV_PROBE != 2:
+                    dk = _row_scale(dk, _pow2(dk_e - e), o_layout)
             else:
                 ds8 = gl.convert_layout((ds * _pow2(-e)).to(gl.float8e4nv), a_layout)
                 if e != dk_e:  # rare: only when the tile's exponent leaves the hysteresis window
@@ -813,7 +828,8 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
             ds8 = gl.convert_layout(dsc.to(gl.float8e4nv), a_layout)
             if DS_KEY_EXP:
                 dk = _dk_pending(dk, dk_hh, 0, QSE, stride_qseh, stride_qsed, o_layout, HEAD_DIM)
-                dk = _row_scale(dk, dk_f, o_layout)
+                if DKDV_PROBE != 2:
+                    dk = _row_scale(dk, dk_f, o_layout)
             else:
                 dk = _dk_pending(dk, dk_hh, dk_sh, QSE, stride_qseh, stride_qsed, o_layout, HEAD_DIM)
             dk = warpgroup_mma(ds8, qs_smem.index(sp).permute((1, 0)), dk, is_async=True)

@@ -1,0 +1,57 @@
+"""Cost split of the Gluon dK/dV kernel's step (timing only; the probe builds give wrong gradients).
+
+    MXATTN_DKDV_PROBE=<0..2> PYTHONPATH=. python3 scripts/probe_bwd_gluon.py [--compile-only] OUT.jsonl
+
+Probe (attn_bwd_dkdv_gluon.DKDV_PROBE): 0 the real kernel, 1 no exp2 on the unmasked tiles, 2 no dS exponent
+(the keys' exponents stay: no amax, no dK row rescale).  The API's default dK/dV config per head dim (split;
+64-query steps at d128, 128-query steps at d64).  Appends one JSON line per shape with the kernel's ms; probe 0
+also times the default dQ kernel on the same operands."""
+import json
+import os
+import sys
+
+import torch
+import triton
+
+SHAPES = ((2, 16, 8192, 128, False), (2, 16, 8192, 128, True), (2, 16, 4096, 128, False), (8, 12, 2048, 64, True))
+
+
+def _ms(fn) -> float:
+    return float(triton.testing.do_bench(fn, warmup=10, rep=200, return_mode="median"))
+
+
+def main():
+    from mxattn.kernels.attn_bwd_dkdv_gluon import GluonDkdvConfig, attn_bwd_dkdv_gluon
+    from mxattn.kernels.attn_bwd_dq_gluon import GluonDqConfig, attn_bwd_dq_gluon, backward_operands
+
+    compile_only = "--compile-only" in sys.argv
+    out = [a for a in sys.argv[1:] if not a.startswith("--")][0]
+    probe = int(os.environ.get("MXATTN_DKDV_PROBE", "0"))
+    shapes = ((1, 2, 512, 128, False), (1, 2, 512, 128, True), (1, 2, 512, 64, True)) if compile_only else SHAPES
+    for B, H, S, D, causal in shapes:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, dout = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+        names = ("q", "k", "v_hdim", "q_seq", "k_seq", "dout_hdim", "dout_seq", "lse", "delta")
+        ops, _ = backward_operands(q, k, v, dout, causal, names)
+        dkdv = {n: ops[n] for n in names if n != "k_seq"}
+        kc = GluonDkdvConfig(split=True, block_m=128 if D == 64 else 64)
+        run = lambda: attn_bwd_dkdv_gluon(**dkdv, causal=causal, config=kc)  # noqa: E731
+        if compile_only:
+            run()
+            torch.cuda.synchronize()
+            continue
+        row = {"probe": probe, "B": B, "H": H, "S": S, "D": D, "causal": causal, "dkdv_ms": _ms(run)}
+        flops = 4 * 4 * B * H * S * S * D * (0.5 if causal else 1.0) / 2  # four products of 2 B H S^2 D
+        row["dkdv_tflops"] = flops / row["dkdv_ms"] / 1e9
+        if probe == 0:
+            qc = GluonDqConfig(split=True, block_n=128 if D == 64 else 64)
+            row["dq_ms"] = _ms(lambda: attn_bwd_dq_gluon(ops["q"], ops["k"], ops["v_hdim"], ops["k_seq"],
+                                                        ops["dout_hdim"], ops["lse"], ops["delta"], causal=causal,
+                                                        config=qc))
+        print(json.dumps(row), flush=True)
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
