@@ -10,6 +10,11 @@
 #   bwdgluon   the Gluon dQ / dK-dV backward kernels: compile checks, small cases under a timeout, all GPU tests
 #   lineargluon  the Gluon linear + MXFP8 quantize: compile check, tiny cases under a timeout, its GPU tests, the
 #              linear_quant GPU tests, bench_producers (gluon / tl / cuBLAS FP8 rows)
+#   lineartiles  the Gluon linear's tile widths (perf-notes-producers.md, session 14): the compile check of the new
+#              variants and a warm-up of the bench's kernels beside the GPU tests (tiny first, under a short timeout;
+#              then one process per config), then scripts/bench_linear_tiles.py (block_n 128 / 256 configs beside
+#              cuBLAS FP8 and BF16 + quantize, M 16k K 4096 N 4096 / 12288, hdim / both): a table on stdout,
+#              linear_tiles.json and linear_tiles_tests.log (~5 min)
 #   host       scripts/host_timing.py: host us per call of each layer (launch overhead): host_timing JSON + .txt
 #   bwdsweep   backward tile sweep (SWEEP_CONFIGS) at S 8k, kernels only
 #   profile    scripts/profile_attn.py: kernel-by-kernel device time of one public call, fwd and fwd+bwd, vs cuDNN
@@ -117,6 +122,33 @@ for st in $STAGES; do
         2>&1 | tee "$OUT/linear_gluon_tests.log" | tail -40
       run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_producers.py -k linear
       run $PY -c "import sys; from mxattn.producers import bench_producers; print(bench_producers(outdir=sys.argv[1]))" "$OUT" ;;
+    lineartiles)
+      # CPU-side work runs beside the tests: the compile check (new variants) and one call of each bench kernel
+      # (compiles into Triton's cache, so the timed run compiles nothing); their output is printed, not kept
+      tmp=$(mktemp -d)
+      run $PY scripts/compile_check_linear_gluon.py \
+        --only hdim_fast,both_fast,hdim_wide,both_wide,hdim_wide_epi,both_wide_epi > "$tmp/compile.txt" 2>&1 &
+      T=100 run $PY -m pytest -m gpu -q -x -rfE -p no:cacheprovider tests/test_linear_gluon.py \
+        -k "tiles_tiny or (gluon_tiny and both and not inline)" \
+        2>&1 | tail -5
+      run $PY scripts/bench_linear_tiles.py --warm-only > "$tmp/warm.txt" 2>&1 &
+      # one process per config (each compiles only its kernels); the special-values test rides with wide_epi, the
+      # default (precise, 128) on the N tails with n64 (its epilogue now skips the parts past N)
+      i=0
+      for k in "fast128" "n64) or (gluon_matches_tl and both and not inline" "wide and not wide_epi" \
+               "wide_epi or special_values"; do
+        i=$((i + 1))
+        T=200 run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_linear_gluon.py \
+          -k "(tiles and not tiny and ($k))" > "$tmp/tests.$i.log" 2>&1 &
+      done
+      wait
+      cat "$tmp"/tests.*.log > "$OUT/linear_tiles_tests.log"
+      grep -hE "passed|failed|error" "$tmp"/tests.*.log | grep -E "^[0-9=]" ; grep -hE "^(FAILED|ERROR)" "$tmp"/tests.*.log | head -20
+      grep -E "^!!|^== |registers|spills|shared memory|consumer loop|all variants|FAILED|ERROR" "$tmp/compile.txt" \
+        | sed -E 's/;  *(UIADD3|USHF|UMOV).*//' | cut -c1-170
+      grep -E "^!!|warm" "$tmp/warm.txt" | tail -14
+      rm -rf "$tmp"
+      T=170 run $PY scripts/bench_linear_tiles.py --out "$OUT/linear_tiles.json" ;;
     bwdgluon)
       # the warp-specialized Gluon backward kernels (the API's default on Hopper; the split dK/dV variant opt-in):
       # compile checks (both dK/dV builds), two small cases
