@@ -37,10 +37,8 @@ def variants():
         "gluon128_precise": (C(), True),  # today's default
         "gluon128_fast": (C(), False),
         "gluon256_inline": (C.wide(), False),
-        "gluon256_epi": (C.wide_epi(), False),
-        # the other register split of the 2-warp epilogue (compile check: "both" spills 892 instead of 1468 bytes,
-        # hdim 40 instead of 0)
-        "gluon256_epi_r184": (dataclasses.replace(C.wide_epi(), consumer_regs=160, epi_regs=184), False),
+        "gluon256_epi": (C.wide_epi(), False),  # 4-warp epilogue partition, two m64n128k32 per step
+        "gluon256_epi2": (C.wide_epi2(), False),  # one m64n256k32 per step, 2-warp epilogue
     }
 
 

@@ -31,12 +31,13 @@ from compile_check_gluon import check as check_gluon  # noqa: E402
 
 def config(name: str):
     """The GluonLinearConfig of a variant's config name: default, inline, wide (128 x 256, no epilogue partition),
-    wide_epi (128 x 256 with it), n64."""
+    wide_epi (128 x 256 with the 4-warp epilogue partition, two m64n128k32 per step), wide_epi2 (m64n256k32 and a
+    2-warp epilogue), n64."""
     from mxattn.kernels import linear_quant_gluon as m
 
     base = m.GluonLinearConfig()
     return {"default": base, "inline": base.inline(), "wide": base.wide(), "wide_epi": base.wide_epi(),
-            "n64": m.GluonLinearConfig(block_n=64)}[name]
+            "wide_epi2": base.wide_epi2(), "n64": m.GluonLinearConfig(block_n=64)}[name]
 
 
 def compile_variant(hdim: bool, seq: bool, bias: bool, precise: bool, swz: bool = False, stages: int | None = None,
@@ -64,7 +65,8 @@ def compile_variant(hdim: bool, seq: bool, bias: bool, precise: bool, swz: bool 
     consts = dict(BN=bn, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=stages or cfg.stages, PRECISE=precise,
                   HAS_BIAS=bias, HDIM=hdim, SEQ=seq, RCEIL=True, SOFT=False, SWZ=swz,
                   EPI_PARTITION=cfg.epi_partition, CONSUMER_REGS=cfg.consumer_regs,
-                  PRODUCER_REGS=cfg.producer_regs, EPI_REGS=cfg.epi_regs, EPI_WARPS=cfg.epi_warps)
+                  PRODUCER_REGS=cfg.producer_regs, EPI_REGS=cfg.epi_regs, EPI_WARPS=cfg.epi_warps,
+                  MMA_N=m.GluonLinearConfig(**{**vars(cfg), "block_n": bn}).mma_cols())
     return compile_sm90(m._linear_quant_ws_kernel, consts, descs, ptrs, (), 4, cfg.maxnreg)
 
 
@@ -162,6 +164,8 @@ VARIANTS = {  # name: (hdim, seq, bias, precise, swz, config name: see config())
     "both_bias_wide": (True, True, True, False, False, "wide"),
     "hdim_wide_epi": (True, False, False, False, False, "wide_epi"),
     "both_wide_epi": (True, True, False, False, False, "wide_epi"),
+    "hdim_wide_epi2": (True, False, False, False, False, "wide_epi2"),
+    "both_wide_epi2": (True, True, False, False, False, "wide_epi2"),
 }
 
 

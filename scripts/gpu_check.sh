@@ -127,7 +127,8 @@ for st in $STAGES; do
       # (compiles into Triton's cache, so the timed run compiles nothing); their output is printed, not kept
       tmp=$(mktemp -d)
       run $PY scripts/compile_check_linear_gluon.py \
-        --only hdim_fast,both_fast,hdim_wide,both_wide,hdim_wide_epi,both_wide_epi > "$tmp/compile.txt" 2>&1 &
+        --only hdim_fast,both_fast,hdim_wide,both_wide,hdim_wide_epi,both_wide_epi,hdim_wide_epi2,both_wide_epi2 \
+        > "$tmp/compile.txt" 2>&1 &
       T=100 run $PY -m pytest -m gpu -q -x -rfE -p no:cacheprovider tests/test_linear_gluon.py \
         -k "tiles_tiny or (gluon_tiny and both and not inline)" \
         2>&1 | tail -5
@@ -136,7 +137,7 @@ for st in $STAGES; do
       # default (precise, 128) on the N tails with n64 (its epilogue now skips the parts past N)
       i=0
       for k in "fast128" "n64) or (gluon_matches_tl and both and not inline" "wide and not wide_epi" \
-               "wide_epi or special_values"; do
+               "wide_epi and not wide_epi2" "wide_epi2 or special_values"; do
         i=$((i + 1))
         T=200 run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_linear_gluon.py \
           -k "(tiles and not tiny and ($k))" > "$tmp/tests.$i.log" 2>&1 &

@@ -150,10 +150,10 @@ def _configs():
 
     c = g.GluonLinearConfig()
     return {"default": c, "inline": c.inline(), "n64": g.GluonLinearConfig(block_n=64), "wide": c.wide(),
-            "wide_epi": c.wide_epi()}
+            "wide_epi": c.wide_epi(), "wide_epi2": c.wide_epi2()}
 
 
-@pytest.mark.parametrize("name", ["default", "inline", "n64", "wide", "wide_epi"])
+@pytest.mark.parametrize("name", ["default", "inline", "n64", "wide", "wide_epi", "wide_epi2"])
 def test_config_fits_the_register_file_and_shared_memory(name):
     pytest.importorskip("triton.experimental.gluon")
     from mxattn.kernels import linear_quant_gluon as g
@@ -179,12 +179,17 @@ def test_wide_is_the_128x256_tile():
     pytest.importorskip("triton.experimental.gluon")
     from mxattn.kernels import linear_quant_gluon as g
 
-    w, we = g.GluonLinearConfig.wide(), g.GluonLinearConfig.wide_epi()
-    assert w.block_n == we.block_n == 256 and g.BLOCK_M.value == 128
-    assert not w.epi_partition and w.maxnreg == 168 and w.consumer_regs >= 160  # the launch ptxas checks wgmma at
-    assert we.epi_partition and we.epi_warps == 2 and we.maxnreg == 168 and we.warps() == 12
-    assert g.GluonLinearConfig().block_n == 128  # the default is unchanged
-    for c in (w, we):
+    w, we, we2 = g.GluonLinearConfig.wide(), g.GluonLinearConfig.wide_epi(), g.GluonLinearConfig.wide_epi2()
+    assert w.block_n == we.block_n == we2.block_n == 256 and g.BLOCK_M.value == 128
+    # one m64n256k32 per consumer needs maxnreg >= 160 at launch (ptxas C7602): 12 warps
+    assert not w.epi_partition and w.maxnreg == 168 and w.mma_cols() == 256 and w.consumer_regs >= 160
+    assert we2.epi_partition and we2.epi_warps == 2 and we2.maxnreg == 168 and we2.warps() == 12
+    assert we2.mma_cols() == 256
+    # the 4-warp epilogue partition (16 warps, maxnreg 128) with two m64n128k32 per consumer and step
+    assert we.epi_partition and we.epi_warps == 4 and we.maxnreg == 128 and we.warps() == 16
+    assert we.mma_cols() == 128
+    assert g.GluonLinearConfig().block_n == 128 and g.GluonLinearConfig().mma_cols() == 128  # default unchanged
+    for c in (w, we, we2):
         c.validate(precise=False)
         with pytest.raises(ValueError, match="fast accumulation"):
             c.validate(precise=True)
@@ -200,6 +205,7 @@ def test_wide_is_the_128x256_tile():
     (dict(epi_regs=220), "default partition|partition registers"),  # consumer 0 left with 112 < 144
     (dict(stages=6), "shared memory"),  # 6 x 32 KB + 64 KB of slots
     (dict(block_n=256), "consumer_regs|maxnreg|shared memory"),  # the 16-warp split cannot hold the 256 tile
+    (dict(mma_n=64), "mma_n"), (dict(mma_n=256), "mma_n"),
 ])
 def test_validate_rejects(change, match):
     pytest.importorskip("triton.experimental.gluon")
@@ -214,7 +220,8 @@ def test_validate_rejects(change, match):
 @pytest.mark.parametrize("change,match", [
     (dict(block_k=128), "shared memory"),  # 4 x 48 KB ring + 128 KB of slots
     (dict(consumer_regs=152), "consumer_regs"),
-    (dict(maxnreg=176), "maxnreg"),  # 12 warps x 176 > 64K
+    (dict(mma_n=0), "m64n256k32 wgmma needs maxnreg"),  # one m64n256k32 at the 16-warp launch: C7602
+    (dict(mma_n=64), "mma_n"),
 ])
 def test_validate_rejects_wide_epi(change, match):
     pytest.importorskip("triton.experimental.gluon")
@@ -224,6 +231,21 @@ def test_validate_rejects_wide_epi(change, match):
 
     with pytest.raises(ValueError, match=match):
         dataclasses.replace(g.GluonLinearConfig.wide_epi(), **change).validate(precise=False)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(block_k=128), "shared memory"),
+    (dict(maxnreg=176), "maxnreg"),  # 12 warps x 176 > 64K
+    (dict(epi_regs=200), "default partition|partition registers"),  # consumer 0 left with 136
+])
+def test_validate_rejects_wide_epi2(change, match):
+    pytest.importorskip("triton.experimental.gluon")
+    import dataclasses
+
+    from mxattn.kernels import linear_quant_gluon as g
+
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(g.GluonLinearConfig.wide_epi2(), **change).validate(precise=False)
 
 
 def test_launcher_validates_before_any_launch(clean_switch):
@@ -408,7 +430,7 @@ def test_gpu_gluon_special_values(gen, clean_switch, variant):
 # multiples of 16 except N 96, K multiples of 16.
 # ----------------------------------------------------------------------------------------------
 
-TILE_CONFIGS = ["fast128", "n64", "wide", "wide_epi"]
+TILE_CONFIGS = ["fast128", "n64", "wide", "wide_epi", "wide_epi2"]
 TAILS = [(1, 199, 160, 96), (2, 45, 272, 200), (1, 130, 256, 300), (3, 129, 1040, 600), (1, 1000, 4096, 1000)]
 
 
@@ -416,7 +438,8 @@ def _tile_config(monkeypatch, name):
     import mxattn.kernels.linear_quant_gluon as g
 
     cfg = {"fast128": g.GluonLinearConfig(), "n64": g.GluonLinearConfig(block_n=64),
-           "wide": g.GluonLinearConfig.wide(), "wide_epi": g.GluonLinearConfig.wide_epi()}[name]
+           "wide": g.GluonLinearConfig.wide(), "wide_epi": g.GluonLinearConfig.wide_epi(),
+           "wide_epi2": g.GluonLinearConfig.wide_epi2()}[name]
     monkeypatch.setattr(g, "CONFIG_OVERRIDE", cfg)
 
 
@@ -440,7 +463,7 @@ def test_gpu_tiles_tails_match_tl(gen, clean_switch, B, S, K, N, cfg):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("cfg", ["wide", "wide_epi"])
+@pytest.mark.parametrize("cfg", ["wide", "wide_epi", "wide_epi2"])
 @pytest.mark.parametrize("orient", ["hdim", "seq"])
 def test_gpu_tiles_one_orientation(gen, clean_switch, orient, cfg):
     _tile_config(clean_switch, cfg)
@@ -449,7 +472,7 @@ def test_gpu_tiles_one_orientation(gen, clean_switch, orient, cfg):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("cfg", ["wide", "wide_epi"])
+@pytest.mark.parametrize("cfg", ["wide", "wide_epi", "wide_epi2"])
 def test_gpu_tiles_many_tiles_per_cta(gen, clean_switch, cfg):
     """More 128 x 256 tiles than SMs (the ring and the slots wrap across tiles), B > 1, tiled hdim scales."""
     _tile_config(clean_switch, cfg)
@@ -469,7 +492,7 @@ def test_gpu_tiles_special_values(gen, clean_switch):
     w = _rand((N, K), torch.bfloat16, gen, K ** -0.5)
     xr, wr = kl.row_scaled_rows(x), kl.row_scaled_rows(w)
     want = _fwd("tl", xr, wr, None, B, S, "both", False)
-    for cfg in ("wide", "wide_epi"):
+    for cfg in ("wide", "wide_epi", "wide_epi2"):
         _tile_config(clean_switch, cfg)
         got = _fwd("gluon", xr, wr, None, B, S, "both", False)
         for key in want:

@@ -60,6 +60,12 @@ from mxattn.kernels.linear_quant import _pow2_wide, band_tile
 from mxattn.kernels.quantize import _e4m3_bytes, _hdim_mx, _mx_exponent, _nan_bytes, _pow2, _tiled_offset, _to_f32
 from mxattn.kernels.rmsnorm_quant import _pack4
 
+# a barrier of the calling partition's warps: gl.thread_barrier in triton 3.6, gl.barrier from 3.7 on
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+# a TMA tile load into shared memory: tma.async_copy_global_to_shared in triton 3.6, tma.async_load later (the old
+# name raises there)
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
 WG_ROWS = gl.constexpr(64)  # rows per consumer warpgroup (one wgmma M)
 BLOCK_M = gl.constexpr(128)  # rows per tile: two consumer warpgroups
 
@@ -99,6 +105,13 @@ class GluonLinearConfig:
     # warpgroup: 12 warps launched, so maxnreg 168; the producer then gets epi_regs, Triton's rule for partitions
     # that share a warpgroup); 2 warps quantize 64 x 32 parts
     epi_warps: int = 4
+    # wgmma N (0: block_n).  block_n 256 with mma_n 128: two m64n128k32 per k32 step per consumer (A read twice
+    # from shared memory) instead of one m64n256k32, which ptxas refuses at the 16-warp launch's maxnreg 128
+    # (C7602: that instruction needs >= 154 registers at launch), so the 4-warp epilogue partition stays
+    mma_n: int = 0
+
+    def mma_cols(self) -> int:
+        return self.mma_n or self.block_n
 
     def warps(self) -> int:
         """Warps launched: four warpgroups with the epilogue partition, three without (the producer's one warp
@@ -137,6 +150,11 @@ class GluonLinearConfig:
             bad("block_k must be 32, 64 or 128 (whole wgmma k32 steps; TMA rows of at most 128 bytes)")
         if self.stages < 2 or self.group_m < 1:
             bad("stages must be >= 2 and group_m >= 1")
+        if self.mma_cols() not in (self.block_n, 128) or self.block_n % self.mma_cols():
+            bad("mma_n must be 0 (block_n) or 128 with block_n 256")
+        if self.mma_cols() > 128 and self.maxnreg < 160:
+            bad("a m64n256k32 wgmma needs maxnreg >= 160 at launch (ptxas C7602 below 154): the 16-warp launch "
+                "(epilogue partition of 4 warps) takes mma_n 128")
         if precise and self.block_n > 128:
             # the K-step partial beside the running accumulator: 2 x 128 fp32 registers per thread at 256
             bad("block_n 256 runs with fast accumulation only (precise_acc=False)")
@@ -157,21 +175,29 @@ class GluonLinearConfig:
 
     def inline(self) -> "GluonLinearConfig":
         """The variant without the epilogue partition, with its register split."""
-        return GluonLinearConfig(self.block_n, self.block_k, self.stages, self.group_m, False, 168, 240, 24, 0, 4)
+        return GluonLinearConfig(self.block_n, self.block_k, self.stages, self.group_m, False, 168, 240, 24, 0, 4,
+                                 self.mma_n)
 
     @staticmethod
     def wide() -> "GluonLinearConfig":
         """The 128 x 256 tile: one m64n256k32 accumulator (128 fp32 registers) per consumer, fast accumulation
         only, no epilogue partition (12 warps, maxnreg 168: consumers 240, producer 24), 4 x 48 KB ring."""
-        return GluonLinearConfig(256, 128, 4, 8, False, 168, 240, 24, 0, 4)
+        return GluonLinearConfig(256, 128, 4, 8, False, 168, 240, 24, 0, 4, 0)
 
     @staticmethod
     def wide_epi() -> "GluonLinearConfig":
-        """The 128 x 256 tile with an epilogue partition kept: ptxas needs >= 154 registers at launch for the
-        m64n256k32 wgmma (C7602 at maxnreg 128, the 16-warp launch), so the epilogue is 2 warps sharing the
-        producer's warpgroup: 12 warps at maxnreg 168; consumers 168, producer + epilogue 168 (quantizing 64 x 32
-        parts from shared memory).  The accumulator slots take 128 KB, so the ring is 4 x 24 KB of K = 64."""
-        return GluonLinearConfig(256, 64, 4, 8, True, 168, 168, 24, 168, 2)
+        """The 128 x 256 tile with the 4-warp epilogue partition (16 warps, maxnreg 128): each consumer issues two
+        m64n128k32 per k32 step (one m64n256k32 does not build at that launch, ``mma_n``); consumers 160
+        (two 64-register accumulators and addresses), producer 24, epilogue 168 (64 x 64 parts).  The
+        accumulator slots take 128 KB, so the ring is 4 x 24 KB of K = 64."""
+        return GluonLinearConfig(256, 64, 4, 8, True, 128, 160, 24, 168, 4, 128)
+
+    @staticmethod
+    def wide_epi2() -> "GluonLinearConfig":
+        """The 128 x 256 tile, one m64n256k32 per consumer and k32 step, with an epilogue partition of 2 warps
+        that shares the producer's warpgroup: 12 warps at maxnreg 168; consumers 168, producer + epilogue 168
+        (64 x 32 parts from shared memory, one 32 x 32 block per warp).  Ring 4 x 24 KB of K = 64."""
+        return GluonLinearConfig(256, 64, 4, 8, True, 168, 168, 24, 168, 2, 0)
 
 
 CONFIG_OVERRIDE: GluonLinearConfig | None = None  # tests and benchmarks: e.g. GluonLinearConfig().inline()
@@ -334,7 +360,21 @@ def _quantize_live(part, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, 
 
 
 @gluon.jit
-def _epilogue_inline(acc, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b64, s0, n0, S, N, S_pad,
+def _quarters(acc, acc1):
+    """The four 64-column parts of a consumer's 64 x 256 tile: halves of the halves of one m64n256 accumulator
+    (acc1 unused), or the halves of two m64n128 ones."""
+    if acc.shape[1] == 256:
+        lo, hi = _halves(acc)
+        q0, q1 = _halves(lo)
+        q2, q3 = _halves(hi)
+    else:
+        q0, q1 = _halves(acc)
+        q2, q3 = _halves(acc1)
+    return q0, q1, q2, q3
+
+
+@gluon.jit
+def _epilogue_inline(acc, acc1, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b64, s0, n0, S, N, S_pad,
                      BN: gl.constexpr, HAS_BIAS: gl.constexpr, HDIM: gl.constexpr, SEQ: gl.constexpr,
                      RCEIL: gl.constexpr, SOFT: gl.constexpr, SWZ: gl.constexpr):
     """The consumer quantizes its own 64 x BN accumulator, 64 columns at a time (the whole tile in the blocked
@@ -349,10 +389,8 @@ def _epilogue_inline(acc, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr,
                        HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
         _quantize_live(hi, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b64, s0, n0 + 64, S, N, S_pad,
                        HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
-    else:  # 256: halves of the halves (column bits 7 and 6 are register bits of the wgmma layout)
-        lo, hi = _halves(acc)
-        q0, q1 = _halves(lo)
-        q2, q3 = _halves(hi)
+    else:  # 256 (column bits 7 and 6 are register bits of the wgmma layouts)
+        q0, q1, q2, q3 = _quarters(acc, acc1)
         _quantize_live(q0, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b64, s0, n0, S, N, S_pad,
                        HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
         _quantize_live(q1, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b64, s0, n0 + 64, S, N, S_pad,
@@ -375,7 +413,8 @@ def _store64(part, acc_smem, i, PW: gl.constexpr):
 
 
 @gluon.jit
-def _handoff(acc, acc_smem, acc_ready, acc_empty, j, WG: gl.constexpr, BN: gl.constexpr, PW: gl.constexpr):
+def _handoff(acc, acc1, acc_smem, acc_ready, acc_empty, j, WG: gl.constexpr, BN: gl.constexpr,
+             PW: gl.constexpr):
     """EPI_PARTITION: the consumer's j-th accumulator to its shared-memory slots (parts of PW columns, consumer
     WG's at WG * BN / PW ...), for the epilogue partition.  Waits until the epilogue has read the slots' previous
     tile."""
@@ -387,15 +426,13 @@ def _handoff(acc, acc_smem, acc_ready, acc_empty, j, WG: gl.constexpr, BN: gl.co
         lo, hi = _halves(acc)
         _store64(lo, acc_smem, 2 * WG, PW)
         _store64(hi, acc_smem, 2 * WG + 1, PW)
-    else:  # 256: halves of the halves
-        lo, hi = _halves(acc)
-        q0, q1 = _halves(lo)
-        q2, q3 = _halves(hi)
+    else:  # 256
+        q0, q1, q2, q3 = _quarters(acc, acc1)
         _store64(q0, acc_smem, P64 * WG, PW)
         _store64(q1, acc_smem, P64 * WG + 1, PW)
         _store64(q2, acc_smem, P64 * WG + 2, PW)
         _store64(q3, acc_smem, P64 * WG + 3, PW)
-    gl.thread_barrier()  # every warp's stores before the one arrival
+    _cta_barrier()  # every warp's stores before the one arrival
     mbarrier.arrive(acc_ready.index(WG), count=1)
 
 
@@ -419,12 +456,12 @@ def _epilogue_partition(acc_smem, acc_ready, acc_empty, xe_ptr, we_ptr, b_ptr, h
                 if n0 + h * W < N:
                     raw = acc_smem.index(NP * c + h).load(_part_layout(W, NW))
                     if h == NP - 1:
-                        gl.thread_barrier()  # every warp has read the slot
+                        _cta_barrier()  # every warp has read the slot
                         mbarrier.arrive(acc_empty.index(c), count=1)
                     _quantize_part(raw, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b.to(gl.int64),
                                    s0 + c * WG_ROWS, n0 + h * W, S, N, S_pad, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
                 elif h == NP - 1:
-                    gl.thread_barrier()  # (the parts read before this one)
+                    _cta_barrier()  # (the parts read before this one)
                     mbarrier.arrive(acc_empty.index(c), count=1)
         j += 1
 
@@ -450,9 +487,9 @@ def _producer(x_desc, w_desc, a_smem, b_smem, ready, empty, S, K, n_m_tiles, n_r
             # a fresh mbarrier counts as having completed the phase before phase 0: the first pass does not wait
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), 2 * x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(x_desc, [row, kk * BK], ready.index(s), a_smem.index(2 * s))
-            tma.async_copy_global_to_shared(x_desc, [row + WG_ROWS, kk * BK], ready.index(s), a_smem.index(2 * s + 1))
-            tma.async_copy_global_to_shared(w_desc, [n0, kk * BK], ready.index(s), b_smem.index(s))
+            _tma_load(x_desc, [row, kk * BK], ready.index(s), a_smem.index(2 * s))
+            _tma_load(x_desc, [row + WG_ROWS, kk * BK], ready.index(s), a_smem.index(2 * s + 1))
+            _tma_load(w_desc, [n0, kk * BK], ready.index(s), b_smem.index(s))
             it += 1
 
 
@@ -462,15 +499,16 @@ def _consumer(a_smem, b_smem, ready, empty, acc_smem, acc_ready, acc_empty, xe_p
               WG: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
               PRECISE: gl.constexpr, HAS_BIAS: gl.constexpr, HDIM: gl.constexpr, SEQ: gl.constexpr,
               RCEIL: gl.constexpr, SOFT: gl.constexpr, SWZ: gl.constexpr, EPI_PARTITION: gl.constexpr,
-              EPI_WARPS: gl.constexpr):
-    mma: gl.constexpr = _mma_layout(BN)
-    zero = gl.zeros([WG_ROWS, BN], gl.float32, layout=mma)
+              EPI_WARPS: gl.constexpr, MMA_N: gl.constexpr):
+    mma: gl.constexpr = _mma_layout(MMA_N)
+    zero = gl.zeros([WG_ROWS, MMA_N], gl.float32, layout=mma)
     k_tiles = gl.cdiv(K, BK)
     it = 0
     j = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         b, s0, n0 = _tile_coords(t, S, n_m_tiles, n_row_tiles, n_col_tiles, BN, GROUP_M)
         acc = zero
+        acc1 = zero  # columns MMA_N .. BN - 1 when the tile takes two wgmma per k32 step (MMA_N < BN)
         for kk in range(k_tiles):
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
@@ -481,15 +519,23 @@ def _consumer(a_smem, b_smem, ready, empty, acc_smem, acc_ready, acc_empty, xe_p
                 part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
                 mbarrier.arrive(empty.index(s), count=1)
                 acc = acc + part
-            else:
+            elif MMA_N == BN:
                 acc = warpgroup_mma(a_smem.index(2 * s + WG), b_op, acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(empty.index(s), count=1)
+            else:  # two m64nMMA_Nk32 chains on the W tile's row halves (each instruction fits the 16-warp launch)
+                w_s = b_smem.index(s)
+                acc = warpgroup_mma(a_smem.index(2 * s + WG), w_s.slice(0, MMA_N).permute((1, 0)), acc,
+                                    is_async=True)
+                acc1 = warpgroup_mma(a_smem.index(2 * s + WG), w_s.slice(MMA_N, MMA_N).permute((1, 0)), acc1,
+                                     is_async=True)
+                acc, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc1))
+                mbarrier.arrive(empty.index(s), count=1)
             it += 1
         if EPI_PARTITION:
-            _handoff(acc, acc_smem, acc_ready, acc_empty, j, WG, BN, 64 if EPI_WARPS == 4 else 32)
+            _handoff(acc, acc1, acc_smem, acc_ready, acc_empty, j, WG, BN, 64 if EPI_WARPS == 4 else 32)
         else:
-            _epilogue_inline(acc, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b.to(gl.int64),
+            _epilogue_inline(acc, acc1, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b.to(gl.int64),
                              s0 + WG * WG_ROWS, n0, S, N, S_pad, BN, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
         j += 1
 
@@ -502,6 +548,7 @@ def _linear_quant_ws_kernel(
     PRECISE: gl.constexpr, HAS_BIAS: gl.constexpr, HDIM: gl.constexpr, SEQ: gl.constexpr,
     RCEIL: gl.constexpr, SOFT: gl.constexpr, SWZ: gl.constexpr, EPI_PARTITION: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, EPI_REGS: gl.constexpr, EPI_WARPS: gl.constexpr,
+    MMA_N: gl.constexpr,
 ):
     n_col_tiles = gl.cdiv(N, BN)
     n_tiles = n_row_tiles * n_col_tiles
@@ -527,10 +574,10 @@ def _linear_quant_ws_kernel(
         gl.warp_specialize([
             (_consumer, (a_smem, b_smem, ready, empty, acc_smem, acc_ready, acc_empty, xe_ptr, we_ptr, b_ptr, hd_ptr,
                          hs_ptr, cd_ptr, cs_ptr, S, N, K, S_pad, n_m_tiles, n_row_tiles, n_col_tiles, n_tiles,
-                         0, BN, BK, GROUP_M, STAGES, PRECISE, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ, True, EPI_WARPS)),
+                         0, BN, BK, GROUP_M, STAGES, PRECISE, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ, True, EPI_WARPS, MMA_N)),
             (_consumer, (a_smem, b_smem, ready, empty, acc_smem, acc_ready, acc_empty, xe_ptr, we_ptr, b_ptr, hd_ptr,
                          hs_ptr, cd_ptr, cs_ptr, S, N, K, S_pad, n_m_tiles, n_row_tiles, n_col_tiles, n_tiles,
-                         1, BN, BK, GROUP_M, STAGES, PRECISE, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ, True, EPI_WARPS)),
+                         1, BN, BK, GROUP_M, STAGES, PRECISE, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ, True, EPI_WARPS, MMA_N)),
             (_producer, (x_desc, w_desc, a_smem, b_smem, ready, empty, S, K, n_m_tiles, n_row_tiles, n_col_tiles,
                          n_tiles, BN, BK, GROUP_M, STAGES)),
             (_epilogue_partition, (acc_smem, acc_ready, acc_empty, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr,
@@ -541,10 +588,10 @@ def _linear_quant_ws_kernel(
         gl.warp_specialize([
             (_consumer, (a_smem, b_smem, ready, empty, acc_smem, acc_ready, acc_empty, xe_ptr, we_ptr, b_ptr, hd_ptr,
                          hs_ptr, cd_ptr, cs_ptr, S, N, K, S_pad, n_m_tiles, n_row_tiles, n_col_tiles, n_tiles,
-                         0, BN, BK, GROUP_M, STAGES, PRECISE, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ, False, EPI_WARPS)),
+                         0, BN, BK, GROUP_M, STAGES, PRECISE, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ, False, EPI_WARPS, MMA_N)),
             (_consumer, (a_smem, b_smem, ready, empty, acc_smem, acc_ready, acc_empty, xe_ptr, we_ptr, b_ptr, hd_ptr,
                          hs_ptr, cd_ptr, cs_ptr, S, N, K, S_pad, n_m_tiles, n_row_tiles, n_col_tiles, n_tiles,
-                         1, BN, BK, GROUP_M, STAGES, PRECISE, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ, False, EPI_WARPS)),
+                         1, BN, BK, GROUP_M, STAGES, PRECISE, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ, False, EPI_WARPS, MMA_N)),
             (_producer, (x_desc, w_desc, a_smem, b_smem, ready, empty, S, K, n_m_tiles, n_row_tiles, n_col_tiles,
                          n_tiles, BN, BK, GROUP_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -596,6 +643,6 @@ def linear_quant_fwd_gluon(xd, xe, wd, we, bias, hd, hs, cd, cs, B: int, S: int,
         BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.stages, PRECISE=precise,
         HAS_BIAS=bias is not None, HDIM=hdim, SEQ=seq, RCEIL=rceil, SOFT=soft, SWZ=tiled_scales,
         EPI_PARTITION=cfg.epi_partition, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
-        EPI_REGS=cfg.epi_regs, EPI_WARPS=cfg.epi_warps,
+        EPI_REGS=cfg.epi_regs, EPI_WARPS=cfg.epi_warps, MMA_N=cfg.mma_cols(),
         num_warps=4, maxnreg=cfg.maxnreg,
     )
