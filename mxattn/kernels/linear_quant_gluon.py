@@ -17,6 +17,14 @@ Each consumer issues async ``warpgroup_mma`` (m64nBLOCK_Nk32 e4m3, fp32 accumula
 the same iteration (a chain left in flight across the loop edge made ptxas serialize every wgmma, C7514) and
 releases the ring buffer; the two consumers' chains interleave on the tensor cores.
 
+Tile widths (``GluonLinearConfig.block_n`` 64 / 128 / 256, ``validate``): 128 is the default.  256 (fast
+accumulation only: a K-step partial beside the running accumulator would take 256 registers) comes as
+``wide()`` (one m64n256k32 per k32 step, no epilogue partition: ptxas builds that wgmma only with >= 154
+registers at launch, C7602, and the 16-warp launch of the epilogue partition has 128), ``wide_epi()`` (the 4-warp
+epilogue partition kept, each consumer issuing two m64n128k32 on the W tile's row halves, ``mma_n``) and
+``wide_epi2()`` (one m64n256k32, a 2-warp epilogue sharing the producer's warpgroup: 12 warps at maxnreg 168).
+The epilogues skip the 64-column parts that lie wholly past N.
+
 Accumulation (``PRECISE``, ``LinearTile.precise_acc``): each K-step's wgmma chain starts from zero and its
 result is added into the fp32 accumulator with an ordinary fp32 add, in K order.  That is what Triton lowers
 the ``tl`` kernel's ``tl.dot(..., max_num_imprecise_acc=BLOCK_K)`` to (a zeroed partial accumulator per
@@ -78,8 +86,8 @@ SMEM_RESERVE = 1024  # barriers and alignment
 @dataclass(frozen=True)
 class GluonLinearConfig:
     """Tile and partition choice.  ``validate(precise)`` raises ValueError for a combination that cannot build or
-    run (the launcher calls it before any launch); ``inline()`` and ``wide()`` / ``wide_epi()`` are the other
-    measured points (docs/perf-notes-producers.md, sessions 8 and 14)."""
+    run (the launcher calls it before any launch); ``inline()``, ``wide()``, ``wide_epi()`` and ``wide_epi2()``
+    are the other points the bench measures (docs/perf-notes-producers.md, sessions 8 and 14)."""
 
     block_n: int = 128  # wgmma N: 64, 128 or 256 (BLOCK_NS); 64 fp32 accumulator registers per thread at 128
     block_k: int = 128  # K per ring buffer and per precise-accumulation step
