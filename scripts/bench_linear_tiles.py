@@ -92,15 +92,37 @@ def _left() -> float:
     return float("inf") if not dl else float(dl) - time.time()
 
 
+def _report(rows: list, args, failed: list) -> None:
+    """Print the rows of the last N (ratios to that N's cuBLAS FP8 row) and write every row so far."""
+    refs = {r["N"]: r["tflops"] for r in rows if r["variant"] == "cublas_fp8"}
+    last = rows[-1]["N"] if rows else None
+    for r in rows:
+        r["ratio_vs_cublas_fp8"] = r["tflops"] / refs[r["N"]] if r["N"] in refs else None
+        if r["N"] != last:
+            continue
+        ratio = f"{r['ratio_vs_cublas_fp8']:.3f}" if r["ratio_vs_cublas_fp8"] else "-"
+        spread = (max(r["rounds_ms"]) - min(r["rounds_ms"])) / r["ms"] * 100
+        print(f"{r['variant']:<20} {r['N']:>6} {r['orientation']:<6} {r['ms']:8.4f} {r['tflops']:8.1f} "
+              f"{ratio:>8}  (spread {spread:.1f} %)", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"rows": rows, "failed": failed, "device": torch.cuda.get_device_name(),
+                       "commit": os.environ.get("MXATTN_COMMIT"),
+                       "variants": {k: [dataclasses.asdict(c), p] for k, (c, p) in variants().items()}}, f, indent=1)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", help="JSON file for the rows")
+    ap.add_argument("--out", help="JSON file for the rows (rewritten after each N)")
     ap.add_argument("--warm-only", action="store_true", help="one call per case (compile), no timing")
     ap.add_argument("--n", default="4096,12288", help="comma list of N")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--interval-ms", type=float, default=30.0)
     args = ap.parse_args(argv)
     rows, failed = [], []
+    if not args.warm_only:
+        print(f"{'variant':<20} {'N':>6} {'orient':<6} {'ms':>8} {'TFLOP/s':>8} {'x cuBLAS':>8}  (M {M}, K {K}; "
+              f"median of {args.rounds} rounds)", flush=True)
     for N in (int(v) for v in args.n.split(",")):
         cases = []
         for name, orient, fn in _cases(N):
@@ -114,7 +136,7 @@ def main(argv=None) -> int:
                 first = time.time() - t0
             except Exception as e:  # noqa: BLE001 - report the case, time the others
                 failed.append(f"{name} N{N} {orient}: {type(e).__name__}: {str(e)[:300]}")
-                print(f"!! {failed[-1]}")
+                print(f"!! {failed[-1]}", flush=True)
                 continue
             if args.warm_only:
                 print(f"warm {name} N{N} {orient}: first call {first:.1f} s", flush=True)
@@ -127,28 +149,12 @@ def main(argv=None) -> int:
             for c in cases:
                 c[4].append(_interval_ms(c[2], c[3]))
         for name, orient, _fn, calls, times in cases:
-            if not times:
-                continue
-            ms = sorted(times)[len(times) // 2]
-            tflops = 2.0 * M * N * K / ms / 1e9
-            rows.append({"variant": name, "M": M, "K": K, "N": N, "orientation": orient, "ms": ms,
-                         "tflops": tflops, "rounds_ms": times, "calls_per_round": calls})
-    if args.warm_only:
-        return 1 if failed else 0
-    refs = {r["N"]: r["tflops"] for r in rows if r["variant"] == "cublas_fp8"}
-    print(f"{'variant':<20} {'N':>6} {'orient':<6} {'ms':>8} {'TFLOP/s':>8} {'x cuBLAS':>8}  (M {M}, K {K}; "
-          f"median of {args.rounds} rounds)")
-    for r in rows:
-        r["ratio_vs_cublas_fp8"] = r["tflops"] / refs[r["N"]] if r["N"] in refs else None
-        ratio = f"{r['ratio_vs_cublas_fp8']:.3f}" if r["ratio_vs_cublas_fp8"] else "-"
-        spread = (max(r["rounds_ms"]) - min(r["rounds_ms"])) / r["ms"] * 100
-        print(f"{r['variant']:<20} {r['N']:>6} {r['orientation']:<6} {r['ms']:8.4f} {r['tflops']:8.1f} "
-              f"{ratio:>8}  (spread {spread:.1f} %)")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"rows": rows, "failed": failed, "device": torch.cuda.get_device_name(),
-                       "commit": os.environ.get("MXATTN_COMMIT"),
-                       "variants": {k: [dataclasses.asdict(c), p] for k, (c, p) in variants().items()}}, f, indent=1)
+            if times:
+                ms = sorted(times)[len(times) // 2]
+                rows.append({"variant": name, "M": M, "K": K, "N": N, "orientation": orient, "ms": ms,
+                             "tflops": 2.0 * M * N * K / ms / 1e9, "rounds_ms": times, "calls_per_round": calls})
+        if not args.warm_only:
+            _report(rows, args, failed)
     return 1 if failed else 0
 
 

@@ -126,25 +126,27 @@ for st in $STAGES; do
       # CPU-side work runs beside the tests: the compile check (new variants) and one call of each bench kernel
       # (compiles into Triton's cache, so the timed run compiles nothing); their output is printed, not kept
       tmp=$(mktemp -d)
-      run $PY scripts/compile_check_linear_gluon.py \
+      T=240 run $PY scripts/compile_check_linear_gluon.py \
         --only hdim_fast,both_fast,hdim_wide,both_wide,hdim_wide_epi,both_wide_epi,hdim_wide_epi2,both_wide_epi2 \
         > "$tmp/compile.txt" 2>&1 &
       T=150 run $PY -m pytest -m gpu -q -x -rfE -p no:cacheprovider tests/test_linear_gluon.py \
         -k "tiles_tiny or (gluon_tiny and both and not inline)" \
         2>&1 | tail -5
-      run $PY scripts/bench_linear_tiles.py --warm-only > "$tmp/warm.txt" 2>&1 &
+      T=200 run $PY scripts/bench_linear_tiles.py --warm-only > "$tmp/warm.txt" 2>&1 &
       # one process per config (each compiles only its kernels); the special-values test rides with wide_epi, the
       # default (precise, 128) on the N tails with n64 (its epilogue now skips the parts past N)
       i=0
       for k in "fast128" "n64) or (gluon_matches_tl and both and not inline" "wide and not wide_epi" \
                "wide_epi and not wide_epi2" "wide_epi2 or special_values"; do
         i=$((i + 1))
-        T=200 run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_linear_gluon.py \
-          -k "(tiles and not tiny and ($k))" > "$tmp/tests.$i.log" 2>&1 &
+        { echo "## -k (tiles and not tiny and ($k))"
+          T=200 run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_linear_gluon.py \
+            -k "(tiles and not tiny and ($k))"; } > "$tmp/tests.$i.log" 2>&1 &
       done
       wait
       cat "$tmp"/tests.*.log > "$OUT/linear_tiles_tests.log"
-      grep -hE "passed|failed|error" "$tmp"/tests.*.log | grep -E "^[0-9=]" ; grep -hE "^(FAILED|ERROR)" "$tmp"/tests.*.log | head -20
+      for f in "$tmp"/tests.*.log; do echo "$(head -1 "$f"): $(tail -1 "$f")"; done
+      grep -hE "^(FAILED|ERROR|!!)" "$tmp"/tests.*.log | head -20
       grep -E "^!!|^== |registers|spills|shared memory|consumer loop|all variants|FAILED|ERROR" "$tmp/compile.txt" \
         | sed -E 's/;  *(UIADD3|USHF|UMOV).*//' | cut -c1-170
       grep -E "^!!|warm" "$tmp/warm.txt" | tail -14

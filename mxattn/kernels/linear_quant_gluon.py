@@ -630,12 +630,18 @@ def _layouts(block_n: int, block_k: int):
     return nvmma_fp8_layout(WG_ROWS.value, block_k), nvmma_fp8_layout(block_n, block_k)
 
 
+@functools.lru_cache(maxsize=64)
+def _validated(cfg: GluonLinearConfig, precise: bool) -> GluonLinearConfig:
+    """``cfg.validate(precise)`` once per (config, mode): the launcher asks on every call."""
+    return cfg.validate(precise)
+
+
 def linear_quant_fwd_gluon(xd, xe, wd, we, bias, hd, hs, cd, cs, B: int, S: int, s_pad: int, *, hdim: bool,
                            seq: bool, rceil: bool, soft: bool, precise: bool, tiled_scales: bool,
                            config: GluonLinearConfig | None = None) -> None:
     """Launch on prepared operands and outputs (``linear_quant.linear_quant_fwd`` allocates them and checks
     ``gluon_eligible``): xd (B*S, K) / wd (N, K) e4m3, xe (B*S,) / we (N,) int32, outputs as ``_emit_mx``."""
-    cfg = (config or CONFIG_OVERRIDE or GluonLinearConfig()).validate(precise)
+    cfg = _validated(config or CONFIG_OVERRIDE or GluonLinearConfig(), precise)
     M, K = xd.shape
     N = wd.shape[0]
     la, lb = _layouts(cfg.block_n, cfg.block_k)
