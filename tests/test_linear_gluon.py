@@ -248,6 +248,19 @@ def test_validate_rejects_wide_epi2(change, match):
         dataclasses.replace(g.GluonLinearConfig.wide_epi2(), **change).validate(precise=False)
 
 
+def test_default_config_by_accumulation(monkeypatch):
+    """Without an override both modes take the 128 default; FAST_DEFAULT (None today) replaces it for fast
+    accumulation only."""
+    pytest.importorskip("triton.experimental.gluon")
+    from mxattn.kernels import linear_quant_gluon as g
+
+    monkeypatch.setattr(g, "FAST_DEFAULT", None)
+    assert g.default_config(True) == g.default_config(False) == g.GluonLinearConfig()
+    monkeypatch.setattr(g, "FAST_DEFAULT", g.GluonLinearConfig.wide_epi())
+    assert g.default_config(False) == g.GluonLinearConfig.wide_epi()
+    assert g.default_config(True) == g.GluonLinearConfig()
+
+
 def test_launcher_validates_before_any_launch(clean_switch):
     """A bad config raises in ``linear_quant_fwd_gluon`` before it touches an operand (None here)."""
     pytest.importorskip("triton.experimental.gluon")

@@ -209,6 +209,14 @@ class GluonLinearConfig:
 
 
 CONFIG_OVERRIDE: GluonLinearConfig | None = None  # tests and benchmarks: e.g. GluonLinearConfig().inline()
+# the config of fast-accumulation launches without an override (None: GluonLinearConfig(), as precise ones);
+# docs/perf-notes-producers.md "Session 14" says when a 256 config takes this place
+FAST_DEFAULT: GluonLinearConfig | None = None
+
+
+def default_config(precise: bool) -> GluonLinearConfig:
+    """The config a launch without ``config`` / ``CONFIG_OVERRIDE`` takes."""
+    return FAST_DEFAULT if FAST_DEFAULT is not None and not precise else GluonLinearConfig()
 _SM_COUNT: dict = {}
 _MAJOR: dict = {}
 
@@ -641,7 +649,7 @@ def linear_quant_fwd_gluon(xd, xe, wd, we, bias, hd, hs, cd, cs, B: int, S: int,
                            config: GluonLinearConfig | None = None) -> None:
     """Launch on prepared operands and outputs (``linear_quant.linear_quant_fwd`` allocates them and checks
     ``gluon_eligible``): xd (B*S, K) / wd (N, K) e4m3, xe (B*S,) / we (N,) int32, outputs as ``_emit_mx``."""
-    cfg = _validated(config or CONFIG_OVERRIDE or GluonLinearConfig(), precise)
+    cfg = _validated(config or CONFIG_OVERRIDE or default_config(precise), precise)
     M, K = xd.shape
     N = wd.shape[0]
     la, lb = _layouts(cfg.block_n, cfg.block_k)
