@@ -129,7 +129,7 @@ for st in $STAGES; do
       T=240 run $PY scripts/compile_check_linear_gluon.py \
         --only hdim_fast,both_fast,hdim_wide,both_wide,hdim_wide_epi,both_wide_epi,hdim_wide_epi2,both_wide_epi2 \
         > "$tmp/compile.txt" 2>&1 &
-      T=150 run $PY -m pytest -m gpu -q -x -rfE -p no:cacheprovider tests/test_linear_gluon.py \
+      T=180 run $PY -m pytest -m gpu -q -x -rfE -p no:cacheprovider tests/test_linear_gluon.py \
         -k "tiles_tiny or (gluon_tiny and both and not inline)" \
         2>&1 | tail -5
       T=200 run $PY scripts/bench_linear_tiles.py --warm-only > "$tmp/warm.txt" 2>&1 &

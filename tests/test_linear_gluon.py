@@ -459,8 +459,10 @@ def _tile_config(monkeypatch, name):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("cfg", TILE_CONFIGS)
-@pytest.mark.parametrize("B,S,K,N", [(1, 7, 48, 40), (2, 3, 128, 264)], ids=lambda v: str(v))
+@pytest.mark.parametrize("B,S,K,N", [(2, 3, 48, 264)], ids=lambda v: str(v))
 def test_gpu_tiles_tiny(gen, clean_switch, B, S, K, N, cfg):
+    """One compile per config: B 2, K shorter than one ring step, N 264 (the 256 tiles' second column tile holds
+    one live 64-column part of four)."""
     _tile_config(clean_switch, cfg)
     _check_same(B, S, K, N, True, "both", gen, precise=False)
 
