@@ -197,7 +197,7 @@ def test_wide_is_the_128x256_tile():
 
 @pytest.mark.parametrize("change,match", [
     (dict(block_n=192), "block_n"), (dict(block_n=512), "block_n"), (dict(block_n=32), "block_n"),
-    (dict(block_k=96), "block_k"), (dict(block_k=256), "block_k"),
+    (dict(block_k=96), "block_k"), (dict(block_k=256), "block_k"), (dict(block_k=32), "block_k"),
     (dict(stages=1), "stages"), (dict(group_m=0), "group_m"),
     (dict(epi_warps=3), "epi_warps"),
     (dict(maxnreg=136), "maxnreg"),  # 16 warps x 136 > 64K

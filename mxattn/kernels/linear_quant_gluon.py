@@ -154,8 +154,8 @@ class GluonLinearConfig:
 
         if self.block_n not in BLOCK_NS:
             bad(f"block_n must be one of {BLOCK_NS}")
-        if self.block_k not in (32, 64, 128):
-            bad("block_k must be 32, 64 or 128 (whole wgmma k32 steps; TMA rows of at most 128 bytes)")
+        if self.block_k not in (64, 128):
+            bad("block_k must be 64 or 128 (whole wgmma k32 steps, TMA rows of 64 / 128 bytes: the compiled ones)")
         if self.stages < 2 or self.group_m < 1:
             bad("stages must be >= 2 and group_m >= 1")
         if self.mma_cols() not in (self.block_n, 128) or self.block_n % self.mma_cols():
