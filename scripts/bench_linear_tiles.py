@@ -118,7 +118,10 @@ def main(argv=None) -> int:
     ap.add_argument("--n", default="4096,12288", help="comma list of N")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--interval-ms", type=float, default=30.0)
+    ap.add_argument("--skip", default="", help="comma list of variant names not to run (e.g. a config whose tests "
+                                               "failed)")
     args = ap.parse_args(argv)
+    skip = {v for v in args.skip.split(",") if v}
     rows, failed = [], []
     if not args.warm_only:
         print(f"{'variant':<20} {'N':>6} {'orient':<6} {'ms':>8} {'TFLOP/s':>8} {'x cuBLAS':>8}  (M {M}, K {K}; "
@@ -126,6 +129,8 @@ def main(argv=None) -> int:
     for N in (int(v) for v in args.n.split(",")):
         cases = []
         for name, orient, fn in _cases(N):
+            if name in skip:
+                continue
             if _left() < 10:
                 print(f"!! deadline: skipped {name} N{N} {orient}")
                 continue
