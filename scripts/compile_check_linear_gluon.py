@@ -29,18 +29,32 @@ from compile_check_gluon import _SMEM_A, _resource_usage, compile_sm90, sass_loo
 from compile_check_gluon import check as check_gluon  # noqa: E402
 
 
+def config(name: str):
+    """The GluonLinearConfig of a variant's config name: default, inline, wide (128 x 256, no epilogue partition),
+    wide_epi (128 x 256 with the 4-warp epilogue partition, two m64n128k32 per step), wide_epi2 (m64n256k32 and a
+    2-warp epilogue), n64."""
+    from mxattn.kernels import linear_quant_gluon as m
+
+    base = m.GluonLinearConfig()
+    return {"default": base, "inline": base.inline(), "wide": base.wide(), "wide_epi": base.wide_epi(),
+            "wide_epi2": base.wide_epi2(), "n64": m.GluonLinearConfig(block_n=64)}[name]
+
+
 def compile_variant(hdim: bool, seq: bool, bias: bool, precise: bool, swz: bool = False, stages: int | None = None,
-                    block_n: int | None = None, aligned: bool = True, epi_partition: bool = True):
-    """The kernel as ``linear_quant_fwd_gluon`` launches it (default config).  ``aligned``: N, K and S_pad
-    specialized as multiples of 16 (what the launcher's JIT does for such sizes), else plain i32."""
+                    block_n: int | None = None, aligned: bool = True, epi_partition: bool = True,
+                    cfg_name: str | None = None):
+    """The kernel as ``linear_quant_fwd_gluon`` launches it (default config, or ``cfg_name``'s; ``epi_partition``
+    False: its ``inline()``).  ``aligned``: N, K and S_pad specialized as multiples of 16 (what the launcher's JIT
+    does for such sizes), else plain i32.  The config is validated first (as the launcher does)."""
     from triton.experimental.gluon import language as gl
 
     from mxattn.kernels import linear_quant_gluon as m
 
-    cfg = m.GluonLinearConfig()
+    cfg = config(cfg_name or "default")
     if not epi_partition:
         cfg = cfg.inline()
     bn = block_n or cfg.block_n
+    m.GluonLinearConfig(**{**vars(cfg), "block_n": bn, "stages": stages or cfg.stages}).validate(precise)
     lay = lambda shape: gl.NVMMASharedLayout.get_default_for(shape, gl.float8e4nv)  # noqa: E731
     descs = {"x_desc": ([m.WG_ROWS.value, cfg.block_k], lay([m.WG_ROWS.value, cfg.block_k])),
              "w_desc": ([bn, cfg.block_k], lay([bn, cfg.block_k]))}
@@ -51,7 +65,8 @@ def compile_variant(hdim: bool, seq: bool, bias: bool, precise: bool, swz: bool 
     consts = dict(BN=bn, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=stages or cfg.stages, PRECISE=precise,
                   HAS_BIAS=bias, HDIM=hdim, SEQ=seq, RCEIL=True, SOFT=False, SWZ=swz,
                   EPI_PARTITION=cfg.epi_partition, CONSUMER_REGS=cfg.consumer_regs,
-                  PRODUCER_REGS=cfg.producer_regs, EPI_REGS=cfg.epi_regs)
+                  PRODUCER_REGS=cfg.producer_regs, EPI_REGS=cfg.epi_regs, EPI_WARPS=cfg.epi_warps,
+                  MMA_N=m.GluonLinearConfig(**{**vars(cfg), "block_n": bn}).mma_cols())
     return compile_sm90(m._linear_quant_ws_kernel, consts, descs, ptrs, (), 4, cfg.maxnreg)
 
 
@@ -132,14 +147,25 @@ def check_same_accumulation() -> bool:
     return ok
 
 
-VARIANTS = {  # name: (hdim, seq, bias, precise, swz, epilogue partition)
-    "hdim": (True, False, False, True, False, True),
-    "both": (True, True, False, True, False, True),
-    "seq_bias": (False, True, True, True, False, True),
-    "both_bias_imprecise": (True, True, True, False, False, True),
-    "hdim_tiled_scales": (True, False, False, True, True, True),
-    "hdim_inline": (True, False, False, True, False, False),
-    "both_inline": (True, True, False, True, False, False),
+VARIANTS = {  # name: (hdim, seq, bias, precise, swz, config name: see config())
+    "hdim": (True, False, False, True, False, "default"),
+    "both": (True, True, False, True, False, "default"),
+    "seq_bias": (False, True, True, True, False, "default"),
+    "both_bias_imprecise": (True, True, True, False, False, "default"),
+    "hdim_tiled_scales": (True, False, False, True, True, "default"),
+    "hdim_inline": (True, False, False, True, False, "inline"),
+    "both_inline": (True, True, False, True, False, "inline"),
+    # session 14: the tile width (fast accumulation: what 256 runs with, and the 128 rows it is compared to)
+    "hdim_fast": (True, False, False, False, False, "default"),
+    "both_fast": (True, True, False, False, False, "default"),
+    "hdim_n64": (True, False, False, True, False, "n64"),
+    "hdim_wide": (True, False, False, False, False, "wide"),
+    "both_wide": (True, True, False, False, False, "wide"),
+    "both_bias_wide": (True, True, True, False, False, "wide"),
+    "hdim_wide_epi": (True, False, False, False, False, "wide_epi"),
+    "both_wide_epi": (True, True, False, False, False, "wide_epi"),
+    "hdim_wide_epi2": (True, False, False, False, False, "wide_epi2"),
+    "both_wide_epi2": (True, True, False, False, False, "wide_epi2"),
 }
 
 
@@ -155,8 +181,8 @@ def main(argv=None) -> int:
     ok = True
     for name in names:
         try:
-            *flags, epi = VARIANTS[name]
-            k = compile_variant(*flags, stages=args.stages, epi_partition=epi)
+            *flags, cfg_name = VARIANTS[name]
+            k = compile_variant(*flags, stages=args.stages, cfg_name=cfg_name)
         except Exception as e:  # noqa: BLE001 - report every variant
             print(f"== {name}: COMPILE ERROR\n{type(e).__name__}: {e}")
             ok = False

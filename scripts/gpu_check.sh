@@ -10,6 +10,12 @@
 #   bwdgluon   the Gluon dQ / dK-dV backward kernels: compile checks, small cases under a timeout, all GPU tests
 #   lineargluon  the Gluon linear + MXFP8 quantize: compile check, tiny cases under a timeout, its GPU tests, the
 #              linear_quant GPU tests, bench_producers (gluon / tl / cuBLAS FP8 rows)
+#   lineartiles  the Gluon linear's tile widths (perf-notes-producers.md, session 14): the compile check of the new
+#              variants and a warm-up of the bench's kernels beside the GPU tests (tiny cases first, one process per
+#              config under a short timeout: a config that fails or hangs there is skipped from then on; then one
+#              process per config), then scripts/bench_linear_tiles.py (block_n 128 / 256 configs beside
+#              cuBLAS FP8 and BF16 + quantize, M 16k K 4096 N 4096 / 12288, hdim / both): a table on stdout,
+#              linear_tiles.json and linear_tiles_tests.log (~5 min)
 #   host       scripts/host_timing.py: host us per call of each layer (launch overhead): host_timing JSON + .txt
 #   bwdsweep   backward tile sweep (SWEEP_CONFIGS) at S 8k, kernels only
 #   profile    scripts/profile_attn.py: kernel-by-kernel device time of one public call, fwd and fwd+bwd, vs cuDNN
@@ -123,6 +129,57 @@ for st in $STAGES; do
         2>&1 | tee "$OUT/linear_gluon_tests.log" | tail -40
       run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_producers.py -k linear
       run $PY -c "import sys; from mxattn.producers import bench_producers; print(bench_producers(outdir=sys.argv[1]))" "$OUT" ;;
+    lineartiles)
+      # CPU-side work runs beside the tests: the compile check (new variants) and one call of each bench kernel
+      # (compiles into Triton's cache, so the timed run compiles nothing); their output is printed, not kept.
+      # Tiny cases first, one process per config under a short timeout (a barrier bug hangs rather than fails): a
+      # config whose tiny case fails or hangs is left out of its other tests, the warm-up and the bench.
+      nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv,noheader
+      $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+      tmp=$(mktemp -d)
+      T=240 run $PY scripts/compile_check_linear_gluon.py \
+        --only hdim_fast,both_fast,hdim_wide,both_wide,hdim_wide_epi,both_wide_epi,hdim_wide_epi2,both_wide_epi2 \
+        > "$tmp/compile.txt" 2>&1 &
+      # config: its -k among the tile tests (ids end in the config name) and its bench row
+      declare -A lt_k=([default]="gluon_tiny and both and not inline" [fast128]="fast128" [n64]="n64"
+                       [wide]="wide and not wide_epi" [wide_epi]="wide_epi and not wide_epi2" [wide_epi2]="wide_epi2")
+      declare -A lt_row=([default]=gluon128_precise [fast128]=gluon128_fast [n64]=
+                         [wide]=gluon256_inline [wide_epi]=gluon256_epi [wide_epi2]=gluon256_epi2)
+      lt_cfgs="default fast128 n64 wide wide_epi wide_epi2"
+      for c in $lt_cfgs; do
+        kk="(tiles_tiny and (${lt_k[$c]}))"; [ "$c" = default ] && kk=${lt_k[$c]}
+        ( T=150 run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_linear_gluon.py -k "$kk" \
+            > "$tmp/tiny.$c.log" 2>&1; tail -1 "$tmp/tiny.$c.log" | grep -q " passed" \
+            && ! grep -q "^!! stage command failed" "$tmp/tiny.$c.log" && touch "$tmp/ok.$c" ) &
+      done
+      wait
+      skip=""
+      for c in $lt_cfgs; do
+        echo "tiny $c: $(grep -E "[0-9]+ (passed|failed|errors?)( |,|$)" "$tmp/tiny.$c.log" | tail -1)"
+        [ -f "$tmp/ok.$c" ] || { echo "!! $c: tiny case failed or hung; its tests and bench row are skipped"; status=1
+                                 grep -hE "^(FAILED|ERROR)" "$tmp/tiny.$c.log" | head -5; skip="$skip,${lt_row[$c]}"; }
+      done
+      T=200 run $PY scripts/bench_linear_tiles.py --warm-only --skip "$skip" > "$tmp/warm.txt" 2>&1 &
+      # one process per config (each compiles only its kernels); the special-values test rides with wide_epi2, the
+      # default (precise, 128) on the N tails with n64 (the epilogue now skips the parts past N)
+      for c in fast128 n64 wide wide_epi wide_epi2; do
+        [ -f "$tmp/ok.$c" ] || continue
+        kk="(tiles and not tiny and (${lt_k[$c]}))"
+        [ "$c" = n64 ] && [ -f "$tmp/ok.default" ] && kk="$kk or (gluon_matches_tl and both and not inline)"
+        [ "$c" = wide_epi2 ] && [ -f "$tmp/ok.wide" ] && [ -f "$tmp/ok.wide_epi" ] && kk="$kk or tiles_special_values"
+        { echo "## $c: -k $kk"
+          T=200 run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_linear_gluon.py -k "$kk"
+        } > "$tmp/tests.$c.log" 2>&1 &
+      done
+      wait
+      cat "$tmp"/tiny.*.log "$tmp"/tests.*.log > "$OUT/linear_tiles_tests.log" 2>/dev/null
+      for f in "$tmp"/tests.*.log; do [ -f "$f" ] && echo "$(head -1 "$f"): $(tail -1 "$f")"; done
+      grep -hE "^(FAILED|ERROR|!!)" "$tmp"/tests.*.log 2>/dev/null | head -20
+      grep -E "^!!|^== |registers|spills|shared memory|consumer loop|all variants|FAILED|ERROR" "$tmp/compile.txt" \
+        | sed -E 's/;  *(UIADD3|USHF|UMOV).*//' | cut -c1-170
+      grep -E "^!!|warm" "$tmp/warm.txt" | tail -14
+      rm -rf "$tmp"
+      T=170 run $PY scripts/bench_linear_tiles.py --skip "$skip" --out "$OUT/linear_tiles.json" ;;
     bwdgluon)
       # the warp-specialized Gluon backward kernels (the API's default on Hopper; the split dK/dV variant opt-in):
       # compile checks (both dK/dV builds), two small cases

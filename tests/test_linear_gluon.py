@@ -145,22 +145,134 @@ def test_gluon_eligibility_rules():
         assert not gluon_eligible(_fp8((0, 128), dev), _fp8((96, 128), dev))
 
 
-def test_config_fits_the_register_file_and_shared_memory():
+def _configs():
+    from mxattn.kernels import linear_quant_gluon as g
+
+    c = g.GluonLinearConfig()
+    return {"default": c, "inline": c.inline(), "n64": g.GluonLinearConfig(block_n=64), "wide": c.wide(),
+            "wide_epi": c.wide_epi(), "wide_epi2": c.wide_epi2()}
+
+
+@pytest.mark.parametrize("name", ["default", "inline", "n64", "wide", "wide_epi", "wide_epi2"])
+def test_config_fits_the_register_file_and_shared_memory(name):
     pytest.importorskip("triton.experimental.gluon")
     from mxattn.kernels import linear_quant_gluon as g
 
-    for c in (g.GluonLinearConfig(), g.GluonLinearConfig().inline()):
-        # Triton pads the partitions to warpgroups: 16 warps with the epilogue partition, 12 without
-        warps = 16 if c.epi_partition else 12
-        assert c.maxnreg * 32 * warps <= 65536, c
-        regs = [c.default_partition_regs(), c.consumer_regs, c.producer_regs] + ([c.epi_regs] if c.epi_partition else [])
-        assert 128 * sum(regs) <= 65536, (c, regs)
-        assert all(r % 8 == 0 and 24 <= r <= 256 for r in regs), regs
-        assert c.default_partition_regs() >= c.consumer_regs  # consumer 0 (the default partition) fits too
-        ring = c.stages * (g.BLOCK_M.value + c.block_n) * c.block_k  # e4m3 bytes
-        handoff = 2 * g.WG_ROWS.value * c.block_n * 4 if c.epi_partition else 0  # fp32 accumulator slots
-        assert ring + handoff + 1024 <= 227 * 1024, c
-        assert c.block_n in (64, 128) and g.BLOCK_M.value % 32 == 0
+    c = _configs()[name]
+    assert c.validate(precise=c.block_n <= 128) is c
+    # Triton pads the partitions to warpgroups: 16 warps with a 4-warp epilogue partition, 12 without it or with
+    # the 2-warp one (which shares the producer's warpgroup)
+    warps = 16 if c.epi_partition and c.epi_warps == 4 else 12
+    assert c.warps() == warps and c.maxnreg * 32 * warps <= 65536, c
+    regs = [c.default_partition_regs()] + c.worker_group_regs()
+    assert len(regs) == warps // 4
+    assert 128 * sum(regs) <= 65536, (c, regs)
+    assert all(r % 8 == 0 and 24 <= r <= 256 for r in regs), regs
+    assert c.default_partition_regs() >= c.consumer_regs  # consumer 0 (the default partition) fits too
+    ring = c.stages * (g.BLOCK_M.value + c.block_n) * c.block_k  # e4m3 bytes
+    handoff = 2 * g.WG_ROWS.value * c.block_n * 4 if c.epi_partition else 0  # fp32 accumulator slots
+    assert ring + handoff + 1024 <= c.smem_bytes() <= 227 * 1024, c
+    assert c.block_n in g.BLOCK_NS and g.BLOCK_M.value % 32 == 0
+
+
+def test_wide_is_the_128x256_tile():
+    pytest.importorskip("triton.experimental.gluon")
+    from mxattn.kernels import linear_quant_gluon as g
+
+    w, we, we2 = g.GluonLinearConfig.wide(), g.GluonLinearConfig.wide_epi(), g.GluonLinearConfig.wide_epi2()
+    assert w.block_n == we.block_n == we2.block_n == 256 and g.BLOCK_M.value == 128
+    # one m64n256k32 per consumer needs maxnreg >= 160 at launch (ptxas C7602): 12 warps
+    assert not w.epi_partition and w.maxnreg == 168 and w.mma_cols() == 256 and w.consumer_regs >= 160
+    assert we2.epi_partition and we2.epi_warps == 2 and we2.maxnreg == 168 and we2.warps() == 12
+    assert we2.mma_cols() == 256
+    # the 4-warp epilogue partition (16 warps, maxnreg 128) with two m64n128k32 per consumer and step
+    assert we.epi_partition and we.epi_warps == 4 and we.maxnreg == 128 and we.warps() == 16
+    assert we.mma_cols() == 128
+    assert g.GluonLinearConfig().block_n == 128 and g.GluonLinearConfig().mma_cols() == 128  # default unchanged
+    for c in (w, we, we2):
+        c.validate(precise=False)
+        with pytest.raises(ValueError, match="fast accumulation"):
+            c.validate(precise=True)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(block_n=192), "block_n"), (dict(block_n=512), "block_n"), (dict(block_n=32), "block_n"),
+    (dict(block_k=96), "block_k"), (dict(block_k=256), "block_k"), (dict(block_k=32), "block_k"),
+    (dict(stages=1), "stages"), (dict(group_m=0), "group_m"),
+    (dict(epi_warps=3), "epi_warps"),
+    (dict(maxnreg=136), "maxnreg"),  # 16 warps x 136 > 64K
+    (dict(consumer_regs=260), "partition registers"),
+    (dict(epi_regs=220), "default partition|partition registers"),  # consumer 0 left with 112 < 144
+    (dict(stages=6), "shared memory"),  # 6 x 32 KB + 64 KB of slots
+    (dict(block_n=256), "consumer_regs|maxnreg|shared memory"),  # the 16-warp split cannot hold the 256 tile
+    (dict(mma_n=64), "mma_n"), (dict(mma_n=256), "mma_n"),
+])
+def test_validate_rejects(change, match):
+    pytest.importorskip("triton.experimental.gluon")
+    import dataclasses
+
+    from mxattn.kernels import linear_quant_gluon as g
+
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(g.GluonLinearConfig(), **change).validate(precise=False)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(block_k=128), "shared memory"),  # 4 x 48 KB ring + 128 KB of slots
+    (dict(consumer_regs=152), "consumer_regs"),
+    (dict(mma_n=0), "m64n256k32 wgmma needs maxnreg"),  # one m64n256k32 at the 16-warp launch: C7602
+    (dict(mma_n=64), "mma_n"),
+])
+def test_validate_rejects_wide_epi(change, match):
+    pytest.importorskip("triton.experimental.gluon")
+    import dataclasses
+
+    from mxattn.kernels import linear_quant_gluon as g
+
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(g.GluonLinearConfig.wide_epi(), **change).validate(precise=False)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(block_k=128), "shared memory"),
+    (dict(maxnreg=176), "maxnreg"),  # 12 warps x 176 > 64K
+    (dict(epi_regs=200), "default partition|partition registers"),  # consumer 0 left with 136
+])
+def test_validate_rejects_wide_epi2(change, match):
+    pytest.importorskip("triton.experimental.gluon")
+    import dataclasses
+
+    from mxattn.kernels import linear_quant_gluon as g
+
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(g.GluonLinearConfig.wide_epi2(), **change).validate(precise=False)
+
+
+def test_default_config_by_accumulation(monkeypatch):
+    """Without an override both modes take the 128 default; FAST_DEFAULT (None today) replaces it for fast
+    accumulation only."""
+    pytest.importorskip("triton.experimental.gluon")
+    from mxattn.kernels import linear_quant_gluon as g
+
+    monkeypatch.setattr(g, "FAST_DEFAULT", None)
+    assert g.default_config(True) == g.default_config(False) == g.GluonLinearConfig()
+    monkeypatch.setattr(g, "FAST_DEFAULT", g.GluonLinearConfig.wide_epi())
+    assert g.default_config(False) == g.GluonLinearConfig.wide_epi()
+    assert g.default_config(True) == g.GluonLinearConfig()
+
+
+def test_launcher_validates_before_any_launch(clean_switch):
+    """A bad config raises in ``linear_quant_fwd_gluon`` before it touches an operand (None here)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from mxattn.kernels import linear_quant_gluon as g
+
+    args = (None,) * 9 + (1, 1, 16)
+    kw = dict(hdim=True, seq=False, rceil=True, soft=False, tiled_scales=False)
+    with pytest.raises(ValueError, match="fast accumulation"):
+        g.linear_quant_fwd_gluon(*args, precise=True, config=g.GluonLinearConfig.wide(), **kw)
+    clean_switch.setattr(g, "CONFIG_OVERRIDE", g.GluonLinearConfig(block_n=192))
+    with pytest.raises(ValueError, match="block_n"):
+        g.linear_quant_fwd_gluon(*args, precise=False, **kw)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -322,3 +434,81 @@ def test_gpu_gluon_special_values(gen, clean_switch, variant):
             assert_same_bytes(got[key], want[key], f"special values {key} {orient}")
         if "hs" in want:
             assert (_u8(want["hs"]) == 255).any()  # the case reached the NaN / Inf path
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: the tile widths (session 14): 128 and 256 with fast accumulation (256 runs with it only), byte for byte
+# against the tl kernel's fast accumulation; N tails that end inside a 64-column part, on a part boundary and
+# past whole parts (the epilogue skips parts wholly past N).  Few compiles: every shape below has S, N not
+# multiples of 16 except N 96, K multiples of 16.
+# ----------------------------------------------------------------------------------------------
+
+TILE_CONFIGS = ["fast128", "n64", "wide", "wide_epi", "wide_epi2"]
+TAILS = [(1, 199, 160, 96), (2, 45, 272, 200), (1, 130, 256, 300), (3, 129, 1040, 600), (1, 1000, 4096, 1000)]
+
+
+def _tile_config(monkeypatch, name):
+    import mxattn.kernels.linear_quant_gluon as g
+
+    cfg = {"fast128": g.GluonLinearConfig(), "n64": g.GluonLinearConfig(block_n=64),
+           "wide": g.GluonLinearConfig.wide(), "wide_epi": g.GluonLinearConfig.wide_epi(),
+           "wide_epi2": g.GluonLinearConfig.wide_epi2()}[name]
+    monkeypatch.setattr(g, "CONFIG_OVERRIDE", cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("cfg", TILE_CONFIGS)
+@pytest.mark.parametrize("B,S,K,N", [(2, 3, 48, 264)], ids=lambda v: str(v))
+def test_gpu_tiles_tiny(gen, clean_switch, B, S, K, N, cfg):
+    """One compile per config: B 2, K shorter than one ring step, N 264 (the 256 tiles' second column tile holds
+    one live 64-column part of four)."""
+    _tile_config(clean_switch, cfg)
+    _check_same(B, S, K, N, True, "both", gen, precise=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("cfg", TILE_CONFIGS)
+@pytest.mark.parametrize("B,S,K,N", TAILS, ids=lambda v: str(v))
+def test_gpu_tiles_tails_match_tl(gen, clean_switch, B, S, K, N, cfg):
+    _tile_config(clean_switch, cfg)
+    _check_same(B, S, K, N, True, "both", gen, precise=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("cfg", ["wide", "wide_epi", "wide_epi2"])
+@pytest.mark.parametrize("orient", ["hdim", "seq"])
+def test_gpu_tiles_one_orientation(gen, clean_switch, orient, cfg):
+    _tile_config(clean_switch, cfg)
+    _check_same(2, 300, 1040, 600, False, orient, gen, precise=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("cfg", ["wide", "wide_epi", "wide_epi2"])
+def test_gpu_tiles_many_tiles_per_cta(gen, clean_switch, cfg):
+    """More 128 x 256 tiles than SMs (the ring and the slots wrap across tiles), B > 1, tiled hdim scales."""
+    _tile_config(clean_switch, cfg)
+    _check_same(4, 1000, 384, 2600, True, "both", gen, precise=False)
+    _check_same(2, 1000, 384, 1000, True, "hdim", gen, tiled=True, precise=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+def test_gpu_tiles_special_values(gen, clean_switch):
+    """NaN / Inf in x and an all-zero row through the 256 tiles: the tl kernel's bytes."""
+    B, S, K, N = 2, 150, 256, 300
+    x = _rand((B * S, K), torch.bfloat16, gen)
+    x[3, 7] = float("inf")
+    x[200, 5] = float("nan")
+    x[120] = 0.0
+    w = _rand((N, K), torch.bfloat16, gen, K ** -0.5)
+    xr, wr = kl.row_scaled_rows(x), kl.row_scaled_rows(w)
+    want = _fwd("tl", xr, wr, None, B, S, "both", False)
+    for cfg in ("wide", "wide_epi", "wide_epi2"):
+        _tile_config(clean_switch, cfg)
+        got = _fwd("gluon", xr, wr, None, B, S, "both", False)
+        for key in want:
+            assert_same_bytes(got[key], want[key], f"special values {key} {cfg}")

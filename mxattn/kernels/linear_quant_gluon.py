@@ -17,6 +17,14 @@ Each consumer issues async ``warpgroup_mma`` (m64nBLOCK_Nk32 e4m3, fp32 accumula
 the same iteration (a chain left in flight across the loop edge made ptxas serialize every wgmma, C7514) and
 releases the ring buffer; the two consumers' chains interleave on the tensor cores.
 
+Tile widths (``GluonLinearConfig.block_n`` 64 / 128 / 256, ``validate``): 128 is the default.  256 (fast
+accumulation only: a K-step partial beside the running accumulator would take 256 registers) comes as
+``wide()`` (one m64n256k32 per k32 step, no epilogue partition: ptxas builds that wgmma only with >= 154
+registers at launch, C7602, and the 16-warp launch of the epilogue partition has 128), ``wide_epi()`` (the 4-warp
+epilogue partition kept, each consumer issuing two m64n128k32 on the W tile's row halves, ``mma_n``) and
+``wide_epi2()`` (one m64n256k32, a 2-warp epilogue sharing the producer's warpgroup: 12 warps at maxnreg 168).
+The epilogues skip the 64-column parts that lie wholly past N.
+
 Accumulation (``PRECISE``, ``LinearTile.precise_acc``): each K-step's wgmma chain starts from zero and its
 result is added into the fp32 accumulator with an ordinary fp32 add, in K order.  That is what Triton lowers
 the ``tl`` kernel's ``tl.dot(..., max_num_imprecise_acc=BLOCK_K)`` to (a zeroed partial accumulator per
@@ -60,15 +68,28 @@ from mxattn.kernels.linear_quant import _pow2_wide, band_tile
 from mxattn.kernels.quantize import _e4m3_bytes, _hdim_mx, _mx_exponent, _nan_bytes, _pow2, _tiled_offset, _to_f32
 from mxattn.kernels.rmsnorm_quant import _pack4
 
+# a barrier of the calling partition's warps: gl.thread_barrier in triton 3.6, gl.barrier from 3.7 on
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+# a TMA tile load into shared memory: tma.async_copy_global_to_shared in triton 3.6, tma.async_load later (the old
+# name raises there)
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
 WG_ROWS = gl.constexpr(64)  # rows per consumer warpgroup (one wgmma M)
 BLOCK_M = gl.constexpr(128)  # rows per tile: two consumer warpgroups
 
 
+BLOCK_NS = (64, 128, 256)  # wgmma N of a consumer (whole 64-column epilogue parts; powers of two for Triton)
+SMEM_BYTES = 227 * 1024  # dynamic shared memory per CTA on sm_90
+SMEM_RESERVE = 1024  # barriers and alignment
+
+
 @dataclass(frozen=True)
 class GluonLinearConfig:
-    """Tile and partition choice (not yet tuned on the H200)."""
+    """Tile and partition choice.  ``validate(precise)`` raises ValueError for a combination that cannot build or
+    run (the launcher calls it before any launch); ``inline()``, ``wide()``, ``wide_epi()`` and ``wide_epi2()``
+    are the other points the bench measures (docs/perf-notes-producers.md, sessions 8 and 14)."""
 
-    block_n: int = 128  # wgmma N: 64 or 128 (whole hdim blocks; 64-column epilogue parts); 64 fp32 registers at 128
+    block_n: int = 128  # wgmma N: 64, 128 or 256 (BLOCK_NS); 64 fp32 accumulator registers per thread at 128
     block_k: int = 128  # K per ring buffer and per precise-accumulation step
     stages: int = 4  # ring depth: 4 x (16 KB x + 16 KB W) = 128 KB, + 64 KB of accumulator slots (epilogue partition)
     group_m: int = 8  # row tiles per band (as the tl kernel)
@@ -88,18 +109,114 @@ class GluonLinearConfig:
     consumer_regs: int = 144
     producer_regs: int = 24
     epi_regs: int = 200
+    # warps of the epilogue partition: 4 (a warpgroup of its own, 16 warps launched) or 2 (sharing the producer's
+    # warpgroup: 12 warps launched, so maxnreg 168; the producer then gets epi_regs, Triton's rule for partitions
+    # that share a warpgroup); 2 warps quantize 64 x 32 parts
+    epi_warps: int = 4
+    # wgmma N (0: block_n).  block_n 256 with mma_n 128: two m64n128k32 per k32 step per consumer (A read twice
+    # from shared memory) instead of one m64n256k32, which ptxas refuses at the 16-warp launch's maxnreg 128
+    # (C7602: that instruction needs >= 154 registers at launch), so the 4-warp epilogue partition stays
+    mma_n: int = 0
+
+    def mma_cols(self) -> int:
+        return self.mma_n or self.block_n
+
+    def warps(self) -> int:
+        """Warps launched: four warpgroups with the epilogue partition, three without (the producer's one warp
+        padded to a warpgroup)."""
+        return 16 if self.epi_partition and self.epi_warps == 4 else 12
+
+    def worker_group_regs(self) -> list[int]:
+        """setmaxnreg of each worker warpgroup: consumer 1, then the producer and the epilogue (apart, or one
+        warpgroup at the larger request with a 2-warp epilogue)."""
+        if not self.epi_partition:
+            return [self.consumer_regs, self.producer_regs]
+        if self.epi_warps == 4:
+            return [self.consumer_regs, self.producer_regs, self.epi_regs]
+        return [self.consumer_regs, max(self.producer_regs, self.epi_regs)]
 
     def default_partition_regs(self) -> int:
-        extra = self.epi_regs if self.epi_partition else 0
-        return min(256, (16 if self.epi_partition else 12) * self.maxnreg // 4 - self.consumer_regs
-                   - self.producer_regs - extra)
+        return min(256, self.warps() * self.maxnreg // 4 - sum(self.worker_group_regs()))
+
+    def smem_bytes(self) -> int:
+        """Shared memory the kernel allocates: the ring (x as two 64-row boxes + W per stage, e4m3), the fp32
+        accumulator slots of the epilogue partition (both consumers' whole tiles), or without it the layout
+        conversion scratch of one 64 x 64 fp32 part, and the barriers."""
+        ring = self.stages * (int(BLOCK_M.value) + self.block_n) * self.block_k
+        extra = 2 * int(WG_ROWS.value) * self.block_n * 4 if self.epi_partition else int(WG_ROWS.value) * 64 * 4
+        return ring + extra + SMEM_RESERVE
+
+    def validate(self, precise: bool | None = None) -> "GluonLinearConfig":
+        """Raise ValueError unless the config builds and fits (``precise``: the accumulation mode it is to run
+        with, None: not checked).  Returns self."""
+        def bad(why):
+            raise ValueError(f"GluonLinearConfig: {why} ({self})")
+
+        if self.block_n not in BLOCK_NS:
+            bad(f"block_n must be one of {BLOCK_NS}")
+        if self.block_k not in (64, 128):
+            bad("block_k must be 64 or 128 (whole wgmma k32 steps, TMA rows of 64 / 128 bytes: the compiled ones)")
+        if self.stages < 2 or self.group_m < 1:
+            bad("stages must be >= 2 and group_m >= 1")
+        if self.mma_cols() not in (self.block_n, 128) or self.block_n % self.mma_cols():
+            bad("mma_n must be 0 (block_n) or 128 with block_n 256")
+        if self.mma_cols() > 128 and self.maxnreg < 160:
+            bad("a m64n256k32 wgmma needs maxnreg >= 160 at launch (ptxas C7602 below 154): the 16-warp launch "
+                "(epilogue partition of 4 warps) takes mma_n 128")
+        if precise and self.block_n > 128:
+            # the K-step partial beside the running accumulator: 2 x 128 fp32 registers per thread at 256
+            bad("block_n 256 runs with fast accumulation only (precise_acc=False)")
+        if self.epi_warps not in (2, 4):
+            bad("epi_warps must be 4 or 2")
+        regs = [self.default_partition_regs()] + self.worker_group_regs()
+        if self.maxnreg * 32 * self.warps() > 65536 or self.maxnreg % 8:
+            bad(f"maxnreg {self.maxnreg} x {self.warps()} warps exceeds the register file or is not a multiple of 8")
+        if any(r % 8 or not 24 <= r <= 256 for r in regs) or 128 * sum(regs) > 65536:
+            bad(f"partition registers {regs} (multiples of 8 in 24..256, 128 threads each, <= 64K in all)")
+        if regs[0] < self.consumer_regs:
+            bad(f"the default partition (consumer 0) gets {regs[0]} registers, fewer than consumer 1's")
+        if self.block_n == 256 and self.consumer_regs < 160:
+            bad("block_n 256: the 128-register accumulator needs consumer_regs >= 160")
+        if self.smem_bytes() > SMEM_BYTES:
+            bad(f"{self.smem_bytes()} bytes of shared memory (at most {SMEM_BYTES})")
+        return self
 
     def inline(self) -> "GluonLinearConfig":
         """The variant without the epilogue partition, with its register split."""
-        return GluonLinearConfig(self.block_n, self.block_k, self.stages, self.group_m, False, 168, 240, 24, 0)
+        return GluonLinearConfig(self.block_n, self.block_k, self.stages, self.group_m, False, 168, 240, 24, 0, 4,
+                                 self.mma_n)
+
+    @staticmethod
+    def wide() -> "GluonLinearConfig":
+        """The 128 x 256 tile: one m64n256k32 accumulator (128 fp32 registers) per consumer, fast accumulation
+        only, no epilogue partition (12 warps, maxnreg 168: consumers 240, producer 24), 4 x 48 KB ring."""
+        return GluonLinearConfig(256, 128, 4, 8, False, 168, 240, 24, 0, 4, 0)
+
+    @staticmethod
+    def wide_epi() -> "GluonLinearConfig":
+        """The 128 x 256 tile with the 4-warp epilogue partition (16 warps, maxnreg 128): each consumer issues two
+        m64n128k32 per k32 step (one m64n256k32 does not build at that launch, ``mma_n``); consumers 160
+        (two 64-register accumulators and addresses), producer 24, epilogue 168 (64 x 64 parts).  The
+        accumulator slots take 128 KB, so the ring is 4 x 24 KB of K = 64."""
+        return GluonLinearConfig(256, 64, 4, 8, True, 128, 160, 24, 168, 4, 128)
+
+    @staticmethod
+    def wide_epi2() -> "GluonLinearConfig":
+        """The 128 x 256 tile, one m64n256k32 per consumer and k32 step, with an epilogue partition of 2 warps
+        that shares the producer's warpgroup: 12 warps at maxnreg 168; consumers 168, producer + epilogue 168
+        (64 x 32 parts from shared memory, one 32 x 32 block per warp).  Ring 4 x 24 KB of K = 64."""
+        return GluonLinearConfig(256, 64, 4, 8, True, 168, 168, 24, 168, 2, 0)
 
 
 CONFIG_OVERRIDE: GluonLinearConfig | None = None  # tests and benchmarks: e.g. GluonLinearConfig().inline()
+# the config of fast-accumulation launches without an override (None: GluonLinearConfig(), as precise ones);
+# docs/perf-notes-producers.md "Session 14" says when a 256 config takes this place
+FAST_DEFAULT: GluonLinearConfig | None = None
+
+
+def default_config(precise: bool) -> GluonLinearConfig:
+    """The config a launch without ``config`` / ``CONFIG_OVERRIDE`` takes."""
+    return FAST_DEFAULT if FAST_DEFAULT is not None and not precise else GluonLinearConfig()
 _SM_COUNT: dict = {}
 _MAJOR: dict = {}
 
@@ -127,13 +244,13 @@ def _mma_layout(n):
 
 
 @gluon.constexpr_function
-def _epi_layout(nb):
+def _epi_layout(nb, nw=4):
     """(64 / 32 seq blocks, 32 tokens, nb channel blocks, 32 channels): a thread holds 4 consecutive tokens (one
     packed word per channel) of 8 consecutive channels; a 32-token block spans 8 lanes and a 32-channel block
     4 lanes, so both block maxima are reduced inside one warp."""
     wn = 2 if nb >= 2 else 1
     return gl.BlockedLayout(size_per_thread=[1, 4, 1, 8], threads_per_warp=[1, 8, 1, 4],
-                            warps_per_cta=[4 // wn, 1, wn, 1], order=[3, 2, 1, 0])
+                            warps_per_cta=[nw // wn, 1, wn, 1], order=[3, 2, 1, 0])
 
 
 @gluon.constexpr_function
@@ -207,11 +324,12 @@ def _emit_mx_gl(y, s0, n0, b64, S, N, S_pad, hd_ptr, hs_ptr, cd_ptr, cs_ptr,
 
 
 @gluon.constexpr_function
-def _part_layout(w):
-    """2-D (64, w) layout whose reshape to (2, 32, w / 32, 32) is ``_epi_layout(w / 32)`` register for register
-    (4 tokens x 8 channels per thread)."""
+def _part_layout(w, nw=4):
+    """2-D (64, w) layout over ``nw`` warps whose reshape to (2, 32, w / 32, 32) is ``_epi_layout(w / 32, nw)``
+    register for register (4 tokens x 8 channels per thread; (64, 64) on 4 warps or (64, 32) on 2: one 32 x 32
+    block per warp)."""
     wn = 2 if w >= 64 else 1
-    return gl.BlockedLayout(size_per_thread=[4, 8], threads_per_warp=[8, 4], warps_per_cta=[4 // wn, wn],
+    return gl.BlockedLayout(size_per_thread=[4, 8], threads_per_warp=[8, 4], warps_per_cta=[nw // wn, wn],
                             order=[1, 0])
 
 
@@ -233,7 +351,8 @@ def _quantize_part(raw, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b
     if HAS_BIAS:
         y = y + gl.expand_dims(_to_f32(gl.load(b_ptr + col)), 0)
     y = gl.where(gl.expand_dims(rm < S, 1) & gl.expand_dims(rn < N, 0), y, 0.0)
-    y4 = gl.convert_layout(gl.reshape(y, [WG_ROWS // 32, 32, W // 32, 32]), _epi_layout(W // 32))
+    y4 = gl.convert_layout(gl.reshape(y, [WG_ROWS // 32, 32, W // 32, 32]),
+                           _epi_layout(W // 32, gl.num_warps()))
     _emit_mx_gl(y4, s0, n0, b64, S, N, S_pad, hd_ptr, hs_ptr, cd_ptr, cs_ptr,
                 WG_ROWS // 32, 32, W // 32, HDIM, SEQ, RCEIL, SOFT, SWZ)
 
@@ -247,34 +366,89 @@ def _halves(acc):
 
 
 @gluon.jit
-def _epilogue_inline(acc, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b64, s0, n0, S, N, S_pad,
-                     BN: gl.constexpr, HAS_BIAS: gl.constexpr, HDIM: gl.constexpr, SEQ: gl.constexpr,
-                     RCEIL: gl.constexpr, SOFT: gl.constexpr, SWZ: gl.constexpr):
-    """The consumer quantizes its own 64 x BN accumulator, in column halves of 64 (the whole tile in the blocked
-    layout plus the seq path's temporaries spilled ~900 bytes with both orientations, triton 3.6)."""
-    if BN == 128:
-        lo, hi = _halves(acc)
-        _quantize_part(gl.convert_layout(lo, _part_layout(64)), xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr,
-                       cs_ptr, b64, s0, n0, S, N, S_pad, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
-        _quantize_part(gl.convert_layout(hi, _part_layout(64)), xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr,
-                       cs_ptr, b64, s0, n0 + 64, S, N, S_pad, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
-    else:
-        _quantize_part(gl.convert_layout(acc, _part_layout(BN)), xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr,
+def _quantize_live(part, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b64, s0, n0, S, N, S_pad,
+                   HAS_BIAS: gl.constexpr, HDIM: gl.constexpr, SEQ: gl.constexpr, RCEIL: gl.constexpr,
+                   SOFT: gl.constexpr, SWZ: gl.constexpr):
+    """A 64 x 64 part of a consumer's accumulator (wgmma layout), quantized unless it lies wholly past N."""
+    if n0 < N:
+        _quantize_part(gl.convert_layout(part, _part_layout(64)), xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr,
                        cs_ptr, b64, s0, n0, S, N, S_pad, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
 
 
 @gluon.jit
-def _handoff(acc, acc_smem, acc_ready, acc_empty, j, WG: gl.constexpr, BN: gl.constexpr):
-    """EPI_PARTITION: the consumer's j-th accumulator to its shared-memory slot (64-column parts), for the
-    epilogue partition.  Waits until the epilogue has read the slot's previous tile."""
-    mbarrier.wait(acc_empty.index(WG), (j & 1) ^ 1)
-    if BN == 128:
+def _quarters(acc, acc1):
+    """The four 64-column parts of a consumer's 64 x 256 tile: halves of the halves of one m64n256 accumulator
+    (acc1 unused), or the halves of two m64n128 ones."""
+    if acc.shape[1] == 256:
         lo, hi = _halves(acc)
-        acc_smem.index(2 * WG).store(lo)
-        acc_smem.index(2 * WG + 1).store(hi)
+        q0, q1 = _halves(lo)
+        q2, q3 = _halves(hi)
     else:
-        acc_smem.index(WG).store(acc)
-    gl.thread_barrier()  # every warp's stores before the one arrival
+        q0, q1 = _halves(acc)
+        q2, q3 = _halves(acc1)
+    return q0, q1, q2, q3
+
+
+@gluon.jit
+def _epilogue_inline(acc, acc1, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b64, s0, n0, S, N, S_pad,
+                     BN: gl.constexpr, HAS_BIAS: gl.constexpr, HDIM: gl.constexpr, SEQ: gl.constexpr,
+                     RCEIL: gl.constexpr, SOFT: gl.constexpr, SWZ: gl.constexpr):
+    """The consumer quantizes its own 64 x BN accumulator, 64 columns at a time (the whole tile in the blocked
+    layout plus the seq path's temporaries spilled ~900 bytes with both orientations, triton 3.6), skipping the
+    parts wholly past N."""
+    if BN == 64:
+        _quantize_live(acc, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b64, s0, n0, S, N, S_pad,
+                       HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
+    elif BN == 128:
+        lo, hi = _halves(acc)
+        _quantize_live(lo, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b64, s0, n0, S, N, S_pad,
+                       HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
+        _quantize_live(hi, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b64, s0, n0 + 64, S, N, S_pad,
+                       HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
+    else:  # 256 (column bits 7 and 6 are register bits of the wgmma layouts)
+        q0, q1, q2, q3 = _quarters(acc, acc1)
+        _quantize_live(q0, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b64, s0, n0, S, N, S_pad,
+                       HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
+        _quantize_live(q1, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b64, s0, n0 + 64, S, N, S_pad,
+                       HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
+        _quantize_live(q2, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b64, s0, n0 + 128, S, N, S_pad,
+                       HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
+        _quantize_live(q3, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b64, s0, n0 + 192, S, N, S_pad,
+                       HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
+
+
+@gluon.jit
+def _store64(part, acc_smem, i, PW: gl.constexpr):
+    """A 64 x 64 accumulator part to slot i (PW 64) or to slots 2i, 2i + 1 (PW 32)."""
+    if PW == 64:
+        acc_smem.index(i).store(part)
+    else:
+        lo, hi = _halves(part)
+        acc_smem.index(2 * i).store(lo)
+        acc_smem.index(2 * i + 1).store(hi)
+
+
+@gluon.jit
+def _handoff(acc, acc1, acc_smem, acc_ready, acc_empty, j, WG: gl.constexpr, BN: gl.constexpr,
+             PW: gl.constexpr):
+    """EPI_PARTITION: the consumer's j-th accumulator to its shared-memory slots (parts of PW columns, consumer
+    WG's at WG * BN / PW ...), for the epilogue partition.  Waits until the epilogue has read the slots' previous
+    tile."""
+    mbarrier.wait(acc_empty.index(WG), (j & 1) ^ 1)
+    P64: gl.constexpr = BN // 64  # 64-column parts per consumer
+    if BN == 64:
+        _store64(acc, acc_smem, WG, PW)
+    elif BN == 128:
+        lo, hi = _halves(acc)
+        _store64(lo, acc_smem, 2 * WG, PW)
+        _store64(hi, acc_smem, 2 * WG + 1, PW)
+    else:  # 256
+        q0, q1, q2, q3 = _quarters(acc, acc1)
+        _store64(q0, acc_smem, P64 * WG, PW)
+        _store64(q1, acc_smem, P64 * WG + 1, PW)
+        _store64(q2, acc_smem, P64 * WG + 2, PW)
+        _store64(q3, acc_smem, P64 * WG + 3, PW)
+    _cta_barrier()  # every warp's stores before the one arrival
     mbarrier.arrive(acc_ready.index(WG), count=1)
 
 
@@ -282,23 +456,29 @@ def _handoff(acc, acc_smem, acc_ready, acc_empty, j, WG: gl.constexpr, BN: gl.co
 def _epilogue_partition(acc_smem, acc_ready, acc_empty, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr,
                         S, N, S_pad, n_m_tiles, n_row_tiles, n_col_tiles, n_tiles,
                         BN: gl.constexpr, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr, HDIM: gl.constexpr,
-                        SEQ: gl.constexpr, RCEIL: gl.constexpr, SOFT: gl.constexpr, SWZ: gl.constexpr):
-    """EPI_PARTITION: one warpgroup quantizes both consumers' accumulators of every tile while the consumers run
-    the next tile's main loop."""
-    W: gl.constexpr = 64 if BN == 128 else BN
+                        SEQ: gl.constexpr, RCEIL: gl.constexpr, SOFT: gl.constexpr, SWZ: gl.constexpr,
+                        W: gl.constexpr):
+    """EPI_PARTITION: one warpgroup (or 2 warps, ``GluonLinearConfig.epi_warps``) quantizes both consumers'
+    accumulators of every tile while the consumers run the next tile's main loop, W (64 / 32) columns at a time;
+    parts wholly past N are neither read nor quantized (the slots are released after the last part read)."""
     NP: gl.constexpr = BN // W
+    NW: gl.constexpr = gl.num_warps()
     j = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         b, s0, n0 = _tile_coords(t, S, n_m_tiles, n_row_tiles, n_col_tiles, BN, GROUP_M)
         for c in gl.static_range(2):
             mbarrier.wait(acc_ready.index(c), j & 1)
             for h in gl.static_range(NP):
-                raw = acc_smem.index(NP * c + h).load(_part_layout(W))
-                if h == NP - 1:
-                    gl.thread_barrier()  # every warp has read the slot
+                if n0 + h * W < N:
+                    raw = acc_smem.index(NP * c + h).load(_part_layout(W, NW))
+                    if h == NP - 1:
+                        _cta_barrier()  # every warp has read the slot
+                        mbarrier.arrive(acc_empty.index(c), count=1)
+                    _quantize_part(raw, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b.to(gl.int64),
+                                   s0 + c * WG_ROWS, n0 + h * W, S, N, S_pad, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
+                elif h == NP - 1:
+                    _cta_barrier()  # (the parts read before this one)
                     mbarrier.arrive(acc_empty.index(c), count=1)
-                _quantize_part(raw, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b.to(gl.int64),
-                               s0 + c * WG_ROWS, n0 + h * W, S, N, S_pad, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
         j += 1
 
 
@@ -323,9 +503,9 @@ def _producer(x_desc, w_desc, a_smem, b_smem, ready, empty, S, K, n_m_tiles, n_r
             # a fresh mbarrier counts as having completed the phase before phase 0: the first pass does not wait
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), 2 * x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(x_desc, [row, kk * BK], ready.index(s), a_smem.index(2 * s))
-            tma.async_copy_global_to_shared(x_desc, [row + WG_ROWS, kk * BK], ready.index(s), a_smem.index(2 * s + 1))
-            tma.async_copy_global_to_shared(w_desc, [n0, kk * BK], ready.index(s), b_smem.index(s))
+            _tma_load(x_desc, [row, kk * BK], ready.index(s), a_smem.index(2 * s))
+            _tma_load(x_desc, [row + WG_ROWS, kk * BK], ready.index(s), a_smem.index(2 * s + 1))
+            _tma_load(w_desc, [n0, kk * BK], ready.index(s), b_smem.index(s))
             it += 1
 
 
@@ -334,15 +514,17 @@ def _consumer(a_smem, b_smem, ready, empty, acc_smem, acc_ready, acc_empty, xe_p
               S, N, K, S_pad, n_m_tiles, n_row_tiles, n_col_tiles, n_tiles,
               WG: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
               PRECISE: gl.constexpr, HAS_BIAS: gl.constexpr, HDIM: gl.constexpr, SEQ: gl.constexpr,
-              RCEIL: gl.constexpr, SOFT: gl.constexpr, SWZ: gl.constexpr, EPI_PARTITION: gl.constexpr):
-    mma: gl.constexpr = _mma_layout(BN)
-    zero = gl.zeros([WG_ROWS, BN], gl.float32, layout=mma)
+              RCEIL: gl.constexpr, SOFT: gl.constexpr, SWZ: gl.constexpr, EPI_PARTITION: gl.constexpr,
+              EPI_WARPS: gl.constexpr, MMA_N: gl.constexpr):
+    mma: gl.constexpr = _mma_layout(MMA_N)
+    zero = gl.zeros([WG_ROWS, MMA_N], gl.float32, layout=mma)
     k_tiles = gl.cdiv(K, BK)
     it = 0
     j = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         b, s0, n0 = _tile_coords(t, S, n_m_tiles, n_row_tiles, n_col_tiles, BN, GROUP_M)
         acc = zero
+        acc1 = zero  # columns MMA_N .. BN - 1 when the tile takes two wgmma per k32 step (MMA_N < BN)
         for kk in range(k_tiles):
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
@@ -353,15 +535,23 @@ def _consumer(a_smem, b_smem, ready, empty, acc_smem, acc_ready, acc_empty, xe_p
                 part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
                 mbarrier.arrive(empty.index(s), count=1)
                 acc = acc + part
-            else:
+            elif MMA_N == BN:
                 acc = warpgroup_mma(a_smem.index(2 * s + WG), b_op, acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(empty.index(s), count=1)
+            else:  # two m64nMMA_Nk32 chains on the W tile's row halves (each instruction fits the 16-warp launch)
+                w_s = b_smem.index(s)
+                acc = warpgroup_mma(a_smem.index(2 * s + WG), w_s.slice(0, MMA_N).permute((1, 0)), acc,
+                                    is_async=True)
+                acc1 = warpgroup_mma(a_smem.index(2 * s + WG), w_s.slice(MMA_N, MMA_N).permute((1, 0)), acc1,
+                                     is_async=True)
+                acc, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc1))
+                mbarrier.arrive(empty.index(s), count=1)
             it += 1
         if EPI_PARTITION:
-            _handoff(acc, acc_smem, acc_ready, acc_empty, j, WG, BN)
+            _handoff(acc, acc1, acc_smem, acc_ready, acc_empty, j, WG, BN, 64 if EPI_WARPS == 4 else 32)
         else:
-            _epilogue_inline(acc, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b.to(gl.int64),
+            _epilogue_inline(acc, acc1, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr, cs_ptr, b.to(gl.int64),
                              s0 + WG * WG_ROWS, n0, S, N, S_pad, BN, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)
         j += 1
 
@@ -373,7 +563,8 @@ def _linear_quant_ws_kernel(
     BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
     PRECISE: gl.constexpr, HAS_BIAS: gl.constexpr, HDIM: gl.constexpr, SEQ: gl.constexpr,
     RCEIL: gl.constexpr, SOFT: gl.constexpr, SWZ: gl.constexpr, EPI_PARTITION: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, EPI_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, EPI_REGS: gl.constexpr, EPI_WARPS: gl.constexpr,
+    MMA_N: gl.constexpr,
 ):
     n_col_tiles = gl.cdiv(N, BN)
     n_tiles = n_row_tiles * n_col_tiles
@@ -391,7 +582,7 @@ def _linear_quant_ws_kernel(
         mbarrier.init(acc_empty.index(i), count=1)
     # accumulator slots of the epilogue partition: per consumer, its 64 x BN fp32 tile as 64-column parts
     # (a one-element placeholder without the partition)
-    W: gl.constexpr = 64 if BN == 128 else BN
+    W: gl.constexpr = 64 if EPI_WARPS == 4 else 32  # columns per slot: one 32 x 32 block per epilogue warp
     SLOTS: gl.constexpr = 2 * (BN // W) if EPI_PARTITION else 1
     acc_smem = gl.allocate_shared_memory(gl.float32, [SLOTS, WG_ROWS if EPI_PARTITION else 1,
                                                       W if EPI_PARTITION else 1], _acc_smem_layout())
@@ -399,24 +590,24 @@ def _linear_quant_ws_kernel(
         gl.warp_specialize([
             (_consumer, (a_smem, b_smem, ready, empty, acc_smem, acc_ready, acc_empty, xe_ptr, we_ptr, b_ptr, hd_ptr,
                          hs_ptr, cd_ptr, cs_ptr, S, N, K, S_pad, n_m_tiles, n_row_tiles, n_col_tiles, n_tiles,
-                         0, BN, BK, GROUP_M, STAGES, PRECISE, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ, True)),
+                         0, BN, BK, GROUP_M, STAGES, PRECISE, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ, True, EPI_WARPS, MMA_N)),
             (_consumer, (a_smem, b_smem, ready, empty, acc_smem, acc_ready, acc_empty, xe_ptr, we_ptr, b_ptr, hd_ptr,
                          hs_ptr, cd_ptr, cs_ptr, S, N, K, S_pad, n_m_tiles, n_row_tiles, n_col_tiles, n_tiles,
-                         1, BN, BK, GROUP_M, STAGES, PRECISE, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ, True)),
+                         1, BN, BK, GROUP_M, STAGES, PRECISE, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ, True, EPI_WARPS, MMA_N)),
             (_producer, (x_desc, w_desc, a_smem, b_smem, ready, empty, S, K, n_m_tiles, n_row_tiles, n_col_tiles,
                          n_tiles, BN, BK, GROUP_M, STAGES)),
             (_epilogue_partition, (acc_smem, acc_ready, acc_empty, xe_ptr, we_ptr, b_ptr, hd_ptr, hs_ptr, cd_ptr,
                                    cs_ptr, S, N, S_pad, n_m_tiles, n_row_tiles, n_col_tiles, n_tiles, BN, GROUP_M,
-                                   HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ)),
-        ], [4, 1, 4], [CONSUMER_REGS, PRODUCER_REGS, EPI_REGS])
+                                   HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ, W)),
+        ], [4, 1, EPI_WARPS], [CONSUMER_REGS, PRODUCER_REGS, EPI_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (a_smem, b_smem, ready, empty, acc_smem, acc_ready, acc_empty, xe_ptr, we_ptr, b_ptr, hd_ptr,
                          hs_ptr, cd_ptr, cs_ptr, S, N, K, S_pad, n_m_tiles, n_row_tiles, n_col_tiles, n_tiles,
-                         0, BN, BK, GROUP_M, STAGES, PRECISE, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ, False)),
+                         0, BN, BK, GROUP_M, STAGES, PRECISE, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ, False, EPI_WARPS, MMA_N)),
             (_consumer, (a_smem, b_smem, ready, empty, acc_smem, acc_ready, acc_empty, xe_ptr, we_ptr, b_ptr, hd_ptr,
                          hs_ptr, cd_ptr, cs_ptr, S, N, K, S_pad, n_m_tiles, n_row_tiles, n_col_tiles, n_tiles,
-                         1, BN, BK, GROUP_M, STAGES, PRECISE, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ, False)),
+                         1, BN, BK, GROUP_M, STAGES, PRECISE, HAS_BIAS, HDIM, SEQ, RCEIL, SOFT, SWZ, False, EPI_WARPS, MMA_N)),
             (_producer, (x_desc, w_desc, a_smem, b_smem, ready, empty, S, K, n_m_tiles, n_row_tiles, n_col_tiles,
                          n_tiles, BN, BK, GROUP_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -447,14 +638,18 @@ def _layouts(block_n: int, block_k: int):
     return nvmma_fp8_layout(WG_ROWS.value, block_k), nvmma_fp8_layout(block_n, block_k)
 
 
+@functools.lru_cache(maxsize=64)
+def _validated(cfg: GluonLinearConfig, precise: bool) -> GluonLinearConfig:
+    """``cfg.validate(precise)`` once per (config, mode): the launcher asks on every call."""
+    return cfg.validate(precise)
+
+
 def linear_quant_fwd_gluon(xd, xe, wd, we, bias, hd, hs, cd, cs, B: int, S: int, s_pad: int, *, hdim: bool,
                            seq: bool, rceil: bool, soft: bool, precise: bool, tiled_scales: bool,
                            config: GluonLinearConfig | None = None) -> None:
     """Launch on prepared operands and outputs (``linear_quant.linear_quant_fwd`` allocates them and checks
     ``gluon_eligible``): xd (B*S, K) / wd (N, K) e4m3, xe (B*S,) / we (N,) int32, outputs as ``_emit_mx``."""
-    cfg = config or CONFIG_OVERRIDE or GluonLinearConfig()
-    if cfg.block_n not in (64, 128):
-        raise ValueError(f"block_n must be 64 or 128, got {cfg.block_n}")
+    cfg = _validated(config or CONFIG_OVERRIDE or default_config(precise), precise)
     M, K = xd.shape
     N = wd.shape[0]
     la, lb = _layouts(cfg.block_n, cfg.block_k)
@@ -470,6 +665,6 @@ def linear_quant_fwd_gluon(xd, xe, wd, we, bias, hd, hs, cd, cs, B: int, S: int,
         BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.stages, PRECISE=precise,
         HAS_BIAS=bias is not None, HDIM=hdim, SEQ=seq, RCEIL=rceil, SOFT=soft, SWZ=tiled_scales,
         EPI_PARTITION=cfg.epi_partition, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
-        EPI_REGS=cfg.epi_regs,
+        EPI_REGS=cfg.epi_regs, EPI_WARPS=cfg.epi_warps, MMA_N=cfg.mma_cols(),
         num_warps=4, maxnreg=cfg.maxnreg,
     )
