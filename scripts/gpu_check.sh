@@ -38,6 +38,7 @@
 #   fuseddq    the fused-dQ backward (GluonDkdvConfig.fuse_dq, opt-in): compile check, its GPU tests (tiny first),
 #              scripts/bench_fused_dq.py (kernels and public backward vs the split kernels and SDPA cuDNN, one run)
 #              (FUSED_DQ_K narrows the tests, FUSED_DQ_BENCH=0 skips the bench; stage fuseddqbench: the bench alone)
+#   qkvchain   the fused chain rmsnorm_quant -> qkv_proj -> mxfp8_attn_func vs the BF16 chain: time, peak memory
 #   fwdprobe   the Gluon forward's cost split: scripts/probe_fwd_gluon.py per MXATTN_FWD_PROBE build (no exp2, no O
 #              rescale, no row max, no softmax) beside the real one, timing only: OUTDIR/fwd_probe.jsonl
 #   bwdprobe   the Gluon dK/dV step's cost split: scripts/probe_bwd_gluon.py per MXATTN_DKDV_PROBE build (no exp2, no
@@ -353,6 +354,10 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
         -k "${FUSED_DQ_K:-fused_dq and not tiny}" \
         2>&1 | grep -E "SQNR|passed|failed|Error|assert" | tail -30
       [ "${FUSED_DQ_BENCH:-1}" = 0 ] || run $PY scripts/bench_fused_dq.py "$OUT" ${FUSED_DQ_SHAPES:-} ;;
+    qkvchain)
+      # issue 7's chain: rmsnorm_quant -> qkv_proj (rotary) -> mxfp8_attn_func against the BF16 chain, forward time
+      # and peak memory (mxattn.qkv.bench_qkv_chain; MHA 16/16 and GQA 16/4, B2 S4096 dim 2048): qkv_chain JSON
+      run $PY -c "import sys, json; from mxattn.qkv import bench_qkv_chain; r = bench_qkv_chain(outdir=sys.argv[1]); print(json.dumps(r['rows'], indent=1))" "$OUT" ;;
     fwdprobe)
       # the Gluon forward's cost split (attn_fwd_gluon.FWD_PROBE, timing only): the probe builds compiled side by
       # side, then timed one after the other on FP8 operands (d128 S 8k both masks, S 4k, d64 S 8k); probe 0 also
