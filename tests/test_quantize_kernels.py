@@ -563,6 +563,45 @@ def test_v_exponent_chunks(stages, gen, monkeypatch):
         assert_same_rs(seq, ref_rs(xd, "v"), f"both: V layout, chunks {dt}")
 
 
+@pytest.mark.parametrize("min_tiles", [2, 3])
+def test_v_exponent_min_tiles(min_tiles, gen, monkeypatch):
+    """V's exponent pass with a floor on S tiles per program (``VEXP_MIN_TILES``): the grid's count of programs no
+    longer decides it; a last chunk shorter than the others (5 tiles of 64 tokens in chunks of 3), NaN/Inf chunks."""
+    monkeypatch.setattr(kq, "VEXP_MIN_PROGRAMS", 1 << 20)
+    monkeypatch.setattr(kq, "VEXP_MIN_TILES", min_tiles)
+    kq._PLANS.clear()
+    x = make_input((2, 300, 2, 64), torch.bfloat16, "random", gen)
+    x[1, 290, 1, 5] = float("nan")
+    x[0, 70, 0, 6] = 3.0e3
+    spec = kq._v_exponents_spec(x, None, from_mx=False, rceil=True)
+    assert spec[3][1] == min_tiles, "tiles per program"
+    assert spec[0][0] == 2 * 2 * -(-5 // min_tiles), "programs"
+    assert_same_rs(kq.row_scaled_triton(x.to(DEVICE), "v"), ref_rs(x, "v"), f"V min_tiles={min_tiles}")
+    assert_same_rs(kq.row_scaled_triton(x.to(DEVICE), "v", "floor"), ref_rs_mode(x, "v", "floor"), "V floor")
+
+
+@pytest.mark.parametrize("k_warps", [None, 8])
+@pytest.mark.parametrize("k_launch", ["first", "second"])
+def test_forward_operands_k_launch(k_launch, k_warps, gen, monkeypatch):
+    """The no-grad forward's fused launches with K's job in either launch and at 4 or 8 warps (``FWD_K_LAUNCH``,
+    ``FWD_K_WARPS``) against the reference, two calls of one signature (the second takes the plan)."""
+    monkeypatch.setattr(kq, "FWD_K_LAUNCH", k_launch)
+    monkeypatch.setattr(kq, "FWD_K_WARPS", k_warps)
+    kq._PLANS.clear()
+    for i in range(2):
+        kind = "adversarial" if i == 0 else "random"
+        q, k, v = (make_input(s, torch.bfloat16, kind, gen) for s in ((1, 70, 2, 64), (1, 150, 2, 64),
+                                                                         (1, 150, 2, 64)))
+        qr, kr, vr, kv = kq.forward_operands_triton(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE))
+        assert_same_rs(qr, ref_rs(q, "q"), f"call {i}: Q")
+        assert_same_rs(kr, ref_rs(k, "k"), f"call {i}: K")
+        assert_same_rs(vr, ref_rs(v, "v"), f"call {i}: V")
+    with pytest.raises(ValueError, match="FWD_K_LAUNCH"):
+        monkeypatch.setattr(kq, "FWD_K_LAUNCH", "third")
+        kq._PLANS.clear()
+        kq.forward_operands_triton(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE))
+
+
 def test_nonzero_threshold():
     """A block is nonzero iff its maximum exceeds 2^-137 (fp32 bits 0x1000; 2^-10 ties to 0 at the -127 clamp)."""
     x = torch.zeros(1, 64, 1, 64)
@@ -804,6 +843,43 @@ def test_gpu_v_exponent_pass(stages, min_programs, gen, monkeypatch):
     kq._PLANS.clear()
     for kind in ("adversarial", "random"):
         check_row_scaled((2, 3000, 4, 128), torch.bfloat16, "rceil", kind, "v", gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [(32, 4), (64, 4), (64, 8)], ids=str)
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("min_tiles", [1, 3, 4, 16])
+def test_gpu_v_exponent_min_tiles(min_tiles, stages, tile, gen, monkeypatch):
+    """Session 14's sweep of V's exponent pass: tiles per program, stages, tiles; partial last chunks."""
+    monkeypatch.setattr(kq, "VEXP_STAGES", stages)
+    monkeypatch.setattr(kq, "VEXP_MIN_TILES", min_tiles)
+    monkeypatch.setitem(kq.TILE_OVERRIDES, "vexp", kq.Tile(*tile))
+    kq._PLANS.clear()
+    for kind in ("adversarial", "random"):
+        check_row_scaled((2, 3000, 4, 128), torch.bfloat16, "rceil", kind, "v", gen)
+    check_row_scaled((1, 777, 3, 64), torch.float16, "floor", "adversarial", "v", gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k_warps", [None, 8])
+@pytest.mark.parametrize("k_launch", ["first", "second"])
+@pytest.mark.parametrize("dims", [(2, 1000, 1000, 4, 4, 128), (1, 517, 2048, 4, 2, 64), (2, 256, 300, 2, 2, 128)],
+                         ids=str)
+def test_gpu_forward_operands_k_launch(dims, k_launch, k_warps, gen, monkeypatch):
+    monkeypatch.setattr(kq, "FWD_K_LAUNCH", k_launch)
+    monkeypatch.setattr(kq, "FWD_K_WARPS", k_warps)
+    kq._PLANS.clear()
+    B, Sq, Sk, Hq, Hkv, D = dims
+    for i in range(2):
+        kind = "adversarial" if i == 0 else "random"
+        q, k, v = (make_input(s, torch.bfloat16, kind, gen) for s in ((B, Sq, Hq, D), (B, Sk, Hkv, D),
+                                                                         (B, Sk, Hkv, D)))
+        qr, kr, vr, _ = kq.forward_operands_triton(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE))
+        assert_same_rs(qr, ref_rs(q, "q"), f"call {i}: Q")
+        assert_same_rs(kr, ref_rs(k, "k"), f"call {i}: K")
+        assert_same_rs(vr, ref_rs(v, "v"), f"call {i}: V")
+        _, _, vr2, kv = kq.forward_operands_triton(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), keep_kv=True)
+        assert_same_rs(vr2, ref_rs(v, "v"), f"call {i}: V (keep_kv)")
 
 
 @pytest.mark.gpu

@@ -184,13 +184,31 @@ SEQEXP_MIN_PROGRAMS = 1024
 # alone): 1024 programs / no pipelining 71% of copy, 4096 / 3 stages 82%, 16384 / none 45%.
 VEXP_MIN_PROGRAMS = 4096
 VEXP_STAGES = 3
+# ... and at least this many S tiles per program (session 14).  Without it a small input got one tile per program
+# (B2 H16 S4096 d128: 4096 programs of 8 KB each, the pipelined loop one iteration long, the reductions and the
+# atomics paid per 8 KB): 28.8 us for 33.5 MB, 28% of copy.  4 tiles: 1024 programs there (~8 per SM, one wave);
+# the bench shape (B8 S8192 H16) keeps its 8 tiles per program.
+VEXP_MIN_TILES = 4
+
+# The no-grad forward's fused launches (``_ForwardOperandsPlan``, keep_kv False; session 14): which launch K's job
+# rides in ("first": with Q and V's exponent pass; "second": with V's quantize pass) and at how many warps (None:
+# K's own tile, 4 warps at d128).  A fused launch is compiled for the largest job: K's 128-token tile at 4 warps
+# takes 128 registers, which leaves 4 programs of 4 warps per SM for every job of that launch.
+FWD_K_LAUNCH = "first"
+FWD_K_WARPS: Optional[int] = None
 
 
-def _seq_chunk(n_rows: int, S: int, block_s: int, min_programs: Optional[int] = None) -> int:
+def _knobs() -> tuple:
+    """The module knobs that change a launch (part of every plan cache key)."""
+    return (SEQEXP_MIN_PROGRAMS, VEXP_MIN_PROGRAMS, VEXP_STAGES, VEXP_MIN_TILES, FWD_K_LAUNCH, FWD_K_WARPS,
+            SOFT_ROUND_ON_GPU)
+
+
+def _seq_chunk(n_rows: int, S: int, block_s: int, min_programs: Optional[int] = None, min_tiles: int = 1) -> int:
     """Tiles of S per program in the V exponent pass: as many as possible (fewer atomics) while the grid
-    keeps ``SEQEXP_MIN_PROGRAMS`` programs, and at most 32."""
+    keeps ``min_programs`` programs (default ``SEQEXP_MIN_PROGRAMS``), at least ``min_tiles``, at most 32."""
     n_tiles = cdiv(S, block_s)
-    per = max(1, (n_tiles * n_rows) // (min_programs or SEQEXP_MIN_PROGRAMS))
+    per = max(1, min_tiles, (n_tiles * n_rows) // (min_programs or SEQEXP_MIN_PROGRAMS))
     return min(per, n_tiles, 32)
 
 
@@ -1657,7 +1675,7 @@ def _v_exponents_spec(src4, sc4, *, from_mx: bool, rceil: bool, warps=None):
     tile = _tile("seqexp", dp) if from_mx else _tile("vexp", dp, warps=warps)
     bs = tile.block_s
     n_s_tiles = cdiv(S, bs)
-    per = _seq_chunk(B * H, S, bs, None if from_mx else VEXP_MIN_PROGRAMS)
+    per = _seq_chunk(B * H, S, bs, None if from_mx else VEXP_MIN_PROGRAMS, 1 if from_mx else VEXP_MIN_TILES)
     n_chunks = cdiv(n_s_tiles, per)
     st = src4.stride()
     scs = sc4.stride() if sc4 is not None else (0, 0, 0, 0)
@@ -1711,7 +1729,7 @@ def _plan_key(kind: str, x, scale_mode, seq_dim, k_group):
     if type(x) is not _Tensor or type(k_group) is not int or TILE_OVERRIDES or not _launch.PLANS:
         return None
     return (kind, x.shape, x.stride(), x.dtype, x.device, _current_device(x), scale_mode, seq_dim, k_group,
-            x.data_ptr() & 15, SEQEXP_MIN_PROGRAMS, VEXP_MIN_PROGRAMS, VEXP_STAGES, SOFT_ROUND_ON_GPU)
+            x.data_ptr() & 15, _knobs())
 
 
 def _trusted_row_scaled(data, exp, dim, group_dim=None, group=1) -> RowScaledFP8:
@@ -1886,13 +1904,17 @@ class _ForwardOperandsPlan:
             self.k_spec = _quantize_spec(k4, self.s_pad, **both)
             self.v_spec = _quantize_spec(v4, self.s_pad, **both)
         else:
+            if FWD_K_LAUNCH not in ("first", "second"):
+                raise ValueError(f"FWD_K_LAUNCH must be 'first' or 'second', got {FWD_K_LAUNCH!r}")
+            self.k_first = FWD_K_LAUNCH == "first"
             self.k_spec = _quantize_spec(k4, SEQ_ALIGN, HDIM=True, SEQ=False, HDIM_GROUP=group, SEQ_RS=False,
-                                         rceil=rceil, group=group)
+                                         rceil=rceil, group=group, warps=FWD_K_WARPS)
+            kw = self.k_spec[3]["num_warps"] if self.k_spec is not None else None
             self.v_spec = _quantize_spec(v4, self.s_pad, HDIM=False, SEQ=True, HDIM_GROUP=0, SEQ_RS=True,
-                                         rceil=rceil, group=0)
-            # the first launch runs at K's warps (its tile is a whole exponent group): Q and V's exponent pass take
-            # tiles of as many warps, at their own elements per thread
-            warps = self.k_spec[3]["num_warps"] if self.k_spec is not None else None
+                                         rceil=rceil, group=0, warps=None if self.k_first else kw)
+            # the launch K rides in runs at K's warps (its tile is a whole exponent group): the other jobs of that
+            # launch take tiles of as many warps, at their own elements per thread
+            warps = kw if self.k_first else None
         self.q_spec = _quantize_spec(q4, SEQ_ALIGN, HDIM=True, SEQ=False, HDIM_GROUP=1, SEQ_RS=False, rceil=rceil,
                                      group=0, warps=warps)
         self.v_exp_spec = _v_exponents_spec(v4, None, from_mx=False, rceil=rceil, warps=warps)
@@ -1912,10 +1934,11 @@ class _ForwardOperandsPlan:
         f8 = torch.float8_e4m3fn
         if not self.keep_kv:
             k_job = _quant_slot(self.k_spec, k4, kd, ke, None, None, dummy)
-            _operands_launch(self.bound, "first", [q_job, k_job], [_exp_slot(self.v_exp_spec, v4, vexp)], D,
-                             self.rceil, self.soft, dummy)
-            _operands_launch(self.bound, "second", [_quant_slot(self.v_spec, v4, None, None, vcd, vexp, dummy)], [],
-                             D, self.rceil, self.soft, dummy)
+            v_job = _quant_slot(self.v_spec, v4, None, None, vcd, vexp, dummy)
+            first, second = ([q_job, k_job], [v_job]) if self.k_first else ([q_job], [v_job, k_job])
+            _operands_launch(self.bound, "first", first, [_exp_slot(self.v_exp_spec, v4, vexp)], D, self.rceil,
+                             self.soft, dummy)
+            _operands_launch(self.bound, "second", second, [], D, self.rceil, self.soft, dummy)
             return (_trusted_row_scaled(qd.view(f8), qe, 3), _trusted_row_scaled(kd.view(f8), ke, 3, 1, G),
                     _trusted_row_scaled(_seq_view(vcd, Sk, False), vexp, 1), None)
         kexp_s = torch.full((B, 1, Hkv, D), _NO_EXP_HOST, dtype=i32, device=dev)
@@ -1975,8 +1998,7 @@ def row_scaled_triton_both_pair(x: torch.Tensor, y: torch.Tensor, scale_mode: Un
     key = None
     if type(x) is _Tensor and type(y) is _Tensor and type(k_group) is int and not TILE_OVERRIDES and _launch.PLANS:
         key = ("pair", x.shape, x.stride(), y.shape, y.stride(), x.dtype, y.dtype, x.device, y.device,
-               _current_device(x), scale_mode, k_group, x.data_ptr() & 15, y.data_ptr() & 15, SEQEXP_MIN_PROGRAMS,
-               VEXP_MIN_PROGRAMS, VEXP_STAGES, SOFT_ROUND_ON_GPU)
+               _current_device(x), scale_mode, k_group, x.data_ptr() & 15, y.data_ptr() & 15, _knobs())
         plan = _PLANS.get(key)
         if plan is not None:
             return plan(*(t if t.stride(3) == 1 else t.contiguous() for t in (x, y)))
@@ -2009,8 +2031,7 @@ def forward_operands_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             and not TILE_OVERRIDES and _launch.PLANS:
         key = ("forward", keep_kv, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
                v.dtype, q.device, k.device, v.device, _current_device(q), scale_mode, k_group, q.data_ptr() & 15,
-               k.data_ptr() & 15, v.data_ptr() & 15, SEQEXP_MIN_PROGRAMS, VEXP_MIN_PROGRAMS, VEXP_STAGES,
-               SOFT_ROUND_ON_GPU)
+               k.data_ptr() & 15, v.data_ptr() & 15, _knobs())
         plan = _PLANS.get(key)
         if plan is not None:
             return plan(*(x if x.stride(3) == 1 else x.contiguous() for x in (q, k, v)))
