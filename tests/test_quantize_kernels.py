@@ -580,6 +580,21 @@ def test_v_exponent_min_tiles(min_tiles, gen, monkeypatch):
     assert_same_rs(kq.row_scaled_triton(x.to(DEVICE), "v", "floor"), ref_rs_mode(x, "v", "floor"), "V floor")
 
 
+@pytest.mark.parametrize("stages,min_tiles", [(1, 1), (3, 2), (2, 3)])
+def test_v_exponent_from_mx_chunks(stages, min_tiles, gen, monkeypatch):
+    """V's exponent pass from MX with several S tiles per program, pipelined or not (``SEQEXP_STAGES``,
+    ``SEQEXP_MIN_TILES``): random bytes (NaN codes, scale bytes 0 / 254 / 255), a last chunk shorter than the others,
+    channel-major and contiguous data."""
+    monkeypatch.setattr(kq, "SEQEXP_STAGES", stages)
+    monkeypatch.setattr(kq, "SEQEXP_MIN_TILES", min_tiles)
+    monkeypatch.setattr(kq, "SEQEXP_MIN_PROGRAMS", 1 << 20)
+    monkeypatch.setitem(kq.TILE_OVERRIDES, "seqexp", kq.Tile(32, 4))
+    mx = channel_major_mx((2, 230, 2, 64), gen, None, DEVICE)
+    assert_same_rs(kq.row_scaled_triton(mx, "v"), F.to_row_scaled(mx.to("cpu")), "v from channel-major MX")
+    mxc = random_mx((1, 170, 2, 64), 1, gen)
+    assert_same_rs(kq.row_scaled_triton(mxc.to(DEVICE), "v"), F.to_row_scaled(mxc), "v from contiguous MX")
+
+
 @pytest.mark.parametrize("k_warps", [None, 8])
 @pytest.mark.parametrize("k_launch", ["first", "second"])
 def test_forward_operands_k_launch(k_launch, k_warps, gen, monkeypatch):
@@ -846,7 +861,7 @@ def test_gpu_v_exponent_pass(stages, min_programs, gen, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", [(32, 4), (64, 4), (64, 8)], ids=str)
+@pytest.mark.parametrize("tile", [(32, 4), (64, 4), (64, 8)], ids=lambda t: f"t{t[0]}x{t[1]}")
 @pytest.mark.parametrize("stages", [2, 3, 4])
 @pytest.mark.parametrize("min_tiles", [1, 3, 4, 16])
 def test_gpu_v_exponent_min_tiles(min_tiles, stages, tile, gen, monkeypatch):
@@ -858,6 +873,23 @@ def test_gpu_v_exponent_min_tiles(min_tiles, stages, tile, gen, monkeypatch):
     for kind in ("adversarial", "random"):
         check_row_scaled((2, 3000, 4, 128), torch.bfloat16, "rceil", kind, "v", gen)
     check_row_scaled((1, 777, 3, 64), torch.float16, "floor", "adversarial", "v", gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [(32, 4), (64, 4), (128, 4)], ids=lambda t: f"t{t[0]}x{t[1]}")
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("min_tiles", [1, 3, 4])
+def test_gpu_v_exponent_from_mx(min_tiles, stages, tile, gen, monkeypatch):
+    """Session 14's sweep of V's exponent pass from MX (``SWEEP_SEQEXP``): random channel-major bytes, partial last
+    chunks, and the seq orientation the kernels make."""
+    monkeypatch.setattr(kq, "SEQEXP_STAGES", stages)
+    monkeypatch.setattr(kq, "SEQEXP_MIN_TILES", min_tiles)
+    monkeypatch.setitem(kq.TILE_OVERRIDES, "seqexp", kq.Tile(*tile))
+    for shape in ((2, 3000, 4, 128), (1, 1002, 2, 64)):
+        mx = channel_major_mx(shape, gen, device=DEVICE)
+        assert_same_rs(kq.row_scaled_triton(mx, "v"), F.to_row_scaled(mx.to("cpu")), f"v from MX {shape}")
+    mxc = random_mx((2, 777, 3, 128), 1, gen)
+    assert_same_rs(kq.row_scaled_triton(mxc.to(DEVICE), "v"), F.to_row_scaled(mxc), "v from contiguous MX")
 
 
 @pytest.mark.gpu

@@ -226,6 +226,10 @@ SWEEP_VEXP = (((32, 4), 1024, 1), ((32, 4), 4096, 1), ((32, 4), 16384, 1), ((32,
 SWEEP_VEXP_S14 = (((32, 4), 4096, 3, 1), ((32, 4), 4096, 3, 2), ((32, 4), 4096, 3, 4), ((32, 4), 4096, 3, 8),
                   ((32, 4), 4096, 3, 16), ((32, 4), 4096, 2, 4), ((32, 4), 4096, 4, 4), ((64, 4), 4096, 3, 4),
                   ((64, 8), 4096, 3, 4))
+# V's exponent pass from MX (rows rs_v_from_mx, both passes): (``seqexp`` tile, SEQEXP_MIN_PROGRAMS, SEQEXP_STAGES,
+# SEQEXP_MIN_TILES); the first is the pass before session 14
+SWEEP_SEQEXP = (((64, 4), 1024, 1, 1), ((64, 4), 4096, 3, 4), ((64, 4), 1024, 3, 4), ((64, 4), 4096, 2, 4),
+                ((64, 4), 4096, 4, 4), ((128, 4), 2048, 3, 4), ((32, 4), 8192, 3, 4))
 # the no-grad forward's fused launches: (FWD_K_LAUNCH, FWD_K_WARPS)
 SWEEP_FWD = (("first", None), ("first", 8), ("second", None), ("second", 8))
 
@@ -237,17 +241,19 @@ def run_tile_sweep(
     progress: bool = True,
     rep_ms: int = 100,
     fwd: Iterable = (),
+    seqexp: Iterable = (),
 ) -> list[dict]:
     """Rows of ``run_quantize_bench`` at ``size`` for every tile of ``plan`` (default ``SWEEP_PLAN``; rows get
     ``tile_kind``, ``block_s``, ``num_warps``, ``row_groups``), for V's exponent pass alone over ``vexp``
     (``vexp_min_programs``, ``vexp_stages``, ``vexp_min_tiles``) and for the forward's fused launches over ``fwd``
-    ((``FWD_K_LAUNCH``, ``FWD_K_WARPS``): rows fwd_operands, fwd_operands_kv).  Every knob is restored afterwards."""
+    ((``FWD_K_LAUNCH``, ``FWD_K_WARPS``): row fwd_operands) and for V's exponent pass from MX over ``seqexp``
+    (``SWEEP_SEQEXP``'s knobs: row rs_v_from_mx).  Every knob is restored afterwards."""
     from mxattn.kernels import quantize as kq
 
     plan = plan if plan is not None else SWEEP_PLAN
     rows = []
     saved = (dict(kq.TILE_OVERRIDES), kq.VEXP_MIN_PROGRAMS, kq.VEXP_STAGES, kq.VEXP_MIN_TILES, kq.FWD_K_LAUNCH,
-             kq.FWD_K_WARPS)
+             kq.FWD_K_WARPS, kq.SEQEXP_MIN_PROGRAMS, kq.SEQEXP_STAGES, kq.SEQEXP_MIN_TILES)
 
     def bench(kernels, **tags):
         for r in run_quantize_bench([size], progress=False, kernels=kernels, rep_ms=rep_ms):
@@ -274,8 +280,15 @@ def run_tile_sweep(
         for launch, warps in fwd:
             kq.FWD_K_LAUNCH, kq.FWD_K_WARPS = launch, warps
             bench(("fwd_operands",), tile_kind="fwd", fwd_k_launch=launch, fwd_k_warps=warps)
+        kq.FWD_K_LAUNCH, kq.FWD_K_WARPS = saved[4:6]
+        for t, programs, stages, tiles in seqexp:
+            kq.TILE_OVERRIDES["seqexp"] = kq.Tile(*t)
+            kq.SEQEXP_MIN_PROGRAMS, kq.SEQEXP_STAGES, kq.SEQEXP_MIN_TILES = programs, stages, tiles
+            bench(("rs_v_from_mx",), tile_kind="seqexp", block_s=t[0], num_warps=t[1], seqexp_min_programs=programs,
+                  seqexp_stages=stages, seqexp_min_tiles=tiles)
     finally:
         kq.TILE_OVERRIDES.clear()
         kq.TILE_OVERRIDES.update(saved[0])
-        (kq.VEXP_MIN_PROGRAMS, kq.VEXP_STAGES, kq.VEXP_MIN_TILES, kq.FWD_K_LAUNCH, kq.FWD_K_WARPS) = saved[1:]
+        (kq.VEXP_MIN_PROGRAMS, kq.VEXP_STAGES, kq.VEXP_MIN_TILES, kq.FWD_K_LAUNCH, kq.FWD_K_WARPS,
+         kq.SEQEXP_MIN_PROGRAMS, kq.SEQEXP_STAGES, kq.SEQEXP_MIN_TILES) = saved[1:]
     return rows

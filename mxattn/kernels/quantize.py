@@ -174,9 +174,14 @@ K_TILE_4WARPS = 16384
 TILE_OVERRIDES: dict = {}
 
 
-# V pass 1: at least this many programs (each then loops over several S tiles and issues one atomic per
-# channel); the benchmark's sweep varies it.
-SEQEXP_MIN_PROGRAMS = 1024
+# V pass 1 from MX (``seqexp`` tiles): at least this many programs (each then loops over several S tiles and issues
+# one atomic per channel), at least ``SEQEXP_MIN_TILES`` tiles each, the loop ``SEQEXP_STAGES`` deep (session 14;
+# before: 1024 programs, no pipelining, one tile per program allowed).  Before, rs_v_from_mx measured 56% of copy for
+# both passes with pass 2 near 90%, which puts this pass near 32%: a serial load -> reduce chain per 8 KB tile, as
+# the float pass's was at 1024 programs without pipelining (71%).
+SEQEXP_MIN_PROGRAMS = 4096
+SEQEXP_MIN_TILES = 4
+SEQEXP_STAGES = 3
 
 
 # V pass 1 on float input (``vexp`` tiles): at least this many programs, and the ``tl.range`` pipelining depth of
@@ -200,15 +205,15 @@ FWD_K_WARPS: Optional[int] = None
 
 def _knobs() -> tuple:
     """The module knobs that change a launch (part of every plan cache key)."""
-    return (SEQEXP_MIN_PROGRAMS, VEXP_MIN_PROGRAMS, VEXP_STAGES, VEXP_MIN_TILES, FWD_K_LAUNCH, FWD_K_WARPS,
-            SOFT_ROUND_ON_GPU)
+    return (SEQEXP_MIN_PROGRAMS, SEQEXP_MIN_TILES, SEQEXP_STAGES, VEXP_MIN_PROGRAMS, VEXP_STAGES, VEXP_MIN_TILES,
+            FWD_K_LAUNCH, FWD_K_WARPS, SOFT_ROUND_ON_GPU)
 
 
-def _seq_chunk(n_rows: int, S: int, block_s: int, min_programs: Optional[int] = None, min_tiles: int = 1) -> int:
-    """Tiles of S per program in the V exponent pass: as many as possible (fewer atomics) while the grid
-    keeps ``min_programs`` programs (default ``SEQEXP_MIN_PROGRAMS``), at least ``min_tiles``, at most 32."""
+def _seq_chunk(n_rows: int, S: int, block_s: int, min_programs: int = 1024, min_tiles: int = 1) -> int:
+    """Tiles of S per program in a V exponent pass: as many as possible (fewer atomics) while the grid
+    keeps ``min_programs`` programs (the default is the varlen pass's), at least ``min_tiles``, at most 32."""
     n_tiles = cdiv(S, block_s)
-    per = max(1, min_tiles, (n_tiles * n_rows) // (min_programs or SEQEXP_MIN_PROGRAMS))
+    per = max(1, min_tiles, (n_tiles * n_rows) // min_programs)
     return min(per, n_tiles, 32)
 
 
@@ -926,7 +931,7 @@ def _seq_exponent_tile(
     n_s_tiles, tiles_per_prog, S_ld,
     D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr,
     FROM_MX: tl.constexpr, RCEIL: tl.constexpr, IDX64: tl.constexpr, QU: tl.constexpr, SU: tl.constexpr,
-    STAGES: tl.constexpr,  # software-pipelining depth of the float input's loop (``tl.range``)
+    STAGES: tl.constexpr,  # software-pipelining depth of the loop over S tiles (``tl.range``)
 ):
     """Pass 1 of V: per channel, the largest exponent among the seq blocks that hold a nonzero element."""
     n_chunks = tl.cdiv(n_s_tiles, tiles_per_prog)
@@ -939,7 +944,7 @@ def _seq_exponent_tile(
     t1 = tl.minimum(t0 + tiles_per_prog, n_s_tiles)
     if FROM_MX:
         acc = tl.full((1, 1, NDP, 32), _NO_EXP, tl.int32)
-        for t in range(t0, t1):
+        for t in tl.range(t0, t1, num_stages=STAGES):
             s0 = t * BLOCK_S
             xp = x_ptr + b64 * sxb + s0.to(tl.int64) * sxs + h64 * sxh
             qb = _load_bytes(xp + _offs(sl, d, sxs, sxd, QU), s0 + sl, S, S_ld, in_d, QU)
@@ -1675,14 +1680,15 @@ def _v_exponents_spec(src4, sc4, *, from_mx: bool, rceil: bool, warps=None):
     tile = _tile("seqexp", dp) if from_mx else _tile("vexp", dp, warps=warps)
     bs = tile.block_s
     n_s_tiles = cdiv(S, bs)
-    per = _seq_chunk(B * H, S, bs, None if from_mx else VEXP_MIN_PROGRAMS, 1 if from_mx else VEXP_MIN_TILES)
+    per = (_seq_chunk(B * H, S, bs, SEQEXP_MIN_PROGRAMS, SEQEXP_MIN_TILES) if from_mx
+           else _seq_chunk(B * H, S, bs, VEXP_MIN_PROGRAMS, VEXP_MIN_TILES))
     n_chunks = cdiv(n_s_tiles, per)
     st = src4.stride()
     scs = sc4.stride() if sc4 is not None else (0, 0, 0, 0)
     idx64 = _needs_i64(bs * abs(st[1]), dp * abs(st[3]))
     return ((B * n_chunks * H,), (S, H, *st), tuple(scs), (n_s_tiles, per, _s_load_bound(src4) if from_mx else S),
             dict(D=D, NDP=dp // 32, BLOCK_S=bs, FROM_MX=from_mx, RCEIL=rceil, IDX64=idx64,
-                 QU=_unit(src4), SU=_unit(sc4) if sc4 is not None else 0, STAGES=1 if from_mx else VEXP_STAGES,
+                 QU=_unit(src4), SU=_unit(sc4) if sc4 is not None else 0, STAGES=SEQEXP_STAGES if from_mx else VEXP_STAGES,
                  num_warps=tile.num_warps))
 
 
