@@ -234,9 +234,9 @@ json.dump(rows, open(sys.argv[1], 'w'), indent=1)
       out_abs=$(cd "$OUT" && pwd)
       [ "${QUANT_TESTS:-1}" = 0 ] || {
       i=0
-      tt=${QUANT14_TEST_TIMEOUT:-120}
+      tt=${QUANT14_TEST_TIMEOUT:-110}
       for k in "test_gpu_v_exponent_min_tiles and t32x4" "test_gpu_v_exponent_min_tiles and not t32x4" \
-               "test_gpu_forward_operands_k_launch" "test_gpu_v_exponent_from_mx and (t32x4 or t64x4)" \
+               "test_gpu_forward_operands_k_launch or test_gpu_k_from_mx_groups" "test_gpu_v_exponent_from_mx and (t32x4 or t64x4)" \
                "test_gpu_v_exponent_from_mx and t128x4" \
                "test_gpu_v_exponent_pass or test_gpu_v_from_channel_major_mx or (test_gpu_row_scaled_both and 128)"; do
         i=$((i + 1))

@@ -21,6 +21,7 @@ BIG_ROWS = ("rs_v_exps", "rs_v", "rs_v_from_mx", "fwd_operands", "fwd_operands_k
             "rs_k_from_mx", "dequant_seq")
 D64_ROWS = ("rs_v_exps", "rs_v", "rs_v_from_mx", "fwd_operands")
 PUBLIC = (2, 4096, 16, 128)
+K_TILES = ((128, 4), (128, 8), (256, 4), (256, 8))  # (block_s, warps): 256 = two groups of 128
 PUBLIC_ROWS = ("rs_v_exps", "rs_v", "rs_v_from_mx", "fwd_operands", "fwd_operands_kv", "rs_both")
 
 
@@ -60,12 +61,17 @@ def sweep(path: str) -> None:
         ("fwd", PUBLIC, dict(vexp=(), fwd=qb.SWEEP_FWD)),
         ("seqexp", (8, 8192, 16, 128), dict(vexp=(), seqexp=qb.SWEEP_SEQEXP)),
         ("seqexp", PUBLIC, dict(vexp=(), seqexp=qb.SWEEP_SEQEXP)),
+        # K from MX with 1 or 2 exponent groups per program (MX_K_GROUPS); dequant_seq's tile at d128
+        ("mx_hdim_k", (16, 8192, 16, 64), dict(vexp=(), plan={"mx_hdim_k": (("rs_k_from_mx",), K_TILES)})),
+        ("mx_hdim_k", (8, 8192, 16, 128), dict(vexp=(), plan={"mx_hdim_k": (("rs_k_from_mx",), K_TILES[:2] +
+                                                                         K_TILES[3:])})),
+        ("mx_seq", (8, 8192, 16, 128), dict(vexp=(), plan={"mx_seq": (("dequant_seq",), ((32, 4), (64, 4), (64, 8)))})),
     ]
     for name, size, kw in jobs:
         if _left() < 25:
             print(f"!! deadline: sweep stopped before {name} {size}", flush=True)
             break
-        for r in qb.run_tile_sweep(size, plan={}, progress=False, rep_ms=60, **kw):
+        for r in qb.run_tile_sweep(size, **{"plan": {}, **kw}, progress=False, rep_ms=60):
             r["code"] = "sweep"
             out.append(r)
             print(_line(r), flush=True)
@@ -81,6 +87,8 @@ def _variant(r: dict) -> str:
     if kind == "seqexp":
         return (f"{r['block_s']}x{r['num_warps']} p{r['seqexp_min_programs']} st{r['seqexp_stages']} "
                 f"t{r['seqexp_min_tiles']}")
+    if kind in ("mx_hdim_k", "mx_seq"):
+        return f"{kind} {r['block_s']}x{r['num_warps']}"
     if kind == "fwd":
         return f"K {r['fwd_k_launch']} w{r['fwd_k_warps']}"
     return "default"

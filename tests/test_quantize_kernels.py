@@ -635,6 +635,19 @@ def check_quantize_x(x, what):
     assert_same_mx(s, F.quantize_mxfp8(x, 1), f"{what} seq")
 
 
+@pytest.mark.parametrize("groups", [2, 4])
+def test_k_from_mx_groups(groups, gen, monkeypatch):
+    """K from MX with several exponent groups per program (``MX_K_GROUPS``): the last program holds fewer groups and a
+    partial one; NaN codes and scale bytes 0 / 254 / 255."""
+    monkeypatch.setattr(kq, "MX_K_GROUPS", groups)
+    mx = random_mx((2, 150, 3, 64), 3, gen)
+    want = F.to_row_scaled(mx, 1, 32)
+    assert_same_rs(kq.row_scaled_triton(mx.to(DEVICE), "k", k_group=32), want, f"K from MX, {groups} groups")
+    mxs = F.MXTensor(mx.data.transpose(1, 2).contiguous().transpose(1, 2), mx.scale.transpose(1, 2).contiguous()
+                     .transpose(1, 2), 3)
+    assert_same_rs(kq.row_scaled_triton(mxs.to(DEVICE), "k", k_group=32), want, "strided")
+
+
 @pytest.mark.parametrize("role", ["q", "k"])
 @pytest.mark.parametrize("layout", ["rows", "strided", "odd_d", "d40", "d128"])
 def test_from_mx_random_bytes(layout, role, gen):
@@ -924,6 +937,22 @@ def test_gpu_from_mx_random_bytes(layout, role, gpu_rounding, gen):
                         .transpose(1, 2), 3)
     want = F.to_row_scaled(mx, 1 if role == "k" else None, 128 if role == "k" else 1)
     assert_same_rs(kq.row_scaled_triton(mx.to(DEVICE), role), want, f"{role} from random MX {layout}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups,warps", [(2, 4), (2, 8), (4, 8)])
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_k_from_mx_groups(D, groups, warps, gen, monkeypatch):
+    """K from MX with several exponent groups per program (``MX_K_GROUPS``): random bytes, S not a multiple of the
+    tile (a last program with fewer groups, a partial group), strided rows, k_group 64 and 128."""
+    monkeypatch.setattr(kq, "MX_K_GROUPS", groups)
+    for S, group in ((1000, 128), (777, 64)):
+        mx = random_mx((2, S, 4, D), 3, gen)
+        for m in (mx, F.MXTensor(mx.data.transpose(1, 2).contiguous().transpose(1, 2),
+                                 mx.scale.transpose(1, 2).contiguous().transpose(1, 2), 3)):
+            monkeypatch.setitem(kq.TILE_OVERRIDES, "mx_hdim_k", kq.Tile(group * groups, warps))
+            want = F.to_row_scaled(m, 1, group)
+            assert_same_rs(kq.row_scaled_triton(m.to(DEVICE), "k", k_group=group), want, f"K from MX {S} {group}")
 
 
 @pytest.mark.gpu

@@ -108,7 +108,7 @@ def _tile(kind: str, d_pad: int, group: int = 0, warps: Optional[int] = None) ->
     * ``vexp`` (V pass 1 on float input): ``VEXP_ELEMS`` per S tile of its loop at 4 warps, several tiles per
       program (``_seq_chunk`` with ``VEXP_MIN_PROGRAMS``), ``VEXP_STAGES`` deep.
     * ``mx_hdim`` (``_hdim_rescale_kernel`` Q, ``_hdim_dequant_kernel``): ``MX_HDIM_ELEMS`` per 4 warps;
-      ``mx_hdim_k`` (K from MX) like ``hdim_k``.
+      ``mx_hdim_k`` (K from MX) like ``hdim_k``, ``MX_K_GROUPS`` groups per program.
     * ``mx_seq`` (``_seq_dequant_kernel``, ``_seq_rescale_kernel``: channel-major MX data, session 13):
       ``MX_SEQ_ELEMS`` per 4 warps, at least one seq block.
     The sizes and the measurements behind them are at the constants below.
@@ -130,7 +130,10 @@ def _tile(kind: str, d_pad: int, group: int = 0, warps: Optional[int] = None) ->
         return Tile(max(1, MX_HDIM_ELEMS * w4 // d_pad), 4 * w4)
     if kind == "mx_seq":  # channel-major MX input blocked along S (dequantize, V)
         return Tile(max(32, MX_SEQ_ELEMS * w4 // d_pad), 4 * w4)
-    if kind in ("hdim_k", "mx_hdim_k"):
+    if kind == "mx_hdim_k":  # K from MX: ``MX_K_GROUPS`` exponent groups per program
+        bs = group * MX_K_GROUPS
+        return Tile(bs, warps or (4 if bs * d_pad <= K_TILE_4WARPS else 8))
+    if kind == "hdim_k":
         return Tile(group, warps or (4 if group * d_pad <= K_TILE_4WARPS else 8))
     if kind == "seq_k":
         return Tile(group, warps or max(4, min(16, group * d_pad // 2048)), SEQ_K_GROUPS)
@@ -165,6 +168,9 @@ VEXP_ELEMS = 4096
 MX_HDIM_ELEMS = 4096
 # ``mx_seq`` (dequantize, V pass 2 from channel-major MX): the row-set kernel's size (``SEQ_ELEMS``), not yet swept.
 MX_SEQ_ELEMS = 4096
+# ``mx_hdim_k`` (K from MX): exponent groups per program (session 14: 2 at d64 makes its 8 KB programs 16 KB, as
+# d128's; swept by quant14, not yet the default)
+MX_K_GROUPS = 1
 # K tiles (one exponent group, 128 x D_pad): 4 warps up to 16384 elements (rs_k 94% at d128, against 83% at 8
 # warps and 70% at 16), then 8.
 K_TILE_4WARPS = 16384
@@ -206,7 +212,7 @@ FWD_K_WARPS: Optional[int] = None
 def _knobs() -> tuple:
     """The module knobs that change a launch (part of every plan cache key)."""
     return (SEQEXP_MIN_PROGRAMS, SEQEXP_MIN_TILES, SEQEXP_STAGES, VEXP_MIN_PROGRAMS, VEXP_STAGES, VEXP_MIN_TILES,
-            FWD_K_LAUNCH, FWD_K_WARPS, SOFT_ROUND_ON_GPU)
+            FWD_K_LAUNCH, FWD_K_WARPS, MX_K_GROUPS, SOFT_ROUND_ON_GPU)
 
 
 def _seq_chunk(n_rows: int, S: int, block_s: int, min_programs: int = 1024, min_tiles: int = 1) -> int:
@@ -1123,18 +1129,28 @@ def _hdim_rescale_kernel(
     fin = sb != 255
     nz = fin & (tl.max(qw & 0x7F7F7F7F, axis=2, keep_dims=True) != 0)
     en = tl.where(nz, sb - 127, _NO_EXP)
+    GP: tl.constexpr = BLOCK_S // GROUP  # K: exponent groups per program (session 14: 2 may win at d64)
     if GROUP == 1:
         E = tl.max(en, axis=1, keep_dims=True)
-    else:
+        E = tl.where(E == _NO_EXP, 0, E)
+    elif GP == 1:
         E = tl.max(en)
-    E = tl.where(E == _NO_EXP, 0, E)
+        E = tl.where(E == _NO_EXP, 0, E)
+        tl.store(exp_ptr + (b64 * n_groups + st) * H + h64, E)
+    else:  # each group's maximum of the rows' maxima, broadcast back to its rows
+        er = tl.max(en, axis=1, keep_dims=True)
+        gi = i // GROUP
+        E = tl.zeros_like(er)
+        for g in tl.static_range(GP):
+            eg = tl.max(tl.where(gi == g, er, _NO_EXP))
+            eg = tl.where(eg == _NO_EXP, 0, eg)
+            E = tl.where(gi == g, eg, E)
+            tl.store(exp_ptr + (b64 * n_groups + st * GP + g) * H + h64, eg, mask=st * GP + g < n_groups)
     row = (b64 * S + s0) * H + h64
     out = _rescale_words(qw, _pow2(_rs_shift(sb - 127, E)), fin, SOFT)
     tl.store(out_ptr + row * DW + (i * H * DW + dw), out, mask=in_s & (dw < DW))
     if GROUP == 1:
         tl.store(exp_ptr + row + i * H, E, mask=in_s)
-    else:
-        tl.store(exp_ptr + (b64 * n_groups + st) * H + h64, E)
 
 
 @triton.jit
@@ -2249,6 +2265,8 @@ def _mx_hdim_spec(q8: torch.Tensor, sc4: torch.Tensor, group: int, words: bool =
             qv, sv = qr, sr
     dp = _d_pad(D)
     tile = _tile("mx_hdim_k" if group > 1 else "mx_hdim", dp, group)
+    if group > 1 and tile.block_s % group:
+        raise ValueError(f"a K tile holds whole exponent groups: block_s {tile.block_s}, group {group}")
     _, Sv, Hv, _ = qv.shape
     idx = (_needs_i64(tile.block_s * abs(qv.stride(1)), dp) or _needs_i64(tile.block_s * abs(sv.stride(1)), dp)
            or _needs_i64(tile.block_s * Hv * D, dp))  # (words: offsets in words, counted here as bytes)
