@@ -204,9 +204,11 @@ VEXP_MIN_TILES = 4
 # The no-grad forward's fused launches (``_ForwardOperandsPlan``, keep_kv False; session 14): which launch K's job
 # rides in ("first": with Q and V's exponent pass; "second": with V's quantize pass) and at how many warps (None:
 # K's own tile, 4 warps at d128).  A fused launch is compiled for the largest job: K's 128-token tile at 4 warps
-# takes 128 registers, which leaves 4 programs of 4 warps per SM for every job of that launch.
+# takes 128 registers, which leaves 4 programs of 4 warps per SM for every job of that launch; at 8 warps the launch
+# takes 64 registers (4 programs of 8 warps per SM; Q and V's exponent pass on 8-warp tiles).  8 is a prediction,
+# not yet measured (quant14's ``SWEEP_FWD``).
 FWD_K_LAUNCH = "first"
-FWD_K_WARPS: Optional[int] = None
+FWD_K_WARPS: Optional[int] = 8
 
 
 def _knobs() -> tuple:
