@@ -27,6 +27,11 @@
 #              default _base: a directory holding another commit's mxattn, e.g. `git archive main mxattn | tar -x -C
 #              _base`; skipped when absent), then the tile sweep of the kinds QUANT_SWEEP at d128 and d64:
 #              quantize_cmp.json, quantize_cmp_sweep.json, quant_tests_*.log
+#   quant14    session 14 of docs/perf-notes-quantize.md (V's exponent passes, the no-grad forward's fused launches):
+#              its GPU tests (six pytest processes side by side, QUANT14_TEST_TIMEOUT s each, one log), the rows of
+#              scripts/quant_s14.py for a base tree (QUANT_BASE, default _base, skipped when absent) and this tree
+#              in the same call, then the session's sweeps; prints one table: quant14_tests.txt, quant14_cmp.json,
+#              quant14_sweep.json (QUANT_TESTS=0 / QUANT_BENCH=0 / QUANT_SWEEP=0 skip a part)
 #   producers  rmsnorm_quant / linear_quant vs unfused and cuBLAS FP8
 #   rmsnormrows  rmsnorm_quant's row-set kernel (perf-notes-producers.md, session 12): every rmsnorm GPU test as four
 #              processes side by side (grouped by tile: each builds only its kernels), then bench_producers with
@@ -287,6 +292,42 @@ plan = {k: SWEEP_PLAN[k] for k in sys.argv[2:]}
 rows = [r for size in ((8, 8192, 16, 128), (16, 8192, 16, 64)) for r in run_tile_sweep(size, plan, vexp=())]
 json.dump(rows, open(sys.argv[1], 'w'), indent=1)
 " "$OUT/quantize_cmp_sweep.json" ${QUANT_SWEEP:-mx_seq mx_hdim_k} ;;
+    quant14)
+      out_abs=$(cd "$OUT" && pwd)
+      [ "${QUANT_TESTS:-1}" = 0 ] || {
+      i=0
+      tt=${QUANT14_TEST_TIMEOUT:-110}
+      for k in "test_gpu_v_exponent_min_tiles and t32x4" "test_gpu_v_exponent_min_tiles and not t32x4" \
+               "test_gpu_forward_operands_k_launch or test_gpu_k_from_mx_groups" "test_gpu_v_exponent_from_mx and (t32x4 or t64x4)" \
+               "test_gpu_v_exponent_from_mx and t128x4" \
+               "test_gpu_v_exponent_pass or test_gpu_v_from_channel_major_mx or (test_gpu_row_scaled_both and 128)"; do
+        i=$((i + 1))
+        ( echo "## -k $k"; timeout "$tt" $PY -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider \
+            tests/test_quantize_kernels.py -k "$k"; echo "## rc $?" ) >"$out_abs/q14_tests_$i.log" 2>&1 &
+      done
+      wait
+      cat "$out_abs"/q14_tests_*.log > "$OUT/quant14_tests.txt" && rm -f "$out_abs"/q14_tests_*.log
+      grep -E "^## -k|^## rc|passed|failed|^(FAILED|ERROR)" "$OUT/quant14_tests.txt" | grep -v "^tests/" | head -60
+      grep -qE "^(FAILED|ERROR)|## rc [1-9]" "$OUT/quant14_tests.txt" && status=1
+      }
+      [ "${QUANT_BENCH:-1}" = 0 ] || {
+      rm -f "$out_abs/q14_cmp.jsonl"
+      q14=$(pwd)/scripts/quant_s14.py
+      for tree in "${QUANT_BASE:-_base}" .; do
+        [ -d "$tree/mxattn" ] || { echo "!! no $tree/mxattn: its rows skipped"; continue; }
+        code=$([ "$tree" = . ] && echo "${MXATTN_COMMIT:-tree}" || echo "base")
+        # from inside the tree, so that its mxattn is the one imported
+        (cd "$tree" && PYTHONPATH=. run $PY "$q14" rows "$code" "$out_abs/q14_cmp.jsonl")
+      done
+      $PY -c "
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+json.dump(rows, open(sys.argv[2], 'w'), indent=1)
+" "$out_abs/q14_cmp.jsonl" "$OUT/quant14_cmp.json" && rm -f "$out_abs/q14_cmp.jsonl"
+      }
+      [ "${QUANT_SWEEP:-1}" = 0 ] || run $PY scripts/quant_s14.py sweep "$OUT/quant14_sweep.json"
+      echo "--- quant14 table (code, kernel, shape, variant, ms, % of copy)"
+      $PY scripts/quant_s14.py table "$OUT/quant14_cmp.json" "$OUT/quant14_sweep.json" ;;
     producers)
       run $PY -c "import sys; from mxattn.producers import bench_producers; print(bench_producers(outdir=sys.argv[1]))" "$OUT"
       # PRODUCERS_SWEEP=1: rmsnorm_quant forward tiles (rows per program, warps; seq column chunks)

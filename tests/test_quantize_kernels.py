@@ -563,6 +563,60 @@ def test_v_exponent_chunks(stages, gen, monkeypatch):
         assert_same_rs(seq, ref_rs(xd, "v"), f"both: V layout, chunks {dt}")
 
 
+@pytest.mark.parametrize("min_tiles", [2, 3])
+def test_v_exponent_min_tiles(min_tiles, gen, monkeypatch):
+    """V's exponent pass with a floor on S tiles per program (``VEXP_MIN_TILES``): the grid's count of programs no
+    longer decides it; a last chunk shorter than the others (5 tiles of 64 tokens in chunks of 3), NaN/Inf chunks."""
+    monkeypatch.setattr(kq, "VEXP_MIN_PROGRAMS", 1 << 20)
+    monkeypatch.setattr(kq, "VEXP_MIN_TILES", min_tiles)
+    kq._PLANS.clear()
+    x = make_input((2, 300, 2, 64), torch.bfloat16, "random", gen)
+    x[1, 290, 1, 5] = float("nan")
+    x[0, 70, 0, 6] = 3.0e3
+    spec = kq._v_exponents_spec(x, None, from_mx=False, rceil=True)
+    assert spec[3][1] == min_tiles, "tiles per program"
+    assert spec[0][0] == 2 * 2 * -(-5 // min_tiles), "programs"
+    assert_same_rs(kq.row_scaled_triton(x.to(DEVICE), "v"), ref_rs(x, "v"), f"V min_tiles={min_tiles}")
+    assert_same_rs(kq.row_scaled_triton(x.to(DEVICE), "v", "floor"), ref_rs_mode(x, "v", "floor"), "V floor")
+
+
+@pytest.mark.parametrize("stages,min_tiles", [(1, 1), (3, 2), (2, 3)])
+def test_v_exponent_from_mx_chunks(stages, min_tiles, gen, monkeypatch):
+    """V's exponent pass from MX with several S tiles per program, pipelined or not (``SEQEXP_STAGES``,
+    ``SEQEXP_MIN_TILES``): random bytes (NaN codes, scale bytes 0 / 254 / 255), a last chunk shorter than the others,
+    channel-major and contiguous data."""
+    monkeypatch.setattr(kq, "SEQEXP_STAGES", stages)
+    monkeypatch.setattr(kq, "SEQEXP_MIN_TILES", min_tiles)
+    monkeypatch.setattr(kq, "SEQEXP_MIN_PROGRAMS", 1 << 20)
+    monkeypatch.setitem(kq.TILE_OVERRIDES, "seqexp", kq.Tile(32, 4))
+    mx = channel_major_mx((2, 230, 2, 64), gen, None, DEVICE)
+    assert_same_rs(kq.row_scaled_triton(mx, "v"), F.to_row_scaled(mx.to("cpu")), "v from channel-major MX")
+    mxc = random_mx((1, 170, 2, 64), 1, gen)
+    assert_same_rs(kq.row_scaled_triton(mxc.to(DEVICE), "v"), F.to_row_scaled(mxc), "v from contiguous MX")
+
+
+@pytest.mark.parametrize("k_warps", [None, 8])
+@pytest.mark.parametrize("k_launch", ["first", "second"])
+def test_forward_operands_k_launch(k_launch, k_warps, gen, monkeypatch):
+    """The no-grad forward's fused launches with K's job in either launch and at 4 or 8 warps (``FWD_K_LAUNCH``,
+    ``FWD_K_WARPS``) against the reference, two calls of one signature (the second takes the plan)."""
+    monkeypatch.setattr(kq, "FWD_K_LAUNCH", k_launch)
+    monkeypatch.setattr(kq, "FWD_K_WARPS", k_warps)
+    kq._PLANS.clear()
+    for i in range(2):
+        kind = "adversarial" if i == 0 else "random"
+        q, k, v = (make_input(s, torch.bfloat16, kind, gen) for s in ((1, 70, 2, 64), (1, 150, 2, 64),
+                                                                         (1, 150, 2, 64)))
+        qr, kr, vr, kv = kq.forward_operands_triton(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE))
+        assert_same_rs(qr, ref_rs(q, "q"), f"call {i}: Q")
+        assert_same_rs(kr, ref_rs(k, "k"), f"call {i}: K")
+        assert_same_rs(vr, ref_rs(v, "v"), f"call {i}: V")
+    with pytest.raises(ValueError, match="FWD_K_LAUNCH"):
+        monkeypatch.setattr(kq, "FWD_K_LAUNCH", "third")
+        kq._PLANS.clear()
+        kq.forward_operands_triton(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE))
+
+
 def test_nonzero_threshold():
     """A block is nonzero iff its maximum exceeds 2^-137 (fp32 bits 0x1000; 2^-10 ties to 0 at the -127 clamp)."""
     x = torch.zeros(1, 64, 1, 64)
@@ -579,6 +633,19 @@ def check_quantize_x(x, what):
     h, s = kq.quantize_mxfp8_triton(x.to(DEVICE), "both")
     assert_same_mx(h, F.quantize_mxfp8(x, -1), f"{what} hdim")
     assert_same_mx(s, F.quantize_mxfp8(x, 1), f"{what} seq")
+
+
+@pytest.mark.parametrize("groups", [2, 4])
+def test_k_from_mx_groups(groups, gen, monkeypatch):
+    """K from MX with several exponent groups per program (``MX_K_GROUPS``): the last program holds fewer groups and a
+    partial one; NaN codes and scale bytes 0 / 254 / 255."""
+    monkeypatch.setattr(kq, "MX_K_GROUPS", groups)
+    mx = random_mx((2, 150, 3, 64), 3, gen)
+    want = F.to_row_scaled(mx, 1, 32)
+    assert_same_rs(kq.row_scaled_triton(mx.to(DEVICE), "k", k_group=32), want, f"K from MX, {groups} groups")
+    mxs = F.MXTensor(mx.data.transpose(1, 2).contiguous().transpose(1, 2), mx.scale.transpose(1, 2).contiguous()
+                     .transpose(1, 2), 3)
+    assert_same_rs(kq.row_scaled_triton(mxs.to(DEVICE), "k", k_group=32), want, "strided")
 
 
 @pytest.mark.parametrize("role", ["q", "k"])
@@ -807,6 +874,60 @@ def test_gpu_v_exponent_pass(stages, min_programs, gen, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile", [(32, 4), (64, 4), (64, 8)], ids=lambda t: f"t{t[0]}x{t[1]}")
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("min_tiles", [1, 3, 4, 16])
+def test_gpu_v_exponent_min_tiles(min_tiles, stages, tile, gen, monkeypatch):
+    """Session 14's sweep of V's exponent pass: tiles per program, stages, tiles; partial last chunks."""
+    monkeypatch.setattr(kq, "VEXP_STAGES", stages)
+    monkeypatch.setattr(kq, "VEXP_MIN_TILES", min_tiles)
+    monkeypatch.setitem(kq.TILE_OVERRIDES, "vexp", kq.Tile(*tile))
+    kq._PLANS.clear()
+    for kind in ("adversarial", "random"):
+        check_row_scaled((2, 3000, 4, 128), torch.bfloat16, "rceil", kind, "v", gen)
+    check_row_scaled((1, 777, 3, 64), torch.float16, "floor", "adversarial", "v", gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [(32, 4), (64, 4), (128, 4)], ids=lambda t: f"t{t[0]}x{t[1]}")
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("min_tiles", [1, 3, 4])
+def test_gpu_v_exponent_from_mx(min_tiles, stages, tile, gen, monkeypatch):
+    """Session 14's sweep of V's exponent pass from MX (``SWEEP_SEQEXP``): random channel-major bytes, partial last
+    chunks, and the seq orientation the kernels make."""
+    monkeypatch.setattr(kq, "SEQEXP_STAGES", stages)
+    monkeypatch.setattr(kq, "SEQEXP_MIN_TILES", min_tiles)
+    monkeypatch.setitem(kq.TILE_OVERRIDES, "seqexp", kq.Tile(*tile))
+    for shape in ((2, 3000, 4, 128), (1, 1002, 2, 64)):
+        mx = channel_major_mx(shape, gen, device=DEVICE)
+        assert_same_rs(kq.row_scaled_triton(mx, "v"), F.to_row_scaled(mx.to("cpu")), f"v from MX {shape}")
+    mxc = random_mx((2, 777, 3, 128), 1, gen)
+    assert_same_rs(kq.row_scaled_triton(mxc.to(DEVICE), "v"), F.to_row_scaled(mxc), "v from contiguous MX")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k_warps", [None, 8])
+@pytest.mark.parametrize("k_launch", ["first", "second"])
+@pytest.mark.parametrize("dims", [(2, 1000, 1000, 4, 4, 128), (1, 517, 2048, 4, 2, 64), (2, 256, 300, 2, 2, 128)],
+                         ids=str)
+def test_gpu_forward_operands_k_launch(dims, k_launch, k_warps, gen, monkeypatch):
+    monkeypatch.setattr(kq, "FWD_K_LAUNCH", k_launch)
+    monkeypatch.setattr(kq, "FWD_K_WARPS", k_warps)
+    kq._PLANS.clear()
+    B, Sq, Sk, Hq, Hkv, D = dims
+    for i in range(2):
+        kind = "adversarial" if i == 0 else "random"
+        q, k, v = (make_input(s, torch.bfloat16, kind, gen) for s in ((B, Sq, Hq, D), (B, Sk, Hkv, D),
+                                                                         (B, Sk, Hkv, D)))
+        qr, kr, vr, _ = kq.forward_operands_triton(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE))
+        assert_same_rs(qr, ref_rs(q, "q"), f"call {i}: Q")
+        assert_same_rs(kr, ref_rs(k, "k"), f"call {i}: K")
+        assert_same_rs(vr, ref_rs(v, "v"), f"call {i}: V")
+        _, _, vr2, kv = kq.forward_operands_triton(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), keep_kv=True)
+        assert_same_rs(vr2, ref_rs(v, "v"), f"call {i}: V (keep_kv)")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("role", ["q", "k"])
 @pytest.mark.parametrize("layout", ["rows", "strided"])
 def test_gpu_from_mx_random_bytes(layout, role, gpu_rounding, gen):
@@ -816,6 +937,22 @@ def test_gpu_from_mx_random_bytes(layout, role, gpu_rounding, gen):
                         .transpose(1, 2), 3)
     want = F.to_row_scaled(mx, 1 if role == "k" else None, 128 if role == "k" else 1)
     assert_same_rs(kq.row_scaled_triton(mx.to(DEVICE), role), want, f"{role} from random MX {layout}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups,warps", [(2, 4), (2, 8), (4, 8)])
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_k_from_mx_groups(D, groups, warps, gen, monkeypatch):
+    """K from MX with several exponent groups per program (``MX_K_GROUPS``): random bytes, S not a multiple of the
+    tile (a last program with fewer groups, a partial group), strided rows, k_group 64 and 128."""
+    monkeypatch.setattr(kq, "MX_K_GROUPS", groups)
+    for S, group in ((1000, 128), (777, 64)):
+        mx = random_mx((2, S, 4, D), 3, gen)
+        for m in (mx, F.MXTensor(mx.data.transpose(1, 2).contiguous().transpose(1, 2),
+                                 mx.scale.transpose(1, 2).contiguous().transpose(1, 2), 3)):
+            monkeypatch.setitem(kq.TILE_OVERRIDES, "mx_hdim_k", kq.Tile(group * groups, warps))
+            want = F.to_row_scaled(m, 1, group)
+            assert_same_rs(kq.row_scaled_triton(m.to(DEVICE), "k", k_group=group), want, f"K from MX {S} {group}")
 
 
 @pytest.mark.gpu

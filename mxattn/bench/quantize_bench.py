@@ -28,8 +28,10 @@ KERNELS = (
     "dequant_hdim", "dequant_seq",
     "fwd_operands", "rs_both",
 )
-# rows for tile sweeps only: V's exponent pass alone
-SWEEP_ONLY = ("rs_v_exps",)
+# rows for tile sweeps only: V's exponent pass alone; the training forward's operands (keep_kv)
+SWEEP_ONLY = ("rs_v_exps", "fwd_operands_kv")
+# the attention forward's shape that session 14's profile was taken at (33.5 MB of bf16 per tensor)
+PUBLIC_SIZE = (2, 4096, 16, 128)
 
 
 def _bytes(kernel: str, B: int, S: int, H: int, D: int) -> tuple[int, int, int]:
@@ -69,6 +71,12 @@ def _bytes(kernel: str, B: int, S: int, H: int, D: int) -> tuple[int, int, int]:
         r = 3 * 2 * n
         w = (n + 4 * B * S * H) + (n + 4 * B * -(-S // 128) * H) + (cm + 4 * B * H * D)
         return r, w, r + w + 2 * n
+    elif kernel == "fwd_operands_kv":  # forward_operands_triton(keep_kv=True): K and V exponents, both layouts
+        cmx = cm + 4 * B * H * D
+        kh = n + 4 * B * -(-S // 128) * H
+        r = 3 * 2 * n
+        w = (n + 4 * B * S * H) + 2 * (kh + cmx)
+        return r, w, r + w + 4 * n
     elif kernel == "rs_both":  # row_scaled_triton_both: K and V layouts, the input read twice
         r, w = 2 * n, n + 4 * B * -(-S // 128) * H + cm + 4 * B * H * D
         return r, w, r + w + 2 * n
@@ -110,6 +118,9 @@ def _make_call(kernel: str, x: torch.Tensor):
     if kernel == "fwd_operands":
         k, v = torch.randn_like(x), torch.randn_like(x)
         return lambda: kq.forward_operands_triton(x, k, v)
+    if kernel == "fwd_operands_kv":
+        k, v = torch.randn_like(x), torch.randn_like(x)
+        return lambda: kq.forward_operands_triton(x, k, v, keep_kv=True)
     if kernel == "rs_both":
         return lambda: kq.row_scaled_triton_both(x)
     if kernel == "rs_v_exps":
@@ -208,9 +219,19 @@ SWEEP_PLAN = {
     "mx_hdim_k": (("rs_k_from_mx",), ((128, 4), (128, 8))),
     "mx_seq": (("dequant_seq", "rs_v_from_mx"), ((32, 4), (64, 4), (64, 8), (128, 8))),
 }
-# V's exponent pass: (tile, VEXP_MIN_PROGRAMS, VEXP_STAGES) combinations
+# V's exponent pass: (tile, VEXP_MIN_PROGRAMS, VEXP_STAGES[, VEXP_MIN_TILES]) combinations (session 12's six, then
+# session 14's tiles-per-program floor, which decides the small inputs)
 SWEEP_VEXP = (((32, 4), 1024, 1), ((32, 4), 4096, 1), ((32, 4), 16384, 1), ((32, 4), 1024, 3), ((32, 4), 4096, 3),
               ((64, 8), 4096, 1))
+SWEEP_VEXP_S14 = (((32, 4), 4096, 3, 1), ((32, 4), 4096, 3, 2), ((32, 4), 4096, 3, 4), ((32, 4), 4096, 3, 8),
+                  ((32, 4), 4096, 3, 16), ((32, 4), 4096, 2, 4), ((32, 4), 4096, 4, 4), ((64, 4), 4096, 3, 4),
+                  ((64, 8), 4096, 3, 4))
+# V's exponent pass from MX (rows rs_v_from_mx, both passes): (``seqexp`` tile, SEQEXP_MIN_PROGRAMS, SEQEXP_STAGES,
+# SEQEXP_MIN_TILES); the first is the pass before session 14
+SWEEP_SEQEXP = (((64, 4), 1024, 1, 1), ((64, 4), 4096, 3, 4), ((64, 4), 1024, 3, 4), ((64, 4), 4096, 2, 4),
+                ((64, 4), 4096, 4, 4), ((128, 4), 2048, 3, 4), ((32, 4), 8192, 3, 4))
+# the no-grad forward's fused launches: (FWD_K_LAUNCH, FWD_K_WARPS)
+SWEEP_FWD = (("first", None), ("first", 8), ("second", None), ("second", 8))
 
 
 def run_tile_sweep(
@@ -219,15 +240,20 @@ def run_tile_sweep(
     vexp: Iterable = SWEEP_VEXP,
     progress: bool = True,
     rep_ms: int = 100,
+    fwd: Iterable = (),
+    seqexp: Iterable = (),
 ) -> list[dict]:
     """Rows of ``run_quantize_bench`` at ``size`` for every tile of ``plan`` (default ``SWEEP_PLAN``; rows get
-    ``tile_kind``, ``block_s``, ``num_warps``, ``row_groups``) and for V's exponent pass alone over ``vexp``
-    (``vexp_min_programs``, ``vexp_stages``).  Every knob is restored afterwards."""
+    ``tile_kind``, ``block_s``, ``num_warps``, ``row_groups``), for V's exponent pass alone over ``vexp``
+    (``vexp_min_programs``, ``vexp_stages``, ``vexp_min_tiles``) and for the forward's fused launches over ``fwd``
+    ((``FWD_K_LAUNCH``, ``FWD_K_WARPS``): row fwd_operands) and for V's exponent pass from MX over ``seqexp``
+    (``SWEEP_SEQEXP``'s knobs: row rs_v_from_mx).  Every knob is restored afterwards."""
     from mxattn.kernels import quantize as kq
 
     plan = plan if plan is not None else SWEEP_PLAN
     rows = []
-    saved = (dict(kq.TILE_OVERRIDES), kq.VEXP_MIN_PROGRAMS, kq.VEXP_STAGES)
+    saved = (dict(kq.TILE_OVERRIDES), kq.VEXP_MIN_PROGRAMS, kq.VEXP_STAGES, kq.VEXP_MIN_TILES, kq.FWD_K_LAUNCH,
+             kq.FWD_K_WARPS, kq.SEQEXP_MIN_PROGRAMS, kq.SEQEXP_STAGES, kq.SEQEXP_MIN_TILES)
 
     def bench(kernels, **tags):
         for r in run_quantize_bench([size], progress=False, kernels=kernels, rep_ms=rep_ms):
@@ -243,13 +269,26 @@ def run_tile_sweep(
                 kq.TILE_OVERRIDES[kind] = kq.Tile(*t)
                 bench(kernels, tile_kind=kind, block_s=t[0], num_warps=t[1], row_groups=t[2] if len(t) > 2 else 1)
         kq.TILE_OVERRIDES.clear()
-        for t, programs, stages in vexp:
+        for t, programs, stages, *more in vexp:
             kq.TILE_OVERRIDES["vexp"] = kq.Tile(*t)
             kq.VEXP_MIN_PROGRAMS, kq.VEXP_STAGES = programs, stages
+            kq.VEXP_MIN_TILES = more[0] if more else 1
             bench(("rs_v_exps",), tile_kind="vexp", block_s=t[0], num_warps=t[1], vexp_min_programs=programs,
-                  vexp_stages=stages)
+                  vexp_stages=stages, vexp_min_tiles=kq.VEXP_MIN_TILES)
+        kq.TILE_OVERRIDES.clear()
+        kq.VEXP_MIN_PROGRAMS, kq.VEXP_STAGES, kq.VEXP_MIN_TILES = saved[1:4]
+        for launch, warps in fwd:
+            kq.FWD_K_LAUNCH, kq.FWD_K_WARPS = launch, warps
+            bench(("fwd_operands",), tile_kind="fwd", fwd_k_launch=launch, fwd_k_warps=warps)
+        kq.FWD_K_LAUNCH, kq.FWD_K_WARPS = saved[4:6]
+        for t, programs, stages, tiles in seqexp:
+            kq.TILE_OVERRIDES["seqexp"] = kq.Tile(*t)
+            kq.SEQEXP_MIN_PROGRAMS, kq.SEQEXP_STAGES, kq.SEQEXP_MIN_TILES = programs, stages, tiles
+            bench(("rs_v_from_mx",), tile_kind="seqexp", block_s=t[0], num_warps=t[1], seqexp_min_programs=programs,
+                  seqexp_stages=stages, seqexp_min_tiles=tiles)
     finally:
         kq.TILE_OVERRIDES.clear()
         kq.TILE_OVERRIDES.update(saved[0])
-        kq.VEXP_MIN_PROGRAMS, kq.VEXP_STAGES = saved[1:]
+        (kq.VEXP_MIN_PROGRAMS, kq.VEXP_STAGES, kq.VEXP_MIN_TILES, kq.FWD_K_LAUNCH, kq.FWD_K_WARPS,
+         kq.SEQEXP_MIN_PROGRAMS, kq.SEQEXP_STAGES, kq.SEQEXP_MIN_TILES) = saved[1:]
     return rows

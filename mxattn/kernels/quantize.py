@@ -108,7 +108,7 @@ def _tile(kind: str, d_pad: int, group: int = 0, warps: Optional[int] = None) ->
     * ``vexp`` (V pass 1 on float input): ``VEXP_ELEMS`` per S tile of its loop at 4 warps, several tiles per
       program (``_seq_chunk`` with ``VEXP_MIN_PROGRAMS``), ``VEXP_STAGES`` deep.
     * ``mx_hdim`` (``_hdim_rescale_kernel`` Q, ``_hdim_dequant_kernel``): ``MX_HDIM_ELEMS`` per 4 warps;
-      ``mx_hdim_k`` (K from MX) like ``hdim_k``.
+      ``mx_hdim_k`` (K from MX) like ``hdim_k``, ``MX_K_GROUPS`` groups per program.
     * ``mx_seq`` (``_seq_dequant_kernel``, ``_seq_rescale_kernel``: channel-major MX data, session 13):
       ``MX_SEQ_ELEMS`` per 4 warps, at least one seq block.
     The sizes and the measurements behind them are at the constants below.
@@ -130,7 +130,10 @@ def _tile(kind: str, d_pad: int, group: int = 0, warps: Optional[int] = None) ->
         return Tile(max(1, MX_HDIM_ELEMS * w4 // d_pad), 4 * w4)
     if kind == "mx_seq":  # channel-major MX input blocked along S (dequantize, V)
         return Tile(max(32, MX_SEQ_ELEMS * w4 // d_pad), 4 * w4)
-    if kind in ("hdim_k", "mx_hdim_k"):
+    if kind == "mx_hdim_k":  # K from MX: ``MX_K_GROUPS`` exponent groups per program
+        bs = group * MX_K_GROUPS
+        return Tile(bs, warps or (4 if bs * d_pad <= K_TILE_4WARPS else 8))
+    if kind == "hdim_k":
         return Tile(group, warps or (4 if group * d_pad <= K_TILE_4WARPS else 8))
     if kind == "seq_k":
         return Tile(group, warps or max(4, min(16, group * d_pad // 2048)), SEQ_K_GROUPS)
@@ -165,6 +168,9 @@ VEXP_ELEMS = 4096
 MX_HDIM_ELEMS = 4096
 # ``mx_seq`` (dequantize, V pass 2 from channel-major MX): the row-set kernel's size (``SEQ_ELEMS``), not yet swept.
 MX_SEQ_ELEMS = 4096
+# ``mx_hdim_k`` (K from MX): exponent groups per program (session 14: 2 at d64 makes its 8 KB programs 16 KB, as
+# d128's; swept by quant14, not yet the default)
+MX_K_GROUPS = 1
 # K tiles (one exponent group, 128 x D_pad): 4 warps up to 16384 elements (rs_k 94% at d128, against 83% at 8
 # warps and 70% at 16), then 8.
 K_TILE_4WARPS = 16384
@@ -174,9 +180,14 @@ K_TILE_4WARPS = 16384
 TILE_OVERRIDES: dict = {}
 
 
-# V pass 1: at least this many programs (each then loops over several S tiles and issues one atomic per
-# channel); the benchmark's sweep varies it.
-SEQEXP_MIN_PROGRAMS = 1024
+# V pass 1 from MX (``seqexp`` tiles): at least this many programs (each then loops over several S tiles and issues
+# one atomic per channel), at least ``SEQEXP_MIN_TILES`` tiles each, the loop ``SEQEXP_STAGES`` deep (session 14;
+# before: 1024 programs, no pipelining, one tile per program allowed).  Before, rs_v_from_mx measured 56% of copy for
+# both passes with pass 2 near 90%, which puts this pass near 32%: a serial load -> reduce chain per 8 KB tile, as
+# the float pass's was at 1024 programs without pipelining (71%).
+SEQEXP_MIN_PROGRAMS = 4096
+SEQEXP_MIN_TILES = 4
+SEQEXP_STAGES = 3
 
 
 # V pass 1 on float input (``vexp`` tiles): at least this many programs, and the ``tl.range`` pipelining depth of
@@ -184,13 +195,33 @@ SEQEXP_MIN_PROGRAMS = 1024
 # alone): 1024 programs / no pipelining 71% of copy, 4096 / 3 stages 82%, 16384 / none 45%.
 VEXP_MIN_PROGRAMS = 4096
 VEXP_STAGES = 3
+# ... and at least this many S tiles per program (session 14).  Without it a small input got one tile per program
+# (B2 H16 S4096 d128: 4096 programs of 8 KB each, the pipelined loop one iteration long, the reductions and the
+# atomics paid per 8 KB): 28.8 us for 33.5 MB, 28% of copy.  4 tiles: 1024 programs there (~8 per SM, one wave);
+# the bench shape (B8 S8192 H16) keeps its 8 tiles per program.
+VEXP_MIN_TILES = 4
+
+# The no-grad forward's fused launches (``_ForwardOperandsPlan``, keep_kv False; session 14): which launch K's job
+# rides in ("first": with Q and V's exponent pass; "second": with V's quantize pass) and at how many warps (None:
+# K's own tile, 4 warps at d128).  A fused launch is compiled for the largest job: K's 128-token tile at 4 warps
+# takes 128 registers, which leaves 4 programs of 4 warps per SM for every job of that launch; at 8 warps the launch
+# takes 64 registers (4 programs of 8 warps per SM; Q and V's exponent pass on 8-warp tiles).  8 is a prediction,
+# not yet measured (quant14's ``SWEEP_FWD``).
+FWD_K_LAUNCH = "first"
+FWD_K_WARPS: Optional[int] = 8
 
 
-def _seq_chunk(n_rows: int, S: int, block_s: int, min_programs: Optional[int] = None) -> int:
-    """Tiles of S per program in the V exponent pass: as many as possible (fewer atomics) while the grid
-    keeps ``SEQEXP_MIN_PROGRAMS`` programs, and at most 32."""
+def _knobs() -> tuple:
+    """The module knobs that change a launch (part of every plan cache key)."""
+    return (SEQEXP_MIN_PROGRAMS, SEQEXP_MIN_TILES, SEQEXP_STAGES, VEXP_MIN_PROGRAMS, VEXP_STAGES, VEXP_MIN_TILES,
+            FWD_K_LAUNCH, FWD_K_WARPS, MX_K_GROUPS, SOFT_ROUND_ON_GPU)
+
+
+def _seq_chunk(n_rows: int, S: int, block_s: int, min_programs: int = 1024, min_tiles: int = 1) -> int:
+    """Tiles of S per program in a V exponent pass: as many as possible (fewer atomics) while the grid
+    keeps ``min_programs`` programs (the default is the varlen pass's), at least ``min_tiles``, at most 32."""
     n_tiles = cdiv(S, block_s)
-    per = max(1, (n_tiles * n_rows) // (min_programs or SEQEXP_MIN_PROGRAMS))
+    per = max(1, min_tiles, (n_tiles * n_rows) // min_programs)
     return min(per, n_tiles, 32)
 
 
@@ -908,7 +939,7 @@ def _seq_exponent_tile(
     n_s_tiles, tiles_per_prog, S_ld,
     D: tl.constexpr, NDP: tl.constexpr, BLOCK_S: tl.constexpr,
     FROM_MX: tl.constexpr, RCEIL: tl.constexpr, IDX64: tl.constexpr, QU: tl.constexpr, SU: tl.constexpr,
-    STAGES: tl.constexpr,  # software-pipelining depth of the float input's loop (``tl.range``)
+    STAGES: tl.constexpr,  # software-pipelining depth of the loop over S tiles (``tl.range``)
 ):
     """Pass 1 of V: per channel, the largest exponent among the seq blocks that hold a nonzero element."""
     n_chunks = tl.cdiv(n_s_tiles, tiles_per_prog)
@@ -921,7 +952,7 @@ def _seq_exponent_tile(
     t1 = tl.minimum(t0 + tiles_per_prog, n_s_tiles)
     if FROM_MX:
         acc = tl.full((1, 1, NDP, 32), _NO_EXP, tl.int32)
-        for t in range(t0, t1):
+        for t in tl.range(t0, t1, num_stages=STAGES):
             s0 = t * BLOCK_S
             xp = x_ptr + b64 * sxb + s0.to(tl.int64) * sxs + h64 * sxh
             qb = _load_bytes(xp + _offs(sl, d, sxs, sxd, QU), s0 + sl, S, S_ld, in_d, QU)
@@ -1100,18 +1131,28 @@ def _hdim_rescale_kernel(
     fin = sb != 255
     nz = fin & (tl.max(qw & 0x7F7F7F7F, axis=2, keep_dims=True) != 0)
     en = tl.where(nz, sb - 127, _NO_EXP)
+    GP: tl.constexpr = BLOCK_S // GROUP  # K: exponent groups per program (session 14: 2 may win at d64)
     if GROUP == 1:
         E = tl.max(en, axis=1, keep_dims=True)
-    else:
+        E = tl.where(E == _NO_EXP, 0, E)
+    elif GP == 1:
         E = tl.max(en)
-    E = tl.where(E == _NO_EXP, 0, E)
+        E = tl.where(E == _NO_EXP, 0, E)
+        tl.store(exp_ptr + (b64 * n_groups + st) * H + h64, E)
+    else:  # each group's maximum of the rows' maxima, broadcast back to its rows
+        er = tl.max(en, axis=1, keep_dims=True)
+        gi = i // GROUP
+        E = tl.zeros_like(er)
+        for g in tl.static_range(GP):
+            eg = tl.max(tl.where(gi == g, er, _NO_EXP))
+            eg = tl.where(eg == _NO_EXP, 0, eg)
+            E = tl.where(gi == g, eg, E)
+            tl.store(exp_ptr + (b64 * n_groups + st * GP + g) * H + h64, eg, mask=st * GP + g < n_groups)
     row = (b64 * S + s0) * H + h64
     out = _rescale_words(qw, _pow2(_rs_shift(sb - 127, E)), fin, SOFT)
     tl.store(out_ptr + row * DW + (i * H * DW + dw), out, mask=in_s & (dw < DW))
     if GROUP == 1:
         tl.store(exp_ptr + row + i * H, E, mask=in_s)
-    else:
-        tl.store(exp_ptr + (b64 * n_groups + st) * H + h64, E)
 
 
 @triton.jit
@@ -1657,14 +1698,15 @@ def _v_exponents_spec(src4, sc4, *, from_mx: bool, rceil: bool, warps=None):
     tile = _tile("seqexp", dp) if from_mx else _tile("vexp", dp, warps=warps)
     bs = tile.block_s
     n_s_tiles = cdiv(S, bs)
-    per = _seq_chunk(B * H, S, bs, None if from_mx else VEXP_MIN_PROGRAMS)
+    per = (_seq_chunk(B * H, S, bs, SEQEXP_MIN_PROGRAMS, SEQEXP_MIN_TILES) if from_mx
+           else _seq_chunk(B * H, S, bs, VEXP_MIN_PROGRAMS, VEXP_MIN_TILES))
     n_chunks = cdiv(n_s_tiles, per)
     st = src4.stride()
     scs = sc4.stride() if sc4 is not None else (0, 0, 0, 0)
     idx64 = _needs_i64(bs * abs(st[1]), dp * abs(st[3]))
     return ((B * n_chunks * H,), (S, H, *st), tuple(scs), (n_s_tiles, per, _s_load_bound(src4) if from_mx else S),
             dict(D=D, NDP=dp // 32, BLOCK_S=bs, FROM_MX=from_mx, RCEIL=rceil, IDX64=idx64,
-                 QU=_unit(src4), SU=_unit(sc4) if sc4 is not None else 0, STAGES=1 if from_mx else VEXP_STAGES,
+                 QU=_unit(src4), SU=_unit(sc4) if sc4 is not None else 0, STAGES=SEQEXP_STAGES if from_mx else VEXP_STAGES,
                  num_warps=tile.num_warps))
 
 
@@ -1711,7 +1753,7 @@ def _plan_key(kind: str, x, scale_mode, seq_dim, k_group):
     if type(x) is not _Tensor or type(k_group) is not int or TILE_OVERRIDES or not _launch.PLANS:
         return None
     return (kind, x.shape, x.stride(), x.dtype, x.device, _current_device(x), scale_mode, seq_dim, k_group,
-            x.data_ptr() & 15, SEQEXP_MIN_PROGRAMS, VEXP_MIN_PROGRAMS, VEXP_STAGES, SOFT_ROUND_ON_GPU)
+            x.data_ptr() & 15, _knobs())
 
 
 def _trusted_row_scaled(data, exp, dim, group_dim=None, group=1) -> RowScaledFP8:
@@ -1886,13 +1928,17 @@ class _ForwardOperandsPlan:
             self.k_spec = _quantize_spec(k4, self.s_pad, **both)
             self.v_spec = _quantize_spec(v4, self.s_pad, **both)
         else:
+            if FWD_K_LAUNCH not in ("first", "second"):
+                raise ValueError(f"FWD_K_LAUNCH must be 'first' or 'second', got {FWD_K_LAUNCH!r}")
+            self.k_first = FWD_K_LAUNCH == "first"
             self.k_spec = _quantize_spec(k4, SEQ_ALIGN, HDIM=True, SEQ=False, HDIM_GROUP=group, SEQ_RS=False,
-                                         rceil=rceil, group=group)
+                                         rceil=rceil, group=group, warps=FWD_K_WARPS)
+            kw = self.k_spec[3]["num_warps"] if self.k_spec is not None else None
             self.v_spec = _quantize_spec(v4, self.s_pad, HDIM=False, SEQ=True, HDIM_GROUP=0, SEQ_RS=True,
-                                         rceil=rceil, group=0)
-            # the first launch runs at K's warps (its tile is a whole exponent group): Q and V's exponent pass take
-            # tiles of as many warps, at their own elements per thread
-            warps = self.k_spec[3]["num_warps"] if self.k_spec is not None else None
+                                         rceil=rceil, group=0, warps=None if self.k_first else kw)
+            # the launch K rides in runs at K's warps (its tile is a whole exponent group): the other jobs of that
+            # launch take tiles of as many warps, at their own elements per thread
+            warps = kw if self.k_first else None
         self.q_spec = _quantize_spec(q4, SEQ_ALIGN, HDIM=True, SEQ=False, HDIM_GROUP=1, SEQ_RS=False, rceil=rceil,
                                      group=0, warps=warps)
         self.v_exp_spec = _v_exponents_spec(v4, None, from_mx=False, rceil=rceil, warps=warps)
@@ -1912,10 +1958,11 @@ class _ForwardOperandsPlan:
         f8 = torch.float8_e4m3fn
         if not self.keep_kv:
             k_job = _quant_slot(self.k_spec, k4, kd, ke, None, None, dummy)
-            _operands_launch(self.bound, "first", [q_job, k_job], [_exp_slot(self.v_exp_spec, v4, vexp)], D,
-                             self.rceil, self.soft, dummy)
-            _operands_launch(self.bound, "second", [_quant_slot(self.v_spec, v4, None, None, vcd, vexp, dummy)], [],
-                             D, self.rceil, self.soft, dummy)
+            v_job = _quant_slot(self.v_spec, v4, None, None, vcd, vexp, dummy)
+            first, second = ([q_job, k_job], [v_job]) if self.k_first else ([q_job], [v_job, k_job])
+            _operands_launch(self.bound, "first", first, [_exp_slot(self.v_exp_spec, v4, vexp)], D, self.rceil,
+                             self.soft, dummy)
+            _operands_launch(self.bound, "second", second, [], D, self.rceil, self.soft, dummy)
             return (_trusted_row_scaled(qd.view(f8), qe, 3), _trusted_row_scaled(kd.view(f8), ke, 3, 1, G),
                     _trusted_row_scaled(_seq_view(vcd, Sk, False), vexp, 1), None)
         kexp_s = torch.full((B, 1, Hkv, D), _NO_EXP_HOST, dtype=i32, device=dev)
@@ -1975,8 +2022,7 @@ def row_scaled_triton_both_pair(x: torch.Tensor, y: torch.Tensor, scale_mode: Un
     key = None
     if type(x) is _Tensor and type(y) is _Tensor and type(k_group) is int and not TILE_OVERRIDES and _launch.PLANS:
         key = ("pair", x.shape, x.stride(), y.shape, y.stride(), x.dtype, y.dtype, x.device, y.device,
-               _current_device(x), scale_mode, k_group, x.data_ptr() & 15, y.data_ptr() & 15, SEQEXP_MIN_PROGRAMS,
-               VEXP_MIN_PROGRAMS, VEXP_STAGES, SOFT_ROUND_ON_GPU)
+               _current_device(x), scale_mode, k_group, x.data_ptr() & 15, y.data_ptr() & 15, _knobs())
         plan = _PLANS.get(key)
         if plan is not None:
             return plan(*(t if t.stride(3) == 1 else t.contiguous() for t in (x, y)))
@@ -2009,8 +2055,7 @@ def forward_operands_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             and not TILE_OVERRIDES and _launch.PLANS:
         key = ("forward", keep_kv, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
                v.dtype, q.device, k.device, v.device, _current_device(q), scale_mode, k_group, q.data_ptr() & 15,
-               k.data_ptr() & 15, v.data_ptr() & 15, SEQEXP_MIN_PROGRAMS, VEXP_MIN_PROGRAMS, VEXP_STAGES,
-               SOFT_ROUND_ON_GPU)
+               k.data_ptr() & 15, v.data_ptr() & 15, _knobs())
         plan = _PLANS.get(key)
         if plan is not None:
             return plan(*(x if x.stride(3) == 1 else x.contiguous() for x in (q, k, v)))
@@ -2222,6 +2267,8 @@ def _mx_hdim_spec(q8: torch.Tensor, sc4: torch.Tensor, group: int, words: bool =
             qv, sv = qr, sr
     dp = _d_pad(D)
     tile = _tile("mx_hdim_k" if group > 1 else "mx_hdim", dp, group)
+    if group > 1 and tile.block_s % group:
+        raise ValueError(f"a K tile holds whole exponent groups: block_s {tile.block_s}, group {group}")
     _, Sv, Hv, _ = qv.shape
     idx = (_needs_i64(tile.block_s * abs(qv.stride(1)), dp) or _needs_i64(tile.block_s * abs(sv.stride(1)), dp)
            or _needs_i64(tile.block_s * Hv * D, dp))  # (words: offsets in words, counted here as bytes)
