@@ -184,10 +184,11 @@ TILE_OVERRIDES: dict = {}
 # one atomic per channel), at least ``SEQEXP_MIN_TILES`` tiles each, the loop ``SEQEXP_STAGES`` deep (session 14;
 # before: 1024 programs, no pipelining, one tile per program allowed).  Before, rs_v_from_mx measured 56% of copy for
 # both passes with pass 2 near 90%, which puts this pass near 32%: a serial load -> reduce chain per 8 KB tile, as
-# the float pass's was at 1024 programs without pipelining (71%).
-SEQEXP_MIN_PROGRAMS = 4096
-SEQEXP_MIN_TILES = 4
-SEQEXP_STAGES = 3
+# the float pass's was at 1024 programs without pipelining (71%).  The defaults stay the measured ones (1024, 1, 1)
+# until quant14's SWEEP_SEQEXP has run on the H200; predicted best: 4096 programs, 4 tiles, 3 stages.
+SEQEXP_MIN_PROGRAMS = 1024
+SEQEXP_MIN_TILES = 1
+SEQEXP_STAGES = 1
 
 
 # V pass 1 on float input (``vexp`` tiles): at least this many programs, and the ``tl.range`` pipelining depth of
@@ -198,17 +199,18 @@ VEXP_STAGES = 3
 # ... and at least this many S tiles per program (session 14).  Without it a small input got one tile per program
 # (B2 H16 S4096 d128: 4096 programs of 8 KB each, the pipelined loop one iteration long, the reductions and the
 # atomics paid per 8 KB): 28.8 us for 33.5 MB, 28% of copy.  4 tiles: 1024 programs there (~8 per SM, one wave);
-# the bench shape (B8 S8192 H16) keeps its 8 tiles per program.
-VEXP_MIN_TILES = 4
+# the bench shape (B8 S8192 H16) keeps its 8 tiles per program.  The default stays the measured 1 until quant14's
+# SWEEP_VEXP_S14 has run on the H200; predicted best: 4.
+VEXP_MIN_TILES = 1
 
 # The no-grad forward's fused launches (``_ForwardOperandsPlan``, keep_kv False; session 14): which launch K's job
 # rides in ("first": with Q and V's exponent pass; "second": with V's quantize pass) and at how many warps (None:
 # K's own tile, 4 warps at d128).  A fused launch is compiled for the largest job: K's 128-token tile at 4 warps
 # takes 128 registers, which leaves 4 programs of 4 warps per SM for every job of that launch; at 8 warps the launch
 # takes 64 registers (4 programs of 8 warps per SM; Q and V's exponent pass on 8-warp tiles).  8 is a prediction,
-# not yet measured (quant14's ``SWEEP_FWD``).
+# not yet measured (quant14's ``SWEEP_FWD``), so the default stays the measured None.
 FWD_K_LAUNCH = "first"
-FWD_K_WARPS: Optional[int] = 8
+FWD_K_WARPS: Optional[int] = None
 
 
 def _knobs() -> tuple:
