@@ -530,19 +530,14 @@ class _EagerAttention(torch.autograd.Function):
         if dout is None:  # (an undefined gradient of out: not materialized since set_materialize_grads(False))
             dout = torch.zeros_like(out)
         sink = ctx.mx_kv_grads
-        if sink is None:
-            grads = _bwd_impl(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.scale_mode,
-                              ctx.deterministic, ctx.backend, kv)
-            return (*grads, None, None, None, None, None, None)
         # dK / dV wanted as MXFP8: the kernels' fp32 gradients, quantized once (no bf16 rounding in between)
-        dq, dk, dv = _bwd_impl(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.scale_mode,
-                               ctx.deterministic, ctx.backend, kv, grad_dtype=torch.float32)
-        sink._fill(dk, dv)
-        if sink.keep_float_grads:
-            dk, dv = dk.to(q.dtype), dv.to(q.dtype)
-        else:
-            dk = dv = None
-        return (dq.to(q.dtype), dk, dv, None, None, None, None, None, None)
+        dq, dk, dv = _bwd_impl(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.scale_mode, ctx.deterministic,
+                               ctx.backend, kv, grad_dtype=None if sink is None else torch.float32)
+        if sink is not None:
+            sink._fill(dk, dv)
+            dq = dq.to(q.dtype)
+            dk, dv = (dk.to(q.dtype), dv.to(q.dtype)) if sink.keep_float_grads else (None, None)
+        return (dq, dk, dv, None, None, None, None, None, None)
 
 
 def _attn_fwd(q, k, v, causal: bool, scale: float, scale_mode: str, deterministic: bool, backend: str,
@@ -554,9 +549,7 @@ def _attn_fwd(q, k, v, causal: bool, scale: float, scale_mode: str, deterministi
                                "float gradients); call the layer eagerly or leave mx_kv_grads=None")
         return attn_fwd_op(q, k, v, causal, scale, scale_mode, deterministic, backend)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        if mx_kv_grads is not None:
-            return _EagerAttention.apply(q, k, v, causal, scale, scale_mode, deterministic, backend, mx_kv_grads)
-        return _EagerAttention.apply(q, k, v, causal, scale, scale_mode, deterministic, backend)
+        return _EagerAttention.apply(q, k, v, causal, scale, scale_mode, deterministic, backend, mx_kv_grads)
     return _fwd_impl(q, k, v, causal, scale, scale_mode, backend)
 
 

@@ -26,15 +26,23 @@ def _ms(fn, rep: int = 200) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median"))
 
 
-def kernel_row(B, H, S, D, causal) -> dict:
-    from mxattn.kernels.attn_bwd_dkdv_gluon import GluonDkdvConfig, attn_bwd_dkdv_dq_gluon, attn_bwd_dkdv_gluon
-    from mxattn.kernels.attn_bwd_dq_gluon import GluonDqConfig, attn_bwd_dq_gluon, backward_operands
+def prepared_operands(B, H, S, D, causal) -> tuple[dict, dict]:
+    """The backward kernels' operands of seeded random bf16 q, k, v, dO (B, S, H, D): (all of them, the dK/dV
+    launcher's keyword arguments)."""
+    from mxattn.kernels.attn_bwd_dq_gluon import backward_operands
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, dout = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
     names = ("q", "k", "v_hdim", "q_seq", "k_seq", "dout_hdim", "dout_seq", "lse", "delta")
     ops, _ = backward_operands(q, k, v, dout, causal, names)
-    dkdv = {n: ops[n] for n in names if n != "k_seq"}
+    return ops, {n: ops[n] for n in names if n != "k_seq"}
+
+
+def kernel_row(B, H, S, D, causal) -> dict:
+    from mxattn.kernels.attn_bwd_dkdv_gluon import GluonDkdvConfig, attn_bwd_dkdv_dq_gluon, attn_bwd_dkdv_gluon
+    from mxattn.kernels.attn_bwd_dq_gluon import GluonDqConfig, attn_bwd_dq_gluon
+
+    ops, dkdv = prepared_operands(B, H, S, D, causal)
     kc, qc = GluonDkdvConfig(split=True, block_m=128), GluonDqConfig(split=True, block_n=128)
 
     def split():

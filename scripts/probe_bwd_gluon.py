@@ -11,29 +11,23 @@ import os
 import sys
 
 import torch
-import triton
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_fused_dq import _ms, prepared_operands  # noqa: E402
 
 SHAPES = ((2, 16, 8192, 128, False), (2, 16, 8192, 128, True), (2, 16, 4096, 128, False), (8, 12, 2048, 64, True))
 
 
-def _ms(fn) -> float:
-    return float(triton.testing.do_bench(fn, warmup=10, rep=200, return_mode="median"))
-
-
 def main():
     from mxattn.kernels.attn_bwd_dkdv_gluon import GluonDkdvConfig, attn_bwd_dkdv_gluon
-    from mxattn.kernels.attn_bwd_dq_gluon import GluonDqConfig, attn_bwd_dq_gluon, backward_operands
+    from mxattn.kernels.attn_bwd_dq_gluon import GluonDqConfig, attn_bwd_dq_gluon
 
     compile_only = "--compile-only" in sys.argv
     out = [a for a in sys.argv[1:] if not a.startswith("--")][0]
     probe = int(os.environ.get("MXATTN_DKDV_PROBE", "0"))
     shapes = ((1, 2, 512, 128, False), (1, 2, 512, 128, True), (1, 2, 512, 64, True)) if compile_only else SHAPES
     for B, H, S, D, causal in shapes:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v, dout = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
-        names = ("q", "k", "v_hdim", "q_seq", "k_seq", "dout_hdim", "dout_seq", "lse", "delta")
-        ops, _ = backward_operands(q, k, v, dout, causal, names)
-        dkdv = {n: ops[n] for n in names if n != "k_seq"}
+        ops, dkdv = prepared_operands(B, H, S, D, causal)
         kc = GluonDkdvConfig(split=True, block_m=128 if D == 64 else 64)
         run = lambda: attn_bwd_dkdv_gluon(**dkdv, causal=causal, config=kc)  # noqa: E731
         if compile_only:

@@ -12,7 +12,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_fused_dq import _ms, kernel_row  # noqa: E402
+from bench_fused_dq import _ms, kernel_row, prepared_operands  # noqa: E402
 
 SHAPES = [(2, 16, 8192, 64, False), (2, 16, 8192, 64, True), (8, 12, 2048, 64, True)]
 
@@ -22,17 +22,11 @@ def main():
     out = [a for a in sys.argv[1:] if not a.startswith("--")][0]
     probe = int(os.environ.get("MXATTN_DQ_PROBE", "0"))
     from mxattn.kernels.attn_bwd_dkdv_gluon import attn_bwd_dkdv_dq_gluon
-    from mxattn.kernels.attn_bwd_dq_gluon import backward_operands
     for B, H, S, D, causal in ([(1, 2, 256, 64, False), (1, 2, 256, 64, True)] if compile_only else SHAPES):
         if probe == 0 and not compile_only:
             row = kernel_row(B, H, S, D, causal)
         else:
-            g = torch.Generator(device="cuda").manual_seed(0)
-            q, k, v, dout = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
-                             for _ in range(4))
-            names = ("q", "k", "v_hdim", "q_seq", "k_seq", "dout_hdim", "dout_seq", "lse", "delta")
-            ops, _ = backward_operands(q, k, v, dout, causal, names)
-            dkdv = {n: ops[n] for n in names if n != "k_seq"}
+            ops, dkdv = prepared_operands(B, H, S, D, causal)
             fn = lambda: attn_bwd_dkdv_dq_gluon(**dkdv, k_seq=ops["k_seq"], causal=causal)  # noqa: E731
             if compile_only:
                 fn()

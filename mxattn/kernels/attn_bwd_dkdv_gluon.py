@@ -578,18 +578,11 @@ def _dq_add(dq, e, DQ_b, hh, m0, Sq, stride_dqm, stride_dqh, HEAD_DIM: gl.conste
         offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, d_layout))
         ptrs = (DQ_b + hh * stride_dqh + gl.expand_dims(rows.to(gl.int64) * stride_dqm, 1)
                 + gl.expand_dims(offs_d, 0))
-        gl.atomic_add(ptrs, dq * _pow2(e), mask=gl.expand_dims(rows < Sq, 1), sem="relaxed")
-
-
-@gluon.jit
-def _dq_add_probe(dq, e, DQ_b, hh, m0, Sq, stride_dqm, stride_dqh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
-    if e > -127:
-        d_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)
-        rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, d_layout))
-        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, d_layout))
-        ptrs = (DQ_b + hh * stride_dqh + gl.expand_dims(rows.to(gl.int64) * stride_dqm, 1)
-                + gl.expand_dims(offs_d, 0))
-        gl.store(ptrs, dq * _pow2(e), mask=gl.expand_dims(rows < Sq + e * 1000000, 1))
+        if DQ_PROBE == 3:  # cost-split build: the adds' addressing and issue without their memory traffic (plain
+            # stores under a mask that never holds: e <= 127 < rows + 1000)
+            gl.store(ptrs, dq * _pow2(e), mask=gl.expand_dims(rows < e - 1000, 1))
+        else:
+            gl.atomic_add(ptrs, dq * _pow2(e), mask=gl.expand_dims(rows < Sq, 1), sem="relaxed")
 
 
 # ------------------------------------------------------------------------------------------------- consumer
@@ -812,13 +805,7 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
                             mbarrier.arrive(empty.index(st), count=1)
                         else:
                             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-                        if DQ_PROBE != 3:
-                            _dq_add(dq, dq_e, DQ_b, hh, m0 + part * DQ_ROWS, Sq, stride_dqm, stride_dqh, HEAD_DIM,
-                                    DQ_ROWS)
-                        else:  # the adds' addressing and issue without their memory traffic: plain stores
-                            # under a mask that never holds (e >= -127)
-                            _dq_add_probe(dq, dq_e, DQ_b, hh, m0 + part * DQ_ROWS, Sq, stride_dqm, stride_dqh,
-                                          HEAD_DIM, DQ_ROWS)
+                        _dq_add(dq, dq_e, DQ_b, hh, m0 + part * DQ_ROWS, Sq, stride_dqm, stride_dqh, HEAD_DIM, DQ_ROWS)
             else:
                 dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
                 mbarrier.arrive(empty.index(st), count=1)  # stage st free: every read of it is done
