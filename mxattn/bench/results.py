@@ -47,6 +47,7 @@ WHATS = (
     "qkv_chain",
     "ring_attn",
     "blockscaled",
+    "cost_probe",
 )
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
