@@ -162,12 +162,17 @@ SEQ_ELEMS = 4096
 SEQ_GROUPS = 1
 # ``seq_k`` (K+V layouts in one pass, BLOCK_S = the group): 8 warps, J = 2: 70% (J = 1 62%, 16 warps 44%).
 SEQ_K_GROUPS = 2
-# ``vexp`` (V pass 1 on float input): elements per S tile of its loop, 4 warps (8192 at 8 warps: 59%).
-VEXP_ELEMS = 4096
+# ``vexp`` (V pass 1 on float input): elements per S tile of its loop, 4 warps (8192 at 8 warps: 59%).  Session 15
+# (quant14 sweep, 4 tiles a program, 3 stages): 64 x 128 at 4 warps 82.8 % at B8 S8192 H16 d128 (32 x 128: 81.3 %),
+# 20.4 us at B2 S4096 H16 (32 x 128: 33.8 us; 64 x 128 at 8 warps 74.4 / 23.0 us).
+VEXP_ELEMS = 8192
 # ``mx_hdim`` (from-MX Q, dequantize head-dim): 4096 71 / 90 (rs_q_from_mx / dequant_hdim), 8192 69 / 86.
 MX_HDIM_ELEMS = 4096
-# ``mx_seq`` (dequantize, V pass 2 from channel-major MX): the row-set kernel's size (``SEQ_ELEMS``), not yet swept.
+# ``mx_seq`` (dequantize, V pass 2 from channel-major MX): the row-set kernel's size (``SEQ_ELEMS``) per 4 warps.
+# Dequantize takes ``MX_SEQ_DEQUANT_WARPS``: session 15 (quant14 sweep, dequant_seq B8 S8192 H16 d128) 64 x 128 at 8
+# warps 88.8 % of copy, 32 x 128 at 4 warps 83.9 %, 64 x 128 at 4 warps 82.1 %.  V pass 2 from MX (~90 %) keeps 4.
 MX_SEQ_ELEMS = 4096
+MX_SEQ_DEQUANT_WARPS = 8
 # ``mx_hdim_k`` (K from MX): exponent groups per program (session 14: 2 at d64 makes its 8 KB programs 16 KB, as
 # d128's; swept by quant14, not yet the default)
 MX_K_GROUPS = 1
@@ -185,10 +190,11 @@ TILE_OVERRIDES: dict = {}
 # before: 1024 programs, no pipelining, one tile per program allowed).  Before, rs_v_from_mx measured 56% of copy for
 # both passes with pass 2 near 90%, which puts this pass near 32%: a serial load -> reduce chain per 8 KB tile, as
 # the float pass's was at 1024 programs without pipelining (71%).  The defaults stay the measured ones (1024, 1, 1)
-# until quant14's SWEEP_SEQEXP has run on the H200; predicted best: 4096 programs, 4 tiles, 3 stages.
-SEQEXP_MIN_PROGRAMS = 1024
-SEQEXP_MIN_TILES = 1
-SEQEXP_STAGES = 1
+# (1024, 1, 1) until quant14's SWEEP_SEQEXP ran.  Session 15 (both passes, B8 S8192 H16 d128, % of moved bytes):
+# 4096 / 4 tiles / 2 stages 61.1 %, 4 stages 60.2 %, 3 stages 38.9 %, the old (1024, 1, 1) 56.2 %: 4096, 4, 2.
+SEQEXP_MIN_PROGRAMS = 4096
+SEQEXP_MIN_TILES = 4
+SEQEXP_STAGES = 2
 
 
 # V pass 1 on float input (``vexp`` tiles): at least this many programs, and the ``tl.range`` pipelining depth of
@@ -199,18 +205,20 @@ VEXP_STAGES = 3
 # ... and at least this many S tiles per program (session 14).  Without it a small input got one tile per program
 # (B2 H16 S4096 d128: 4096 programs of 8 KB each, the pipelined loop one iteration long, the reductions and the
 # atomics paid per 8 KB): 28.8 us for 33.5 MB, 28% of copy.  4 tiles: 1024 programs there (~8 per SM, one wave);
-# the bench shape (B8 S8192 H16) keeps its 8 tiles per program.  The default stays the measured 1 until quant14's
-# SWEEP_VEXP_S14 has run on the H200; predicted best: 4.
-VEXP_MIN_TILES = 1
+# the bench shape (B8 S8192 H16) keeps its 8 tiles per program.  Session 15 (quant14 sweep, 32 x 128 tiles, 3
+# stages, B2 S4096 H16 d128): 1 tile 44.6 us, 2 24.4, 4 33.8, 8 40.6, 16 34.0 (noisy at this size; every
+# count >= 2 beat 1); the bench shape 80.5-81.3 % at every count.  4, with the 64 x 128 tile (``VEXP_ELEMS``).
+VEXP_MIN_TILES = 4
 
 # The no-grad forward's fused launches (``_ForwardOperandsPlan``, keep_kv False; session 14): which launch K's job
 # rides in ("first": with Q and V's exponent pass; "second": with V's quantize pass) and at how many warps (None:
 # K's own tile, 4 warps at d128).  A fused launch is compiled for the largest job: K's 128-token tile at 4 warps
 # takes 128 registers, which leaves 4 programs of 4 warps per SM for every job of that launch; at 8 warps the launch
 # takes 64 registers (4 programs of 8 warps per SM; Q and V's exponent pass on 8-warp tiles).  8 is a prediction,
-# not yet measured (quant14's ``SWEEP_FWD``), so the default stays the measured None.
+# Session 15 (quant14's ``SWEEP_FWD``, % of copy): B1 S4096 H16 d128 "first" 8 warps 70.5 %, 4 warps 25.8 %
+# ("second": 66.8 / 25.5 %); B2 (past the fusing limit, timed anyway) 71.1 % against 64.9 %.
 FWD_K_LAUNCH = "first"
-FWD_K_WARPS: Optional[int] = None
+FWD_K_WARPS: Optional[int] = 8
 
 
 def _knobs() -> tuple:
@@ -2277,7 +2285,7 @@ def _mx_hdim_spec(q8: torch.Tensor, sc4: torch.Tensor, group: int, words: bool =
     return qv, sv, Sv, Hv, cdiv(Sv, tile.block_s), tile.block_s, tile.num_warps, idx
 
 
-def _mx_seq_words_spec(q8: torch.Tensor, sc4: torch.Tensor):
+def _mx_seq_words_spec(q8: torch.Tensor, sc4: torch.Tensor, warps: Optional[int] = None):
     """For MX data (B, S, H, D) bytes blocked along S with unit stride along S (a channel-major buffer's view), the
     launch of a kernel on ``_row_set_coords``' words (``_seq_dequant_kernel``, ``_seq_rescale_kernel``): (the data as
     int32 words (B, H, D, ceil(S/4)), BLOCK_S, warps, IDX64 for the input and a (B, S, H, D) output); None when the
@@ -2292,7 +2300,7 @@ def _mx_seq_words_spec(q8: torch.Tensor, sc4: torch.Tensor):
     words = torch.empty(0, dtype=torch.int32, device=q8.device).set_(
         q8.untyped_storage(), q8.storage_offset() // 4, (B, H, D, cdiv(S, 4)), (st[0] // 4, st[2] // 4, st[3] // 4, 1))
     dp = _d_pad(D)
-    tile = _tile("mx_seq", dp)
+    tile = _tile("mx_seq", dp, warps=warps)
     bs = tile.block_s
     idx = (_needs_i64(bs * H * D, dp) or _needs_i64(dp * (st[3] // 4), bs)
            or _needs_i64(bs * abs(sc4.stride(1)), dp * abs(sc4.stride(3))))
@@ -2335,7 +2343,7 @@ def dequantize_mxfp8_triton(t: MXTensor, dtype: torch.dtype = torch.bfloat16) ->
             n_tiles, D=D, NDP=_d_pad(D) // 32, BLOCK_S=bs, SOFT=_soft(q8.device), IDX64=idx, num_warps=warps,
         )
         return out.reshape(t.shape)
-    wspec = _mx_seq_words_spec(q8, s4) if bdim == 1 else None
+    wspec = _mx_seq_words_spec(q8, s4, warps=MX_SEQ_DEQUANT_WARPS) if bdim == 1 else None
     if wspec is not None:  # channel-major data in whole words: the row-set tile
         qw, bs, warps, idx = wspec
         n_tiles = cdiv(S, bs)
