@@ -569,6 +569,7 @@ def test_v_exponent_min_tiles(min_tiles, gen, monkeypatch):
     longer decides it; a last chunk shorter than the others (5 tiles of 64 tokens in chunks of 3), NaN/Inf chunks."""
     monkeypatch.setattr(kq, "VEXP_MIN_PROGRAMS", 1 << 20)
     monkeypatch.setattr(kq, "VEXP_MIN_TILES", min_tiles)
+    monkeypatch.setitem(kq.TILE_OVERRIDES, "vexp", kq.Tile(64, 4))  # 64-token tiles whatever VEXP_ELEMS says
     kq._PLANS.clear()
     x = make_input((2, 300, 2, 64), torch.bfloat16, "random", gen)
     x[1, 290, 1, 5] = float("nan")
