@@ -96,8 +96,9 @@ class Tile:
 
 def _tile(kind: str, d_pad: int, group: int = 0, warps: Optional[int] = None) -> Tile:
     """Tile for a kernel family at padded head dim ``d_pad`` (a power of two times 32); ``warps`` (the kinds sized
-    by elements: ``hdim``, ``seq``, ``vexp``) asks for that many warps at the same elements per thread (the fused
-    launches of ``_operands_kernel`` run every job at the launch's warps).
+    by elements: ``hdim``, ``seq``, ``vexp``, ``mx_hdim``, ``mx_seq``) asks for that many warps at the same elements
+    per thread (the fused launches of ``_operands_kernel`` run every job at the launch's warps; dequantize of
+    channel-major data takes ``MX_SEQ_DEQUANT_WARPS``).
 
     Kernels of this module (session 12; docs/perf-notes-quantize.md has the measurements):
     * ``hdim`` (``_hdim_kernel``: MX head-dim, Q): ``HDIM_ELEMS`` elements per 4 warps (``HDIM_ELEMS_BY_D`` at the
@@ -162,15 +163,16 @@ SEQ_ELEMS = 4096
 SEQ_GROUPS = 1
 # ``seq_k`` (K+V layouts in one pass, BLOCK_S = the group): 8 warps, J = 2: 70% (J = 1 62%, 16 warps 44%).
 SEQ_K_GROUPS = 2
-# ``vexp`` (V pass 1 on float input): elements per S tile of its loop, 4 warps (8192 at 8 warps: 59%).  Session 15
-# (quant14 sweep, 4 tiles a program, 3 stages): 64 x 128 at 4 warps 82.8 % at B8 S8192 H16 d128 (32 x 128: 81.3 %),
-# 20.4 us at B2 S4096 H16 (32 x 128: 33.8 us; 64 x 128 at 8 warps 74.4 / 23.0 us).
+# ``vexp`` (V pass 1 on float input): elements per S tile of its loop, 4 warps (8192 at 8 warps: 59%).  Session 15,
+# with ``VEXP_MIN_TILES`` 4 (rows side by side, 300 ms each): 64 x 128 at 4 warps 20.6 / 20.8 us at B2 S4096 H16
+# d128 against 39.2 / 40.0 us for 32 x 128 with one tile a program, 83.5 % of copy at B8 S8192 against 80.9 %.
 VEXP_ELEMS = 8192
 # ``mx_hdim`` (from-MX Q, dequantize head-dim): 4096 71 / 90 (rs_q_from_mx / dequant_hdim), 8192 69 / 86.
 MX_HDIM_ELEMS = 4096
 # ``mx_seq`` (dequantize, V pass 2 from channel-major MX): the row-set kernel's size (``SEQ_ELEMS``) per 4 warps.
-# Dequantize takes ``MX_SEQ_DEQUANT_WARPS``: session 15 (quant14 sweep, dequant_seq B8 S8192 H16 d128) 64 x 128 at 8
-# warps 88.8 % of copy, 32 x 128 at 4 warps 83.9 %, 64 x 128 at 4 warps 82.1 %.  V pass 2 from MX (~90 %) keeps 4.
+# Dequantize takes ``MX_SEQ_DEQUANT_WARPS`` (the same elements per thread over more warps): session 15, dequant_seq
+# B8 S8192 H16 d128, 64 x 128 at 8 warps 88.8 / 88.0 / 88.1 % of copy in three runs against 83.9 / 82.9 / 78.3 % for
+# 32 x 128 at 4 (64 x 128 at 4 warps 82.1 %).  V pass 2 from MX (~90 %) keeps 4 warps.
 MX_SEQ_ELEMS = 4096
 MX_SEQ_DEQUANT_WARPS = 8
 # ``mx_hdim_k`` (K from MX): exponent groups per program (session 14: 2 at d64 makes its 8 KB programs 16 KB, as
@@ -189,9 +191,9 @@ TILE_OVERRIDES: dict = {}
 # one atomic per channel), at least ``SEQEXP_MIN_TILES`` tiles each, the loop ``SEQEXP_STAGES`` deep (session 14;
 # before: 1024 programs, no pipelining, one tile per program allowed).  Before, rs_v_from_mx measured 56% of copy for
 # both passes with pass 2 near 90%, which puts this pass near 32%: a serial load -> reduce chain per 8 KB tile, as
-# the float pass's was at 1024 programs without pipelining (71%).  The defaults stay the measured ones (1024, 1, 1)
-# (1024, 1, 1) until quant14's SWEEP_SEQEXP ran.  Session 15 (both passes, B8 S8192 H16 d128, % of moved bytes):
-# 4096 / 4 tiles / 2 stages 61.1 %, 4 stages 60.2 %, 3 stages 38.9 %, the old (1024, 1, 1) 56.2 %: 4096, 4, 2.
+# the float pass's was at 1024 programs without pipelining (71%).  Session 15 (both passes, B8 S8192 H16 d128, % of
+# moved bytes): 4096 programs / 4 tiles / 2 stages 61.7 / 61.2 % against 55.8 / 55.7 % for the old (1024, 1, 1);
+# 4 stages 60.2 %, 3 stages 38.9 %.
 SEQEXP_MIN_PROGRAMS = 4096
 SEQEXP_MIN_TILES = 4
 SEQEXP_STAGES = 2
@@ -214,9 +216,9 @@ VEXP_MIN_TILES = 4
 # rides in ("first": with Q and V's exponent pass; "second": with V's quantize pass) and at how many warps (None:
 # K's own tile, 4 warps at d128).  A fused launch is compiled for the largest job: K's 128-token tile at 4 warps
 # takes 128 registers, which leaves 4 programs of 4 warps per SM for every job of that launch; at 8 warps the launch
-# takes 64 registers (4 programs of 8 warps per SM; Q and V's exponent pass on 8-warp tiles).  8 is a prediction,
-# Session 15 (quant14's ``SWEEP_FWD``, % of copy): B1 S4096 H16 d128 "first" 8 warps 70.5 %, 4 warps 25.8 %
-# ("second": 66.8 / 25.5 %); B2 (past the fusing limit, timed anyway) 71.1 % against 64.9 %.
+# takes 64 registers (4 programs of 8 warps per SM; Q and V's exponent pass on 8-warp tiles).  Session 15, B1 S4096
+# H16 d128 (the largest shape that fuses): "first" at 8 warps 66.0 us against 77.9 us at 4 ("second": 121.5 /
+# 153.8 us).  At B8, which the public call never fuses, 8 warps measured slower (79 % of copy against 87 %).
 FWD_K_LAUNCH = "first"
 FWD_K_WARPS: Optional[int] = 8
 
