@@ -32,6 +32,8 @@
 #              scripts/quant_s14.py for a base tree (QUANT_BASE, default _base, skipped when absent) and this tree
 #              in the same call, then the session's sweeps; prints one table: quant14_tests.txt, quant14_cmp.json,
 #              quant14_sweep.json (QUANT_TESTS=0 / QUANT_BENCH=0 / QUANT_SWEEP=0 skip a part)
+#   quant16    session 16: V's scales-first pass 1 from MX (its GPU tests, then data-first vs scales-first side by
+#              side), then every kernel issue 3 names at d128 / d64 on this tree's defaults: quant16_*.json / .txt
 #   producers  rmsnorm_quant / linear_quant vs unfused and cuBLAS FP8
 #   rmsnormrows  rmsnorm_quant's row-set kernel (perf-notes-producers.md, session 12): every rmsnorm GPU test as four
 #              processes side by side (grouped by tile: each builds only its kernels), then bench_producers with
@@ -328,6 +330,18 @@ json.dump(rows, open(sys.argv[2], 'w'), indent=1)
       [ "${QUANT_SWEEP:-1}" = 0 ] || run $PY scripts/quant_s14.py sweep "$OUT/quant14_sweep.json"
       echo "--- quant14 table (code, kernel, shape, variant, ms, % of copy)"
       $PY scripts/quant_s14.py table "$OUT/quant14_cmp.json" "$OUT/quant14_sweep.json" ;;
+    quant16)
+      # session 16 (docs/perf-notes-quantize.md): the GPU tests of V's scales-first pass from MX (one process), then
+      # data-first vs scales-first side by side, then every kernel issue 3 names on this tree's defaults
+      [ "${QUANT_TESTS:-1}" = 0 ] || {
+      ( timeout "${QUANT16_TEST_TIMEOUT:-150}" $PY -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider \
+          tests/test_quantize_kernels.py -k "scales_first or test_gpu_v_exponent_from_mx or test_gpu_v_from_channel_major_mx" ;
+        echo "## rc $?" ) > "$OUT/quant16_tests.txt" 2>&1
+      tail -5 "$OUT/quant16_tests.txt"
+      grep -qE "^(FAILED|ERROR)|## rc [1-9]" "$OUT/quant16_tests.txt" && status=1
+      }
+      run $PY scripts/quant_s14.py passes "$OUT/quant16_passes.json"
+      [ "${QUANT16_ISSUE3:-1}" = 0 ] || run $PY scripts/quant_s14.py issue3 "$OUT/quant16_issue3.json" ;;
     producers)
       run $PY -c "import sys; from mxattn.producers import bench_producers; print(bench_producers(outdir=sys.argv[1]))" "$OUT"
       # PRODUCERS_SWEEP=1: rmsnorm_quant forward tiles (rows per program, warps; seq column chunks)

@@ -3,6 +3,8 @@
     python scripts/quant_s14.py rows CODE OUT.jsonl      # the bench rows of the mxattn imported (run from a tree)
     python scripts/quant_s14.py sweep OUT.json           # the session's sweeps (this tree's knobs)
     python scripts/quant_s14.py table FILE...            # one line per row: code, kernel, shape, variant, ms, % copy
+    python scripts/quant_s14.py passes OUT.json          # session 16: V's pass 1 from MX, data-first vs scales-first
+    python scripts/quant_s14.py issue3 OUT.json          # session 16: every kernel issue 3 names, this tree's defaults
 
 ``rows`` runs on whatever ``mxattn`` is first on the path, so that a base tree (``_base``) and this tree are timed
 in one call; kernels the imported bench does not know are left out.  MXATTN_DEADLINE (epoch seconds) stops a
@@ -79,8 +81,51 @@ def sweep(path: str) -> None:
             json.dump(out, f, indent=1)
 
 
+def passes(path: str) -> None:
+    """``MX_VEXP_PASS`` "data" and "scales" side by side (each twice, alternating) at the bench sizes and the
+    public forward's shape: row rs_v_from_mx (both passes)."""
+    from mxattn.bench import quantize_bench as qb
+
+    out = []
+    for size in ((8, 8192, 16, 128), (16, 8192, 16, 64), PUBLIC):
+        if _left() < 25:
+            print(f"!! deadline: passes stopped before {size}", flush=True)
+            break
+        for r in qb.run_tile_sweep(size, plan={}, vexp=(), mx_vexp_passes=("data", "scales") * 2, progress=False,
+                                   rep_ms=100):
+            r["code"] = "passes"
+            out.append(r)
+            print(_line(r), flush=True)
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+# every kernel issue 3 names (the quantize orientations, dequantize, the Hopper operands from float and from MX)
+ISSUE3_ROWS = ("quant_hdim", "quant_seq", "quant_both", "dequant_hdim", "dequant_seq", "rs_q", "rs_k", "rs_v",
+               "rs_both", "rs_q_from_mx", "rs_k_from_mx", "rs_v_from_mx", "fwd_operands")
+
+
+def issue3(path: str) -> None:
+    """The rows of ``ISSUE3_ROWS`` at d128 (B8 S8192 H16) and d64 (B16 S8192 H16), this tree's defaults, one run."""
+    from mxattn.bench import quantize_bench as qb
+
+    out = []
+    for size in ((8, 8192, 16, 128), (16, 8192, 16, 64)):
+        if _left() < 25:
+            print(f"!! deadline: issue3 rows stopped before {size}", flush=True)
+            break
+        for r in qb.run_quantize_bench([size], kernels=ISSUE3_ROWS, progress=False, rep_ms=100):
+            r["code"] = "issue3"
+            out.append(r)
+            print(_line(r), flush=True)
+            with open(path, "w") as f:
+                json.dump(out, f, indent=1)
+
+
 def _variant(r: dict) -> str:
     kind = r.get("tile_kind")
+    if kind == "mx_vexp_pass":
+        return f"pass1 {r['mx_vexp_pass']}"
     if kind == "vexp":
         return (f"{r['block_s']}x{r['num_warps']} p{r['vexp_min_programs']} st{r['vexp_stages']} "
                 f"t{r.get('vexp_min_tiles', 1)}")
@@ -117,6 +162,10 @@ if __name__ == "__main__":
         rows(sys.argv[2], sys.argv[3])
     elif cmd == "sweep":
         sweep(sys.argv[2])
+    elif cmd == "passes":
+        passes(sys.argv[2])
+    elif cmd == "issue3":
+        issue3(sys.argv[2])
     elif cmd == "table":
         table(sys.argv[2:])
     else:

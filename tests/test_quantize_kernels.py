@@ -586,6 +586,7 @@ def test_v_exponent_from_mx_chunks(stages, min_tiles, gen, monkeypatch):
     """V's exponent pass from MX with several S tiles per program, pipelined or not (``SEQEXP_STAGES``,
     ``SEQEXP_MIN_TILES``): random bytes (NaN codes, scale bytes 0 / 254 / 255), a last chunk shorter than the others,
     channel-major and contiguous data."""
+    monkeypatch.setattr(kq, "MX_VEXP_PASS", "data")
     monkeypatch.setattr(kq, "SEQEXP_STAGES", stages)
     monkeypatch.setattr(kq, "SEQEXP_MIN_TILES", min_tiles)
     monkeypatch.setattr(kq, "SEQEXP_MIN_PROGRAMS", 1 << 20)
@@ -594,6 +595,60 @@ def test_v_exponent_from_mx_chunks(stages, min_tiles, gen, monkeypatch):
     assert_same_rs(kq.row_scaled_triton(mx, "v"), F.to_row_scaled(mx.to("cpu")), "v from channel-major MX")
     mxc = random_mx((1, 170, 2, 64), 1, gen)
     assert_same_rs(kq.row_scaled_triton(mxc.to(DEVICE), "v"), F.to_row_scaled(mxc), "v from contiguous MX")
+
+
+def _zero_top_blocks(mx: F.MXTensor, channels, device="cpu") -> F.MXTensor:
+    """``mx`` (blocked along S, (B, S, H, D)) with every block that carries the largest finite scale byte of each
+    (b, h, d) in ``channels`` zeroed (some +0, some -0), so that the scales-first V pass must read those channels in
+    full; on ``device``, its data in a fresh channel-major buffer (random padding) when the input's is channel-major."""
+    data = mx.data.view(U8).clone()
+    sc = mx.scale_bytes
+    B, S, H, D = data.shape
+    for b, h, d in channels:
+        col = sc[b, :, h, d].to(torch.int32)
+        top = torch.where(col != 255, col, -1).max()
+        for k in torch.nonzero(col == top).flatten().tolist():
+            data[b, 32 * k:32 * k + 32, h, d] = 0x80 if k % 2 else 0
+    if mx.data.stride(1) == 1:
+        buf = torch.randint(0, 256, (B, H, D, -(-S // 16) * 16), dtype=torch.int32).to(U8).to(device)
+        buf[..., :S] = data.permute(0, 2, 3, 1).to(device)
+        data = buf[..., :S].permute(0, 3, 1, 2)
+    return F.MXTensor(data.to(device).view(torch.float8_e4m3fn), mx.scale.to(device), mx.dim)
+
+
+@pytest.mark.parametrize("layout", ["channel_major", "contiguous"])
+def test_v_exponent_scales_first(layout, gen, monkeypatch):
+    """V's exponent pass from MX, scales first (``MX_VEXP_PASS = "scales"``): random bytes (NaN codes, scale bytes
+    0 / 254 / 255); channels whose largest-scale blocks are all zero (the full re-read: the answer is then a lower
+    scale, or none), a channel of NaN scales only, several channel groups and scale steps (small ``CG`` / ``SB``)."""
+    monkeypatch.setattr(kq, "MX_VEXP_PASS", "scales")
+    monkeypatch.setattr(kq, "MX_VEXP_CHANNELS", 16)
+    monkeypatch.setattr(kq, "MX_VEXP_SCALE_BLOCKS", 2)
+    shape = (2, 230, 2, 40)
+    mx = channel_major_mx(shape, gen) if layout == "channel_major" else random_mx(shape, 1, gen)
+    mx.scale_bytes[1, :, 0, 7] = 255  # no candidate at all: the channel's exponent is 0
+    mx = _zero_top_blocks(mx, [(0, 0, 3), (0, 1, 17), (1, 1, 39), (1, 0, 0)])
+    mx.data.view(U8)[1, :, 1, 20] = 0  # a channel of zeros: every block re-read, no exponent
+    want = F.to_row_scaled(mx)
+    got = kq.row_scaled_triton(mx.to(DEVICE), "v")
+    assert_same_rs(got, want, f"v from {layout} MX, scales first")
+    # the re-read found lower scales where the top blocks were zeroed (the test would pass vacuously otherwise)
+    sb = mx.scale_bytes.to(torch.int32)
+    top = torch.where(sb != 255, sb, -1).amax(1)
+    assert int(want.exp[0, 0, 0, 3]) < int(top[0, 0, 3]) - 127
+    monkeypatch.setattr(kq, "MX_VEXP_PASS", "data")
+    assert_same_rs(kq.row_scaled_triton(mx.to(DEVICE), "v"), want, f"v from {layout} MX, data first")
+
+
+def test_v_exponent_pass_knob():
+    mx = random_mx((1, 40, 1, 32), 1, torch.Generator().manual_seed(0))
+    kq_pass = kq.MX_VEXP_PASS
+    try:
+        kq.MX_VEXP_PASS = "bytes"
+        with pytest.raises(ValueError, match="MX_VEXP_PASS"):
+            kq.row_scaled_triton(mx.to(DEVICE), "v")
+    finally:
+        kq.MX_VEXP_PASS = kq_pass
 
 
 @pytest.mark.parametrize("k_warps", [None, 8])
@@ -896,6 +951,7 @@ def test_gpu_v_exponent_min_tiles(min_tiles, stages, tile, gen, monkeypatch):
 def test_gpu_v_exponent_from_mx(min_tiles, stages, tile, gen, monkeypatch):
     """Session 14's sweep of V's exponent pass from MX (``SWEEP_SEQEXP``): random channel-major bytes, partial last
     chunks, and the seq orientation the kernels make."""
+    monkeypatch.setattr(kq, "MX_VEXP_PASS", "data")
     monkeypatch.setattr(kq, "SEQEXP_STAGES", stages)
     monkeypatch.setattr(kq, "SEQEXP_MIN_TILES", min_tiles)
     monkeypatch.setitem(kq.TILE_OVERRIDES, "seqexp", kq.Tile(*tile))
@@ -904,6 +960,26 @@ def test_gpu_v_exponent_from_mx(min_tiles, stages, tile, gen, monkeypatch):
         assert_same_rs(kq.row_scaled_triton(mx, "v"), F.to_row_scaled(mx.to("cpu")), f"v from MX {shape}")
     mxc = random_mx((2, 777, 3, 128), 1, gen)
     assert_same_rs(kq.row_scaled_triton(mxc.to(DEVICE), "v"), F.to_row_scaled(mxc), "v from contiguous MX")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("channels,blocks", [(32, 128), (16, 2), (64, 64)], ids=lambda v: str(v))
+def test_gpu_v_exponent_scales_first(channels, blocks, gen, monkeypatch):
+    """V's exponent pass from MX, scales first, on the GPU: random channel-major and contiguous bytes (NaN codes,
+    scale bytes 0 / 254 / 255), partial last blocks, channels whose largest-scale blocks are all zero (the re-read),
+    the seq orientation the kernels make (nonzero maxima, the path every real input takes)."""
+    monkeypatch.setattr(kq, "MX_VEXP_PASS", "scales")
+    monkeypatch.setattr(kq, "MX_VEXP_CHANNELS", channels)
+    monkeypatch.setattr(kq, "MX_VEXP_SCALE_BLOCKS", blocks)
+    for shape in ((2, 3000, 4, 128), (1, 1002, 2, 64), (1, 77, 3, 96)):
+        mx = _zero_top_blocks(channel_major_mx(shape, gen), [(0, 0, 3), (0, 1, shape[3] - 1)], DEVICE)
+        assert mx.data.stride(1) == 1, "channel-major on the device"
+        assert_same_rs(kq.row_scaled_triton(mx, "v"), F.to_row_scaled(mx.to("cpu")), f"v from MX {shape}")
+    mxc = random_mx((2, 777, 3, 128), 1, gen)
+    assert_same_rs(kq.row_scaled_triton(mxc.to(DEVICE), "v"), F.to_row_scaled(mxc), "v from contiguous MX")
+    x = make_input((2, 4100, 4, 128), torch.bfloat16, "adversarial", gen)
+    seq = kq.quantize_mxfp8_triton(x.to(DEVICE), "seq")
+    assert_same_rs(kq.row_scaled_triton(seq, "v"), F.to_row_scaled(seq.to("cpu")), "v from the seq orientation")
 
 
 @pytest.mark.gpu

@@ -61,8 +61,12 @@ def _bytes(kernel: str, B: int, S: int, H: int, D: int) -> tuple[int, int, int]:
     elif kernel == "rs_k_from_mx":
         r, w = n + nb, n + 4 * B * -(-S // 128) * H
     elif kernel == "rs_v_from_mx":
+        from mxattn.kernels import quantize as kq
+
         r, w = cm + sb, cm + 4 * B * H * D
-        return r, w, r + w + cm + sb
+        if kq.MX_VEXP_PASS == "scales":  # pass 1 reads the scales and one 32-byte block per channel
+            return r, w, r + w + sb + 32 * B * H * D
+        return r, w, r + w + cm + sb  # pass 1 reads data and scales
     elif kernel == "dequant_hdim":
         r, w = n + nb, 2 * n
     elif kernel == "dequant_seq":
@@ -242,18 +246,21 @@ def run_tile_sweep(
     rep_ms: int = 100,
     fwd: Iterable = (),
     seqexp: Iterable = (),
+    mx_vexp_passes: Iterable = (),
 ) -> list[dict]:
     """Rows of ``run_quantize_bench`` at ``size`` for every tile of ``plan`` (default ``SWEEP_PLAN``; rows get
     ``tile_kind``, ``block_s``, ``num_warps``, ``row_groups``), for V's exponent pass alone over ``vexp``
     (``vexp_min_programs``, ``vexp_stages``, ``vexp_min_tiles``) and for the forward's fused launches over ``fwd``
     ((``FWD_K_LAUNCH``, ``FWD_K_WARPS``): row fwd_operands) and for V's exponent pass from MX over ``seqexp``
-    (``SWEEP_SEQEXP``'s knobs: row rs_v_from_mx).  Every knob is restored afterwards."""
+    (``SWEEP_SEQEXP``'s knobs: row rs_v_from_mx) and over ``mx_vexp_passes`` (``MX_VEXP_PASS``: row rs_v_from_mx,
+    side by side).  Every knob is restored afterwards."""
     from mxattn.kernels import quantize as kq
 
     plan = plan if plan is not None else SWEEP_PLAN
     rows = []
     saved = (dict(kq.TILE_OVERRIDES), kq.VEXP_MIN_PROGRAMS, kq.VEXP_STAGES, kq.VEXP_MIN_TILES, kq.FWD_K_LAUNCH,
              kq.FWD_K_WARPS, kq.SEQEXP_MIN_PROGRAMS, kq.SEQEXP_STAGES, kq.SEQEXP_MIN_TILES)
+    saved_pass = kq.MX_VEXP_PASS
 
     def bench(kernels, **tags):
         for r in run_quantize_bench([size], progress=False, kernels=kernels, rep_ms=rep_ms):
@@ -286,7 +293,13 @@ def run_tile_sweep(
             kq.SEQEXP_MIN_PROGRAMS, kq.SEQEXP_STAGES, kq.SEQEXP_MIN_TILES = programs, stages, tiles
             bench(("rs_v_from_mx",), tile_kind="seqexp", block_s=t[0], num_warps=t[1], seqexp_min_programs=programs,
                   seqexp_stages=stages, seqexp_min_tiles=tiles)
+        kq.TILE_OVERRIDES.clear()
+        kq.SEQEXP_MIN_PROGRAMS, kq.SEQEXP_STAGES, kq.SEQEXP_MIN_TILES = saved[6:9]
+        for p in mx_vexp_passes:
+            kq.MX_VEXP_PASS = p
+            bench(("rs_v_from_mx",), tile_kind="mx_vexp_pass", mx_vexp_pass=p)
     finally:
+        kq.MX_VEXP_PASS = saved_pass
         kq.TILE_OVERRIDES.clear()
         kq.TILE_OVERRIDES.update(saved[0])
         (kq.VEXP_MIN_PROGRAMS, kq.VEXP_STAGES, kq.VEXP_MIN_TILES, kq.FWD_K_LAUNCH, kq.FWD_K_WARPS,

@@ -1010,6 +1010,81 @@ def _seq_exponent_tile(
 
 
 @triton.jit
+def _mx_channel_exponent_kernel(
+    q_ptr, sqb, sqs, sqh, sqd,  # MX data bytes (B, S, H, D), blocked along S, any strides
+    sc_ptr, scb, scs, sch, scd,  # their scale bytes (B, NSB, H, D)
+    exp_ptr,  # int32 (B, 1, H, D) contiguous: each program writes its channels (no atomics, no pre-fill)
+    S, S_ld, H, NSB, n_cg,
+    D: tl.constexpr, CG: tl.constexpr, SB: tl.constexpr, NB: tl.constexpr,
+    QU: tl.constexpr, SU: tl.constexpr, IDX64: tl.constexpr,
+):
+    """Pass 1 of V from MX, scales first: per channel, the largest exponent among the seq blocks that hold a nonzero
+    element, for one (b, h) pair and CG channels over the whole sequence.
+
+    The largest finite scale byte of a channel is its answer unless every block carrying it holds only zero bytes
+    (impossible for data an MX quantizer made: a block's maximum maps to at least 2^7 of its scale, RCEIL or FLOOR).
+    So the program reads the channel's NSB scale bytes (1/32 of the data), then the 32 data bytes of the first block
+    holding the largest one; only if those are all zero (an MXTensor assembled by hand) does it read the channels
+    concerned in full, block by block, as the data-first pass did.  NaN scales (255) are no candidates; NaN data
+    bytes count as nonzero (``to_row_scaled``: ``data != 0``)."""
+    pid = tl.program_id(0)
+    g = pid % n_cg
+    t = pid // n_cg
+    h = t % H
+    b = t // H
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    d = g * CG + tl.arange(0, CG)  # (CG,)
+    in_d = d < D
+    if IDX64:
+        d = d.to(tl.int64)
+    sp = sc_ptr + b64 * scb + h64 * sch
+    qp = q_ptr + b64 * sqb + h64 * sqh
+    # the largest finite scale byte per channel (-1: none) and the first block holding it
+    kb = tl.arange(0, SB)[:, None]
+    best = tl.full((CG,), -1, tl.int32)
+    first = tl.zeros((CG,), tl.int32)
+    for k0 in range(0, NSB, SB):
+        blk = k0 + kb
+        if IDX64:
+            blk = blk.to(tl.int64)
+        sbyte = tl.load(sp + _offs(blk, d[None, :], scs, scd, SU), mask=(blk < NSB) & in_d[None, :], other=255)
+        fin = tl.where(sbyte != 255, sbyte.to(tl.int32), -1)
+        tmax = tl.max(fin, axis=0)
+        targ = tl.min(tl.where(fin == tmax[None, :], blk.to(tl.int32), 2147483647), axis=0)
+        first = tl.where(tmax > best, targ, first)
+        best = tl.maximum(best, tmax)
+    has = best >= 0
+    # that block's data: is any byte nonzero (|code| != 0)?
+    j = tl.arange(0, 32)[:, None]
+    s = first[None, :] * 32 + j
+    if IDX64:
+        s = s.to(tl.int64)
+    qb = _load_bytes(qp + _offs(s, d[None, :], sqs, sqd, QU), s, S, S_ld, (in_d & has)[None, :], QU)
+    ok = tl.max((qb & 0x7F).to(tl.int32), axis=0) != 0
+    e = tl.where(has, best - 127, _NO_EXP)
+    redo = has & (ok == 0)
+    if tl.max(redo.to(tl.int32), axis=0) != 0:
+        # the data-first pass, for the channels whose first largest-scale block is all zero: NB blocks a step
+        bi = tl.arange(0, NB)[:, None]
+        j3 = tl.arange(0, 32)[None, :, None]
+        acc = tl.full((CG,), _NO_EXP, tl.int32)
+        for k0 in range(0, NSB, NB):
+            blk = k0 + bi  # (NB, 1)
+            if IDX64:
+                blk = blk.to(tl.int64)
+            s3 = blk[:, :, None] * 32 + j3  # (NB, 32, 1)
+            q3 = _load_bytes(qp + _offs(s3, d[None, None, :], sqs, sqd, QU), s3, S, S_ld, redo[None, None, :], QU)
+            anyq = tl.max((q3 & 0x7F).to(tl.int32), axis=1) != 0  # (NB, CG)
+            sbyte = tl.load(sp + _offs(blk, d[None, :], scs, scd, SU), mask=(blk < NSB) & redo[None, :],
+                            other=255).to(tl.int32)
+            eb = tl.where(anyq & (sbyte != 255), sbyte - 127, _NO_EXP)
+            acc = tl.maximum(acc, tl.max(eb, axis=0))
+        e = tl.where(redo, acc, e)
+    tl.store(exp_ptr + (b64 * H + h64) * D + d, e, mask=in_d)
+
+
+@triton.jit
 def _operands_kernel(
     # two quantize jobs (``_quantize_tile``): A and B
     ax, aS, aH, asxb, asxs, asxh, ahd, ahe, acw, ace, aS_pad, aNSB, an_tiles, an_groups,
@@ -1736,6 +1811,40 @@ def _v_exponents(src4, sc4, *, from_mx: bool, rceil: bool) -> torch.Tensor:
     return exp
 
 
+# V pass 1 from MX: "scales" reads the scale bytes and one block of data per channel
+# (``_mx_channel_exponent_kernel``); "data" is the data-first pass (``_seq_exponent_kernel``, every data byte and
+# scale byte once; session 15: both passes 61 % of the bytes they move at B8 S8192 H16 d128).
+MX_VEXP_PASS = "scales"
+MX_VEXP_CHANNELS = 32  # channels per program (CG)
+MX_VEXP_SCALE_BLOCKS = 128  # scale rows (seq blocks) per step of the scale loop (SB)
+MX_VEXP_REDO_BLOCKS = 4  # seq blocks per step of the full reread (NB), taken only for hand-made all-zero blocks
+
+
+def _v_exponents_from_mx(q8: torch.Tensor, sc4: torch.Tensor) -> torch.Tensor:
+    """Pass 1 of V from MX data bytes ``q8`` (B, S, H, D) and scale bytes ``sc4`` (B, NSB, H, D): int32 (B, 1, H, D)
+    per-channel maxima (``_NO_EXP`` where no block is nonzero), by ``MX_VEXP_PASS``."""
+    if MX_VEXP_PASS == "data":
+        return _v_exponents(q8, sc4, from_mx=True, rceil=True)
+    if MX_VEXP_PASS != "scales":
+        raise ValueError(f"MX_VEXP_PASS must be 'scales' or 'data', got {MX_VEXP_PASS!r}")
+    B, S, H, D = q8.shape
+    if B * H * S * D == 0:
+        return torch.full((B, 1, H, D), _NO_EXP_HOST, dtype=torch.int32, device=q8.device)
+    exp = torch.empty((B, 1, H, D), dtype=torch.int32, device=q8.device)
+    nsb = sc4.shape[1]
+    cg = MX_VEXP_CHANNELS
+    n_cg = cdiv(D, cg)
+    sq, ss = q8.stride(), sc4.stride()
+    idx64 = _needs_i64(nsb * 32 * abs(sq[1]), cdiv(D, cg) * cg * abs(sq[3])) or _needs_i64(nsb * abs(ss[1]),
+                                                                                        n_cg * cg * abs(ss[3]))
+    fast_launcher(_mx_channel_exponent_kernel)[(B * H * n_cg,)](
+        q8, *sq, sc4, *ss, exp, S, _s_load_bound(q8), H, nsb, n_cg,
+        D=D, CG=cg, SB=MX_VEXP_SCALE_BLOCKS, NB=MX_VEXP_REDO_BLOCKS, QU=_unit(q8), SU=_unit(sc4), IDX64=idx64,
+        num_warps=4,
+    )
+    return exp
+
+
 def _check_group(k_group: int) -> int:
     if not isinstance(k_group, int) or k_group not in (32, 64, 128, 256):
         raise ValueError(f"k_group must be 32, 64, 128 or 256, got {k_group!r}")
@@ -2206,7 +2315,7 @@ def _row_scaled_from_mx(mx: MXTensor, role: str, seq_dim: Optional[int], group: 
     sd = 0 if packed else 1
     soft = _soft(dev)
     if role == "v":
-        exp = _v_exponents(q8, sc4, from_mx=True, rceil=True)
+        exp = _v_exponents_from_mx(q8, sc4)
         cd, s_pad = _channel_major_buffer(B, H, D, S, dev)
         wspec = _mx_seq_words_spec(q8, sc4)
         if wspec is not None:  # channel-major data in whole words: channel-major words out
