@@ -83,7 +83,7 @@ def sweep(path: str) -> None:
 
 def passes(path: str) -> None:
     """``MX_VEXP_PASS`` "data" and "scales" side by side (each twice, alternating) at the bench sizes and the
-    public forward's shape: row rs_v_from_mx (both passes); and ``SWEEP_VEXP_HEADS`` (rows rs_v_exps, rs_v) at d128."""
+    public forward's shape: row rs_v_from_mx (both passes)."""
     from mxattn.bench import quantize_bench as qb
 
     out = []
@@ -91,9 +91,8 @@ def passes(path: str) -> None:
         if _left() < 25:
             print(f"!! deadline: passes stopped before {size}", flush=True)
             break
-        heads = qb.SWEEP_VEXP_HEADS if size != (16, 8192, 16, 64) else ()
         for r in qb.run_tile_sweep(size, plan={}, vexp=(), mx_vexp_passes=("data", "scales") * 2, progress=False,
-                                   rep_ms=100, vexp_heads=heads):
+                                   rep_ms=100):
             r["code"] = "passes"
             out.append(r)
             print(_line(r), flush=True)
@@ -127,8 +126,6 @@ def _variant(r: dict) -> str:
     kind = r.get("tile_kind")
     if kind == "mx_vexp_pass":
         return f"pass1 {r['mx_vexp_pass']}"
-    if kind == "vexp_heads":
-        return f"heads {r['vexp_head_group']} {r['block_s']}x{r['num_warps']}"
     if kind == "vexp":
         return (f"{r['block_s']}x{r['num_warps']} p{r['vexp_min_programs']} st{r['vexp_stages']} "
                 f"t{r.get('vexp_min_tiles', 1)}")

@@ -581,33 +581,6 @@ def test_v_exponent_min_tiles(min_tiles, gen, monkeypatch):
     assert_same_rs(kq.row_scaled_triton(x.to(DEVICE), "v", "floor"), ref_rs_mode(x, "v", "floor"), "V floor")
 
 
-@pytest.mark.parametrize("group", [2, 4])
-def test_v_exponent_head_group(group, gen, monkeypatch):
-    """V's float exponent pass reading ``VEXP_HEAD_GROUP`` heads as one row (launches of their own): the view and
-    grid; NaN / Inf / outlier chunks; a layout that does not allow it (heads apart) and a head count it does not
-    divide fall back to per head; the fused launches (one D for every job) keep per head."""
-    monkeypatch.setattr(kq, "VEXP_HEAD_GROUP", group)
-    kq._PLANS.clear()
-    x = make_input((2, 300, 4, 32), torch.bfloat16, "random", gen)
-    x[1, 290, 3, 5] = float("nan")
-    x[0, 70, 2, 6] = 3.0e3
-    x[1, 10, 0, 31] = float("-inf")
-    spec = kq._v_exponents_spec(x, None, from_mx=False, rceil=True, group_heads=True)
-    assert spec[1][1] == 4 // group and spec[4]["D"] == 32 * group, "heads read as one row"
-    assert kq._v_exponents_spec(x, None, from_mx=False, rceil=True)[4]["D"] == 32, "fused jobs: per head"
-    for mode in ("rceil", "floor"):
-        assert_same_rs(kq.row_scaled_triton(x.to(DEVICE), "v", mode), ref_rs_mode(x, "v", mode), f"V g{group} {mode}")
-    apart = make_input((2, 300, 8, 32), torch.bfloat16, "random", gen)[:, :, ::2]
-    assert kq._v_head_group(apart) == 1
-    assert_same_rs(kq.row_scaled_triton(apart.to(DEVICE), "v"), ref_rs(apart, "v"), "V heads apart")
-    odd = make_input((1, 70, 3, 64), torch.bfloat16, "adversarial", gen)
-    assert kq._v_head_group(odd) == 1
-    assert_same_rs(kq.row_scaled_triton(odd.to(DEVICE), "v"), ref_rs(odd, "v"), "V, H not a multiple")
-    q, k = (make_input((1, 64, 4, 32), torch.bfloat16, "random", gen) for _ in range(2))
-    _, _, vr, _ = kq.forward_operands_triton(q.to(DEVICE), k.to(DEVICE), x[:1, :64].contiguous().to(DEVICE))
-    assert_same_rs(vr, ref_rs(x[:1, :64].contiguous(), "v"), "fused launches")
-
-
 @pytest.mark.parametrize("stages,min_tiles", [(1, 1), (3, 2), (2, 3)])
 def test_v_exponent_from_mx_chunks(stages, min_tiles, gen, monkeypatch):
     """V's exponent pass from MX with several S tiles per program, pipelined or not (``SEQEXP_STAGES``,
@@ -987,20 +960,6 @@ def test_gpu_v_exponent_from_mx(min_tiles, stages, tile, gen, monkeypatch):
         assert_same_rs(kq.row_scaled_triton(mx, "v"), F.to_row_scaled(mx.to("cpu")), f"v from MX {shape}")
     mxc = random_mx((2, 777, 3, 128), 1, gen)
     assert_same_rs(kq.row_scaled_triton(mxc.to(DEVICE), "v"), F.to_row_scaled(mxc), "v from contiguous MX")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tile", [None, (32, 8)], ids=lambda t: f"t{t[0]}x{t[1]}" if t else "tdefault")
-@pytest.mark.parametrize("group", [2, 4])
-def test_gpu_v_exponent_head_group(group, tile, gen, monkeypatch):
-    """V's float exponent pass reading ``VEXP_HEAD_GROUP`` heads as one row (session 16's sweep)."""
-    monkeypatch.setattr(kq, "VEXP_HEAD_GROUP", group)
-    if tile:
-        monkeypatch.setitem(kq.TILE_OVERRIDES, "vexp", kq.Tile(*tile))
-    kq._PLANS.clear()
-    for kind in ("adversarial", "random"):
-        check_row_scaled((2, 3000, 4, 128), torch.bfloat16, "rceil", kind, "v", gen)
-    check_row_scaled((1, 777, 8, 64), torch.float16, "floor", "adversarial", "v", gen)
 
 
 @pytest.mark.gpu

@@ -234,9 +234,6 @@ SWEEP_VEXP_S14 = (((32, 4), 4096, 3, 1), ((32, 4), 4096, 3, 2), ((32, 4), 4096, 
 # SEQEXP_MIN_TILES); the first is the pass before session 14
 SWEEP_SEQEXP = (((64, 4), 1024, 1, 1), ((64, 4), 4096, 3, 4), ((64, 4), 1024, 3, 4), ((64, 4), 4096, 2, 4),
                 ((64, 4), 4096, 4, 4), ((128, 4), 2048, 3, 4), ((32, 4), 8192, 3, 4))
-# V's float exponent pass reading g heads of a token as one row (VEXP_HEAD_GROUP, ``vexp`` tile or None for the
-# default): per head first, then 2 and 4 heads (4 at 8 warps: the default tile would double elements per thread)
-SWEEP_VEXP_HEADS = ((1, None), (2, None), (4, (32, 8)), (4, None), (1, None), (2, None), (4, (32, 8)))
 # the no-grad forward's fused launches: (FWD_K_LAUNCH, FWD_K_WARPS)
 SWEEP_FWD = (("first", None), ("first", 8), ("second", None), ("second", 8))
 
@@ -250,22 +247,20 @@ def run_tile_sweep(
     fwd: Iterable = (),
     seqexp: Iterable = (),
     mx_vexp_passes: Iterable = (),
-    vexp_heads: Iterable = (),
 ) -> list[dict]:
     """Rows of ``run_quantize_bench`` at ``size`` for every tile of ``plan`` (default ``SWEEP_PLAN``; rows get
     ``tile_kind``, ``block_s``, ``num_warps``, ``row_groups``), for V's exponent pass alone over ``vexp``
     (``vexp_min_programs``, ``vexp_stages``, ``vexp_min_tiles``) and for the forward's fused launches over ``fwd``
     ((``FWD_K_LAUNCH``, ``FWD_K_WARPS``): row fwd_operands) and for V's exponent pass from MX over ``seqexp``
     (``SWEEP_SEQEXP``'s knobs: row rs_v_from_mx) and over ``mx_vexp_passes`` (``MX_VEXP_PASS``: row rs_v_from_mx,
-    side by side) and over ``vexp_heads`` ((``VEXP_HEAD_GROUP``, ``vexp`` tile or None): rows rs_v_exps and rs_v).
-    Every knob is restored afterwards."""
+    side by side).  Every knob is restored afterwards."""
     from mxattn.kernels import quantize as kq
 
     plan = plan if plan is not None else SWEEP_PLAN
     rows = []
     saved = (dict(kq.TILE_OVERRIDES), kq.VEXP_MIN_PROGRAMS, kq.VEXP_STAGES, kq.VEXP_MIN_TILES, kq.FWD_K_LAUNCH,
              kq.FWD_K_WARPS, kq.SEQEXP_MIN_PROGRAMS, kq.SEQEXP_STAGES, kq.SEQEXP_MIN_TILES)
-    saved_pass, saved_heads = kq.MX_VEXP_PASS, kq.VEXP_HEAD_GROUP
+    saved_pass = kq.MX_VEXP_PASS
 
     def bench(kernels, **tags):
         for r in run_quantize_bench([size], progress=False, kernels=kernels, rep_ms=rep_ms):
@@ -303,16 +298,8 @@ def run_tile_sweep(
         for p in mx_vexp_passes:
             kq.MX_VEXP_PASS = p
             bench(("rs_v_from_mx",), tile_kind="mx_vexp_pass", mx_vexp_pass=p)
-        kq.MX_VEXP_PASS = saved_pass
-        for g, t in vexp_heads:
-            kq.TILE_OVERRIDES.clear()
-            if t is not None:
-                kq.TILE_OVERRIDES["vexp"] = kq.Tile(*t)
-            kq.VEXP_HEAD_GROUP = g
-            bench(("rs_v_exps", "rs_v"), tile_kind="vexp_heads", vexp_head_group=g,
-                  block_s=t[0] if t else None, num_warps=t[1] if t else None)
     finally:
-        kq.MX_VEXP_PASS, kq.VEXP_HEAD_GROUP = saved_pass, saved_heads
+        kq.MX_VEXP_PASS = saved_pass
         kq.TILE_OVERRIDES.clear()
         kq.TILE_OVERRIDES.update(saved[0])
         (kq.VEXP_MIN_PROGRAMS, kq.VEXP_STAGES, kq.VEXP_MIN_TILES, kq.FWD_K_LAUNCH, kq.FWD_K_WARPS,

@@ -211,10 +211,6 @@ VEXP_STAGES = 3
 # stages, B2 S4096 H16 d128): 1 tile 44.6 us, 2 24.4, 4 33.8, 8 40.6, 16 34.0 (noisy at this size; every
 # count >= 2 beat 1); the bench shape 80.5-81.3 % at every count.  4, with the 64 x 128 tile (``VEXP_ELEMS``).
 VEXP_MIN_TILES = 4
-# ... read this many heads of a token as one row of channels where the layout allows it (``_v_head_group``; the
-# launches of their own, not the fused jobs): contiguous rows of g*D*2 bytes instead of D*2 (session 16; 1 = per
-# head, the measured default until the sweep decides).
-VEXP_HEAD_GROUP = 1
 
 # The no-grad forward's fused launches (``_ForwardOperandsPlan``, keep_kv False; session 14): which launch K's job
 # rides in ("first": with Q and V's exponent pass; "second": with V's quantize pass) and at how many warps (None:
@@ -230,7 +226,7 @@ FWD_K_WARPS: Optional[int] = 8
 def _knobs() -> tuple:
     """The module knobs that change a launch (part of every plan cache key)."""
     return (SEQEXP_MIN_PROGRAMS, SEQEXP_MIN_TILES, SEQEXP_STAGES, VEXP_MIN_PROGRAMS, VEXP_STAGES, VEXP_MIN_TILES,
-            VEXP_HEAD_GROUP, FWD_K_LAUNCH, FWD_K_WARPS, MX_K_GROUPS, SOFT_ROUND_ON_GPU)
+            FWD_K_LAUNCH, FWD_K_WARPS, MX_K_GROUPS, SOFT_ROUND_ON_GPU)
 
 
 def _seq_chunk(n_rows: int, S: int, block_s: int, min_programs: int = 1024, min_tiles: int = 1) -> int:
@@ -1779,28 +1775,12 @@ def _launch_quantize(x4, hd, he, cd, ce, s_pad, **flags):
     fast_launcher(_quantize_jit(spec))[spec[0]](*_quantize_args(spec, x4, hd, he, cd, ce, dummy), **spec[3])
 
 
-def _v_head_group(src4) -> int:
-    """Heads that V's float exponent pass reads as one row of channels (``VEXP_HEAD_GROUP`` where the layout allows
-    it: D a power of two >= 32, the heads of a token adjacent (stride D, unit stride along D), H a multiple)."""
-    g = VEXP_HEAD_GROUP
-    B, S, H, D = src4.shape
-    if g <= 1 or H % g or D < 32 or D & (D - 1) or src4.stride(3) != 1 or (H > 1 and src4.stride(2) != D):
-        return 1
-    return g
-
-
-def _v_exponents_spec(src4, sc4, *, from_mx: bool, rceil: bool, warps=None, group_heads: bool = False):
+def _v_exponents_spec(src4, sc4, *, from_mx: bool, rceil: bool, warps=None):
     """One ``_seq_exponent_kernel`` launch without its tensors: (grid, the scalars after ``src``, the scale
-    strides, the scalars after ``exp``, the constexprs), or None when there is no work.  ``group_heads`` (a launch
-    of its own, not a job of ``_operands_kernel``, whose D is the launch's): float input read ``_v_head_group``
-    heads at a time, as (B, S, H/g, g*D) with exponents (B, 1, H/g, g*D), the same bytes."""
+    strides, the scalars after ``exp``, the constexprs), or None when there is no work."""
     B, S, H, D = src4.shape
     if B * H * S == 0:
         return None
-    g = _v_head_group(src4) if group_heads and not from_mx else 1
-    if g > 1:
-        src4 = src4.view(B, S, H // g, g * D)
-        H, D = H // g, g * D
     dp = _d_pad(D)
     tile = _tile("seqexp", dp) if from_mx else _tile("vexp", dp, warps=warps)
     bs = tile.block_s
@@ -1821,7 +1801,7 @@ def _v_exponents(src4, sc4, *, from_mx: bool, rceil: bool) -> torch.Tensor:
     """Pass 1 of V: int32 (B, 1, H, D) per-channel maxima over S (``_NO_EXP`` where none is nonzero)."""
     B, S, H, D = src4.shape
     exp = torch.full((B, 1, H, D), _NO_EXP_HOST, dtype=torch.int32, device=src4.device)
-    spec = _v_exponents_spec(src4, sc4, from_mx=from_mx, rceil=rceil, group_heads=True)
+    spec = _v_exponents_spec(src4, sc4, from_mx=from_mx, rceil=rceil)
     if spec is None:
         return exp
     grid, head, scs, tail, constexprs = spec
@@ -1929,7 +1909,7 @@ class _RowScaledPlan:
             flags = dict(HDIM=True, SEQ=False, HDIM_GROUP=group if kind == "k" else 1, SEQ_RS=False,
                          group=group if kind == "k" else 0)
         self.qspec = _quantize_spec(x4, self.s_pad if v_side else SEQ_ALIGN, rceil=rceil, **flags)
-        self.espec = _v_exponents_spec(x4, None, from_mx=False, rceil=rceil, group_heads=True) if v_side else None
+        self.espec = _v_exponents_spec(x4, None, from_mx=False, rceil=rceil) if v_side else None
         self.qlaunch = self.elaunch = None
         self.dummy = x4.new_empty(4, dtype=torch.uint8)
 
