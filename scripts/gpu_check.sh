@@ -34,6 +34,8 @@
 #              quant14_sweep.json (QUANT_TESTS=0 / QUANT_BENCH=0 / QUANT_SWEEP=0 skip a part)
 #   quant16    session 16: V's scales-first pass 1 from MX (its GPU tests, then data-first vs scales-first side by
 #              side), then every kernel issue 3 names at d128 / d64 on this tree's defaults: quant16_*.json / .txt
+#   quant16b   session 16: V's pass-2 tiles from MX (GPU tests, then scripts/quant_s14.py tiles: mx_seq_v at d128 /
+#              d64, dequant_seq at larger tiles, the seq kernels at d64): quant16b_tests.txt, quant16b_tiles.json
 #   producers  rmsnorm_quant / linear_quant vs unfused and cuBLAS FP8
 #   rmsnormrows  rmsnorm_quant's row-set kernel (perf-notes-producers.md, session 12): every rmsnorm GPU test as four
 #              processes side by side (grouped by tile: each builds only its kernels), then bench_producers with
@@ -342,6 +344,13 @@ json.dump(rows, open(sys.argv[2], 'w'), indent=1)
       }
       run $PY scripts/quant_s14.py passes "$OUT/quant16_passes.json"
       [ "${QUANT16_ISSUE3:-1}" = 0 ] || run $PY scripts/quant_s14.py issue3 "$OUT/quant16_issue3.json" ;;
+    quant16b)
+      # session 16, second call: the GPU tests of V's pass-2 tiles, then the tile sweeps (scripts/quant_s14.py tiles)
+      ( timeout "${QUANT16_TEST_TIMEOUT:-150}" $PY -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider \
+          tests/test_quantize_kernels.py -k "rescale_tiles" ; echo "## rc $?" ) > "$OUT/quant16b_tests.txt" 2>&1
+      tail -5 "$OUT/quant16b_tests.txt"
+      grep -qE "^(FAILED|ERROR)|## rc [1-9]" "$OUT/quant16b_tests.txt" && status=1
+      run $PY scripts/quant_s14.py tiles "$OUT/quant16b_tiles.json" ;;
     producers)
       run $PY -c "import sys; from mxattn.producers import bench_producers; print(bench_producers(outdir=sys.argv[1]))" "$OUT"
       # PRODUCERS_SWEEP=1: rmsnorm_quant forward tiles (rows per program, warps; seq column chunks)

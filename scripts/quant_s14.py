@@ -5,6 +5,7 @@
     python scripts/quant_s14.py table FILE...            # one line per row: code, kernel, shape, variant, ms, % copy
     python scripts/quant_s14.py passes OUT.json          # session 16: V's pass 1 from MX, data-first vs scales-first
     python scripts/quant_s14.py issue3 OUT.json          # session 16: every kernel issue 3 names, this tree's defaults
+    python scripts/quant_s14.py tiles OUT.json           # session 16: V pass 2 from MX, dequant_seq, seq at d64
 
 ``rows`` runs on whatever ``mxattn`` is first on the path, so that a base tree (``_base``) and this tree are timed
 in one call; kernels the imported bench does not know are left out.  MXATTN_DEADLINE (epoch seconds) stops a
@@ -100,6 +101,32 @@ def passes(path: str) -> None:
             json.dump(out, f, indent=1)
 
 
+def tiles(path: str) -> None:
+    """Session 16's tile sweeps: V's pass 2 from MX (``mx_seq_v``, row rs_v_from_mx with the scales-first pass 1)
+    at d128 and d64, dequantize of channel-major data at larger tiles, the seq kernels at d64."""
+    from mxattn.bench import quantize_bench as qb
+
+    d64_v = ((64, 4), (128, 4), (128, 8), (256, 8), (256, 16))
+    d64_seq = ((64, 4, 1), (128, 4, 1), (128, 8, 1), (64, 4, 2), (128, 8, 2), (256, 8, 1))
+    jobs = [
+        ((8, 8192, 16, 128), {"mx_seq_v": qb.SWEEP_PLAN["mx_seq_v"]}),
+        ((16, 8192, 16, 64), {"mx_seq_v": (("rs_v_from_mx",), d64_v)}),
+        ((8, 8192, 16, 128), {"mx_seq": (("dequant_seq",), ((64, 8), (128, 8), (128, 16)))}),
+        ((16, 8192, 16, 64), {"seq": (("quant_seq", "quant_both", "rs_v"), d64_seq)}),
+    ]
+    out = []
+    for size, plan in jobs:
+        if _left() < 25:
+            print(f"!! deadline: tiles stopped before {size} {list(plan)}", flush=True)
+            break
+        for r in qb.run_tile_sweep(size, plan=plan, vexp=(), progress=False, rep_ms=100):
+            r["code"] = "tiles"
+            out.append(r)
+            print(_line(r), flush=True)
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+
+
 # every kernel issue 3 names (the quantize orientations, dequantize, the Hopper operands from float and from MX)
 ISSUE3_ROWS = ("quant_hdim", "quant_seq", "quant_both", "dequant_hdim", "dequant_seq", "rs_q", "rs_k", "rs_v",
                "rs_both", "rs_q_from_mx", "rs_k_from_mx", "rs_v_from_mx", "fwd_operands")
@@ -132,7 +159,7 @@ def _variant(r: dict) -> str:
     if kind == "seqexp":
         return (f"{r['block_s']}x{r['num_warps']} p{r['seqexp_min_programs']} st{r['seqexp_stages']} "
                 f"t{r['seqexp_min_tiles']}")
-    if kind in ("mx_hdim_k", "mx_seq"):
+    if kind in ("mx_hdim_k", "mx_seq", "mx_seq_v"):
         return f"{kind} {r['block_s']}x{r['num_warps']}"
     if kind == "fwd":
         return f"K {r['fwd_k_launch']} w{r['fwd_k_warps']}"
@@ -164,6 +191,8 @@ if __name__ == "__main__":
         sweep(sys.argv[2])
     elif cmd == "passes":
         passes(sys.argv[2])
+    elif cmd == "tiles":
+        tiles(sys.argv[2])
     elif cmd == "issue3":
         issue3(sys.argv[2])
     elif cmd == "table":

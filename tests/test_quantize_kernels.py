@@ -640,6 +640,17 @@ def test_v_exponent_scales_first(layout, gen, monkeypatch):
     assert_same_rs(kq.row_scaled_triton(mx.to(DEVICE), "v"), want, f"v from {layout} MX, data first")
 
 
+@pytest.mark.parametrize("tile", [(64, 4), (128, 8)], ids=str)
+def test_v_rescale_tiles(tile, gen, monkeypatch):
+    """V's pass 2 from channel-major MX (``_seq_rescale_kernel``) at other tiles (``mx_seq_v``): S not a multiple of
+    the tile, random row padding (cleared in the output), d64 and d96."""
+    monkeypatch.setitem(kq.TILE_OVERRIDES, "mx_seq_v", kq.Tile(*tile))
+    for shape in ((2, 230, 2, 64), (1, 300, 1, 96)):
+        mx = channel_major_mx(shape, gen)
+        assert kq._mx_seq_words_spec(mx.data.view(U8), mx.scale, kind="mx_seq_v")[1] == tile[0]
+        assert_same_rs(kq.row_scaled_triton(mx, "v"), F.to_row_scaled(mx), f"v rescale tile {tile} {shape}")
+
+
 def test_v_exponent_pass_knob():
     mx = random_mx((1, 40, 1, 32), 1, torch.Generator().manual_seed(0))
     kq_pass = kq.MX_VEXP_PASS
@@ -960,6 +971,16 @@ def test_gpu_v_exponent_from_mx(min_tiles, stages, tile, gen, monkeypatch):
         assert_same_rs(kq.row_scaled_triton(mx, "v"), F.to_row_scaled(mx.to("cpu")), f"v from MX {shape}")
     mxc = random_mx((2, 777, 3, 128), 1, gen)
     assert_same_rs(kq.row_scaled_triton(mxc.to(DEVICE), "v"), F.to_row_scaled(mxc), "v from contiguous MX")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [(64, 4), (64, 8), (128, 8), (128, 16), (256, 16)], ids=str)
+def test_gpu_v_rescale_tiles(tile, gen, monkeypatch):
+    """V's pass 2 from channel-major MX at session 16's sweep tiles (``mx_seq_v``)."""
+    monkeypatch.setitem(kq.TILE_OVERRIDES, "mx_seq_v", kq.Tile(*tile))
+    for shape in ((2, 3000, 4, 128), (1, 1002, 2, 64), (1, 77, 3, 96)):
+        mx = channel_major_mx(shape, gen, device=DEVICE)
+        assert_same_rs(kq.row_scaled_triton(mx, "v"), F.to_row_scaled(mx.to("cpu")), f"v rescale {tile} {shape}")
 
 
 @pytest.mark.gpu

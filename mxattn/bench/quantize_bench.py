@@ -221,7 +221,8 @@ SWEEP_PLAN = {
     "seq_k": (("rs_both",), ((128, 8, 1), (128, 8, 2), (128, 16, 2))),
     "mx_hdim": (("rs_q_from_mx", "dequant_hdim"), ((32, 4), (64, 4), (128, 8))),
     "mx_hdim_k": (("rs_k_from_mx",), ((128, 4), (128, 8))),
-    "mx_seq": (("dequant_seq", "rs_v_from_mx"), ((32, 4), (64, 4), (64, 8), (128, 8))),
+    "mx_seq": (("dequant_seq",), ((32, 4), (64, 4), (64, 8), (128, 8))),
+    "mx_seq_v": (("rs_v_from_mx",), ((32, 4), (64, 4), (64, 8), (128, 8), (128, 16), (256, 16))),
 }
 # V's exponent pass: (tile, VEXP_MIN_PROGRAMS, VEXP_STAGES[, VEXP_MIN_TILES]) combinations (session 12's six, then
 # session 14's tiles-per-program floor, which decides the small inputs)

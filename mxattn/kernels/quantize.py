@@ -129,8 +129,10 @@ def _tile(kind: str, d_pad: int, group: int = 0, warps: Optional[int] = None) ->
         return Tile(max(32, SEQ_ELEMS * w4 // d_pad), 4 * w4, SEQ_GROUPS)
     if kind == "mx_hdim":  # MX input blocked along D (from-MX Q, dequantize)
         return Tile(max(1, MX_HDIM_ELEMS * w4 // d_pad), 4 * w4)
-    if kind == "mx_seq":  # channel-major MX input blocked along S (dequantize, V)
+    if kind == "mx_seq":  # channel-major MX input blocked along S (dequantize)
         return Tile(max(32, MX_SEQ_ELEMS * w4 // d_pad), 4 * w4)
+    if kind == "mx_seq_v":  # the same, V's pass 2 from MX (``_seq_rescale_kernel``)
+        return Tile(max(32, MX_SEQ_V_ELEMS // d_pad), MX_SEQ_V_WARPS)
     if kind == "mx_hdim_k":  # K from MX: ``MX_K_GROUPS`` exponent groups per program
         bs = group * MX_K_GROUPS
         return Tile(bs, warps or (4 if bs * d_pad <= K_TILE_4WARPS else 8))
@@ -175,6 +177,10 @@ MX_HDIM_ELEMS = 4096
 # 32 x 128 at 4 (64 x 128 at 4 warps 82.1 %).  V pass 2 from MX (~90 %) keeps 4 warps.
 MX_SEQ_ELEMS = 4096
 MX_SEQ_DEQUANT_WARPS = 8
+# V's pass 2 from MX (``mx_seq_v``): elements per program and warps.  A 32-token tile at d128 reads 32 bytes of each
+# channel-major row per program; session 16 measured the whole (scales-first pass 1 + this) at 59.6 % of copy.
+MX_SEQ_V_ELEMS = 4096
+MX_SEQ_V_WARPS = 4
 # ``mx_hdim_k`` (K from MX): exponent groups per program (session 14: 2 at d64 makes its 8 KB programs 16 KB, as
 # d128's; swept by quant14, not yet the default)
 MX_K_GROUPS = 1
@@ -2317,7 +2323,7 @@ def _row_scaled_from_mx(mx: MXTensor, role: str, seq_dim: Optional[int], group: 
     if role == "v":
         exp = _v_exponents_from_mx(q8, sc4)
         cd, s_pad = _channel_major_buffer(B, H, D, S, dev)
-        wspec = _mx_seq_words_spec(q8, sc4)
+        wspec = _mx_seq_words_spec(q8, sc4, kind="mx_seq_v")
         if wspec is not None:  # channel-major data in whole words: channel-major words out
             qw, bs, warps, idx = wspec
             n_tiles = cdiv(s_pad, bs)
@@ -2396,7 +2402,7 @@ def _mx_hdim_spec(q8: torch.Tensor, sc4: torch.Tensor, group: int, words: bool =
     return qv, sv, Sv, Hv, cdiv(Sv, tile.block_s), tile.block_s, tile.num_warps, idx
 
 
-def _mx_seq_words_spec(q8: torch.Tensor, sc4: torch.Tensor, warps: Optional[int] = None):
+def _mx_seq_words_spec(q8: torch.Tensor, sc4: torch.Tensor, warps: Optional[int] = None, kind: str = "mx_seq"):
     """For MX data (B, S, H, D) bytes blocked along S with unit stride along S (a channel-major buffer's view), the
     launch of a kernel on ``_row_set_coords``' words (``_seq_dequant_kernel``, ``_seq_rescale_kernel``): (the data as
     int32 words (B, H, D, ceil(S/4)), BLOCK_S, warps, IDX64 for the input and a (B, S, H, D) output); None when the
@@ -2411,7 +2417,7 @@ def _mx_seq_words_spec(q8: torch.Tensor, sc4: torch.Tensor, warps: Optional[int]
     words = torch.empty(0, dtype=torch.int32, device=q8.device).set_(
         q8.untyped_storage(), q8.storage_offset() // 4, (B, H, D, cdiv(S, 4)), (st[0] // 4, st[2] // 4, st[3] // 4, 1))
     dp = _d_pad(D)
-    tile = _tile("mx_seq", dp, warps=warps)
+    tile = _tile(kind, dp, warps=warps)
     bs = tile.block_s
     idx = (_needs_i64(bs * H * D, dp) or _needs_i64(dp * (st[3] // 4), bs)
            or _needs_i64(bs * abs(sc4.stride(1)), dp * abs(sc4.stride(3))))
