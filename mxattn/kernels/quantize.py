@@ -132,7 +132,8 @@ def _tile(kind: str, d_pad: int, group: int = 0, warps: Optional[int] = None) ->
     if kind == "mx_seq":  # channel-major MX input blocked along S (dequantize)
         return Tile(max(32, MX_SEQ_ELEMS * w4 // d_pad), 4 * w4)
     if kind == "mx_seq_v":  # the same, V's pass 2 from MX (``_seq_rescale_kernel``)
-        return Tile(max(32, MX_SEQ_V_ELEMS // d_pad), MX_SEQ_V_WARPS)
+        elems, w = MX_SEQ_V_BY_D.get(d_pad, MX_SEQ_V_DEFAULT)
+        return Tile(max(32, elems // d_pad), w)
     if kind == "mx_hdim_k":  # K from MX: ``MX_K_GROUPS`` exponent groups per program
         bs = group * MX_K_GROUPS
         return Tile(bs, warps or (4 if bs * d_pad <= K_TILE_4WARPS else 8))
@@ -177,10 +178,13 @@ MX_HDIM_ELEMS = 4096
 # 32 x 128 at 4 (64 x 128 at 4 warps 82.1 %).  V pass 2 from MX (~90 %) keeps 4 warps.
 MX_SEQ_ELEMS = 4096
 MX_SEQ_DEQUANT_WARPS = 8
-# V's pass 2 from MX (``mx_seq_v``): elements per program and warps.  A 32-token tile at d128 reads 32 bytes of each
-# channel-major row per program; session 16 measured the whole (scales-first pass 1 + this) at 59.6 % of copy.
-MX_SEQ_V_ELEMS = 4096
-MX_SEQ_V_WARPS = 4
+# V's pass 2 from MX (``mx_seq_v``): (elements per program, warps), by padded head dim.  A 32-token tile at d128 read
+# 32 bytes of each channel-major row per program.  Session 16 (stage quant16b, both passes with the scales-first
+# pass 1, B8 S8192 H16 d128, % of copy): 32 x 4 36.6 (59.6 in the call before), 64 x 4 72.7, 64 x 8 74.8,
+# 128 x 8 80.1, 128 x 16 43.0, 256 x 16 41.3.  d64 (B16): 32-43 % at every tile that call (64 x 4 41.2, 128 x 4 42.6,
+# 128 x 8 38.2, 256 x 8 32.3; 75.9 % at 64 x 4 in the call before): not decided, keeps 4096 / 4.
+MX_SEQ_V_BY_D = {128: (16384, 8)}
+MX_SEQ_V_DEFAULT = (4096, 4)
 # ``mx_hdim_k`` (K from MX): exponent groups per program (session 14: 2 at d64 makes its 8 KB programs 16 KB, as
 # d128's; swept by quant14, not yet the default)
 MX_K_GROUPS = 1
