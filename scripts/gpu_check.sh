@@ -36,6 +36,8 @@
 #              side), then every kernel issue 3 names at d128 / d64 on this tree's defaults: quant16_*.json / .txt
 #   quant16b   session 16: V's pass-2 tiles from MX (GPU tests, then scripts/quant_s14.py tiles: mx_seq_v at d128 /
 #              d64, dequant_seq at larger tiles, the seq kernels at d64): quant16b_tests.txt, quant16b_tiles.json
+#   quant16c   session 16: V's pass 2 from MX on rows of channels (MX_SEQ_V_ROWS): GPU tests, then
+#              scripts/quant_s14.py vrows: quant16c_tests.txt, quant16c_rows.json
 #   producers  rmsnorm_quant / linear_quant vs unfused and cuBLAS FP8
 #   rmsnormrows  rmsnorm_quant's row-set kernel (perf-notes-producers.md, session 12): every rmsnorm GPU test as four
 #              processes side by side (grouped by tile: each builds only its kernels), then bench_producers with
@@ -351,6 +353,13 @@ json.dump(rows, open(sys.argv[2], 'w'), indent=1)
       tail -5 "$OUT/quant16b_tests.txt"
       grep -qE "^(FAILED|ERROR)|## rc [1-9]" "$OUT/quant16b_tests.txt" && status=1
       run $PY scripts/quant_s14.py tiles "$OUT/quant16b_tiles.json" ;;
+    quant16c)
+      # session 16, third call: V's pass 2 on rows of channels (MX_SEQ_V_ROWS): its GPU tests, then the sweep
+      ( timeout "${QUANT16_TEST_TIMEOUT:-150}" $PY -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider \
+          tests/test_quantize_kernels.py -k "rescale_rows" ; echo "## rc $?" ) > "$OUT/quant16c_tests.txt" 2>&1
+      tail -5 "$OUT/quant16c_tests.txt"
+      grep -qE "^(FAILED|ERROR)|## rc [1-9]" "$OUT/quant16c_tests.txt" && status=1
+      run $PY scripts/quant_s14.py vrows "$OUT/quant16c_rows.json" ;;
     producers)
       run $PY -c "import sys; from mxattn.producers import bench_producers; print(bench_producers(outdir=sys.argv[1]))" "$OUT"
       # PRODUCERS_SWEEP=1: rmsnorm_quant forward tiles (rows per program, warps; seq column chunks)

@@ -6,6 +6,7 @@
     python scripts/quant_s14.py passes OUT.json          # session 16: V's pass 1 from MX, data-first vs scales-first
     python scripts/quant_s14.py issue3 OUT.json          # session 16: every kernel issue 3 names, this tree's defaults
     python scripts/quant_s14.py tiles OUT.json           # session 16: V pass 2 from MX, dequant_seq, seq at d64
+    python scripts/quant_s14.py vrows OUT.json           # session 16: V pass 2 from MX on rows of channels
 
 ``rows`` runs on whatever ``mxattn`` is first on the path, so that a base tree (``_base``) and this tree are timed
 in one call; kernels the imported bench does not know are left out.  MXATTN_DEADLINE (epoch seconds) stops a
@@ -127,6 +128,26 @@ def tiles(path: str) -> None:
             json.dump(out, f, indent=1)
 
 
+V_ROWS = (None, (512, 32, 4), (256, 32, 4), (1024, 16, 4), (512, 64, 8), (256, 64, 4), (1024, 32, 8))
+
+
+def v_rows(path: str) -> None:
+    """``MX_SEQ_V_ROWS`` (None: the tokens x all-channels tile) at d128 and d64, the list twice (row rs_v_from_mx)."""
+    from mxattn.bench import quantize_bench as qb
+
+    out = []
+    for size in ((8, 8192, 16, 128), (16, 8192, 16, 64)):
+        if _left() < 25:
+            print(f"!! deadline: rows stopped before {size}", flush=True)
+            break
+        for r in qb.run_tile_sweep(size, plan={}, vexp=(), mx_v_rows=V_ROWS * 2, progress=False, rep_ms=100):
+            r["code"] = "vrows"
+            out.append(r)
+            print(_line(r), flush=True)
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+
+
 # every kernel issue 3 names (the quantize orientations, dequantize, the Hopper operands from float and from MX)
 ISSUE3_ROWS = ("quant_hdim", "quant_seq", "quant_both", "dequant_hdim", "dequant_seq", "rs_q", "rs_k", "rs_v",
                "rs_both", "rs_q_from_mx", "rs_k_from_mx", "rs_v_from_mx", "fwd_operands")
@@ -151,6 +172,8 @@ def issue3(path: str) -> None:
 
 def _variant(r: dict) -> str:
     kind = r.get("tile_kind")
+    if kind == "mx_v_rows":
+        return f"rows {r['mx_v_rows']}"
     if kind == "mx_vexp_pass":
         return f"pass1 {r['mx_vexp_pass']}"
     if kind == "vexp":
@@ -191,6 +214,8 @@ if __name__ == "__main__":
         sweep(sys.argv[2])
     elif cmd == "passes":
         passes(sys.argv[2])
+    elif cmd == "vrows":
+        v_rows(sys.argv[2])
     elif cmd == "tiles":
         tiles(sys.argv[2])
     elif cmd == "issue3":

@@ -651,6 +651,17 @@ def test_v_rescale_tiles(tile, gen, monkeypatch):
         assert_same_rs(kq.row_scaled_triton(mx, "v"), F.to_row_scaled(mx), f"v rescale tile {tile} {shape}")
 
 
+@pytest.mark.parametrize("rows", [(64, 32, 4), (128, 16, 4), (32, 64, 8)], ids=str)
+def test_v_rescale_rows(rows, gen, monkeypatch):
+    """V's pass 2 from channel-major MX on rows of channels (``MX_SEQ_V_ROWS``: ``_seq_rescale_rows_kernel``): S and
+    D not multiples of the tile (random row padding, cleared in the output), and a shape with no masks (EVEN)."""
+    monkeypatch.setattr(kq, "MX_SEQ_V_ROWS", rows)
+    for shape in ((2, 230, 2, 40), (1, 300, 1, 96), (1, 256, 2, 64)):
+        mx = channel_major_mx(shape, gen)
+        mx.data.view(U8)[0, 5, 0, 1] = 0x7F  # a NaN byte in a finite block stays as it is
+        assert_same_rs(kq.row_scaled_triton(mx, "v"), F.to_row_scaled(mx), f"v rescale rows {rows} {shape}")
+
+
 def test_v_exponent_pass_knob():
     mx = random_mx((1, 40, 1, 32), 1, torch.Generator().manual_seed(0))
     kq_pass = kq.MX_VEXP_PASS
@@ -981,6 +992,17 @@ def test_gpu_v_rescale_tiles(tile, gen, monkeypatch):
     for shape in ((2, 3000, 4, 128), (1, 1002, 2, 64), (1, 77, 3, 96)):
         mx = channel_major_mx(shape, gen, device=DEVICE)
         assert_same_rs(kq.row_scaled_triton(mx, "v"), F.to_row_scaled(mx.to("cpu")), f"v rescale {tile} {shape}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [(512, 32, 4), (256, 32, 4), (1024, 16, 4), (512, 64, 8), (256, 64, 4), (1024, 32, 8)],
+                         ids=str)
+def test_gpu_v_rescale_rows(rows, gen, monkeypatch):
+    """V's pass 2 from channel-major MX on rows of channels (``MX_SEQ_V_ROWS``) at session 16's sweep tiles."""
+    monkeypatch.setattr(kq, "MX_SEQ_V_ROWS", rows)
+    for shape in ((2, 3000, 4, 128), (1, 1002, 2, 64), (1, 77, 3, 96), (1, 2048, 2, 128)):
+        mx = channel_major_mx(shape, gen, device=DEVICE)
+        assert_same_rs(kq.row_scaled_triton(mx, "v"), F.to_row_scaled(mx.to("cpu")), f"v rescale rows {rows} {shape}")
 
 
 @pytest.mark.gpu

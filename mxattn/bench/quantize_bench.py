@@ -248,20 +248,21 @@ def run_tile_sweep(
     fwd: Iterable = (),
     seqexp: Iterable = (),
     mx_vexp_passes: Iterable = (),
+    mx_v_rows: Iterable = (),
 ) -> list[dict]:
     """Rows of ``run_quantize_bench`` at ``size`` for every tile of ``plan`` (default ``SWEEP_PLAN``; rows get
     ``tile_kind``, ``block_s``, ``num_warps``, ``row_groups``), for V's exponent pass alone over ``vexp``
     (``vexp_min_programs``, ``vexp_stages``, ``vexp_min_tiles``) and for the forward's fused launches over ``fwd``
     ((``FWD_K_LAUNCH``, ``FWD_K_WARPS``): row fwd_operands) and for V's exponent pass from MX over ``seqexp``
     (``SWEEP_SEQEXP``'s knobs: row rs_v_from_mx) and over ``mx_vexp_passes`` (``MX_VEXP_PASS``: row rs_v_from_mx,
-    side by side).  Every knob is restored afterwards."""
+    side by side) and over ``mx_v_rows`` (``MX_SEQ_V_ROWS``: row rs_v_from_mx).  Every knob is restored afterwards."""
     from mxattn.kernels import quantize as kq
 
     plan = plan if plan is not None else SWEEP_PLAN
     rows = []
     saved = (dict(kq.TILE_OVERRIDES), kq.VEXP_MIN_PROGRAMS, kq.VEXP_STAGES, kq.VEXP_MIN_TILES, kq.FWD_K_LAUNCH,
              kq.FWD_K_WARPS, kq.SEQEXP_MIN_PROGRAMS, kq.SEQEXP_STAGES, kq.SEQEXP_MIN_TILES)
-    saved_pass = kq.MX_VEXP_PASS
+    saved_pass, saved_rows = kq.MX_VEXP_PASS, kq.MX_SEQ_V_ROWS
 
     def bench(kernels, **tags):
         for r in run_quantize_bench([size], progress=False, kernels=kernels, rep_ms=rep_ms):
@@ -299,8 +300,12 @@ def run_tile_sweep(
         for p in mx_vexp_passes:
             kq.MX_VEXP_PASS = p
             bench(("rs_v_from_mx",), tile_kind="mx_vexp_pass", mx_vexp_pass=p)
-    finally:
         kq.MX_VEXP_PASS = saved_pass
+        for rows in mx_v_rows:
+            kq.MX_SEQ_V_ROWS = rows
+            bench(("rs_v_from_mx",), tile_kind="mx_v_rows", mx_v_rows=list(rows) if rows else None)
+    finally:
+        kq.MX_VEXP_PASS, kq.MX_SEQ_V_ROWS = saved_pass, saved_rows
         kq.TILE_OVERRIDES.clear()
         kq.TILE_OVERRIDES.update(saved[0])
         (kq.VEXP_MIN_PROGRAMS, kq.VEXP_STAGES, kq.VEXP_MIN_TILES, kq.FWD_K_LAUNCH, kq.FWD_K_WARPS,

@@ -185,6 +185,9 @@ MX_SEQ_DEQUANT_WARPS = 8
 # 128 x 8 38.2, 256 x 8 32.3; 75.9 % at 64 x 4 in the call before): not decided, keeps 4096 / 4.
 MX_SEQ_V_BY_D = {128: (16384, 8)}
 MX_SEQ_V_DEFAULT = (4096, 4)
+# ... or (BLOCK_S, CG, warps) of ``_seq_rescale_rows_kernel``: CG channel-major rows x BLOCK_S tokens a program, each
+# row in runs of BLOCK_S bytes (session 16: built for the sweep; None = the (tokens x all channels) tile above).
+MX_SEQ_V_ROWS: Optional[tuple] = None
 # ``mx_hdim_k`` (K from MX): exponent groups per program (session 14: 2 at d64 makes its 8 KB programs 16 KB, as
 # d128's; swept by quant14, not yet the default)
 MX_K_GROUPS = 1
@@ -1371,6 +1374,61 @@ def _seq_rescale_kernel(
 
 
 @triton.jit
+def _seq_rescale_rows_kernel(
+    cw_ptr, swb, swh, swd,  # MX data words, as ``_seq_dequant_kernel``'s (channel-major rows, strides in words)
+    sc_ptr, scb, scs, sch, scd,  # MX scale bytes (B, NSB, H, D), any strides
+    out_ptr, exp_ptr,  # V data: channel-major (B, H, D, S_pad) as int32 words; exponents (B, 1, H, D) from pass 1
+    S, H, S_pad, n_s_tiles, n_cg,
+    D: tl.constexpr, CG: tl.constexpr, BLOCK_S: tl.constexpr, SOFT: tl.constexpr, IDX64: tl.constexpr,
+    EVEN: tl.constexpr,  # S % BLOCK_S == 0 == S_pad - S and D % CG == 0: no masks
+):
+    """``_seq_rescale_kernel`` on a tile of CG channel-major rows x BLOCK_S tokens (one (b, h)): each row read and
+    written in runs of BLOCK_S bytes, the programs of one row set next to each other along S.  The scale byte of
+    a word is loaded at each of its block's 8 words (from L1)."""
+    pid = tl.program_id(0)
+    st = pid % n_s_tiles
+    t = pid // n_s_tiles
+    g = t % n_cg
+    t = t // n_cg
+    h = t % H
+    b = t // H
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    d = g * CG + tl.arange(0, CG)[:, None]
+    w = tl.arange(0, BLOCK_S // 4)[None, :]
+    if IDX64:
+        d = d.to(tl.int64)
+        w = w.to(tl.int64)
+    in_d = d < D
+    s0 = st * BLOCK_S
+    q4 = w * 4
+    ep = exp_ptr + (b64 * H + h64) * D + d
+    E = tl.load(ep, mask=in_d, other=0)
+    E = tl.where(E == _NO_EXP, 0, E)
+    if st == 0:  # the sentinel becomes 0 (readers map both the same way)
+        tl.store(ep, E, mask=in_d)
+    sp = sc_ptr + (b64 * scb + (st * (BLOCK_S // 32)).to(tl.int64) * scs + h64 * sch) + (w // 8) * scs + d * scd
+    wp = cw_ptr + (b64 * swb + h64 * swh + st * (BLOCK_S // 4)) + d * swd + w
+    if EVEN:
+        sb = tl.load(sp).to(tl.int32)
+        qw = tl.load(wp)
+    else:
+        live = (s0 + q4 < S) & in_d
+        sb = tl.load(sp, mask=live, other=127).to(tl.int32)
+        qw = tl.load(wp, mask=live, other=0)
+    out = _rescale_words(qw, _pow2(_rs_shift(sb - 127, E)), sb != 255, SOFT)
+    row_w = S_pad // 4  # words per channel-major row
+    wo = st * (BLOCK_S // 4) + w
+    op = out_ptr + (b64 * H + h64) * D * row_w + d * row_w + wo
+    if EVEN:
+        tl.store(op, out)
+    else:  # bytes of tokens >= S are 0 (NaN blocks' 0x7F bytes too)
+        keep = S - (s0 + q4)
+        low = (1 << (8 * tl.minimum(tl.maximum(keep, 0), 3))) - 1
+        tl.store(op, tl.where(keep >= 4, out, out & low), mask=(wo < row_w) & in_d)
+
+
+@triton.jit
 def _dequant_words(qw, sf, dtype: tl.constexpr, SOFT: tl.constexpr):
     """Bytes 0..3 of the words ``qw`` (e4m3) times the scales ``sf`` (fp32), rounded to ``dtype``: four tensors.
 
@@ -2328,6 +2386,17 @@ def _row_scaled_from_mx(mx: MXTensor, role: str, seq_dim: Optional[int], group: 
         exp = _v_exponents_from_mx(q8, sc4)
         cd, s_pad = _channel_major_buffer(B, H, D, S, dev)
         wspec = _mx_seq_words_spec(q8, sc4, kind="mx_seq_v")
+        if wspec is not None and MX_SEQ_V_ROWS is not None:  # rows of channels, long runs along S
+            qw, _, _, idx = wspec
+            bs, cg, warps = MX_SEQ_V_ROWS
+            n_tiles, n_cg = cdiv(s_pad, bs), cdiv(D, cg)
+            fast_launcher(_seq_rescale_rows_kernel)[(B * H * n_cg * n_tiles,)](
+                qw, qw.stride(0), qw.stride(1), qw.stride(2), sc4, *sc4.stride(), cd.view(torch.int32), exp, S, H,
+                s_pad, n_tiles, n_cg, D=D, CG=cg, BLOCK_S=bs, SOFT=soft,
+                IDX64=idx or _needs_i64(n_cg * cg * s_pad, bs, cdiv(bs, 32) * abs(sc4.stride(1))),
+                EVEN=S % bs == 0 and s_pad == S and D % cg == 0, num_warps=warps,
+            )
+            return RowScaledFP8(_seq_view(cd, S, packed), _unpack(exp, packed), sd)
         if wspec is not None:  # channel-major data in whole words: channel-major words out
             qw, bs, warps, idx = wspec
             n_tiles = cdiv(s_pad, bs)
