@@ -301,9 +301,9 @@ def run_tile_sweep(
             kq.MX_VEXP_PASS = p
             bench(("rs_v_from_mx",), tile_kind="mx_vexp_pass", mx_vexp_pass=p)
         kq.MX_VEXP_PASS = saved_pass
-        for rows in mx_v_rows:
-            kq.MX_SEQ_V_ROWS = rows
-            bench(("rs_v_from_mx",), tile_kind="mx_v_rows", mx_v_rows=list(rows) if rows else None)
+        for vr in mx_v_rows:
+            kq.MX_SEQ_V_ROWS = vr
+            bench(("rs_v_from_mx",), tile_kind="mx_v_rows", mx_v_rows=list(vr) if vr else None)
     finally:
         kq.MX_VEXP_PASS, kq.MX_SEQ_V_ROWS = saved_pass, saved_rows
         kq.TILE_OVERRIDES.clear()
