@@ -5,6 +5,7 @@
     python scripts/quant_s14.py table FILE...            # one line per row: code, kernel, shape, variant, ms, % copy
     python scripts/quant_s14.py passes OUT.json          # session 16: V's pass 1 from MX, data-first vs scales-first
     python scripts/quant_s14.py issue3 OUT.json          # session 16: every kernel issue 3 names, this tree's defaults
+    python scripts/quant_s14.py issue3graph OUT.json     # the same as CUDA-graph replays, then eager, per size
     python scripts/quant_s14.py tiles OUT.json           # session 16: V pass 2 from MX, dequant_seq, seq at d64
     python scripts/quant_s14.py vrows OUT.json           # session 16: V pass 2 from MX on rows of channels
 
@@ -153,17 +154,18 @@ ISSUE3_ROWS = ("quant_hdim", "quant_seq", "quant_both", "dequant_hdim", "dequant
                "rs_both", "rs_q_from_mx", "rs_k_from_mx", "rs_v_from_mx", "fwd_operands")
 
 
-def issue3(path: str) -> None:
-    """The rows of ``ISSUE3_ROWS`` at d128 (B8 S8192 H16) and d64 (B16 S8192 H16), this tree's defaults, one run."""
+def issue3(path: str, timings=("eager",)) -> None:
+    """The rows of ``ISSUE3_ROWS`` at d128 (B8 S8192 H16) and d64 (B16 S8192 H16), this tree's defaults, one run,
+    for each of ``timings`` (``run_quantize_bench``'s eager calls or CUDA-graph replays)."""
     from mxattn.bench import quantize_bench as qb
 
     out = []
-    for size in ((8, 8192, 16, 128), (16, 8192, 16, 64)):
+    for size, timing in ((size, t) for size in ((8, 8192, 16, 128), (16, 8192, 16, 64)) for t in timings):
         if _left() < 25:
-            print(f"!! deadline: issue3 rows stopped before {size}", flush=True)
+            print(f"!! deadline: issue3 rows stopped before {size} {timing}", flush=True)
             break
-        for r in qb.run_quantize_bench([size], kernels=ISSUE3_ROWS, progress=False, rep_ms=100):
-            r["code"] = "issue3"
+        for r in qb.run_quantize_bench([size], kernels=ISSUE3_ROWS, progress=False, rep_ms=100, timing=timing):
+            r["code"] = "issue3-" + timing
             out.append(r)
             print(_line(r), flush=True)
             with open(path, "w") as f:
@@ -220,6 +222,8 @@ if __name__ == "__main__":
         tiles(sys.argv[2])
     elif cmd == "issue3":
         issue3(sys.argv[2])
+    elif cmd == "issue3graph":  # CUDA-graph replays, then eager calls, per size
+        issue3(sys.argv[2], ("graph", "eager"))
     elif cmd == "table":
         table(sys.argv[2:])
     else:

@@ -132,6 +132,23 @@ def _make_call(kernel: str, x: torch.Tensor):
     raise ValueError(f"unknown kernel {kernel!r}; choose from {KERNELS}")
 
 
+def _graph_ms(fn, rep_ms: int) -> float:
+    """``_median_ms`` of the replay of a CUDA graph holding one ``fn()`` (captured after warm-up calls on a side
+    stream, as torch.cuda.graphs asks)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = _median_ms(graph.replay, rep_ms)
+    del graph
+    return ms
+
+
 def _median_ms(fn, rep_ms: int) -> float:
     import triton.testing
 
@@ -146,13 +163,18 @@ def run_quantize_bench(
     kernels: Iterable[str] = KERNELS,
     soft_round: Iterable[bool] = (False,),
     rep_ms: int = 200,
+    timing: str = "eager",
 ) -> list[dict]:
     """Time each kernel on bf16 (B, S, H, D) inputs of ``sizes`` (>= 256 MB each by default) on CUDA.
 
     Rows: ``kernel``, ``B, S, H, D``, ``soft_round`` (explicit fp32 rounding instead of the hardware cvt),
     ``ms``, ``bytes_read``, ``bytes_written``, ``bytes_moved``, ``gbps`` (bytes_moved / time),
     ``gbps_min`` ((read + written) / time), ``copy_gbps`` (device copy of the input, same run),
-    ``pct_of_copy``, ``pct_of_copy_min``.  ``quick`` takes one size and a shorter repetition."""
+    ``pct_of_copy``, ``pct_of_copy_min``, ``timing``.  ``quick`` takes one size and a shorter repetition.
+    ``timing="graph"`` times CUDA-graph replays of each call (and of the copy): the GPU's time without the host's,
+    which a call of ~0.1 ms can exceed (the eager rows then measure the host: session 16, docs/perf-notes-quantize.md)."""
+    if timing not in ("eager", "graph"):
+        raise ValueError(f"timing must be 'eager' or 'graph', got {timing!r}")
     if device != "cuda" or not torch.cuda.is_available():
         raise RuntimeError("run_quantize_bench needs a CUDA device")
     from mxattn.kernels import quantize as kq
@@ -170,7 +192,8 @@ def run_quantize_bench(
             gen = torch.Generator(device="cuda").manual_seed(0)
             x = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
             dst = torch.empty_like(x)
-            copy_ms = _median_ms(lambda: dst.copy_(x), rep)
+            timed = _median_ms if timing == "eager" else _graph_ms
+            copy_ms = timed(lambda: dst.copy_(x), rep)
             copy_gbps = 2 * x.numel() * x.element_size() / copy_ms / 1e6
             del dst
             for soft in soft_round:
@@ -178,12 +201,13 @@ def run_quantize_bench(
                 for k in kernels:
                     fn = _make_call(k, x)
                     fn()  # compile
-                    ms = _median_ms(fn, rep)
+                    ms = timed(fn, rep)
                     r, w, moved = _bytes(k, B, S, H, D)
                     row = {
                         "kernel": k, "B": B, "S": S, "H": H, "D": D, "dtype": "float32" if k.endswith("fp32") else "bfloat16",
                         "soft_round": bool(soft), "ms": ms, "bytes_read": r, "bytes_written": w, "bytes_moved": moved,
                         "gbps": moved / ms / 1e6, "gbps_min": (r + w) / ms / 1e6, "copy_gbps": copy_gbps,
+                        "timing": timing,
                     }
                     row["pct_of_copy"] = 100.0 * row["gbps"] / copy_gbps
                     row["pct_of_copy_min"] = 100.0 * row["gbps_min"] / copy_gbps
