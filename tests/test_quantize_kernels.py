@@ -644,6 +644,7 @@ def test_v_exponent_scales_first(layout, gen, monkeypatch):
 def test_v_rescale_tiles(tile, gen, monkeypatch):
     """V's pass 2 from channel-major MX (``_seq_rescale_kernel``) at other tiles (``mx_seq_v``): S not a multiple of
     the tile, random row padding (cleared in the output), d64 and d96."""
+    monkeypatch.setattr(kq, "MX_SEQ_V_ROWS", None)  # the tokens x all-channels kernel
     monkeypatch.setitem(kq.TILE_OVERRIDES, "mx_seq_v", kq.Tile(*tile))
     for shape in ((2, 230, 2, 64), (1, 300, 1, 96)):
         mx = channel_major_mx(shape, gen)
@@ -988,6 +989,7 @@ def test_gpu_v_exponent_from_mx(min_tiles, stages, tile, gen, monkeypatch):
 @pytest.mark.parametrize("tile", [(64, 4), (64, 8), (128, 8), (128, 16), (256, 16)], ids=str)
 def test_gpu_v_rescale_tiles(tile, gen, monkeypatch):
     """V's pass 2 from channel-major MX at session 16's sweep tiles (``mx_seq_v``)."""
+    monkeypatch.setattr(kq, "MX_SEQ_V_ROWS", None)  # the tokens x all-channels kernel
     monkeypatch.setitem(kq.TILE_OVERRIDES, "mx_seq_v", kq.Tile(*tile))
     for shape in ((2, 3000, 4, 128), (1, 1002, 2, 64), (1, 77, 3, 96)):
         mx = channel_major_mx(shape, gen, device=DEVICE)

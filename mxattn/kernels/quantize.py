@@ -186,8 +186,12 @@ MX_SEQ_DEQUANT_WARPS = 8
 MX_SEQ_V_BY_D = {128: (16384, 8)}
 MX_SEQ_V_DEFAULT = (4096, 4)
 # ... or (BLOCK_S, CG, warps) of ``_seq_rescale_rows_kernel``: CG channel-major rows x BLOCK_S tokens a program, each
-# row in runs of BLOCK_S bytes (session 16: built for the sweep; None = the (tokens x all channels) tile above).
-MX_SEQ_V_ROWS: Optional[tuple] = None
+# row in runs of BLOCK_S bytes (None = the tokens x all-channels tile above).  Session 16 (stage quant16c, both
+# passes, rows timed in one group, % of copy, d128 / d64): (512, 32, 4) 81.8 / 81.8, (1024, 16, 4) 82.0 / 82.2,
+# (256, 64, 4) 82.0 / 81.5, (512, 64, 8) 81.6 / 81.5, (1024, 32, 8) 33.0* / 81.1; the tile above 80.1 (128 x 8) /
+# 76.2 (64 x 4).  (* that group's rows were host-bound: eager timing of this path measures the host when the lease's
+# CPU is slow; CUDA-graph replays agree with the fast group, ``quantize-…-s16-issue3_graph.json``.)
+MX_SEQ_V_ROWS: Optional[tuple] = (512, 32, 4)
 # ``mx_hdim_k`` (K from MX): exponent groups per program (session 14: 2 at d64 makes its 8 KB programs 16 KB, as
 # d128's; swept by quant14, not yet the default)
 MX_K_GROUPS = 1
