@@ -105,7 +105,7 @@ CASE_KERNELS = {"dkdv": ("_attn_bwd_dkdv_ws_kernel",), "dq": ("_attn_bwd_dq_ws_k
                 "quant-forward": ("_operands_kernel",),
                 "quant-bench": ("_quantize_kernel", "_hdim_kernel", "_seq_exponent_kernel", "_rescale_mx_kernel", "_dequantize_kernel",
                                 "_hdim_rescale_kernel", "_hdim_dequant_kernel", "_seq_dequant_kernel",
-                                "_seq_rescale_kernel", "_mx_channel_exponent_kernel", "_seq_rescale_rows_kernel", "_k_rescale_heads_kernel",
+                                "_seq_rescale_kernel", "_mx_channel_exponent_kernel", "_seq_rescale_rows_kernel",
                                 "_operands_kernel")}
 MEM_OPS = ("LDG", "STG", "LDS", "STS", "LDL", "STL", "BAR", "SHFL")
 

@@ -8,7 +8,6 @@
     python scripts/quant_s14.py issue3graph OUT.json     # the same as CUDA-graph replays, then eager, per size
     python scripts/quant_s14.py tiles OUT.json           # session 16: V pass 2 from MX, dequant_seq, seq at d64
     python scripts/quant_s14.py vrows OUT.json           # session 16: V pass 2 from MX on rows of channels
-    python scripts/quant_s14.py kheads OUT.json          # session 16: K from MX over several heads a program
 
 ``rows`` runs on whatever ``mxattn`` is first on the path, so that a base tree (``_base``) and this tree are timed
 in one call; kernels the imported bench does not know are left out.  MXATTN_DEADLINE (epoch seconds) stops a
@@ -150,28 +149,6 @@ def v_rows(path: str) -> None:
             json.dump(out, f, indent=1)
 
 
-K_HEADS = ((1, 4), (2, 4), (2, 8), (4, 4), (4, 8), (8, 8))
-
-
-def k_heads(path: str) -> None:
-    """``MX_K_HEADS`` / ``MX_K_HEADS_WARPS`` at d128 and d64, the list twice, as CUDA-graph replays (row
-    rs_k_from_mx; the from-MX path's eager rows can be host-bound)."""
-    from mxattn.bench import quantize_bench as qb
-
-    out = []
-    for size in ((8, 8192, 16, 128), (16, 8192, 16, 64)):
-        if _left() < 25:
-            print(f"!! deadline: kheads stopped before {size}", flush=True)
-            break
-        for r in qb.run_tile_sweep(size, plan={}, vexp=(), mx_k_heads=K_HEADS * 2, progress=False, rep_ms=100,
-                                   timing="graph"):
-            r["code"] = "kheads"
-            out.append(r)
-            print(_line(r), flush=True)
-        with open(path, "w") as f:
-            json.dump(out, f, indent=1)
-
-
 # every kernel issue 3 names (the quantize orientations, dequantize, the Hopper operands from float and from MX)
 ISSUE3_ROWS = ("quant_hdim", "quant_seq", "quant_both", "dequant_hdim", "dequant_seq", "rs_q", "rs_k", "rs_v",
                "rs_both", "rs_q_from_mx", "rs_k_from_mx", "rs_v_from_mx", "fwd_operands")
@@ -197,8 +174,6 @@ def issue3(path: str, timings=("eager",)) -> None:
 
 def _variant(r: dict) -> str:
     kind = r.get("tile_kind")
-    if kind == "mx_k_heads":
-        return f"heads {r['mx_k_heads']} w{r['num_warps']}"
     if kind == "mx_v_rows":
         return f"rows {r['mx_v_rows']}"
     if kind == "mx_vexp_pass":
@@ -241,8 +216,6 @@ if __name__ == "__main__":
         sweep(sys.argv[2])
     elif cmd == "passes":
         passes(sys.argv[2])
-    elif cmd == "kheads":
-        k_heads(sys.argv[2])
     elif cmd == "vrows":
         v_rows(sys.argv[2])
     elif cmd == "tiles":

@@ -727,22 +727,6 @@ def test_k_from_mx_groups(groups, gen, monkeypatch):
     assert_same_rs(kq.row_scaled_triton(mxs.to(DEVICE), "k", k_group=32), want, "strided")
 
 
-@pytest.mark.parametrize("heads", [2, 4])
-def test_k_from_mx_heads(heads, gen, monkeypatch):
-    """K from MX over several heads a program (``MX_K_HEADS``: ``_k_rescale_heads_kernel``): H not a multiple (a
-    last program with fewer heads), S not a multiple of the group, groups of 32 / 64 / 128, a strided layout (heads
-    not adjacent), D 40 (a block of 2 words) and 128; NaN codes and scale bytes 0 / 254 / 255."""
-    monkeypatch.setattr(kq, "MX_K_HEADS", heads)
-    for shape, group in (((2, 150, 3, 64), 32), ((1, 200, 5, 40), 64), ((1, 130, 2, 128), 128)):
-        mx = random_mx(shape, 3, gen)
-        want = F.to_row_scaled(mx, 1, group)
-        assert_same_rs(kq.row_scaled_triton(mx.to(DEVICE), "k", k_group=group), want, f"K heads {heads} {shape}")
-    mx = random_mx((2, 150, 3, 64), 3, gen)
-    mxs = F.MXTensor(mx.data.transpose(1, 2).contiguous().transpose(1, 2), mx.scale.transpose(1, 2).contiguous()
-                     .transpose(1, 2), 3)
-    assert_same_rs(kq.row_scaled_triton(mxs.to(DEVICE), "k", k_group=64), F.to_row_scaled(mx, 1, 64), "strided")
-
-
 @pytest.mark.parametrize("role", ["q", "k"])
 @pytest.mark.parametrize("layout", ["rows", "strided", "odd_d", "d40", "d128"])
 def test_from_mx_random_bytes(layout, role, gen):
@@ -1021,21 +1005,6 @@ def test_gpu_v_rescale_rows(rows, gen, monkeypatch):
     for shape in ((2, 3000, 4, 128), (1, 1002, 2, 64), (1, 77, 3, 96), (1, 2048, 2, 128)):
         mx = channel_major_mx(shape, gen, device=DEVICE)
         assert_same_rs(kq.row_scaled_triton(mx, "v"), F.to_row_scaled(mx.to("cpu")), f"v rescale rows {rows} {shape}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("heads,warps", [(2, 4), (2, 8), (4, 4), (4, 8), (8, 8)], ids=str)
-def test_gpu_k_from_mx_heads(heads, warps, gen, monkeypatch):
-    """K from MX over several heads a program (session 16's sweep): random bytes, H not a multiple, S not a
-    multiple of the group, strided rows, groups 64 and 128, d64 and d128."""
-    monkeypatch.setattr(kq, "MX_K_HEADS", heads)
-    monkeypatch.setattr(kq, "MX_K_HEADS_WARPS", warps)
-    for shape, group in (((2, 1000, 6, 128), 128), ((2, 777, 4, 64), 64), ((1, 300, 16, 64), 128)):
-        mx = random_mx(shape, 3, gen)
-        for m in (mx, F.MXTensor(mx.data.transpose(1, 2).contiguous().transpose(1, 2),
-                                 mx.scale.transpose(1, 2).contiguous().transpose(1, 2), 3)):
-            want = F.to_row_scaled(m, 1, group)
-            assert_same_rs(kq.row_scaled_triton(m.to(DEVICE), "k", k_group=group), want, f"K heads {shape} {group}")
 
 
 @pytest.mark.gpu

@@ -273,27 +273,23 @@ def run_tile_sweep(
     seqexp: Iterable = (),
     mx_vexp_passes: Iterable = (),
     mx_v_rows: Iterable = (),
-    mx_k_heads: Iterable = (),
-    timing: str = "eager",
 ) -> list[dict]:
     """Rows of ``run_quantize_bench`` at ``size`` for every tile of ``plan`` (default ``SWEEP_PLAN``; rows get
     ``tile_kind``, ``block_s``, ``num_warps``, ``row_groups``), for V's exponent pass alone over ``vexp``
     (``vexp_min_programs``, ``vexp_stages``, ``vexp_min_tiles``) and for the forward's fused launches over ``fwd``
     ((``FWD_K_LAUNCH``, ``FWD_K_WARPS``): row fwd_operands) and for V's exponent pass from MX over ``seqexp``
     (``SWEEP_SEQEXP``'s knobs: row rs_v_from_mx) and over ``mx_vexp_passes`` (``MX_VEXP_PASS``: row rs_v_from_mx,
-    side by side) and over ``mx_v_rows`` (``MX_SEQ_V_ROWS``: row rs_v_from_mx) and ``mx_k_heads`` ((``MX_K_HEADS``,
-    ``MX_K_HEADS_WARPS``): row rs_k_from_mx).  ``timing``: ``run_quantize_bench``'s.  Every knob is restored
-    afterwards."""
+    side by side) and over ``mx_v_rows`` (``MX_SEQ_V_ROWS``: row rs_v_from_mx).  Every knob is restored afterwards."""
     from mxattn.kernels import quantize as kq
 
     plan = plan if plan is not None else SWEEP_PLAN
     rows = []
     saved = (dict(kq.TILE_OVERRIDES), kq.VEXP_MIN_PROGRAMS, kq.VEXP_STAGES, kq.VEXP_MIN_TILES, kq.FWD_K_LAUNCH,
              kq.FWD_K_WARPS, kq.SEQEXP_MIN_PROGRAMS, kq.SEQEXP_STAGES, kq.SEQEXP_MIN_TILES)
-    saved_pass, saved_rows, saved_kh = kq.MX_VEXP_PASS, kq.MX_SEQ_V_ROWS, (kq.MX_K_HEADS, kq.MX_K_HEADS_WARPS)
+    saved_pass, saved_rows = kq.MX_VEXP_PASS, kq.MX_SEQ_V_ROWS
 
     def bench(kernels, **tags):
-        for r in run_quantize_bench([size], progress=False, kernels=kernels, rep_ms=rep_ms, timing=timing):
+        for r in run_quantize_bench([size], progress=False, kernels=kernels, rep_ms=rep_ms):
             r.update(tags)
             rows.append(r)
             if progress:
@@ -332,13 +328,8 @@ def run_tile_sweep(
         for vr in mx_v_rows:
             kq.MX_SEQ_V_ROWS = vr
             bench(("rs_v_from_mx",), tile_kind="mx_v_rows", mx_v_rows=list(vr) if vr else None)
-        kq.MX_SEQ_V_ROWS = saved_rows
-        for heads, warps in mx_k_heads:
-            kq.MX_K_HEADS, kq.MX_K_HEADS_WARPS = heads, warps
-            bench(("rs_k_from_mx",), tile_kind="mx_k_heads", mx_k_heads=heads, num_warps=warps)
     finally:
         kq.MX_VEXP_PASS, kq.MX_SEQ_V_ROWS = saved_pass, saved_rows
-        kq.MX_K_HEADS, kq.MX_K_HEADS_WARPS = saved_kh
         kq.TILE_OVERRIDES.clear()
         kq.TILE_OVERRIDES.update(saved[0])
         (kq.VEXP_MIN_PROGRAMS, kq.VEXP_STAGES, kq.VEXP_MIN_TILES, kq.FWD_K_LAUNCH, kq.FWD_K_WARPS,

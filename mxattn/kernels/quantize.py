@@ -195,11 +195,6 @@ MX_SEQ_V_ROWS: Optional[tuple] = (512, 32, 4)
 # ``mx_hdim_k`` (K from MX): exponent groups per program (session 14: 2 at d64 makes its 8 KB programs 16 KB, as
 # d128's; swept by quant14, not yet the default)
 MX_K_GROUPS = 1
-# K from MX over several heads of a token per program (``_k_rescale_heads_kernel``: runs of MX_K_HEADS * D bytes per
-# token instead of D; heads adjacent in the data, one group per program), at MX_K_HEADS_WARPS warps; 1 = the per-head
-# tile above.  Session 16: built for the sweep (rs_k_from_mx 80.0 / 74.9 % of copy at d128 / d64 per head).
-MX_K_HEADS = 1
-MX_K_HEADS_WARPS = 4
 # K tiles (one exponent group, 128 x D_pad): 4 warps up to 16384 elements (rs_k 94% at d128, against 83% at 8
 # warps and 70% at 16), then 8.
 K_TILE_4WARPS = 16384
@@ -1262,51 +1257,6 @@ def _hdim_rescale_kernel(
     tl.store(out_ptr + row * DW + (i * H * DW + dw), out, mask=in_s & (dw < DW))
     if GROUP == 1:
         tl.store(exp_ptr + row + i * H, E, mask=in_s)
-
-
-@triton.jit
-def _k_rescale_heads_kernel(
-    q_ptr, S, H, sqb, sqs, sqh,  # MX data (B, S, H, D) as int32 words, unit stride along D; strides in words
-    sc_ptr, scb, scs, sch,  # MX scale bytes (B, S, H, ND), unit stride along ND
-    out_ptr, exp_ptr,  # data (B, S, H, D) contiguous, as int32 words; exponents (B, n_groups, H, 1)
-    n_groups, n_hg,
-    D: tl.constexpr, NDP: tl.constexpr, GROUP: tl.constexpr, HG: tl.constexpr, SOFT: tl.constexpr,
-    IDX64: tl.constexpr,
-):
-    """K from an MXTensor blocked along D (``_hdim_rescale_kernel``'s K case) on a tile of one exponent group of
-    tokens x HG heads: the heads of a token are adjacent in (B, S, H, D) data, so each token row is read and written
-    as one run of HG * D bytes instead of D; the group's exponent is reduced per head."""
-    pid = tl.program_id(0)
-    hgi = pid % n_hg
-    t = pid // n_hg
-    st = t % n_groups
-    b = t // n_groups
-    b64 = b.to(tl.int64)
-    s0 = st * GROUP
-    i = tl.arange(0, GROUP)[:, None, None, None]
-    h = hgi * HG + tl.arange(0, HG)[None, :, None, None]
-    db = tl.arange(0, NDP)[None, None, :, None]
-    dw = db * 8 + tl.arange(0, 8)[None, None, None, :]  # word of the row
-    if IDX64:
-        i = i.to(tl.int64)
-        h = h.to(tl.int64)
-        dw = dw.to(tl.int64)
-    ND: tl.constexpr = (D + 31) // 32
-    DW: tl.constexpr = D // 4
-    live = (i < S - s0) & (h < H)
-    # scale bytes first (``_hdim_rescale_kernel``: the first load's layout is the tile's)
-    sb = tl.load(sc_ptr + (b64 * scb + s0.to(tl.int64) * scs) + i * scs + h * sch + db, mask=live & (db < ND),
-                 other=127).to(tl.int32)
-    qw = tl.load(q_ptr + (b64 * sqb + s0.to(tl.int64) * sqs) + i * sqs + h * sqh + dw, mask=live & (dw < DW), other=0)
-    fin = sb != 255
-    nz = fin & (tl.max(qw & 0x7F7F7F7F, axis=3, keep_dims=True) != 0)
-    en = tl.where(nz, sb - 127, _NO_EXP)
-    E = tl.max(tl.max(en, axis=2, keep_dims=True), axis=0, keep_dims=True)  # (1, HG, 1, 1): per head
-    E = tl.where(E == _NO_EXP, 0, E)
-    tl.store(exp_ptr + (b64 * n_groups + st) * H + h, E, mask=h < H)
-    out = _rescale_words(qw, _pow2(_rs_shift(sb - 127, E)), fin, SOFT)
-    row = (b64 * S + s0) * H
-    tl.store(out_ptr + (row + i * H + h) * DW + dw, out, mask=live & (dw < DW))
 
 
 @triton.jit
@@ -2482,18 +2432,7 @@ def _row_scaled_from_mx(mx: MXTensor, role: str, seq_dim: Optional[int], group: 
         exp = torch.empty(B, n_groups, H, 1, dtype=torch.int32, device=dev)
     n_s_tiles = cdiv(S, tile.block_s)
     hspec = _mx_hdim_spec(q8, sc4, group if role == "k" else 1, words=True)
-    if hspec is not None and role == "k" and MX_K_HEADS > 1 and MX_K_GROUPS == 1:  # several heads a program
-        qv, sv = hspec[0], hspec[1]
-        hg = MX_K_HEADS
-        n_hg = cdiv(H, hg)
-        idx = hspec[7] or _needs_i64(group * abs(qv.stride(1)), hg * abs(qv.stride(2)), group * abs(sv.stride(1)),
-                                     hg * abs(sv.stride(2)), group * H * D)
-        fast_launcher(_k_rescale_heads_kernel)[(B * n_groups * n_hg,)](
-            qv, S, H, qv.stride(0), qv.stride(1), qv.stride(2), sv, sv.stride(0), sv.stride(1), sv.stride(2),
-            hd.view(torch.int32), exp, n_groups, n_hg, D=D, NDP=dp // 32, GROUP=group, HG=hg, SOFT=soft, IDX64=idx,
-            num_warps=MX_K_HEADS_WARPS,
-        )
-    elif hspec is not None:  # unit stride along D, whole words: the head-dim tile
+    if hspec is not None:  # unit stride along D, whole words: the head-dim tile
         (qv, sv, Sv, Hv, n_tiles, bs, warps, idx) = hspec
         fast_launcher(_hdim_rescale_kernel)[(qv.shape[0] * n_tiles * Hv,)](
             qv, Sv, Hv, qv.stride(0), qv.stride(1), qv.stride(2), sv, sv.stride(0), sv.stride(1), sv.stride(2),
