@@ -64,7 +64,7 @@ def compile_sm90(fn, consts: dict, descs: dict, ptrs: dict, floats: tuple, num_w
 
 
 def compile_variant(head_dim: int, causal: bool, pingpong: bool, block_n: int = 128, stages: int | None = None,
-                    module=None, k_perm: bool = True):
+                    module=None, k_perm: bool = True, p_carry: str | None = None, maxnreg: int | None = None):
     """The forward kernel as the launcher builds it.  ``k_perm``: K through the 5-D key-permuted descriptor
     (``K_PERM``, the launcher's path when Sk % 16 == 0), else the 2-D one (its fallback)."""
     from triton.experimental.gluon import language as gl
@@ -82,7 +82,9 @@ def compile_variant(head_dim: int, causal: bool, pingpong: bool, block_n: int = 
     ptrs = {"QE": "*i32", "KE": "*i32", "VE": "*i32", "O": "*bf16", "LSE": "*fp32"}
     consts = dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
                   CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, K_PERM=k_perm)
-    return compile_sm90(m._attn_fwd_ws_kernel, consts, descs, ptrs, ("qk_scale",), 4, cfg.maxnreg)
+    if "P_CARRY" in m._attn_fwd_ws_kernel.arg_names:
+        consts["P_CARRY"] = p_carry or cfg.p_carry
+    return compile_sm90(m._attn_fwd_ws_kernel, consts, descs, ptrs, ("qk_scale",), 4, maxnreg or cfg.maxnreg)
 
 
 def _resource_usage(cubin: bytes) -> dict:

@@ -82,6 +82,13 @@ class GluonFwdConfig:
     producer_regs: int = 24
     # load K key-permuted when Sk % 16 == 0 (module docstring): P's conversion to the A operand without shuffles
     k_perm: bool = True
+    # how P_{j-1} crosses the KV loop edge (docs/p8-carry-investigation.md; compile-probed only, not run yet):
+    # "fp32" (converted to e4m3 just before its wgmma); packed 4 e4m3 per int32 word, unpacked for free: "i32br"
+    # (packed inside each softmax branch, under the P V product, then copied into the carried registers after the
+    # P V wait: the candidate), "i32" (packed after the P V wait), "i32xor" (packed after the branch join: ptxas
+    # then runs it after the wait), "i32early" / "i32copy" (packed into the registers P V is still reading:
+    # ptxas serializes every wgmma, C7513)
+    p_carry: str = "fp32"
 
 
 def default_config(head_dim: int, causal: bool) -> GluonFwdConfig:
@@ -202,6 +209,28 @@ def _softmax_tile(qk, m_i, l_i, rs, offs_m, n0, masked, Sk, causal_off,
 
 
 @gluon.jit
+def _softmax_tile_packed(qk, m_i, l_i, rs, offs_m, n0, masked, Sk, causal_off, p_layout: gl.constexpr,
+                         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, K_PERM: gl.constexpr):
+    """``_softmax_tile`` with P packed (``_pack_p``) inside each branch: returns (int32 words, new row max, alpha,
+    new row sum).  The branches join int32 words and the row sums, so the exp2s *and* the e4m3 packing stay in the
+    branch blocks, above the P V wait (ptxas schedules a join block's ``WARPGROUP.DEPBAR`` first: a pack after the
+    join ran after the wait)."""
+    if masked:
+        x, m_new = _scores(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N, True, CAUSAL, K_PERM)
+        p = gl.where(x == float("-inf"), 0.0, gl.exp2(x))
+        psum = gl.sum(p, 1)
+        w = _pack_p(p, p_layout, K_PERM)
+    else:
+        x, m_new = _scores(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N, False, CAUSAL, K_PERM)
+        p = gl.exp2(x)
+        psum = gl.sum(p, 1)
+        w = _pack_p(p, p_layout, K_PERM)
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + psum
+    return w, m_new, alpha, l_i
+
+
+@gluon.jit
 def _to_operand(p, p_layout: gl.constexpr, K_PERM: gl.constexpr):
     """P (fp32, S accumulator layout) -> e4m3 in the register layout of wgmma's A operand, columns in natural key
     order (V's rows).  Without K_PERM: quad shuffles + byte permutes.  With K_PERM, column c holds key sigma(c):
@@ -216,6 +245,64 @@ def _to_operand(p, p_layout: gl.constexpr, K_PERM: gl.constexpr):
         return gl.convert_layout(q.to(gl.float8e4nv), p_layout, assert_trivial=True)
     else:
         return gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+
+
+@gluon.jit
+def _first(a, b):
+    return a
+
+
+@gluon.jit
+def _pack_p(p, p_layout: gl.constexpr, K_PERM: gl.constexpr):
+    """P (fp32, S accumulator layout) -> int32 [M, N/4], 4 e4m3 per word in the A operand's register order, for
+    carrying P across the loop edge packed (``P_CARRY``; docs/p8-carry-investigation.md).  K_PERM: the fp32 tile is
+    relabelled into the A layout (trivial) and each word is one asm block (2 x cvt.rn.satfinite.e4m3x2.f32, ptxas:
+    2 F2FP ...MERGE_C, no PRMT).  With pack=4 the asm writes the word into its 4 int32 outputs and a reduce that
+    keeps the first element (all in registers: no instruction) leaves one per word."""
+    M: gl.constexpr = p.shape[0]
+    N: gl.constexpr = p.shape[1]
+    if K_PERM:
+        q = gl.reshape(p, [M, N // 16, 2, 4, 2])
+        q = gl.reshape(gl.permute(q, (0, 1, 3, 2, 4)), [M, N])
+        q = gl.convert_layout(q, p_layout, assert_trivial=True)
+        w4 = gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $5, $4; cvt.rn.satfinite.e4m3x2.f32 hi, $7, $6; "
+            "mov.b32 $0, {lo, hi}; mov.b32 $1, $0; mov.b32 $2, $0; mov.b32 $3, $0; }",
+            "=r,=r,=r,=r,r,r,r,r", [q], dtype=gl.int32, is_pure=True, pack=4)
+    else:
+        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+        w4 = gl.inline_asm_elementwise("mov.b32 $0, $4; mov.b32 $1, $4; mov.b32 $2, $4; mov.b32 $3, $4;",
+                                       "=r,=r,=r,=r,r", [p8], dtype=gl.int32, is_pure=True, pack=4)
+    return gl.reduce(gl.reshape(w4, [M, N // 4, 4]), 2, _first)
+
+
+@gluon.jit
+def _unpack_p(w, p_layout: gl.constexpr):
+    """int32 [M, N/4] from ``_pack_p`` -> the e4m3 A operand [M, N]: each word broadcast over its 4 keys, an asm
+    with pack=4 whose e4m3 output is the word itself (one mov, copy-propagated by ptxas), reshape (asserted to be
+    the A layout).  LLVM folds the byte unpack / repack around it: the wgmma reads the carried registers."""
+    M: gl.constexpr = w.shape[0]
+    N: gl.constexpr = w.shape[1] * 4
+    w4 = gl.expand_dims(w, 2).broadcast_to([M, N // 4, 4])
+    p8 = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r,r,r", [w4], dtype=gl.float8e4nv, is_pure=True,
+                                   pack=4)
+    return gl.convert_layout(gl.reshape(p8, [M, N]), p_layout, assert_trivial=True)
+
+
+@gluon.jit
+def _carry(p, p_layout: gl.constexpr, K_PERM: gl.constexpr, P_CARRY: gl.constexpr):
+    if P_CARRY == "fp32":
+        return p
+    else:
+        return _pack_p(p, p_layout, K_PERM)
+
+
+@gluon.jit
+def _carried_operand(pc, p_layout: gl.constexpr, K_PERM: gl.constexpr, P_CARRY: gl.constexpr):
+    if P_CARRY == "fp32":
+        return _to_operand(pc, p_layout, K_PERM)
+    else:
+        return _unpack_p(pc, p_layout)
 
 
 @gluon.jit
@@ -240,7 +327,7 @@ def _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bar
             acc, l_i, m_i, qscale, offs_m, Sk, causal_off, n_tiles, n_full,
             WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
             PINGPONG: gl.constexpr, K_PERM: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr,
-            row_o: gl.constexpr):
+            row_o: gl.constexpr, P_CARRY: gl.constexpr):
     """The KV loop of one warpgroup (n_tiles >= 1), FA3 intra-warpgroup overlap (issue block k = 0 .. n_tiles).
 
     Iteration j: issue S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} (async, S first), wait for S_j only, softmax of tile
@@ -261,6 +348,11 @@ def _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bar
     rs = qscale * gl.exp2(gl.load(KE).to(gl.float32))
     p, m_i, alpha, l_i = _softmax_tile(qk, m_i, l_i, rs, offs_m, 0, n_full == 0, Sk, causal_off, BLOCK_N, CAUSAL,
                                        K_PERM)
+    pc = _carry(p, p_layout, K_PERM, P_CARRY)
+    if P_CARRY == "i32xor" or P_CARRY == "i32br":
+        # 0 at run time (Sk >= 0), opaque to LLVM (asm) and to ptxas (a kernel argument): the xor below is a copy
+        # that neither folds away (an asm mov copy is coalesced by ptxas: C7513)
+        zero = gl.inline_asm_elementwise("shr.s32 $0, $1, 31;", "=r,r", [Sk], dtype=gl.int32, is_pure=True, pack=1)
     for j in range(1, n_tiles):
         s = j % STAGES
         sv = (j - 1) % STAGES
@@ -269,7 +361,7 @@ def _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bar
         qk = warpgroup_mma(q_tile, _k_operand(k_smem.index(s), BLOCK_N, HEAD_DIM, K_PERM), s_zero, use_acc=False,
                            is_async=True)
         # P_{j-1} to the A operand (and the V wait) after S_j is issued: the conversion runs under S_j
-        p8 = _to_operand(p, p_layout, K_PERM)
+        p8 = _carried_operand(pc, p_layout, K_PERM, P_CARRY)
         mbarrier.wait(v_ready.index(sv), ((j - 1) // STAGES) & 1)
         acc = warpgroup_mma(p8, v_smem.index(sv).permute((1, 0)), acc, is_async=True)
         _turn_pass(turn_bars, WG, PINGPONG)
@@ -277,16 +369,33 @@ def _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bar
         rs = qscale * gl.exp2(gl.load(KE + (n0 // K_EXP_GROUP) * stride_ket).to(gl.float32))
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))  # S_j; P_{j-1} V_{j-1} runs on
         mbarrier.arrive(k_empty.index(s), count=1)
-        p, m_new, alpha, l_i = _softmax_tile(qk, m_i, l_i, rs, offs_m, n0, j >= n_full, Sk, causal_off,
-                                             BLOCK_N, CAUSAL, K_PERM)
+        if P_CARRY == "i32br":
+            pc_new, m_new, alpha, l_i = _softmax_tile_packed(qk, m_i, l_i, rs, offs_m, n0, j >= n_full, Sk,
+                                                             causal_off, p_layout, BLOCK_N, CAUSAL, K_PERM)
+        else:
+            p, m_new, alpha, l_i = _softmax_tile(qk, m_i, l_i, rs, offs_m, n0, j >= n_full, Sk, causal_off,
+                                                 BLOCK_N, CAUSAL, K_PERM)
+        if P_CARRY == "i32early":  # packs while P_{j-1} V_{j-1} may still read its registers: ptxas C7513
+            pc = _carry(p, p_layout, K_PERM, P_CARRY)
+        elif P_CARRY == "i32copy" or P_CARRY == "i32xor":
+            pc_new = _carry(p, p_layout, K_PERM, P_CARRY)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(v_empty.index(sv), count=1)
+        if P_CARRY == "fp32":
+            pc = p
+        elif P_CARRY == "i32":  # after the P V wait: the A registers of P_{j-1} are free
+            pc = _carry(p, p_layout, K_PERM, P_CARRY)
+        elif P_CARRY == "i32copy":  # packed under P V into fresh registers, copied into the carried ones after
+            pc = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [pc_new], dtype=gl.int32, is_pure=False,
+                                           pack=1)
+        elif P_CARRY == "i32xor" or P_CARRY == "i32br":  # copy into the carried registers: xor with a runtime 0
+            pc = pc_new ^ zero
         if FWD_PROBE != 2:
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         m_i = m_new
     # issue block n_tiles: O += P_{n-1} V_{n-1}
     sv = (n_tiles - 1) % STAGES
-    p8 = _to_operand(p, p_layout, K_PERM)
+    p8 = _carried_operand(pc, p_layout, K_PERM, P_CARRY)
     mbarrier.wait(v_ready.index(sv), ((n_tiles - 1) // STAGES) & 1)
     _turn_wait(turn_bars, WG, n_tiles, PINGPONG)
     acc = warpgroup_mma(p8, v_smem.index(sv).permute((1, 0)), acc, is_async=True)
@@ -302,7 +411,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
               stride_qem, stride_ket, stride_ved, stride_om, stride_od, stride_lm,
               row0, Sq, Sk, causal_off, n_tiles, n_full, qk_scale,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, K_PERM: gl.constexpr):
+              CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, K_PERM: gl.constexpr, P_CARRY: gl.constexpr):
     """One warpgroup: query rows row0 .. row0 + 63 of the sequence (pointers already moved to (b, h))."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
@@ -323,7 +432,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
     if n_tiles > 0:
         acc, l_i, m_i = _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bars, KE,
                                 stride_ket, acc, l_i, m_i, qscale, offs_m, Sk, causal_off, n_tiles, n_full,
-                                WG, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, s_layout, p_layout, row_o)
+                                WG, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, s_layout, p_layout, row_o, P_CARRY)
 
     # ---- output: out = acc / l * 2^ve, lse = (m - 8 + log2 l) ln 2; rows that saw nothing: 0 and -inf
     empty = l_i == 0.0
@@ -351,6 +460,7 @@ def _attn_fwd_ws_kernel(
     Hq, Hkv, Sq, Sk, group_size, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, K_PERM: gl.constexpr,
+    P_CARRY: gl.constexpr,
 ):
     # heaviest query blocks first when causal (they see the most keys): shorter tail at the end of the grid
     pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
@@ -400,11 +510,11 @@ def _attn_fwd_ws_kernel(
         (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_bars,
                      QE_bh, KE_bh, VE_bh, O_bh, LSE_bh, stride_qem, stride_ket, stride_ved, stride_om, stride_od,
                      stride_lm, start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale,
-                     0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM)),
+                     0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, P_CARRY)),
         (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_bars,
                      QE_bh, KE_bh, VE_bh, O_bh, LSE_bh, stride_qem, stride_ket, stride_ved, stride_om, stride_od,
                      stride_lm, start_m + WG_ROWS, Sq, Sk, causal_off, n_tiles, n_full, qk_scale,
-                     1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM)),
+                     1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, P_CARRY)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                      b * Sq + start_m, h * HEAD_DIM, b * Sk, hk * HEAD_DIM, (b * Hkv + hk) * HEAD_DIM, n_tiles,
                      BLOCK_N, STAGES, K_PERM)),
@@ -489,6 +599,6 @@ def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None
         Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E,
         HEAD_DIM=D, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal, PINGPONG=cfg.pingpong,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, K_PERM=k_perm,
-        num_warps=4, maxnreg=cfg.maxnreg,
+        P_CARRY=cfg.p_carry, num_warps=4, maxnreg=cfg.maxnreg,
     )
     return out, lse
