@@ -375,6 +375,31 @@ def test_attn_fwd_gluon_k_perm_matches_2d(causal, seed):
         assert (out_p.float() - out_2.float()).abs().max().item() <= 1e-2 * out_2.float().abs().max().item()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("k_perm", [True, False], ids=["kperm", "k2d"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attn_fwd_gluon_packed_p_carry(causal, k_perm, seed):
+    """P carried across the loop edge as packed e4m3 words (``GluonFwdConfig.p_carry="i32br"``) against the fp32
+    carry on the same operands: the same e4m3 bytes (RN, satfinite) enter the same P V product and the row sums are
+    the same fp32 values in the same order, so out and lse are bit-identical; odd lengths, masked tiles, GQA, d64."""
+    if not _is_hopper():
+        pytest.skip("the Gluon forward needs an sm_90 GPU")
+    import dataclasses
+
+    from mxattn.kernels.quantize import row_scaled_triton
+
+    m = _gluon()
+    for B, Sq, Sk, Hq, Hkv, D in ((2, 700, 1024, 4, 2, 128), (1, 300, 2064, 4, 4, 64), (3, 129, 48, 2, 2, 128),
+                                  (1, 1000, 1003, 2, 1, 128)):
+        q, k, v = _inputs(B, Sq, Sk, Hq, Hkv, D, "cuda", seed + Sk)
+        ops = row_scaled_triton(q, "q"), row_scaled_triton(k, "k"), row_scaled_triton(v, "v")
+        cfg = dataclasses.replace(m.default_config(D, causal), k_perm=k_perm)
+        out_f, lse_f = m.attn_fwd_gluon(*ops, causal=causal, config=dataclasses.replace(cfg, p_carry="fp32"))
+        out_w, lse_w = m.attn_fwd_gluon(*ops, causal=causal, config=dataclasses.replace(cfg, p_carry="i32br"))
+        assert torch.equal(out_w, out_f), f"out {B, Sq, Sk, Hq, Hkv, D}"
+        assert torch.equal(lse_w, lse_f), f"lse {B, Sq, Sk, Hq, Hkv, D}"
+
+
 # ---------------------------------------------------------------------------------------------------- speed
 def bench_gluon_vs_tl(shapes, seed: int = 0, progress: bool = True, configs: dict | None = None) -> list[dict]:
     """TFLOP/s of the Gluon kernel, the ``tl`` kernel (both on FP8 operands prepared once, untimed) and SDPA
