@@ -82,13 +82,15 @@ class GluonFwdConfig:
     producer_regs: int = 24
     # load K key-permuted when Sk % 16 == 0 (module docstring): P's conversion to the A operand without shuffles
     k_perm: bool = True
-    # how P_{j-1} crosses the KV loop edge (docs/p8-carry-investigation.md; compile-probed only, not run yet):
-    # "fp32" (converted to e4m3 just before its wgmma); packed 4 e4m3 per int32 word, unpacked for free: "i32br"
-    # (packed inside each softmax branch, under the P V product, then copied into the carried registers after the
-    # P V wait: the candidate), "i32" (packed after the P V wait), "i32xor" (packed after the branch join: ptxas
-    # then runs it after the wait), "i32early" / "i32copy" (packed into the registers P V is still reading:
-    # ptxas serializes every wgmma, C7513)
-    p_carry: str = "fp32"
+    # how P_{j-1} crosses the KV loop edge (docs/p8-carry-investigation.md): packed 4 e4m3 per int32 word and
+    # unpacked for free, "i32br" (the default: packed inside each softmax branch, under the P V product, then
+    # copied into the carried registers after the P V wait; session 16 on the H200: out and lse bit-identical to
+    # "fp32", d128 S8k 799 against 757 TFLOP/s, causal 712 / 654, S4k 706 / 690, d64 S8k 459 / 425,
+    # `cost_probe-…-s16-carry_bench.json`); "fp32" (converted to e4m3 just before its wgmma, the kernel before);
+    # "i32" (packed after the P V wait), "i32xor" (packed after the branch join: ptxas then runs it after the
+    # wait), "i32early" / "i32copy" (packed into the registers P V is still reading: ptxas serializes every wgmma,
+    # C7513)
+    p_carry: str = "i32br"
 
 
 def default_config(head_dim: int, causal: bool) -> GluonFwdConfig:
