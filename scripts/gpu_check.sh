@@ -80,6 +80,14 @@ export PYTHONUNBUFFERED=1
 T=${MXATTN_STAGE_TIMEOUT:-420}
 unset MXATTN_TEST_SHARD  # set per test process below ("file@n", bwdgluon), never for the whole script
 status=0
+# one pytest process over tests/test_quantize_kernels.py -k "$2" (QUANT16_TEST_TIMEOUT s): OUT/$1_tests.txt, its tail
+# printed, status 1 on a failure
+quant_gpu_tests() {
+  ( timeout "${QUANT16_TEST_TIMEOUT:-150}" $PY -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider \
+      tests/test_quantize_kernels.py -k "$2"; echo "## rc $?" ) > "$OUT/$1_tests.txt" 2>&1
+  tail -5 "$OUT/$1_tests.txt"
+  grep -qE "^(FAILED|ERROR)|## rc [1-9]" "$OUT/$1_tests.txt" && status=1
+}
 # MXATTN_DEADLINE (epoch seconds) caps every command so that the call's last results still get written
 run() {
   local t=$T
@@ -337,28 +345,17 @@ json.dump(rows, open(sys.argv[2], 'w'), indent=1)
     quant16)
       # session 16 (docs/perf-notes-quantize.md): the GPU tests of V's scales-first pass from MX (one process), then
       # data-first vs scales-first side by side, then every kernel issue 3 names on this tree's defaults
-      [ "${QUANT_TESTS:-1}" = 0 ] || {
-      ( timeout "${QUANT16_TEST_TIMEOUT:-150}" $PY -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider \
-          tests/test_quantize_kernels.py -k "scales_first or test_gpu_v_exponent_from_mx or test_gpu_v_from_channel_major_mx" ;
-        echo "## rc $?" ) > "$OUT/quant16_tests.txt" 2>&1
-      tail -5 "$OUT/quant16_tests.txt"
-      grep -qE "^(FAILED|ERROR)|## rc [1-9]" "$OUT/quant16_tests.txt" && status=1
-      }
+      [ "${QUANT_TESTS:-1}" = 0 ] || \
+        quant_gpu_tests quant16 "scales_first or test_gpu_v_exponent_from_mx or test_gpu_v_from_channel_major_mx"
       run $PY scripts/quant_s14.py passes "$OUT/quant16_passes.json"
       [ "${QUANT16_ISSUE3:-1}" = 0 ] || run $PY scripts/quant_s14.py issue3 "$OUT/quant16_issue3.json" ;;
     quant16b)
       # session 16, second call: the GPU tests of V's pass-2 tiles, then the tile sweeps (scripts/quant_s14.py tiles)
-      ( timeout "${QUANT16_TEST_TIMEOUT:-150}" $PY -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider \
-          tests/test_quantize_kernels.py -k "rescale_tiles" ; echo "## rc $?" ) > "$OUT/quant16b_tests.txt" 2>&1
-      tail -5 "$OUT/quant16b_tests.txt"
-      grep -qE "^(FAILED|ERROR)|## rc [1-9]" "$OUT/quant16b_tests.txt" && status=1
+      quant_gpu_tests quant16b "rescale_tiles"
       run $PY scripts/quant_s14.py tiles "$OUT/quant16b_tiles.json" ;;
     quant16c)
       # session 16, third call: V's pass 2 on rows of channels (MX_SEQ_V_ROWS): its GPU tests, then the sweep
-      ( timeout "${QUANT16_TEST_TIMEOUT:-150}" $PY -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider \
-          tests/test_quantize_kernels.py -k "rescale_rows" ; echo "## rc $?" ) > "$OUT/quant16c_tests.txt" 2>&1
-      tail -5 "$OUT/quant16c_tests.txt"
-      grep -qE "^(FAILED|ERROR)|## rc [1-9]" "$OUT/quant16c_tests.txt" && status=1
+      quant_gpu_tests quant16c "rescale_rows"
       run $PY scripts/quant_s14.py vrows "$OUT/quant16c_rows.json" ;;
     producers)
       run $PY -c "import sys; from mxattn.producers import bench_producers; print(bench_producers(outdir=sys.argv[1]))" "$OUT"

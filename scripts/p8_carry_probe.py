@@ -46,6 +46,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
 )
 
 from scripts.compile_check_gluon import _ptxas_verbose, _resource_usage, compile_sm90, sass_loops  # noqa: E402
+from mxattn.kernels.attn_fwd_gluon import _pack_e4m3_words as _pack_asm  # noqa: E402
+from mxattn.kernels.attn_fwd_gluon import _pack_f32_words as _pack_cvt  # noqa: E402
+from mxattn.kernels.attn_fwd_gluon import _unpack_p as _unpack_asm  # noqa: E402
 
 MODES = ("fp32", "e4m3", "i32split", "i32asm", "i32asm_late", "i32cvt", "i32cvt_late", "i32cvt_copy", "i32cvt_x2",
          "regs")
@@ -65,11 +68,6 @@ def _relabel(p):
     q = gl.reshape(p, [M, N // 16, 2, 4, 2])
     q = gl.permute(q, (0, 1, 3, 2, 4))
     return gl.reshape(q, [M, N])
-
-
-@gluon.jit
-def _first(a, b):
-    return a
 
 
 @gluon.jit
@@ -97,43 +95,6 @@ def _unpack_split(w, p_layout: gl.constexpr):
     b = gl.join(gl.join(b0, b1), gl.join(b2, b3))  # [M, N/4, 2, 2]
     p8 = gl.reshape(b, [M, N]).to(gl.float8e4nv, bitcast=True)
     return gl.convert_layout(p8, p_layout, assert_trivial=True)
-
-
-@gluon.jit
-def _pack_asm(p8):
-    """e4m3 [M, N] -> int32 [M, N/4] through inline asm: with pack=4 the 4 bytes of a group arrive in one b32
-    register; the asm copies it into the group's 4 int32 outputs, and a reduce keeping the first element (in
-    registers: no instruction) selects one per group."""
-    M: gl.constexpr = p8.shape[0]
-    N: gl.constexpr = p8.shape[1]
-    w4 = gl.inline_asm_elementwise("mov.b32 $0, $4; mov.b32 $1, $4; mov.b32 $2, $4; mov.b32 $3, $4;",
-                                   "=r,=r,=r,=r,r", [p8], dtype=gl.int32, is_pure=True, pack=4)
-    return gl.reduce(gl.reshape(w4, [M, N // 4, 4]), 2, _first)
-
-
-@gluon.jit
-def _pack_cvt(p):
-    """fp32 [M, N] (A-operand element order) -> packed int32 [M, N/4] in one asm block per word:
-    cvt.rn.satfinite.e4m3x2.f32 d, hi, lo puts lo in the low byte."""
-    M: gl.constexpr = p.shape[0]
-    N: gl.constexpr = p.shape[1]
-    w4 = gl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $5, $4; cvt.rn.satfinite.e4m3x2.f32 hi, $7, $6; "
-        "mov.b32 $0, {lo, hi}; mov.b32 $1, $0; mov.b32 $2, $0; mov.b32 $3, $0; }",
-        "=r,=r,=r,=r,r,r,r,r", [p], dtype=gl.int32, is_pure=True, pack=4)
-    return gl.reduce(gl.reshape(w4, [M, N // 4, 4]), 2, _first)
-
-
-@gluon.jit
-def _unpack_asm(w, p_layout: gl.constexpr):
-    """int32 [M, N/4] -> e4m3 A operand [M, N]: broadcast each word over its 4 keys, inline asm with pack=4 whose
-    e4m3 output is one b32 register (the word itself), reshape back (asserted to be the A layout)."""
-    M: gl.constexpr = w.shape[0]
-    N: gl.constexpr = w.shape[1] * 4
-    w4 = gl.expand_dims(w, 2).broadcast_to([M, N // 4, 4])
-    p8 = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r,r,r", [w4], dtype=gl.float8e4nv, is_pure=True,
-                                   pack=4)
-    return gl.convert_layout(gl.reshape(p8, [M, N]), p_layout, assert_trivial=True)
 
 
 @gluon.jit

@@ -266,15 +266,33 @@ def _pack_p(p, p_layout: gl.constexpr, K_PERM: gl.constexpr):
     if K_PERM:
         q = gl.reshape(p, [M, N // 16, 2, 4, 2])
         q = gl.reshape(gl.permute(q, (0, 1, 3, 2, 4)), [M, N])
-        q = gl.convert_layout(q, p_layout, assert_trivial=True)
-        w4 = gl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $5, $4; cvt.rn.satfinite.e4m3x2.f32 hi, $7, $6; "
-            "mov.b32 $0, {lo, hi}; mov.b32 $1, $0; mov.b32 $2, $0; mov.b32 $3, $0; }",
-            "=r,=r,=r,=r,r,r,r,r", [q], dtype=gl.int32, is_pure=True, pack=4)
+        return _pack_f32_words(gl.convert_layout(q, p_layout, assert_trivial=True))
     else:
-        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
-        w4 = gl.inline_asm_elementwise("mov.b32 $0, $4; mov.b32 $1, $4; mov.b32 $2, $4; mov.b32 $3, $4;",
-                                       "=r,=r,=r,=r,r", [p8], dtype=gl.int32, is_pure=True, pack=4)
+        return _pack_e4m3_words(gl.convert_layout(p.to(gl.float8e4nv), p_layout))
+
+
+@gluon.jit
+def _pack_f32_words(q):
+    """fp32 [M, N] in the A operand's element order -> int32 [M, N/4]: one asm block per word (2 x
+    cvt.rn.satfinite.e4m3x2.f32, the lower key in the low byte); pack=4 writes the word into 4 outputs and a reduce
+    keeping the first (in registers: no instruction) leaves one per word."""
+    M: gl.constexpr = q.shape[0]
+    N: gl.constexpr = q.shape[1]
+    w4 = gl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $5, $4; cvt.rn.satfinite.e4m3x2.f32 hi, $7, $6; "
+        "mov.b32 $0, {lo, hi}; mov.b32 $1, $0; mov.b32 $2, $0; mov.b32 $3, $0; }",
+        "=r,=r,=r,=r,r,r,r,r", [q], dtype=gl.int32, is_pure=True, pack=4)
+    return gl.reduce(gl.reshape(w4, [M, N // 4, 4]), 2, _first)
+
+
+@gluon.jit
+def _pack_e4m3_words(p8):
+    """e4m3 [M, N] -> int32 [M, N/4]: with pack=4 the 4 bytes of a group arrive in one b32 register, copied into
+    the group's 4 outputs; the reduce keeps one per group."""
+    M: gl.constexpr = p8.shape[0]
+    N: gl.constexpr = p8.shape[1]
+    w4 = gl.inline_asm_elementwise("mov.b32 $0, $4; mov.b32 $1, $4; mov.b32 $2, $4; mov.b32 $3, $4;",
+                                   "=r,=r,=r,=r,r", [p8], dtype=gl.int32, is_pure=True, pack=4)
     return gl.reduce(gl.reshape(w4, [M, N // 4, 4]), 2, _first)
 
 

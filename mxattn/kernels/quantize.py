@@ -1336,6 +1336,34 @@ def _seq_dequant_kernel(
 
 
 @triton.jit
+def _channel_exponents(exp_ptr, b64, h64, H, D: tl.constexpr, d, in_d, st):
+    """V's per-channel exponents from pass 1 for channels ``d`` of (b, h), the sentinel read as 0; the program of the
+    first S tile writes the 0 back (readers map both the same way)."""
+    ep = exp_ptr + (b64 * H + h64) * D + d
+    E = tl.load(ep, mask=in_d, other=0)
+    E = tl.where(E == _NO_EXP, 0, E)
+    if st == 0:
+        tl.store(ep, E, mask=in_d)
+    return E
+
+
+@triton.jit
+def _store_cm_words(out_ptr, out, b64, h64, H, D: tl.constexpr, S, S_pad, st, s0, w, d, in_d,
+                    BLOCK_S: tl.constexpr, EVEN: tl.constexpr):
+    """Store words ``w`` of S tile ``st`` of channel-major rows ``d`` of (b, h) (rows of S_pad bytes); the bytes of
+    tokens >= S become 0 (NaN blocks' 0x7F bytes too), the row padding included."""
+    row_w = S_pad // 4  # words per channel-major row
+    wo = st * (BLOCK_S // 4) + w
+    op = out_ptr + (b64 * H + h64) * D * row_w + d * row_w + wo
+    if EVEN:
+        tl.store(op, out, mask=in_d)
+    else:
+        keep = S - (s0 + w * 4)
+        low = (1 << (8 * tl.minimum(tl.maximum(keep, 0), 3))) - 1
+        tl.store(op, tl.where(keep >= 4, out, out & low), mask=(wo < row_w) & in_d)
+
+
+@triton.jit
 def _seq_rescale_kernel(
     cw_ptr, swb, swh, swd,  # MX data words, as ``_seq_dequant_kernel``'s
     sc_ptr, scb, scs, sch, scd,  # MX scale bytes (B, NSB, H, D), any strides
@@ -1352,11 +1380,7 @@ def _seq_rescale_kernel(
     q4 = w * 4
     # the exponents and scale bytes first, then the words: loaded after the words, these (., 1, NDP, 32) loads gave
     # the tile their layout and the words went through shared memory twice (as in ``_hdim_rescale_kernel``)
-    ep = exp_ptr + (b64 * H + h64) * D + d
-    E = tl.load(ep, mask=in_d, other=0)
-    E = tl.where(E == _NO_EXP, 0, E)
-    if st == 0:  # the sentinel becomes 0 (readers map both the same way)
-        tl.store(ep, E, mask=in_d)
+    E = _channel_exponents(exp_ptr, b64, h64, H, D, d, in_d, st)
     sbk = tl.arange(0, BLOCK_S // 32)[:, None, None, None]
     sp = sc_ptr + (b64 * scb + (st * (BLOCK_S // 32)).to(tl.int64) * scs + h64 * sch) + sbk * scs + d * scd
     if EVEN:
@@ -1366,15 +1390,7 @@ def _seq_rescale_kernel(
         sb = tl.load(sp, mask=(s0 + sbk * 32 < S) & in_d, other=127).to(tl.int32)
         qw = tl.load(wp, mask=(s0 + q4 < S) & in_d, other=0)
     out = _rescale_words(qw, _pow2(_rs_shift(sb - 127, E)), sb != 255, SOFT)
-    row_w = S_pad // 4  # words per channel-major row
-    wo = st * (BLOCK_S // 4) + w
-    op = out_ptr + (b64 * H + h64) * D * row_w + d * row_w + wo
-    if EVEN:
-        tl.store(op, out, mask=in_d)
-    else:  # bytes of tokens >= S are 0 (NaN blocks' 0x7F bytes too)
-        keep = S - (s0 + q4)
-        low = (1 << (8 * tl.minimum(tl.maximum(keep, 0), 3))) - 1
-        tl.store(op, tl.where(keep >= 4, out, out & low), mask=(wo < row_w) & in_d)
+    _store_cm_words(out_ptr, out, b64, h64, H, D, S, S_pad, st, s0, w, d, in_d, BLOCK_S, EVEN)
 
 
 @triton.jit
@@ -1406,11 +1422,7 @@ def _seq_rescale_rows_kernel(
     in_d = d < D
     s0 = st * BLOCK_S
     q4 = w * 4
-    ep = exp_ptr + (b64 * H + h64) * D + d
-    E = tl.load(ep, mask=in_d, other=0)
-    E = tl.where(E == _NO_EXP, 0, E)
-    if st == 0:  # the sentinel becomes 0 (readers map both the same way)
-        tl.store(ep, E, mask=in_d)
+    E = _channel_exponents(exp_ptr, b64, h64, H, D, d, in_d, st)
     sp = sc_ptr + (b64 * scb + (st * (BLOCK_S // 32)).to(tl.int64) * scs + h64 * sch) + (w // 8) * scs + d * scd
     wp = cw_ptr + (b64 * swb + h64 * swh + st * (BLOCK_S // 4)) + d * swd + w
     if EVEN:
@@ -1421,15 +1433,7 @@ def _seq_rescale_rows_kernel(
         sb = tl.load(sp, mask=live, other=127).to(tl.int32)
         qw = tl.load(wp, mask=live, other=0)
     out = _rescale_words(qw, _pow2(_rs_shift(sb - 127, E)), sb != 255, SOFT)
-    row_w = S_pad // 4  # words per channel-major row
-    wo = st * (BLOCK_S // 4) + w
-    op = out_ptr + (b64 * H + h64) * D * row_w + d * row_w + wo
-    if EVEN:
-        tl.store(op, out)
-    else:  # bytes of tokens >= S are 0 (NaN blocks' 0x7F bytes too)
-        keep = S - (s0 + q4)
-        low = (1 << (8 * tl.minimum(tl.maximum(keep, 0), 3))) - 1
-        tl.store(op, tl.where(keep >= 4, out, out & low), mask=(wo < row_w) & in_d)
+    _store_cm_words(out_ptr, out, b64, h64, H, D, S, S_pad, st, s0, w, d, in_d, BLOCK_S, EVEN)
 
 
 @triton.jit
@@ -2390,7 +2394,7 @@ def _row_scaled_from_mx(mx: MXTensor, role: str, seq_dim: Optional[int], group: 
         exp = _v_exponents_from_mx(q8, sc4)
         cd, s_pad = _channel_major_buffer(B, H, D, S, dev)
         wspec = _mx_seq_words_spec(q8, sc4, kind="mx_seq_v")
-        if wspec is not None and MX_SEQ_V_ROWS is not None:  # rows of channels, long runs along S
+        if wspec is not None and MX_SEQ_V_ROWS is not None and "mx_seq_v" not in TILE_OVERRIDES:  # rows of channels
             qw, _, _, idx = wspec
             bs, cg, warps = MX_SEQ_V_ROWS
             n_tiles, n_cg = cdiv(s_pad, bs), cdiv(D, cg)
