@@ -792,18 +792,20 @@ def _rmsnorm_bytes(M: int, N: int) -> dict:
             "both": 2 * M * N + 2 * N + 2 * M * N + M * nb + N * nsb + 4 * M}
 
 
-def _bench_rmsnorm(M: int, N: int, rep: int, progress: bool, variants=None) -> list[dict]:
-    """One row per orientation with the default tiles, and one per tile of ``variants`` ({orientation: [FwdTile]},
-    orientations "seq" / "both"), each with the default's time of that orientation (``default_ms``); the device
+def _bench_rmsnorm(M: int, N: int, rep: int, progress: bool, variants=None, timing: str = "eager") -> list[dict]:
+    """One row per orientation with the default tiles, and one per tile of ``variants`` ({case: [FwdTile]}, cases
+    as in ``cases`` below), each with the default's time of that orientation (``default_ms``); the device
     copy and the unfused pair (measured once per orientation) in the same run."""
+    from mxattn.bench.quantize_bench import _graph_ms
     from mxattn.kernels import rmsnorm_quant as kr
     from mxattn.kernels.quantize import quantize_mxfp8_triton
 
+    timed = _median_ms if timing == "eager" else _graph_ms
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = torch.randn(N, device="cuda", dtype=torch.bfloat16, generator=gen)
     dst = torch.empty_like(x)
-    copy_ms = _median_ms(lambda: dst.copy_(x), rep)
+    copy_ms = timed(lambda: dst.copy_(x), rep)
     copy_gbps = 2 * x.numel() * 2 / copy_ms / 1e6
     d = 128 if N % 128 == 0 else N  # quantize_mxfp8_triton wants D <= 256: view rows as (N/128) heads of 128
 
@@ -826,13 +828,13 @@ def _bench_rmsnorm(M: int, N: int, rep: int, progress: bool, variants=None) -> l
         if orient not in unfused_ms:
             un = (lambda o=orient: unfused(o))
             un()
-            unfused_ms[orient] = _median_ms(un, rep)
+            unfused_ms[orient] = timed(un, rep)
         un_ms = unfused_ms[orient]
-        row = {"kernel": name, "M": M, "N": N, "dtype": "bfloat16", "ms": ms, "bytes": nbytes[name],
+        row = {"kernel": name, "M": M, "N": N, "dtype": "bfloat16", "timing": timing, "ms": ms, "bytes": nbytes[name],
                "gbps": nbytes[name] / ms / 1e6, "copy_gbps": copy_gbps, "unfused_ms": un_ms}
         if tile is not None:
             row["tile"] = {"block_m": tile.block_m, "block_n": tile.block_n, "num_warps": tile.num_warps,
-                           "maxnreg": tile.maxnreg, "rowsets": tile.rowsets}
+                           "maxnreg": tile.maxnreg, "rowsets": tile.rowsets, "warp_rows": tile.warp_rows}
             row["default_ms"] = default_ms
         row["pct_of_copy"] = 100.0 * row["gbps"] / copy_gbps
         row["speedup_vs_unfused"] = un_ms / ms
@@ -846,7 +848,7 @@ def _bench_rmsnorm(M: int, N: int, rep: int, progress: bool, variants=None) -> l
     default_ms = {}
     for name, (fn, _o) in cases.items():
         fn()
-        default_ms[name] = _median_ms(fn, rep)
+        default_ms[name] = timed(fn, rep)
         add_row(name, default_ms[name])
     saved = kr.TILE_OVERRIDES.get("fwd")
     try:
@@ -855,7 +857,7 @@ def _bench_rmsnorm(M: int, N: int, rep: int, progress: bool, variants=None) -> l
             for tile in tiles:
                 kr.TILE_OVERRIDES["fwd"] = tile
                 fn()
-                add_row(name, _median_ms(fn, rep), tile, default_ms[name])
+                add_row(name, timed(fn, rep), tile, default_ms[name])
     finally:
         kr.TILE_OVERRIDES.pop("fwd", None)
         if saved is not None:
@@ -949,6 +951,7 @@ def bench_producers(
     linear_tiles=(None,),
     progress: bool = True,
     rms_variants=None,
+    timing: str = "eager",
 ) -> dict:
     """Speed of the fused producers on the GPU, with their baselines measured in the same run.
 
@@ -959,18 +962,24 @@ def bench_producers(
     accumulation; row-wise) and BF16 matmul followed by ``quantize_mxfp8_triton``; ``mxattn`` is the default
     kernel choice, ``mxattn_tl`` / ``mxattn_gluon`` / ``mxattn_gluon_inline`` each kernel forced on the same
     operands (the Gluon ones on sm_90 only).  ``linear_tiles``: a list of
-    ``kernels.linear_quant.LinearTile`` (None = default) to sweep.  ``rms_variants``: {orientation: [FwdTile]}
-    ("seq" / "both"), rmsnorm_quant rows with those forward tiles beside the defaults' (``_bench_rmsnorm``).
+    ``kernels.linear_quant.LinearTile`` (None = default) to sweep.  ``rms_variants``: {case: [FwdTile]} (cases
+    "hdim", "hdim_row_scaled", "seq", "both"), or a callable of N giving that dict, rmsnorm_quant rows with those
+    forward tiles beside the defaults' (``_bench_rmsnorm``).  ``timing="graph"`` times the rmsnorm_quant rows (and
+    their copy and unfused baselines) as CUDA-graph replays: the GPU's time without the host's launch cost, which at
+    M 16k N 4096 (~0.05-0.1 ms) can exceed the kernel's.
     Returns ``{"rmsnorm_quant": rows, "linear_quant": rows}``; with ``outdir``, writes one results file per op
     that has rows (DESIGN §6) and adds the paths under ``"files"``.  Needs CUDA; importable anywhere."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench_producers needs a CUDA device")
+    if timing not in ("eager", "graph"):
+        raise ValueError(f"timing must be 'eager' or 'graph', got {timing!r}")
     rep = max(25, rep_ms // 2) if quick else rep_ms
     rms_sizes = tuple(rms_sizes)[:1] if quick else tuple(rms_sizes)
     linear_sizes = tuple(linear_sizes)[:1] if quick else tuple(linear_sizes)
     out = {"rmsnorm_quant": [], "linear_quant": []}
     for M, N in rms_sizes:
-        out["rmsnorm_quant"] += _bench_rmsnorm(M, N, rep, progress, rms_variants)
+        variants = rms_variants(N) if callable(rms_variants) else rms_variants
+        out["rmsnorm_quant"] += _bench_rmsnorm(M, N, rep, progress, variants, timing)
         torch.cuda.empty_cache()
     for M, K, N in linear_sizes:
         out["linear_quant"] += _bench_linear(M, K, N, rep, progress, linear_tiles)
@@ -992,6 +1001,27 @@ ROWSET_TILES = {
     "seq": ((32, 128, 4, None), (32, 256, 8, None), (32, 512, 16, None)),
     "both": ((32, 128, 4, None), (32, 128, 4, 128), (32, 512, 16, None)),
 }
+
+
+# the warp-row tiles (hdim orientation alone, _rmsnorm_quant_rows_kernel) the session-17 bench compares: rows per
+# program x chunk width x warps, one or more rows a warp (kernels.rmsnorm_quant.WARP_ROWS_DEFAULT is one of them)
+WARP_ROW_TILES = ((4, 256, 4), (8, 256, 4), (8, 256, 8), (16, 256, 4), (2, 256, 2))
+
+
+def warp_row_tiles() -> list:
+    """``WARP_ROW_TILES`` as ``FwdTile`` s."""
+    from mxattn.kernels.rmsnorm_quant import FwdTile
+
+    return [FwdTile(bm, bn, nw, warp_rows=True) for bm, bn, nw in WARP_ROW_TILES]
+
+
+def rmsnorm_hdim_variants(N: int) -> dict:
+    """``bench_producers``' ``rms_variants`` for the hdim orientation at width N: every warp-row tile and the 4-D
+    tile kernel's hdim tile (the default before session 17), MX scales and row-scaled output."""
+    from mxattn.kernels.rmsnorm_quant import fwd_tile
+
+    tiles = warp_row_tiles() + [fwd_tile(N, False, tiled=True)]
+    return {"hdim": tiles, "hdim_row_scaled": tiles}
 
 
 def rowset_tiles(orient: str) -> list:

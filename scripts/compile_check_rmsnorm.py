@@ -40,7 +40,7 @@ import mxattn.kernels.rmsnorm_quant as kr  # noqa: E402
 
 ISSUE_RATE = 132 * 4 * 32 * 1.98e9  # lane-instructions per second on the H200
 COPY_RATE = 4.27e12  # bytes read + written per second (DESIGN §4)
-BYTES_PER_ELEMENT = {"hdim": 2 + 1 + 1 / 32, "seq": 2 + 1 + 1 / 32, "both": 2 + 2 + 2 / 32}
+BYTES_PER_ELEMENT = {"hdim": 2 + 1 + 1 / 32, "hdimrs": 3, "seq": 2 + 1 + 1 / 32, "both": 2 + 2 + 2 / 32}
 
 
 def budget(orient: str) -> float:
@@ -53,7 +53,7 @@ def capture_launch(M: int, N: int, orient: str, tile):
     x3 = torch.empty(1, M, N, dtype=torch.bfloat16)
     w = torch.empty(N, dtype=torch.bfloat16)
     with cl.capture() as launches, cl._patched([(kr, "_soft", lambda device: False)]):
-        kr.rmsnorm_quant_fwd(x3, w, 1e-6, hdim=orient != "seq", seq=orient != "hdim", row_scaled=False,
+        kr.rmsnorm_quant_fwd(x3, w, 1e-6, hdim=orient != "seq", seq=orient not in ("hdim", "hdimrs"), row_scaled=orient == "hdimrs",
                              rceil=True, tile=tile)
     (lc,) = launches
     return lc
@@ -208,14 +208,14 @@ def report(M: int, N: int, orient: str, tile, dump: str | None) -> dict:
     m = cl.metrics(k)
     c = cl._constexprs(lc)
     threads = 32 * cl._options(lc)["num_warps"]
-    rows = c["MB"] * c["MI"] if "MB" in c else 32
-    block_n = c.get("BLOCK_N", c.get("NB", 0) * 32)
+    rows = c["MB"] * c["MI"] if "MB" in c else c.get("R", 32)
+    block_n = c.get("BLOCK_N", c.get("NB", 0) * 32) or c["NCH"] * c["CH"]  # warp rows: one pass over the row
     trips = -(-N // block_n)  # every loop of these kernels is a pass over the row's chunks
     executed, bodies = executed_per_thread(m["_asm"]["sass"], trips)
     per_elem = executed / (rows * N / threads)
     name = f"{orient} M{M} N{N} tile ({rows}, {block_n}, {threads // 32} warps" + (
         f", maxnreg {lc.kwargs['maxnreg']}" if "maxnreg" in lc.kwargs else "") + (
-        ", rowsets)" if "NB" in c else ")") + f" {lc.name}"
+        ", rowsets)" if "NB" in c else ", warp rows)" if "NCH" in c else ")") + f" {lc.name}"
     print(f"\n== {name}: grid {lc.grid}")
     ops = {key: v for key, v in m.items() if key != "_asm" and key.split(".")[0] in cl.MEM_OPS}
     print(f"   registers {m['registers (launch)']}, spills {m['spill stores + loads (ptxas -v, bytes)']}, "

@@ -384,6 +384,62 @@ def test_rmsnorm_quant_rowsets_weights_decide_the_nan_path(kernels, gen, orient)
             assert int((_u8(s.scale) == 255).sum()) > 0, "the overflow case made no NaN block: not a test"
 
 
+# ----------------------------------------------------------------------------------------------
+# rmsnorm_quant forward: the warp-row kernel (hdim orientation alone; FwdTile(warp_rows=True))
+# ----------------------------------------------------------------------------------------------
+
+# chunks of 32 / 64 columns so that the tiny rows below span several chunks and lanes; rows per program above and
+# at the warp count (each warp then holds one or two rows)
+WARP_ROW_CPU_TILES = [kr.FwdTile(4, 32, 4, warp_rows=True), kr.FwdTile(4, 64, 2, warp_rows=True)]
+
+WARP_ROW_CASES = [
+    # shape, dtype, row_scaled, scale_mode
+    ((2, 37, 160), torch.bfloat16, False, "rceil"),  # two batches, 37 % 4 = 1 row in the last program; N = 5 blocks
+    ((3, 7, 200), torch.float32, True, "floor"),  # N not a multiple of 32, row-scaled
+    ((9, 1), torch.float16, False, "rceil"),  # N = 1
+    ((11, 256), torch.bfloat16, True, "rceil"),  # whole chunks, row-scaled
+    ((6, 96), torch.bfloat16, False, "floor"),
+]
+
+
+@pytest.mark.parametrize("tile", WARP_ROW_CPU_TILES, ids=_tile_id)
+@pytest.mark.parametrize("shape,dtype,row_scaled,mode", WARP_ROW_CASES, ids=str)
+def test_rmsnorm_quant_warp_rows_bit_exact(kernels, gen, tile, shape, dtype, row_scaled, mode):
+    kr.TILE_OVERRIDES["fwd"] = tile
+    x = _rand(shape, dtype, gen, 3.0)
+    w = _rand(shape[-1:], dtype, gen)
+    w[::7] = -w[::7].abs()
+    _check_rmsnorm(x, w, 1e-5, "hdim", mode, row_scaled, f"warp rows {_tile_id(tile)} {shape} {dtype} {mode}")
+
+
+def test_rmsnorm_quant_warp_rows_special_values(kernels, gen):
+    """Inf / NaN / zero / tiny / overflowing rows (the NaN path) and all-finite programs (the short path) in one
+    tensor, both scale rules, eps 0 (zero rows become NaN rows), MX scales and row-scaled output."""
+    kr.TILE_OVERRIDES["fwd"] = kr.FwdTile(4, 32, 4, warp_rows=True)
+    x = _special_rows(gen).to(DEVICE)
+    w = _rand((64,), torch.float32, gen)
+    w[9] = 0.0
+    w[11] = -w[11].abs()
+    for mode in ("rceil", "floor"):
+        for eps in (1e-6, 0.0):
+            for rs in (False, True):
+                _check_rmsnorm(x, w, eps, "hdim", mode, rs, f"warp rows special {mode} eps={eps} rs={rs}")
+
+
+def test_rmsnorm_quant_warp_rows_weights_decide_the_nan_path(kernels, gen):
+    """All rows finite: a weight at or above 2^120 must take the NaN-handling path (y overflows to Inf: scale
+    byte 255), one just below keeps the short one."""
+    kr.TILE_OVERRIDES["fwd"] = kr.FwdTile(4, 32, 4, warp_rows=True)
+    x = _rand((2, 9, 64), torch.float32, gen, 2.0)
+    for big, what in ((3e38, "overflowing weight"), (2.0 ** 119 * 1.99, "largest finite-path weight"),
+                      (float("inf"), "Inf weight"), (float("nan"), "NaN weight")):
+        w = _rand((64,), torch.float32, gen)
+        w[3] = big
+        got = _check_rmsnorm(x, w, 1e-6, "hdim", "rceil", False, f"warp rows {what}")
+        if big == 3e38:
+            assert int((_u8(got.out.scale) == 255).sum()) > 0, "the overflow case made no NaN block: not a test"
+
+
 def test_fwd_tile_defaults():
     """seq / both with MX scales take the row-set tiles the session-12 bench chose; row-scaled output and rows
     narrower than the tile's chunk keep the 4-D tile kernel; hdim-only is unchanged."""
@@ -394,11 +450,20 @@ def test_fwd_tile_defaults():
         assert kr.fwd_tile(N, True, hdim=True) == both
         assert not kr.fwd_tile(N, True, row_scaled=True, hdim=True).rowsets
         assert not kr.fwd_tile(N, False).rowsets
+        # hdim alone: the warp-row kernel up to 8192 columns, unless the scales go to the Blackwell layout
+        assert kr.fwd_tile(N, False).warp_rows == (N <= kr.WARP_ROWS_MAX_N)
+        assert not kr.fwd_tile(N, False, tiled=True).warp_rows
+    assert kr.fwd_tile(100, False) == kr.WARP_ROWS_DEFAULT
+    assert kr.WARP_ROWS_DEFAULT in P.warp_row_tiles()  # the bench compares the default with the others
     assert not kr.fwd_tile(seq.block_n - 1, True).rowsets
     assert not kr.fwd_tile(both.block_n - 1, True, hdim=True).rowsets
     with pytest.raises(ValueError, match="row-set tile"):
         kr.rmsnorm_quant_fwd(torch.zeros(1, 4, 64), torch.ones(64), 1e-6, hdim=True, seq=True, row_scaled=True,
                              rceil=True, tile=kr.FwdTile(32, 64, 4, rowsets=True))
+    for seq, n in ((True, 64), (False, 2 * kr.WARP_ROWS_MAX_N)):
+        with pytest.raises(ValueError, match="warp-row tile"):
+            kr.rmsnorm_quant_fwd(torch.zeros(1, 4, n), torch.ones(n), 1e-6, hdim=True, seq=seq, row_scaled=False,
+                                 rceil=True, tile=kr.FwdTile(4, 256, 4, warp_rows=True))
 
 
 @triton.jit
@@ -767,6 +832,49 @@ def test_gpu_rmsnorm_quant_bit_exact(kernels, gen, monkeypatch, soft, M, N, orie
     x = _rand((3, M // 3, N) if orient != "hdim" else (M, N), torch.bfloat16, gen, 4.0)
     w = _rand((N,), torch.bfloat16, gen)
     _check_rmsnorm(x, w, 1e-6, orient, "rceil", row_scaled, f"gpu M{M} N{N} {orient} soft={soft}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", P.warp_row_tiles(), ids=_tile_id)
+@pytest.mark.parametrize("M,N", [(2048, 4096), (3 * 341, 8192), (999, 1000), (96, 100), (37, 6000)])
+def test_gpu_rmsnorm_quant_warp_rows_bit_exact(kernels, gen, tile, M, N):
+    """Every warp-row tile the bench compares (producers.WARP_ROW_TILES), MX scales and row-scaled output, whole and
+    partial programs and chunks (EVEN and not)."""
+    kr.TILE_OVERRIDES["fwd"] = tile
+    x = _rand((M, N), torch.bfloat16, gen, 4.0)
+    w = _rand((N,), torch.bfloat16, gen)
+    w[::7] = -w[::7].abs()
+    for rs in (False, True):
+        _check_rmsnorm(x, w, 1e-6, "hdim", "rceil", rs, f"gpu warp rows {_tile_id(tile)} M{M} N{N} rs={rs}")
+
+
+@pytest.mark.gpu
+def test_gpu_rmsnorm_quant_warp_rows_soft_floor_dtypes_special(kernels, gen, monkeypatch):
+    """The default warp-row tile with the explicit rounding, FLOOR, fp16 / fp32 inputs, and the special rows (Inf /
+    NaN / zero / overflowing, eps 0) and huge weights: no branch decides these in this kernel, the exponent select
+    and the hardware conversion must give the reference's bytes."""
+    kr.TILE_OVERRIDES["fwd"] = kr.WARP_ROWS_DEFAULT
+    for soft, mode, dtype in ((True, "rceil", torch.bfloat16), (False, "floor", torch.float16),
+                              (True, "floor", torch.float32)):
+        monkeypatch.setattr(kq, "SOFT_ROUND_ON_GPU", soft)
+        x = _rand((777, 1024), dtype, gen, 4.0)
+        w = _rand((1024,), dtype, gen)
+        for rs in (False, True):
+            _check_rmsnorm(x, w, 1e-6, "hdim", mode, rs, f"gpu warp rows soft={soft} {mode} {dtype} rs={rs}")
+    monkeypatch.setattr(kq, "SOFT_ROUND_ON_GPU", False)
+    x = _special_rows(gen).to(DEVICE)
+    w = _rand((64,), torch.float32, gen)
+    w[9] = 0.0
+    for mode in ("rceil", "floor"):
+        for eps in (1e-6, 0.0):
+            for rs in (False, True):
+                _check_rmsnorm(x, w, eps, "hdim", mode, rs, f"gpu warp rows special {mode} eps={eps} rs={rs}")
+    x2 = _rand((2, 40, 300), torch.float32, gen, 2.0)
+    for big in (3e38, 2.0 ** 119 * 1.99, float("inf"), float("nan")):
+        w2 = _rand((300,), torch.float32, gen)
+        w2[3] = big
+        for rs in (False, True):
+            _check_rmsnorm(x2, w2, 1e-6, "hdim", "rceil", rs, f"gpu warp rows weight {big} rs={rs}")
 
 
 def _gpu_rowset_tiles():
