@@ -20,6 +20,7 @@ What is checked:
 from __future__ import annotations
 
 import importlib
+import math
 import os
 from typing import Optional
 
@@ -424,6 +425,44 @@ def test_rmsnorm_quant_warp_rows_special_values(kernels, gen):
         for eps in (1e-6, 0.0):
             for rs in (False, True):
                 _check_rmsnorm(x, w, eps, "hdim", mode, rs, f"warp rows special {mode} eps={eps} rs={rs}")
+
+
+def _rows_at_exponent_edges(mode: str, w0: float, n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows whose largest |y| lies within a few ulps of an edge of the exponent rule (RCEIL: 1.75 * 2^k, FLOOR:
+    2^k), where the row-scaled kernel's estimate of E from pass 1 must give way to the exact walk: x = [a, 0.5, ...]
+    with a stepped one fp32 ulp at a time around the crossing, the first channel's weight w0."""
+    edge = 7.0 if mode == "rceil" else 8.0  # 1.75 * 2^2 / 2^3
+    lo, hi = 0.5, 64.0  # y0(a) = w0 a rstd(a) grows with a: bisect for y0 = edge
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        y0 = w0 * mid / math.sqrt((mid * mid + (n - 1) * 0.25) / n + 1e-6)
+        lo, hi = (mid, hi) if y0 < edge else (lo, mid)
+    x = torch.full((25, n), 0.5)
+    x[:, 0] = lo * (1 + torch.arange(-12, 13, dtype=torch.float64) * 2.0 ** -23)
+    w = torch.ones(n)
+    w[0] = w0
+    return x, w
+
+
+def _rule(a: torch.Tensor, mode: str) -> torch.Tensor:
+    b = a.to(torch.float32).view(torch.int32).to(torch.int64)
+    return ((b + 0x1FFFFF) >> 23) if mode == "rceil" else (b >> 23)
+
+
+@pytest.mark.parametrize("mode", ["rceil", "floor"])
+def test_rmsnorm_quant_warp_rows_exponent_edges(kernels, mode):
+    """Row-scaled output of rows at the exponent rule's edges, where the kernel's estimate of E from pass 1
+    (max |x w| times rstd) and the true max |y| round differently (``_rows_exponent_estimate`` must refuse it):
+    bit-exact with the reference; the rows are checked to hold such a disagreement, so the test can fail."""
+    kr.TILE_OVERRIDES["fwd"] = kr.FwdTile(4, 32, 4, warp_rows=True)
+    split = 0
+    for w0 in (1.0, 1.1, 0.9, 1.3, 1.75, 1.9):
+        x, w = _rows_at_exponent_edges(mode, w0)
+        y, rstd = P.rmsnorm_reference(x, w, 1e-6)
+        est = (x.abs() * w.abs()).max(1).values * rstd
+        split += int((_rule(y.abs().max(1).values, mode) != _rule(est, mode)).sum())
+        _check_rmsnorm(x.to(DEVICE), w.to(DEVICE), 1e-6, "hdim", mode, True, f"exponent edges {mode} w0 {w0}")
+    assert split > 0, "no row where the estimate and the true maximum get different exponents: not a test"
 
 
 def test_rmsnorm_quant_warp_rows_weights_decide_the_nan_path(kernels, gen):

@@ -865,6 +865,25 @@ def _rows_pass2(xp, wp, hd_base, hs_base, rstd, S_rem, N, E,
 
 
 @triton.jit
+def _rows_exponent_estimate(ss, rstd, m_xw, w_max, RCEIL: tl.constexpr):
+    """Each row's exponent E from pass 1 alone, and where that is certain (R,).
+
+    With every y finite, E is the exponent rule applied to A = max |y| (the rule is monotone and every block whose
+    maximum exceeds 2^-137 is nonzero).  A_est = fl(max fl(|x w|) * rstd) is within 4 u (u = 2^-24) of A: both are
+    max |x_i w_i| rstd rounded twice, if no intermediate is subnormal.  So E = rule(A_est) wherever the rule gives
+    the same exponent 8 ulps on either side of A_est.  Certain only if the row's sum and rstd are finite, |w| <
+    2^120 (y then cannot overflow), A_est >= 2^-100 |w|max and max |x w| >= 2^-100 (no subnormal intermediate can
+    reach the maximum); elsewhere the kernel walks the row for E (``_rows_exponents``)."""
+    a = m_xw * rstd
+    ab = a.to(tl.int32, bitcast=True)
+    e_lo = _finite_exponent(ab - 8, RCEIL)
+    e_hi = _finite_exponent(ab + 8, RCEIL)
+    sure = _finite(ss) & _finite(rstd) & (w_max < 2.0 ** 120) & (m_xw >= 2.0 ** -100) & (a >= w_max * 2.0 ** -100)
+    sure = sure & (ab < 0x7F000000) & (e_lo == e_hi)
+    return e_hi, sure
+
+
+@triton.jit
 def _rows_exponents(xp, wp, rstd, S_rem, N, R: tl.constexpr, NCH: tl.constexpr, CH: tl.constexpr,
                     RCEIL: tl.constexpr, EVEN: tl.constexpr):
     """Row-scaled output: each row's exponent E (R, 1, 1), the largest block exponent among its blocks that
@@ -914,6 +933,11 @@ def _rmsnorm_quant_rows_kernel(
     xf = _to_f32(_rows_load(x_ptr + b64 * sxb + (s0 + r).to(tl.int64) * sxs + n, (r < S_rem) & (n < N), EVEN,
                             "evict_last"))
     ss = _pairwise_rows(tl.reshape(xf * xf, (R, NP)), R, NP, LOG_NP)
+    if ROWSCALED:
+        # for the row exponents' estimate (_rows_exponent_estimate): max |x w| per row and max |w|
+        wf = _to_f32(_rows_load(w_ptr + n + r * 0, n < N, EVEN, "evict_last"))
+        m_xw = tl.max(tl.reshape(tl.abs(xf * wf), (R, NP)), axis=1)
+        w_max = tl.max(tl.reshape(tl.abs(wf), (R, NP)), axis=1)
     rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, n_f) + eps))  # (R,)
     rl = tl.arange(0, R)
     # this store also keeps LLVM from reusing pass 1's loads in pass 2 (it may alias them)
@@ -923,7 +947,11 @@ def _rmsnorm_quant_rows_kernel(
     xp = x_ptr + b64 * sxb + (s0 + r2).to(tl.int64) * sxs
     wp = w_ptr + r2 * 0  # the weight at the rows' shape, so that it gets their layout (each warp reads its copy)
     if ROWSCALED:
-        E = _rows_exponents(xp, wp, rstd, S_rem, N, R, NCH, CH, RCEIL, EVEN)
+        E_est, sure = _rows_exponent_estimate(ss, rstd, m_xw, w_max, RCEIL)
+        if tl.min((sure | (rl >= S_rem)).to(tl.int32)) == 1:
+            E = tl.reshape(E_est, (R, 1, 1))
+        else:
+            E = _rows_exponents(xp, wp, rstd, S_rem, N, R, NCH, CH, RCEIL, EVEN)
         rr = tl.arange(0, R)[:, None, None]
         tl.store(hs_ptr + row + rr, E, mask=rr < S_rem)
         _rows_pass2(xp, wp, hd_ptr + row * N, hs_ptr, rstd, S_rem, N, E, R, NCH, CH, True, RCEIL, SOFT, EVEN)
