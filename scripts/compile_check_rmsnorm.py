@@ -235,7 +235,10 @@ def _parse_tile(text: str):
     nums = [int(p) for p in parts[:3]]
     rest = parts[3:]
     maxnreg = int(rest.pop(0)) if rest and rest[0].isdigit() else None
-    extra = {name: True for name in rest}
+    extra = {}
+    for name in rest:  # flags (rowsets, warp_rows) or key=int (stages=3)
+        key, _, val = name.partition("=")
+        extra[key] = int(val) if val else True
     return kr.FwdTile(*nums, maxnreg, **extra)
 
 
