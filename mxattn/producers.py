@@ -834,7 +834,8 @@ def _bench_rmsnorm(M: int, N: int, rep: int, progress: bool, variants=None, timi
                "gbps": nbytes[name] / ms / 1e6, "copy_gbps": copy_gbps, "unfused_ms": un_ms}
         if tile is not None:
             row["tile"] = {"block_m": tile.block_m, "block_n": tile.block_n, "num_warps": tile.num_warps,
-                           "maxnreg": tile.maxnreg, "rowsets": tile.rowsets, "warp_rows": tile.warp_rows}
+                           "maxnreg": tile.maxnreg, "rowsets": tile.rowsets, "warp_rows": tile.warp_rows,
+                           "token_blocks": tile.token_blocks, "word_bytes": tile.word_bytes}
             row["default_ms"] = default_ms
         row["pct_of_copy"] = 100.0 * row["gbps"] / copy_gbps
         row["speedup_vs_unfused"] = un_ms / ms
@@ -1006,6 +1007,9 @@ ROWSET_TILES = {
 # the warp-row tiles (hdim orientation alone, _rmsnorm_quant_rows_kernel) the session-17 bench compares: rows per
 # program x chunk width x warps, one or more rows a warp (kernels.rmsnorm_quant.WARP_ROWS_DEFAULT is one of them)
 WARP_ROW_TILES = ((4, 256, 4), (8, 256, 4), (8, 256, 8), (16, 256, 4), (2, 256, 2))
+# the token-block tiles (seq / both, _rmsnorm_quant_blocks_kernel): 32 tokens x chunk width x warps (8 warps a
+# 256-wide chunk), seq words stored 16 or 4 bytes at a time
+TOKEN_BLOCK_TILES = ((32, 256, 8, 16), (32, 512, 16, 16), (32, 256, 8, 4))
 
 
 def warp_row_tiles() -> list:
@@ -1015,13 +1019,21 @@ def warp_row_tiles() -> list:
     return [FwdTile(bm, bn, nw, warp_rows=True) for bm, bn, nw in WARP_ROW_TILES]
 
 
-def rmsnorm_hdim_variants(N: int) -> dict:
-    """``bench_producers``' ``rms_variants`` for the hdim orientation at width N: every warp-row tile and the 4-D
-    tile kernel's hdim tile (the default before session 17), MX scales and row-scaled output."""
+def token_block_tiles() -> list:
+    """``TOKEN_BLOCK_TILES`` as ``FwdTile`` s."""
+    from mxattn.kernels.rmsnorm_quant import FwdTile
+
+    return [FwdTile(bm, bn, nw, token_blocks=True, word_bytes=wb) for bm, bn, nw, wb in TOKEN_BLOCK_TILES]
+
+
+def rmsnorm_kernel_variants(N: int) -> dict:
+    """``bench_producers``' ``rms_variants`` at width N (session 17): every warp-row tile and the 4-D tile kernel's
+    hdim tile (the default before) for the hdim cases (MX scales and row-scaled), every token-block tile for seq and
+    both (beside the row-set defaults)."""
     from mxattn.kernels.rmsnorm_quant import fwd_tile
 
-    tiles = warp_row_tiles() + [fwd_tile(N, False, tiled=True)]
-    return {"hdim": tiles, "hdim_row_scaled": tiles}
+    hdim = warp_row_tiles() + [fwd_tile(N, False, tiled=True)]
+    return {"hdim": hdim, "hdim_row_scaled": hdim, "seq": token_block_tiles(), "both": token_block_tiles()}
 
 
 def rowset_tiles(orient: str) -> list:

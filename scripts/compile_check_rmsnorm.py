@@ -215,7 +215,7 @@ def report(M: int, N: int, orient: str, tile, dump: str | None) -> dict:
     per_elem = executed / (rows * N / threads)
     name = f"{orient} M{M} N{N} tile ({rows}, {block_n}, {threads // 32} warps" + (
         f", maxnreg {lc.kwargs['maxnreg']}" if "maxnreg" in lc.kwargs else "") + (
-        ", rowsets)" if "NB" in c else ", warp rows)" if "NCH" in c else ")") + f" {lc.name}"
+        ", rowsets)" if "NB" in c else ", token blocks)" if "LOG_CH" in c else ", warp rows)" if "NCH" in c else ")") + f" {lc.name}"
     print(f"\n== {name}: grid {lc.grid}")
     ops = {key: v for key, v in m.items() if key != "_asm" and key.split(".")[0] in cl.MEM_OPS}
     print(f"   registers {m['registers (launch)']}, spills {m['spill stores + loads (ptxas -v, bytes)']}, "

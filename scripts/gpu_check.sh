@@ -42,9 +42,9 @@
 #   rmsnormrows  rmsnorm_quant's row-set kernel (perf-notes-producers.md, session 12): every rmsnorm GPU test as four
 #              processes side by side (grouped by tile: each builds only its kernels), then bench_producers with
 #              the row-set tiles (producers.ROWSET_TILES) beside the defaults, rmsnorm only, alone on the GPU
-#   rmsnormwarp  rmsnorm_quant's warp-row hdim kernel (perf-notes-producers.md, session 17): its GPU tests, then
-#              bench_producers with the warp-row tiles and the old hdim tile beside the default, as CUDA-graph
-#              replays and eagerly
+#   rmsnormwarp  rmsnorm_quant's warp-row hdim and token-block seq / both kernels (perf-notes-producers.md, session
+#              17): their tests on the GPU, then bench_producers with their tiles (and the old hdim tile) beside the
+#              defaults, as CUDA-graph replays and eagerly
 #   varlen     jagged forward vs the dense kernel at 50 % fill
 #   varlensweep  the same over several length draws, d128 and d64, and d64 tile configs
 #   varlenbwd  jagged backward (Gluon jagged mode, the Hopper default, asked here by name: compile checks, tiny cases, its GPU
@@ -381,13 +381,15 @@ json.dump(rows, open(sys.argv[2], 'w'), indent=1)
       done
       run $PY -c "import sys; from mxattn.producers import bench_producers, rowset_tiles; bench_producers(rep_ms=50, outdir=sys.argv[1], linear_sizes=(), rms_variants={o: rowset_tiles(o) for o in ('seq', 'both')})" "$OUT" ;;
     rmsnormwarp)
-      # session 17: the warp-row hdim kernel (perf-notes-producers.md): its GPU tests (two processes), then
-      # bench_producers with every warp-row tile and the 4-D tile kernel's beside the default, rmsnorm only, alone on
-      # the GPU, timed as CUDA-graph replays and eagerly (two rmsnorm_quant results files)
+      # session 17: the warp-row hdim kernel and the token-block seq / both kernel (perf-notes-producers.md): their
+      # tests on the GPU (three processes), then bench_producers with every warp-row tile and the 4-D tile kernel's
+      # (hdim) and every token-block tile (seq, both) beside the defaults, rmsnorm only, alone on the GPU, timed as
+      # CUDA-graph replays and eagerly (two rmsnorm_quant results files)
       pids=()
       i=0
       # the CPU-marked warp-row tests too: on the GPU machine they run the compiled kernels
-      for g in "warp_rows and not special and not edges" "(warp_rows and (special or edges)) or fwd_tile"; do
+      for g in "warp_rows and not special and not edges" "(warp_rows and (special or edges)) or fwd_tile" \
+               "token_blocks"; do
         i=$((i + 1))
         ( export OMP_NUM_THREADS=4; echo "-k $g"
           run $PY -m pytest -q -rfE -p no:cacheprovider tests/test_producers.py -k "$g"
@@ -399,7 +401,7 @@ json.dump(rows, open(sys.argv[2], 'w'), indent=1)
         echo "--- $f"; tail -n 6 "$f"; grep -q "^exit 0$" "$f" || status=1
       done
       for timing in graph eager; do
-        run $PY -c "import sys; from mxattn.producers import bench_producers, rmsnorm_hdim_variants; bench_producers(rep_ms=50, outdir=sys.argv[1], linear_sizes=(), rms_variants=rmsnorm_hdim_variants, timing=sys.argv[2])" "$OUT" "$timing"
+        run $PY -c "import sys; from mxattn.producers import bench_producers, rmsnorm_kernel_variants; bench_producers(rep_ms=50, outdir=sys.argv[1], linear_sizes=(), rms_variants=rmsnorm_kernel_variants, timing=sys.argv[2])" "$OUT" "$timing"
       done ;;
     varlen)
       run $PY -c "

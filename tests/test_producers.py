@@ -479,6 +479,42 @@ def test_rmsnorm_quant_warp_rows_weights_decide_the_nan_path(kernels, gen):
             assert int((_u8(got.out.scale) == 255).sum()) > 0, "the overflow case made no NaN block: not a test"
 
 
+# ----------------------------------------------------------------------------------------------
+# rmsnorm_quant forward: the token-block kernel (seq / both, MX scales; FwdTile(token_blocks=True))
+# ----------------------------------------------------------------------------------------------
+
+BLOCK_CPU_TILES = [kr.FwdTile(32, 32, 8, token_blocks=True), kr.FwdTile(32, 64, 8, token_blocks=True)]
+
+
+@pytest.mark.parametrize("tile", BLOCK_CPU_TILES, ids=_tile_id)
+@pytest.mark.parametrize("shape,dtype,orient,mode", ROWSET_CASES, ids=str)
+def test_rmsnorm_quant_token_blocks_bit_exact(kernels, gen, tile, shape, dtype, orient, mode):
+    kr.TILE_OVERRIDES["fwd"] = tile
+    x = _rand(shape, dtype, gen, 3.0)
+    w = _rand(shape[-1:], dtype, gen)
+    w[::7] = -w[::7].abs()  # negative weights: padding tokens must still come out as +0 bytes
+    _check_rowsets(x, w, 1e-5, orient, mode, f"token blocks {_tile_id(tile)} {shape} {dtype} {orient} {mode}")
+
+
+@pytest.mark.parametrize("orient", ["seq", "both"])
+def test_rmsnorm_quant_token_blocks_special_values(kernels, gen, orient):
+    """Inf / NaN / zero / tiny / overflowing rows, eps 0, zero and huge weights: no branch decides these in this
+    kernel; the exponent select, the conversion and the padding tokens' rstd of 0 must give the reference's bytes."""
+    kr.TILE_OVERRIDES["fwd"] = kr.FwdTile(32, 32, 8, token_blocks=True)
+    x = _special_rows(gen).to(DEVICE)
+    w = _rand((64,), torch.float32, gen)
+    w[9] = 0.0
+    w[11] = -w[11].abs()
+    for mode in ("rceil", "floor"):
+        for eps in (1e-6, 0.0):
+            _check_rowsets(x, w, eps, orient, mode, f"token blocks special {orient} {mode} eps={eps}")
+    x2 = _rand((2, 40, 64), torch.float32, gen, 2.0)
+    for big in (3e38, 2.0 ** 119 * 1.99, float("inf"), float("nan")):
+        w2 = _rand((64,), torch.float32, gen)
+        w2[3] = big
+        _check_rowsets(x2, w2, 1e-6, orient, "rceil", f"token blocks weight {big} {orient}")
+
+
 def test_fwd_tile_defaults():
     """seq / both with MX scales take the row-set tiles the session-12 bench chose; row-scaled output and rows
     narrower than the tile's chunk keep the 4-D tile kernel; hdim-only is unchanged."""
@@ -914,6 +950,33 @@ def test_gpu_rmsnorm_quant_warp_rows_soft_floor_dtypes_special(kernels, gen, mon
         w2[3] = big
         for rs in (False, True):
             _check_rmsnorm(x2, w2, 1e-6, "hdim", "rceil", rs, f"gpu warp rows weight {big} rs={rs}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", P.token_block_tiles(), ids=lambda t: _tile_id(t) + f"w{t.word_bytes}")
+@pytest.mark.parametrize("orient", ["seq", "both"])
+@pytest.mark.parametrize("M,N", [(2048, 4096), (3 * 341, 8192), (999, 1000), (96, 100)])
+def test_gpu_rmsnorm_quant_token_blocks_bit_exact(kernels, gen, tile, orient, M, N):
+    """Every token-block tile the bench compares (producers.TOKEN_BLOCK_TILES), whole and partial blocks and chunks,
+    the channel-major padding bytes included."""
+    kr.TILE_OVERRIDES["fwd"] = tile
+    x = _rand((3, M // 3, N), torch.bfloat16, gen, 4.0)
+    w = _rand((N,), torch.bfloat16, gen)
+    w[::7] = -w[::7].abs()
+    _check_rowsets(x, w, 1e-6, orient, "rceil", f"gpu token blocks {_tile_id(tile)} M{M} N{N} {orient}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("orient", ["seq", "both"])
+def test_gpu_rmsnorm_quant_token_blocks_soft_floor_dtypes(kernels, gen, monkeypatch, orient):
+    """The first token-block tile with the explicit rounding, FLOOR and fp16 / fp32 inputs on the GPU."""
+    kr.TILE_OVERRIDES["fwd"] = P.token_block_tiles()[0]
+    for soft, mode, dtype in ((True, "rceil", torch.bfloat16), (False, "floor", torch.float16),
+                              (True, "floor", torch.float32)):
+        monkeypatch.setattr(kq, "SOFT_ROUND_ON_GPU", soft)
+        x = _rand((2, 777, 1024), dtype, gen, 4.0)
+        w = _rand((1024,), dtype, gen)
+        _check_rowsets(x, w, 1e-6, orient, mode, f"gpu token blocks soft={soft} {mode} {dtype} {orient}")
 
 
 def _gpu_rowset_tiles():

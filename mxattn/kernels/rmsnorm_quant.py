@@ -114,6 +114,12 @@ class FwdTile:
     # hdim orientation only, whole rows (block_m rows, block_n the chunk width of the (rows, chunks, block_n) tile):
     # the warp-row kernel (``_rmsnorm_quant_rows_kernel``), each row inside one warp
     warp_rows: bool = False
+    # seq orientation (with or without hdim), MX scales, block_m 32 (one seq block), block_n the chunk width of the
+    # (8, 4, block_n) tile: the token-block kernel (``_rmsnorm_quant_blocks_kernel``)
+    token_blocks: bool = False
+    # token-block kernel: bytes per store of the channel-major seq words (16: four words of a channel after a
+    # transposition through shared memory; 4: each word stored by the thread that packed it)
+    word_bytes: int = 16
 
 
 @dataclass(frozen=True)
@@ -960,6 +966,188 @@ def _rmsnorm_quant_rows_kernel(
                     False, RCEIL, SOFT, EVEN)
 
 
+# ----------------------------------------------------------------------------------------------
+# Token-block forward (seq orientation, with or without hdim; MX scales)
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _blocks_rows(xrow, c: tl.constexpr, CH: tl.constexpr, S_rem, N, EVEN: tl.constexpr, EVICT: tl.constexpr):
+    """Raw x of chunk ``c`` of the program's 32 tokens as (8, 4, CH) (``xrow``: the (8, 4, 1) row pointers): token
+    4 w + k at [w, k], channel c CH + j at [.., j].  Triton lays j over the lanes (8 a thread), w over the warps and
+    k in registers: a thread holds 4 consecutive tokens of its 8 channels (one seq word each) and a token's chunk
+    stays in one warp."""
+    j = c * CH + tl.arange(0, CH)[None, None, :]
+    r = 4 * tl.arange(0, 8)[:, None, None] + tl.arange(0, 4)[None, :, None]
+    return _rows_load(xrow + j, (r < S_rem) & (j < N), EVEN, EVICT)
+
+
+@triton.jit
+def _blocks_hdim(y, hd_base, hs_base, c: tl.constexpr, S_rem, N, NBH, CH: tl.constexpr, RCEIL: tl.constexpr,
+                 SOFT: tl.constexpr):
+    """hdim blocks of one chunk of the token-block kernel (y (8, 4, CH)): bytes to ``hd_base`` (row stride N), scale
+    bytes to ``hs_base`` (row stride NBH).  As in the warp-row kernel: the block maximum over 8 values and the quad's
+    4 lanes, the stores through pointers laid out as the values are ((blocks, w, k, 32) with the contiguity declared
+    8; (quad lane, blocks, w, k) masked to the quad's first lane), so nothing goes through shared memory."""
+    NBC: tl.constexpr = CH // 32
+    y4 = tl.reshape(y, (8, 4, NBC, 32))
+    a4 = tl.reduce(tl.abs(tl.reshape(y4, (8, 4, NBC, 4, 8))), 4, _max_keep_nan)
+    amax = tl.reduce(a4, 3, _max_keep_nan, keep_dims=True).to(tl.int32, bitcast=True)  # (8, 4, NBC, 1)
+    out = _e4m3_run(y4 * _pow2(-_rows_exponent(amax, RCEIL)), SOFT)
+    if SOFT:
+        out |= _nan_fill(y4.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.uint8)
+    blk = tl.arange(0, NBC)[:, None, None, None]
+    r = 4 * tl.arange(0, 8)[None, :, None, None] + tl.arange(0, 4)[None, None, :, None]
+    n = c * CH + blk * 32 + tl.arange(0, 32)[None, None, None, :]
+    off = tl.max_contiguous(r * N + n, [1, 1, 1, 8])
+    tl.store(hd_base + off, tl.permute(out, (2, 0, 1, 3)), mask=(r < S_rem) & (n < N))
+    amax_q = tl.broadcast_to(amax, (8, 4, NBC, 4))
+    eq = _rows_exponent(amax_q, RCEIL)
+    sc = tl.where(amax_q >= _INF_BITS, 255, tl.where(amax_q == 0, 127, eq + 127)).to(tl.uint8)
+    q = tl.arange(0, 4)[:, None, None, None]
+    bq = c * NBC + tl.arange(0, NBC)[None, :, None, None]
+    rq = 4 * tl.arange(0, 8)[None, None, :, None] + tl.arange(0, 4)[None, None, None, :]
+    soff = tl.max_contiguous(rq * NBH + bq + q * 0, [1, 1, 1, 1])
+    tl.store(hs_base + soff, tl.permute(sc, (3, 2, 0, 1)), mask=(q == 0) & (rq < S_rem) & (bq < NBH))
+
+
+@triton.jit
+def _pairwise_merge(v, c: tl.constexpr, t0, t1, t2, t3, t4, t5):
+    """Chunk sums into the pairwise tree as they come (a binary counter: chunk c's sum joins the partial sums whose
+    subtrees it completes), so the top of each row's tree is the fixed tree of the module docstring.  Returns the
+    updated levels; after the last chunk (a power of two of them) the whole sum is in level log2(count)."""
+    if c % 2 == 0:
+        t0 = v
+    else:
+        v = t0 + v
+        if (c // 2) % 2 == 0:
+            t1 = v
+        else:
+            v = t1 + v
+            if (c // 4) % 2 == 0:
+                t2 = v
+            else:
+                v = t2 + v
+                if (c // 8) % 2 == 0:
+                    t3 = v
+                else:
+                    v = t3 + v
+                    if (c // 16) % 2 == 0:
+                        t4 = v
+                    else:
+                        v = t4 + v
+                        t5 = v
+    return t0, t1, t2, t3, t4, t5
+
+
+@triton.jit
+def _rmsnorm_quant_blocks_kernel(
+    x_ptr, sxb, sxs,  # x (B, S, N), unit stride along N
+    w_ptr, rstd_ptr,  # weight (N,); rstd fp32 (B, S)
+    hd_ptr, hs_ptr, cw_ptr, cs_ptr,  # hdim data / scales; seq channel-major int32 words / scales (see _emit_mx)
+    S, N, S_pad, n_s_tiles, eps, n_f,
+    NCH: tl.constexpr, CH: tl.constexpr, LOG_NCH: tl.constexpr, LOG_CH: tl.constexpr,
+    HDIM: tl.constexpr, RCEIL: tl.constexpr, SOFT: tl.constexpr,
+    EVEN: tl.constexpr,  # S % 32 == 0 and N == NCH * CH: no partial token block or chunk
+    WORDS16: tl.constexpr = True,  # seq words: 16-byte stores after a transposition (True) or 4-byte ones as packed
+):
+    """RMSNorm + MX quantization of one token block (32 tokens of one batch) in the seq orientation, and in the hdim
+    one too with ``HDIM``.
+
+    The 32 tokens are one (8, 4, CH) tile a chunk (``_blocks_rows``): 8 channels a thread, tokens 4 w + k with w over
+    the warps and k in registers.  Pass 1 walks the chunks (the next one's loads first) and sums each token's chunk
+    as a subtree of its pairwise tree (shuffles only), joining the chunk sums into the tree top as they come
+    (``_pairwise_merge``, in registers).  Pass 2 walks the chunks again in reverse order (the last read are the
+    likeliest in L2): a seq block is a channel's 4 registers times 8 warps (in-thread maxima, then one maximum over
+    the warps through shared memory), its 4 bytes of a warp are one channel-major word (two cvt); an hdim block is 8
+    values x 4 lanes.  No branch for Inf / NaN (as the warp-row kernel: the finite exponent rule with non-finite
+    blocks set to 0, the cvt's NaN and saturation)."""
+    pid = tl.program_id(0)
+    b = pid // n_s_tiles
+    st = pid % n_s_tiles
+    s0 = st * 32
+    b64 = b.to(tl.int64)
+    S_rem = S - s0
+    r = 4 * tl.arange(0, 8)[:, None, None] + tl.arange(0, 4)[None, :, None]  # (8, 4, 1) token of the block
+    xrow = x_ptr + b64 * sxb + (s0 + r).to(tl.int64) * sxs
+
+    # pass 1: each token's sum of squares
+    t0 = tl.zeros((32,), tl.float32)
+    t1 = t0
+    t2 = t0
+    t3 = t0
+    t4 = t0
+    t5 = t0
+    x_n = _blocks_rows(xrow, 0, CH, S_rem, N, EVEN, "evict_last")
+    for c in tl.static_range(NCH):
+        x_c = x_n
+        if c + 1 < NCH:
+            x_n = _blocks_rows(xrow, c + 1, CH, S_rem, N, EVEN, "evict_last")
+        xf = _to_f32(x_c)
+        v = _pairwise_rows(tl.reshape(xf * xf, (32, CH)), 32, CH, LOG_CH)
+        t0, t1, t2, t3, t4, t5 = _pairwise_merge(v, c, t0, t1, t2, t3, t4, t5)
+    if LOG_NCH == 0:
+        ss = t0
+    elif LOG_NCH == 1:
+        ss = t1
+    elif LOG_NCH == 2:
+        ss = t2
+    elif LOG_NCH == 3:
+        ss = t3
+    elif LOG_NCH == 4:
+        ss = t4
+    else:
+        ss = t5
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, n_f) + eps))  # (32,) token 4 w + k
+    tl.store(rstd_ptr + b64 * S + s0 + tl.arange(0, 32), rstd, mask=tl.arange(0, 32) < S_rem)
+    # padding tokens get rstd 0: y = 0 there (or NaN where w is Inf, and then every real token's y is non-finite too),
+    # so they do not reach the seq maxima
+    rs = tl.where(r < S_rem, tl.reshape(rstd, (8, 4, 1)), 0.0)
+
+    # pass 2: normalize, quantize, store; chunks in reverse order
+    NBC: tl.constexpr = CH // 32
+    NBH = (N + 31) // 32
+    NSB = (S + 31) // 32
+    row_w = S_pad // 4  # int32 words per channel-major row
+    w8 = tl.arange(0, 8)[:, None, None]
+    for i in tl.static_range(NCH):
+        cr = NCH - 1 - i
+        j = cr * CH + tl.arange(0, CH)[None, None, :]
+        xf = _to_f32(_blocks_rows(xrow, cr, CH, S_rem, N, EVEN, "evict_first"))
+        wf = _to_f32(_rows_load(w_ptr + j + w8 * 0, j < N, EVEN, "evict_last"))  # (8, 1, CH)
+        y = (xf * rs) * wf  # (8, 4, CH)
+        if HDIM:
+            _blocks_hdim(y, hd_ptr + (b64 * S + s0) * N, hs_ptr + (b64 * S + s0) * NBH, cr, S_rem, N, NBH, CH, RCEIL,
+                         SOFT)
+        # seq: one block per channel (the 32 tokens)
+        m = tl.reduce(tl.reduce(tl.abs(y), 1, _max_keep_nan, keep_dims=True), 0, _max_keep_nan, keep_dims=True)
+        amax = m.to(tl.int32, bitcast=True)  # (1, 1, CH)
+        e = _rows_exponent(amax, RCEIL)
+        sc = tl.where(amax >= _INF_BITS, 255, tl.where(amax == 0, 127, e + 127)).to(tl.uint8)
+        cs_off = tl.max_contiguous((b64 * NSB + st) * N + j + w8 * 0, [1, 1, 8])
+        tl.store(cs_ptr + cs_off, tl.broadcast_to(sc, (8, 1, CH)), mask=(w8 == 0) & (j < N))
+        q = tl.permute(y * _pow2(-e), (0, 2, 1))  # (8, CH, 4): the 4 tokens of a word last
+        ya, yb = tl.split(tl.reshape(q, (8, CH, 2, 2)))  # k = 0, 2 and k = 1, 3
+        y0, y2 = tl.split(ya)
+        y1, y3 = tl.split(yb)
+        wd = _e4m3_word(y0, y1, y2, y3, SOFT)  # (8, CH)
+        if SOFT:
+            mag = q.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+            na, nb = tl.split(tl.reshape(mag, (8, CH, 2, 2)))
+            m0, m2 = tl.split(na)
+            m1, m3 = tl.split(nb)
+            wd |= _nan_fill(m0) | (_nan_fill(m1) << 8) | (_nan_fill(m2) << 16) | (_nan_fill(m3) << 24)
+        wq = tl.arange(0, 8)[:, None]  # word of the block (tokens 4 wq .. 4 wq + 3)
+        ch = cr * CH + tl.arange(0, CH)[None, :]
+        if not EVEN:  # bytes of tokens past S are 0 (the buffer's padding)
+            n_real = S_rem - 4 * wq
+            wd = tl.where(n_real >= 4, wd, wd & ((1 << (8 * tl.maximum(n_real, 0))) - 1))
+        cw_off = (b64 * N + ch).to(tl.int64) * row_w + s0 // 4 + wq
+        if not WORDS16:  # each word from the thread that packed it: no transposition through shared memory
+            cw_off = tl.max_contiguous(cw_off, [1, 1])
+        tl.store(cw_ptr + cw_off, wd, mask=(s0 // 4 + wq < row_w) & (ch < N))
+
+
 @triton.jit
 def _rmsnorm_bwd_kernel(
     x_ptr, sxm, dy_ptr, sdym, dys_ptr, sdysm,  # x (M, N); dy (M, N) float or MX bytes; dy scales (M, ceil(N/32))
@@ -1049,6 +1237,10 @@ def rmsnorm_quant_fwd(
     if tile.warp_rows and (seq or not hdim or tiled_scales or tile.block_n < 32 or _np2(N) > WARP_ROWS_MAX_N):
         raise ValueError(f"a warp-row tile emits the hdim orientation alone of rows up to {WARP_ROWS_MAX_N} wide: "
                          f"got {tile} for N {N}, seq={seq}")
+    if tile.token_blocks and (not seq or row_scaled or tiled_scales or tile.block_m != 32 or tile.block_n < 32
+                              or _np2(N) > 32 * tile.block_n):
+        raise ValueError(f"a token-block tile emits a seq orientation with MX scales from 32-token programs, rows up "
+                         f"to 32 chunks: got {tile} for N {N}, seq={seq}, row_scaled={row_scaled}")
     if seq and tile.block_m % 32:
         raise ValueError(f"a seq orientation needs block_m to be a multiple of 32, got {tile.block_m}")
     rowsets = tile.rowsets
@@ -1086,6 +1278,9 @@ def rmsnorm_quant_fwd(
     nchunk = cdiv(N, bn)
     npc = next_pow2(nchunk)
     n_s_tiles = cdiv(s_cover, bm)
+    if tile.token_blocks:
+        _launch_token_blocks(x3, weight, eps, out, hd, hs, cd, cs, s_pad, tile, hdim, rceil)
+        return out
     if tile.warp_rows:
         _launch_warp_rows(x3, weight, eps, out, hd, hs, tile, row_scaled, rceil)
         return out
@@ -1115,6 +1310,21 @@ def _launch_warp_rows(x3, weight, eps, out, hd, hs, tile, row_scaled, rceil) -> 
         R=tile.block_m, NCH=np2 // ch, CH=ch, LOG_NP=_log2(np2), ROWSCALED=row_scaled, RCEIL=rceil,
         SOFT=_soft(x3.device), EVEN=S % tile.block_m == 0 and N == np2, num_warps=tile.num_warps, enable_fp_fusion=False,
         **({"maxnreg": tile.maxnreg} if tile.maxnreg else {}),
+    )
+
+
+def _launch_token_blocks(x3, weight, eps, out, hd, hs, cd, cs, s_pad, tile, hdim, rceil) -> None:
+    """``_rmsnorm_quant_blocks_kernel`` for ``rmsnorm_quant_fwd`` (seq orientation, MX scales, 32-token programs)."""
+    B, S, N = x3.shape
+    np2 = _np2(N)
+    ch = min(tile.block_n, np2)
+    n_s_tiles = cdiv(max(S, s_pad), 32)
+    fast_launcher(_rmsnorm_quant_blocks_kernel)[(B * n_s_tiles,)](
+        x3, x3.stride(0), x3.stride(1), weight, out["rstd"], hd, hs, cd.view(torch.int32), cs,
+        S, N, s_pad, n_s_tiles, float(eps), float(N),
+        NCH=np2 // ch, CH=ch, LOG_NCH=_log2(np2 // ch), LOG_CH=_log2(ch), HDIM=hdim, RCEIL=rceil,
+        SOFT=_soft(x3.device), EVEN=S % 32 == 0 and s_pad == S and N == np2, WORDS16=tile.word_bytes == 16,
+        num_warps=tile.num_warps, enable_fp_fusion=False, **({"maxnreg": tile.maxnreg} if tile.maxnreg else {}),
     )
 
 
