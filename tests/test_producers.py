@@ -525,10 +525,11 @@ def test_fwd_tile_defaults():
         assert kr.fwd_tile(N, True, hdim=True) == both
         assert not kr.fwd_tile(N, True, row_scaled=True, hdim=True).rowsets
         assert not kr.fwd_tile(N, False).rowsets
-        # hdim alone: the warp-row kernel up to 8192 columns, unless the scales go to the Blackwell layout
-        assert kr.fwd_tile(N, False).warp_rows == (N <= kr.WARP_ROWS_MAX_N)
+        # hdim alone: the warp-row kernel up to 8192 columns when switched on, unless the scales go to the
+        # Blackwell layout
+        assert kr.fwd_tile(N, False).warp_rows == (kr.HDIM_WARP_ROWS and N <= kr.WARP_ROWS_MAX_N)
         assert not kr.fwd_tile(N, False, tiled=True).warp_rows
-    assert kr.fwd_tile(100, False) == kr.WARP_ROWS_DEFAULT
+    assert (kr.fwd_tile(100, False) == kr.WARP_ROWS_DEFAULT) == kr.HDIM_WARP_ROWS
     assert kr.WARP_ROWS_DEFAULT in P.warp_row_tiles()  # the bench compares the default with the others
     assert not kr.fwd_tile(seq.block_n - 1, True).rowsets
     assert not kr.fwd_tile(both.block_n - 1, True, hdim=True).rowsets

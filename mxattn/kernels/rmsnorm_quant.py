@@ -154,12 +154,15 @@ def _warps(elems: int) -> int:
 # predicted from the sm_90a build (14.8 instructions an element against 22.2 for the 4-D tile's one row on 4 warps,
 # 1 barrier against 10), to be set from the session-17 bench (producers.WARP_ROW_TILES)
 WARP_ROWS_DEFAULT = FwdTile(8, 256, 4, warp_rows=True)
+# whether hdim-only rows take the warp-row kernel by default: off until its GPU tests and the session-17 bench have
+# run (docs/pending-gpu-checks.md); TILE_OVERRIDES["fwd"] or a tile argument reach it meanwhile
+HDIM_WARP_ROWS = False
 ROWSET_DEFAULTS = {"seq": FwdTile(32, 512, 16, rowsets=True), "both": FwdTile(32, 128, 4, 128, rowsets=True)}
 
 
 def fwd_tile(N: int, seq: bool, row_scaled: bool = False, hdim: bool = False, tiled: bool = False) -> FwdTile:
     """Forward tile for rows of N elements.  hdim only: the warp-row kernel (``WARP_ROWS_DEFAULT``) up to N = 8192
-    (padded), unless the scales go to the Blackwell layout (``tiled``); else whole rows (one chunk) up to N = 8192,
+    (padded) when ``HDIM_WARP_ROWS``, unless the scales go to the Blackwell layout (``tiled``); else whole rows (one chunk) up to N = 8192,
     ``block_m`` rows so that a program holds ~4K elements, and wider rows through chunks of 8192.  With a seq orientation (``hdim``
     too: "both"): the row-set tile of ``ROWSET_DEFAULTS`` when the output has MX scales (not ``row_scaled``) and
     N is at least its chunk width, else 32 tokens x chunks of at most 256 columns (8K elements)."""
@@ -174,7 +177,7 @@ def fwd_tile(N: int, seq: bool, row_scaled: bool = False, hdim: bool = False, ti
         # rmsnorm_quant_sweep-nvidia-h200-2026-11-30-s8.json): more resident programs hide the serial chain
         bn = min(np2, 256)
         return FwdTile(32, bn, 4)
-    if np2 <= WARP_ROWS_MAX_N and not tiled:
+    if HDIM_WARP_ROWS and np2 <= WARP_ROWS_MAX_N and not tiled:
         return WARP_ROWS_DEFAULT
     bn = min(np2, _SINGLE_CHUNK_MAX)
     bm = max(1, 4096 // bn)
