@@ -91,6 +91,23 @@ quant_gpu_tests() {
   tail -5 "$OUT/$1_tests.txt"
   grep -qE "^(FAILED|ERROR)|## rc [1-9]" "$OUT/$1_tests.txt" && status=1
 }
+# pytest_groups NAME MARK GROUP...: tests/test_producers.py as one pytest process per -k GROUP, side by side (MARK:
+# extra pytest arguments, "-m gpu" or ""), logs OUT/NAME_i.txt, their tails printed, status 1 on a failure
+pytest_groups() {
+  local name=$1 mark=$2 i=0 pids=() g f
+  shift 2
+  for g in "$@"; do
+    i=$((i + 1))
+    ( export OMP_NUM_THREADS=4; echo "-k $g"
+      run $PY -m pytest $mark -q -rfE -p no:cacheprovider tests/test_producers.py -k "$g"
+      echo "exit $status" ) > "$OUT/${name}_$i.txt" 2>&1 &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p"; done
+  for f in "$OUT"/"$name"_*.txt; do
+    echo "--- $f"; tail -n 6 "$f"; grep -q "^exit 0$" "$f" || status=1
+  done
+}
 # MXATTN_DEADLINE (epoch seconds) caps every command so that the call's last results still get written
 run() {
   local t=$T
@@ -365,41 +382,17 @@ json.dump(rows, open(sys.argv[2], 'w'), indent=1)
       # PRODUCERS_SWEEP=1: rmsnorm_quant forward tiles (rows per program, warps; seq column chunks)
       [ "${PRODUCERS_SWEEP:-0}" = 1 ] && run $PY -c "import sys; from mxattn.producers import sweep_rmsnorm_tiles; sweep_rmsnorm_tiles(outdir=sys.argv[1])" "$OUT" ;;
     rmsnormrows)
-      pids=()
-      i=0
-      for g in "rmsnorm and (not rowsets or packers)" "rmsnorm and rowsets and seq-" \
-               "rmsnorm and rowsets and both-32x128x4" "rmsnorm and rowsets and both-32x512x16"; do
-        i=$((i + 1))
-        ( export OMP_NUM_THREADS=4; echo "-k $g"
-          run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_producers.py -k "$g"
-          echo "exit $status" ) > "$OUT/rmsnorm_tests_$i.txt" 2>&1 &
-        pids+=($!)
-      done
-      for p in "${pids[@]}"; do wait "$p"; done
-      for f in "$OUT"/rmsnorm_tests_*.txt; do
-        echo "--- $f"; tail -n 6 "$f"; grep -q "^exit 0$" "$f" || status=1
-      done
+      pytest_groups rmsnorm_tests "-m gpu" "rmsnorm and (not rowsets or packers)" "rmsnorm and rowsets and seq-" \
+        "rmsnorm and rowsets and both-32x128x4" "rmsnorm and rowsets and both-32x512x16"
       run $PY -c "import sys; from mxattn.producers import bench_producers, rowset_tiles; bench_producers(rep_ms=50, outdir=sys.argv[1], linear_sizes=(), rms_variants={o: rowset_tiles(o) for o in ('seq', 'both')})" "$OUT" ;;
     rmsnormwarp)
       # session 17: the warp-row hdim kernel and the token-block seq / both kernel (perf-notes-producers.md): their
       # tests on the GPU (three processes), then bench_producers with every warp-row tile and the 4-D tile kernel's
       # (hdim) and every token-block tile (seq, both) beside the defaults, rmsnorm only, alone on the GPU, timed as
       # CUDA-graph replays and eagerly (two rmsnorm_quant results files)
-      pids=()
-      i=0
-      # the CPU-marked warp-row tests too: on the GPU machine they run the compiled kernels
-      for g in "warp_rows and not special and not edges" "(warp_rows and (special or edges)) or fwd_tile" \
-               "token_blocks"; do
-        i=$((i + 1))
-        ( export OMP_NUM_THREADS=4; echo "-k $g"
-          run $PY -m pytest -q -rfE -p no:cacheprovider tests/test_producers.py -k "$g"
-          echo "exit $status" ) > "$OUT/rmsnormwarp_tests_$i.txt" 2>&1 &
-        pids+=($!)
-      done
-      for p in "${pids[@]}"; do wait "$p"; done
-      for f in "$OUT"/rmsnormwarp_tests_*.txt; do
-        echo "--- $f"; tail -n 6 "$f"; grep -q "^exit 0$" "$f" || status=1
-      done
+      # the CPU-marked tests of the two kernels too: on the GPU machine they run the compiled kernels
+      pytest_groups rmsnormwarp_tests "" "warp_rows and not special and not edges" \
+        "(warp_rows and (special or edges)) or fwd_tile" "token_blocks"
       for timing in graph eager; do
         run $PY -c "import sys; from mxattn.producers import bench_producers, rmsnorm_kernel_variants; bench_producers(rep_ms=50, outdir=sys.argv[1], linear_sizes=(), rms_variants=rmsnorm_kernel_variants, timing=sys.argv[2])" "$OUT" "$timing"
       done ;;

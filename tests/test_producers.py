@@ -301,6 +301,10 @@ def test_rmsnorm_quant_cpu_path_same_api(gen):
 # chunks of 32 / 64 columns so that the tiny shapes below have several (N = 160: 5 / 3 chunks); on the GPU the
 # bench's tiles (producers.ROWSET_TILES)
 ROWSET_CPU_TILES = [kr.FwdTile(32, 32, 4, rowsets=True), kr.FwdTile(32, 64, 4, rowsets=True)]
+# the token-block kernel (FwdTile(token_blocks=True), opt-in since session 17) emits the same outputs: the row-set
+# tests run it too
+BLOCK_CPU_TILES = [kr.FwdTile(32, 32, 8, token_blocks=True), kr.FwdTile(32, 64, 8, token_blocks=True)]
+SEQ_CPU_TILES = ROWSET_CPU_TILES + BLOCK_CPU_TILES
 
 ROWSET_CASES = [
     # shape, dtype, orientations, scale_mode
@@ -314,7 +318,9 @@ ROWSET_CASES = [
 
 
 def _tile_id(t) -> str:
-    return f"{t.block_m}x{t.block_n}x{t.num_warps}" + (f"r{t.maxnreg}" if t.maxnreg else "")
+    kind = "token_blocks-" if t.token_blocks else "warp_rows-" if t.warp_rows else ""
+    return (kind + f"{t.block_m}x{t.block_n}x{t.num_warps}" + (f"r{t.maxnreg}" if t.maxnreg else "")
+            + (f"w{t.word_bytes}" if t.token_blocks else ""))
 
 
 def _seq_padding(t: F.MXTensor) -> torch.Tensor:
@@ -332,7 +338,7 @@ def _check_rowsets(x, w, eps, orient, mode, what):
     assert int(pad.count_nonzero()) == 0, f"{what}: {int(pad.count_nonzero())} nonzero padding bytes"
 
 
-@pytest.mark.parametrize("tile", ROWSET_CPU_TILES, ids=_tile_id)
+@pytest.mark.parametrize("tile", SEQ_CPU_TILES, ids=_tile_id)
 @pytest.mark.parametrize("shape,dtype,orient,mode", ROWSET_CASES, ids=str)
 def test_rmsnorm_quant_rowsets_bit_exact(kernels, gen, tile, shape, dtype, orient, mode):
     kr.TILE_OVERRIDES["fwd"] = tile
@@ -357,9 +363,12 @@ def _special_rows(gen) -> torch.Tensor:
     return x
 
 
+@pytest.mark.parametrize("tile", [SEQ_CPU_TILES[0], BLOCK_CPU_TILES[0]], ids=_tile_id)
 @pytest.mark.parametrize("orient", ["seq", "both"])
-def test_rmsnorm_quant_rowsets_special_values(kernels, gen, orient):
-    kr.TILE_OVERRIDES["fwd"] = kr.FwdTile(32, 32, 4, rowsets=True)
+def test_rmsnorm_quant_rowsets_special_values(kernels, gen, orient, tile):
+    """Inf / NaN / zero / tiny / overflowing rows, eps 0, zero weights (the token-block kernel has no branch for
+    these: its exponent select, the conversion and the padding tokens' rstd of 0 must give the same bytes)."""
+    kr.TILE_OVERRIDES["fwd"] = tile
     x = _special_rows(gen).to(DEVICE)
     w = _rand((64,), torch.float32, gen)
     w[9] = 0.0
@@ -369,11 +378,12 @@ def test_rmsnorm_quant_rowsets_special_values(kernels, gen, orient):
             _check_rowsets(x, w, eps, orient, mode, f"rowsets special {orient} {mode} eps={eps}")
 
 
+@pytest.mark.parametrize("tile", [SEQ_CPU_TILES[0], BLOCK_CPU_TILES[0]], ids=_tile_id)
 @pytest.mark.parametrize("orient", ["seq", "both"])
-def test_rmsnorm_quant_rowsets_weights_decide_the_nan_path(kernels, gen, orient):
+def test_rmsnorm_quant_rowsets_weights_decide_the_nan_path(kernels, gen, orient, tile):
     """Rows all finite: a weight at or above 2^120 sends the program to the NaN-handling path (here y overflows
     to Inf, its blocks must get scale 255), one just below keeps the finite path (y cannot overflow)."""
-    kr.TILE_OVERRIDES["fwd"] = kr.FwdTile(32, 32, 4, rowsets=True)
+    kr.TILE_OVERRIDES["fwd"] = tile
     x = _rand((2, 40, 64), torch.float32, gen, 2.0)
     for big, what in ((3e38, "overflowing weight"), (2.0 ** 119 * 1.99, "largest finite-path weight"),
                       (float("inf"), "Inf weight"), (float("nan"), "NaN weight")):
@@ -477,42 +487,6 @@ def test_rmsnorm_quant_warp_rows_weights_decide_the_nan_path(kernels, gen):
         got = _check_rmsnorm(x, w, 1e-6, "hdim", "rceil", False, f"warp rows {what}")
         if big == 3e38:
             assert int((_u8(got.out.scale) == 255).sum()) > 0, "the overflow case made no NaN block: not a test"
-
-
-# ----------------------------------------------------------------------------------------------
-# rmsnorm_quant forward: the token-block kernel (seq / both, MX scales; FwdTile(token_blocks=True))
-# ----------------------------------------------------------------------------------------------
-
-BLOCK_CPU_TILES = [kr.FwdTile(32, 32, 8, token_blocks=True), kr.FwdTile(32, 64, 8, token_blocks=True)]
-
-
-@pytest.mark.parametrize("tile", BLOCK_CPU_TILES, ids=_tile_id)
-@pytest.mark.parametrize("shape,dtype,orient,mode", ROWSET_CASES, ids=str)
-def test_rmsnorm_quant_token_blocks_bit_exact(kernels, gen, tile, shape, dtype, orient, mode):
-    kr.TILE_OVERRIDES["fwd"] = tile
-    x = _rand(shape, dtype, gen, 3.0)
-    w = _rand(shape[-1:], dtype, gen)
-    w[::7] = -w[::7].abs()  # negative weights: padding tokens must still come out as +0 bytes
-    _check_rowsets(x, w, 1e-5, orient, mode, f"token blocks {_tile_id(tile)} {shape} {dtype} {orient} {mode}")
-
-
-@pytest.mark.parametrize("orient", ["seq", "both"])
-def test_rmsnorm_quant_token_blocks_special_values(kernels, gen, orient):
-    """Inf / NaN / zero / tiny / overflowing rows, eps 0, zero and huge weights: no branch decides these in this
-    kernel; the exponent select, the conversion and the padding tokens' rstd of 0 must give the reference's bytes."""
-    kr.TILE_OVERRIDES["fwd"] = kr.FwdTile(32, 32, 8, token_blocks=True)
-    x = _special_rows(gen).to(DEVICE)
-    w = _rand((64,), torch.float32, gen)
-    w[9] = 0.0
-    w[11] = -w[11].abs()
-    for mode in ("rceil", "floor"):
-        for eps in (1e-6, 0.0):
-            _check_rowsets(x, w, eps, orient, mode, f"token blocks special {orient} {mode} eps={eps}")
-    x2 = _rand((2, 40, 64), torch.float32, gen, 2.0)
-    for big in (3e38, 2.0 ** 119 * 1.99, float("inf"), float("nan")):
-        w2 = _rand((64,), torch.float32, gen)
-        w2[3] = big
-        _check_rowsets(x2, w2, 1e-6, orient, "rceil", f"token blocks weight {big} {orient}")
 
 
 def test_fwd_tile_defaults():
@@ -954,7 +928,7 @@ def test_gpu_rmsnorm_quant_warp_rows_soft_floor_dtypes_special(kernels, gen, mon
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", P.token_block_tiles(), ids=lambda t: _tile_id(t) + f"w{t.word_bytes}")
+@pytest.mark.parametrize("tile", P.token_block_tiles(), ids=_tile_id)
 @pytest.mark.parametrize("orient", ["seq", "both"])
 @pytest.mark.parametrize("M,N", [(2048, 4096), (3 * 341, 8192), (999, 1000), (96, 100)])
 def test_gpu_rmsnorm_quant_token_blocks_bit_exact(kernels, gen, tile, orient, M, N):
