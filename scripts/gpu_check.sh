@@ -44,7 +44,7 @@
 #              the row-set tiles (producers.ROWSET_TILES) beside the defaults, rmsnorm only, alone on the GPU
 #   rmsnormwarp  rmsnorm_quant's warp-row hdim and token-block seq / both kernels (perf-notes-producers.md, session
 #              17): their tests on the GPU, then bench_producers with their tiles (and the old hdim tile) beside the
-#              defaults, as CUDA-graph replays and eagerly
+#              defaults, as CUDA-graph replays and eagerly (RMS_TIMINGS, default "graph eager")
 #   varlen     jagged forward vs the dense kernel at 50 % fill
 #   varlensweep  the same over several length draws, d128 and d64, and d64 tile configs
 #   varlenbwd  jagged backward (Gluon jagged mode, the Hopper default, asked here by name: compile checks, tiny cases, its GPU
@@ -393,7 +393,7 @@ json.dump(rows, open(sys.argv[2], 'w'), indent=1)
       # the CPU-marked tests of the two kernels too: on the GPU machine they run the compiled kernels
       pytest_groups rmsnormwarp_tests "" "warp_rows and not special and not edges" \
         "(warp_rows and (special or edges)) or fwd_tile" "token_blocks"
-      for timing in graph eager; do
+      for timing in ${RMS_TIMINGS:-graph eager}; do
         run $PY -c "import sys; from mxattn.producers import bench_producers, rmsnorm_kernel_variants; bench_producers(rep_ms=50, outdir=sys.argv[1], linear_sizes=(), rms_variants=rmsnorm_kernel_variants, timing=sys.argv[2])" "$OUT" "$timing"
       done ;;
     varlen)
