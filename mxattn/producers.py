@@ -835,7 +835,7 @@ def _bench_rmsnorm(M: int, N: int, rep: int, progress: bool, variants=None, timi
         if tile is not None:
             row["tile"] = {"block_m": tile.block_m, "block_n": tile.block_n, "num_warps": tile.num_warps,
                            "maxnreg": tile.maxnreg, "rowsets": tile.rowsets, "warp_rows": tile.warp_rows,
-                           "token_blocks": tile.token_blocks, "word_bytes": tile.word_bytes}
+                           "token_blocks": tile.token_blocks}
             row["default_ms"] = default_ms
         row["pct_of_copy"] = 100.0 * row["gbps"] / copy_gbps
         row["speedup_vs_unfused"] = un_ms / ms
@@ -1007,9 +1007,9 @@ ROWSET_TILES = {
 # the warp-row tiles (hdim orientation alone, _rmsnorm_quant_rows_kernel) the session-17 bench compares: rows per
 # program x chunk width x warps, one or more rows a warp (kernels.rmsnorm_quant.WARP_ROWS_DEFAULT is one of them)
 WARP_ROW_TILES = ((4, 256, 4), (8, 256, 4), (8, 256, 8), (16, 256, 4), (2, 256, 2))
-# the token-block tiles (seq / both, _rmsnorm_quant_blocks_kernel): 32 tokens x chunk width x warps (8 warps a
-# 256-wide chunk), seq words stored 16 or 4 bytes at a time
-TOKEN_BLOCK_TILES = ((32, 256, 8, 16), (32, 512, 16, 16), (32, 256, 8, 4))
+# the token-block tiles (seq / both, _rmsnorm_quant_blocks_kernel): 32 tokens x chunk width x warps (a warp per 32
+# channels of a chunk, or two)
+TOKEN_BLOCK_TILES = ((32, 256, 8), (32, 512, 16), (32, 256, 4))
 
 
 def warp_row_tiles() -> list:
@@ -1023,7 +1023,7 @@ def token_block_tiles() -> list:
     """``TOKEN_BLOCK_TILES`` as ``FwdTile`` s."""
     from mxattn.kernels.rmsnorm_quant import FwdTile
 
-    return [FwdTile(bm, bn, nw, token_blocks=True, word_bytes=wb) for bm, bn, nw, wb in TOKEN_BLOCK_TILES]
+    return [FwdTile(bm, bn, nw, token_blocks=True) for bm, bn, nw in TOKEN_BLOCK_TILES]
 
 
 def rmsnorm_kernel_variants(N: int) -> dict:

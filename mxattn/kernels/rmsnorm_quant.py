@@ -117,9 +117,6 @@ class FwdTile:
     # seq orientation (with or without hdim), MX scales, block_m 32 (one seq block), block_n the chunk width of the
     # (8, 4, block_n) tile: the token-block kernel (``_rmsnorm_quant_blocks_kernel``)
     token_blocks: bool = False
-    # token-block kernel: bytes per store of the channel-major seq words (16: four words of a channel after a
-    # transposition through shared memory; 4: each word stored by the thread that packed it)
-    word_bytes: int = 16
 
 
 @dataclass(frozen=True)
@@ -986,32 +983,72 @@ def _blocks_rows(xrow, c: tl.constexpr, CH: tl.constexpr, S_rem, N, EVEN: tl.con
 
 
 @triton.jit
-def _blocks_hdim(y, hd_base, hs_base, c: tl.constexpr, S_rem, N, NBH, CH: tl.constexpr, RCEIL: tl.constexpr,
-                 SOFT: tl.constexpr):
-    """hdim blocks of one chunk of the token-block kernel (y (8, 4, CH)): bytes to ``hd_base`` (row stride N), scale
-    bytes to ``hs_base`` (row stride NBH).  As in the warp-row kernel: the block maximum over 8 values and the quad's
-    4 lanes, the stores through pointers laid out as the values are ((blocks, w, k, 32) with the contiguity declared
-    8; (quad lane, blocks, w, k) masked to the quad's first lane), so nothing goes through shared memory."""
-    NBC: tl.constexpr = CH // 32
-    y4 = tl.reshape(y, (8, 4, NBC, 32))
-    a4 = tl.reduce(tl.abs(tl.reshape(y4, (8, 4, NBC, 4, 8))), 4, _max_keep_nan)
-    amax = tl.reduce(a4, 3, _max_keep_nan, keep_dims=True).to(tl.int32, bitcast=True)  # (8, 4, NBC, 1)
-    out = _e4m3_run(y4 * _pow2(-_rows_exponent(amax, RCEIL)), SOFT)
+def _blocks_chunk(xrow, w_ptr, rs, hd_base, hs_base, cw_base, cs_base, c: tl.constexpr, S_rem, N, NBH, row_w,
+                  w_left, NG: tl.constexpr, HDIM: tl.constexpr, RCEIL: tl.constexpr, SOFT: tl.constexpr,
+                  EVEN: tl.constexpr):
+    """Pass 2 of the token-block kernel on chunk ``c`` (NG * 32 channels), as an (8, NG, 4, 32) tile: token 4 w + k at
+    [w, :, k], channel c NG 32 + 32 g + j at [:, g, :, j] (``xrow``: the (8, 1, 4, 1) row pointers, ``rs`` their rstd).
+    Triton lays j over 4 lanes (8 a thread), w over 8 lanes, g over the warps and k in registers, so both blocks stay
+    inside a warp: an hdim block (a token's 32 channels) is 8 values x 4 lanes, a seq block (a channel's 32 tokens)
+    4 registers x 8 lanes.  Every store goes through pointers laid out as its values are (the quad lane and the word
+    axes first, no contiguity beyond what the tile holds), so nothing is converted through shared memory: the hdim
+    bytes 8 a thread, the scale bytes from a quad's (hdim) or a word group's (seq) first lane, and the channel-major
+    words 4 bytes a thread, 8 lanes writing 32 consecutive bytes of a channel's row (``row_w`` words a row,
+    ``w_left`` of them from this block on)."""
+    CH: tl.constexpr = NG * 32
+    w = tl.arange(0, 8)[:, None, None, None]
+    g = tl.arange(0, NG)[None, :, None, None]
+    k = tl.arange(0, 4)[None, None, :, None]
+    j = tl.arange(0, 32)[None, None, None, :]
+    ch = c * CH + g * 32 + j  # (1, NG, 1, 32)
+    tok = 4 * w + k  # (8, 1, 4, 1)
+    xf = _to_f32(_rows_load(xrow + ch, (tok < S_rem) & (ch < N), EVEN, "evict_first"))
+    wf = _to_f32(_rows_load(w_ptr + ch + w * 0, ch < N, EVEN, "evict_last"))  # (8, NG, 1, 32)
+    y = (xf * rs) * wf  # (8, NG, 4, 32)
+    if HDIM:
+        a4 = tl.reduce(tl.abs(tl.reshape(y, (8, NG, 4, 4, 8))), 4, _max_keep_nan)  # (8, NG, 4, quad lane)
+        amax = tl.reduce(a4, 3, _max_keep_nan, keep_dims=True).to(tl.int32, bitcast=True)  # (8, NG, 4, 1)
+        out = _e4m3_run(y * _pow2(-_rows_exponent(amax, RCEIL)), SOFT)
+        if SOFT:
+            out |= _nan_fill(y.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.uint8)
+        hoff = tl.max_contiguous(tok * N + ch, [1, 1, 1, 8])
+        tl.store(hd_base + hoff, out, mask=(tok < S_rem) & (ch < N))
+        amax_q = tl.broadcast_to(amax, (8, NG, 4, 4))
+        eq = _rows_exponent(amax_q, RCEIL)
+        sc = tl.where(amax_q >= _INF_BITS, 255, tl.where(amax_q == 0, 127, eq + 127)).to(tl.uint8)
+        q = tl.arange(0, 4)[:, None, None, None]  # (quad lane, w, g, k)
+        tq = 4 * tl.arange(0, 8)[None, :, None, None] + tl.arange(0, 4)[None, None, None, :]
+        bq = c * NG + tl.arange(0, NG)[None, None, :, None]
+        soff = tl.max_contiguous(tq * NBH + bq + q * 0, [1, 1, 1, 1])
+        tl.store(hs_base + soff, tl.permute(sc, (3, 0, 1, 2)), mask=(q == 0) & (tq < S_rem) & (bq < NBH))
+    # seq: a channel's 32 tokens (k in registers, w over 8 lanes)
+    m = tl.reduce(tl.reduce(tl.abs(y), 2, _max_keep_nan, keep_dims=True), 0, _max_keep_nan, keep_dims=True)
+    amax_s = m.to(tl.int32, bitcast=True)  # (1, NG, 1, 32)
+    e_s = _rows_exponent(amax_s, RCEIL)
+    sc_s = tl.where(amax_s >= _INF_BITS, 255, tl.where(amax_s == 0, 127, e_s + 127)).to(tl.uint8)
+    coff = tl.max_contiguous(ch + w * 0, [1, 1, 1, 8])
+    tl.store(cs_base + coff, tl.broadcast_to(sc_s, (8, NG, 1, 32)), mask=(w == 0) & (ch < N))
+    p = tl.permute(y * _pow2(-e_s), (0, 1, 3, 2))  # (8, NG, 32, 4): a word's 4 tokens last
+    ya, yb = tl.split(tl.reshape(p, (8, NG, 32, 2, 2)))  # k = 0, 2 and k = 1, 3
+    y0, y2 = tl.split(ya)
+    y1, y3 = tl.split(yb)
+    wd = _e4m3_word(y0, y1, y2, y3, SOFT)  # (8, NG, 32)
     if SOFT:
-        out |= _nan_fill(y4.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.uint8)
-    blk = tl.arange(0, NBC)[:, None, None, None]
-    r = 4 * tl.arange(0, 8)[None, :, None, None] + tl.arange(0, 4)[None, None, :, None]
-    n = c * CH + blk * 32 + tl.arange(0, 32)[None, None, None, :]
-    off = tl.max_contiguous(r * N + n, [1, 1, 1, 8])
-    tl.store(hd_base + off, tl.permute(out, (2, 0, 1, 3)), mask=(r < S_rem) & (n < N))
-    amax_q = tl.broadcast_to(amax, (8, 4, NBC, 4))
-    eq = _rows_exponent(amax_q, RCEIL)
-    sc = tl.where(amax_q >= _INF_BITS, 255, tl.where(amax_q == 0, 127, eq + 127)).to(tl.uint8)
-    q = tl.arange(0, 4)[:, None, None, None]
-    bq = c * NBC + tl.arange(0, NBC)[None, :, None, None]
-    rq = 4 * tl.arange(0, 8)[None, None, :, None] + tl.arange(0, 4)[None, None, None, :]
-    soff = tl.max_contiguous(rq * NBH + bq + q * 0, [1, 1, 1, 1])
-    tl.store(hs_base + soff, tl.permute(sc, (3, 2, 0, 1)), mask=(q == 0) & (rq < S_rem) & (bq < NBH))
+        mag = p.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        na, nb = tl.split(tl.reshape(mag, (8, NG, 32, 2, 2)))
+        m0, m2 = tl.split(na)
+        m1, m3 = tl.split(nb)
+        wd |= _nan_fill(m0) | (_nan_fill(m1) << 8) | (_nan_fill(m2) << 16) | (_nan_fill(m3) << 24)
+    # (quad lane, w, g, channel in the thread): the words' own layout
+    wq = tl.arange(0, 8)[None, :, None, None]
+    cq = c * CH + tl.arange(0, NG)[None, None, :, None] * 32 + tl.arange(0, 4)[:, None, None, None] * 8 \
+        + tl.arange(0, 8)[None, None, None, :]
+    if not EVEN:  # bytes of tokens past S are 0 (the buffer's padding)
+        n_real = S_rem - 4 * tl.arange(0, 8)[:, None, None]
+        wd = tl.where(n_real >= 4, wd, wd & ((1 << (8 * tl.maximum(n_real, 0))) - 1))
+    woff = tl.max_contiguous(cq.to(tl.int64) * row_w + wq, [1, 1, 1, 1])
+    tl.store(cw_base + woff, tl.permute(tl.reshape(wd, (8, NG, 4, 8)), (2, 0, 1, 3)),
+             mask=(wq < w_left) & (cq < N))
 
 
 @triton.jit
@@ -1052,7 +1089,6 @@ def _rmsnorm_quant_blocks_kernel(
     NCH: tl.constexpr, CH: tl.constexpr, LOG_NCH: tl.constexpr, LOG_CH: tl.constexpr,
     HDIM: tl.constexpr, RCEIL: tl.constexpr, SOFT: tl.constexpr,
     EVEN: tl.constexpr,  # S % 32 == 0 and N == NCH * CH: no partial token block or chunk
-    WORDS16: tl.constexpr = True,  # seq words: 16-byte stores after a transposition (True) or 4-byte ones as packed
 ):
     """RMSNorm + MX quantization of one token block (32 tokens of one batch) in the seq orientation, and in the hdim
     one too with ``HDIM``.
@@ -1107,48 +1143,21 @@ def _rmsnorm_quant_blocks_kernel(
     # so they do not reach the seq maxima
     rs = tl.where(r < S_rem, tl.reshape(rstd, (8, 4, 1)), 0.0)
 
-    # pass 2: normalize, quantize, store; chunks in reverse order
-    NBC: tl.constexpr = CH // 32
+    # pass 2: normalize, quantize, store (``_blocks_chunk``); chunks in reverse order
+    NG: tl.constexpr = CH // 32
     NBH = (N + 31) // 32
     NSB = (S + 31) // 32
     row_w = S_pad // 4  # int32 words per channel-major row
-    w8 = tl.arange(0, 8)[:, None, None]
+    rs2 = tl.reshape(tl.permute(rs, (0, 2, 1)), (8, 1, 4, 1))  # rstd at (w, 1, k, 1), 0 for padding tokens
+    xrow2 = x_ptr + b64 * sxb + (s0 + 4 * tl.arange(0, 8)[:, None, None, None]
+                                 + tl.arange(0, 4)[None, None, :, None]).to(tl.int64) * sxs
+    hd_base = hd_ptr + (b64 * S + s0) * N
+    hs_base = hs_ptr + (b64 * S + s0) * NBH
+    cw_base = cw_ptr + b64 * N * row_w + s0 // 4
+    cs_base = cs_ptr + (b64 * NSB + st) * N
     for i in tl.static_range(NCH):
-        cr = NCH - 1 - i
-        j = cr * CH + tl.arange(0, CH)[None, None, :]
-        xf = _to_f32(_blocks_rows(xrow, cr, CH, S_rem, N, EVEN, "evict_first"))
-        wf = _to_f32(_rows_load(w_ptr + j + w8 * 0, j < N, EVEN, "evict_last"))  # (8, 1, CH)
-        y = (xf * rs) * wf  # (8, 4, CH)
-        if HDIM:
-            _blocks_hdim(y, hd_ptr + (b64 * S + s0) * N, hs_ptr + (b64 * S + s0) * NBH, cr, S_rem, N, NBH, CH, RCEIL,
-                         SOFT)
-        # seq: one block per channel (the 32 tokens)
-        m = tl.reduce(tl.reduce(tl.abs(y), 1, _max_keep_nan, keep_dims=True), 0, _max_keep_nan, keep_dims=True)
-        amax = m.to(tl.int32, bitcast=True)  # (1, 1, CH)
-        e = _rows_exponent(amax, RCEIL)
-        sc = tl.where(amax >= _INF_BITS, 255, tl.where(amax == 0, 127, e + 127)).to(tl.uint8)
-        cs_off = tl.max_contiguous((b64 * NSB + st) * N + j + w8 * 0, [1, 1, 8])
-        tl.store(cs_ptr + cs_off, tl.broadcast_to(sc, (8, 1, CH)), mask=(w8 == 0) & (j < N))
-        q = tl.permute(y * _pow2(-e), (0, 2, 1))  # (8, CH, 4): the 4 tokens of a word last
-        ya, yb = tl.split(tl.reshape(q, (8, CH, 2, 2)))  # k = 0, 2 and k = 1, 3
-        y0, y2 = tl.split(ya)
-        y1, y3 = tl.split(yb)
-        wd = _e4m3_word(y0, y1, y2, y3, SOFT)  # (8, CH)
-        if SOFT:
-            mag = q.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-            na, nb = tl.split(tl.reshape(mag, (8, CH, 2, 2)))
-            m0, m2 = tl.split(na)
-            m1, m3 = tl.split(nb)
-            wd |= _nan_fill(m0) | (_nan_fill(m1) << 8) | (_nan_fill(m2) << 16) | (_nan_fill(m3) << 24)
-        wq = tl.arange(0, 8)[:, None]  # word of the block (tokens 4 wq .. 4 wq + 3)
-        ch = cr * CH + tl.arange(0, CH)[None, :]
-        if not EVEN:  # bytes of tokens past S are 0 (the buffer's padding)
-            n_real = S_rem - 4 * wq
-            wd = tl.where(n_real >= 4, wd, wd & ((1 << (8 * tl.maximum(n_real, 0))) - 1))
-        cw_off = (b64 * N + ch).to(tl.int64) * row_w + s0 // 4 + wq
-        if not WORDS16:  # each word from the thread that packed it: no transposition through shared memory
-            cw_off = tl.max_contiguous(cw_off, [1, 1])
-        tl.store(cw_ptr + cw_off, wd, mask=(s0 // 4 + wq < row_w) & (ch < N))
+        _blocks_chunk(xrow2, w_ptr, rs2, hd_base, hs_base, cw_base, cs_base, NCH - 1 - i, S_rem, N, NBH,
+                      row_w, row_w - s0 // 4, NG, HDIM, RCEIL, SOFT, EVEN)
 
 
 @triton.jit
@@ -1326,7 +1335,7 @@ def _launch_token_blocks(x3, weight, eps, out, hd, hs, cd, cs, s_pad, tile, hdim
         x3, x3.stride(0), x3.stride(1), weight, out["rstd"], hd, hs, cd.view(torch.int32), cs,
         S, N, s_pad, n_s_tiles, float(eps), float(N),
         NCH=np2 // ch, CH=ch, LOG_NCH=_log2(np2 // ch), LOG_CH=_log2(ch), HDIM=hdim, RCEIL=rceil,
-        SOFT=_soft(x3.device), EVEN=S % 32 == 0 and s_pad == S and N == np2, WORDS16=tile.word_bytes == 16,
+        SOFT=_soft(x3.device), EVEN=S % 32 == 0 and s_pad == S and N == np2,
         num_warps=tile.num_warps, enable_fp_fusion=False, **({"maxnreg": tile.maxnreg} if tile.maxnreg else {}),
     )
 
