@@ -834,8 +834,7 @@ def _bench_rmsnorm(M: int, N: int, rep: int, progress: bool, variants=None, timi
                "gbps": nbytes[name] / ms / 1e6, "copy_gbps": copy_gbps, "unfused_ms": un_ms}
         if tile is not None:
             row["tile"] = {"block_m": tile.block_m, "block_n": tile.block_n, "num_warps": tile.num_warps,
-                           "maxnreg": tile.maxnreg, "rowsets": tile.rowsets, "warp_rows": tile.warp_rows,
-                           "token_blocks": tile.token_blocks}
+                           "maxnreg": tile.maxnreg, "rowsets": tile.rowsets, "token_blocks": tile.token_blocks}
             row["default_ms"] = default_ms
         row["pct_of_copy"] = 100.0 * row["gbps"] / copy_gbps
         row["speedup_vs_unfused"] = un_ms / ms
@@ -1004,19 +1003,11 @@ ROWSET_TILES = {
 }
 
 
-# the warp-row tiles (hdim orientation alone, _rmsnorm_quant_rows_kernel) the session-17 bench compares: rows per
-# program x chunk width x warps, one or more rows a warp (kernels.rmsnorm_quant.WARP_ROWS_DEFAULT is one of them)
-WARP_ROW_TILES = ((4, 256, 4), (8, 256, 4), (8, 256, 8), (16, 256, 4), (2, 256, 2))
-# the token-block tiles (seq / both, _rmsnorm_quant_blocks_kernel): 32 tokens x chunk width x warps (a warp per 32
-# channels of a chunk, or two)
-TOKEN_BLOCK_TILES = ((32, 256, 8), (32, 512, 16), (32, 256, 4))
-
-
-def warp_row_tiles() -> list:
-    """``WARP_ROW_TILES`` as ``FwdTile`` s."""
-    from mxattn.kernels.rmsnorm_quant import FwdTile
-
-    return [FwdTile(bm, bn, nw, warp_rows=True) for bm, bn, nw in WARP_ROW_TILES]
+# the token-block tiles (seq / both, _rmsnorm_quant_blocks_kernel): 32 tokens x chunk width x warps, a warp per 32
+# channels of a chunk.  Session 17 on an H100 (M 16k N 4096, CUDA-graph timing, docs/perf-notes-producers.md):
+# (32, 512, 16) 58.6 / 64.4 % of copy (seq / both) against the row-set defaults' 54.3 / 53.6; (32, 256, 8) 36.7 /
+# 37.2 and (32, 256, 4) 21.5 / 23.1 (dropped)
+TOKEN_BLOCK_TILES = ((32, 512, 16),)
 
 
 def token_block_tiles() -> list:
@@ -1027,13 +1018,9 @@ def token_block_tiles() -> list:
 
 
 def rmsnorm_kernel_variants(N: int) -> dict:
-    """``bench_producers``' ``rms_variants`` at width N (session 17): every warp-row tile and the 4-D tile kernel's
-    hdim tile (the default before) for the hdim cases (MX scales and row-scaled), every token-block tile for seq and
-    both (beside the row-set defaults)."""
-    from mxattn.kernels.rmsnorm_quant import fwd_tile
-
-    hdim = warp_row_tiles() + [fwd_tile(N, False, tiled=True)]
-    return {"hdim": hdim, "hdim_row_scaled": hdim, "seq": token_block_tiles(), "both": token_block_tiles()}
+    """``bench_producers``' ``rms_variants`` (session 17): every token-block tile for seq and both, beside the
+    row-set defaults."""
+    return {"seq": token_block_tiles(), "both": token_block_tiles()}
 
 
 def rowset_tiles(orient: str) -> list:

@@ -208,14 +208,14 @@ def report(M: int, N: int, orient: str, tile, dump: str | None) -> dict:
     m = cl.metrics(k)
     c = cl._constexprs(lc)
     threads = 32 * cl._options(lc)["num_warps"]
-    rows = c["MB"] * c["MI"] if "MB" in c else c.get("R", 32)
-    block_n = c.get("BLOCK_N", c.get("NB", 0) * 32) or c["NCH"] * c["CH"]  # warp rows: one pass over the row
+    rows = c["MB"] * c["MI"] if "MB" in c else 32
+    block_n = c.get("BLOCK_N", c.get("NB", 0) * 32) or c["NCH"] * c["CH"]  # token blocks: one pass a row
     trips = -(-N // block_n)  # every loop of these kernels is a pass over the row's chunks
     executed, bodies = executed_per_thread(m["_asm"]["sass"], trips)
     per_elem = executed / (rows * N / threads)
     name = f"{orient} M{M} N{N} tile ({rows}, {block_n}, {threads // 32} warps" + (
         f", maxnreg {lc.kwargs['maxnreg']}" if "maxnreg" in lc.kwargs else "") + (
-        ", rowsets)" if "NB" in c else ", token blocks)" if "LOG_CH" in c else ", warp rows)" if "NCH" in c else ")") + f" {lc.name}"
+        ", rowsets)" if "NB" in c else ", token blocks)" if "LOG_CH" in c else ")") + f" {lc.name}"
     print(f"\n== {name}: grid {lc.grid}")
     ops = {key: v for key, v in m.items() if key != "_asm" and key.split(".")[0] in cl.MEM_OPS}
     print(f"   registers {m['registers (launch)']}, spills {m['spill stores + loads (ptxas -v, bytes)']}, "

@@ -42,9 +42,8 @@
 #   rmsnormrows  rmsnorm_quant's row-set kernel (perf-notes-producers.md, session 12): every rmsnorm GPU test as four
 #              processes side by side (grouped by tile: each builds only its kernels), then bench_producers with
 #              the row-set tiles (producers.ROWSET_TILES) beside the defaults, rmsnorm only, alone on the GPU
-#   rmsnormwarp  rmsnorm_quant's warp-row hdim and token-block seq / both kernels (perf-notes-producers.md, session
-#              17): their tests on the GPU, then bench_producers with their tiles (and the old hdim tile) beside the
-#              defaults, as CUDA-graph replays and eagerly (RMS_TIMINGS, default "graph eager")
+#   rmsnormblocks  rmsnorm_quant's token-block seq / both kernel (perf-notes-producers.md, session 17): its tests on
+#              the GPU, then bench_producers with its tiles beside the defaults (RMS_TIMINGS: graph, eager)
 #   varlen     jagged forward vs the dense kernel at 50 % fill
 #   varlensweep  the same over several length draws, d128 and d64, and d64 tile configs
 #   varlenbwd  jagged backward (Gluon jagged mode, the Hopper default, asked here by name: compile checks, tiny cases, its GPU
@@ -385,14 +384,12 @@ json.dump(rows, open(sys.argv[2], 'w'), indent=1)
       pytest_groups rmsnorm_tests "-m gpu" "rmsnorm and (not rowsets or packers)" "rmsnorm and rowsets and seq-" \
         "rmsnorm and rowsets and both-32x128x4" "rmsnorm and rowsets and both-32x512x16"
       run $PY -c "import sys; from mxattn.producers import bench_producers, rowset_tiles; bench_producers(rep_ms=50, outdir=sys.argv[1], linear_sizes=(), rms_variants={o: rowset_tiles(o) for o in ('seq', 'both')})" "$OUT" ;;
-    rmsnormwarp)
-      # session 17: the warp-row hdim kernel and the token-block seq / both kernel (perf-notes-producers.md): their
-      # tests on the GPU (three processes), then bench_producers with every warp-row tile and the 4-D tile kernel's
-      # (hdim) and every token-block tile (seq, both) beside the defaults, rmsnorm only, alone on the GPU, timed as
-      # CUDA-graph replays and eagerly (two rmsnorm_quant results files)
-      # the CPU-marked tests of the two kernels too: on the GPU machine they run the compiled kernels
-      pytest_groups rmsnormwarp_tests "" "warp_rows and not special and not edges" \
-        "(warp_rows and (special or edges)) or fwd_tile" "token_blocks"
+    rmsnormblocks)
+      # session 17: the token-block seq / both kernel (perf-notes-producers.md): its tests on the GPU (the CPU-marked
+      # ones too: there they run the compiled kernel), then bench_producers with every token-block tile beside the
+      # row-set defaults, rmsnorm only, alone on the GPU (RMS_TIMINGS, default "graph eager": CUDA-graph replays,
+      # then eager calls; one rmsnorm_quant results file each)
+      pytest_groups rmsnormblocks_tests "" "token_blocks and gpu" "token_blocks and not gpu"
       for timing in ${RMS_TIMINGS:-graph eager}; do
         run $PY -c "import sys; from mxattn.producers import bench_producers, rmsnorm_kernel_variants; bench_producers(rep_ms=50, outdir=sys.argv[1], linear_sizes=(), rms_variants=rmsnorm_kernel_variants, timing=sys.argv[2])" "$OUT" "$timing"
       done ;;

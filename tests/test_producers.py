@@ -20,7 +20,6 @@ What is checked:
 from __future__ import annotations
 
 import importlib
-import math
 import os
 from typing import Optional
 
@@ -318,7 +317,7 @@ ROWSET_CASES = [
 
 
 def _tile_id(t) -> str:
-    kind = "token_blocks-" if t.token_blocks else "warp_rows-" if t.warp_rows else ""
+    kind = "token_blocks-" if t.token_blocks else ""
     return kind + f"{t.block_m}x{t.block_n}x{t.num_warps}" + (f"r{t.maxnreg}" if t.maxnreg else "")
 
 
@@ -394,100 +393,6 @@ def test_rmsnorm_quant_rowsets_weights_decide_the_nan_path(kernels, gen, orient,
             assert int((_u8(s.scale) == 255).sum()) > 0, "the overflow case made no NaN block: not a test"
 
 
-# ----------------------------------------------------------------------------------------------
-# rmsnorm_quant forward: the warp-row kernel (hdim orientation alone; FwdTile(warp_rows=True))
-# ----------------------------------------------------------------------------------------------
-
-# chunks of 32 / 64 columns so that the tiny rows below span several chunks and lanes; rows per program above and
-# at the warp count (each warp then holds one or two rows)
-WARP_ROW_CPU_TILES = [kr.FwdTile(4, 32, 4, warp_rows=True), kr.FwdTile(4, 64, 2, warp_rows=True)]
-
-WARP_ROW_CASES = [
-    # shape, dtype, row_scaled, scale_mode
-    ((2, 37, 160), torch.bfloat16, False, "rceil"),  # two batches, 37 % 4 = 1 row in the last program; N = 5 blocks
-    ((3, 7, 200), torch.float32, True, "floor"),  # N not a multiple of 32, row-scaled
-    ((9, 1), torch.float16, False, "rceil"),  # N = 1
-    ((11, 256), torch.bfloat16, True, "rceil"),  # whole chunks, row-scaled
-    ((6, 96), torch.bfloat16, False, "floor"),
-]
-
-
-@pytest.mark.parametrize("tile", WARP_ROW_CPU_TILES, ids=_tile_id)
-@pytest.mark.parametrize("shape,dtype,row_scaled,mode", WARP_ROW_CASES, ids=str)
-def test_rmsnorm_quant_warp_rows_bit_exact(kernels, gen, tile, shape, dtype, row_scaled, mode):
-    kr.TILE_OVERRIDES["fwd"] = tile
-    x = _rand(shape, dtype, gen, 3.0)
-    w = _rand(shape[-1:], dtype, gen)
-    w[::7] = -w[::7].abs()
-    _check_rmsnorm(x, w, 1e-5, "hdim", mode, row_scaled, f"warp rows {_tile_id(tile)} {shape} {dtype} {mode}")
-
-
-def test_rmsnorm_quant_warp_rows_special_values(kernels, gen):
-    """Inf / NaN / zero / tiny / overflowing rows (the NaN path) and all-finite programs (the short path) in one
-    tensor, both scale rules, eps 0 (zero rows become NaN rows), MX scales and row-scaled output."""
-    kr.TILE_OVERRIDES["fwd"] = kr.FwdTile(4, 32, 4, warp_rows=True)
-    x = _special_rows(gen).to(DEVICE)
-    w = _rand((64,), torch.float32, gen)
-    w[9] = 0.0
-    w[11] = -w[11].abs()
-    for mode in ("rceil", "floor"):
-        for eps in (1e-6, 0.0):
-            for rs in (False, True):
-                _check_rmsnorm(x, w, eps, "hdim", mode, rs, f"warp rows special {mode} eps={eps} rs={rs}")
-
-
-def _rows_at_exponent_edges(mode: str, w0: float, n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows whose largest |y| lies within a few ulps of an edge of the exponent rule (RCEIL: 1.75 * 2^k, FLOOR:
-    2^k), where the row-scaled kernel's estimate of E from pass 1 must give way to the exact walk: x = [a, 0.5, ...]
-    with a stepped one fp32 ulp at a time around the crossing, the first channel's weight w0."""
-    edge = 7.0 if mode == "rceil" else 8.0  # 1.75 * 2^2 / 2^3
-    lo, hi = 0.5, 64.0  # y0(a) = w0 a rstd(a) grows with a: bisect for y0 = edge
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        y0 = w0 * mid / math.sqrt((mid * mid + (n - 1) * 0.25) / n + 1e-6)
-        lo, hi = (mid, hi) if y0 < edge else (lo, mid)
-    x = torch.full((25, n), 0.5)
-    x[:, 0] = lo * (1 + torch.arange(-12, 13, dtype=torch.float64) * 2.0 ** -23)
-    w = torch.ones(n)
-    w[0] = w0
-    return x, w
-
-
-def _rule(a: torch.Tensor, mode: str) -> torch.Tensor:
-    b = a.to(torch.float32).view(torch.int32).to(torch.int64)
-    return ((b + 0x1FFFFF) >> 23) if mode == "rceil" else (b >> 23)
-
-
-@pytest.mark.parametrize("mode", ["rceil", "floor"])
-def test_rmsnorm_quant_warp_rows_exponent_edges(kernels, mode):
-    """Row-scaled output of rows at the exponent rule's edges, where the kernel's estimate of E from pass 1
-    (max |x w| times rstd) and the true max |y| round differently (``_rows_exponent_estimate`` must refuse it):
-    bit-exact with the reference; the rows are checked to hold such a disagreement, so the test can fail."""
-    kr.TILE_OVERRIDES["fwd"] = kr.FwdTile(4, 32, 4, warp_rows=True)
-    split = 0
-    for w0 in (1.0, 1.1, 0.9, 1.3, 1.75, 1.9):
-        x, w = _rows_at_exponent_edges(mode, w0)
-        y, rstd = P.rmsnorm_reference(x, w, 1e-6)
-        est = (x.abs() * w.abs()).max(1).values * rstd
-        split += int((_rule(y.abs().max(1).values, mode) != _rule(est, mode)).sum())
-        _check_rmsnorm(x.to(DEVICE), w.to(DEVICE), 1e-6, "hdim", mode, True, f"exponent edges {mode} w0 {w0}")
-    assert split > 0, "no row where the estimate and the true maximum get different exponents: not a test"
-
-
-def test_rmsnorm_quant_warp_rows_weights_decide_the_nan_path(kernels, gen):
-    """All rows finite: a weight at or above 2^120 must take the NaN-handling path (y overflows to Inf: scale
-    byte 255), one just below keeps the short one."""
-    kr.TILE_OVERRIDES["fwd"] = kr.FwdTile(4, 32, 4, warp_rows=True)
-    x = _rand((2, 9, 64), torch.float32, gen, 2.0)
-    for big, what in ((3e38, "overflowing weight"), (2.0 ** 119 * 1.99, "largest finite-path weight"),
-                      (float("inf"), "Inf weight"), (float("nan"), "NaN weight")):
-        w = _rand((64,), torch.float32, gen)
-        w[3] = big
-        got = _check_rmsnorm(x, w, 1e-6, "hdim", "rceil", False, f"warp rows {what}")
-        if big == 3e38:
-            assert int((_u8(got.out.scale) == 255).sum()) > 0, "the overflow case made no NaN block: not a test"
-
-
 def test_fwd_tile_defaults():
     """seq / both with MX scales take the row-set tiles the session-12 bench chose; row-scaled output and rows
     narrower than the tile's chunk keep the 4-D tile kernel; hdim-only is unchanged."""
@@ -498,21 +403,16 @@ def test_fwd_tile_defaults():
         assert kr.fwd_tile(N, True, hdim=True) == both
         assert not kr.fwd_tile(N, True, row_scaled=True, hdim=True).rowsets
         assert not kr.fwd_tile(N, False).rowsets
-        # hdim alone: the warp-row kernel up to 8192 columns when switched on, unless the scales go to the
-        # Blackwell layout
-        assert kr.fwd_tile(N, False).warp_rows == (kr.HDIM_WARP_ROWS and N <= kr.WARP_ROWS_MAX_N)
-        assert not kr.fwd_tile(N, False, tiled=True).warp_rows
-    assert (kr.fwd_tile(100, False) == kr.WARP_ROWS_DEFAULT) == kr.HDIM_WARP_ROWS
-    assert kr.WARP_ROWS_DEFAULT in P.warp_row_tiles()  # the bench compares the default with the others
+        assert not kr.fwd_tile(N, True).token_blocks  # opt-in
     assert not kr.fwd_tile(seq.block_n - 1, True).rowsets
     assert not kr.fwd_tile(both.block_n - 1, True, hdim=True).rowsets
     with pytest.raises(ValueError, match="row-set tile"):
         kr.rmsnorm_quant_fwd(torch.zeros(1, 4, 64), torch.ones(64), 1e-6, hdim=True, seq=True, row_scaled=True,
                              rceil=True, tile=kr.FwdTile(32, 64, 4, rowsets=True))
-    for seq, n in ((True, 64), (False, 2 * kr.WARP_ROWS_MAX_N)):
-        with pytest.raises(ValueError, match="warp-row tile"):
-            kr.rmsnorm_quant_fwd(torch.zeros(1, 4, n), torch.ones(n), 1e-6, hdim=True, seq=seq, row_scaled=False,
-                                 rceil=True, tile=kr.FwdTile(4, 256, 4, warp_rows=True))
+    for seq, rs, n in ((False, False, 64), (True, True, 64), (True, False, 32 * 64 * 2)):
+        with pytest.raises(ValueError, match="token-block tile"):
+            kr.rmsnorm_quant_fwd(torch.zeros(1, 4, n), torch.ones(n), 1e-6, hdim=True, seq=seq, row_scaled=rs,
+                                 rceil=True, tile=kr.FwdTile(32, 64, 2, token_blocks=True))
 
 
 @triton.jit
@@ -881,49 +781,6 @@ def test_gpu_rmsnorm_quant_bit_exact(kernels, gen, monkeypatch, soft, M, N, orie
     x = _rand((3, M // 3, N) if orient != "hdim" else (M, N), torch.bfloat16, gen, 4.0)
     w = _rand((N,), torch.bfloat16, gen)
     _check_rmsnorm(x, w, 1e-6, orient, "rceil", row_scaled, f"gpu M{M} N{N} {orient} soft={soft}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tile", P.warp_row_tiles(), ids=_tile_id)
-@pytest.mark.parametrize("M,N", [(2048, 4096), (3 * 341, 8192), (999, 1000), (96, 100), (37, 6000)])
-def test_gpu_rmsnorm_quant_warp_rows_bit_exact(kernels, gen, tile, M, N):
-    """Every warp-row tile the bench compares (producers.WARP_ROW_TILES), MX scales and row-scaled output, whole and
-    partial programs and chunks (EVEN and not)."""
-    kr.TILE_OVERRIDES["fwd"] = tile
-    x = _rand((M, N), torch.bfloat16, gen, 4.0)
-    w = _rand((N,), torch.bfloat16, gen)
-    w[::7] = -w[::7].abs()
-    for rs in (False, True):
-        _check_rmsnorm(x, w, 1e-6, "hdim", "rceil", rs, f"gpu warp rows {_tile_id(tile)} M{M} N{N} rs={rs}")
-
-
-@pytest.mark.gpu
-def test_gpu_rmsnorm_quant_warp_rows_soft_floor_dtypes_special(kernels, gen, monkeypatch):
-    """The default warp-row tile with the explicit rounding, FLOOR, fp16 / fp32 inputs, and the special rows (Inf /
-    NaN / zero / overflowing, eps 0) and huge weights: no branch decides these in this kernel, the exponent select
-    and the hardware conversion must give the reference's bytes."""
-    kr.TILE_OVERRIDES["fwd"] = kr.WARP_ROWS_DEFAULT
-    for soft, mode, dtype in ((True, "rceil", torch.bfloat16), (False, "floor", torch.float16),
-                              (True, "floor", torch.float32)):
-        monkeypatch.setattr(kq, "SOFT_ROUND_ON_GPU", soft)
-        x = _rand((777, 1024), dtype, gen, 4.0)
-        w = _rand((1024,), dtype, gen)
-        for rs in (False, True):
-            _check_rmsnorm(x, w, 1e-6, "hdim", mode, rs, f"gpu warp rows soft={soft} {mode} {dtype} rs={rs}")
-    monkeypatch.setattr(kq, "SOFT_ROUND_ON_GPU", False)
-    x = _special_rows(gen).to(DEVICE)
-    w = _rand((64,), torch.float32, gen)
-    w[9] = 0.0
-    for mode in ("rceil", "floor"):
-        for eps in (1e-6, 0.0):
-            for rs in (False, True):
-                _check_rmsnorm(x, w, eps, "hdim", mode, rs, f"gpu warp rows special {mode} eps={eps} rs={rs}")
-    x2 = _rand((2, 40, 300), torch.float32, gen, 2.0)
-    for big in (3e38, 2.0 ** 119 * 1.99, float("inf"), float("nan")):
-        w2 = _rand((300,), torch.float32, gen)
-        w2[3] = big
-        for rs in (False, True):
-            _check_rmsnorm(x2, w2, 1e-6, "hdim", "rceil", rs, f"gpu warp rows weight {big} rs={rs}")
 
 
 @pytest.mark.gpu

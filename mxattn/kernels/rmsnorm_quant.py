@@ -59,16 +59,13 @@ from mxattn.kernels.launch import cdiv, fast_launcher, next_pow2
 from mxattn.kernels.quantize import (
     SEQ_ALIGN,
     _e4m3_bytes,
-    _e4m3_value,
     _hdim_mx,
     _hdim_rows,
     _max_keep_nan,
     _mx_exponent,
     _nan_bytes,
-    _nonzero_block,
     _pow2,
     _reexpress,
-    _round_to_e4m3_grid,
     _soft,
     _tiled_offset,
     _to_f32,
@@ -88,7 +85,6 @@ __all__ = [
 _NO_EXP = tl.constexpr(-(1 << 20))  # "no nonzero block" sentinel of exponent maxima (quantize.py's)
 MAX_N_BWD = 16384  # the backward keeps one whole row of x, dy, weight and the dweight partial in registers
 _SINGLE_CHUNK_MAX = 8192  # hdim-only forward: whole rows in registers up to this (padded) width
-WARP_ROWS_MAX_N = 8192  # the warp-row kernel's pass 1 holds a whole row in one warp up to this (padded) width
 
 
 # ----------------------------------------------------------------------------------------------
@@ -111,9 +107,6 @@ class FwdTile:
     # seq / both orientations with MX scales only (block_m 32): the row-set kernel (``_rmsnorm_quant_rowset_kernel``)
     # instead of the 4-D tile one
     rowsets: bool = False
-    # hdim orientation only, whole rows (block_m rows, block_n the chunk width of the (rows, chunks, block_n) tile):
-    # the warp-row kernel (``_rmsnorm_quant_rows_kernel``), each row inside one warp
-    warp_rows: bool = False
     # seq orientation (with or without hdim), MX scales, block_m 32 (one seq block), block_n the chunk width of the
     # (8, 4, block_n) tile: the token-block kernel (``_rmsnorm_quant_blocks_kernel``)
     token_blocks: bool = False
@@ -147,19 +140,11 @@ def _warps(elems: int) -> int:
 # seq (32, 512, 16) 0.119 / 0.222 ms against the 4-D tile kernel's 0.132 (session 11; this run's 4096 default row is
 # an outlier, docs/perf-notes-producers.md) / 0.249; both (32, 128, 4, maxnreg 128) 0.142 / 0.281 against
 # 0.338 / 0.661.  Row-scaled hdim output, and rows narrower than a chunk (not measured), keep the 4-D kernel.
-# hdim alone: the warp-row kernel, 8 rows (two a warp: the weight's conversion serves both) in chunks of 256 columns;
-# predicted from the sm_90a build (14.8 instructions an element against 22.2 for the 4-D tile's one row on 4 warps,
-# 1 barrier against 10), to be set from the session-17 bench (producers.WARP_ROW_TILES)
-WARP_ROWS_DEFAULT = FwdTile(8, 256, 4, warp_rows=True)
-# whether hdim-only rows take the warp-row kernel by default: off until its GPU tests and the session-17 bench have
-# run (docs/pending-gpu-checks.md); TILE_OVERRIDES["fwd"] or a tile argument reach it meanwhile
-HDIM_WARP_ROWS = False
 ROWSET_DEFAULTS = {"seq": FwdTile(32, 512, 16, rowsets=True), "both": FwdTile(32, 128, 4, 128, rowsets=True)}
 
 
-def fwd_tile(N: int, seq: bool, row_scaled: bool = False, hdim: bool = False, tiled: bool = False) -> FwdTile:
-    """Forward tile for rows of N elements.  hdim only: the warp-row kernel (``WARP_ROWS_DEFAULT``) up to N = 8192
-    (padded) when ``HDIM_WARP_ROWS``, unless the scales go to the Blackwell layout (``tiled``); else whole rows (one chunk) up to N = 8192,
+def fwd_tile(N: int, seq: bool, row_scaled: bool = False, hdim: bool = False) -> FwdTile:
+    """Forward tile for rows of N elements.  hdim only: whole rows (one chunk) up to N = 8192,
     ``block_m`` rows so that a program holds ~4K elements, and wider rows through chunks of 8192.  With a seq orientation (``hdim``
     too: "both"): the row-set tile of ``ROWSET_DEFAULTS`` when the output has MX scales (not ``row_scaled``) and
     N is at least its chunk width, else 32 tokens x chunks of at most 256 columns (8K elements)."""
@@ -174,8 +159,6 @@ def fwd_tile(N: int, seq: bool, row_scaled: bool = False, hdim: bool = False, ti
         # rmsnorm_quant_sweep-nvidia-h200-2026-11-30-s8.json): more resident programs hide the serial chain
         bn = min(np2, 256)
         return FwdTile(32, bn, 4)
-    if HDIM_WARP_ROWS and np2 <= WARP_ROWS_MAX_N and not tiled:
-        return WARP_ROWS_DEFAULT
     bn = min(np2, _SINGLE_CHUNK_MAX)
     bm = max(1, 4096 // bn)
     if bm * bn <= 8192:
@@ -768,39 +751,14 @@ def _rmsnorm_quant_rowset_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
-# Warp-row forward (hdim orientation only: MX scales or row-scaled)
+# Token-block forward (seq orientation, with or without hdim; MX scales)
 # ----------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _rows_chunk_ptrs(base, c: tl.constexpr, S_rem, N, R: tl.constexpr, CH: tl.constexpr):
-    """Byte pointers and mask of chunk ``c`` (columns c CH .. c CH + CH) of the hdim data of R rows, laid out
-    (CH // 32, R, 32) (blocks, rows, channels): with the block axis first among the strided axes and the contiguity
-    declared 8, Triton gives the store the layout the quantized chunk already has (8 bytes per thread, 4 lanes along
-    a block, 8 lanes along the blocks, rows over the warps) instead of converting it through shared memory into
-    16-byte pieces."""
-    n = c * CH + tl.arange(0, CH // 32)[:, None, None] * 32 + tl.arange(0, 32)[None, None, :]
-    r = tl.arange(0, R)[None, :, None]
-    return base + tl.max_contiguous(r * N + n, [1, 1, 8]), (r < S_rem) & (n < N)
-
-
-@triton.jit
-def _rows_scale_ptrs(base, c: tl.constexpr, S_rem, NBH, R: tl.constexpr, NBC: tl.constexpr):
-    """Scale-byte pointers of chunk ``c`` of R rows, laid out (4, NBC, R) (quad lane, block, row) and masked to the
-    quad's first lane: with no contiguity declared, Triton's store layout fills lanes along the first axes and warps
-    along the rows, the layout the block maxima already have (a (R, NBC) store is converted through shared memory,
-    two barriers a chunk)."""
-    q = tl.arange(0, 4)[:, None, None]
-    blk = c * NBC + tl.arange(0, NBC)[None, :, None]
-    r = tl.arange(0, R)[None, None, :]
-    off = tl.max_contiguous(r * NBH + blk + q * 0, [1, 1, 1])
-    return base + off, (q == 0) & (r < S_rem) & (blk < NBH)
-
-
-@triton.jit
-def _rows_load(ptr, ok, EVEN: tl.constexpr, EVICT: tl.constexpr):
-    """A load of the warp-row kernel: unmasked when the launch has no partial row or chunk (``EVEN``), so that the
-    registers need no zeroing and the masks no computing."""
+def _tile_load(ptr, ok, EVEN: tl.constexpr, EVICT: tl.constexpr):
+    """A load of the token-block kernel: unmasked when the launch has no partial block or chunk (``EVEN``), so that
+    the registers need no zeroing and the masks no computing."""
     if EVEN:
         v = tl.load(ptr, eviction_policy=EVICT)
     else:
@@ -809,166 +767,10 @@ def _rows_load(ptr, ok, EVEN: tl.constexpr, EVICT: tl.constexpr):
 
 
 @triton.jit
-def _rows_block_max(y, R: tl.constexpr, NBC: tl.constexpr):
-    """fp32 bits of each hdim block's |y| maximum, NaN-propagating (>= 0x7F800000 exactly for blocks holding NaN or
-    Inf), (R, NBC, 1), and the same broadcast over the quad's lanes, (R, NBC, 4) (``_rows_scale_ptrs``).  A float max
-    per element, the abs folded into its operands."""
-    a4 = tl.reduce(tl.abs(tl.reshape(y, (R, NBC, 4, 8))), 3, _max_keep_nan)
-    amax = tl.reduce(a4, 2, _max_keep_nan, keep_dims=True).to(tl.int32, bitcast=True)
-    return amax, tl.broadcast_to(amax, (R, NBC, 4))
-
-
-@triton.jit
-def _rows_exponent(amax, RCEIL: tl.constexpr):
+def _block_exponent(amax, RCEIL: tl.constexpr):
     """``_mx_exponent`` by the finite rule (``_finite_exponent``: zero blocks get -127, which changes no byte) and one
     select for the non-finite blocks, whose exponent is 0."""
     return tl.where(amax >= _INF_BITS, 0, _finite_exponent(amax, RCEIL))
-
-
-@triton.jit
-def _rows_pass2(xp, wp, hd_base, hs_base, rstd, S_rem, N, E,
-                R: tl.constexpr, NCH: tl.constexpr, CH: tl.constexpr,
-                ROWSCALED: tl.constexpr, RCEIL: tl.constexpr, SOFT: tl.constexpr, EVEN: tl.constexpr):
-    """Normalize, quantize and store the R rows chunk by chunk (x and w read again, from L1 / L2, the next chunk's
-    loads issued before the current one's work).  MX: bytes to ``hd_base`` (row stride N), scale bytes to
-    ``hs_base`` (row stride ceil(N / 32)); ROWSCALED: bytes re-expressed to the rows' exponents E (R, 1, 1).
-
-    No branch for Inf / NaN: the exponent is the finite rule's with non-finite blocks set to 0 (one select a
-    block), and the hardware conversion already gives 0x7F for NaN and +-448 for +-Inf (the explicit rounding of
-    ``SOFT`` needs the NaN bytes OR'ed in).  Columns past N are not masked: x and w load as 0 there, so y is 0 unless
-    rstd is Inf or NaN, and then every real element of the row is NaN too (a zero row with eps = 0, or a NaN in x)."""
-    NBC: tl.constexpr = CH // 32
-    NBH = (N + 31) // 32
-    r = tl.arange(0, R)[:, None]
-    j = tl.arange(0, CH)[None, :]
-    rs = tl.reshape(rstd, (R, 1))
-    row_ok = r < S_rem
-    x_n = _rows_load(xp + j, row_ok & (j < N), EVEN, "evict_first")
-    w_n = _rows_load(wp + j, j < N, EVEN, "evict_last")
-    for c in tl.static_range(NCH):
-        x_c = x_n
-        w_c = w_n
-        if c + 1 < NCH:
-            x_n = _rows_load(xp + (c + 1) * CH + j, row_ok & ((c + 1) * CH + j < N), EVEN, "evict_first")
-            w_n = _rows_load(wp + (c + 1) * CH + j, (c + 1) * CH + j < N, EVEN, "evict_last")
-        y = tl.reshape((_to_f32(x_c) * rs) * _to_f32(w_c), (R, NBC, 32))
-        amax, amax_q = _rows_block_max(y, R, NBC)
-        e = _rows_exponent(amax, RCEIL)
-        if ROWSCALED:
-            q = _e4m3_value(y * _pow2(-e), SOFT)
-            out = _e4m3_run(q * _pow2(tl.minimum(tl.maximum(e - E, -31), 0)), SOFT)
-            out = tl.where(amax < _INF_BITS, out, 127).to(tl.uint8)  # NaN blocks: NaN bytes
-        else:
-            out = _e4m3_run(y * _pow2(-e), SOFT)
-            if SOFT:
-                out |= _nan_fill(y.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.uint8)
-            eq = _rows_exponent(amax_q, RCEIL)
-            sc = tl.where(amax_q >= _INF_BITS, 255, tl.where(amax_q == 0, 127, eq + 127)).to(tl.uint8)
-            hs, hs_ok = _rows_scale_ptrs(hs_base, c, S_rem, NBH, R, NBC)
-            tl.store(hs, tl.permute(sc, (2, 1, 0)), mask=hs_ok)
-        hd, hd_ok = _rows_chunk_ptrs(hd_base, c, S_rem, N, R, CH)
-        tl.store(hd, tl.permute(out, (1, 0, 2)), mask=hd_ok)
-
-
-@triton.jit
-def _rows_exponent_estimate(ss, rstd, m_xw, w_max, RCEIL: tl.constexpr):
-    """Each row's exponent E from pass 1 alone, and where that is certain (R,).
-
-    With every y finite, E is the exponent rule applied to A = max |y| (the rule is monotone and every block whose
-    maximum exceeds 2^-137 is nonzero).  A_est = fl(max fl(|x w|) * rstd) is within 4 u (u = 2^-24) of A: both are
-    max |x_i w_i| rstd rounded twice, if no intermediate is subnormal.  So E = rule(A_est) wherever the rule gives
-    the same exponent 8 ulps on either side of A_est.  Certain only if the row's sum and rstd are finite, |w| <
-    2^120 (y then cannot overflow), A_est >= 2^-100 |w|max and max |x w| >= 2^-100 (no subnormal intermediate can
-    reach the maximum); elsewhere the kernel walks the row for E (``_rows_exponents``)."""
-    a = m_xw * rstd
-    ab = a.to(tl.int32, bitcast=True)
-    e_lo = _finite_exponent(ab - 8, RCEIL)
-    e_hi = _finite_exponent(ab + 8, RCEIL)
-    sure = _finite(ss) & _finite(rstd) & (w_max < 2.0 ** 120) & (m_xw >= 2.0 ** -100) & (a >= w_max * 2.0 ** -100)
-    sure = sure & (ab < 0x7F000000) & (e_lo == e_hi)
-    return e_hi, sure
-
-
-@triton.jit
-def _rows_exponents(xp, wp, rstd, S_rem, N, R: tl.constexpr, NCH: tl.constexpr, CH: tl.constexpr,
-                    RCEIL: tl.constexpr, EVEN: tl.constexpr):
-    """Row-scaled output: each row's exponent E (R, 1, 1), the largest block exponent among its blocks that
-    quantize to nonzero (``_nonzero_block``), 0 where none does: ``formats.to_row_scaled``'s."""
-    NBC: tl.constexpr = CH // 32
-    r = tl.arange(0, R)[:, None]
-    j = tl.arange(0, CH)[None, :]
-    rs = tl.reshape(rstd, (R, 1))
-    E = tl.full((R, 1, 1), _NO_EXP, tl.int32)
-    for c in tl.static_range(NCH):
-        xf = _to_f32(_rows_load(xp + c * CH + j, (r < S_rem) & (c * CH + j < N), EVEN, "evict_last"))
-        wf = _to_f32(_rows_load(wp + c * CH + j, c * CH + j < N, EVEN, "evict_last"))
-        y = tl.reshape((xf * rs) * wf, (R, NBC, 32))
-        amax, _q = _rows_block_max(y, R, NBC)
-        nz = _nonzero_block(amax)
-        E = tl.maximum(E, tl.max(tl.where(nz, _rows_exponent(amax, RCEIL), _NO_EXP), axis=1, keep_dims=True))
-    return tl.where(E == _NO_EXP, 0, E)
-
-
-@triton.jit
-def _rmsnorm_quant_rows_kernel(
-    x_ptr, sxb, sxs,  # x (B, S, N), unit stride along N
-    w_ptr, rstd_ptr,  # weight (N,); rstd fp32 (B, S)
-    hd_ptr, hs_ptr,  # hdim data (B, S, N) u8; scales (B, S, ceil(N/32)) u8, or int32 row exponents (B, S) (ROWSCALED)
-    S, N, n_s_tiles, eps, n_f,
-    R: tl.constexpr, NCH: tl.constexpr, CH: tl.constexpr, LOG_NP: tl.constexpr,
-    ROWSCALED: tl.constexpr, RCEIL: tl.constexpr, SOFT: tl.constexpr,
-    EVEN: tl.constexpr,  # S % R == 0 and N == NCH * CH: no partial row or chunk anywhere (no load masks)
-):
-    """RMSNorm + hdim MX quantization of R whole rows of one batch, each row inside one warp.
-
-    Pass 1 loads the rows as one (R, NCH, CH) tile, CH = 256 (8 elements x 32 lanes): Triton lays the contiguous
-    axis over the lanes and then the rows (the lower of the two strided axes) over the warps, so a row never leaves
-    its warp, all its loads are in flight at once, and its pairwise tree (module docstring) costs additions in
-    registers and 5 shuffle levels: no shared memory, no barrier.  Pass 2 (``_rows_pass2``) reads the rows again
-    chunk by chunk, from L1 or L2 (the fp32 tile does not fit the registers at 4096 columns), normalizes and
-    quantizes: an hdim block (32 channels) is 8 values x 4 lanes.  Row-scaled output walks the chunks once more
-    before, for the row exponents."""
-    NP: tl.constexpr = NCH * CH
-    pid = tl.program_id(0)
-    b = pid // n_s_tiles
-    s0 = (pid % n_s_tiles) * R
-    b64 = b.to(tl.int64)
-    S_rem = S - s0
-    r = tl.arange(0, R)[:, None, None]
-    n = tl.arange(0, NCH)[None, :, None] * CH + tl.arange(0, CH)[None, None, :]  # (1, NCH, CH)
-    xf = _to_f32(_rows_load(x_ptr + b64 * sxb + (s0 + r).to(tl.int64) * sxs + n, (r < S_rem) & (n < N), EVEN,
-                            "evict_last"))
-    ss = _pairwise_rows(tl.reshape(xf * xf, (R, NP)), R, NP, LOG_NP)
-    if ROWSCALED:
-        # for the row exponents' estimate (_rows_exponent_estimate): max |x w| per row and max |w|
-        wf = _to_f32(_rows_load(w_ptr + n + r * 0, n < N, EVEN, "evict_last"))
-        m_xw = tl.max(tl.reshape(tl.abs(xf * wf), (R, NP)), axis=1)
-        w_max = tl.max(tl.reshape(tl.abs(wf), (R, NP)), axis=1)
-    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, n_f) + eps))  # (R,)
-    rl = tl.arange(0, R)
-    # this store also keeps LLVM from reusing pass 1's loads in pass 2 (it may alias them)
-    tl.store(rstd_ptr + b64 * S + s0 + rl, rstd, mask=rl < S_rem)
-    row = b64 * S + s0  # int64 scalar
-    r2 = tl.arange(0, R)[:, None]
-    xp = x_ptr + b64 * sxb + (s0 + r2).to(tl.int64) * sxs
-    wp = w_ptr + r2 * 0  # the weight at the rows' shape, so that it gets their layout (each warp reads its copy)
-    if ROWSCALED:
-        E_est, sure = _rows_exponent_estimate(ss, rstd, m_xw, w_max, RCEIL)
-        if tl.min((sure | (rl >= S_rem)).to(tl.int32)) == 1:
-            E = tl.reshape(E_est, (R, 1, 1))
-        else:
-            E = _rows_exponents(xp, wp, rstd, S_rem, N, R, NCH, CH, RCEIL, EVEN)
-        rr = tl.arange(0, R)[:, None, None]
-        tl.store(hs_ptr + row + rr, E, mask=rr < S_rem)
-        _rows_pass2(xp, wp, hd_ptr + row * N, hs_ptr, rstd, S_rem, N, E, R, NCH, CH, True, RCEIL, SOFT, EVEN)
-    else:
-        _rows_pass2(xp, wp, hd_ptr + row * N, hs_ptr + row * ((N + 31) // 32), rstd, S_rem, N, 0, R, NCH, CH,
-                    False, RCEIL, SOFT, EVEN)
-
-
-# ----------------------------------------------------------------------------------------------
-# Token-block forward (seq orientation, with or without hdim; MX scales)
-# ----------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -979,7 +781,7 @@ def _blocks_rows(xrow, c: tl.constexpr, CH: tl.constexpr, S_rem, N, EVEN: tl.con
     stays in one warp."""
     j = c * CH + tl.arange(0, CH)[None, None, :]
     r = 4 * tl.arange(0, 8)[:, None, None] + tl.arange(0, 4)[None, :, None]
-    return _rows_load(xrow + j, (r < S_rem) & (j < N), EVEN, EVICT)
+    return _tile_load(xrow + j, (r < S_rem) & (j < N), EVEN, EVICT)
 
 
 @triton.jit
@@ -1002,19 +804,19 @@ def _blocks_chunk(xrow, w_ptr, rs, hd_base, hs_base, cw_base, cs_base, c: tl.con
     j = tl.arange(0, 32)[None, None, None, :]
     ch = c * CH + g * 32 + j  # (1, NG, 1, 32)
     tok = 4 * w + k  # (8, 1, 4, 1)
-    xf = _to_f32(_rows_load(xrow + ch, (tok < S_rem) & (ch < N), EVEN, "evict_first"))
-    wf = _to_f32(_rows_load(w_ptr + ch + w * 0, ch < N, EVEN, "evict_last"))  # (8, NG, 1, 32)
+    xf = _to_f32(_tile_load(xrow + ch, (tok < S_rem) & (ch < N), EVEN, "evict_first"))
+    wf = _to_f32(_tile_load(w_ptr + ch + w * 0, ch < N, EVEN, "evict_last"))  # (8, NG, 1, 32)
     y = (xf * rs) * wf  # (8, NG, 4, 32)
     if HDIM:
         a4 = tl.reduce(tl.abs(tl.reshape(y, (8, NG, 4, 4, 8))), 4, _max_keep_nan)  # (8, NG, 4, quad lane)
         amax = tl.reduce(a4, 3, _max_keep_nan, keep_dims=True).to(tl.int32, bitcast=True)  # (8, NG, 4, 1)
-        out = _e4m3_run(y * _pow2(-_rows_exponent(amax, RCEIL)), SOFT)
+        out = _e4m3_run(y * _pow2(-_block_exponent(amax, RCEIL)), SOFT)
         if SOFT:
             out |= _nan_fill(y.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.uint8)
         hoff = tl.max_contiguous(tok * N + ch, [1, 1, 1, 8])
         tl.store(hd_base + hoff, out, mask=(tok < S_rem) & (ch < N))
         amax_q = tl.broadcast_to(amax, (8, NG, 4, 4))
-        eq = _rows_exponent(amax_q, RCEIL)
+        eq = _block_exponent(amax_q, RCEIL)
         sc = tl.where(amax_q >= _INF_BITS, 255, tl.where(amax_q == 0, 127, eq + 127)).to(tl.uint8)
         q = tl.arange(0, 4)[:, None, None, None]  # (quad lane, w, g, k)
         tq = 4 * tl.arange(0, 8)[None, :, None, None] + tl.arange(0, 4)[None, None, None, :]
@@ -1024,7 +826,7 @@ def _blocks_chunk(xrow, w_ptr, rs, hd_base, hs_base, cw_base, cs_base, c: tl.con
     # seq: a channel's 32 tokens (k in registers, w over 8 lanes)
     m = tl.reduce(tl.reduce(tl.abs(y), 2, _max_keep_nan, keep_dims=True), 0, _max_keep_nan, keep_dims=True)
     amax_s = m.to(tl.int32, bitcast=True)  # (1, NG, 1, 32)
-    e_s = _rows_exponent(amax_s, RCEIL)
+    e_s = _block_exponent(amax_s, RCEIL)
     sc_s = tl.where(amax_s >= _INF_BITS, 255, tl.where(amax_s == 0, 127, e_s + 127)).to(tl.uint8)
     coff = tl.max_contiguous(ch + w * 0, [1, 1, 1, 8])
     tl.store(cs_base + coff, tl.broadcast_to(sc_s, (8, NG, 1, 32)), mask=(w == 0) & (ch < N))
@@ -1245,10 +1047,7 @@ def rmsnorm_quant_fwd(
     ``tiled_scales``: ``hs`` is instead the 128x4-tiled layout of one (B S, ceil(N/32)) matrix (flat u8)."""
     B, S, N = x3.shape
     dev = x3.device
-    tile = tile or fwd_tile(N, seq, row_scaled, hdim, tiled_scales)
-    if tile.warp_rows and (seq or not hdim or tiled_scales or tile.block_n < 32 or _np2(N) > WARP_ROWS_MAX_N):
-        raise ValueError(f"a warp-row tile emits the hdim orientation alone of rows up to {WARP_ROWS_MAX_N} wide: "
-                         f"got {tile} for N {N}, seq={seq}")
+    tile = tile or fwd_tile(N, seq, row_scaled, hdim)
     if tile.token_blocks and (not seq or row_scaled or tiled_scales or tile.block_m != 32 or tile.block_n < 32
                               or _np2(N) > 32 * tile.block_n):
         raise ValueError(f"a token-block tile emits a seq orientation with MX scales from 32-token programs, rows up "
@@ -1293,9 +1092,6 @@ def rmsnorm_quant_fwd(
     if tile.token_blocks:
         _launch_token_blocks(x3, weight, eps, out, hd, hs, cd, cs, s_pad, tile, hdim, rceil)
         return out
-    if tile.warp_rows:
-        _launch_warp_rows(x3, weight, eps, out, hd, hs, tile, row_scaled, rceil)
-        return out
     if rowsets:
         _launch_rowsets(x3, weight, eps, out, hd, hs, cd, cs, s_pad, n_s_tiles, nchunk, npc, tile, hdim, rceil)
         return out
@@ -1309,20 +1105,6 @@ def rmsnorm_quant_fwd(
         num_warps=tile.num_warps, enable_fp_fusion=False, **({"maxnreg": tile.maxnreg} if tile.maxnreg else {}),
     )
     return out
-
-
-def _launch_warp_rows(x3, weight, eps, out, hd, hs, tile, row_scaled, rceil) -> None:
-    """``_rmsnorm_quant_rows_kernel`` for ``rmsnorm_quant_fwd`` (hdim orientation alone, whole rows)."""
-    B, S, N = x3.shape
-    np2 = _np2(N)
-    ch = min(tile.block_n, np2)
-    n_s_tiles = cdiv(S, tile.block_m)
-    fast_launcher(_rmsnorm_quant_rows_kernel)[(B * n_s_tiles,)](
-        x3, x3.stride(0), x3.stride(1), weight, out["rstd"], hd, hs, S, N, n_s_tiles, float(eps), float(N),
-        R=tile.block_m, NCH=np2 // ch, CH=ch, LOG_NP=_log2(np2), ROWSCALED=row_scaled, RCEIL=rceil,
-        SOFT=_soft(x3.device), EVEN=S % tile.block_m == 0 and N == np2, num_warps=tile.num_warps, enable_fp_fusion=False,
-        **({"maxnreg": tile.maxnreg} if tile.maxnreg else {}),
-    )
 
 
 def _launch_token_blocks(x3, weight, eps, out, hd, hs, cd, cs, s_pad, tile, hdim, rceil) -> None:
