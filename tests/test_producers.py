@@ -783,38 +783,11 @@ def test_gpu_rmsnorm_quant_bit_exact(kernels, gen, monkeypatch, soft, M, N, orie
     _check_rmsnorm(x, w, 1e-6, orient, "rceil", row_scaled, f"gpu M{M} N{N} {orient} soft={soft}")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("tile", P.token_block_tiles(), ids=_tile_id)
-@pytest.mark.parametrize("orient", ["seq", "both"])
-@pytest.mark.parametrize("M,N", [(2048, 4096), (3 * 341, 8192), (999, 1000), (96, 100)])
-def test_gpu_rmsnorm_quant_token_blocks_bit_exact(kernels, gen, tile, orient, M, N):
-    """Every token-block tile the bench compares (producers.TOKEN_BLOCK_TILES), whole and partial blocks and chunks,
-    the channel-major padding bytes included."""
-    kr.TILE_OVERRIDES["fwd"] = tile
-    x = _rand((3, M // 3, N), torch.bfloat16, gen, 4.0)
-    w = _rand((N,), torch.bfloat16, gen)
-    w[::7] = -w[::7].abs()
-    _check_rowsets(x, w, 1e-6, orient, "rceil", f"gpu token blocks {_tile_id(tile)} M{M} N{N} {orient}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("orient", ["seq", "both"])
-def test_gpu_rmsnorm_quant_token_blocks_soft_floor_dtypes(kernels, gen, monkeypatch, orient):
-    """The first token-block tile with the explicit rounding, FLOOR and fp16 / fp32 inputs on the GPU."""
-    kr.TILE_OVERRIDES["fwd"] = P.token_block_tiles()[0]
-    for soft, mode, dtype in ((True, "rceil", torch.bfloat16), (False, "floor", torch.float16),
-                              (True, "floor", torch.float32)):
-        monkeypatch.setattr(kq, "SOFT_ROUND_ON_GPU", soft)
-        x = _rand((2, 777, 1024), dtype, gen, 4.0)
-        w = _rand((1024,), dtype, gen)
-        _check_rowsets(x, w, 1e-6, orient, mode, f"gpu token blocks soft={soft} {mode} {dtype} {orient}")
-
-
 def _gpu_rowset_tiles():
-    """Every row-set tile the session-12 bench compares with the defaults (producers.ROWSET_TILES): whichever
-    becomes a default has passed these."""
+    """Every row-set tile the session-12 bench compares with the defaults (producers.ROWSET_TILES) and every
+    token-block tile of session 17 (producers.TOKEN_BLOCK_TILES): whichever becomes a default has passed these."""
     return [pytest.param(orient, t, id=f"{orient}-{_tile_id(t)}") for orient in P.ROWSET_TILES
-            for t in P.rowset_tiles(orient)]
+            for t in P.rowset_tiles(orient) + P.token_block_tiles()]
 
 
 @pytest.mark.gpu
@@ -829,8 +802,10 @@ def test_gpu_rmsnorm_quant_rowsets_bit_exact(kernels, gen, orient, tile, M, N):
 
 
 def _gpu_first_rowset_tiles():
-    """The first row-set tile of each orientation (``_gpu_rowset_tiles``' parameters)."""
-    return [p for p in _gpu_rowset_tiles() if p.values[1] == P.rowset_tiles(p.values[0])[0]]
+    """The first row-set tile and the first token-block tile of each orientation (``_gpu_rowset_tiles``'
+    parameters)."""
+    return [p for p in _gpu_rowset_tiles()
+            if p.values[1] in (P.rowset_tiles(p.values[0])[0], P.token_block_tiles()[0])]
 
 
 @pytest.mark.gpu
