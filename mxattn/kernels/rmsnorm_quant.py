@@ -774,13 +774,14 @@ def _block_exponent(amax, RCEIL: tl.constexpr):
 
 
 @triton.jit
-def _blocks_rows(xrow, c: tl.constexpr, CH: tl.constexpr, S_rem, N, EVEN: tl.constexpr, EVICT: tl.constexpr):
-    """Raw x of chunk ``c`` of the program's 32 tokens as (8, 4, CH) (``xrow``: the (8, 4, 1) row pointers): token
-    4 w + k at [w, k], channel c CH + j at [.., j].  Triton lays j over the lanes (8 a thread), w over the warps and
-    k in registers: a thread holds 4 consecutive tokens of its 8 channels (one seq word each) and a token's chunk
-    stays in one warp."""
+def _blocks_rows(xrow, c: tl.constexpr, CH: tl.constexpr, S_rem, N, NW: tl.constexpr, EVEN: tl.constexpr,
+                 EVICT: tl.constexpr):
+    """Pass 1's raw x of chunk ``c`` of the program's 32 tokens as (NW, 32 / NW, CH) (``xrow``: the (NW, 32 / NW, 1)
+    row pointers): token (32 / NW) w + k at [w, k], channel c CH + j at [.., j].  With NW the launch's warps, Triton
+    lays j over the lanes (8 a thread), w over the warps and k in registers: a token's chunk stays in one warp, so
+    its pairwise sum takes shuffles only."""
     j = c * CH + tl.arange(0, CH)[None, None, :]
-    r = 4 * tl.arange(0, 8)[:, None, None] + tl.arange(0, 4)[None, :, None]
+    r = (32 // NW) * tl.arange(0, NW)[:, None, None] + tl.arange(0, 32 // NW)[None, :, None]
     return _tile_load(xrow + j, (r < S_rem) & (j < N), EVEN, EVICT)
 
 
@@ -792,11 +793,11 @@ def _blocks_chunk(xrow, w_ptr, rs, hd_base, hs_base, cw_base, cs_base, c: tl.con
     [w, :, k], channel c NG 32 + 32 g + j at [:, g, :, j] (``xrow``: the (8, 1, 4, 1) row pointers, ``rs`` their rstd).
     Triton lays j over 4 lanes (8 a thread), w over 8 lanes, g over the warps and k in registers, so both blocks stay
     inside a warp: an hdim block (a token's 32 channels) is 8 values x 4 lanes, a seq block (a channel's 32 tokens)
-    4 registers x 8 lanes.  Every store goes through pointers laid out as its values are (the quad lane and the word
-    axes first, no contiguity beyond what the tile holds), so nothing is converted through shared memory: the hdim
-    bytes 8 a thread, the scale bytes from a quad's (hdim) or a word group's (seq) first lane, and the channel-major
-    words 4 bytes a thread, 8 lanes writing 32 consecutive bytes of a channel's row (``row_w`` words a row,
-    ``w_left`` of them from this block on)."""
+    4 registers x 8 lanes.  The stores go through pointers laid out as their values are, so that Triton keeps the
+    values' layout: the hdim bytes 8 a thread, the seq scale bytes from the first of 8 lanes, the channel-major words
+    4 bytes a thread, 8 lanes writing 32 consecutive bytes of a channel's row (``row_w`` words a row, ``w_left`` of
+    them from this block on).  Only the hdim scale bytes are still converted through shared memory (two barriers a
+    chunk, sm_90a build): their pointers (quad lane, w, g, k) did not get the quad axis ordered first."""
     CH: tl.constexpr = NG * 32
     w = tl.arange(0, 8)[:, None, None, None]
     g = tl.arange(0, NG)[None, :, None, None]
@@ -854,10 +855,11 @@ def _blocks_chunk(xrow, w_ptr, rs, hd_base, hs_base, cw_base, cs_base, c: tl.con
 
 
 @triton.jit
-def _pairwise_merge(v, c: tl.constexpr, t0, t1, t2, t3, t4, t5):
+def _pairwise_merge(v, c: tl.constexpr, t0, t1, t2, t3, t4, t5, t6):
     """Chunk sums into the pairwise tree as they come (a binary counter: chunk c's sum joins the partial sums whose
     subtrees it completes), so the top of each row's tree is the fixed tree of the module docstring.  Returns the
-    updated levels; after the last chunk (a power of two of them) the whole sum is in level log2(count)."""
+    updated levels; after the last chunk (a power of two of them, at most 64) the whole sum is in level
+    log2(count)."""
     if c % 2 == 0:
         t0 = v
     else:
@@ -878,8 +880,12 @@ def _pairwise_merge(v, c: tl.constexpr, t0, t1, t2, t3, t4, t5):
                         t4 = v
                     else:
                         v = t4 + v
-                        t5 = v
-    return t0, t1, t2, t3, t4, t5
+                        if (c // 32) % 2 == 0:
+                            t5 = v
+                        else:
+                            v = t5 + v
+                            t6 = v
+    return t0, t1, t2, t3, t4, t5, t6
 
 
 @triton.jit
@@ -891,58 +897,67 @@ def _rmsnorm_quant_blocks_kernel(
     NCH: tl.constexpr, CH: tl.constexpr, LOG_NCH: tl.constexpr, LOG_CH: tl.constexpr,
     HDIM: tl.constexpr, RCEIL: tl.constexpr, SOFT: tl.constexpr,
     EVEN: tl.constexpr,  # S % 32 == 0 and N == NCH * CH: no partial token block or chunk
+    NW: tl.constexpr,  # the launch's warps (a power of two up to 32): pass 1 gives each warp 32 / NW tokens
 ):
     """RMSNorm + MX quantization of one token block (32 tokens of one batch) in the seq orientation, and in the hdim
     one too with ``HDIM``.
 
-    The 32 tokens are one (8, 4, CH) tile a chunk (``_blocks_rows``): 8 channels a thread, tokens 4 w + k with w over
-    the warps and k in registers.  Pass 1 walks the chunks (the next one's loads first) and sums each token's chunk
-    as a subtree of its pairwise tree (shuffles only), joining the chunk sums into the tree top as they come
-    (``_pairwise_merge``, in registers).  Pass 2 walks the chunks again in reverse order (the last read are the
-    likeliest in L2): a seq block is a channel's 4 registers times 8 warps (in-thread maxima, then one maximum over
-    the warps through shared memory), its 4 bytes of a warp are one channel-major word (two cvt); an hdim block is 8
-    values x 4 lanes.  No branch for Inf / NaN (as the warp-row kernel: the finite exponent rule with non-finite
-    blocks set to 0, the cvt's NaN and saturation)."""
+    Pass 1 walks the chunks (the next one's loads first) as (NW, 32 / NW, CH) tiles (``_blocks_rows``: a token's
+    chunk inside one warp) and sums each token's chunk as a subtree of its pairwise tree (shuffles only), joining the
+    chunk sums into the tree top as they come (``_pairwise_merge``, in registers).  Pass 2 (``_blocks_chunk``) walks
+    the chunks again in reverse order (the last read are the likeliest in L2) as (8, CH / 32, 4, 32) tiles, the
+    row-set kernel's layout: both blocks inside a warp (hdim: 8 values x 4 lanes; seq: 4 registers x 8 lanes), a
+    thread's 4 tokens of a channel one channel-major word (two cvt), every store in its values' own layout.  No branch
+    for Inf / NaN: the finite exponent rule with non-finite blocks set to 0, and the cvt's NaN and saturation."""
     pid = tl.program_id(0)
     b = pid // n_s_tiles
     st = pid % n_s_tiles
     s0 = st * 32
     b64 = b.to(tl.int64)
     S_rem = S - s0
-    r = 4 * tl.arange(0, 8)[:, None, None] + tl.arange(0, 4)[None, :, None]  # (8, 4, 1) token of the block
-    xrow = x_ptr + b64 * sxb + (s0 + r).to(tl.int64) * sxs
+    RW: tl.constexpr = 32 // NW  # pass 1: tokens a warp
+    r1 = RW * tl.arange(0, NW)[:, None, None] + tl.arange(0, RW)[None, :, None]  # (NW, RW, 1) token of the block
+    xrow = x_ptr + b64 * sxb + (s0 + r1).to(tl.int64) * sxs
 
-    # pass 1: each token's sum of squares
+    # pass 1: each token's sum of squares, in chunks of CH1 <= 256 columns (32 lanes x 8: a token's chunk in one warp)
+    CH1: tl.constexpr = CH if CH < 256 else 256
+    NCH1: tl.constexpr = NCH * (CH // CH1)
+    LOG_NCH1: tl.constexpr = LOG_NCH + (LOG_CH - 8 if CH > 256 else 0)
+    LOG_CH1: tl.constexpr = LOG_CH if CH < 256 else 8
     t0 = tl.zeros((32,), tl.float32)
     t1 = t0
     t2 = t0
     t3 = t0
     t4 = t0
     t5 = t0
-    x_n = _blocks_rows(xrow, 0, CH, S_rem, N, EVEN, "evict_last")
-    for c in tl.static_range(NCH):
+    t6 = t0
+    x_n = _blocks_rows(xrow, 0, CH1, S_rem, N, NW, EVEN, "evict_last")
+    for c in tl.static_range(NCH1):
         x_c = x_n
-        if c + 1 < NCH:
-            x_n = _blocks_rows(xrow, c + 1, CH, S_rem, N, EVEN, "evict_last")
+        if c + 1 < NCH1:
+            x_n = _blocks_rows(xrow, c + 1, CH1, S_rem, N, NW, EVEN, "evict_last")
         xf = _to_f32(x_c)
-        v = _pairwise_rows(tl.reshape(xf * xf, (32, CH)), 32, CH, LOG_CH)
-        t0, t1, t2, t3, t4, t5 = _pairwise_merge(v, c, t0, t1, t2, t3, t4, t5)
-    if LOG_NCH == 0:
+        v = _pairwise_rows(tl.reshape(xf * xf, (32, CH1)), 32, CH1, LOG_CH1)
+        t0, t1, t2, t3, t4, t5, t6 = _pairwise_merge(v, c, t0, t1, t2, t3, t4, t5, t6)
+    if LOG_NCH1 == 0:
         ss = t0
-    elif LOG_NCH == 1:
+    elif LOG_NCH1 == 1:
         ss = t1
-    elif LOG_NCH == 2:
+    elif LOG_NCH1 == 2:
         ss = t2
-    elif LOG_NCH == 3:
+    elif LOG_NCH1 == 3:
         ss = t3
-    elif LOG_NCH == 4:
+    elif LOG_NCH1 == 4:
         ss = t4
-    else:
+    elif LOG_NCH1 == 5:
         ss = t5
-    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, n_f) + eps))  # (32,) token 4 w + k
+    else:
+        ss = t6
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, n_f) + eps))  # (32,) in token order
     tl.store(rstd_ptr + b64 * S + s0 + tl.arange(0, 32), rstd, mask=tl.arange(0, 32) < S_rem)
     # padding tokens get rstd 0: y = 0 there (or NaN where w is Inf, and then every real token's y is non-finite too),
     # so they do not reach the seq maxima
+    r = 4 * tl.arange(0, 8)[:, None, None] + tl.arange(0, 4)[None, :, None]  # (8, 4, 1): pass 2's token 4 w + k
     rs = tl.where(r < S_rem, tl.reshape(rstd, (8, 4, 1)), 0.0)
 
     # pass 2: normalize, quantize, store (``_blocks_chunk``); chunks in reverse order
@@ -1049,7 +1064,7 @@ def rmsnorm_quant_fwd(
     dev = x3.device
     tile = tile or fwd_tile(N, seq, row_scaled, hdim)
     if tile.token_blocks and (not seq or row_scaled or tiled_scales or tile.block_m != 32 or tile.block_n < 32
-                              or _np2(N) > 32 * tile.block_n):
+                              or _np2(N) > 32 * tile.block_n or tile.num_warps not in (1, 2, 4, 8, 16, 32)):
         raise ValueError(f"a token-block tile emits a seq orientation with MX scales from 32-token programs, rows up "
                          f"to 32 chunks: got {tile} for N {N}, seq={seq}, row_scaled={row_scaled}")
     if seq and tile.block_m % 32:
@@ -1117,7 +1132,7 @@ def _launch_token_blocks(x3, weight, eps, out, hd, hs, cd, cs, s_pad, tile, hdim
         x3, x3.stride(0), x3.stride(1), weight, out["rstd"], hd, hs, cd.view(torch.int32), cs,
         S, N, s_pad, n_s_tiles, float(eps), float(N),
         NCH=np2 // ch, CH=ch, LOG_NCH=_log2(np2 // ch), LOG_CH=_log2(ch), HDIM=hdim, RCEIL=rceil,
-        SOFT=_soft(x3.device), EVEN=S % 32 == 0 and s_pad == S and N == np2,
+        SOFT=_soft(x3.device), EVEN=S % 32 == 0 and s_pad == S and N == np2, NW=tile.num_warps,
         num_warps=tile.num_warps, enable_fp_fusion=False, **({"maxnreg": tile.maxnreg} if tile.maxnreg else {}),
     )
 
