@@ -236,7 +236,7 @@ def _parse_tile(text: str):
     rest = parts[3:]
     maxnreg = int(rest.pop(0)) if rest and rest[0].isdigit() else None
     extra = {}
-    for name in rest:  # flags (rowsets, warp_rows) or key=int (stages=3)
+    for name in rest:  # flags (rowsets, token_blocks) or key=int fields
         key, _, val = name.partition("=")
         extra[key] = int(val) if val else True
     return kr.FwdTile(*nums, maxnreg, **extra)

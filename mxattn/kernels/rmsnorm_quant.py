@@ -144,8 +144,8 @@ ROWSET_DEFAULTS = {"seq": FwdTile(32, 512, 16, rowsets=True), "both": FwdTile(32
 
 
 def fwd_tile(N: int, seq: bool, row_scaled: bool = False, hdim: bool = False) -> FwdTile:
-    """Forward tile for rows of N elements.  hdim only: whole rows (one chunk) up to N = 8192,
-    ``block_m`` rows so that a program holds ~4K elements, and wider rows through chunks of 8192.  With a seq orientation (``hdim``
+    """Forward tile for rows of N elements.  hdim only: whole rows (one chunk) up to N = 8192, ``block_m`` rows
+    so that a program holds ~4K elements; wider rows go through chunks of 8192.  With a seq orientation (``hdim``
     too: "both"): the row-set tile of ``ROWSET_DEFAULTS`` when the output has MX scales (not ``row_scaled``) and
     N is at least its chunk width, else 32 tokens x chunks of at most 256 columns (8K elements)."""
     if "fwd" in TILE_OVERRIDES:
@@ -774,6 +774,22 @@ def _block_exponent(amax, RCEIL: tl.constexpr):
 
 
 @triton.jit
+def _block_scale(amax, e):
+    """E8M0 bytes of blocks of maximum bits ``amax`` and exponent ``e`` (``_block_exponent``): 255 for non-finite
+    blocks, 127 for zero blocks."""
+    return tl.where(amax >= _INF_BITS, 255, _finite_scale(amax, e)).to(tl.uint8)
+
+
+@triton.jit
+def _token_split(t, NG: tl.constexpr):
+    """(8, NG, 4, 32) -> its four (8, NG, 32) token slices k = 0..3 (k is in registers: a relabelling)."""
+    a, b = tl.split(tl.reshape(tl.permute(t, (0, 1, 3, 2)), (8, NG, 32, 2, 2)))  # k = 0, 2 and k = 1, 3
+    t0, t2 = tl.split(a)
+    t1, t3 = tl.split(b)
+    return t0, t1, t2, t3
+
+
+@triton.jit
 def _blocks_rows(xrow, c: tl.constexpr, CH: tl.constexpr, S_rem, N, NW: tl.constexpr, EVEN: tl.constexpr,
                  EVICT: tl.constexpr):
     """Pass 1's raw x of chunk ``c`` of the program's 32 tokens as (NW, 32 / NW, CH) (``xrow``: the (NW, 32 / NW, 1)
@@ -811,14 +827,13 @@ def _blocks_chunk(xrow, w_ptr, rs, hd_base, hs_base, cw_base, cs_base, c: tl.con
     if HDIM:
         a4 = tl.reduce(tl.abs(tl.reshape(y, (8, NG, 4, 4, 8))), 4, _max_keep_nan)  # (8, NG, 4, quad lane)
         amax = tl.reduce(a4, 3, _max_keep_nan, keep_dims=True).to(tl.int32, bitcast=True)  # (8, NG, 4, 1)
-        out = _e4m3_run(y * _pow2(-_block_exponent(amax, RCEIL)), SOFT)
+        e = _block_exponent(amax, RCEIL)
+        out = _e4m3_run(y * _pow2(-e), SOFT)
         if SOFT:
             out |= _nan_fill(y.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.uint8)
         hoff = tl.max_contiguous(tok * N + ch, [1, 1, 1, 8])
         tl.store(hd_base + hoff, out, mask=(tok < S_rem) & (ch < N))
-        amax_q = tl.broadcast_to(amax, (8, NG, 4, 4))
-        eq = _block_exponent(amax_q, RCEIL)
-        sc = tl.where(amax_q >= _INF_BITS, 255, tl.where(amax_q == 0, 127, eq + 127)).to(tl.uint8)
+        sc = tl.broadcast_to(_block_scale(amax, e), (8, NG, 4, 4))  # over the quad lanes: (w, g, k, quad lane)
         q = tl.arange(0, 4)[:, None, None, None]  # (quad lane, w, g, k)
         tq = 4 * tl.arange(0, 8)[None, :, None, None] + tl.arange(0, 4)[None, None, None, :]
         bq = c * NG + tl.arange(0, NG)[None, None, :, None]
@@ -828,20 +843,15 @@ def _blocks_chunk(xrow, w_ptr, rs, hd_base, hs_base, cw_base, cs_base, c: tl.con
     m = tl.reduce(tl.reduce(tl.abs(y), 2, _max_keep_nan, keep_dims=True), 0, _max_keep_nan, keep_dims=True)
     amax_s = m.to(tl.int32, bitcast=True)  # (1, NG, 1, 32)
     e_s = _block_exponent(amax_s, RCEIL)
-    sc_s = tl.where(amax_s >= _INF_BITS, 255, tl.where(amax_s == 0, 127, e_s + 127)).to(tl.uint8)
+    sc_s = _block_scale(amax_s, e_s)
     coff = tl.max_contiguous(ch + w * 0, [1, 1, 1, 8])
     tl.store(cs_base + coff, tl.broadcast_to(sc_s, (8, NG, 1, 32)), mask=(w == 0) & (ch < N))
-    p = tl.permute(y * _pow2(-e_s), (0, 1, 3, 2))  # (8, NG, 32, 4): a word's 4 tokens last
-    ya, yb = tl.split(tl.reshape(p, (8, NG, 32, 2, 2)))  # k = 0, 2 and k = 1, 3
-    y0, y2 = tl.split(ya)
-    y1, y3 = tl.split(yb)
-    wd = _e4m3_word(y0, y1, y2, y3, SOFT)  # (8, NG, 32)
+    ys = y * _pow2(-e_s)
+    y0, y1, y2, y3 = _token_split(ys, NG)
+    wd = _e4m3_word(y0, y1, y2, y3, SOFT)  # (8, NG, 32): a word's byte k is token 4 w + k
     if SOFT:
-        mag = p.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        na, nb = tl.split(tl.reshape(mag, (8, NG, 32, 2, 2)))
-        m0, m2 = tl.split(na)
-        m1, m3 = tl.split(nb)
-        wd |= _nan_fill(m0) | (_nan_fill(m1) << 8) | (_nan_fill(m2) << 16) | (_nan_fill(m3) << 24)
+        m0, m1, m2, m3 = _token_split(_nan_fill(ys.to(tl.int32, bitcast=True) & 0x7FFFFFFF), NG)
+        wd |= m0 | (m1 << 8) | (m2 << 16) | (m3 << 24)
     # (quad lane, w, g, channel in the thread): the words' own layout
     wq = tl.arange(0, 8)[None, :, None, None]
     cq = c * CH + tl.arange(0, NG)[None, None, :, None] * 32 + tl.arange(0, 4)[:, None, None, None] * 8 \
@@ -855,11 +865,11 @@ def _blocks_chunk(xrow, w_ptr, rs, hd_base, hs_base, cw_base, cs_base, c: tl.con
 
 
 @triton.jit
-def _pairwise_merge(v, c: tl.constexpr, t0, t1, t2, t3, t4, t5, t6):
-    """Chunk sums into the pairwise tree as they come (a binary counter: chunk c's sum joins the partial sums whose
-    subtrees it completes), so the top of each row's tree is the fixed tree of the module docstring.  Returns the
-    updated levels; after the last chunk (a power of two of them, at most 64) the whole sum is in level
-    log2(count)."""
+def _pairwise_merge(v, c: tl.constexpr, t0, t1, t2, t3, t4, t5):
+    """Chunk c's sum ``v`` into the pairwise tree (a binary counter: it joins the partial sums whose subtrees it
+    completes, left + right), so the top of each row's tree is the fixed tree of the module docstring.  Returns the
+    merged value and the updated levels; after the last chunk (a power of two of them, at most 64) the merged value
+    is the whole sum."""
     if c % 2 == 0:
         t0 = v
     else:
@@ -884,8 +894,7 @@ def _pairwise_merge(v, c: tl.constexpr, t0, t1, t2, t3, t4, t5, t6):
                             t5 = v
                         else:
                             v = t5 + v
-                            t6 = v
-    return t0, t1, t2, t3, t4, t5, t6
+    return v, t0, t1, t2, t3, t4, t5
 
 
 @triton.jit
@@ -894,7 +903,7 @@ def _rmsnorm_quant_blocks_kernel(
     w_ptr, rstd_ptr,  # weight (N,); rstd fp32 (B, S)
     hd_ptr, hs_ptr, cw_ptr, cs_ptr,  # hdim data / scales; seq channel-major int32 words / scales (see _emit_mx)
     S, N, S_pad, n_s_tiles, eps, n_f,
-    NCH: tl.constexpr, CH: tl.constexpr, LOG_NCH: tl.constexpr, LOG_CH: tl.constexpr,
+    NCH: tl.constexpr, CH: tl.constexpr, LOG_CH: tl.constexpr,
     HDIM: tl.constexpr, RCEIL: tl.constexpr, SOFT: tl.constexpr,
     EVEN: tl.constexpr,  # S % 32 == 0 and N == NCH * CH: no partial token block or chunk
     NW: tl.constexpr,  # the launch's warps (a power of two up to 32): pass 1 gives each warp 32 / NW tokens
@@ -922,7 +931,6 @@ def _rmsnorm_quant_blocks_kernel(
     # pass 1: each token's sum of squares, in chunks of CH1 <= 256 columns (32 lanes x 8: a token's chunk in one warp)
     CH1: tl.constexpr = CH if CH < 256 else 256
     NCH1: tl.constexpr = NCH * (CH // CH1)
-    LOG_NCH1: tl.constexpr = LOG_NCH + (LOG_CH - 8 if CH > 256 else 0)
     LOG_CH1: tl.constexpr = LOG_CH if CH < 256 else 8
     t0 = tl.zeros((32,), tl.float32)
     t1 = t0
@@ -930,29 +938,14 @@ def _rmsnorm_quant_blocks_kernel(
     t3 = t0
     t4 = t0
     t5 = t0
-    t6 = t0
     x_n = _blocks_rows(xrow, 0, CH1, S_rem, N, NW, EVEN, "evict_last")
     for c in tl.static_range(NCH1):
         x_c = x_n
         if c + 1 < NCH1:
             x_n = _blocks_rows(xrow, c + 1, CH1, S_rem, N, NW, EVEN, "evict_last")
         xf = _to_f32(x_c)
-        v = _pairwise_rows(tl.reshape(xf * xf, (32, CH1)), 32, CH1, LOG_CH1)
-        t0, t1, t2, t3, t4, t5, t6 = _pairwise_merge(v, c, t0, t1, t2, t3, t4, t5, t6)
-    if LOG_NCH1 == 0:
-        ss = t0
-    elif LOG_NCH1 == 1:
-        ss = t1
-    elif LOG_NCH1 == 2:
-        ss = t2
-    elif LOG_NCH1 == 3:
-        ss = t3
-    elif LOG_NCH1 == 4:
-        ss = t4
-    elif LOG_NCH1 == 5:
-        ss = t5
-    else:
-        ss = t6
+        ss = _pairwise_rows(tl.reshape(xf * xf, (32, CH1)), 32, CH1, LOG_CH1)
+        ss, t0, t1, t2, t3, t4, t5 = _pairwise_merge(ss, c, t0, t1, t2, t3, t4, t5)
     rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, n_f) + eps))  # (32,) in token order
     tl.store(rstd_ptr + b64 * S + s0 + tl.arange(0, 32), rstd, mask=tl.arange(0, 32) < S_rem)
     # padding tokens get rstd 0: y = 0 there (or NaN where w is Inf, and then every real token's y is non-finite too),
@@ -1064,9 +1057,10 @@ def rmsnorm_quant_fwd(
     dev = x3.device
     tile = tile or fwd_tile(N, seq, row_scaled, hdim)
     if tile.token_blocks and (not seq or row_scaled or tiled_scales or tile.block_m != 32 or tile.block_n < 32
-                              or _np2(N) > 32 * tile.block_n or tile.num_warps not in (1, 2, 4, 8, 16, 32)):
-        raise ValueError(f"a token-block tile emits a seq orientation with MX scales from 32-token programs, rows up "
-                         f"to 32 chunks: got {tile} for N {N}, seq={seq}, row_scaled={row_scaled}")
+                              or _np2(N) > 64 * min(tile.block_n, 256) or tile.num_warps not in (1, 2, 4, 8, 16, 32)):
+        raise ValueError(f"a token-block tile emits a seq orientation with MX scales from 32-token programs, rows of "
+                         f"at most 64 chunks of min(block_n, 256) columns: got {tile} for N {N}, seq={seq}, "
+                         f"row_scaled={row_scaled}")
     if seq and tile.block_m % 32:
         raise ValueError(f"a seq orientation needs block_m to be a multiple of 32, got {tile.block_m}")
     rowsets = tile.rowsets
@@ -1105,7 +1099,7 @@ def rmsnorm_quant_fwd(
     npc = next_pow2(nchunk)
     n_s_tiles = cdiv(s_cover, bm)
     if tile.token_blocks:
-        _launch_token_blocks(x3, weight, eps, out, hd, hs, cd, cs, s_pad, tile, hdim, rceil)
+        _launch_token_blocks(x3, weight, eps, out, hd, hs, cd, cs, s_pad, n_s_tiles, tile, hdim, rceil)
         return out
     if rowsets:
         _launch_rowsets(x3, weight, eps, out, hd, hs, cd, cs, s_pad, n_s_tiles, nchunk, npc, tile, hdim, rceil)
@@ -1122,16 +1116,15 @@ def rmsnorm_quant_fwd(
     return out
 
 
-def _launch_token_blocks(x3, weight, eps, out, hd, hs, cd, cs, s_pad, tile, hdim, rceil) -> None:
+def _launch_token_blocks(x3, weight, eps, out, hd, hs, cd, cs, s_pad, n_s_tiles, tile, hdim, rceil) -> None:
     """``_rmsnorm_quant_blocks_kernel`` for ``rmsnorm_quant_fwd`` (seq orientation, MX scales, 32-token programs)."""
     B, S, N = x3.shape
     np2 = _np2(N)
     ch = min(tile.block_n, np2)
-    n_s_tiles = cdiv(max(S, s_pad), 32)
     fast_launcher(_rmsnorm_quant_blocks_kernel)[(B * n_s_tiles,)](
         x3, x3.stride(0), x3.stride(1), weight, out["rstd"], hd, hs, cd.view(torch.int32), cs,
         S, N, s_pad, n_s_tiles, float(eps), float(N),
-        NCH=np2 // ch, CH=ch, LOG_NCH=_log2(np2 // ch), LOG_CH=_log2(ch), HDIM=hdim, RCEIL=rceil,
+        NCH=np2 // ch, CH=ch, LOG_CH=_log2(ch), HDIM=hdim, RCEIL=rceil,
         SOFT=_soft(x3.device), EVEN=S % 32 == 0 and s_pad == S and N == np2, NW=tile.num_warps,
         num_warps=tile.num_warps, enable_fp_fusion=False, **({"maxnreg": tile.maxnreg} if tile.maxnreg else {}),
     )
