@@ -1,6 +1,6 @@
 """Compile the Gluon attention forward for sm_90a without a GPU and check what came out.
 
-    python scripts/compile_check_gluon.py [--dump DIR] [--only d128,d128_causal] [--stages N]
+    python scripts/compile_check_gluon.py [--dump DIR] [--only d128,d128_causal] [--stages N] [--exp2-fma P]
 
 Needs triton 3.6 (the GPU machine's version; Gluon's API moves between releases).  No CUDA device is touched:
 the kernel goes through ``triton.compile`` with an explicit ``GPUTarget("cuda", 90, 32)``, and the cubin through
@@ -64,7 +64,8 @@ def compile_sm90(fn, consts: dict, descs: dict, ptrs: dict, floats: tuple, num_w
 
 
 def compile_variant(head_dim: int, causal: bool, pingpong: bool, block_n: int = 128, stages: int | None = None,
-                    module=None, k_perm: bool = True, p_carry: str | None = None, maxnreg: int | None = None):
+                    module=None, k_perm: bool = True, p_carry: str | None = None, maxnreg: int | None = None,
+                    exp2_fma: int | None = None):
     """The forward kernel as the launcher builds it.  ``k_perm``: K through the 5-D key-permuted descriptor
     (``K_PERM``, the launcher's path when Sk % 16 == 0), else the 2-D one (its fallback)."""
     from triton.experimental.gluon import language as gl
@@ -84,6 +85,8 @@ def compile_variant(head_dim: int, causal: bool, pingpong: bool, block_n: int = 
                   CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, K_PERM=k_perm)
     if "P_CARRY" in m._attn_fwd_ws_kernel.arg_names:
         consts["P_CARRY"] = p_carry or cfg.p_carry
+    if "EXP2_FMA" in m._attn_fwd_ws_kernel.arg_names:
+        consts["EXP2_FMA"] = cfg.exp2_fma if exp2_fma is None else exp2_fma
     return compile_sm90(m._attn_fwd_ws_kernel, consts, descs, ptrs, ("qk_scale",), 4, maxnreg or cfg.maxnreg)
 
 
@@ -280,6 +283,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dump", help="write TTGIR / PTX / SASS per variant here")
     ap.add_argument("--only", help="comma list of variant names to compile (default: all)")
     ap.add_argument("--stages", type=int, help="K/V ring depth (default: the launcher's default_config)")
+    ap.add_argument("--exp2-fma", type=int, help="percent of the unmasked tiles' exp2 on the FMA pipe (0, 25, 50; "
+                    "default: the launcher's default_config)")
     args = ap.parse_args(argv)
     if not triton.__version__.startswith("3.6"):
         print(f"warning: triton {triton.__version__}; this check targets triton 3.6 (the GPU machine's version)")
@@ -296,7 +301,7 @@ def main(argv=None) -> int:
     ok = True
     for name, d, causal, pp, kp in variants:
         try:
-            k = compile_variant(d, causal, pp, stages=args.stages, k_perm=kp)
+            k = compile_variant(d, causal, pp, stages=args.stages, k_perm=kp, exp2_fma=args.exp2_fma)
         except Exception as e:  # noqa: BLE001 - report every variant
             print(f"== {name}: COMPILE ERROR\n{type(e).__name__}: {e}")
             ok = False

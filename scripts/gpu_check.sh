@@ -65,6 +65,10 @@
 #   train      examples/train_gpt.py (TRAIN_ATTENTION=sdpa|mxfp8|both, TRAIN_ARGS), into OUTDIR/train
 #   trainpar   both halves of the parity run at once, sdpa on GPU 0 and mxfp8 on GPU 1 (needs 2 GPUs), then parity.json
 #   blockscaled  the Blackwell-path forward (tl.dot_scaled, upcast to bf16 on Hopper) vs the Hopper kernel, B2 H16 S4k
+#   exp2fma    the Gluon forward with part of its exp2 on the FMA pipe (GluonFwdConfig.exp2_fma, session 18): compile
+#              check, its GPU tests (the config variants, against the MUFU-only kernel, the CPU emulation), then
+#              tests/test_attn_fwd_gluon.py --exp2-fma (B2 H16 d128/d64 S 2k/4k/8k, both causal flags) into
+#              OUTDIR/gluon_exp2_fma.json
 #   ncu        Nsight Compute counters of the Gluon forward and backward kernels (NCU_SHAPE="B H S D causal", default
 #              2 16 8192 128 1: the API takes the Gluon forward at d128 S >= 8k), into OUTDIR/ncu_bwd.txt
 #   sanitize   compute-sanitizer memcheck/racecheck/synccheck on tiny shapes (scripts/sanitize.sh; slow: run alone)
@@ -151,6 +155,10 @@ for st in $STAGES; do
         || status=1
       cat "$OUT"/tests/*.log > "$OUT/gpu_tests.log"; rm -rf "$OUT/tests"
       grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -60 ;;
+    exp2fma)
+      run $PY scripts/compile_check_gluon.py --only d128_nopingpong,d64_causal_nopingpong --exp2-fma 50
+      run $PY -m pytest -q -rfE -p no:cacheprovider tests/test_attn_fwd_gluon.py -k "exp2" 2>&1 | tail -15 || status=1
+      run $PY tests/test_attn_fwd_gluon.py --exp2-fma --out "$OUT/gluon_exp2_fma.json" ;;
     gluon)
       run $PY scripts/compile_check_gluon.py --only d128
       run $PY -m pytest -m gpu -q -x -rfE -p no:cacheprovider tests/test_attn_fwd_gluon.py -k "1x1x1x2x2x128 or 2x113x203"

@@ -57,6 +57,40 @@ def test_compiles_for_sm90_without_gpu(capsys):
     assert cc.check(kernel, "d128_causal", None), capsys.readouterr().out
 
 
+def _exp2_fma_emulated(x: torch.Tensor, c1: float, c2: float, c3: float) -> torch.Tensor:
+    """``attn_fwd_gluon._exp2_fma`` step by step in fp32 on the CPU (the same operations in the same order, fp32
+    rounding after each as the PTX has it), to check the method and its constants without a GPU."""
+    f32 = torch.float32
+    x = torch.where(torch.isnan(x), x, torch.clamp(x, min=-126.0)).to(f32)
+    magic = torch.tensor(12582912.0, dtype=f32)
+    t = (x + magic).to(f32)
+    f = (x - (t - magic).to(f32)).to(f32)
+    p = torch.addcmul(torch.tensor(c2, dtype=f32), f, torch.tensor(c3, dtype=f32))  # fma rounding ~ fp32 here
+    p = (p * f + c1).to(f32)
+    p = (p * f + 1.0).to(f32)
+    two_n = ((t.view(torch.int32) << 23) + 0x3F800000).view(f32)
+    return (p * two_n).to(f32)
+
+
+def test_exp2_fma_method_and_constants():
+    """The FMA-pipe exp2 (``GluonFwdConfig.exp2_fma``): relative error <= 1.05e-4 over the whole range P can
+    take (x <= 8, where 2^x <= 256 exactly at x = 8 and at every integer), 2^-126 at most below -126 (P is 0
+    there once in e4m3), NaN stays NaN, and the result is never negative or infinite."""
+    m = _gluon()
+    c1, c2, c3 = m.EXP2_C1.value, m.EXP2_C2.value, m.EXP2_C3.value
+    x = torch.cat([torch.linspace(-126.0, 8.0, 400_001, dtype=torch.float64).float(),
+                   torch.arange(-126, 9, dtype=torch.float32), torch.rand(100_000) * 134 - 126])
+    got = _exp2_fma_emulated(x, c1, c2, c3).double()
+    want = torch.exp2(x.double())
+    rel = ((got - want).abs() / want).max().item()
+    assert rel <= 1.05e-4, rel
+    ints = torch.arange(-126, 9, dtype=torch.float32)
+    assert torch.equal(_exp2_fma_emulated(ints, c1, c2, c3), torch.exp2(ints))  # exact at integers (f = 0)
+    low = _exp2_fma_emulated(torch.tensor([-127.0, -1000.0, -3e38, float("-inf")]), c1, c2, c3)
+    assert (low >= 0).all() and (low <= 2.0 ** -125).all()
+    assert torch.isnan(_exp2_fma_emulated(torch.tensor([float("nan")]), c1, c2, c3)).all()
+
+
 def _host_operands(B, Sq, Sk, Hq, Hkv, D, k_heads_alloc=None):
     """CPU operands shaped like the launcher's (only ``.data`` is read by ``_descriptors``); K optionally a
     head slice of a wider buffer (row pitch k_heads_alloc * D > Hkv * D)."""
@@ -301,7 +335,8 @@ def test_attn_fwd_gluon_gpu(case, seed, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [dict(pingpong=True), dict(stages=2), dict(stages=4)], ids=str)
+@pytest.mark.parametrize("variant", [dict(pingpong=True), dict(stages=2), dict(stages=4), dict(exp2_fma=25),
+                                     dict(exp2_fma=50)], ids=str)
 def test_attn_fwd_gluon_gpu_configs(variant, seed, monkeypatch):
     if not _is_hopper():
         pytest.skip("the Gluon forward needs an sm_90 GPU")
@@ -400,6 +435,38 @@ def test_attn_fwd_gluon_packed_p_carry(causal, k_perm, seed):
         assert torch.equal(lse_w, lse_f), f"lse {B, Sq, Sk, Hq, Hkv, D}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("exp2_fma", [25, 50])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attn_fwd_gluon_exp2_fma_close(causal, exp2_fma, seed):
+    """exp2 partly on the FMA pipe against the MUFU-only kernel on the same operands: lse within 2e-4 (the
+    polynomial's 1e-4 relative error in the row sums), out within a few e4m3 steps on a few P values (> 40 dB
+    SQNR against each other); a NaN key gives NaN in the same places (every row that sees it)."""
+    if not _is_hopper():
+        pytest.skip("the Gluon forward needs an sm_90 GPU")
+    import dataclasses
+
+    from mxattn import reference
+    from mxattn.kernels.quantize import row_scaled_triton
+
+    m = _gluon()
+    for B, Sq, Sk, Hq, Hkv, D in ((2, 700, 1024, 4, 2, 128), (1, 300, 2064, 4, 4, 64), (1, 1000, 1003, 2, 1, 128)):
+        q, k, v = _inputs(B, Sq, Sk, Hq, Hkv, D, "cuda", seed + Sk)
+        k[0, Sk // 3, 0, 5] = float("nan")
+        ops = row_scaled_triton(q, "q"), row_scaled_triton(k, "k"), row_scaled_triton(v, "v")
+        cfg = m.default_config(D, causal)
+        out_0, lse_0 = m.attn_fwd_gluon(*ops, causal=causal, config=cfg)
+        out_f, lse_f = m.attn_fwd_gluon(*ops, causal=causal, config=dataclasses.replace(cfg, exp2_fma=exp2_fma))
+        nan = torch.isnan(out_0)
+        assert nan.any() and torch.equal(nan, torch.isnan(out_f)), f"NaN pattern {B, Sq, Sk, Hq, Hkv, D}"
+        assert torch.equal(torch.isnan(lse_0), torch.isnan(lse_f))
+        fin = torch.isfinite(lse_0)
+        assert torch.equal(fin, torch.isfinite(lse_f))
+        assert (lse_f[fin] - lse_0[fin]).abs().max().item() < 2e-4
+        ok = ~nan
+        assert reference.sqnr_db(out_f[ok].double(), out_0[ok].double()) > 40
+
+
 # ---------------------------------------------------------------------------------------------------- speed
 def bench_gluon_vs_tl(shapes, seed: int = 0, progress: bool = True, configs: dict | None = None) -> list[dict]:
     """TFLOP/s of the Gluon kernel, the ``tl`` kernel (both on FP8 operands prepared once, untimed) and SDPA
@@ -484,6 +551,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="Gluon vs tl vs SDPA cuDNN BF16 forward speed (one run)")
     ap.add_argument("--quick", action="store_true", help="d128 at S 4k and 8k only")
     ap.add_argument("--out", help="write the rows and the environment to this JSON file")
+    ap.add_argument("--exp2-fma", action="store_true",
+                    help="also time exp2_fma 25 and 50 (part of the exp2 on the FMA pipe) beside the default")
     ap.add_argument("--sweep", action="store_true",
                     help="also time stages 2/4, ping-pong and the 2-D K path (k_perm off) (d128 S8k, both causal "
                          "flags, unless --quick)")
@@ -498,6 +567,13 @@ if __name__ == "__main__":
                          "pingpong": GluonFwdConfig(pingpong=True), "k2d": GluonFwdConfig(k_perm=False)}
         if not args.quick:
             bench_shapes = grid_shapes(2, 16, None, (128, 64), (8192,))
+    if args.exp2_fma:
+        from mxattn.bench.speed import grid_shapes
+        from mxattn.kernels.attn_fwd_gluon import GluonFwdConfig
+
+        bench_configs = (bench_configs or {}) | {f"exp2_fma{p}": GluonFwdConfig(exp2_fma=p) for p in (25, 50)}
+        if not args.quick and not args.sweep:
+            bench_shapes = grid_shapes(2, 16, None, (128, 64), (2048, 4096, 8192))
     result_rows = bench_gluon_vs_tl(bench_shapes, configs=bench_configs)
     if args.out:
         from mxattn.bench.results import env_info

@@ -91,6 +91,11 @@ class GluonFwdConfig:
     # wait), "i32early" / "i32copy" (packed into the registers P V is still reading: ptxas serializes every wgmma,
     # C7513)
     p_carry: str = "i32br"
+    # percent of an unmasked tile's exp2 computed on the FMA pipe (0, 25 or 50) instead of MUFU: 2^x as
+    # 2^round(x) * poly3(x - round(x)), relative error <= 1.02e-4 (``_exp2_fma``).  At d128 a tile's 16,384 exp2
+    # take as many MUFU cycles as its products take tensor cycles (docs/perf-notes-attn-fwd-gluon.md, session 18);
+    # the polynomial's 9 instructions issue in the slots a warp leaves free between its MUFU instructions.
+    exp2_fma: int = 0
 
 
 def default_config(head_dim: int, causal: bool) -> GluonFwdConfig:
@@ -153,6 +158,63 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_
         tma.async_copy_global_to_shared(v_desc, [v_row, i * BLOCK_N], v_ready.index(s), v_smem.index(s))
 
 
+# ------------------------------------------------------------------------------------------------- exp2 on FMA
+# 2^f on [-1/2, 1/2] as 1 + f (C1 + f (C2 + f C3)): coefficients fitted here for the least maximum relative error
+# with the constant term held at 1 (Lawson iteration on 20,001 points); 1.014e-4 in fp32 Horner (tests check it).
+# P enters P V as e4m3 (3 mantissa bits, relative step 1/8), so the polynomial's error moves a rounding in about
+# 0.2 % of the elements by one e4m3 step; the row sum sees 1e-4 relative at most.
+EXP2_C1 = gl.constexpr(0.6932829170291438)
+EXP2_C2 = gl.constexpr(0.2422106313698579)
+EXP2_C3 = gl.constexpr(0.05500868998260835)
+_ROUND_MAGIC = gl.constexpr(12582912.0)  # 1.5 * 2^23: x + this has round(x) in its low mantissa bits (|x| < 2^22)
+
+
+@gluon.jit
+def _exp2_fma(x):
+    """2^x without MUFU: n = round(x) by the 1.5 * 2^23 trick, f = x - n in [-1/2, 1/2], 2^f by the degree-3
+    polynomial, times 2^n built from n's bits (an FMUL, so a NaN x stays NaN).  x is clamped below at -126 (then
+    2^n stays a normal float; 2^-126 for x < -126, where MUFU gives less: both are 0 once P is e4m3 and nothing
+    against a row sum >= 1).  9 instructions: FMNMX.NAN, 3 FADD, 3 FFMA, IMAD (shift + add), FMUL."""
+    x = _max_keep_nan(x)
+    t = x + _ROUND_MAGIC
+    f = x - (t - _ROUND_MAGIC)
+    p = gl.fma(gl.fma(gl.fma(f, EXP2_C3, EXP2_C2), f, EXP2_C1), f, 1.0)
+    # t's bits are 0x4B400000 + n: shifted left by 23 they are n << 23 (mod 2^32); plus 127 << 23 that is 2^n
+    two_n = ((t.to(gl.int32, bitcast=True) << 23) + 0x3F800000).to(gl.float32, bitcast=True)
+    return p * two_n
+
+
+@gluon.jit
+def _max_keep_nan(x):
+    """max(x, -126) that returns NaN for a NaN x (PTX max.NaN; a plain max would return -126)."""
+    return gl.inline_asm_elementwise("max.NaN.f32 $0, $1, 0fC2FC0000;", "=r,r", [x], dtype=gl.float32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _exp2_mixed(x, EXP2_FMA: gl.constexpr):
+    """exp2 of an S tile (fp32, wgmma accumulator layout [M, N]) with EXP2_FMA percent (0, 25, 50) of its elements
+    on the FMA pipe.  The split is along the columns a thread holds in registers (column bit 0, then bit 3), so the
+    reshapes, splits and joins move no data; the result has the input's layout."""
+    if EXP2_FMA == 0:
+        return gl.exp2(x)
+    else:
+        M: gl.constexpr = x.shape[0]
+        N: gl.constexpr = x.shape[1]
+        # column c = 16 g + 8 h + 2 l + e -> [M, g, l, h, e]: h and e are register bits of the accumulator layout
+        y = gl.permute(gl.reshape(x, [M, N // 16, 2, 4, 2]), (0, 1, 3, 2, 4))
+        y0, y1 = gl.split(y)  # e = 0 | e = 1
+        if EXP2_FMA == 50:
+            y1 = _exp2_fma(y1)
+        else:
+            gl.static_assert(EXP2_FMA == 25, "exp2_fma must be 0, 25 or 50")
+            y10, y11 = gl.split(y1)  # h = 0 | h = 1
+            y1 = gl.join(gl.exp2(y10), _exp2_fma(y11))
+        y = gl.join(gl.exp2(y0), y1)
+        y = gl.reshape(gl.permute(y, (0, 1, 3, 2, 4)), [M, N])
+        return gl.convert_layout(y, x.type.layout, assert_trivial=True)
+
+
 # ------------------------------------------------------------------------------------------------- consumer
 @gluon.jit
 def _scores(qk, m_i, rs, offs_m, n0, Sk, causal_off,
@@ -187,7 +249,7 @@ def _scores(qk, m_i, rs, offs_m, n0, Sk, causal_off,
 
 @gluon.jit
 def _softmax_tile(qk, m_i, l_i, rs, offs_m, n0, masked, Sk, causal_off,
-                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, K_PERM: gl.constexpr):
+                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, K_PERM: gl.constexpr, EXP2_FMA: gl.constexpr):
     """Online softmax of one S tile (fp32, wgmma accumulator layout) -> (p = 2^x <= 256 in fp32, new row max,
     alpha = 2^(m_old - m_new), new row sum).  ``masked`` (runtime) selects the bounds / causal path."""
     # exp2 in each branch, not after the join: with one exp2 after the join, ptxas hoisted the P V wait
@@ -204,7 +266,7 @@ def _softmax_tile(qk, m_i, l_i, rs, offs_m, n0, masked, Sk, causal_off,
         if FWD_PROBE == 1:
             p = x
         else:
-            p = gl.exp2(x)  # <= 256: fits e4m3 with the constant scale 2^-8
+            p = _exp2_mixed(x, EXP2_FMA)  # <= 256: fits e4m3 with the constant scale 2^-8
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, 1)  # from the fp32 p (summing p8 back in fp32 gave NaNs on triton 3.6)
     return p, m_new, alpha, l_i
@@ -212,7 +274,8 @@ def _softmax_tile(qk, m_i, l_i, rs, offs_m, n0, masked, Sk, causal_off,
 
 @gluon.jit
 def _softmax_tile_packed(qk, m_i, l_i, rs, offs_m, n0, masked, Sk, causal_off, p_layout: gl.constexpr,
-                         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, K_PERM: gl.constexpr):
+                         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, K_PERM: gl.constexpr,
+                         EXP2_FMA: gl.constexpr):
     """``_softmax_tile`` with P packed (``_pack_p``) inside each branch: returns (int32 words, new row max, alpha,
     new row sum).  The branches join int32 words and the row sums, so the exp2s *and* the e4m3 packing stay in the
     branch blocks, above the P V wait (ptxas schedules a join block's ``WARPGROUP.DEPBAR`` first: a pack after the
@@ -224,7 +287,7 @@ def _softmax_tile_packed(qk, m_i, l_i, rs, offs_m, n0, masked, Sk, causal_off, p
         w = _pack_p(p, p_layout, K_PERM)
     else:
         x, m_new = _scores(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N, False, CAUSAL, K_PERM)
-        p = gl.exp2(x)
+        p = _exp2_mixed(x, EXP2_FMA)
         psum = gl.sum(p, 1)
         w = _pack_p(p, p_layout, K_PERM)
     alpha = gl.exp2(m_i - m_new)
@@ -347,7 +410,7 @@ def _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bar
             acc, l_i, m_i, qscale, offs_m, Sk, causal_off, n_tiles, n_full,
             WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
             PINGPONG: gl.constexpr, K_PERM: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr,
-            row_o: gl.constexpr, P_CARRY: gl.constexpr):
+            row_o: gl.constexpr, P_CARRY: gl.constexpr, EXP2_FMA: gl.constexpr):
     """The KV loop of one warpgroup (n_tiles >= 1), FA3 intra-warpgroup overlap (issue block k = 0 .. n_tiles).
 
     Iteration j: issue S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} (async, S first), wait for S_j only, softmax of tile
@@ -367,7 +430,7 @@ def _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bar
     mbarrier.arrive(k_empty.index(0), count=1)
     rs = qscale * gl.exp2(gl.load(KE).to(gl.float32))
     p, m_i, alpha, l_i = _softmax_tile(qk, m_i, l_i, rs, offs_m, 0, n_full == 0, Sk, causal_off, BLOCK_N, CAUSAL,
-                                       K_PERM)
+                                       K_PERM, EXP2_FMA)
     pc = _carry(p, p_layout, K_PERM, P_CARRY)
     if P_CARRY == "i32xor" or P_CARRY == "i32br":
         # 0 at run time (Sk >= 0), opaque to LLVM (asm) and to ptxas (a kernel argument): the xor below is a copy
@@ -391,10 +454,11 @@ def _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bar
         mbarrier.arrive(k_empty.index(s), count=1)
         if P_CARRY == "i32br":
             pc_new, m_new, alpha, l_i = _softmax_tile_packed(qk, m_i, l_i, rs, offs_m, n0, j >= n_full, Sk,
-                                                             causal_off, p_layout, BLOCK_N, CAUSAL, K_PERM)
+                                                             causal_off, p_layout, BLOCK_N, CAUSAL, K_PERM,
+                                                             EXP2_FMA)
         else:
             p, m_new, alpha, l_i = _softmax_tile(qk, m_i, l_i, rs, offs_m, n0, j >= n_full, Sk, causal_off,
-                                                 BLOCK_N, CAUSAL, K_PERM)
+                                                 BLOCK_N, CAUSAL, K_PERM, EXP2_FMA)
         if P_CARRY == "i32early":  # packs while P_{j-1} V_{j-1} may still read its registers: ptxas C7513
             pc = _carry(p, p_layout, K_PERM, P_CARRY)
         elif P_CARRY == "i32copy" or P_CARRY == "i32xor":
@@ -431,7 +495,8 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
               stride_qem, stride_ket, stride_ved, stride_om, stride_od, stride_lm,
               row0, Sq, Sk, causal_off, n_tiles, n_full, qk_scale,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, K_PERM: gl.constexpr, P_CARRY: gl.constexpr):
+              CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, K_PERM: gl.constexpr, P_CARRY: gl.constexpr,
+              EXP2_FMA: gl.constexpr):
     """One warpgroup: query rows row0 .. row0 + 63 of the sequence (pointers already moved to (b, h))."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
@@ -452,7 +517,8 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
     if n_tiles > 0:
         acc, l_i, m_i = _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bars, KE,
                                 stride_ket, acc, l_i, m_i, qscale, offs_m, Sk, causal_off, n_tiles, n_full,
-                                WG, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, s_layout, p_layout, row_o, P_CARRY)
+                                WG, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, s_layout, p_layout, row_o, P_CARRY,
+                                EXP2_FMA)
 
     # ---- output: out = acc / l * 2^ve, lse = (m - 8 + log2 l) ln 2; rows that saw nothing: 0 and -inf
     empty = l_i == 0.0
@@ -480,7 +546,7 @@ def _attn_fwd_ws_kernel(
     Hq, Hkv, Sq, Sk, group_size, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, K_PERM: gl.constexpr,
-    P_CARRY: gl.constexpr,
+    P_CARRY: gl.constexpr, EXP2_FMA: gl.constexpr,
 ):
     # heaviest query blocks first when causal (they see the most keys): shorter tail at the end of the grid
     pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
@@ -530,11 +596,11 @@ def _attn_fwd_ws_kernel(
         (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_bars,
                      QE_bh, KE_bh, VE_bh, O_bh, LSE_bh, stride_qem, stride_ket, stride_ved, stride_om, stride_od,
                      stride_lm, start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale,
-                     0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, P_CARRY)),
+                     0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, P_CARRY, EXP2_FMA)),
         (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_bars,
                      QE_bh, KE_bh, VE_bh, O_bh, LSE_bh, stride_qem, stride_ket, stride_ved, stride_om, stride_od,
                      stride_lm, start_m + WG_ROWS, Sq, Sk, causal_off, n_tiles, n_full, qk_scale,
-                     1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, P_CARRY)),
+                     1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, P_CARRY, EXP2_FMA)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                      b * Sq + start_m, h * HEAD_DIM, b * Sk, hk * HEAD_DIM, (b * Hkv + hk) * HEAD_DIM, n_tiles,
                      BLOCK_N, STAGES, K_PERM)),
@@ -602,6 +668,8 @@ def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None
         raise ValueError(f"head dim {D} not supported by the Gluon forward (64 or 128)")
     softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
     cfg = config or default_config(D, causal)
+    if cfg.exp2_fma not in (0, 25, 50):
+        raise ValueError(f"exp2_fma must be 0, 25 or 50 (percent), got {cfg.exp2_fma}")
     if K_EXP_GROUP.value % cfg.block_n:
         raise ValueError(f"block_n {cfg.block_n} must divide the K exponent group {K_EXP_GROUP}")
     out, lse = alloc_fwd_outputs(q.data, out_dtype)
@@ -619,6 +687,6 @@ def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None
         Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E,
         HEAD_DIM=D, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal, PINGPONG=cfg.pingpong,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, K_PERM=k_perm,
-        P_CARRY=cfg.p_carry, num_warps=4, maxnreg=cfg.maxnreg,
+        P_CARRY=cfg.p_carry, EXP2_FMA=cfg.exp2_fma, num_warps=4, maxnreg=cfg.maxnreg,
     )
     return out, lse
