@@ -65,8 +65,9 @@
 #   train      examples/train_gpt.py (TRAIN_ATTENTION=sdpa|mxfp8|both, TRAIN_ARGS), into OUTDIR/train
 #   trainpar   both halves of the parity run at once, sdpa on GPU 0 and mxfp8 on GPU 1 (needs 2 GPUs), then parity.json
 #   blockscaled  the Blackwell-path forward (tl.dot_scaled, upcast to bf16 on Hopper) vs the Hopper kernel, B2 H16 S4k
-#   exp2fma    the Gluon forward with part of its exp2 on the FMA pipe (GluonFwdConfig.exp2_fma, session 18): compile
-#              check, its GPU tests (the config variants, against the MUFU-only kernel, the CPU emulation), then
+#   exp2fma    the forward kernels with part of their exp2 on the FMA pipe (exp2_fma of GluonFwdConfig / FwdConfig,
+#              session 18): compile
+#              check, its GPU tests (Gluon and tl: config variants, against the MUFU-only kernel, the split), then
 #              tests/test_attn_fwd_gluon.py --exp2-fma (B2 H16 d128/d64 S 2k/4k/8k, both causal flags) into
 #              OUTDIR/gluon_exp2_fma.json
 #   ncu        Nsight Compute counters of the Gluon forward and backward kernels (NCU_SHAPE="B H S D causal", default
@@ -157,7 +158,7 @@ for st in $STAGES; do
       grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -60 ;;
     exp2fma)
       run $PY scripts/compile_check_gluon.py --only d128_nopingpong,d64_causal_nopingpong --exp2-fma 50
-      run $PY -m pytest -q -rfE -p no:cacheprovider tests/test_attn_fwd_gluon.py -k "exp2" 2>&1 | tail -15 || status=1
+      run $PY -m pytest -q -rfE -p no:cacheprovider tests/test_attn_fwd_gluon.py tests/test_attn_fwd.py -k "exp2" 2>&1 | tail -15 || status=1
       run $PY tests/test_attn_fwd_gluon.py --exp2-fma --out "$OUT/gluon_exp2_fma.json" ;;
     gluon)
       run $PY scripts/compile_check_gluon.py --only d128

@@ -183,6 +183,23 @@ def test_nan_propagates_per_block_gpu(seed):
     assert torch.isnan(out).all(), "a NaN key block makes every row that sees it NaN"
 
 
+@pytest.mark.parametrize("exp2_fma", [25, 50])
+def test_attn_fwd_exp2_fma(exp2_fma, seed):
+    """The tl kernel with part of its exp2 on the FMA pipe (``FwdConfig.exp2_fma``) passes the calibrated bound:
+    interpreter on the CPU (a 64-key tile, two unmasked tiles a row block), odd shapes on the GPU."""
+    from conftest import require_kernels
+
+    from mxattn.kernels.attn_fwd import FwdConfig
+
+    dev = require_kernels()
+    shapes = [(1, 40, 200, 2, 1, 64)] if dev == "cpu" else [(1, 700, 1200, 4, 2, 64), (2, 1000, 1003, 4, 2, 128)]
+    tile = (16, 64, 4, 1) if dev == "cpu" else (64, 128, 4, 3)
+    for B, Sq, Sk, Hq, Hkv, D in shapes:
+        q, k, v = _inputs(B, Sq, Sk, Hq, Hkv, D, dev, seed + Sk)
+        for causal in (False, True):
+            _check_against_reference(q, k, v, causal, config=FwdConfig(*tile, exp2_fma=exp2_fma))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", [(64, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)])
 def test_attn_fwd_gpu_every_tile(tile, seed):
@@ -210,3 +227,58 @@ def test_repeated_signature_takes_the_bound_launch(seed):
     q, k, v = _inputs(1, 33, 70, 2, 1, 64, device, seed)
     _check_against_reference(q, k, v, causal=True)
     assert len(af._FWD_BOUND) == 2
+
+
+# ------------------------------------------------------------------------------------ exp2 on the FMA pipe
+try:
+    import triton
+    import triton.language as tl
+
+    from mxattn.kernels.attn_fwd import _exp2_mixed
+
+    @triton.jit
+    def _exp2_mixed_kernel(X, Y, M: tl.constexpr, N: tl.constexpr, P: tl.constexpr):
+        offs = tl.arange(0, M)[:, None] * N + tl.arange(0, N)[None, :]
+        tl.store(Y + offs, _exp2_mixed(tl.load(X + offs), P))
+except ImportError:  # no triton: the tests below skip (require_kernels)
+    _exp2_mixed_kernel = None
+
+
+def _run_exp2_mixed(x: torch.Tensor, percent: int) -> torch.Tensor:
+    """``attn_fwd._exp2_mixed`` on a 2-D fp32 tile (under the interpreter on the CPU, compiled on a GPU)."""
+    y = torch.empty_like(x)
+    _exp2_mixed_kernel[(1,)](x, y, x.shape[0], x.shape[1], percent)
+    return y
+
+
+@pytest.mark.parametrize("percent", [0, 25, 50])
+def test_exp2_mixed(percent, seed):
+    """``FwdConfig.exp2_fma`` / ``GluonFwdConfig.exp2_fma``: the elements on the FMA pipe are the ones the split
+    names (odd columns; of those, columns with bit 3 set at 25 %), within 1.05e-4 relative of 2^x over the whole
+    range P takes (x <= 8), exact at integers, 2^-126 at most below -126 (0 once P is e4m3), NaN kept."""
+    from conftest import require_kernels
+
+    dev = require_kernels()
+    g = torch.Generator().manual_seed(seed)
+    M, N = 64, 128
+    xs = [torch.rand(M, N, generator=g) * 134 - 126, torch.randint(-126, 9, (M, N), generator=g).float(),
+          torch.rand(M, N, generator=g) * 2 - 1]
+    cols = torch.arange(N)
+    fma_cols = (cols & 1 == 1) & ((cols & 8 == 8) if percent == 25 else (cols >= 0)) if percent else cols < 0
+    for i, x in enumerate(xs):
+        y = _run_exp2_mixed(x.to(dev), percent).cpu().double()
+        want = torch.exp2(x.double())
+        rel = (y - want).abs() / want
+        assert rel.max().item() <= 1.05e-4, (i, rel.max().item())
+        if i == 1:
+            assert torch.equal(y, want), "2^n exact at integers"
+        elif dev == "cpu":  # the interpreter's exp2 is numpy's (exact to an ulp): the polynomial's elements show
+            poly = (rel > 1e-6).any(0)
+            assert not poly[~fma_cols].any() and (poly[fma_cols].float().mean() > 0.9 if percent else True)
+    x = torch.full((M, N), -1000.0)
+    x[:, 1::2] = float("nan")
+    x[:, ::4] = float("-inf") if percent == 0 else -3e38
+    y = _run_exp2_mixed(x.to(dev), percent).cpu()
+    assert torch.isnan(y[:, 1::2]).all()
+    low = y[:, ::2]
+    assert (low >= 0).all() and (low <= 2.0**-125).all()

@@ -57,40 +57,6 @@ def test_compiles_for_sm90_without_gpu(capsys):
     assert cc.check(kernel, "d128_causal", None), capsys.readouterr().out
 
 
-def _exp2_fma_emulated(x: torch.Tensor, c1: float, c2: float, c3: float) -> torch.Tensor:
-    """``attn_fwd_gluon._exp2_fma`` step by step in fp32 on the CPU (the same operations in the same order, fp32
-    rounding after each as the PTX has it), to check the method and its constants without a GPU."""
-    f32 = torch.float32
-    x = torch.where(torch.isnan(x), x, torch.clamp(x, min=-126.0)).to(f32)
-    magic = torch.tensor(12582912.0, dtype=f32)
-    t = (x + magic).to(f32)
-    f = (x - (t - magic).to(f32)).to(f32)
-    p = torch.addcmul(torch.tensor(c2, dtype=f32), f, torch.tensor(c3, dtype=f32))  # fma rounding ~ fp32 here
-    p = (p * f + c1).to(f32)
-    p = (p * f + 1.0).to(f32)
-    two_n = ((t.view(torch.int32) << 23) + 0x3F800000).view(f32)
-    return (p * two_n).to(f32)
-
-
-def test_exp2_fma_method_and_constants():
-    """The FMA-pipe exp2 (``GluonFwdConfig.exp2_fma``): relative error <= 1.05e-4 over the whole range P can
-    take (x <= 8, where 2^x <= 256 exactly at x = 8 and at every integer), 2^-126 at most below -126 (P is 0
-    there once in e4m3), NaN stays NaN, and the result is never negative or infinite."""
-    m = _gluon()
-    c1, c2, c3 = m.EXP2_C1.value, m.EXP2_C2.value, m.EXP2_C3.value
-    x = torch.cat([torch.linspace(-126.0, 8.0, 400_001, dtype=torch.float64).float(),
-                   torch.arange(-126, 9, dtype=torch.float32), torch.rand(100_000) * 134 - 126])
-    got = _exp2_fma_emulated(x, c1, c2, c3).double()
-    want = torch.exp2(x.double())
-    rel = ((got - want).abs() / want).max().item()
-    assert rel <= 1.05e-4, rel
-    ints = torch.arange(-126, 9, dtype=torch.float32)
-    assert torch.equal(_exp2_fma_emulated(ints, c1, c2, c3), torch.exp2(ints))  # exact at integers (f = 0)
-    low = _exp2_fma_emulated(torch.tensor([-127.0, -1000.0, -3e38, float("-inf")]), c1, c2, c3)
-    assert (low >= 0).all() and (low <= 2.0 ** -125).all()
-    assert torch.isnan(_exp2_fma_emulated(torch.tensor([float("nan")]), c1, c2, c3)).all()
-
-
 def _host_operands(B, Sq, Sk, Hq, Hkv, D, k_heads_alloc=None):
     """CPU operands shaped like the launcher's (only ``.data`` is read by ``_descriptors``); K optionally a
     head slice of a wider buffer (row pitch k_heads_alloc * D > Hkv * D)."""
@@ -468,14 +434,20 @@ def test_attn_fwd_gluon_exp2_fma_close(causal, exp2_fma, seed):
 
 
 # ---------------------------------------------------------------------------------------------------- speed
-def bench_gluon_vs_tl(shapes, seed: int = 0, progress: bool = True, configs: dict | None = None) -> list[dict]:
+def bench_gluon_vs_tl(shapes, seed: int = 0, progress: bool = True, configs: dict | None = None,
+                      tl_variants: dict | None = None) -> list[dict]:
     """TFLOP/s of the Gluon kernel, the ``tl`` kernel (both on FP8 operands prepared once, untimed) and SDPA
     cuDNN BF16, measured in one run per shape (``mxattn.bench.speed.time_ms``: median of CUDA-event timings,
     inputs rotated over enough copies to defeat L2).  ``shapes``: ``mxattn.bench.speed.Shape`` objects.
-    ``configs``: extra Gluon variants to time, name -> ``GluonFwdConfig`` (methods ``mxattn_gluon[name]``).
+    ``configs``: extra Gluon variants to time, name -> ``GluonFwdConfig`` (methods ``mxattn_gluon[name]``);
+    ``tl_variants``: extra ``tl`` variants, name -> fields replaced in the shape's ``attn_fwd.default_config``
+    (methods ``mxattn_tl[name]``).
     Returns rows shaped like DESIGN §6 with ``tflops`` per method and the ratios to cuDNN."""
     from mxattn.bench.speed import _sdpa, n_copies, time_ms
+    import dataclasses
+
     from mxattn.kernels.attn_fwd import attn_fwd_hopper
+    from mxattn.kernels.attn_fwd import default_config as tl_default
     from mxattn.kernels.quantize import row_scaled_triton
 
     m = _gluon()
@@ -498,6 +470,10 @@ def bench_gluon_vs_tl(shapes, seed: int = 0, progress: bool = True, configs: dic
         for cname, cfg in (configs or {}).items():
             runs[f"mxattn_gluon[{cname}]"] = (lambda c: lambda i: m.attn_fwd_gluon(*ops[i], causal=sh.causal,
                                                                                  config=c))(cfg)
+        for cname, fields in (tl_variants or {}).items():
+            tcfg = dataclasses.replace(tl_default(sh.D, sh.causal), **fields)
+            runs[f"mxattn_tl[{cname}]"] = (lambda c: lambda i: attn_fwd_hopper(*ops[i], causal=sh.causal,
+                                                                              config=c))(tcfg)
         tflops, errors = {}, {}
         for name, fn in runs.items():
             try:
@@ -552,7 +528,8 @@ if __name__ == "__main__":
     ap.add_argument("--quick", action="store_true", help="d128 at S 4k and 8k only")
     ap.add_argument("--out", help="write the rows and the environment to this JSON file")
     ap.add_argument("--exp2-fma", action="store_true",
-                    help="also time exp2_fma 25 and 50 (part of the exp2 on the FMA pipe) beside the default")
+                    help="also time exp2_fma 25 and 50 (part of the exp2 on the FMA pipe), Gluon and tl, beside the "
+                         "defaults (B2 H16 d128 / d64 S 2k / 4k / 8k unless --quick)")
     ap.add_argument("--sweep", action="store_true",
                     help="also time stages 2/4, ping-pong and the 2-D K path (k_perm off) (d128 S8k, both causal "
                          "flags, unless --quick)")
@@ -574,7 +551,8 @@ if __name__ == "__main__":
         bench_configs = (bench_configs or {}) | {f"exp2_fma{p}": GluonFwdConfig(exp2_fma=p) for p in (25, 50)}
         if not args.quick and not args.sweep:
             bench_shapes = grid_shapes(2, 16, None, (128, 64), (2048, 4096, 8192))
-    result_rows = bench_gluon_vs_tl(bench_shapes, configs=bench_configs)
+    tl_variants = {f"exp2_fma{p}": dict(exp2_fma=p) for p in (25, 50)} if args.exp2_fma else None
+    result_rows = bench_gluon_vs_tl(bench_shapes, configs=bench_configs, tl_variants=tl_variants)
     if args.out:
         from mxattn.bench.results import env_info
 

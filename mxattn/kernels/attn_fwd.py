@@ -49,6 +49,21 @@ class FwdConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    # percent (0, 25, 50) of an unmasked tile's exp2 computed on the FMA pipe instead of MUFU (``_exp2_mixed``):
+    # the softmax's exp2 is MUFU-bound at d64 (docs/perf-notes-attn-fwd-gluon.md, session 15); opt-in until measured
+    exp2_fma: int = 0
+
+
+def _exp2_fma_default() -> int:
+    """``MXATTN_EXP2_FMA`` (0, 25 or 50; read at import): the forward kernels' default ``exp2_fma`` (both the
+    ``tl`` and the Gluon kernel), so that the public API and ``mxattn bench`` can run the opt-in build."""
+    v = os.environ.get("MXATTN_EXP2_FMA", "0")
+    if v not in ("0", "25", "50"):
+        raise ValueError(f"MXATTN_EXP2_FMA must be 0, 25 or 50, got {v!r}")
+    return int(v)
+
+
+EXP2_FMA_DEFAULT = _exp2_fma_default()
 
 
 def default_config(head_dim: int, causal: bool) -> FwdConfig:
@@ -59,8 +74,8 @@ def default_config(head_dim: int, causal: bool) -> FwdConfig:
     benchmarks/tune_attn_fwd.py (results in benchmarks/results/attn_fwd_tune-*.json).
     """
     if head_dim <= 64 and causal:
-        return FwdConfig(64, 64, 4, 3)  # d64 causal: 380 vs 357 TFLOP/s for BN128 (S 4k)
-    return FwdConfig(64, 128, 4, 3)
+        return FwdConfig(64, 64, 4, 3, EXP2_FMA_DEFAULT)  # d64 causal: 380 vs 357 TFLOP/s for BN128 (S 4k)
+    return FwdConfig(64, 128, 4, 3, EXP2_FMA_DEFAULT)
 
 
 def varlen_config(head_dim: int, causal: bool) -> FwdConfig:
@@ -89,11 +104,56 @@ def _round_e4m3_nonneg(x):
     return tl.where(x >= 0.015625, normal.to(tl.float32, bitcast=True), sub * 0.001953125)
 
 
+# 2^f on [-1/2, 1/2] as 1 + f (C1 + f (C2 + f C3)), constant term held at 1, least maximum relative error
+# (1.014e-4 in fp32 Horner); fitted here by Lawson iteration on 20,001 points.  The Gluon forward uses the same.
+EXP2_C1 = tl.constexpr(0.6932829170291438)
+EXP2_C2 = tl.constexpr(0.2422106313698579)
+EXP2_C3 = tl.constexpr(0.05500868998260835)
+
+
+@triton.jit
+def exp2_fma(x):
+    """2^x without MUFU: n = round(x) by adding 1.5 * 2^23, f = x - n in [-1/2, 1/2], 2^f by the degree-3
+    polynomial, times 2^n made from n's bits (an FMUL: a NaN x stays NaN).  x is clamped below at -126 (a
+    NaN-keeping max), so 2^n is a normal float; below -126 the result is 2^-126 at most, 0 once P is e4m3.
+    Relative error <= 1.05e-4 (tests/test_attn_fwd.py checks it in the interpreter)."""
+    x = tl.maximum(x, -126.0, propagate_nan=tl.PropagateNan.ALL)
+    t = x + 12582912.0
+    f = x - (t - 12582912.0)
+    p = tl.fma(tl.fma(tl.fma(f, EXP2_C3, EXP2_C2), f, EXP2_C1), f, 1.0)
+    # t's bits are 0x4B400000 + n: shifted left by 23 they are n << 23 (mod 2^32); plus 127 << 23 that is 2^n
+    two_n = ((t.to(tl.int32, bitcast=True) << 23) + 0x3F800000).to(tl.float32, bitcast=True)
+    return p * two_n
+
+
+@triton.jit
+def _exp2_mixed(x, EXP2_FMA: tl.constexpr):
+    """exp2 of a [M, N] tile with EXP2_FMA percent (0, 25, 50) of the elements through ``exp2_fma``: the odd
+    columns (50), or the odd columns of every other pair of columns (25).  The split follows column bits that
+    wgmma's accumulator layout keeps in a thread's registers (bit 0, then bit 3)."""
+    if EXP2_FMA == 0:
+        return tl.exp2(x)
+    else:
+        M: tl.constexpr = x.shape[0]
+        N: tl.constexpr = x.shape[1]
+        y = tl.permute(tl.reshape(x, [M, N // 16, 2, 4, 2]), (0, 1, 3, 2, 4))  # [M, g, l, h, e] of c = 16g+8h+2l+e
+        y0, y1 = tl.split(y)
+        if EXP2_FMA == 50:
+            y1 = exp2_fma(y1)
+        else:
+            tl.static_assert(EXP2_FMA == 25, "exp2_fma must be 0, 25 or 50")
+            y10, y11 = tl.split(y1)
+            y1 = tl.join(tl.exp2(y10), exp2_fma(y11))
+        y = tl.join(tl.exp2(y0), y1)
+        return tl.reshape(tl.permute(y, (0, 1, 3, 2, 4)), [M, N])
+
+
 @triton.jit
 def _attn_tile(
     acc, l_i, m_i, q, qscale, k_ptrs, v_ptrs, ke_ptr, offs_m, offs_n_base, start_n, Sk, Sv, causal_off,
     stride_kn, stride_vn, stride_ke_tile,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, EXPLICIT_ROUND: tl.constexpr,
+    EXP2_FMA: tl.constexpr = 0,
 ):
     """One K/V tile of the online softmax.  ``MASKED`` tiles check key bounds and the causal diagonal.
 
@@ -125,7 +185,10 @@ def _attn_tile(
     alpha = tl.exp2(m_i - m_new)
     # p = 2^x <= 256: fits e4m3 with the constant scale 2^-8.  l adds the unrounded p: P never saturates,
     # so e4m3 rounding is unbiased noise (summing p8.to(fp32) instead gave NaNs on triton 3.6 / sm90).
-    p = tl.exp2(x)
+    if MASKED:
+        p = tl.exp2(x)  # -inf where masked: MUFU gives 0
+    else:
+        p = _exp2_mixed(x, EXP2_FMA)
     if EXPLICIT_ROUND:
         p = _round_e4m3_nonneg(p)
     p8 = p.to(tl.float8e4nv)
@@ -151,6 +214,7 @@ def _attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     EXPLICIT_ROUND: tl.constexpr, VARLEN: tl.constexpr = False,
     V_BLOCKS: tl.constexpr = False,  # varlen V as one (Hkv, D, round16(len)) block per sequence (kernels/varlen.py)
+    EXP2_FMA: tl.constexpr = 0,  # FwdConfig.exp2_fma
 ):
     # heaviest query blocks first when causal (they see the most keys): shorter tail at the end of the grid
     if VARLEN:
@@ -240,7 +304,7 @@ def _attn_fwd_kernel(
     for start_n in range(0, full_end, BLOCK_N):
         acc, l_i, m_i = _attn_tile(
             acc, l_i, m_i, q, qscale, k_ptrs, v_ptrs, ke_ptr, offs_m, offs_n, start_n, Sk, Sv, causal_off,
-            stride_kn, stride_vn, stride_ket, BLOCK_N, False, CAUSAL, EXPLICIT_ROUND,
+            stride_kn, stride_vn, stride_ket, BLOCK_N, False, CAUSAL, EXPLICIT_ROUND, EXP2_FMA,
         )
     for start_n in range(full_end, hi, BLOCK_N):
         acc, l_i, m_i = _attn_tile(
@@ -363,8 +427,16 @@ def attn_fwd_hopper(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         Hq, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E,
         None,
     )
+    if cfg.exp2_fma not in (0, 25, 50):
+        raise ValueError(f"exp2_fma must be 0, 25 or 50 (percent), got {cfg.exp2_fma}")
     constexprs = dict(HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
                       EXPLICIT_ROUND=INTERPRETER, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.exp2_fma:  # only then: the default build's specialization stays the measured one
+        constexprs["EXP2_FMA"] = cfg.exp2_fma
+        if cfg.num_warps == 4 and D <= 64 and not INTERPRETER:
+            # the polynomial's temporaries took the 4-warp d64 build from 162 to 176-179 registers a thread: three
+            # CTAs no longer fit an SM's 64 K registers; capped at 168 (= 65536 / 384, rounded down to 8)
+            constexprs["maxnreg"] = 168
     args = (qd, kd, vd, qe, ke, ve, out, lse, *scalars)
     if key is None:
         fast_launcher(_attn_fwd_kernel)[grid](*args, **constexprs)

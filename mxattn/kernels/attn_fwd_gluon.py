@@ -49,6 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from mxattn.kernels import attn_fwd
 from mxattn.kernels.attn_fwd import alloc_fwd_outputs
 from mxattn.kernels.launch import cdiv, fast_launcher, nvmma_fp8_layout
 
@@ -101,7 +102,7 @@ class GluonFwdConfig:
 def default_config(head_dim: int, causal: bool) -> GluonFwdConfig:
     # d=128: 16 KB Q + 3 x (16 + 16) KB K/V stages = 112 KB shared memory (one CTA per SM anyway: the 12 warps
     # take the whole register file).  Not tuned on the GPU yet (docs/perf-notes-attn-fwd-gluon.md: sweep to run).
-    return GluonFwdConfig(stages=3, pingpong=False)
+    return GluonFwdConfig(stages=3, pingpong=False, exp2_fma=attn_fwd.EXP2_FMA_DEFAULT)
 
 
 # ------------------------------------------------------------------------------------------------- layouts
@@ -159,13 +160,13 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_
 
 
 # ------------------------------------------------------------------------------------------------- exp2 on FMA
-# 2^f on [-1/2, 1/2] as 1 + f (C1 + f (C2 + f C3)): coefficients fitted here for the least maximum relative error
-# with the constant term held at 1 (Lawson iteration on 20,001 points); 1.014e-4 in fp32 Horner (tests check it).
+# 2^f on [-1/2, 1/2] as 1 + f (C1 + f (C2 + f C3)), the coefficients of the tl kernel (``attn_fwd.exp2_fma``,
+# whose interpreter test checks the method: relative error <= 1.05e-4).
 # P enters P V as e4m3 (3 mantissa bits, relative step 1/8), so the polynomial's error moves a rounding in about
 # 0.2 % of the elements by one e4m3 step; the row sum sees 1e-4 relative at most.
-EXP2_C1 = gl.constexpr(0.6932829170291438)
-EXP2_C2 = gl.constexpr(0.2422106313698579)
-EXP2_C3 = gl.constexpr(0.05500868998260835)
+EXP2_C1 = gl.constexpr(attn_fwd.EXP2_C1.value)
+EXP2_C2 = gl.constexpr(attn_fwd.EXP2_C2.value)
+EXP2_C3 = gl.constexpr(attn_fwd.EXP2_C3.value)
 _ROUND_MAGIC = gl.constexpr(12582912.0)  # 1.5 * 2^23: x + this has round(x) in its low mantissa bits (|x| < 2^22)
 
 
