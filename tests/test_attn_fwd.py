@@ -255,7 +255,8 @@ def _run_exp2_mixed(x: torch.Tensor, percent: int) -> torch.Tensor:
 def test_exp2_mixed(percent, seed):
     """``FwdConfig.exp2_fma`` / ``GluonFwdConfig.exp2_fma``: the elements on the FMA pipe are the ones the split
     names (odd columns; of those, columns with bit 3 set at 25 %), within 1.05e-4 relative of 2^x over the whole
-    range P takes (x <= 8), exact at integers, 2^-126 at most below -126 (0 once P is e4m3), NaN kept."""
+    range P takes (x <= 8), exact at integers, exactly 0 below -126.5 and at -inf (as MUFU's flush-to-zero), NaN
+    kept."""
     from conftest import require_kernels
 
     dev = require_kernels()
@@ -275,10 +276,11 @@ def test_exp2_mixed(percent, seed):
         elif dev == "cpu":  # the interpreter's exp2 is numpy's (exact to an ulp): the polynomial's elements show
             poly = (rel > 1e-6).any(0)
             assert not poly[~fma_cols].any() and (poly[fma_cols].float().mean() > 0.9 if percent else True)
-    x = torch.full((M, N), -1000.0)
-    x[:, 1::2] = float("nan")
-    x[:, ::4] = float("-inf") if percent == 0 else -3e38
+    rows = torch.arange(M)[:, None]
+    x = torch.where(rows % 4 == 0, float("-inf"), torch.where(rows % 4 == 1, -3e38, -126.75)).expand(M, N).clone()
+    x[rows[:, 0] % 4 == 3, :] = float("nan")
     y = _run_exp2_mixed(x.to(dev), percent).cpu()
-    assert torch.isnan(y[:, 1::2]).all()
-    low = y[:, ::2]
-    assert (low >= 0).all() and (low <= 2.0**-125).all()
+    assert torch.isnan(y[3::4]).all()
+    low = torch.cat([y[0::4], y[1::4], y[2::4]])
+    assert (low >= 0).all() and (low <= 2.0**-126).all()  # 2^-126.75 is a subnormal where MUFU / numpy keep it
+    assert torch.equal(low[:, fma_cols], torch.zeros_like(low[:, fma_cols]))  # the polynomial flushes it

@@ -114,10 +114,11 @@ EXP2_C3 = tl.constexpr(0.05500868998260835)
 @triton.jit
 def exp2_fma(x):
     """2^x without MUFU: n = round(x) by adding 1.5 * 2^23, f = x - n in [-1/2, 1/2], 2^f by the degree-3
-    polynomial, times 2^n made from n's bits (an FMUL: a NaN x stays NaN).  x is clamped below at -126 (a
-    NaN-keeping max), so 2^n is a normal float; below -126 the result is 2^-126 at most, 0 once P is e4m3.
+    polynomial, times 2^n made from n's bits (an FMUL: a NaN x stays NaN).  x is clamped below at -127 (a
+    NaN-keeping max): n = -127 makes 2^n's bits 0, so x < -126.5 and -inf give exactly 0, as MUFU's
+    flush-to-zero does; otherwise 2^n is a normal float.
     Relative error <= 1.05e-4 (tests/test_attn_fwd.py checks it in the interpreter)."""
-    x = tl.maximum(x, -126.0, propagate_nan=tl.PropagateNan.ALL)
+    x = tl.maximum(x, -127.0, propagate_nan=tl.PropagateNan.ALL)
     t = x + 12582912.0
     f = x - (t - 12582912.0)
     p = tl.fma(tl.fma(tl.fma(f, EXP2_C3, EXP2_C2), f, EXP2_C1), f, 1.0)

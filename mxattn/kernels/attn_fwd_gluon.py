@@ -173,9 +173,8 @@ _ROUND_MAGIC = gl.constexpr(12582912.0)  # 1.5 * 2^23: x + this has round(x) in 
 @gluon.jit
 def _exp2_fma(x):
     """2^x without MUFU: n = round(x) by the 1.5 * 2^23 trick, f = x - n in [-1/2, 1/2], 2^f by the degree-3
-    polynomial, times 2^n built from n's bits (an FMUL, so a NaN x stays NaN).  x is clamped below at -126 (then
-    2^n stays a normal float; 2^-126 for x < -126, where MUFU gives less: both are 0 once P is e4m3 and nothing
-    against a row sum >= 1).  9 instructions: FMNMX.NAN, 3 FADD, 3 FFMA, IMAD (shift + add), FMUL."""
+    polynomial, times 2^n built from n's bits (an FMUL, so a NaN x stays NaN).  x is clamped below at -127:
+    n = -127 makes 2^n's bits 0, so x < -126.5 and -inf give exactly 0 (as MUFU's flush-to-zero).  9 instructions: FMNMX.NAN, 3 FADD, 3 FFMA, IMAD (shift + add), FMUL."""
     x = _max_keep_nan(x)
     t = x + _ROUND_MAGIC
     f = x - (t - _ROUND_MAGIC)
@@ -187,8 +186,8 @@ def _exp2_fma(x):
 
 @gluon.jit
 def _max_keep_nan(x):
-    """max(x, -126) that returns NaN for a NaN x (PTX max.NaN; a plain max would return -126)."""
-    return gl.inline_asm_elementwise("max.NaN.f32 $0, $1, 0fC2FC0000;", "=r,r", [x], dtype=gl.float32,
+    """max(x, -127) that returns NaN for a NaN x (PTX max.NaN; a plain max would return -127)."""
+    return gl.inline_asm_elementwise("max.NaN.f32 $0, $1, 0fC2FE0000;", "=r,r", [x], dtype=gl.float32,
                                      is_pure=True, pack=1)
 
 
