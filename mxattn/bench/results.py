@@ -103,7 +103,15 @@ def env_info(device: Union[str, torch.device, None] = None) -> dict:
     }
     if device.type == "cpu":
         info["cpu"] = platform.processor() or platform.machine()
+    # build switches read at import that change what the kernels compute or how fast (recorded when set)
+    knobs = {k: v for k, v in os.environ.items() if k in _RECORDED_KNOBS}
+    if knobs:
+        info["knobs"] = knobs
     return info
+
+
+_RECORDED_KNOBS = ("MXATTN_EXP2_FMA", "MXATTN_FWD_PROBE", "MXATTN_DKDV_PROBE", "MXATTN_DQ_PROBE",
+                   "MXATTN_BWD_FUSED_DQ", "MXATTN_BWD_KERNEL", "MXATTN_LINEAR_KERNEL")
 
 
 def gpu_slug(name: str) -> str:
