@@ -68,7 +68,7 @@
 #   exp2fma    the forward kernels with part of their exp2 on the FMA pipe (exp2_fma of GluonFwdConfig / FwdConfig,
 #              session 18): compile
 #              check, its GPU tests (Gluon and tl: config variants, against the MUFU-only kernel, the split), then
-#              tests/test_attn_fwd_gluon.py --exp2-fma (B2 H16 d128/d64 S 2k/4k/8k, both causal flags) into
+#              tests/test_attn_fwd_gluon.py --exp2-fma (B2 H16 d128/d64 S 2k/8k, both causal flags) into
 #              OUTDIR/gluon_exp2_fma.json
 #   ncu        Nsight Compute counters of the Gluon forward and backward kernels (NCU_SHAPE="B H S D causal", default
 #              2 16 8192 128 1: the API takes the Gluon forward at d128 S >= 8k), into OUTDIR/ncu_bwd.txt
