@@ -101,7 +101,7 @@ TARGET = GPUTarget("cuda", 90, 32)  # what the H200's driver reports (capability
 CASES = ("dkdv", "dq", "fwd-gluon", "fwd-tl", "quant-forward", "quant-bench")
 # the kernels each case reports (function names; ``--all``: every captured launch)
 CASE_KERNELS = {"dkdv": ("_attn_bwd_dkdv_ws_kernel",), "dq": ("_attn_bwd_dq_ws_kernel",),
-                "fwd-gluon": ("_attn_fwd_ws_kernel",), "fwd-tl": ("_attn_fwd_kernel",),
+                "fwd-gluon": ("_attn_fwd_ws_kernel", "_attn_fwd_ws_persistent_kernel"), "fwd-tl": ("_attn_fwd_kernel",),
                 "quant-forward": ("_operands_kernel",),
                 "quant-bench": ("_quantize_kernel", "_hdim_kernel", "_seq_exponent_kernel", "_rescale_mx_kernel", "_dequantize_kernel",
                                 "_hdim_rescale_kernel", "_hdim_dequant_kernel", "_seq_dequant_kernel",

@@ -65,6 +65,8 @@
 #   train      examples/train_gpt.py (TRAIN_ATTENTION=sdpa|mxfp8|both, TRAIN_ARGS), into OUTDIR/train
 #   trainpar   both halves of the parity run at once, sdpa on GPU 0 and mxfp8 on GPU 1 (needs 2 GPUs), then parity.json
 #   blockscaled  the Blackwell-path forward (tl.dot_scaled, upcast to bf16 on Hopper) vs the Hopper kernel, B2 H16 S4k
+#   fwd18      timing of session 18's forward variants (persistent Gluon kernel, exp2_fma; tests/test_attn_fwd_gluon.py
+#              --persistent --exp2-fma) into OUTDIR/fwd18.json
 #   exp2fma    the forward kernels with part of their exp2 on the FMA pipe (exp2_fma of GluonFwdConfig / FwdConfig,
 #              session 18): compile
 #              check, its GPU tests (Gluon and tl: config variants, against the MUFU-only kernel, the split), then
@@ -156,6 +158,12 @@ for st in $STAGES; do
         || status=1
       cat "$OUT"/tests/*.log > "$OUT/gpu_tests.log"; rm -rf "$OUT/tests"
       grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -60 ;;
+    fwd18)
+      # session 18's forward builds, timing only (their tests: the tests stage with MXATTN_TEST_FILES=
+      # "tests/test_attn_fwd_gluon.py@4 tests/test_attn_fwd.py" MXATTN_TEST_K="exp2 or persistent"): the Gluon
+      # kernel and its persistent / exp2_fma variants, the tl kernel and its exp2_fma variants, SDPA cuDNN BF16,
+      # B2 H16 d128 / d64 S 2k / 8k both causal flags, into OUTDIR/fwd18.json
+      run $PY tests/test_attn_fwd_gluon.py --persistent --exp2-fma --out "$OUT/fwd18.json" ;;
     exp2fma)
       run $PY scripts/compile_check_gluon.py --only d128_nopingpong,d64_causal_nopingpong --exp2-fma 50
       run $PY -m pytest -q -rfE -p no:cacheprovider tests/test_attn_fwd_gluon.py tests/test_attn_fwd.py -k "exp2" 2>&1 | tail -15 || status=1

@@ -122,18 +122,25 @@ def test_k_descriptor_paths(B, Sk, Hkv, D, k_heads_alloc, block_n, k_perm, expec
     assert [_sigma(c) for c in perm] == list(range(block_n))
 
 
-def _protocol_model(n_tiles: int, stages: int, pingpong: bool, rng: random.Random) -> list:
+def _protocol_model(n_tiles: int, stages: int, pingpong: bool, rng: random.Random, items=None) -> list:
     """Run producer + consumers 0/1 as generators under a random scheduler; TMA loads land at random later
-    times.  Mirrors ``_producer``, ``_attend`` and ``_turn_wait`` / ``_turn_pass``.  Returns the issue order."""
+    times.  Mirrors ``_producer``, ``_attend`` and ``_turn_wait`` / ``_turn_pass``; with ``items`` (key tiles per
+    work item) the persistent kernel's ``_producer_persistent`` / ``_consumer_persistent``: the ring position runs
+    on across items, Q's buffer is refilled after both consumers arrive on ``q_empty``.  Returns the issue order
+    ((wg, j) for one item, (wg, item, j) for several)."""
     S = stages
+    persistent = items is not None
+    items = [n_tiles] if items is None else items
     q_bar = MBarrierModel(1)
+    q_empty = MBarrierModel(2)
     k_ready = [MBarrierModel(1) for _ in range(S)]
     v_ready = [MBarrierModel(1) for _ in range(S)]
     k_empty = [MBarrierModel(2) for _ in range(S)]
     v_empty = [MBarrierModel(2) for _ in range(S)]
     turn = [MBarrierModel(1), MBarrierModel(1)]
     k_buf, v_buf = [None] * S, [None] * S  # tile id that landed in each buffer
-    readers = collections.defaultdict(set)  # ("k"|"v", stage) -> WGs whose wgmma may still read it
+    q_buf = [None]
+    readers = collections.defaultdict(set)  # ("k"|"v", stage) or ("q", 0) -> WGs whose wgmma may still read it
     inflight = []  # pending TMA completions: (bar, nbytes, action)
     issues = []
 
@@ -142,22 +149,28 @@ def _protocol_model(n_tiles: int, stages: int, pingpong: bool, rng: random.Rando
         assert not readers[key], f"TMA overwrites {key} while WG {readers[key]} may still read it"
 
         def land():
-            (k_buf if kind == "k" else v_buf)[s] = tile
+            {"k": k_buf, "v": v_buf, "q": q_buf}[kind][s] = tile
 
         inflight.append((bar, 1, land))
 
     def producer():
-        q_bar.expect_arrive(2)
-        inflight.append((q_bar, 1, lambda: None))
-        inflight.append((q_bar, 1, lambda: None))
-        for i in range(n_tiles):
-            s, ph = i % S, ((i // S) & 1) ^ 1
-            yield lambda: k_empty[s].ready(ph)
-            k_ready[s].expect_arrive(1)
-            tma(k_ready[s], "k", s, i)
-            yield lambda: v_empty[s].ready(ph)
-            v_ready[s].expect_arrive(1)
-            tma(v_ready[s], "v", s, i)
+        it = 0
+        for w, n in enumerate(items):
+            if persistent:
+                yield lambda: q_empty.ready((w & 1) ^ 1)
+            q_bar.expect_arrive(2)
+            tma(q_bar, "q", 0, w)
+            inflight.append((q_bar, 1, lambda: None))
+            for i in range(n):
+                g = it + i
+                s, ph = g % S, ((g // S) & 1) ^ 1
+                yield lambda: k_empty[s].ready(ph)
+                k_ready[s].expect_arrive(1)
+                tma(k_ready[s], "k", s, (w, i))
+                yield lambda: v_empty[s].ready(ph)
+                v_ready[s].expect_arrive(1)
+                tma(v_ready[s], "v", s, (w, i))
+            it += n
 
     def turn_wait(wg, k):
         if not pingpong:
@@ -171,43 +184,57 @@ def _protocol_model(n_tiles: int, stages: int, pingpong: bool, rng: random.Rando
             turn[1 - wg].arrive()
 
     def read(kind, s, tile, wg):
-        buf = k_buf if kind == "k" else v_buf
+        buf = {"k": k_buf, "v": v_buf, "q": q_buf}[kind]
         assert buf[s] == tile, f"WG{wg} reads {kind}[{s}] = tile {buf[s]}, wants {tile}"
         readers[(kind, s)].add(wg)
 
     def release(bar, kind, s, wg):
         readers[(kind, s)].discard(wg)
-        bar.arrive()
+        if bar is not None:
+            bar.arrive()
+
+    def issued(wg, w, j):
+        issues.append((wg, w, j) if persistent else (wg, j))
 
     def consumer(wg):
-        yield lambda: q_bar.ready(0)
-        if n_tiles == 0:
-            return
-        yield lambda: k_ready[0].ready(0)
+        it = 0
+        for w, n in enumerate(items):
+            yield lambda: q_bar.ready(w & 1)
+            read("q", 0, w, wg)
+            if n:
+                yield from attend(wg, w, n, it)
+            release(q_empty if persistent else None, "q", 0, wg)
+            it += n
+
+    def attend(wg, w, n, it):
+        s0 = it % S
+        yield lambda: k_ready[s0].ready((it // S) & 1)
         yield turn_wait(wg, 0)
-        read("k", 0, 0, wg)
-        issues.append((wg, 0))
+        read("k", s0, (w, 0), wg)
+        issued(wg, w, 0)
         turn_pass(wg)
         yield lambda: True  # wgmma wait
-        release(k_empty[0], "k", 0, wg)
-        for j in range(1, n_tiles):
-            s, sv = j % S, (j - 1) % S
-            yield lambda: k_ready[s].ready((j // S) & 1)
-            yield lambda: v_ready[sv].ready(((j - 1) // S) & 1)
+        release(k_empty[s0], "k", s0, wg)
+        for j in range(1, n):
+            g = it + j
+            s, sv = g % S, (g - 1) % S
+            yield lambda: k_ready[s].ready((g // S) & 1)
+            yield lambda: v_ready[sv].ready(((g - 1) // S) & 1)
             yield turn_wait(wg, j)
-            read("k", s, j, wg)
-            read("v", sv, j - 1, wg)
-            issues.append((wg, j))
+            read("k", s, (w, j), wg)
+            read("v", sv, (w, j - 1), wg)
+            issued(wg, w, j)
             turn_pass(wg)
             yield lambda: True  # softmax under the P V product
             release(k_empty[s], "k", s, wg)
             yield lambda: True
             release(v_empty[sv], "v", sv, wg)
-        sv = (n_tiles - 1) % S
-        yield lambda: v_ready[sv].ready(((n_tiles - 1) // S) & 1)
-        yield turn_wait(wg, n_tiles)
-        read("v", sv, n_tiles - 1, wg)
-        issues.append((wg, n_tiles))
+        g = it + n - 1
+        sv = g % S
+        yield lambda: v_ready[sv].ready((g // S) & 1)
+        yield turn_wait(wg, n)
+        read("v", sv, (w, n - 1), wg)
+        issued(wg, w, n)
         turn_pass(wg)
         yield lambda: True
         release(v_empty[sv], "v", sv, wg)
@@ -244,6 +271,21 @@ def test_barrier_protocol_model(stages, pingpong, seed):
             assert sorted(issues) == sorted((wg, k) for wg in (0, 1) for k in range(blocks))
             if pingpong:  # issue blocks strictly alternate, WG0 first
                 assert issues == [(wg, k) for k in range(blocks) for wg in (0, 1)]
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_barrier_protocol_model_persistent(stages, seed):
+    """The persistent kernel's protocol (``GluonFwdConfig.persistent``): work items of any number of key tiles,
+    0 included (causal rows that see nothing), one after another through the same ring and Q buffer: no deadlock,
+    no TMA into a buffer a wgmma may still read (Q included), every read sees its own item's tile."""
+    rng = random.Random(seed)
+    for _ in range(60):
+        items = [rng.choice([0, 1, 2, 3, 5, 16]) for _ in range(rng.randint(1, 6))]
+        issues = _protocol_model(0, stages, False, rng, items=items)
+        want = [(wg, w, k) for w, n in enumerate(items) for wg in (0, 1) for k in range(n + 1 if n else 0)]
+        assert sorted(issues) == sorted(want)
+        for wg in (0, 1):  # each consumer walks the items in order
+            assert [i for i in issues if i[0] == wg] == [i for i in want if i[0] == wg]
 
 
 # ---------------------------------------------------------------------------------------------------- GPU
@@ -302,7 +344,8 @@ def test_attn_fwd_gluon_gpu(case, seed, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [dict(pingpong=True), dict(stages=2), dict(stages=4), dict(exp2_fma=25),
-                                     dict(exp2_fma=50)], ids=str)
+                                     dict(exp2_fma=50), dict(persistent=True), dict(persistent=True, stages=2)],
+                         ids=str)
 def test_attn_fwd_gluon_gpu_configs(variant, seed, monkeypatch):
     if not _is_hopper():
         pytest.skip("the Gluon forward needs an sm_90 GPU")
@@ -433,6 +476,30 @@ def test_attn_fwd_gluon_exp2_fma_close(causal, exp2_fma, seed):
         assert reference.sqnr_db(out_f[ok].double(), out_0[ok].double()) > 40
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_attn_fwd_gluon_persistent_bit_identical(causal, seed):
+    """The persistent kernel (``GluonFwdConfig.persistent``) computes each work item as the one-CTA-per-block
+    kernel does: out and lse bit-identical, over more work items than SMs (CTAs loop, the ring runs on across
+    items), GQA, odd lengths, Sq > Sk causal (items with no key tile), d64, the 2-D K path (Sk % 16 != 0)."""
+    if not _is_hopper():
+        pytest.skip("the Gluon forward needs an sm_90 GPU")
+    import dataclasses
+
+    from mxattn.kernels.quantize import row_scaled_triton
+
+    m = _gluon()
+    for B, Sq, Sk, Hq, Hkv, D in ((2, 2048, 2048, 16, 16, 128), (2, 1000, 1003, 16, 2, 128), (1, 5000, 300, 4, 4, 128),
+                                  (3, 700, 1200, 8, 2, 64), (1, 129, 48, 2, 2, 128)):
+        q, k, v = _inputs(B, Sq, Sk, Hq, Hkv, D, "cuda", seed + Sk)
+        ops = row_scaled_triton(q, "q"), row_scaled_triton(k, "k"), row_scaled_triton(v, "v")
+        cfg = dataclasses.replace(m.default_config(D, causal), persistent=False)
+        out_0, lse_0 = m.attn_fwd_gluon(*ops, causal=causal, config=cfg)
+        out_p, lse_p = m.attn_fwd_gluon(*ops, causal=causal, config=dataclasses.replace(cfg, persistent=True))
+        assert torch.equal(out_p, out_0), f"out {B, Sq, Sk, Hq, Hkv, D}"
+        assert torch.equal(lse_p, lse_0), f"lse {B, Sq, Sk, Hq, Hkv, D}"
+
+
 # ---------------------------------------------------------------------------------------------------- speed
 def bench_gluon_vs_tl(shapes, seed: int = 0, progress: bool = True, configs: dict | None = None,
                       tl_variants: dict | None = None) -> list[dict]:
@@ -527,6 +594,9 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="Gluon vs tl vs SDPA cuDNN BF16 forward speed (one run)")
     ap.add_argument("--quick", action="store_true", help="d128 at S 4k and 8k only")
     ap.add_argument("--out", help="write the rows and the environment to this JSON file")
+    ap.add_argument("--persistent", action="store_true",
+                    help="also time the persistent kernel (GluonFwdConfig.persistent), alone and with exp2_fma 25 "
+                         "(B2 H16 d128 / d64 S 2k / 4k / 8k / 16k, both causal flags, unless --quick)")
     ap.add_argument("--exp2-fma", action="store_true",
                     help="also time exp2_fma 25 and 50 (part of the exp2 on the FMA pipe), Gluon and tl, beside the "
                          "defaults (B2 H16 d128 / d64 S 2k / 8k unless --quick)")
@@ -551,6 +621,14 @@ if __name__ == "__main__":
         bench_configs = (bench_configs or {}) | {f"exp2_fma{p}": GluonFwdConfig(exp2_fma=p) for p in (25, 50)}
         if not args.quick and not args.sweep:
             bench_shapes = grid_shapes(2, 16, None, (128, 64), (2048, 8192))
+    if args.persistent:
+        from mxattn.bench.speed import grid_shapes
+        from mxattn.kernels.attn_fwd_gluon import GluonFwdConfig
+
+        bench_configs = (bench_configs or {}) | {"persistent": GluonFwdConfig(persistent=True),
+                                                 "persistent_exp2_fma25": GluonFwdConfig(persistent=True, exp2_fma=25)}
+        if not args.quick and not args.sweep and not args.exp2_fma:
+            bench_shapes = grid_shapes(2, 16, None, (128, 64), (2048, 4096, 8192, 16384))
     tl_variants = {f"exp2_fma{p}": dict(exp2_fma=p) for p in (25, 50)} if args.exp2_fma else None
     result_rows = bench_gluon_vs_tl(bench_shapes, configs=bench_configs, tl_variants=tl_variants)
     if args.out:

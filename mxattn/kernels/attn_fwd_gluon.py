@@ -97,12 +97,23 @@ class GluonFwdConfig:
     # take as many MUFU cycles as its products take tensor cycles (docs/perf-notes-attn-fwd-gluon.md, session 18);
     # the polynomial's 9 instructions issue in the slots a warp leaves free between its MUFU instructions.
     exp2_fma: int = 0
+    # one CTA per SM walking the (query block, batch * head) work items (``_attn_fwd_ws_persistent_kernel``): the
+    # producer loads the next item's Q and first K / V tiles while the consumers finish the last one, where a
+    # fresh CTA would start from nothing.  The session-16 grid fits TFLOP/s(S) = peak * n / (n + 7.5) with n =
+    # S / 128 key tiles per CTA: ~7.5 tiles' time per CTA outside the steady loop (S 2k runs at 68 % of the
+    # peak, S 16k at 94 %); the ``tl`` kernel, 2-3 CTAs an SM, fits ~1.7 (docs/perf-notes-attn-fwd-gluon.md,
+    # session 18).  Not with ``pingpong``.
+    persistent: bool = False
+
+
+# MXATTN_FWD_PERSISTENT=1 (read at import): the persistent kernel by default (opt-in until measured)
+PERSISTENT_DEFAULT = os.environ.get("MXATTN_FWD_PERSISTENT", "0") == "1"
 
 
 def default_config(head_dim: int, causal: bool) -> GluonFwdConfig:
     # d=128: 16 KB Q + 3 x (16 + 16) KB K/V stages = 112 KB shared memory (one CTA per SM anyway: the 12 warps
     # take the whole register file).  Not tuned on the GPU yet (docs/perf-notes-attn-fwd-gluon.md: sweep to run).
-    return GluonFwdConfig(stages=3, pingpong=False, exp2_fma=attn_fwd.EXP2_FMA_DEFAULT)
+    return GluonFwdConfig(stages=3, pingpong=False, exp2_fma=attn_fwd.EXP2_FMA_DEFAULT, persistent=PERSISTENT_DEFAULT)
 
 
 # ------------------------------------------------------------------------------------------------- layouts
@@ -138,14 +149,23 @@ def _k_operand(k_buf, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, K_PERM: gl.
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
               q_row, q_col, k_row, k_col, v_row, n_tiles,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, K_PERM: gl.constexpr):
+    _load_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+               q_row, q_col, k_row, k_col, v_row, n_tiles, 0, BLOCK_N, STAGES, K_PERM)
+
+
+@gluon.jit
+def _load_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+               q_row, q_col, k_row, k_col, v_row, n_tiles, it0,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, K_PERM: gl.constexpr):
+    """Q of one work item, then its n_tiles K / V tiles into the ring from position it0 (``_attend``)."""
     # Q: both warpgroups' 64-row tiles on one barrier
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
     tma.async_copy_global_to_shared(q_desc, [q_row + WG_ROWS, q_col], q_bar, q_smem.index(1))
     for i in range(n_tiles):
-        s = i % STAGES
+        s = (it0 + i) % STAGES
         # a fresh mbarrier counts as having completed the phase before phase 0: the first pass does not wait
-        ph = ((i // STAGES) & 1) ^ 1
+        ph = (((it0 + i) // STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(s), ph)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
         if K_PERM:  # 16-key group index (k_row is b * Sk, Sk % 16 == 0)
@@ -407,11 +427,13 @@ def _turn_pass(turn_bars, WG: gl.constexpr, PINGPONG: gl.constexpr):
 
 @gluon.jit
 def _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bars, KE, stride_ket,
-            acc, l_i, m_i, qscale, offs_m, Sk, causal_off, n_tiles, n_full,
+            acc, l_i, m_i, qscale, offs_m, Sk, causal_off, n_tiles, n_full, it0,
             WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
             PINGPONG: gl.constexpr, K_PERM: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr,
             row_o: gl.constexpr, P_CARRY: gl.constexpr, EXP2_FMA: gl.constexpr):
     """The KV loop of one warpgroup (n_tiles >= 1), FA3 intra-warpgroup overlap (issue block k = 0 .. n_tiles).
+    ``it0``: ring position of the first tile (K / V tiles this CTA consumed before: 0, or the persistent
+    kernel's running count), so tile j is ring slot (it0 + j) % STAGES, phase ((it0 + j) // STAGES) & 1.
 
     Iteration j: issue S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} (async, S first), wait for S_j only, softmax of tile
     j under the P V product, wait for it, rescale O by alpha_j.  Every wgmma is waited in the iteration that
@@ -421,13 +443,14 @@ def _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bar
     s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
     HEAD_DIM: gl.constexpr = q_tile.shape[1]
     # issue block 0: S_0 alone
-    mbarrier.wait(k_ready.index(0), 0)
+    s0 = it0 % STAGES
+    mbarrier.wait(k_ready.index(s0), (it0 // STAGES) & 1)
     _turn_wait(turn_bars, WG, 0, PINGPONG)
-    qk = warpgroup_mma(q_tile, _k_operand(k_smem.index(0), BLOCK_N, HEAD_DIM, K_PERM), s_zero, use_acc=False,
+    qk = warpgroup_mma(q_tile, _k_operand(k_smem.index(s0), BLOCK_N, HEAD_DIM, K_PERM), s_zero, use_acc=False,
                        is_async=True)
     _turn_pass(turn_bars, WG, PINGPONG)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-    mbarrier.arrive(k_empty.index(0), count=1)
+    mbarrier.arrive(k_empty.index(s0), count=1)
     rs = qscale * gl.exp2(gl.load(KE).to(gl.float32))
     p, m_i, alpha, l_i = _softmax_tile(qk, m_i, l_i, rs, offs_m, 0, n_full == 0, Sk, causal_off, BLOCK_N, CAUSAL,
                                        K_PERM, EXP2_FMA)
@@ -437,15 +460,15 @@ def _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bar
         # that neither folds away (an asm mov copy is coalesced by ptxas: C7513)
         zero = gl.inline_asm_elementwise("shr.s32 $0, $1, 31;", "=r,r", [Sk], dtype=gl.int32, is_pure=True, pack=1)
     for j in range(1, n_tiles):
-        s = j % STAGES
-        sv = (j - 1) % STAGES
-        mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+        s = (it0 + j) % STAGES
+        sv = (it0 + j - 1) % STAGES
+        mbarrier.wait(k_ready.index(s), ((it0 + j) // STAGES) & 1)
         _turn_wait(turn_bars, WG, j, PINGPONG)
         qk = warpgroup_mma(q_tile, _k_operand(k_smem.index(s), BLOCK_N, HEAD_DIM, K_PERM), s_zero, use_acc=False,
                            is_async=True)
         # P_{j-1} to the A operand (and the V wait) after S_j is issued: the conversion runs under S_j
         p8 = _carried_operand(pc, p_layout, K_PERM, P_CARRY)
-        mbarrier.wait(v_ready.index(sv), ((j - 1) // STAGES) & 1)
+        mbarrier.wait(v_ready.index(sv), ((it0 + j - 1) // STAGES) & 1)
         acc = warpgroup_mma(p8, v_smem.index(sv).permute((1, 0)), acc, is_async=True)
         _turn_pass(turn_bars, WG, PINGPONG)
         n0 = j * BLOCK_N
@@ -478,9 +501,9 @@ def _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bar
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         m_i = m_new
     # issue block n_tiles: O += P_{n-1} V_{n-1}
-    sv = (n_tiles - 1) % STAGES
+    sv = (it0 + n_tiles - 1) % STAGES
     p8 = _carried_operand(pc, p_layout, K_PERM, P_CARRY)
-    mbarrier.wait(v_ready.index(sv), ((n_tiles - 1) // STAGES) & 1)
+    mbarrier.wait(v_ready.index(sv), ((it0 + n_tiles - 1) // STAGES) & 1)
     _turn_wait(turn_bars, WG, n_tiles, PINGPONG)
     acc = warpgroup_mma(p8, v_smem.index(sv).permute((1, 0)), acc, is_async=True)
     _turn_pass(turn_bars, WG, PINGPONG)
@@ -498,6 +521,23 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
               CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, K_PERM: gl.constexpr, P_CARRY: gl.constexpr,
               EXP2_FMA: gl.constexpr):
     """One warpgroup: query rows row0 .. row0 + 63 of the sequence (pointers already moved to (b, h))."""
+    _row_block(q_smem, k_smem, v_smem, q_bar, q_bar, k_ready, k_empty, v_ready, v_empty, turn_bars,
+               QE, KE, VE, O, LSE, stride_qem, stride_ket, stride_ved, stride_om, stride_od, stride_lm,
+               row0, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, 0, 0,
+               WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, P_CARRY, EXP2_FMA, False)
+
+
+@gluon.jit
+def _row_block(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn_bars,
+               QE, KE, VE, O, LSE,
+               stride_qem, stride_ket, stride_ved, stride_om, stride_od, stride_lm,
+               row0, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, q_phase, it0,
+               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, K_PERM: gl.constexpr, P_CARRY: gl.constexpr,
+               EXP2_FMA: gl.constexpr, PERSISTENT: gl.constexpr):
+    """One warpgroup's 64 query rows of one work item: Q (phase ``q_phase`` of q_bar), the KV loop from ring
+    position ``it0``, the output.  PERSISTENT: Q's buffer is handed back (``q_empty``) once the loop is done, so
+    the producer loads the next item's Q under this item's output."""
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
@@ -513,12 +553,14 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
     l_i = gl.zeros([WG_ROWS], gl.float32, layout=row_s)
     acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_layout)
 
-    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(q_bar, q_phase)
     if n_tiles > 0:
         acc, l_i, m_i = _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bars, KE,
-                                stride_ket, acc, l_i, m_i, qscale, offs_m, Sk, causal_off, n_tiles, n_full,
+                                stride_ket, acc, l_i, m_i, qscale, offs_m, Sk, causal_off, n_tiles, n_full, it0,
                                 WG, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, s_layout, p_layout, row_o, P_CARRY,
                                 EXP2_FMA)
+    if PERSISTENT:
+        mbarrier.arrive(q_empty, count=1)  # every S of this item has been waited for: Q's buffer is free
 
     # ---- output: out = acc / l * 2^ve, lse = (m - 8 + log2 l) ln 2; rows that saw nothing: 0 and -inf
     empty = l_i == 0.0
@@ -535,6 +577,130 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
 
 
 # ------------------------------------------------------------------------------------------------- kernel
+@gluon.jit
+def _key_tiles(start_m, Sq, Sk, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(K / V tiles a 128-row query block at start_m reads, how many of them need no mask)."""
+    causal_off = Sk - Sq
+    if CAUSAL:
+        hi = gl.minimum(Sk, gl.maximum(start_m + BLOCK_M + causal_off, 0))
+        full_end = gl.minimum((Sk // BLOCK_N) * BLOCK_N, (gl.maximum(start_m + causal_off + 1, 0) // BLOCK_N) * BLOCK_N)
+    else:
+        hi = Sk
+        full_end = (Sk // BLOCK_N) * BLOCK_N
+    return gl.cdiv(hi, BLOCK_N), full_end // BLOCK_N
+
+
+@gluon.jit
+def _work_item(w, n_m, BH, Hq, group_size, Sq, Sk, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Work item w of the persistent kernel -> (b, h, kv head, first query row, key tiles, unmasked tiles).
+    Items run query-block rank major (w = rank * B * Hq + b * Hq + h), causal heaviest blocks first, so the
+    CTAs, each taking every grid-th item, meet the light causal blocks last."""
+    rank = w // BH
+    bh = w % BH
+    pid_m = n_m - 1 - rank if CAUSAL else rank
+    h = bh % Hq
+    start_m = pid_m * BLOCK_M
+    n_tiles, n_full = _key_tiles(start_m, Sq, Sk, CAUSAL, BLOCK_N)
+    return bh // Hq, h, h // group_size, start_m, n_tiles, n_full
+
+
+@gluon.jit
+def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
+                         v_ready, v_empty, Hq, Hkv, group_size, Sq, Sk, n_m, BH, n_work,
+                         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                         K_PERM: gl.constexpr, CAUSAL: gl.constexpr):
+    it = 0
+    k = 0
+    for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
+        b, h, hk, start_m, n_tiles, n_full = _work_item(w, n_m, BH, Hq, group_size, Sq, Sk, CAUSAL, BLOCK_N)
+        mbarrier.wait(q_empty, (k & 1) ^ 1)  # both consumers are done with the last item's Q (fresh: no wait)
+        _load_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                   b * Sq + start_m, h * HEAD_DIM, b * Sk, hk * HEAD_DIM, (b * Hkv + hk) * HEAD_DIM, n_tiles, it,
+                   BLOCK_N, STAGES, K_PERM)
+        it += n_tiles
+        k += 1
+
+
+@gluon.jit
+def _consumer_persistent(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn_bars,
+                         QE, KE, VE, O, LSE,
+                         stride_qeb, stride_qem, stride_qeh, stride_keb, stride_ket, stride_keh,
+                         stride_veb, stride_veh, stride_ved, stride_ob, stride_om, stride_oh, stride_od,
+                         stride_lb, stride_lh, stride_lm,
+                         Hq, group_size, Sq, Sk, n_m, BH, n_work, qk_scale,
+                         WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                         CAUSAL: gl.constexpr, K_PERM: gl.constexpr, P_CARRY: gl.constexpr,
+                         EXP2_FMA: gl.constexpr):
+    it = 0
+    k = 0
+    for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
+        b, h, hk, start_m, n_tiles, n_full = _work_item(w, n_m, BH, Hq, group_size, Sq, Sk, CAUSAL, BLOCK_N)
+        b64 = b.to(gl.int64)
+        _row_block(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn_bars,
+                   QE + b64 * stride_qeb + h * stride_qeh, KE + b64 * stride_keb + hk * stride_keh,
+                   VE + b64 * stride_veb + hk * stride_veh, O + b64 * stride_ob + h * stride_oh,
+                   LSE + b64 * stride_lb + h * stride_lh,
+                   stride_qem, stride_ket, stride_ved, stride_om, stride_od, stride_lm,
+                   start_m + WG * WG_ROWS, Sq, Sk, Sk - Sq, n_tiles, n_full, qk_scale, k & 1, it,
+                   WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, False, K_PERM, P_CARRY, EXP2_FMA, True)
+        it += n_tiles
+        k += 1
+
+
+@gluon.jit
+def _attn_fwd_ws_persistent_kernel(
+    q_desc, k_desc, v_desc, QE, KE, VE, O, LSE,
+    stride_qeb, stride_qem, stride_qeh,
+    stride_keb, stride_ket, stride_keh,
+    stride_veb, stride_veh, stride_ved,
+    stride_ob, stride_om, stride_oh, stride_od,
+    stride_lb, stride_lh, stride_lm,
+    Hq, Hkv, Sq, Sk, group_size, qk_scale, n_m, BH, n_work,
+    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, K_PERM: gl.constexpr,
+    P_CARRY: gl.constexpr, EXP2_FMA: gl.constexpr,
+):
+    """``_attn_fwd_ws_kernel`` as one CTA per SM over n_work = n_m * B * Hq work items (``_work_item``): the K / V
+    ring runs on across items (each partition counts the tiles it has passed), Q's buffer is handed back by a
+    ``q_empty`` mbarrier (one arrival per consumer warpgroup) and refilled under the last item's output."""
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # unused (no ping-pong)
+    mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_empty, count=2)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    mbarrier.init(turn_bars.index(0), count=1)
+    mbarrier.init(turn_bars.index(1), count=1)
+    gl.warp_specialize([
+        (_consumer_persistent, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+                                turn_bars, QE, KE, VE, O, LSE, stride_qeb, stride_qem, stride_qeh, stride_keb,
+                                stride_ket, stride_keh, stride_veb, stride_veh, stride_ved, stride_ob, stride_om,
+                                stride_oh, stride_od, stride_lb, stride_lh, stride_lm,
+                                Hq, group_size, Sq, Sk, n_m, BH, n_work, qk_scale,
+                                0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, K_PERM, P_CARRY, EXP2_FMA)),
+        (_consumer_persistent, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+                                turn_bars, QE, KE, VE, O, LSE, stride_qeb, stride_qem, stride_qeh, stride_keb,
+                                stride_ket, stride_keh, stride_veb, stride_veh, stride_ved, stride_ob, stride_om,
+                                stride_oh, stride_od, stride_lb, stride_lh, stride_lm,
+                                Hq, group_size, Sq, Sk, n_m, BH, n_work, qk_scale,
+                                1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, K_PERM, P_CARRY, EXP2_FMA)),
+        (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
+                                v_ready, v_empty, Hq, Hkv, group_size, Sq, Sk, n_m, BH, n_work,
+                                HEAD_DIM, BLOCK_N, STAGES, K_PERM, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
 @gluon.jit
 def _attn_fwd_ws_kernel(
     q_desc, k_desc, v_desc, QE, KE, VE, O, LSE,
@@ -557,14 +723,7 @@ def _attn_fwd_ws_kernel(
     start_m = pid_m * BLOCK_M
 
     causal_off = Sk - Sq
-    if CAUSAL:
-        hi = gl.minimum(Sk, gl.maximum(start_m + BLOCK_M + causal_off, 0))
-        full_end = gl.minimum((Sk // BLOCK_N) * BLOCK_N, (gl.maximum(start_m + causal_off + 1, 0) // BLOCK_N) * BLOCK_N)
-    else:
-        hi = Sk
-        full_end = (Sk // BLOCK_N) * BLOCK_N
-    n_tiles = gl.cdiv(hi, BLOCK_N)
-    n_full = full_end // BLOCK_N
+    n_tiles, n_full = _key_tiles(start_m, Sq, Sk, CAUSAL, BLOCK_N)
 
     # shared memory: Q (2 x 64 rows), K and V rings, barriers
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
@@ -608,6 +767,14 @@ def _attn_fwd_ws_kernel(
 
 
 # ------------------------------------------------------------------------------------------------- launcher
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """SMs of the device (132 for a CPU stand-in: an H100 / H200 SXM, as scripts/compile_launched.py builds)."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 @functools.lru_cache(maxsize=None)
 def _k_perm_layout(block_n: int, head_dim: int):
     """NVMMA shared layout of the key-permuted K box [block_n/16, 2, 4, 2, D]: the same swizzle as the 2-D
@@ -677,6 +844,23 @@ def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None
         return out, lse
     q_desc, k_desc, v_desc, k_perm = _descriptors(q, k, v, cfg.block_n, cfg.k_perm)
     qe, ke, ve = q.exp, k.exp, v.exp
+    if cfg.persistent:
+        if cfg.pingpong:
+            raise ValueError("GluonFwdConfig: persistent does not take pingpong")
+        n_m = cdiv(Sq, BLOCK_M.value)
+        n_work = n_m * B * Hq
+        fast_launcher(_attn_fwd_ws_persistent_kernel)[(min(n_work, _sm_count(out.device)),)](
+            q_desc, k_desc, v_desc, qe, ke, ve, out, lse,
+            qe.stride(0), qe.stride(1), qe.stride(2),
+            ke.stride(0), ke.stride(1), ke.stride(2),
+            ve.stride(0), ve.stride(2), ve.stride(3),
+            *out.stride(), *lse.stride(),
+            Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E, n_m, B * Hq, n_work,
+            HEAD_DIM=D, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal,
+            CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, K_PERM=k_perm,
+            P_CARRY=cfg.p_carry, EXP2_FMA=cfg.exp2_fma, num_warps=4, maxnreg=cfg.maxnreg,
+        )
+        return out, lse
     grid = (cdiv(Sq, BLOCK_M.value), B * Hq)
     fast_launcher(_attn_fwd_ws_kernel)[grid](
         q_desc, k_desc, v_desc, qe, ke, ve, out, lse,
