@@ -471,7 +471,8 @@ def test_attn_fwd_gluon_exp2_fma_close(causal, exp2_fma, seed):
         assert torch.equal(torch.isnan(lse_0), torch.isnan(lse_f))
         fin = torch.isfinite(lse_0)
         assert torch.equal(fin, torch.isfinite(lse_f))
-        assert (lse_f[fin] - lse_0[fin]).abs().max().item() < 2e-4
+        if fin.any():  # (every row sees the NaN key when there is one KV head and no mask)
+            assert (lse_f[fin] - lse_0[fin]).abs().max().item() < 2e-4
         ok = ~nan
         assert reference.sqnr_db(out_f[ok].double(), out_0[ok].double()) > 40
 
@@ -627,7 +628,9 @@ if __name__ == "__main__":
 
         bench_configs = (bench_configs or {}) | {"persistent": GluonFwdConfig(persistent=True),
                                                  "persistent_exp2_fma25": GluonFwdConfig(persistent=True, exp2_fma=25)}
-        if not args.quick and not args.sweep and not args.exp2_fma:
+        if args.quick:
+            bench_shapes = grid_shapes(2, 16, None, (128,), (2048, 4096, 8192))
+        elif not args.sweep and not args.exp2_fma:
             bench_shapes = grid_shapes(2, 16, None, (128, 64), (2048, 4096, 8192, 16384))
     tl_variants = {f"exp2_fma{p}": dict(exp2_fma=p) for p in (25, 50)} if args.exp2_fma else None
     result_rows = bench_gluon_vs_tl(bench_shapes, configs=bench_configs, tl_variants=tl_variants)
