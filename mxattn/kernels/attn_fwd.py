@@ -49,8 +49,8 @@ class FwdConfig:
     block_n: int
     num_warps: int
     num_stages: int
-    # percent (0, 25, 50) of an unmasked tile's exp2 computed on the FMA pipe instead of MUFU (``_exp2_mixed``):
-    # the softmax's exp2 is MUFU-bound at d64 (docs/perf-notes-attn-fwd-gluon.md, session 15); opt-in until measured
+    # percent (0, 25, 50) of an unmasked tile's exp2 computed on the FMA pipe instead of MUFU (``_exp2_mixed``);
+    # measured 4-17 % slower on an H100 (docs/perf-notes-attn-fwd-gluon.md, session 18), so 0
     exp2_fma: int = 0
 
 

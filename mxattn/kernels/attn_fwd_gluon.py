@@ -93,16 +93,15 @@ class GluonFwdConfig:
     # C7513)
     p_carry: str = "i32br"
     # percent of an unmasked tile's exp2 computed on the FMA pipe (0, 25 or 50) instead of MUFU: 2^x as
-    # 2^round(x) * poly3(x - round(x)), relative error <= 1.02e-4 (``_exp2_fma``).  At d128 a tile's 16,384 exp2
-    # take as many MUFU cycles as its products take tensor cycles (docs/perf-notes-attn-fwd-gluon.md, session 18);
-    # the polynomial's 9 instructions issue in the slots a warp leaves free between its MUFU instructions.
+    # 2^round(x) * poly3(x - round(x)), relative error <= 1.02e-4 (``_exp2_fma``).  Measured slower on an H100
+    # (session 18: 25 % even to 5 % slower, 50 % up to 14 % slower; the softmax chain is latency-bound, not
+    # MUFU-bound), so 0; docs/perf-notes-attn-fwd-gluon.md
     exp2_fma: int = 0
     # one CTA per SM walking the (query block, batch * head) work items (``_attn_fwd_ws_persistent_kernel``): the
     # producer loads the next item's Q and first K / V tiles while the consumers finish the last one, where a
-    # fresh CTA would start from nothing.  The session-16 grid fits TFLOP/s(S) = peak * n / (n + 7.5) with n =
-    # S / 128 key tiles per CTA: ~7.5 tiles' time per CTA outside the steady loop (S 2k runs at 68 % of the
-    # peak, S 16k at 94 %); the ``tl`` kernel, 2-3 CTAs an SM, fits ~1.7 (docs/perf-notes-attn-fwd-gluon.md,
-    # session 18).  Not with ``pingpong``.
+    # fresh CTA would start from nothing.  Bit-identical to the per-block kernel; on an H100 (session 18)
+    # 0.98-1.06x of it, inside one run's spread: the per-item fill and drain stay (docs/perf-notes-attn-fwd-gluon.md,
+    # session 18, with the next step).  Not with ``pingpong``.
     persistent: bool = False
 
 
