@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import os
 import random
+import statistics
 import sys
 
 import pytest
@@ -509,14 +510,53 @@ def test_attn_fwd_gluon_persistent_bit_identical(causal, seed):
 
 
 # ---------------------------------------------------------------------------------------------------- speed
+def _time_methods(runs: dict, repeats: int, rate) -> tuple[dict, dict, dict]:
+    """``rate(fn)`` of every method ``repeats`` times, the methods taking turns -> (median per method, None where it
+    failed; max / min of its samples where there are several; error text per failed method).  A method that raises
+    is not timed again; the others go on."""
+    samples, errors = collections.defaultdict(list), {}
+    for _ in range(max(1, repeats)):
+        for name, fn in runs.items():
+            if name in errors:
+                continue
+            try:
+                samples[name].append(rate(fn))
+            except Exception as e:  # noqa: BLE001 - a failing method must not stop the run
+                errors[name] = f"{type(e).__name__}: {str(e)[:200]}"
+    med = {name: (statistics.median(samples[name]) if samples[name] and name not in errors else None)
+           for name in runs}
+    spread = {name: max(v) / min(v) for name, v in samples.items() if len(v) > 1 and name not in errors}
+    return med, spread, errors
+
+
+def test_time_methods_takes_turns_and_keeps_the_median():
+    order = []
+    values = {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 5.0, 10.0])}
+
+    def rate(name):
+        order.append(name)
+        if name == "c":
+            raise RuntimeError("no kernel")
+        return next(values[name])
+
+    med, spread, errors = _time_methods({"a": "a", "b": "b", "c": "c"}, 3, rate)
+    assert order == ["a", "b", "c", "a", "b", "a", "b"]  # turns; "c" is not retried after it failed
+    assert med == {"a": 2.0, "b": 5.0, "c": None}
+    assert spread == {"a": 3.0, "b": 2.0}
+    assert errors["c"].startswith("RuntimeError")
+
+
 def bench_gluon_vs_tl(shapes, seed: int = 0, progress: bool = True, configs: dict | None = None,
-                      tl_variants: dict | None = None) -> list[dict]:
+                      tl_variants: dict | None = None, repeats: int = 1) -> list[dict]:
     """TFLOP/s of the Gluon kernel, the ``tl`` kernel (both on FP8 operands prepared once, untimed) and SDPA
     cuDNN BF16, measured in one run per shape (``mxattn.bench.speed.time_ms``: median of CUDA-event timings,
     inputs rotated over enough copies to defeat L2).  ``shapes``: ``mxattn.bench.speed.Shape`` objects.
     ``configs``: extra Gluon variants to time, name -> ``GluonFwdConfig`` (methods ``mxattn_gluon[name]``);
     ``tl_variants``: extra ``tl`` variants, name -> fields replaced in the shape's ``attn_fwd.default_config``
-    (methods ``mxattn_tl[name]``).
+    (methods ``mxattn_tl[name]``).  ``repeats`` > 1: every method is timed that many times, the methods taking
+    turns (A B C A B C ...), and the median counts; the row keeps each method's spread (``tflops_spread``: max / min
+    of its repeats), since one run's drift (session 18: +-5 % for the same kernel) is as large as the changes
+    measured.
     Returns rows shaped like DESIGN §6 with ``tflops`` per method and the ratios to cuDNN."""
     from mxattn.bench.speed import _sdpa, n_copies, time_ms
     import dataclasses
@@ -549,14 +589,8 @@ def bench_gluon_vs_tl(shapes, seed: int = 0, progress: bool = True, configs: dic
             tcfg = dataclasses.replace(tl_default(sh.D, sh.causal), **fields)
             runs[f"mxattn_tl[{cname}]"] = (lambda c: lambda i: attn_fwd_hopper(*ops[i], causal=sh.causal,
                                                                               config=c))(tcfg)
-        tflops, errors = {}, {}
-        for name, fn in runs.items():
-            try:
-                ms = time_ms(fn, n, dev)
-                tflops[name] = sh.fwd_flops() / (ms * 1e-3) / 1e12
-            except Exception as e:  # noqa: BLE001 - a failing method must not stop the run
-                tflops[name] = None
-                errors[name] = f"{type(e).__name__}: {str(e)[:200]}"
+        tflops, spread, errors = _time_methods(runs, repeats, lambda fn: sh.fwd_flops() / (time_ms(fn, n, dev) * 1e-3)
+                                               / 1e12)
         cudnn = tflops.get("sdpa_cudnn_bf16")
         ratio = {k: (v / cudnn if v and cudnn else None) for k, v in tflops.items() if k != "sdpa_cudnn_bf16"}
         row = sh.as_row() | {
@@ -564,6 +598,8 @@ def bench_gluon_vs_tl(shapes, seed: int = 0, progress: bool = True, configs: dic
             "ratio_vs_sdpa_cudnn_bf16": ratio["mxattn_gluon"],
             "ratio_tl_vs_sdpa_cudnn_bf16": ratio["mxattn_tl"],
         }
+        if spread:
+            row["tflops_spread"] = spread
         if errors:
             row["errors"] = errors
         rows.append(row)
@@ -602,6 +638,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="Gluon vs tl vs SDPA cuDNN BF16 forward speed (one run)")
     ap.add_argument("--quick", action="store_true", help="d128 at S 4k and 8k only")
     ap.add_argument("--out", help="write the rows and the environment to this JSON file")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="time every method this many times, taking turns, and keep the median (and the spread)")
     ap.add_argument("--persistent", action="store_true",
                     help="also time the persistent kernel (GluonFwdConfig.persistent), alone and with exp2_fma 25 "
                          "(B2 H16 d128 / d64 S 2k / 4k / 8k / 16k, both causal flags, unless --quick)")
@@ -640,7 +678,8 @@ if __name__ == "__main__":
         elif not args.sweep and not args.exp2_fma:
             bench_shapes = grid_shapes(2, 16, None, (128, 64), (2048, 4096, 8192, 16384))
     tl_variants = {f"exp2_fma{p}": dict(exp2_fma=p) for p in (25, 50)} if args.exp2_fma else None
-    result_rows = bench_gluon_vs_tl(bench_shapes, configs=bench_configs, tl_variants=tl_variants)
+    result_rows = bench_gluon_vs_tl(bench_shapes, configs=bench_configs, tl_variants=tl_variants,
+                                    repeats=args.repeats)
     if args.out:
         from mxattn.bench.results import env_info
 
