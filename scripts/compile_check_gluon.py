@@ -65,7 +65,7 @@ def compile_sm90(fn, consts: dict, descs: dict, ptrs: dict, floats: tuple, num_w
 
 def compile_variant(head_dim: int, causal: bool, pingpong: bool, block_n: int = 128, stages: int | None = None,
                     module=None, k_perm: bool = True, p_carry: str | None = None, maxnreg: int | None = None,
-                    exp2_fma: int | None = None, persistent: bool = False):
+                    exp2_fma: int | None = None, persistent: bool = False, timeline: bool = False):
     """The forward kernel as the launcher builds it.  ``k_perm``: K through the 5-D key-permuted descriptor
     (``K_PERM``, the launcher's path when Sk % 16 == 0), else the 2-D one (its fallback)."""
     from triton.experimental.gluon import language as gl
@@ -87,6 +87,11 @@ def compile_variant(head_dim: int, causal: bool, pingpong: bool, block_n: int = 
         consts["P_CARRY"] = p_carry or cfg.p_carry
     if "EXP2_FMA" in m._attn_fwd_ws_kernel.arg_names:
         consts["EXP2_FMA"] = cfg.exp2_fma if exp2_fma is None else exp2_fma
+    if "TIMES" in m._attn_fwd_ws_kernel.arg_names:
+        if timeline:  # the timing probe's build (scripts/fwd_timeline.py)
+            ptrs["TIMES"] = "*i64"
+        else:
+            consts["TIMES"] = None  # None in every real launch
     fn = m._attn_fwd_ws_kernel
     if persistent:  # GluonFwdConfig.persistent: the same partitions looping over work items (no ping-pong)
         fn = m._attn_fwd_ws_persistent_kernel
@@ -287,6 +292,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dump", help="write TTGIR / PTX / SASS per variant here")
     ap.add_argument("--only", help="comma list of variant names to compile (default: all)")
     ap.add_argument("--stages", type=int, help="K/V ring depth (default: the launcher's default_config)")
+    ap.add_argument("--timeline", action="store_true", help="the timing probe's build (TIMES buffer, "
+                    "scripts/fwd_timeline.py)")
     ap.add_argument("--persistent", action="store_true", help="the persistent kernel (GluonFwdConfig.persistent); "
                     "its variants are the no-ping-pong ones")
     ap.add_argument("--exp2-fma", type=int, help="percent of the unmasked tiles' exp2 on the FMA pipe (0, 25, 50; "
@@ -310,7 +317,7 @@ def main(argv=None) -> int:
             if args.persistent and pp:
                 continue
             k = compile_variant(d, causal, pp, stages=args.stages, k_perm=kp, exp2_fma=args.exp2_fma,
-                                persistent=args.persistent)
+                                persistent=args.persistent, timeline=args.timeline)
         except Exception as e:  # noqa: BLE001 - report every variant
             print(f"== {name}: COMPILE ERROR\n{type(e).__name__}: {e}")
             ok = False

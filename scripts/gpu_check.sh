@@ -65,6 +65,8 @@
 #   train      examples/train_gpt.py (TRAIN_ATTENTION=sdpa|mxfp8|both, TRAIN_ARGS), into OUTDIR/train
 #   trainpar   both halves of the parity run at once, sdpa on GPU 0 and mxfp8 on GPU 1 (needs 2 GPUs), then parity.json
 #   blockscaled  the Blackwell-path forward (tl.dot_scaled, upcast to bf16 on Hopper) vs the Hopper kernel, B2 H16 S4k
+#   fwdtimeline  the Gluon forward's timing probe (scripts/fwd_timeline.py): per-CTA Q wait, KV loop per tile,
+#              output, CTA gaps per SM; OUTDIR/fwd_timeline*.json
 #   fwd18      timing of session 18's forward variants (persistent Gluon kernel, exp2_fma; tests/test_attn_fwd_gluon.py
 #              --persistent --exp2-fma) into OUTDIR/fwd18.json
 #   exp2fma    the forward kernels with part of their exp2 on the FMA pipe (exp2_fma of GluonFwdConfig / FwdConfig,
@@ -158,6 +160,11 @@ for st in $STAGES; do
         || status=1
       cat "$OUT"/tests/*.log > "$OUT/gpu_tests.log"; rm -rf "$OUT/tests"
       grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -60 ;;
+    fwdtimeline)
+      # where a Gluon forward CTA spends its time (the TIMES probe, session 18): Q wait, KV loop per tile, output,
+      # CTA gaps per SM, at B2 H16 d128 S 2k / 4k / 8k, non-causal then causal, into OUTDIR/fwd_timeline*.json
+      run $PY scripts/fwd_timeline.py --out "$OUT/fwd_timeline.json"
+      run $PY scripts/fwd_timeline.py --causal --out "$OUT/fwd_timeline_causal.json" ;;
     fwd18)
       # session 18's forward builds, timing only (their tests: the tests stage with MXATTN_TEST_FILES=
       # "tests/test_attn_fwd_gluon.py@4 tests/test_attn_fwd.py" MXATTN_TEST_K="exp2 or persistent"): the Gluon

@@ -510,6 +510,23 @@ def test_attn_fwd_gluon_persistent_bit_identical(causal, seed):
 
 
 # ---------------------------------------------------------------------------------------------------- speed
+def test_fwd_timeline_summary():
+    """``scripts/fwd_timeline.py``'s reading of the probe's records, on a made-up timeline: 2 SMs, 3 CTAs."""
+    sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "scripts"))
+    import fwd_timeline
+
+    t = torch.zeros(3, 2, 8, dtype=torch.int64)
+    # clock64: start, after Q, after loop, after output; globaltimer start; SM; tiles; globaltimer end
+    t[0] = torch.tensor([[0, 100, 2100, 2400, 0, 0, 10, 1000]] * 2)
+    t[1] = torch.tensor([[0, 300, 4300, 4600, 1200, 0, 20, 3000]] * 2)  # the same SM, 200 ns after CTA 0
+    t[2] = torch.tensor([[0, 100, 2100, 2400, 0, 1, 10, 1000]] * 2)
+    r = fwd_timeline.summarize(t, clock_khz=1e6)  # 1 GHz: a cycle is 1 ns
+    assert r["ctas"] == 3 and r["sms"] == 2
+    assert r["q_wait_cycles"] == 100 and r["loop_cycles_per_tile"] == 200 and r["output_cycles"] == 300
+    assert r["cta_gap_ns"] == 200 and r["kernel_span_ns"] == 3000
+    assert abs(r["loop_share"] - (2000 + 4000 + 2000) / (2 * 3000)) < 1e-9
+
+
 def _time_methods(runs: dict, repeats: int, rate) -> tuple[dict, dict, dict]:
     """``rate(fn)`` of every method ``repeats`` times, the methods taking turns -> (median per method, None where it
     failed; max / min of its samples where there are several; error text per failed method).  A method that raises

@@ -515,7 +515,7 @@ def _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bar
 def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_bars,
               QE, KE, VE, O, LSE,
               stride_qem, stride_ket, stride_ved, stride_om, stride_od, stride_lm,
-              row0, Sq, Sk, causal_off, n_tiles, n_full, qk_scale,
+              row0, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, TIMES,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, K_PERM: gl.constexpr, P_CARRY: gl.constexpr,
               EXP2_FMA: gl.constexpr):
@@ -523,7 +523,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
     _row_block(q_smem, k_smem, v_smem, q_bar, q_bar, k_ready, k_empty, v_ready, v_empty, turn_bars,
                QE, KE, VE, O, LSE, stride_qem, stride_ket, stride_ved, stride_om, stride_od, stride_lm,
                row0, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, 0, 0,
-               WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, P_CARRY, EXP2_FMA, False)
+               WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, P_CARRY, EXP2_FMA, False, TIMES)
 
 
 @gluon.jit
@@ -533,10 +533,15 @@ def _row_block(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready
                row0, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, q_phase, it0,
                WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, K_PERM: gl.constexpr, P_CARRY: gl.constexpr,
-               EXP2_FMA: gl.constexpr, PERSISTENT: gl.constexpr):
+               EXP2_FMA: gl.constexpr, PERSISTENT: gl.constexpr, TIMES=None):
     """One warpgroup's 64 query rows of one work item: Q (phase ``q_phase`` of q_bar), the KV loop from ring
     position ``it0``, the output.  PERSISTENT: Q's buffer is handed back (``q_empty``) once the loop is done, so
-    the producer loads the next item's Q under this item's output."""
+    the producer loads the next item's Q under this item's output.  TIMES (a timing probe, None in every real
+    launch): int64 [programs, 2 warpgroups, 8] <- clock64 at the start, after Q's wait, after the KV loop, after
+    the output; globaltimer at the start; SM id; key tiles; globaltimer at the end (``scripts/fwd_timeline.py``)."""
+    if TIMES is not None:
+        t_start = _clock64(n_tiles)
+        g_start = _globaltimer(n_tiles)
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
@@ -553,6 +558,8 @@ def _row_block(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready
     acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_layout)
 
     mbarrier.wait(q_bar, q_phase)
+    if TIMES is not None:
+        t_q = _clock64(n_tiles)
     if n_tiles > 0:
         acc, l_i, m_i = _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bars, KE,
                                 stride_ket, acc, l_i, m_i, qscale, offs_m, Sk, causal_off, n_tiles, n_full, it0,
@@ -560,6 +567,8 @@ def _row_block(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready
                                 EXP2_FMA)
     if PERSISTENT:
         mbarrier.arrive(q_empty, count=1)  # every S of this item has been waited for: Q's buffer is free
+    if TIMES is not None:
+        t_loop = _clock64(n_tiles)
 
     # ---- output: out = acc / l * 2^ve, lse = (m - 8 + log2 l) ln 2; rows that saw nothing: 0 and -inf
     empty = l_i == 0.0
@@ -573,6 +582,34 @@ def _row_block(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready
     offs_mo = row0 + gl.arange(0, WG_ROWS, layout=row_o)
     o_ptrs = O + gl.expand_dims(offs_mo.to(gl.int64) * stride_om, 1) + gl.expand_dims(offs_d * stride_od, 0)
     gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=gl.expand_dims(offs_mo < Sq, 1))
+    if TIMES is not None:
+        t_end = _clock64(n_tiles)
+        rec = TIMES + ((gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)) * 2 + WG).to(gl.int64) * 8
+        gl.store(rec, t_start)
+        gl.store(rec + 1, t_q)
+        gl.store(rec + 2, t_loop)
+        gl.store(rec + 3, t_end)
+        gl.store(rec + 4, g_start)
+        gl.store(rec + 5, _smid(n_tiles).to(gl.int64))
+        gl.store(rec + 6, n_tiles.to(gl.int64))
+        gl.store(rec + 7, _globaltimer(n_tiles))
+
+
+@gluon.jit
+def _clock64(dep):
+    """The SM's cycle counter (not pure: neither merged nor moved across the code around it)."""
+    return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [dep], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _globaltimer(dep):
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep], dtype=gl.int64, is_pure=False,
+                                     pack=1)
+
+
+@gluon.jit
+def _smid(dep):
+    return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [dep], dtype=gl.int32, is_pure=False, pack=1)
 
 
 # ------------------------------------------------------------------------------------------------- kernel
@@ -710,7 +747,7 @@ def _attn_fwd_ws_kernel(
     stride_veb, stride_veh, stride_ved,
     stride_ob, stride_om, stride_oh, stride_od,
     stride_lb, stride_lh, stride_lm,
-    Hq, Hkv, Sq, Sk, group_size, qk_scale,
+    Hq, Hkv, Sq, Sk, group_size, qk_scale, TIMES,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, K_PERM: gl.constexpr,
     P_CARRY: gl.constexpr, EXP2_FMA: gl.constexpr,
@@ -755,11 +792,11 @@ def _attn_fwd_ws_kernel(
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_bars,
                      QE_bh, KE_bh, VE_bh, O_bh, LSE_bh, stride_qem, stride_ket, stride_ved, stride_om, stride_od,
-                     stride_lm, start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale,
+                     stride_lm, start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, TIMES,
                      0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, P_CARRY, EXP2_FMA)),
         (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_bars,
                      QE_bh, KE_bh, VE_bh, O_bh, LSE_bh, stride_qem, stride_ket, stride_ved, stride_om, stride_od,
-                     stride_lm, start_m + WG_ROWS, Sq, Sk, causal_off, n_tiles, n_full, qk_scale,
+                     stride_lm, start_m + WG_ROWS, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, TIMES,
                      1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, P_CARRY, EXP2_FMA)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                      b * Sq + start_m, h * HEAD_DIM, b * Sk, hk * HEAD_DIM, (b * Hkv + hk) * HEAD_DIM, n_tiles,
@@ -821,7 +858,8 @@ def _descriptors(q, k, v, block_n: int, k_perm: bool = True):
 
 
 def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
-                   out_dtype: torch.dtype = torch.bfloat16, config: GluonFwdConfig | None = None):
+                   out_dtype: torch.dtype = torch.bfloat16, config: GluonFwdConfig | None = None,
+                   _times: torch.Tensor | None = None):
     """Launch the warp-specialized forward on row-scaled FP8 operands (``formats.RowScaledFP8``).
 
     q: Q layout (data (B, Sq, Hq, D) e4m3, exp (B, Sq, Hq, 1)); k: K layout (data (B, Sk, Hkv, D), exp
@@ -869,7 +907,7 @@ def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None
         ke.stride(0), ke.stride(1), ke.stride(2),
         ve.stride(0), ve.stride(2), ve.stride(3),
         *out.stride(), *lse.stride(),
-        Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E,
+        Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E, _times,
         HEAD_DIM=D, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal, PINGPONG=cfg.pingpong,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, K_PERM=k_perm,
         P_CARRY=cfg.p_carry, EXP2_FMA=cfg.exp2_fma, num_warps=4, maxnreg=cfg.maxnreg,
