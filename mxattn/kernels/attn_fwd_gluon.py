@@ -27,6 +27,10 @@ then hold P in the order of P V's A operand: P needs no shuffles, only a relabel
 (or TMA zero fill past the tensor): such query rows are never stored, such keys are masked in the last tile.
 V columns past Sk are zero-filled by TMA.  Only the last (and, causal, the diagonal) tiles are masked.
 
+Opt-in variants (measured no faster on an H100, session 18): ``GluonFwdConfig.persistent`` (one CTA per SM over the
+work items, ``_attn_fwd_ws_persistent_kernel``) and ``exp2_fma`` (part of the exp2 on the FMA pipe).  A timing probe
+(``attn_fwd_gluon(_times=...)``, ``scripts/fwd_timeline.py``) records where each warpgroup's time goes.
+
 Notes, budget and what to measure: docs/perf-notes-attn-fwd-gluon.md.  Compile check without a GPU:
 ``python scripts/compile_check_gluon.py`` (triton 3.6).
 """
