@@ -97,7 +97,7 @@ class GluonFwdConfig:
     # C7513)
     p_carry: str = "i32br"
     # percent of an unmasked tile's exp2 computed on the FMA pipe (0, 25 or 50) instead of MUFU: 2^x as
-    # 2^round(x) * poly3(x - round(x)), relative error <= 1.02e-4 (``_exp2_fma``).  Measured slower on an H100
+    # 2^round(x) * poly3(x - round(x)), relative error <= 1.05e-4 (``attn_fwd.exp2_fma``).  Measured slower on an H100
     # (session 18: 25 % even to 5 % slower, 50 % up to 14 % slower; the softmax chain is latency-bound, not
     # MUFU-bound), so 0; docs/perf-notes-attn-fwd-gluon.md
     exp2_fma: int = 0
@@ -183,37 +183,10 @@ def _load_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k
 
 
 # ------------------------------------------------------------------------------------------------- exp2 on FMA
-# 2^f on [-1/2, 1/2] as 1 + f (C1 + f (C2 + f C3)), the coefficients of the tl kernel (``attn_fwd.exp2_fma``,
-# whose interpreter test checks the method: relative error <= 1.05e-4).
-# P enters P V as e4m3 (3 mantissa bits, relative step 1/8), so the polynomial's error moves a rounding in about
-# 0.2 % of the elements by one e4m3 step; the row sum sees 1e-4 relative at most.
-EXP2_C1 = gl.constexpr(attn_fwd.EXP2_C1.value)
-EXP2_C2 = gl.constexpr(attn_fwd.EXP2_C2.value)
-EXP2_C3 = gl.constexpr(attn_fwd.EXP2_C3.value)
-_ROUND_MAGIC = gl.constexpr(12582912.0)  # 1.5 * 2^23: x + this has round(x) in its low mantissa bits (|x| < 2^22)
-
-
-@gluon.jit
-def _exp2_fma(x):
-    """2^x without MUFU: n = round(x) by the 1.5 * 2^23 trick, f = x - n in [-1/2, 1/2], 2^f by the degree-3
-    polynomial, times 2^n built from n's bits (an FMUL, so a NaN x stays NaN).  x is clamped below at -127:
-    n = -127 makes 2^n's bits 0, so x < -126.5 and -inf give exactly 0 (as MUFU's flush-to-zero).  9 instructions: FMNMX.NAN, 3 FADD, 3 FFMA, IMAD (shift + add), FMUL."""
-    x = _max_keep_nan(x)
-    t = x + _ROUND_MAGIC
-    f = x - (t - _ROUND_MAGIC)
-    p = gl.fma(gl.fma(gl.fma(f, EXP2_C3, EXP2_C2), f, EXP2_C1), f, 1.0)
-    # t's bits are 0x4B400000 + n: shifted left by 23 they are n << 23 (mod 2^32); plus 127 << 23 that is 2^n
-    two_n = ((t.to(gl.int32, bitcast=True) << 23) + 0x3F800000).to(gl.float32, bitcast=True)
-    return p * two_n
-
-
-@gluon.jit
-def _max_keep_nan(x):
-    """max(x, -127) that returns NaN for a NaN x (PTX max.NaN; a plain max would return -127)."""
-    return gl.inline_asm_elementwise("max.NaN.f32 $0, $1, 0fC2FE0000;", "=r,r", [x], dtype=gl.float32,
-                                     is_pure=True, pack=1)
-
-
+# ``attn_fwd.exp2_fma`` (a plain ``@triton.jit`` function of elementwise operations, so Gluon calls it): 2^x as
+# 2^round(x) * poly3(x - round(x)), relative error <= 1.05e-4, NaN kept, 0 below -126.5 (its interpreter test checks
+# the method).  P enters P V as e4m3 (relative step 1/8), so the error moves a rounding in about 0.2 % of the
+# elements by one e4m3 step; the row sum sees 1e-4 relative at most.
 @gluon.jit
 def _exp2_mixed(x, EXP2_FMA: gl.constexpr):
     """exp2 of an S tile (fp32, wgmma accumulator layout [M, N]) with EXP2_FMA percent (0, 25, 50) of its elements
@@ -228,11 +201,11 @@ def _exp2_mixed(x, EXP2_FMA: gl.constexpr):
         y = gl.permute(gl.reshape(x, [M, N // 16, 2, 4, 2]), (0, 1, 3, 2, 4))
         y0, y1 = gl.split(y)  # e = 0 | e = 1
         if EXP2_FMA == 50:
-            y1 = _exp2_fma(y1)
+            y1 = attn_fwd.exp2_fma(y1)
         else:
             gl.static_assert(EXP2_FMA == 25, "exp2_fma must be 0, 25 or 50")
             y10, y11 = gl.split(y1)  # h = 0 | h = 1
-            y1 = gl.join(gl.exp2(y10), _exp2_fma(y11))
+            y1 = gl.join(gl.exp2(y10), attn_fwd.exp2_fma(y11))
         y = gl.join(gl.exp2(y0), y1)
         y = gl.reshape(gl.permute(y, (0, 1, 3, 2, 4)), [M, N])
         return gl.convert_layout(y, x.type.layout, assert_trivial=True)
@@ -690,6 +663,30 @@ def _consumer_persistent(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empt
 
 
 @gluon.jit
+def _shared_state(q_desc, k_desc, v_desc, STAGES: gl.constexpr):
+    """Shared memory of both kernels: Q (2 x 64 rows), the K and V rings, their mbarriers (initialized) and the
+    ping-pong turn barriers."""
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=2)
+    mbarrier.init(turn_bars.index(0), count=1)
+    mbarrier.init(turn_bars.index(1), count=1)
+    return q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_bars
+
+
+@gluon.jit
 def _attn_fwd_ws_persistent_kernel(
     q_desc, k_desc, v_desc, QE, KE, VE, O, LSE,
     stride_qeb, stride_qem, stride_qeh,
@@ -705,25 +702,11 @@ def _attn_fwd_ws_persistent_kernel(
     """``_attn_fwd_ws_kernel`` as one CTA per SM over n_work = n_m * B * Hq work items (``_work_item``): the K / V
     ring runs on across items (each partition counts the tiles it has passed), Q's buffer is handed back by a
     ``q_empty`` mbarrier (one arrival per consumer warpgroup) and refilled under the last item's output."""
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    # turn_bars: unused (no ping-pong), passed because _row_block takes them
+    q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_bars = _shared_state(
+        q_desc, k_desc, v_desc, STAGES)
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # unused (no ping-pong)
-    mbarrier.init(q_bar, count=1)
-    mbarrier.init(q_empty, count=2)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
-    mbarrier.init(turn_bars.index(0), count=1)
-    mbarrier.init(turn_bars.index(1), count=1)
+    mbarrier.init(q_empty, count=2)  # one arrival per consumer warpgroup
     gl.warp_specialize([
         (_consumer_persistent, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
                                 turn_bars, QE, KE, VE, O, LSE, stride_qeb, stride_qem, stride_qeh, stride_keb,
@@ -767,24 +750,8 @@ def _attn_fwd_ws_kernel(
     causal_off = Sk - Sq
     n_tiles, n_full = _key_tiles(start_m, Sq, Sk, CAUSAL, BLOCK_N)
 
-    # shared memory: Q (2 x 64 rows), K and V rings, barriers
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
-        mbarrier.init(v_empty.index(i), count=2)
-    mbarrier.init(turn_bars.index(0), count=1)
-    mbarrier.init(turn_bars.index(1), count=1)
+    q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_bars = _shared_state(
+        q_desc, k_desc, v_desc, STAGES)
 
     b64 = b.to(gl.int64)
     QE_bh = QE + b64 * stride_qeb + h * stride_qeh
@@ -887,33 +854,23 @@ def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None
         return out, lse
     q_desc, k_desc, v_desc, k_perm = _descriptors(q, k, v, cfg.block_n, cfg.k_perm)
     qe, ke, ve = q.exp, k.exp, v.exp
+    args = (q_desc, k_desc, v_desc, qe, ke, ve, out, lse,
+            qe.stride(0), qe.stride(1), qe.stride(2),
+            ke.stride(0), ke.stride(1), ke.stride(2),
+            ve.stride(0), ve.stride(2), ve.stride(3),
+            *out.stride(), *lse.stride(),
+            Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E)
+    consts = dict(HEAD_DIM=D, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal,
+                  CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, K_PERM=k_perm,
+                  P_CARRY=cfg.p_carry, EXP2_FMA=cfg.exp2_fma, num_warps=4, maxnreg=cfg.maxnreg)
     if cfg.persistent:
         if cfg.pingpong:
             raise ValueError("GluonFwdConfig: persistent does not take pingpong")
         n_m = cdiv(Sq, BLOCK_M.value)
         n_work = n_m * B * Hq
         fast_launcher(_attn_fwd_ws_persistent_kernel)[(min(n_work, _sm_count(out.device)),)](
-            q_desc, k_desc, v_desc, qe, ke, ve, out, lse,
-            qe.stride(0), qe.stride(1), qe.stride(2),
-            ke.stride(0), ke.stride(1), ke.stride(2),
-            ve.stride(0), ve.stride(2), ve.stride(3),
-            *out.stride(), *lse.stride(),
-            Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E, n_m, B * Hq, n_work,
-            HEAD_DIM=D, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal,
-            CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, K_PERM=k_perm,
-            P_CARRY=cfg.p_carry, EXP2_FMA=cfg.exp2_fma, num_warps=4, maxnreg=cfg.maxnreg,
-        )
-        return out, lse
-    grid = (cdiv(Sq, BLOCK_M.value), B * Hq)
-    fast_launcher(_attn_fwd_ws_kernel)[grid](
-        q_desc, k_desc, v_desc, qe, ke, ve, out, lse,
-        qe.stride(0), qe.stride(1), qe.stride(2),
-        ke.stride(0), ke.stride(1), ke.stride(2),
-        ve.stride(0), ve.stride(2), ve.stride(3),
-        *out.stride(), *lse.stride(),
-        Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E, _times,
-        HEAD_DIM=D, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal, PINGPONG=cfg.pingpong,
-        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, K_PERM=k_perm,
-        P_CARRY=cfg.p_carry, EXP2_FMA=cfg.exp2_fma, num_warps=4, maxnreg=cfg.maxnreg,
-    )
+            *args, n_m, B * Hq, n_work, **consts)
+    else:
+        fast_launcher(_attn_fwd_ws_kernel)[(cdiv(Sq, BLOCK_M.value), B * Hq)](
+            *args, _times, PINGPONG=cfg.pingpong, **consts)
     return out, lse
