@@ -1,6 +1,7 @@
 """Compile the Gluon attention forward for sm_90a without a GPU and check what came out.
 
     python scripts/compile_check_gluon.py [--dump DIR] [--only d128,d128_causal] [--stages N] [--exp2-fma P]
+        [--persistent] [--timeline]
 
 Needs triton 3.6 (the GPU machine's version; Gluon's API moves between releases).  No CUDA device is touched:
 the kernel goes through ``triton.compile`` with an explicit ``GPUTarget("cuda", 90, 32)``, and the cubin through
@@ -295,7 +296,9 @@ def main(argv=None) -> int:
     ap.add_argument("--timeline", action="store_true", help="the timing probe's build (TIMES buffer, "
                     "scripts/fwd_timeline.py)")
     ap.add_argument("--persistent", action="store_true", help="the persistent kernel (GluonFwdConfig.persistent); "
-                    "its variants are the no-ping-pong ones")
+                    "its variants are the no-ping-pong ones.  With this script's all-i32 signature it spills and its "
+                    "item loop trips the DEPBAR rule; scripts/compile_launched.py fwd-gluon with "
+                    "MXATTN_FWD_PERSISTENT=1 builds what a launch builds (no spills)")
     ap.add_argument("--exp2-fma", type=int, help="percent of the unmasked tiles' exp2 on the FMA pipe (0, 25, 50; "
                     "default: the launcher's default_config)")
     args = ap.parse_args(argv)
