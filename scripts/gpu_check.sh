@@ -69,6 +69,7 @@
 #              output, CTA gaps per SM; OUTDIR/fwd_timeline*.json
 #   fwd18      timing of session 18's forward variants (persistent Gluon kernel, exp2_fma; tests/test_attn_fwd_gluon.py
 #              --persistent --exp2-fma) into OUTDIR/fwd18.json
+#   outrows    session 19: the Gluon forward's row-wise output store: compile check, GPU tests, timing probe, bench
 #   exp2fma    the forward kernels with part of their exp2 on the FMA pipe (exp2_fma of GluonFwdConfig / FwdConfig,
 #              session 18): compile
 #              check, its GPU tests (Gluon and tl: config variants, against the MUFU-only kernel, the split), then
@@ -165,6 +166,14 @@ for st in $STAGES; do
       # CTA gaps per SM, at B2 H16 d128 S 2k / 4k / 8k, non-causal then causal, into OUTDIR/fwd_timeline*.json
       run $PY scripts/fwd_timeline.py --out "$OUT/fwd_timeline.json"
       run $PY scripts/fwd_timeline.py --causal --out "$OUT/fwd_timeline_causal.json" ;;
+    outrows)
+      # session 19: the Gluon forward's output stored as whole rows (GluonFwdConfig.out_store="rows"): compile
+      # check, its GPU tests (bit-identical to the default store, per-block and persistent), the timing probe of
+      # both stores, then the bench (per-block / persistent x mma / rows, 3 repeats taking turns): fwd_out_rows*.json
+      run $PY scripts/compile_check_gluon.py --only d128_nopingpong,d64_causal_nopingpong --out-store rows
+      run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_fwd_gluon.py -k "rows" 2>&1 | tail -15 || status=1
+      run $PY scripts/fwd_timeline.py --out-store mma,rows --out "$OUT/fwd_out_rows_timeline.json"
+      run $PY tests/test_attn_fwd_gluon.py --out-store --repeats 3 ${OUTROWS_ARGS:-} --out "$OUT/fwd_out_rows.json" ;;
     fwd18)
       # session 18's forward builds, timing only (their tests: the tests stage with MXATTN_TEST_FILES=
       # "tests/test_attn_fwd_gluon.py@4 tests/test_attn_fwd.py" MXATTN_TEST_K="exp2 or persistent"): the Gluon

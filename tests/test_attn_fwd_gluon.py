@@ -46,7 +46,9 @@ def test_module_imports():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("args", [["--only", "d128_causal,d64_nopingpong"],
-                                  ["--only", "d128_nopingpong", "--exp2-fma", "25"]], ids=["default", "exp2_fma"])
+                                  ["--only", "d128_nopingpong", "--exp2-fma", "25"],
+                                  ["--only", "d128_nopingpong,d64_causal_nopingpong", "--out-store", "rows"]],
+                         ids=["default", "exp2_fma", "out_rows"])
 def test_compiles_for_sm90_without_gpu(args):
     """Where triton 3.6 is installed (the GPU machine), the kernels compile for sm_90a with the checks of
     ``scripts/compile_check_gluon.py`` (no spills, e4m3 wgmma, no ptxas wgmma serialization, two DEPBAR a step).
@@ -352,7 +354,8 @@ def test_attn_fwd_gluon_gpu(case, seed, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [dict(pingpong=True), dict(stages=2), dict(stages=4), dict(exp2_fma=25),
-                                     dict(exp2_fma=50), dict(persistent=True), dict(persistent=True, stages=2)],
+                                     dict(exp2_fma=50), dict(persistent=True), dict(persistent=True, stages=2),
+                                     dict(out_store="rows"), dict(persistent=True, out_store="rows")],
                          ids=str)
 def test_attn_fwd_gluon_gpu_configs(variant, seed, monkeypatch):
     if not _is_hopper():
@@ -486,11 +489,14 @@ def test_attn_fwd_gluon_exp2_fma_close(causal, exp2_fma, seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", [dict(persistent=True), dict(out_store="rows"),
+                                     dict(persistent=True, out_store="rows")], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
-def test_attn_fwd_gluon_persistent_bit_identical(causal, seed):
+def test_attn_fwd_gluon_variant_bit_identical(causal, variant, seed):
     """The persistent kernel (``GluonFwdConfig.persistent``) computes each work item as the one-CTA-per-block
-    kernel does: out and lse bit-identical, over more work items than SMs (CTAs loop, the ring runs on across
-    items), GQA, odd lengths, Sq > Sk causal (items with no key tile), d64, the 2-D K path (Sk % 16 != 0)."""
+    kernel does, and the row-wise output store (``out_store="rows"``) writes the same values: out and lse
+    bit-identical, over more work items than SMs (CTAs loop, the ring runs on across items), GQA, odd lengths,
+    Sq > Sk causal (items with no key tile), d64, the 2-D K path (Sk % 16 != 0)."""
     if not _is_hopper():
         pytest.skip("the Gluon forward needs an sm_90 GPU")
     import dataclasses
@@ -502,9 +508,9 @@ def test_attn_fwd_gluon_persistent_bit_identical(causal, seed):
                                   (3, 700, 1200, 8, 2, 64), (1, 129, 48, 2, 2, 128)):
         q, k, v = _inputs(B, Sq, Sk, Hq, Hkv, D, "cuda", seed + Sk)
         ops = row_scaled_triton(q, "q"), row_scaled_triton(k, "k"), row_scaled_triton(v, "v")
-        cfg = dataclasses.replace(m.default_config(D, causal), persistent=False)
+        cfg = dataclasses.replace(m.default_config(D, causal), persistent=False, out_store="mma")
         out_0, lse_0 = m.attn_fwd_gluon(*ops, causal=causal, config=cfg)
-        out_p, lse_p = m.attn_fwd_gluon(*ops, causal=causal, config=dataclasses.replace(cfg, persistent=True))
+        out_p, lse_p = m.attn_fwd_gluon(*ops, causal=causal, config=dataclasses.replace(cfg, **variant))
         assert torch.equal(out_p, out_0), f"out {B, Sq, Sk, Hq, Hkv, D}"
         assert torch.equal(lse_p, lse_0), f"lse {B, Sq, Sk, Hq, Hkv, D}"
 
@@ -663,6 +669,9 @@ if __name__ == "__main__":
     ap.add_argument("--exp2-fma", action="store_true",
                     help="also time exp2_fma 25 and 50 (part of the exp2 on the FMA pipe), Gluon and tl, beside the "
                          "defaults (B2 H16 d128 / d64 S 2k / 8k unless --quick)")
+    ap.add_argument("--out-store", action="store_true",
+                    help="also time the row-wise output store (GluonFwdConfig.out_store='rows'), per-block and "
+                         "persistent (B2 H16 d128 / d64 S 2k / 4k / 8k, both causal flags, unless --quick)")
     ap.add_argument("--sweep", action="store_true",
                     help="also time stages 2/4, ping-pong and the 2-D K path (k_perm off) (d128 S8k, both causal "
                          "flags, unless --quick)")
@@ -694,6 +703,17 @@ if __name__ == "__main__":
             bench_shapes = grid_shapes(2, 16, None, (128,), (2048, 4096, 8192))
         elif not args.sweep and not args.exp2_fma:
             bench_shapes = grid_shapes(2, 16, None, (128, 64), (2048, 4096, 8192, 16384))
+    if args.out_store:
+        from mxattn.bench.speed import grid_shapes
+        from mxattn.kernels.attn_fwd_gluon import GluonFwdConfig
+
+        bench_configs = (bench_configs or {}) | {"rows": GluonFwdConfig(out_store="rows"),
+                                                 "persistent": GluonFwdConfig(persistent=True),
+                                                 "persistent_rows": GluonFwdConfig(persistent=True, out_store="rows")}
+        if args.quick:
+            bench_shapes = grid_shapes(2, 16, None, (128,), (2048, 4096, 8192))
+        elif not (args.sweep or args.exp2_fma or args.persistent):
+            bench_shapes = grid_shapes(2, 16, None, (128, 64), (2048, 4096, 8192))
     tl_variants = {f"exp2_fma{p}": dict(exp2_fma=p) for p in (25, 50)} if args.exp2_fma else None
     result_rows = bench_gluon_vs_tl(bench_shapes, configs=bench_configs, tl_variants=tl_variants,
                                     repeats=args.repeats)

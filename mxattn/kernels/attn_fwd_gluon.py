@@ -107,6 +107,11 @@ class GluonFwdConfig:
     # 0.98-1.06x of it, inside one run's spread: the per-item fill and drain stay (docs/perf-notes-attn-fwd-gluon.md,
     # session 18, with the next step).  Not with ``pingpong``.
     persistent: bool = False
+    # how the output tile reaches global memory: "mma" (stored from wgmma's accumulator layout: 4 bytes a thread,
+    # a warp's store spread over 8 rows) or "rows" (V's exponents loaded first, the bf16 tile moved to whole rows
+    # through shared memory, 16-byte stores).  Session 19's timing probe: the output took ~4,000 of a CTA's
+    # 43,000 clocks at S 2k (d128), almost two key tiles (docs/perf-notes-attn-fwd-gluon.md)
+    out_store: str = "mma"
 
 
 # MXATTN_FWD_PERSISTENT=1 (read at import): the persistent kernel by default (opt-in until measured)
@@ -495,12 +500,12 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
               row0, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, TIMES,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, K_PERM: gl.constexpr, P_CARRY: gl.constexpr,
-              EXP2_FMA: gl.constexpr):
+              EXP2_FMA: gl.constexpr, OUT_ROWS: gl.constexpr):
     """One warpgroup: query rows row0 .. row0 + 63 of the sequence (pointers already moved to (b, h))."""
     _row_block(q_smem, k_smem, v_smem, q_bar, q_bar, k_ready, k_empty, v_ready, v_empty, turn_bars,
                QE, KE, VE, O, LSE, stride_qem, stride_ket, stride_ved, stride_om, stride_od, stride_lm,
                row0, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, 0, 0,
-               WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, P_CARRY, EXP2_FMA, False, TIMES)
+               WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, P_CARRY, EXP2_FMA, False, OUT_ROWS, TIMES)
 
 
 @gluon.jit
@@ -510,7 +515,7 @@ def _row_block(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready
                row0, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, q_phase, it0,
                WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, K_PERM: gl.constexpr, P_CARRY: gl.constexpr,
-               EXP2_FMA: gl.constexpr, PERSISTENT: gl.constexpr, TIMES=None):
+               EXP2_FMA: gl.constexpr, PERSISTENT: gl.constexpr, OUT_ROWS: gl.constexpr, TIMES=None):
     """One warpgroup's 64 query rows of one work item: Q (phase ``q_phase`` of q_bar), the KV loop from ring
     position ``it0``, the output.  PERSISTENT: Q's buffer is handed back (``q_empty``) once the loop is done, so
     the producer loads the next item's Q under this item's output.  TIMES (a timing probe, None in every real
@@ -548,17 +553,30 @@ def _row_block(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready
         t_loop = _clock64(n_tiles)
 
     # ---- output: out = acc / l * 2^ve, lse = (m - 8 + log2 l) ln 2; rows that saw nothing: 0 and -inf
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    if OUT_ROWS:  # V's exponents asked for first: their load latency runs under lse's arithmetic and store
+        ve = gl.load(VE + offs_d * stride_ved)
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
     lse = gl.where(empty, float("-inf"), (m_i - 8.0 + gl.log2(l_safe)) * 0.6931471805599453)
     gl.store(LSE + offs_m * stride_lm, lse, mask=offs_m < Sq)
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    ve = gl.load(VE + offs_d * stride_ved)
+    if not OUT_ROWS:
+        ve = gl.load(VE + offs_d * stride_ved)
     inv_l = gl.convert_layout(1.0 / l_safe, row_o)
-    out = acc * gl.expand_dims(inv_l, 1) * gl.expand_dims(gl.exp2(ve.to(gl.float32)), 0)
-    offs_mo = row0 + gl.arange(0, WG_ROWS, layout=row_o)
-    o_ptrs = O + gl.expand_dims(offs_mo.to(gl.int64) * stride_om, 1) + gl.expand_dims(offs_d * stride_od, 0)
-    gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=gl.expand_dims(offs_mo < Sq, 1))
+    out = (acc * gl.expand_dims(inv_l, 1) * gl.expand_dims(gl.exp2(ve.to(gl.float32)), 0)).to(O.dtype.element_ty)
+    if OUT_ROWS:
+        # the same values moved (through shared memory) to whole rows: 16 bytes a thread, a warp's store covers
+        # 512 contiguous bytes (d128), where the accumulator layout stores 4 bytes a thread over 8 rows
+        st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
+        out = gl.convert_layout(out, st_layout)
+        offs_ds = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, st_layout))
+        offs_ms = row0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, st_layout))
+        o_ptrs = O + gl.expand_dims(offs_ms.to(gl.int64) * stride_om, 1) + gl.expand_dims(offs_ds * stride_od, 0)
+        gl.store(o_ptrs, out, mask=gl.expand_dims(offs_ms < Sq, 1))
+    else:
+        offs_mo = row0 + gl.arange(0, WG_ROWS, layout=row_o)
+        o_ptrs = O + gl.expand_dims(offs_mo.to(gl.int64) * stride_om, 1) + gl.expand_dims(offs_d * stride_od, 0)
+        gl.store(o_ptrs, out, mask=gl.expand_dims(offs_mo < Sq, 1))
     if TIMES is not None:
         t_end = _clock64(n_tiles)
         rec = TIMES + ((gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)) * 2 + WG).to(gl.int64) * 8
@@ -645,7 +663,7 @@ def _consumer_persistent(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empt
                          Hq, group_size, Sq, Sk, n_m, BH, n_work, qk_scale,
                          WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                          CAUSAL: gl.constexpr, K_PERM: gl.constexpr, P_CARRY: gl.constexpr,
-                         EXP2_FMA: gl.constexpr):
+                         EXP2_FMA: gl.constexpr, OUT_ROWS: gl.constexpr):
     it = 0
     k = 0
     for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
@@ -657,7 +675,7 @@ def _consumer_persistent(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empt
                    LSE + b64 * stride_lb + h * stride_lh,
                    stride_qem, stride_ket, stride_ved, stride_om, stride_od, stride_lm,
                    start_m + WG * WG_ROWS, Sq, Sk, Sk - Sq, n_tiles, n_full, qk_scale, k & 1, it,
-                   WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, False, K_PERM, P_CARRY, EXP2_FMA, True)
+                   WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, False, K_PERM, P_CARRY, EXP2_FMA, True, OUT_ROWS)
         it += n_tiles
         k += 1
 
@@ -697,7 +715,7 @@ def _attn_fwd_ws_persistent_kernel(
     Hq, Hkv, Sq, Sk, group_size, qk_scale, n_m, BH, n_work,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, K_PERM: gl.constexpr,
-    P_CARRY: gl.constexpr, EXP2_FMA: gl.constexpr,
+    P_CARRY: gl.constexpr, EXP2_FMA: gl.constexpr, OUT_ROWS: gl.constexpr,
 ):
     """``_attn_fwd_ws_kernel`` as one CTA per SM over n_work = n_m * B * Hq work items (``_work_item``): the K / V
     ring runs on across items (each partition counts the tiles it has passed), Q's buffer is handed back by a
@@ -713,13 +731,13 @@ def _attn_fwd_ws_persistent_kernel(
                                 stride_ket, stride_keh, stride_veb, stride_veh, stride_ved, stride_ob, stride_om,
                                 stride_oh, stride_od, stride_lb, stride_lh, stride_lm,
                                 Hq, group_size, Sq, Sk, n_m, BH, n_work, qk_scale,
-                                0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, K_PERM, P_CARRY, EXP2_FMA)),
+                                0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, K_PERM, P_CARRY, EXP2_FMA, OUT_ROWS)),
         (_consumer_persistent, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
                                 turn_bars, QE, KE, VE, O, LSE, stride_qeb, stride_qem, stride_qeh, stride_keb,
                                 stride_ket, stride_keh, stride_veb, stride_veh, stride_ved, stride_ob, stride_om,
                                 stride_oh, stride_od, stride_lb, stride_lh, stride_lm,
                                 Hq, group_size, Sq, Sk, n_m, BH, n_work, qk_scale,
-                                1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, K_PERM, P_CARRY, EXP2_FMA)),
+                                1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, K_PERM, P_CARRY, EXP2_FMA, OUT_ROWS)),
         (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
                                 v_ready, v_empty, Hq, Hkv, group_size, Sq, Sk, n_m, BH, n_work,
                                 HEAD_DIM, BLOCK_N, STAGES, K_PERM, CAUSAL)),
@@ -737,7 +755,7 @@ def _attn_fwd_ws_kernel(
     Hq, Hkv, Sq, Sk, group_size, qk_scale, TIMES,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, K_PERM: gl.constexpr,
-    P_CARRY: gl.constexpr, EXP2_FMA: gl.constexpr,
+    P_CARRY: gl.constexpr, EXP2_FMA: gl.constexpr, OUT_ROWS: gl.constexpr,
 ):
     # heaviest query blocks first when causal (they see the most keys): shorter tail at the end of the grid
     pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
@@ -764,11 +782,11 @@ def _attn_fwd_ws_kernel(
         (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_bars,
                      QE_bh, KE_bh, VE_bh, O_bh, LSE_bh, stride_qem, stride_ket, stride_ved, stride_om, stride_od,
                      stride_lm, start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, TIMES,
-                     0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, P_CARRY, EXP2_FMA)),
+                     0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, P_CARRY, EXP2_FMA, OUT_ROWS)),
         (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_bars,
                      QE_bh, KE_bh, VE_bh, O_bh, LSE_bh, stride_qem, stride_ket, stride_ved, stride_om, stride_od,
                      stride_lm, start_m + WG_ROWS, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, TIMES,
-                     1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, P_CARRY, EXP2_FMA)),
+                     1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, P_CARRY, EXP2_FMA, OUT_ROWS)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                      b * Sq + start_m, h * HEAD_DIM, b * Sk, hk * HEAD_DIM, (b * Hkv + hk) * HEAD_DIM, n_tiles,
                      BLOCK_N, STAGES, K_PERM)),
@@ -845,6 +863,8 @@ def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None
         raise ValueError(f"head dim {D} not supported by the Gluon forward (64 or 128)")
     softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
     cfg = config or default_config(D, causal)
+    if cfg.out_store not in ("mma", "rows"):
+        raise ValueError(f"out_store must be 'mma' or 'rows', got {cfg.out_store!r}")
     if cfg.exp2_fma not in (0, 25, 50):
         raise ValueError(f"exp2_fma must be 0, 25 or 50 (percent), got {cfg.exp2_fma}")
     if K_EXP_GROUP.value % cfg.block_n:
@@ -862,7 +882,8 @@ def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None
             Hq, Hkv, Sq, Sk, Hq // Hkv, softmax_scale * LOG2E)
     consts = dict(HEAD_DIM=D, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal,
                   CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, K_PERM=k_perm,
-                  P_CARRY=cfg.p_carry, EXP2_FMA=cfg.exp2_fma, num_warps=4, maxnreg=cfg.maxnreg)
+                  P_CARRY=cfg.p_carry, EXP2_FMA=cfg.exp2_fma,
+                  OUT_ROWS=cfg.out_store == "rows", num_warps=4, maxnreg=cfg.maxnreg)
     if cfg.persistent:
         if cfg.pingpong:
             raise ValueError("GluonFwdConfig: persistent does not take pingpong")
