@@ -353,9 +353,10 @@ def test_attn_fwd_gluon_gpu(case, seed, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [dict(pingpong=True), dict(stages=2), dict(stages=4), dict(exp2_fma=25),
-                                     dict(exp2_fma=50), dict(persistent=True), dict(persistent=True, stages=2),
-                                     dict(out_store="rows"), dict(persistent=True, out_store="rows")],
+@pytest.mark.parametrize("variant", [dict(persistent=False, pingpong=True), dict(stages=2), dict(stages=4),
+                                     dict(exp2_fma=25), dict(exp2_fma=50), dict(out_store="mma"),
+                                     dict(persistent=False), dict(persistent=False, stages=2),
+                                     dict(persistent=False, out_store="mma")],
                          ids=str)
 def test_attn_fwd_gluon_gpu_configs(variant, seed, monkeypatch):
     if not _is_hopper():
@@ -570,7 +571,7 @@ def test_time_methods_takes_turns_and_keeps_the_median():
 
 
 def bench_gluon_vs_tl(shapes, seed: int = 0, progress: bool = True, configs: dict | None = None,
-                      tl_variants: dict | None = None, repeats: int = 1) -> list[dict]:
+                      tl_variants: dict | None = None, repeats: int = 1, cuda_graph: bool = False) -> list[dict]:
     """TFLOP/s of the Gluon kernel, the ``tl`` kernel (both on FP8 operands prepared once, untimed) and SDPA
     cuDNN BF16, measured in one run per shape (``mxattn.bench.speed.time_ms``: median of CUDA-event timings,
     inputs rotated over enough copies to defeat L2).  ``shapes``: ``mxattn.bench.speed.Shape`` objects.
@@ -579,9 +580,10 @@ def bench_gluon_vs_tl(shapes, seed: int = 0, progress: bool = True, configs: dic
     (methods ``mxattn_tl[name]``).  ``repeats`` > 1: every method is timed that many times, the methods taking
     turns (A B C A B C ...), and the median counts; the row keeps each method's spread (``tflops_spread``: max / min
     of its repeats), since one run's drift (session 18: +-5 % for the same kernel) is as large as the changes
-    measured.
+    measured.  ``cuda_graph``: every method timed as CUDA-graph replays (``mxattn.bench.speed.cuda_graphed``), the
+    GPU work alone: at S 2k an eager call's host time (the Gluon launcher's Python, ~100 us) is as long as the kernel.
     Returns rows shaped like DESIGN §6 with ``tflops`` per method and the ratios to cuDNN."""
-    from mxattn.bench.speed import _sdpa, n_copies, time_ms
+    from mxattn.bench.speed import _sdpa, cuda_graphed, n_copies, time_ms
     import dataclasses
 
     from mxattn.kernels.attn_fwd import attn_fwd_hopper
@@ -612,6 +614,8 @@ def bench_gluon_vs_tl(shapes, seed: int = 0, progress: bool = True, configs: dic
             tcfg = dataclasses.replace(tl_default(sh.D, sh.causal), **fields)
             runs[f"mxattn_tl[{cname}]"] = (lambda c: lambda i: attn_fwd_hopper(*ops[i], causal=sh.causal,
                                                                               config=c))(tcfg)
+        if cuda_graph:
+            runs = {name: _graphed_or_error(fn, n, dev, cuda_graphed) for name, fn in runs.items()}
         tflops, spread, errors = _time_methods(runs, repeats, lambda fn: sh.fwd_flops() / (time_ms(fn, n, dev) * 1e-3)
                                                / 1e12)
         cudnn = tflops.get("sdpa_cudnn_bf16")
@@ -633,6 +637,27 @@ def bench_gluon_vs_tl(shapes, seed: int = 0, progress: bool = True, configs: dic
         runs = xs = ops = None  # free this shape's copies before the next one
         torch.cuda.empty_cache()
     return rows
+
+
+def _graphed_or_error(fn, n: int, dev, graphed):
+    """``graphed(fn, n, dev)``, or, where the capture fails, a callable that raises its error when timed (so that
+    ``_time_methods`` records it for that method alone)."""
+    try:
+        return graphed(fn, n, dev)
+    except Exception as e:  # noqa: BLE001 - one method's capture must not stop the others
+        def failed(i, e=e):
+            raise RuntimeError(f"CUDA-graph capture failed: {type(e).__name__}: {e}")
+        return failed
+
+
+def test_graphed_or_error():
+    assert _graphed_or_error(lambda i: i, 2, None, lambda fn, n, dev: fn)(1) == 1
+
+    def bad(fn, n, dev):
+        raise ValueError("no capture here")
+
+    with pytest.raises(RuntimeError, match="no capture here"):
+        _graphed_or_error(lambda i: i, 2, None, bad)(0)
 
 
 def default_bench_shapes(quick: bool = False):
@@ -664,11 +689,13 @@ if __name__ == "__main__":
     ap.add_argument("--repeats", type=int, default=1,
                     help="time every method this many times, taking turns, and keep the median (and the spread)")
     ap.add_argument("--persistent", action="store_true",
-                    help="also time the persistent kernel (GluonFwdConfig.persistent), alone and with exp2_fma 25 "
+                    help="also time the per-block kernel (GluonFwdConfig(persistent=False)) and the persistent one with exp2_fma 25 "
                          "(B2 H16 d128 / d64 S 2k / 4k / 8k / 16k, both causal flags, unless --quick)")
     ap.add_argument("--exp2-fma", action="store_true",
                     help="also time exp2_fma 25 and 50 (part of the exp2 on the FMA pipe), Gluon and tl, beside the "
                          "defaults (B2 H16 d128 / d64 S 2k / 8k unless --quick)")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="time CUDA-graph replays (the GPU work alone; eager calls at S 2k are host-bound)")
     ap.add_argument("--out-store", action="store_true",
                     help="also time the row-wise output store (GluonFwdConfig.out_store='rows'), per-block and "
                          "persistent (B2 H16 d128 / d64 S 2k / 4k / 8k, both causal flags, unless --quick)")
@@ -683,7 +710,7 @@ if __name__ == "__main__":
         from mxattn.kernels.attn_fwd_gluon import GluonFwdConfig
 
         bench_configs = {"stages2": GluonFwdConfig(stages=2), "stages4": GluonFwdConfig(stages=4),
-                         "pingpong": GluonFwdConfig(pingpong=True), "k2d": GluonFwdConfig(k_perm=False)}
+                         "pingpong": GluonFwdConfig(pingpong=True, persistent=False), "k2d": GluonFwdConfig(k_perm=False)}
         if not args.quick:
             bench_shapes = grid_shapes(2, 16, None, (128, 64), (8192,))
     if args.exp2_fma:
@@ -697,7 +724,7 @@ if __name__ == "__main__":
         from mxattn.bench.speed import grid_shapes
         from mxattn.kernels.attn_fwd_gluon import GluonFwdConfig
 
-        bench_configs = (bench_configs or {}) | {"persistent": GluonFwdConfig(persistent=True),
+        bench_configs = (bench_configs or {}) | {"per_block": GluonFwdConfig(persistent=False),
                                                  "persistent_exp2_fma25": GluonFwdConfig(persistent=True, exp2_fma=25)}
         if args.quick:
             bench_shapes = grid_shapes(2, 16, None, (128,), (2048, 4096, 8192))
@@ -707,16 +734,16 @@ if __name__ == "__main__":
         from mxattn.bench.speed import grid_shapes
         from mxattn.kernels.attn_fwd_gluon import GluonFwdConfig
 
-        bench_configs = (bench_configs or {}) | {"rows": GluonFwdConfig(out_store="rows"),
-                                                 "persistent": GluonFwdConfig(persistent=True),
-                                                 "persistent_rows": GluonFwdConfig(persistent=True, out_store="rows")}
+        bench_configs = (bench_configs or {}) | {
+            f"{'persistent' if p else 'block'}_{st}": GluonFwdConfig(persistent=p, out_store=st)
+            for p in (False, True) for st in ("mma", "rows")}
         if args.quick:
             bench_shapes = grid_shapes(2, 16, None, (128,), (2048, 4096, 8192))
         elif not (args.sweep or args.exp2_fma or args.persistent):
             bench_shapes = grid_shapes(2, 16, None, (128, 64), (2048, 4096, 8192))
     tl_variants = {f"exp2_fma{p}": dict(exp2_fma=p) for p in (25, 50)} if args.exp2_fma else None
     result_rows = bench_gluon_vs_tl(bench_shapes, configs=bench_configs, tl_variants=tl_variants,
-                                    repeats=args.repeats)
+                                    repeats=args.repeats, cuda_graph=args.cuda_graph)
     if args.out:
         from mxattn.bench.results import env_info
 

@@ -27,9 +27,11 @@ then hold P in the order of P V's A operand: P needs no shuffles, only a relabel
 (or TMA zero fill past the tensor): such query rows are never stored, such keys are masked in the last tile.
 V columns past Sk are zero-filled by TMA.  Only the last (and, causal, the diagonal) tiles are masked.
 
-Opt-in variants (measured no faster on an H100, session 18): ``GluonFwdConfig.persistent`` (one CTA per SM over the
-work items, ``_attn_fwd_ws_persistent_kernel``) and ``exp2_fma`` (part of the exp2 on the FMA pipe).  A timing probe
-(``attn_fwd_gluon(_times=...)``, ``scripts/fwd_timeline.py``) records where each warpgroup's time goes.
+Since session 19 the default is the persistent kernel (``GluonFwdConfig.persistent``: one CTA per SM over the work
+items, ``_attn_fwd_ws_persistent_kernel``) with the output stored as whole rows (``out_store="rows"``); the per-block
+kernel stays (``persistent=False``, ping-pong only there).  Opt-in and measured slower: ``exp2_fma`` (part of the
+exp2 on the FMA pipe).  A timing probe of the per-block kernel (``attn_fwd_gluon(_times=...)``,
+``scripts/fwd_timeline.py``) records where each warpgroup's time goes.
 
 Notes, budget and what to measure: docs/perf-notes-attn-fwd-gluon.md.  Compile check without a GPU:
 ``python scripts/compile_check_gluon.py`` (triton 3.6).
@@ -103,19 +105,20 @@ class GluonFwdConfig:
     exp2_fma: int = 0
     # one CTA per SM walking the (query block, batch * head) work items (``_attn_fwd_ws_persistent_kernel``): the
     # producer loads the next item's Q and first K / V tiles while the consumers finish the last one, where a
-    # fresh CTA would start from nothing.  Bit-identical to the per-block kernel; on an H100 (session 18)
-    # 0.98-1.06x of it, inside one run's spread: the per-item fill and drain stay (docs/perf-notes-attn-fwd-gluon.md,
-    # session 18, with the next step).  Not with ``pingpong``.
-    persistent: bool = False
-    # how the output tile reaches global memory: "mma" (stored from wgmma's accumulator layout: 4 bytes a thread,
-    # a warp's store spread over 8 rows) or "rows" (V's exponents loaded first, the bf16 tile moved to whole rows
-    # through shared memory, 16-byte stores).  Session 19's timing probe: the output took ~4,000 of a CTA's
-    # 43,000 clocks at S 2k (d128), almost two key tiles (docs/perf-notes-attn-fwd-gluon.md)
-    out_store: str = "mma"
+    # fresh CTA would start from nothing.  Bit-identical to the per-block kernel.  Session 18 (H100): 0.98-1.06x
+    # of it with the "mma" output store; session 19 (H100, with "rows"): d128 S 4k 806 against 716 TFLOP/s
+    # (causal 631 / 598), S 8k 823 / 831 (734 / 732), so the default (docs/perf-notes-attn-fwd-gluon.md).  Not
+    # with ``pingpong``; MXATTN_FWD_PERSISTENT=0 turns it off.
+    persistent: bool = True
+    # how the output tile reaches global memory: "rows" (V's exponents loaded first, the bf16 tile moved to whole
+    # rows through shared memory, 16-byte stores) or "mma" (stored from wgmma's accumulator layout: 4 bytes a
+    # thread, a warp's store spread over 8 rows).  Bit-identical.  Session 19's timing probe (H100, d128): the
+    # output took 3,800-4,500 clocks of a CTA with "mma", 1,700-1,800 with "rows"; the kernel's span 4-8 % shorter
+    out_store: str = "rows"
 
 
-# MXATTN_FWD_PERSISTENT=1 (read at import): the persistent kernel by default (opt-in until measured)
-PERSISTENT_DEFAULT = os.environ.get("MXATTN_FWD_PERSISTENT", "0") == "1"
+# MXATTN_FWD_PERSISTENT=0 (read at import): the per-block kernel by default (the persistent one is since session 19)
+PERSISTENT_DEFAULT = os.environ.get("MXATTN_FWD_PERSISTENT", "1") != "0"
 
 
 def default_config(head_dim: int, causal: bool) -> GluonFwdConfig:
@@ -887,6 +890,8 @@ def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None
     if cfg.persistent:
         if cfg.pingpong:
             raise ValueError("GluonFwdConfig: persistent does not take pingpong")
+        if _times is not None:
+            raise ValueError("the timing probe (_times) runs on the per-block kernel: pass persistent=False")
         n_m = cdiv(Sq, BLOCK_M.value)
         n_work = n_m * B * Hq
         fast_launcher(_attn_fwd_ws_persistent_kernel)[(min(n_work, _sm_count(out.device)),)](
