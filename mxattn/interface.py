@@ -239,13 +239,15 @@ def has_fast_backward(device) -> bool:
 # vs 656-666 TFLOP/s in sessions 8, 9 and 11, `attn_fwd-*-s{8,9,11}.json`); it is slower at d=64, at S 2k and causal
 # at S 4k (510-513 vs 560-564) (docs/perf-notes-attn-fwd-gluon.md), so it took those shapes only.  Session 19 (H100,
 # the persistent kernel with the row-wise output store, `attn_fwd_gluon_vs_tl-…-s19-*.json`): causal S 4k 631 against
-# the `tl` kernel's 558 TFLOP/s, so causal calls take it from S 4k too.  Blackwell
+# the `tl` kernel's 558 TFLOP/s, so causal calls take it from S 4k too; without a mask from S 2k (CUDA-graph replays
+# 709 against 618, eager 697 against 607; causal S 2k stays on `tl`: eager 359 against 415, the Gluon launcher's
+# host time shows in a 55 us kernel).  Blackwell
 # (compute capability 10.x) runs the block-scaled forward (kernels/attn_fwd_blockscaled.py: tl.dot_scaled on the
 # MX operands, docs/blackwell.md).
 # MXATTN_FWD_KERNEL=tl|gluon|blockscaled|auto overrides the automatic choice; the ``backend`` argument of
 # ``mxfp8_attn_func`` overrides both.
 GLUON_MIN_SEQ = 4096  # causal
-GLUON_MIN_SEQ_NONCAUSAL = 4096
+GLUON_MIN_SEQ_NONCAUSAL = 2048
 BACKENDS = ("auto", "hopper", "gluon", "blockscaled")
 _BACKEND_KERNEL = {"hopper": "tl", "gluon": "gluon", "blockscaled": "blockscaled"}
 
@@ -261,7 +263,8 @@ def forward_kernel_for(q_shape, k_shape, device, backend: str = "auto", causal: 
 
     ``backend`` other than "auto" decides ("hopper" is the `tl` kernel); with "auto", MXATTN_FWD_KERNEL
     (auto | tl | gluon | blockscaled) decides when set to a kernel; otherwise compute capability 10.x gets
-    "blockscaled", 9.x "gluon" at d128 from S = 4k (``GLUON_MIN_SEQ`` causal, ``GLUON_MIN_SEQ_NONCAUSAL``) when Gluon imports, and "tl" below; anything else "tl".  ``causal`` defaults to
+    "blockscaled", 9.x "gluon" at d128 from S = 4k (``GLUON_MIN_SEQ``; from 2k without a causal mask,
+    ``GLUON_MIN_SEQ_NONCAUSAL``) when Gluon imports, and "tl" below; anything else "tl".  ``causal`` defaults to
     the stricter rule, so a caller that does not say gets a kernel measured fast for either mask."""
     if _check_backend(backend) != "auto":
         return _BACKEND_KERNEL[backend]

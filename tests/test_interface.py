@@ -247,9 +247,9 @@ def test_forward_kernel_choice(monkeypatch):
 
 
 def test_forward_kernel_choice_on_hopper_by_mask(monkeypatch):
-    """On a Hopper GPU with Gluon: d128 takes Gluon from S 4k with or without a causal mask (GLUON_MIN_SEQ and
-    GLUON_MIN_SEQ_NONCAUSAL; the default of ``causal`` is the stricter rule); d64 and shorter sequences take tl
-    (measured, see GLUON_MIN_SEQ)."""
+    """On a Hopper GPU with Gluon: d128 takes Gluon from S 4k with a causal mask and from S 2k without one
+    (GLUON_MIN_SEQ, GLUON_MIN_SEQ_NONCAUSAL; the default of ``causal`` is the stricter rule); d64 and shorter
+    sequences take tl (measured, see GLUON_MIN_SEQ)."""
     from mxattn import interface as I
 
     monkeypatch.delenv("MXATTN_FWD_KERNEL", raising=False)
@@ -258,11 +258,12 @@ def test_forward_kernel_choice_on_hopper_by_mask(monkeypatch):
     dev = torch.device("cuda", 0)
     cases = [((1, 4096, 2, 128), False, "gluon"), ((1, 4096, 2, 128), True, "gluon"),
              ((1, 4096, 2, 128), None, "gluon"), ((1, 4095, 2, 128), True, "tl"), ((1, 8192, 2, 128), True, "gluon"),
-             ((1, 4095, 2, 128), False, "tl"), ((1, 2048, 2, 128), False, "tl"), ((1, 8192, 2, 64), False, "tl")]
+             ((1, 2047, 2, 128), False, "tl"), ((1, 2048, 2, 128), False, "gluon"), ((1, 2048, 2, 128), True, "tl"),
+             ((1, 2048, 2, 128), None, "tl"), ((1, 8192, 2, 64), False, "tl")]
     for shp, causal, want in cases:
         kw = {} if causal is None else {"causal": causal}
         assert I.forward_kernel_for(shp, shp, dev, **kw) == want, (shp, causal)
-    short_k = (1, 2048, 2, 128)  # the shorter of Sq and Sk decides
+    short_k = (1, 1024, 2, 128)  # the shorter of Sq and Sk decides
     assert I.forward_kernel_for((1, 8192, 2, 128), short_k, dev, causal=False) == "tl"
 
 
