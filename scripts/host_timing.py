@@ -170,6 +170,18 @@ def main(argv=None) -> None:
         ("mxfp8_attn_func with grad (fwd only)", lambda: mxfp8_attn_func(qg, kg, vg)),
         ("mxfp8_attn_func fwd+bwd", lambda: mxfp8_attn_func(qg, kg, vg).backward(do)),
     ]
+    try:  # the Gluon forward (d128 from S 2k / 4k on Hopper): its launch plan against its checked path (session 19)
+        from mxattn.kernels import attn_fwd_gluon as g
+
+        cases += [
+            ("attn_fwd_gluon (1 launch, launch plan)", lambda: g.attn_fwd_gluon(qr, kr, vr)),
+            ("attn_fwd_gluon (1 launch, checked path)", lambda: g.attn_fwd_gluon(qr, kr, vr,
+                                                                                 config=g.default_config(D, False))),
+            ("mxfp8_attn_func no_grad, Gluon forward", lambda: torch.no_grad()(mxfp8_attn_func)(q, k, v, backend="gluon")),
+            ("mxfp8_attn_func with grad (fwd only), Gluon forward", lambda: mxfp8_attn_func(qg, kg, vg, backend="gluon")),
+        ]
+    except Exception as e:  # no Gluon here
+        print(f"(no Gluon rows: {type(e).__name__}: {e})")
     cases += [(name + ", Triton's own dispatch", triton_dispatch(fn)) for name, fn in cases
               if name.startswith(("attn_fwd_hopper", "row_scaled_triton q", "attn_bwd_hopper atomic", "mxfp8_attn_func"))]
     try:  # the forward kernel without the JIT's dispatch: how much a leaner launch path could save per launch

@@ -81,6 +81,64 @@ def _host_operands(B, Sq, Sk, Hq, Hkv, D, k_heads_alloc=None):
     return SimpleNamespace(data=q), SimpleNamespace(data=k), SimpleNamespace(data=v)
 
 
+def _plan_operands(B=2, Sq=300, Sk=272, Hq=4, Hkv=2, D=128, k_heads_alloc=None):
+    """RowScaledFP8 operands in the launcher's layouts (Q rows, K in 128-key groups, V channel-major) on the CPU."""
+    from mxattn.formats import RowScaledFP8
+
+    q, k, v = _host_operands(B, Sq, Sk, Hq, Hkv, D, k_heads_alloc)
+    i32 = torch.int32
+    return (RowScaledFP8(q.data, torch.zeros(B, Sq, Hq, 1, dtype=i32), 3),
+            RowScaledFP8(k.data, torch.zeros(B, -(-Sk // 128), Hkv, 1, dtype=i32), 3, 1, 128),
+            RowScaledFP8(v.data, torch.zeros(B, 1, Hkv, D, dtype=i32), 1))
+
+
+def _recorded(monkeypatch):
+    from mxattn.kernels import launch as L
+
+    seen = []
+    monkeypatch.setattr(L.FastLauncher, "launch", lambda self, grid, args, kwargs: seen.append(
+        (self.jit_fn, grid, args, kwargs)))
+    return seen
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_launch_plan_repeats_the_checked_launch(causal, monkeypatch):
+    """A repeated call of one signature takes the launch plan (no descriptor constructors, a bound launch): the same
+    kernel, grid, keywords and arguments as the first call's, over the new call's own tensors; another signature,
+    an explicit config or a K that needs a copy for TMA takes the checked path."""
+    from test_attn_bwd_dkdv_gluon import _same_launch
+
+    m = _gluon()
+    m._PLANS.clear()
+    seen = _recorded(monkeypatch)
+    first = _plan_operands()
+    m.attn_fwd_gluon(*first, causal=causal)
+    assert len(m._PLANS) == 1
+    monkeypatch.setattr(m, "_descriptors", lambda *a, **kw: pytest.fail("a plan hit builds no descriptors"))
+    other = _plan_operands()  # fresh tensors, the same signature
+    out, lse = m.attn_fwd_gluon(*other, causal=causal)
+    assert out.shape == other[0].data.shape and lse.shape == (2, 4, 300)
+    assert len(seen) == 2 and seen[0][0] is seen[1][0]
+    _same_launch(seen[0][1:], seen[1][1:])
+    args = seen[1][2]
+    assert [a.base.data_ptr() for a in args[:3]] == [t.data.data_ptr() for t in other]  # this call's tensors
+    assert args[3] is other[0].exp and args[6] is out and args[7] is lse
+    monkeypatch.undo()
+    seen = _recorded(monkeypatch)
+    m.attn_fwd_gluon(*_plan_operands(Sq=301), causal=causal)  # another signature: a second plan
+    assert len(m._PLANS) == 2
+    m.attn_fwd_gluon(*other, causal=causal, config=m.GluonFwdConfig(persistent=False))  # explicit config: no plan
+    assert len(m._PLANS) == 2 and seen[-1][0] is m._attn_fwd_ws_kernel
+    m._PLANS.clear()
+    from mxattn.formats import RowScaledFP8
+
+    q, k, v = _plan_operands()
+    k_heads_major = torch.zeros(2, 2, 272, 128, dtype=k.data.dtype).transpose(1, 2)  # heads not adjacent in a row
+    k = RowScaledFP8(k_heads_major, k.exp, 3, 1, 128)
+    m.attn_fwd_gluon(q, k, v, causal=causal)  # K copied for TMA on every call: no plan
+    assert seen[-1][2][1].base is not k.data and len(m._PLANS) == 0
+
+
 def _sigma(c: int) -> int:
     """Key held by S column / K tile row c under K_PERM (mirror of ``_key_of_column``)."""
     return (c & ~15) | (((c >> 1) & 3) << 2) | (((c >> 3) & 1) << 1) | (c & 1)

@@ -57,7 +57,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxattn.kernels import attn_fwd
 from mxattn.kernels.attn_fwd import alloc_fwd_outputs
-from mxattn.kernels.launch import cdiv, fast_launcher, nvmma_fp8_layout
+from mxattn.kernels import launch as launch_mod
+from mxattn.kernels.launch import (BoundLaunch, cdiv, fast_launcher, nvmma_fp8_layout, rebased, tensor_sig,
+                                   unbased)
 
 LOG2E = 1.4426950408889634
 K_EXP_GROUP = gl.constexpr(128)  # keys sharing one K exponent (formats.RowScaledFP8 K layout); BLOCK_N divides it
@@ -849,6 +851,23 @@ def _descriptors(q, k, v, block_n: int, k_perm: bool = True):
     return q_desc, k_desc, v_desc, use_perm
 
 
+# Launch plans per operand signature (shapes, strides, 16-byte alignment of the six operand tensors, the call's
+# options, the current device): a repeated call with the default config skips the descriptors' constructors and
+# checks, the stride arithmetic and the launcher's key (session 19: 33 -> ~9 us of Python a call on the CPU harness,
+# against the tl forward's 7.6).  A plan holds its descriptors without their tensors (``launch.unbased``).  Only
+# operands that need no copy for TMA get one (``_descriptors`` copies Q or K otherwise, each call).
+_PLANS: dict = {}
+_MAX_PLANS = 256
+
+
+def _plan_key(q, k, v, causal, softmax_scale, out_dtype):
+    if not launch_mod.PLANS:
+        return None
+    dev = torch.cuda.current_device() if q.data.is_cuda else -1
+    return (tuple(tensor_sig(t) for t in (q.data, k.data, v.data, q.exp, k.exp, v.exp)), q.data.device, dev, causal,
+            softmax_scale, out_dtype, PERSISTENT_DEFAULT, attn_fwd.EXP2_FMA_DEFAULT)
+
+
 def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                    out_dtype: torch.dtype = torch.bfloat16, config: GluonFwdConfig | None = None,
                    _times: torch.Tensor | None = None):
@@ -860,6 +879,16 @@ def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None
     (``interface``).  Returns out (B, Sq, Hq, D) in ``out_dtype`` and lse (B, Hq, Sq) fp32 (natural log),
     like ``attn_fwd.attn_fwd_hopper``.  Needs an sm_90 GPU and triton 3.6's Gluon.
     """
+    key = _plan_key(q, k, v, causal, softmax_scale, out_dtype) if config is None and _times is None else None
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is not None:
+        bound, templates, out_shape, lse_shape, scalars = plan
+        qd = q.data
+        out = torch.empty(out_shape, dtype=out_dtype, device=qd.device)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=qd.device)
+        bound(*(rebased(t, b) for t, b in zip(templates, (qd, k.data, v.data))), q.exp, k.exp, v.exp, out, lse,
+              *scalars)
+        return out, lse
     B, Sq, Hq, D = q.data.shape
     Sk, Hkv = k.data.shape[1], k.data.shape[2]
     if D not in (64, 128):
@@ -894,9 +923,18 @@ def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None
             raise ValueError("the timing probe (_times) runs on the per-block kernel: pass persistent=False")
         n_m = cdiv(Sq, BLOCK_M.value)
         n_work = n_m * B * Hq
-        fast_launcher(_attn_fwd_ws_persistent_kernel)[(min(n_work, _sm_count(out.device)),)](
-            *args, n_m, B * Hq, n_work, **consts)
+        fn, grid, args = _attn_fwd_ws_persistent_kernel, (min(n_work, _sm_count(out.device)),), (*args, n_m, B * Hq,
+                                                                                                  n_work)
     else:
-        fast_launcher(_attn_fwd_ws_kernel)[(cdiv(Sq, BLOCK_M.value), B * Hq)](
-            *args, _times, PINGPONG=cfg.pingpong, **consts)
+        fn, grid, args = _attn_fwd_ws_kernel, (cdiv(Sq, BLOCK_M.value), B * Hq), (*args, _times)
+        consts["PINGPONG"] = cfg.pingpong
+    copied = q_desc.base is not q.data or k_desc.base is not k.data
+    if key is None or copied:
+        fast_launcher(fn)[grid](*args, **consts)
+        return out, lse
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    # out / lse strides in ``scalars`` are those of every later call's fresh outputs of the same shapes
+    _PLANS[key] = (BoundLaunch(fast_launcher(fn), grid, args, consts), unbased((q_desc, k_desc, v_desc)),
+                   tuple(out.shape), tuple(lse.shape), args[8:])
     return out, lse

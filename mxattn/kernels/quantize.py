@@ -2148,7 +2148,10 @@ class _ForwardOperandsPlan:
         qd = torch.empty(B, Sq, Hq, D, dtype=u8, device=dev)
         qe = torch.empty(B, Sq, Hq, 1, dtype=i32, device=dev)
         q_job = _quant_slot(self.q_spec, q4, qd, qe, None, None, dummy)
-        vexp = torch.full((B, 1, Hkv, D), _NO_EXP_HOST, dtype=i32, device=dev)
+        if self.keep_kv:  # V's and K's sentinel-filled exponents: one allocation and one fill for both
+            vexp, kexp_s = torch.full((2, B, 1, Hkv, D), _NO_EXP_HOST, dtype=i32, device=dev).unbind(0)
+        else:
+            vexp = torch.full((B, 1, Hkv, D), _NO_EXP_HOST, dtype=i32, device=dev)
         kd = torch.empty(B, Sk, Hkv, D, dtype=u8, device=dev)
         ke = torch.empty(B, cdiv(Sk, G), Hkv, 1, dtype=i32, device=dev)
         vcd = torch.empty(B, Hkv, D, self.s_pad, dtype=u8, device=dev)
@@ -2162,7 +2165,6 @@ class _ForwardOperandsPlan:
             _operands_launch(self.bound, "second", second, [], D, self.rceil, self.soft, dummy)
             return (_trusted_row_scaled(qd.view(f8), qe, 3), _trusted_row_scaled(kd.view(f8), ke, 3, 1, G),
                     _trusted_row_scaled(_seq_view(vcd, Sk, False), vexp, 1), None)
-        kexp_s = torch.full((B, 1, Hkv, D), _NO_EXP_HOST, dtype=i32, device=dev)
         _operands_launch(self.bound, "first", [q_job],
                          [_exp_slot(self.k_exp_spec, k4, kexp_s), _exp_slot(self.v_exp_spec, v4, vexp)], D,
                          self.rceil, self.soft, dummy)
@@ -2197,7 +2199,7 @@ class _BothPairPlan:
     def __call__(self, x4, y4):
         B, S, H, D = self.shape
         dev, G, i32, u8 = self.dev, self.group, torch.int32, torch.uint8
-        exps = [torch.full((B, 1, H, D), _NO_EXP_HOST, dtype=i32, device=dev) for _ in range(2)]
+        exps = torch.full((2, B, 1, H, D), _NO_EXP_HOST, dtype=i32, device=dev).unbind(0)  # one fill for both
         exp_jobs = [_exp_slot(es, t, e) for (es, _), t, e in zip(self.specs, (x4, y4), exps)]
         _operands_launch(self.bound, "first", [], exp_jobs, D, self.rceil, self.soft, self.dummy)
         outs, jobs = [], []
