@@ -69,6 +69,7 @@
 #              output, CTA gaps per SM; OUTDIR/fwd_timeline*.json
 #   fwd18      timing of session 18's forward variants (persistent Gluon kernel, exp2_fma; tests/test_attn_fwd_gluon.py
 #              --persistent --exp2-fma) into OUTDIR/fwd18.json
+#   bwdrows    session 19: the Gluon backward's row-wise epilogue stores (MXATTN_BWD_OUT_ROWS): builds, tests, timing
 #   outrows    session 19: the Gluon forward's row-wise output store: compile check, GPU tests, timing probe, bench
 #   exp2fma    the forward kernels with part of their exp2 on the FMA pipe (exp2_fma of GluonFwdConfig / FwdConfig,
 #              session 18): compile
@@ -495,6 +496,26 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
       done
       wait
       for p in 0 1 2; do MXATTN_DKDV_PROBE=$p run $PY scripts/probe_bwd_gluon.py "$OUT/bwd_probe.jsonl"; done ;;
+    bwdrows)
+      # session 19: the Gluon backward kernels' row-wise epilogue stores (MXATTN_BWD_OUT_ROWS=1, read at import):
+      # the launched builds of both settings (spills, STG widths), the GPU tests that compare the kernels with their
+      # tl twins bit for bit run with it on (dQ whole, dK/dV's matches_tl / key_exp / configs cases, sharded), then
+      # both settings timed in turns (0 1 0 1: drift shows) by scripts/probe_bwd_gluon.py: OUTDIR/bwd_rows.jsonl
+      for v in 0 1; do for a in "--shape 2,4096,16,16,128" "--shape 2,4096,16,16,128 --causal"; do
+        for c in dkdv dq; do echo "-- OUT_ROWS=$v $c $a"; MXATTN_BWD_OUT_ROWS=$v run $PY scripts/compile_launched.py $c $a \
+          | grep -E "highest|spill|STG|loop . LDL"; done; done; done
+      for i in 0 1 2; do
+        MXATTN_BWD_OUT_ROWS=1 MXATTN_TEST_SHARD=$i/3 run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider -k "not bench" \
+          tests/test_attn_bwd_dq_gluon.py > "$OUT/bwd_rows_tests.dq.$i.log" 2>&1 &
+        MXATTN_BWD_OUT_ROWS=1 MXATTN_TEST_SHARD=$i/3 run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider \
+          -k "matches_tl or key_exp_tiny or configs or unseen" tests/test_attn_bwd_dkdv_gluon.py \
+          > "$OUT/bwd_rows_tests.dkdv.$i.log" 2>&1 &
+      done
+      wait
+      cat "$OUT"/bwd_rows_tests.*.log > "$OUT/bwd_rows_tests.log"; rm -f "$OUT"/bwd_rows_tests.*.log
+      grep -E "passed|failed|^FAILED|^ERROR" "$OUT/bwd_rows_tests.log" | tail -12
+      grep -qE "^(FAILED|ERROR)" "$OUT/bwd_rows_tests.log" && status=1
+      for v in 0 1 0 1; do MXATTN_BWD_OUT_ROWS=$v run $PY scripts/probe_bwd_gluon.py "$OUT/bwd_rows.jsonl"; done ;;
     dqprobe)
       # the fused dQ's cost split (attn_bwd_dkdv_gluon.DQ_PROBE, timing only): the probe builds compiled side by side
       # on tiny shapes, then timed one after the other at B2 H16 S8k d64 (both masks) and B8 H12 S2k d64 causal;

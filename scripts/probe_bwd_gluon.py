@@ -1,11 +1,12 @@
 """Cost split of the Gluon dK/dV kernel's step (timing only; the probe builds give wrong gradients).
 
-    MXATTN_DKDV_PROBE=<0..2> PYTHONPATH=. python3 scripts/probe_bwd_gluon.py [--compile-only] OUT.jsonl
+    MXATTN_DKDV_PROBE=<0..2> [MXATTN_BWD_OUT_ROWS=1] PYTHONPATH=. python3 scripts/probe_bwd_gluon.py [--compile-only] OUT.jsonl
 
 Probe (attn_bwd_dkdv_gluon.DKDV_PROBE): 0 the real kernel, 1 no exp2 on the unmasked tiles, 2 no dS exponent
 (the keys' exponents stay: no amax, no dK row rescale).  The API's default dK/dV config per head dim (split;
 64-query steps at d128, 128-query steps at d64).  Appends one JSON line per shape with the kernel's ms; probe 0
-also times the default dQ kernel on the same operands."""
+also times the default dQ kernel on the same operands.  MXATTN_BWD_OUT_ROWS=1: the row-wise epilogue stores of
+both kernels (``attn_bwd_dq_gluon.OUT_ROWS``), recorded as ``out_rows``."""
 import json
 import os
 import sys
@@ -34,7 +35,8 @@ def main():
             run()
             torch.cuda.synchronize()
             continue
-        row = {"probe": probe, "B": B, "H": H, "S": S, "D": D, "causal": causal, "dkdv_ms": _ms(run)}
+        row = {"probe": probe, "out_rows": os.environ.get("MXATTN_BWD_OUT_ROWS", "0") == "1", "B": B, "H": H, "S": S,
+               "D": D, "causal": causal, "dkdv_ms": _ms(run)}
         flops = 4 * 4 * B * H * S * S * D * (0.5 if causal else 1.0) / 2  # four products of 2 B H S^2 D
         row["dkdv_tflops"] = flops / row["dkdv_ms"] / 1e9
         if probe == 0:
