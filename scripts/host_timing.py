@@ -175,10 +175,12 @@ def main(argv=None) -> None:
 
         cases += [
             ("attn_fwd_gluon (1 launch, launch plan)", lambda: g.attn_fwd_gluon(qr, kr, vr)),
-            ("attn_fwd_gluon (1 launch, checked path)", lambda: g.attn_fwd_gluon(qr, kr, vr,
-                                                                                 config=g.default_config(D, False))),
-            ("mxfp8_attn_func no_grad, Gluon forward", lambda: torch.no_grad()(mxfp8_attn_func)(q, k, v, backend="gluon")),
-            ("mxfp8_attn_func with grad (fwd only), Gluon forward", lambda: mxfp8_attn_func(qg, kg, vg, backend="gluon")),
+            ("attn_fwd_gluon (1 launch, checked path)",
+             lambda: g.attn_fwd_gluon(qr, kr, vr, config=g.default_config(D, False))),
+            ("mxfp8_attn_func no_grad, Gluon forward",
+             lambda: torch.no_grad()(mxfp8_attn_func)(q, k, v, backend="gluon")),
+            ("mxfp8_attn_func with grad (fwd only), Gluon forward",
+             lambda: mxfp8_attn_func(qg, kg, vg, backend="gluon")),
         ]
     except Exception as e:  # no Gluon here
         print(f"(no Gluon rows: {type(e).__name__}: {e})")

@@ -1,6 +1,7 @@
 """Cost split of the Gluon dK/dV kernel's step (timing only; the probe builds give wrong gradients).
 
-    MXATTN_DKDV_PROBE=<0..2> [MXATTN_BWD_OUT_ROWS=1] PYTHONPATH=. python3 scripts/probe_bwd_gluon.py [--compile-only] OUT.jsonl
+    MXATTN_DKDV_PROBE=<0..2> [MXATTN_BWD_OUT_ROWS=1] PYTHONPATH=. python3 scripts/probe_bwd_gluon.py \
+        [--compile-only] OUT.jsonl
 
 Probe (attn_bwd_dkdv_gluon.DKDV_PROBE): 0 the real kernel, 1 no exp2 on the unmasked tiles, 2 no dS exponent
 (the keys' exponents stay: no amax, no dK row rescale).  The API's default dK/dV config per head dim (split;

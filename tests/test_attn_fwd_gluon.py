@@ -747,7 +747,8 @@ if __name__ == "__main__":
     ap.add_argument("--repeats", type=int, default=1,
                     help="time every method this many times, taking turns, and keep the median (and the spread)")
     ap.add_argument("--persistent", action="store_true",
-                    help="also time the per-block kernel (GluonFwdConfig(persistent=False)) and the persistent one with exp2_fma 25 "
+                    help="also time the per-block kernel (GluonFwdConfig(persistent=False)) and the persistent "
+                         "one with exp2_fma 25 "
                          "(B2 H16 d128 / d64 S 2k / 4k / 8k / 16k, both causal flags, unless --quick)")
     ap.add_argument("--exp2-fma", action="store_true",
                     help="also time exp2_fma 25 and 50 (part of the exp2 on the FMA pipe), Gluon and tl, beside the "
@@ -768,7 +769,8 @@ if __name__ == "__main__":
         from mxattn.kernels.attn_fwd_gluon import GluonFwdConfig
 
         bench_configs = {"stages2": GluonFwdConfig(stages=2), "stages4": GluonFwdConfig(stages=4),
-                         "pingpong": GluonFwdConfig(pingpong=True, persistent=False), "k2d": GluonFwdConfig(k_perm=False)}
+                         "pingpong": GluonFwdConfig(pingpong=True, persistent=False),
+                         "k2d": GluonFwdConfig(k_perm=False)}
         if not args.quick:
             bench_shapes = grid_shapes(2, 16, None, (128, 64), (8192,))
     if args.exp2_fma:
