@@ -98,10 +98,11 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # what the H200's driver reports (capability 9.0, 32 threads per warp)
-CASES = ("dkdv", "dq", "fwd-gluon", "fwd-tl", "quant-forward", "quant-bench")
+CASES = ("dkdv", "dq", "fwd-gluon", "fwd-gluon-fp32", "fwd-tl", "quant-forward", "quant-bench")
 # the kernels each case reports (function names; ``--all``: every captured launch)
 CASE_KERNELS = {"dkdv": ("_attn_bwd_dkdv_ws_kernel",), "dq": ("_attn_bwd_dq_ws_kernel",),
-                "fwd-gluon": ("_attn_fwd_ws_kernel", "_attn_fwd_ws_persistent_kernel"), "fwd-tl": ("_attn_fwd_kernel",),
+                "fwd-gluon": ("_attn_fwd_ws_kernel", "_attn_fwd_ws_persistent_kernel"),
+                "fwd-gluon-fp32": ("_attn_fwd_ws_kernel", "_attn_fwd_ws_persistent_kernel"), "fwd-tl": ("_attn_fwd_kernel",),
                 "quant-forward": ("_operands_kernel",),
                 "quant-bench": ("_quantize_kernel", "_hdim_kernel", "_seq_exponent_kernel", "_rescale_mx_kernel", "_dequantize_kernel",
                                 "_hdim_rescale_kernel", "_hdim_dequant_kernel", "_seq_dequant_kernel",
@@ -237,6 +238,14 @@ def capture_case(case: str, shape, causal: bool) -> list[Launch]:
         elif case in ("fwd-gluon", "fwd-tl"):
             _forward(q, k, v, causal, "gluon" if case == "fwd-gluon" else "hopper")
             _tag(launches, 0, "forward")
+        elif case == "fwd-gluon-fp32":  # the context-parallel ring's call (mxattn.distributed): fp32 out
+            from mxattn.kernels.attn_fwd_gluon import attn_fwd_gluon
+
+            qr, kr, vr, _ = forward_operands_triton(q, k, v, "rceil", k_group=K_EXP_GROUP)
+            n = len(launches)
+            attn_fwd_gluon(qr, kr, vr, causal=causal, out_dtype=torch.float32)
+            _tag(launches, n, "forward (fp32 out)")
+            launches[:] = launches[n:]
         elif case in ("dkdv", "dq"):
             out, lse, kv = _forward(q, k, v, causal, "hopper")
             _tag(launches, 0, "forward")
@@ -462,7 +471,7 @@ def checked_build(case: str, lc: Launch, shape):
         import compile_check_bwd_dq_gluon as cc
 
         return cc.compile_variant(D, c["CAUSAL"], c["STAGES"], split=c["SPLIT"])
-    if case == "fwd-gluon":
+    if case in ("fwd-gluon", "fwd-gluon-fp32"):
         import compile_check_gluon as cc
 
         return cc.compile_variant(D, c["CAUSAL"], c["PINGPONG"], c["BLOCK_N"], c["STAGES"], k_perm=c["K_PERM"])
@@ -495,7 +504,7 @@ def check_launched(case: str, lc: Launch, k, name: str, dump: str | None) -> boo
         from compile_check_bwd_dq_gluon import check, partition_report
 
         return check(k, name, dump) & partition_report(k, 128 if c["SPLIT"] else 256)
-    if case == "fwd-gluon":
+    if case in ("fwd-gluon", "fwd-gluon-fp32"):
         from compile_check_gluon import check
 
         return check(k, name, dump)

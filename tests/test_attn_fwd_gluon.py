@@ -574,6 +574,29 @@ def test_attn_fwd_gluon_variant_bit_identical(causal, variant, seed):
         assert torch.equal(lse_p, lse_0), f"lse {B, Sq, Sk, Hq, Hkv, D}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_attn_fwd_gluon_fp32_out_bit_identical(causal, seed):
+    """fp32 output (the context-parallel ring's call, ``mxattn.distributed``): the default build (persistent,
+    row-wise store through shared memory, 32-bit elements) writes what the per-block kernel's accumulator-layout store
+    writes, bit for bit (its launched build: ``scripts/compile_launched.py fwd-gluon-fp32``)."""
+    if not _is_hopper():
+        pytest.skip("the Gluon forward needs an sm_90 GPU")
+    import dataclasses
+
+    from mxattn.kernels.quantize import row_scaled_triton
+
+    m = _gluon()
+    for B, Sq, Sk, Hq, Hkv, D in ((2, 1000, 1003, 16, 2, 128), (1, 2048, 2048, 4, 4, 128), (3, 700, 1200, 8, 2, 64)):
+        q, k, v = _inputs(B, Sq, Sk, Hq, Hkv, D, "cuda", seed + Sq)
+        ops = row_scaled_triton(q, "q"), row_scaled_triton(k, "k"), row_scaled_triton(v, "v")
+        base = dataclasses.replace(m.default_config(D, causal), persistent=False, out_store="mma")
+        out_0, lse_0 = m.attn_fwd_gluon(*ops, causal=causal, out_dtype=torch.float32, config=base)
+        out_1, lse_1 = m.attn_fwd_gluon(*ops, causal=causal, out_dtype=torch.float32)
+        assert out_1.dtype == torch.float32
+        assert torch.equal(out_1, out_0) and torch.equal(lse_1, lse_0), (B, Sq, Sk, Hq, Hkv, D)
+
+
 # ---------------------------------------------------------------------------------------------------- speed
 def test_fwd_timeline_summary():
     """``scripts/fwd_timeline.py``'s reading of the probe's records, on a made-up timeline: 2 SMs, 3 CTAs."""
