@@ -1,7 +1,7 @@
 """Compile the Gluon attention forward for sm_90a without a GPU and check what came out.
 
     python scripts/compile_check_gluon.py [--dump DIR] [--only d128,d128_causal] [--stages N] [--exp2-fma P]
-        [--persistent] [--timeline] [--out-store mma|rows]
+        [--persistent] [--timeline] [--out-store mma|rows] [--mask select|lean]
 
 Needs triton 3.6 (the GPU machine's version; Gluon's API moves between releases).  No CUDA device is touched:
 the kernel goes through ``triton.compile`` with an explicit ``GPUTarget("cuda", 90, 32)``, and the cubin through
@@ -67,7 +67,7 @@ def compile_sm90(fn, consts: dict, descs: dict, ptrs: dict, floats: tuple, num_w
 def compile_variant(head_dim: int, causal: bool, pingpong: bool, block_n: int = 128, stages: int | None = None,
                     module=None, k_perm: bool = True, p_carry: str | None = None, maxnreg: int | None = None,
                     exp2_fma: int | None = None, persistent: bool = False, timeline: bool = False,
-                    out_store: str | None = None):
+                    out_store: str | None = None, mask: str | None = None):
     """The forward kernel as the launcher builds it.  ``k_perm``: K through the 5-D key-permuted descriptor
     (``K_PERM``, the launcher's path when Sk % 16 == 0), else the 2-D one (its fallback)."""
     from triton.experimental.gluon import language as gl
@@ -91,6 +91,8 @@ def compile_variant(head_dim: int, causal: bool, pingpong: bool, block_n: int = 
         consts["EXP2_FMA"] = cfg.exp2_fma if exp2_fma is None else exp2_fma
     if "OUT_ROWS" in m._attn_fwd_ws_kernel.arg_names:
         consts["OUT_ROWS"] = (out_store or cfg.out_store) == "rows"
+    if "LEAN_MASK" in m._attn_fwd_ws_kernel.arg_names:
+        consts["LEAN_MASK"] = (mask or cfg.mask) == "lean"
     if "TIMES" in m._attn_fwd_ws_kernel.arg_names:
         if timeline:  # the timing probe's build (scripts/fwd_timeline.py)
             ptrs["TIMES"] = "*i64"
@@ -306,6 +308,8 @@ def main(argv=None) -> int:
                     "default: the launcher's default_config)")
     ap.add_argument("--out-store", choices=("mma", "rows"), help="how the output tile is stored "
                     "(GluonFwdConfig.out_store; default: the launcher's default_config)")
+    ap.add_argument("--mask", choices=("select", "lean"), help="the masked tiles' arithmetic (GluonFwdConfig.mask; "
+                    "default: the launcher's default_config)")
     args = ap.parse_args(argv)
     if not triton.__version__.startswith("3.6"):
         print(f"warning: triton {triton.__version__}; this check targets triton 3.6 (the GPU machine's version)")
@@ -325,7 +329,8 @@ def main(argv=None) -> int:
             if args.persistent and pp:
                 continue
             k = compile_variant(d, causal, pp, stages=args.stages, k_perm=kp, exp2_fma=args.exp2_fma,
-                                persistent=args.persistent, timeline=args.timeline, out_store=args.out_store)
+                                persistent=args.persistent, timeline=args.timeline, out_store=args.out_store,
+                                mask=args.mask)
         except Exception as e:  # noqa: BLE001 - report every variant
             print(f"== {name}: COMPILE ERROR\n{type(e).__name__}: {e}")
             ok = False

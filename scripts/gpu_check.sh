@@ -69,6 +69,7 @@
 #              output, CTA gaps per SM; OUTDIR/fwd_timeline*.json
 #   fwd18      timing of session 18's forward variants (persistent Gluon kernel, exp2_fma; tests/test_attn_fwd_gluon.py
 #              --persistent --exp2-fma) into OUTDIR/fwd18.json
+#   fwdmask    session 19: the Gluon forward's lean masked-tile arithmetic: compile check, GPU tests, bench
 #   bwdrows    session 19: the Gluon backward's row-wise epilogue stores (MXATTN_BWD_OUT_ROWS): builds, tests, timing
 #   outrows    session 19: the Gluon forward's row-wise output store: compile check, GPU tests, timing probe, bench
 #   exp2fma    the forward kernels with part of their exp2 on the FMA pipe (exp2_fma of GluonFwdConfig / FwdConfig,
@@ -496,6 +497,14 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
       done
       wait
       for p in 0 1 2; do MXATTN_DKDV_PROBE=$p run $PY scripts/probe_bwd_gluon.py "$OUT/bwd_probe.jsonl"; done ;;
+    fwdmask)
+      # session 19: the Gluon forward's lean masked-tile arithmetic (GluonFwdConfig.mask="lean"): compile check, its GPU
+      # tests (bit-identical to "select", per-block and persistent), then the bench (causal S 2k / 4k / 8k and
+      # unaligned Sk, d128 / d64, 3 turns; FWDMASK_ARGS="--cuda-graph" for replays): OUTDIR/fwd_mask.json
+      run $PY scripts/compile_check_gluon.py --only d128_causal_nopingpong,d64_causal_nopingpong --mask lean
+      run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_fwd_gluon.py -k "lean or fp32_out" 2>&1 \
+        | tail -15 || status=1
+      run $PY tests/test_attn_fwd_gluon.py --mask --repeats 3 ${FWDMASK_ARGS:-} --out "$OUT/fwd_mask.json" ;;
     bwdrows)
       # session 19: the Gluon backward kernels' row-wise epilogue stores (MXATTN_BWD_OUT_ROWS=1, read at import):
       # the launched builds of both settings (spills, STG widths), the GPU tests that compare the kernels with their

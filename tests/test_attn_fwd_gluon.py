@@ -139,6 +139,17 @@ def test_launch_plan_repeats_the_checked_launch(causal, monkeypatch):
     assert seen[-1][2][1].base is not k.data and len(m._PLANS) == 0
 
 
+def test_config_values_checked_before_launch(monkeypatch):
+    m = _gluon()
+    seen = _recorded(monkeypatch)
+    ops = _plan_operands()
+    for bad, msg in ((dict(mask="fast"), "mask"), (dict(out_store="tma"), "out_store"), (dict(exp2_fma=10), "exp2_fma"),
+                     (dict(pingpong=True), "pingpong")):
+        with pytest.raises(ValueError, match=msg):
+            m.attn_fwd_gluon(*ops, config=m.GluonFwdConfig(**bad))
+    assert seen == []
+
+
 def _sigma(c: int) -> int:
     """Key held by S column / K tile row c under K_PERM (mirror of ``_key_of_column``)."""
     return (c & ~15) | (((c >> 1) & 3) << 2) | (((c >> 3) & 1) << 1) | (c & 1)
@@ -414,7 +425,7 @@ def test_attn_fwd_gluon_gpu(case, seed, monkeypatch):
 @pytest.mark.parametrize("variant", [dict(persistent=False, pingpong=True), dict(stages=2), dict(stages=4),
                                      dict(exp2_fma=25), dict(exp2_fma=50), dict(out_store="mma"),
                                      dict(persistent=False), dict(persistent=False, stages=2),
-                                     dict(persistent=False, out_store="mma")],
+                                     dict(persistent=False, out_store="mma"), dict(mask="lean")],
                          ids=str)
 def test_attn_fwd_gluon_gpu_configs(variant, seed, monkeypatch):
     if not _is_hopper():
@@ -549,11 +560,13 @@ def test_attn_fwd_gluon_exp2_fma_close(causal, exp2_fma, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [dict(persistent=True), dict(out_store="rows"),
-                                     dict(persistent=True, out_store="rows")], ids=str)
+                                     dict(persistent=True, out_store="rows"), dict(mask="lean"),
+                                     dict(persistent=True, out_store="rows", mask="lean")], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 def test_attn_fwd_gluon_variant_bit_identical(causal, variant, seed):
     """The persistent kernel (``GluonFwdConfig.persistent``) computes each work item as the one-CTA-per-block
-    kernel does, and the row-wise output store (``out_store="rows"``) writes the same values: out and lse
+    kernel does, the row-wise output store (``out_store="rows"``) writes the same values and the lean masked-tile
+    arithmetic (``mask="lean"``) computes them: out and lse
     bit-identical, over more work items than SMs (CTAs loop, the ring runs on across items), GQA, odd lengths,
     Sq > Sk causal (items with no key tile), d64, the 2-D K path (Sk % 16 != 0)."""
     if not _is_hopper():
@@ -567,7 +580,7 @@ def test_attn_fwd_gluon_variant_bit_identical(causal, variant, seed):
                                   (3, 700, 1200, 8, 2, 64), (1, 129, 48, 2, 2, 128)):
         q, k, v = _inputs(B, Sq, Sk, Hq, Hkv, D, "cuda", seed + Sk)
         ops = row_scaled_triton(q, "q"), row_scaled_triton(k, "k"), row_scaled_triton(v, "v")
-        cfg = dataclasses.replace(m.default_config(D, causal), persistent=False, out_store="mma")
+        cfg = dataclasses.replace(m.default_config(D, causal), persistent=False, out_store="mma", mask="select")
         out_0, lse_0 = m.attn_fwd_gluon(*ops, causal=causal, config=cfg)
         out_p, lse_p = m.attn_fwd_gluon(*ops, causal=causal, config=dataclasses.replace(cfg, **variant))
         assert torch.equal(out_p, out_0), f"out {B, Sq, Sk, Hq, Hkv, D}"
@@ -778,6 +791,10 @@ if __name__ == "__main__":
                          "defaults (B2 H16 d128 / d64 S 2k / 8k unless --quick)")
     ap.add_argument("--cuda-graph", action="store_true",
                     help="time CUDA-graph replays (the GPU work alone; eager calls at S 2k are host-bound)")
+    ap.add_argument("--mask", action="store_true",
+                    help="also time the lean masked-tile arithmetic (GluonFwdConfig.mask='lean') beside the default "
+                         "(B2 H16 d128 / d64 S 2k / 4k / 8k causal, and S 2000 / 4000 without a mask: a masked last "
+                         "tile)")
     ap.add_argument("--out-store", action="store_true",
                     help="also time the row-wise output store (GluonFwdConfig.out_store='rows'), per-block and "
                          "persistent (B2 H16 d128 / d64 S 2k / 4k / 8k, both causal flags, unless --quick)")
@@ -824,6 +841,14 @@ if __name__ == "__main__":
             bench_shapes = grid_shapes(2, 16, None, (128,), (2048, 4096, 8192))
         elif not (args.sweep or args.exp2_fma or args.persistent):
             bench_shapes = grid_shapes(2, 16, None, (128, 64), (2048, 4096, 8192))
+    if args.mask:
+        from mxattn.bench.speed import Shape
+        from mxattn.kernels.attn_fwd_gluon import GluonFwdConfig
+
+        bench_configs = (bench_configs or {}) | {"lean": GluonFwdConfig(mask="lean")}
+        if not (args.sweep or args.exp2_fma or args.persistent or args.out_store):
+            bench_shapes = [Shape(2, 16, 16, S, S, D, c) for D in (128, 64) for S, c in
+                            ((2048, True), (4096, True), (8192, True), (2000, False), (4000, False))]
     tl_variants = {f"exp2_fma{p}": dict(exp2_fma=p) for p in (25, 50)} if args.exp2_fma else None
     result_rows = bench_gluon_vs_tl(bench_shapes, configs=bench_configs, tl_variants=tl_variants,
                                     repeats=args.repeats, cuda_graph=args.cuda_graph)

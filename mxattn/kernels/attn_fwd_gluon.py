@@ -117,16 +117,28 @@ class GluonFwdConfig:
     # thread, a warp's store spread over 8 rows).  Bit-identical.  Session 19's timing probe (H100, d128): the
     # output took 3,800-4,500 clocks of a CTA with "mma", 1,700-1,800 with "rows"; the kernel's span 4-8 % shorter
     out_store: str = "rows"
+    # the masked tiles' arithmetic (the diagonal tile of a causal block, the last tile when Sk % BLOCK_N != 0):
+    # "select" keeps keys by two compares and an and per element, takes the row max of the scaled scores, sets the
+    # excluded scores to -inf and selects them out again after the exp2; "lean" (``_masked_scores_lean``) one compare
+    # per element against a per-row bound (the causal diagonal and Sk folded), the row max of the raw scores times
+    # the row scale (rs > 0: the same value), one select after the exp2.  The same outputs bit for bit.  Compiled
+    # (session 19, triton 3.6): the d128 causal loop's two paths 1,466 -> 1,044 SASS instructions (the masked step
+    # ~990 -> ~570; the unmasked step unchanged, 477), R234 -> R201.  The probe had a causal diagonal tile costing
+    # ~2x an unmasked one.  Opt-in until measured (docs/pending-gpu-checks.md, session 19)
+    mask: str = "select"
 
 
 # MXATTN_FWD_PERSISTENT=0 (read at import): the per-block kernel by default (the persistent one is since session 19)
 PERSISTENT_DEFAULT = os.environ.get("MXATTN_FWD_PERSISTENT", "1") != "0"
+# MXATTN_FWD_MASK=lean (read at import): GluonFwdConfig.mask's default (opt-in until measured)
+MASK_DEFAULT = os.environ.get("MXATTN_FWD_MASK", "select")
 
 
 def default_config(head_dim: int, causal: bool) -> GluonFwdConfig:
     # d=128: 16 KB Q + 3 x (16 + 16) KB K/V stages = 112 KB shared memory (one CTA per SM anyway: the 12 warps
     # take the whole register file).  Not tuned on the GPU yet (docs/perf-notes-attn-fwd-gluon.md: sweep to run).
-    return GluonFwdConfig(stages=3, pingpong=False, exp2_fma=attn_fwd.EXP2_FMA_DEFAULT, persistent=PERSISTENT_DEFAULT)
+    return GluonFwdConfig(stages=3, pingpong=False, exp2_fma=attn_fwd.EXP2_FMA_DEFAULT, persistent=PERSISTENT_DEFAULT,
+                          mask=MASK_DEFAULT)
 
 
 # ------------------------------------------------------------------------------------------------- layouts
@@ -254,8 +266,29 @@ def _scores(qk, m_i, rs, offs_m, n0, Sk, causal_off,
 
 
 @gluon.jit
+def _masked_scores_lean(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                        K_PERM: gl.constexpr):
+    """``_scores`` of a masked tile with ``GluonFwdConfig.mask == "lean"``: (x unmasked, new row max, keep).  The caller
+    selects 2^x where keep, else 0: what the "select" path gives (its -inf scores exponentiate to 0)."""
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk.type.layout))
+    if K_PERM:
+        cols = _key_of_column(cols)  # column c holds key sigma(c)
+    cols = gl.expand_dims(cols, 0)
+    if CAUSAL:  # key c of the tile is kept iff c <= row + Sk - Sq - n0 and c < Sk - n0: one bound per row
+        keep = cols <= gl.expand_dims(gl.minimum(offs_m + (causal_off - n0), Sk - n0 - 1), 1)
+    else:
+        keep = cols < Sk - n0
+    # rs > 0: max over kept keys of qk * rs = (max of qk) * rs, rounding included (as the unmasked branch)
+    m_new = gl.maximum(m_i, gl.max(gl.where(keep, qk, float("-inf")), 1) * rs)
+    m_new = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+    x = gl.fma(qk, gl.expand_dims(rs, 1), gl.expand_dims(8.0 - m_new, 1))
+    return x, m_new, keep
+
+
+@gluon.jit
 def _softmax_tile(qk, m_i, l_i, rs, offs_m, n0, masked, Sk, causal_off,
-                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, K_PERM: gl.constexpr, EXP2_FMA: gl.constexpr):
+                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, K_PERM: gl.constexpr, EXP2_FMA: gl.constexpr,
+                  LEAN_MASK: gl.constexpr):
     """Online softmax of one S tile (fp32, wgmma accumulator layout) -> (p = 2^x <= 256 in fp32, new row max,
     alpha = 2^(m_old - m_new), new row sum).  ``masked`` (runtime) selects the bounds / causal path."""
     # exp2 in each branch, not after the join: with one exp2 after the join, ptxas hoisted the P V wait
@@ -263,8 +296,12 @@ def _softmax_tile(qk, m_i, l_i, rs, offs_m, n0, masked, Sk, causal_off,
     # (docs/perf-notes-attn-fwd-gluon.md, session 7).  The masked branch's select (the same values: 2^-inf = 0,
     # NaN stays NaN) keeps LLVM from merging the two exp2s back into the join block.
     if masked:
-        x, m_new = _scores(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N, True, CAUSAL, K_PERM)
-        p = gl.where(x == float("-inf"), 0.0, gl.exp2(x))
+        if LEAN_MASK:
+            x, m_new, keep = _masked_scores_lean(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N, CAUSAL, K_PERM)
+            p = gl.where(keep, gl.exp2(x), 0.0)
+        else:
+            x, m_new = _scores(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N, True, CAUSAL, K_PERM)
+            p = gl.where(x == float("-inf"), 0.0, gl.exp2(x))
     else:
         if FWD_PROBE == 4:
             return qk, m_i, gl.full_like(m_i, 1.0), l_i
@@ -281,14 +318,18 @@ def _softmax_tile(qk, m_i, l_i, rs, offs_m, n0, masked, Sk, causal_off,
 @gluon.jit
 def _softmax_tile_packed(qk, m_i, l_i, rs, offs_m, n0, masked, Sk, causal_off, p_layout: gl.constexpr,
                          BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, K_PERM: gl.constexpr,
-                         EXP2_FMA: gl.constexpr):
+                         EXP2_FMA: gl.constexpr, LEAN_MASK: gl.constexpr):
     """``_softmax_tile`` with P packed (``_pack_p``) inside each branch: returns (int32 words, new row max, alpha,
     new row sum).  The branches join int32 words and the row sums, so the exp2s *and* the e4m3 packing stay in the
     branch blocks, above the P V wait (ptxas schedules a join block's ``WARPGROUP.DEPBAR`` first: a pack after the
     join ran after the wait)."""
     if masked:
-        x, m_new = _scores(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N, True, CAUSAL, K_PERM)
-        p = gl.where(x == float("-inf"), 0.0, gl.exp2(x))
+        if LEAN_MASK:
+            x, m_new, keep = _masked_scores_lean(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N, CAUSAL, K_PERM)
+            p = gl.where(keep, gl.exp2(x), 0.0)
+        else:
+            x, m_new = _scores(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N, True, CAUSAL, K_PERM)
+            p = gl.where(x == float("-inf"), 0.0, gl.exp2(x))
         psum = gl.sum(p, 1)
         w = _pack_p(p, p_layout, K_PERM)
     else:
@@ -416,7 +457,7 @@ def _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bar
             acc, l_i, m_i, qscale, offs_m, Sk, causal_off, n_tiles, n_full, it0,
             WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
             PINGPONG: gl.constexpr, K_PERM: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr,
-            row_o: gl.constexpr, P_CARRY: gl.constexpr, EXP2_FMA: gl.constexpr):
+            row_o: gl.constexpr, P_CARRY: gl.constexpr, EXP2_FMA: gl.constexpr, LEAN_MASK: gl.constexpr):
     """The KV loop of one warpgroup (n_tiles >= 1), FA3 intra-warpgroup overlap (issue block k = 0 .. n_tiles).
     ``it0``: ring position of the first tile (K / V tiles this CTA consumed before: 0, or the persistent
     kernel's running count), so tile j is ring slot (it0 + j) % STAGES, phase ((it0 + j) // STAGES) & 1.
@@ -439,7 +480,7 @@ def _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bar
     mbarrier.arrive(k_empty.index(s0), count=1)
     rs = qscale * gl.exp2(gl.load(KE).to(gl.float32))
     p, m_i, alpha, l_i = _softmax_tile(qk, m_i, l_i, rs, offs_m, 0, n_full == 0, Sk, causal_off, BLOCK_N, CAUSAL,
-                                       K_PERM, EXP2_FMA)
+                                       K_PERM, EXP2_FMA, LEAN_MASK)
     pc = _carry(p, p_layout, K_PERM, P_CARRY)
     if P_CARRY == "i32xor" or P_CARRY == "i32br":
         # 0 at run time (Sk >= 0), opaque to LLVM (asm) and to ptxas (a kernel argument): the xor below is a copy
@@ -464,10 +505,10 @@ def _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bar
         if P_CARRY == "i32br":
             pc_new, m_new, alpha, l_i = _softmax_tile_packed(qk, m_i, l_i, rs, offs_m, n0, j >= n_full, Sk,
                                                              causal_off, p_layout, BLOCK_N, CAUSAL, K_PERM,
-                                                             EXP2_FMA)
+                                                             EXP2_FMA, LEAN_MASK)
         else:
             p, m_new, alpha, l_i = _softmax_tile(qk, m_i, l_i, rs, offs_m, n0, j >= n_full, Sk, causal_off,
-                                                 BLOCK_N, CAUSAL, K_PERM, EXP2_FMA)
+                                                 BLOCK_N, CAUSAL, K_PERM, EXP2_FMA, LEAN_MASK)
         if P_CARRY == "i32early":  # packs while P_{j-1} V_{j-1} may still read its registers: ptxas C7513
             pc = _carry(p, p_layout, K_PERM, P_CARRY)
         elif P_CARRY == "i32copy" or P_CARRY == "i32xor":
@@ -505,12 +546,13 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
               row0, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, TIMES,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, K_PERM: gl.constexpr, P_CARRY: gl.constexpr,
-              EXP2_FMA: gl.constexpr, OUT_ROWS: gl.constexpr):
+              EXP2_FMA: gl.constexpr, OUT_ROWS: gl.constexpr, LEAN_MASK: gl.constexpr):
     """One warpgroup: query rows row0 .. row0 + 63 of the sequence (pointers already moved to (b, h))."""
     _row_block(q_smem, k_smem, v_smem, q_bar, q_bar, k_ready, k_empty, v_ready, v_empty, turn_bars,
                QE, KE, VE, O, LSE, stride_qem, stride_ket, stride_ved, stride_om, stride_od, stride_lm,
                row0, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, 0, 0,
-               WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, P_CARRY, EXP2_FMA, False, OUT_ROWS, TIMES)
+               WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, P_CARRY, EXP2_FMA, False, OUT_ROWS, LEAN_MASK,
+               TIMES)
 
 
 @gluon.jit
@@ -520,7 +562,8 @@ def _row_block(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready
                row0, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, q_phase, it0,
                WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, K_PERM: gl.constexpr, P_CARRY: gl.constexpr,
-               EXP2_FMA: gl.constexpr, PERSISTENT: gl.constexpr, OUT_ROWS: gl.constexpr, TIMES=None):
+               EXP2_FMA: gl.constexpr, PERSISTENT: gl.constexpr, OUT_ROWS: gl.constexpr, LEAN_MASK: gl.constexpr,
+               TIMES=None):
     """One warpgroup's 64 query rows of one work item: Q (phase ``q_phase`` of q_bar), the KV loop from ring
     position ``it0``, the output.  PERSISTENT: Q's buffer is handed back (``q_empty``) once the loop is done, so
     the producer loads the next item's Q under this item's output.  TIMES (a timing probe, None in every real
@@ -551,7 +594,7 @@ def _row_block(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready
         acc, l_i, m_i = _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bars, KE,
                                 stride_ket, acc, l_i, m_i, qscale, offs_m, Sk, causal_off, n_tiles, n_full, it0,
                                 WG, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, s_layout, p_layout, row_o, P_CARRY,
-                                EXP2_FMA)
+                                EXP2_FMA, LEAN_MASK)
     if PERSISTENT:
         mbarrier.arrive(q_empty, count=1)  # every S of this item has been waited for: Q's buffer is free
     if TIMES is not None:
@@ -668,7 +711,7 @@ def _consumer_persistent(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empt
                          Hq, group_size, Sq, Sk, n_m, BH, n_work, qk_scale,
                          WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                          CAUSAL: gl.constexpr, K_PERM: gl.constexpr, P_CARRY: gl.constexpr,
-                         EXP2_FMA: gl.constexpr, OUT_ROWS: gl.constexpr):
+                         EXP2_FMA: gl.constexpr, OUT_ROWS: gl.constexpr, LEAN_MASK: gl.constexpr):
     it = 0
     k = 0
     for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
@@ -680,7 +723,7 @@ def _consumer_persistent(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empt
                    LSE + b64 * stride_lb + h * stride_lh,
                    stride_qem, stride_ket, stride_ved, stride_om, stride_od, stride_lm,
                    start_m + WG * WG_ROWS, Sq, Sk, Sk - Sq, n_tiles, n_full, qk_scale, k & 1, it,
-                   WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, False, K_PERM, P_CARRY, EXP2_FMA, True, OUT_ROWS)
+                   WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, False, K_PERM, P_CARRY, EXP2_FMA, True, OUT_ROWS, LEAN_MASK)
         it += n_tiles
         k += 1
 
@@ -720,7 +763,7 @@ def _attn_fwd_ws_persistent_kernel(
     Hq, Hkv, Sq, Sk, group_size, qk_scale, n_m, BH, n_work,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, K_PERM: gl.constexpr,
-    P_CARRY: gl.constexpr, EXP2_FMA: gl.constexpr, OUT_ROWS: gl.constexpr,
+    P_CARRY: gl.constexpr, EXP2_FMA: gl.constexpr, OUT_ROWS: gl.constexpr, LEAN_MASK: gl.constexpr,
 ):
     """``_attn_fwd_ws_kernel`` as one CTA per SM over n_work = n_m * B * Hq work items (``_work_item``): the K / V
     ring runs on across items (each partition counts the tiles it has passed), Q's buffer is handed back by a
@@ -736,13 +779,15 @@ def _attn_fwd_ws_persistent_kernel(
                                 stride_ket, stride_keh, stride_veb, stride_veh, stride_ved, stride_ob, stride_om,
                                 stride_oh, stride_od, stride_lb, stride_lh, stride_lm,
                                 Hq, group_size, Sq, Sk, n_m, BH, n_work, qk_scale,
-                                0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, K_PERM, P_CARRY, EXP2_FMA, OUT_ROWS)),
+                                0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, K_PERM, P_CARRY, EXP2_FMA, OUT_ROWS,
+                                LEAN_MASK)),
         (_consumer_persistent, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
                                 turn_bars, QE, KE, VE, O, LSE, stride_qeb, stride_qem, stride_qeh, stride_keb,
                                 stride_ket, stride_keh, stride_veb, stride_veh, stride_ved, stride_ob, stride_om,
                                 stride_oh, stride_od, stride_lb, stride_lh, stride_lm,
                                 Hq, group_size, Sq, Sk, n_m, BH, n_work, qk_scale,
-                                1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, K_PERM, P_CARRY, EXP2_FMA, OUT_ROWS)),
+                                1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, K_PERM, P_CARRY, EXP2_FMA, OUT_ROWS,
+                                LEAN_MASK)),
         (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
                                 v_ready, v_empty, Hq, Hkv, group_size, Sq, Sk, n_m, BH, n_work,
                                 HEAD_DIM, BLOCK_N, STAGES, K_PERM, CAUSAL)),
@@ -760,7 +805,7 @@ def _attn_fwd_ws_kernel(
     Hq, Hkv, Sq, Sk, group_size, qk_scale, TIMES,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, K_PERM: gl.constexpr,
-    P_CARRY: gl.constexpr, EXP2_FMA: gl.constexpr, OUT_ROWS: gl.constexpr,
+    P_CARRY: gl.constexpr, EXP2_FMA: gl.constexpr, OUT_ROWS: gl.constexpr, LEAN_MASK: gl.constexpr,
 ):
     # heaviest query blocks first when causal (they see the most keys): shorter tail at the end of the grid
     pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
@@ -787,11 +832,13 @@ def _attn_fwd_ws_kernel(
         (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_bars,
                      QE_bh, KE_bh, VE_bh, O_bh, LSE_bh, stride_qem, stride_ket, stride_ved, stride_om, stride_od,
                      stride_lm, start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, TIMES,
-                     0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, P_CARRY, EXP2_FMA, OUT_ROWS)),
+                     0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, P_CARRY, EXP2_FMA, OUT_ROWS,
+                     LEAN_MASK)),
         (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_bars,
                      QE_bh, KE_bh, VE_bh, O_bh, LSE_bh, stride_qem, stride_ket, stride_ved, stride_om, stride_od,
                      stride_lm, start_m + WG_ROWS, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, TIMES,
-                     1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, P_CARRY, EXP2_FMA, OUT_ROWS)),
+                     1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, K_PERM, P_CARRY, EXP2_FMA, OUT_ROWS,
+                     LEAN_MASK)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                      b * Sq + start_m, h * HEAD_DIM, b * Sk, hk * HEAD_DIM, (b * Hkv + hk) * HEAD_DIM, n_tiles,
                      BLOCK_N, STAGES, K_PERM)),
@@ -865,7 +912,7 @@ def _plan_key(q, k, v, causal, softmax_scale, out_dtype):
         return None
     dev = torch.cuda.current_device() if q.data.is_cuda else -1
     return (tuple(tensor_sig(t) for t in (q.data, k.data, v.data, q.exp, k.exp, v.exp)), q.data.device, dev, causal,
-            softmax_scale, out_dtype, PERSISTENT_DEFAULT, attn_fwd.EXP2_FMA_DEFAULT)
+            softmax_scale, out_dtype, PERSISTENT_DEFAULT, attn_fwd.EXP2_FMA_DEFAULT, MASK_DEFAULT)
 
 
 def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
@@ -895,6 +942,8 @@ def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None
         raise ValueError(f"head dim {D} not supported by the Gluon forward (64 or 128)")
     softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
     cfg = config or default_config(D, causal)
+    if cfg.mask not in ("select", "lean"):
+        raise ValueError(f"mask must be 'select' or 'lean', got {cfg.mask!r}")
     if cfg.out_store not in ("mma", "rows"):
         raise ValueError(f"out_store must be 'mma' or 'rows', got {cfg.out_store!r}")
     if cfg.exp2_fma not in (0, 25, 50):
@@ -915,7 +964,7 @@ def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None
     consts = dict(HEAD_DIM=D, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CAUSAL=causal,
                   CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, K_PERM=k_perm,
                   P_CARRY=cfg.p_carry, EXP2_FMA=cfg.exp2_fma,
-                  OUT_ROWS=cfg.out_store == "rows", num_warps=4, maxnreg=cfg.maxnreg)
+                  OUT_ROWS=cfg.out_store == "rows", LEAN_MASK=cfg.mask == "lean", num_warps=4, maxnreg=cfg.maxnreg)
     if cfg.persistent:
         if cfg.pingpong:
             raise ValueError("GluonFwdConfig: persistent does not take pingpong")
