@@ -286,6 +286,19 @@ def _masked_scores_lean(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N: gl.con
 
 
 @gluon.jit
+def _masked_p(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+              K_PERM: gl.constexpr, LEAN_MASK: gl.constexpr):
+    """(p = 2^x, 0 where masked; new row max) of a masked tile, by ``GluonFwdConfig.mask``."""
+    if LEAN_MASK:
+        x, m_new, keep = _masked_scores_lean(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N, CAUSAL, K_PERM)
+        p = gl.where(keep, gl.exp2(x), 0.0)
+    else:
+        x, m_new = _scores(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N, True, CAUSAL, K_PERM)
+        p = gl.where(x == float("-inf"), 0.0, gl.exp2(x))
+    return p, m_new
+
+
+@gluon.jit
 def _softmax_tile(qk, m_i, l_i, rs, offs_m, n0, masked, Sk, causal_off,
                   BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, K_PERM: gl.constexpr, EXP2_FMA: gl.constexpr,
                   LEAN_MASK: gl.constexpr):
@@ -296,12 +309,7 @@ def _softmax_tile(qk, m_i, l_i, rs, offs_m, n0, masked, Sk, causal_off,
     # (docs/perf-notes-attn-fwd-gluon.md, session 7).  The masked branch's select (the same values: 2^-inf = 0,
     # NaN stays NaN) keeps LLVM from merging the two exp2s back into the join block.
     if masked:
-        if LEAN_MASK:
-            x, m_new, keep = _masked_scores_lean(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N, CAUSAL, K_PERM)
-            p = gl.where(keep, gl.exp2(x), 0.0)
-        else:
-            x, m_new = _scores(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N, True, CAUSAL, K_PERM)
-            p = gl.where(x == float("-inf"), 0.0, gl.exp2(x))
+        p, m_new = _masked_p(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N, CAUSAL, K_PERM, LEAN_MASK)
     else:
         if FWD_PROBE == 4:
             return qk, m_i, gl.full_like(m_i, 1.0), l_i
@@ -324,12 +332,7 @@ def _softmax_tile_packed(qk, m_i, l_i, rs, offs_m, n0, masked, Sk, causal_off, p
     branch blocks, above the P V wait (ptxas schedules a join block's ``WARPGROUP.DEPBAR`` first: a pack after the
     join ran after the wait)."""
     if masked:
-        if LEAN_MASK:
-            x, m_new, keep = _masked_scores_lean(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N, CAUSAL, K_PERM)
-            p = gl.where(keep, gl.exp2(x), 0.0)
-        else:
-            x, m_new = _scores(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N, True, CAUSAL, K_PERM)
-            p = gl.where(x == float("-inf"), 0.0, gl.exp2(x))
+        p, m_new = _masked_p(qk, m_i, rs, offs_m, n0, Sk, causal_off, BLOCK_N, CAUSAL, K_PERM, LEAN_MASK)
         psum = gl.sum(p, 1)
         w = _pack_p(p, p_layout, K_PERM)
     else:
