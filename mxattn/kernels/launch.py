@@ -45,8 +45,8 @@ _MODE = os.environ.get("MXATTN_FAST_LAUNCH", "1").lower()
 _ENABLED = _MODE not in ("0", "false", "off") and os.environ.get("TRITON_INTERPRET", "0") != "1"
 _CHECK = _MODE == "check"
 _BYPASS = [False]  # set by ``triton_dispatch()``: every launcher takes Triton's own path
-# MXATTN_LAUNCH_PLANS=0: no launch plans anywhere (quantize wrappers, the tl and Gluon forwards, the Gluon backward launchers):
-# every call takes its checked path, for telling a plan's fault from a kernel's
+# MXATTN_LAUNCH_PLANS=0: no launch plans anywhere (quantize wrappers, the tl and Gluon forwards, the Gluon backward
+# launchers): every call takes its checked path, for telling a plan's fault from a kernel's
 PLANS = os.environ.get("MXATTN_LAUNCH_PLANS", "1").lower() not in ("0", "false", "off")
 # MXATTN_FAST_LAUNCH_SPEC=0: no second table (a by-value miss goes through Triton's dispatch); read at each miss
 SPEC_TABLE = [os.environ.get("MXATTN_FAST_LAUNCH_SPEC", "1").lower() not in ("0", "false", "off")]
