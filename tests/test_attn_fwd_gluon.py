@@ -150,6 +150,38 @@ def test_config_values_checked_before_launch(monkeypatch):
     assert seen == []
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_lean_mask_arithmetic_matches_select(seed):
+    """The identities ``GluonFwdConfig.mask="lean"`` rests on, in torch fp32 on the CPU (the kernel's own bits are
+    compared on the GPU): one per-row bound min(row + Sk - Sq - n0, Sk - n0 - 1) keeps exactly the keys the two
+    compares keep; the row max of the raw scores times rs > 0 equals the row max of the scaled scores bit for bit
+    (rounding is monotonic), subnormal, huge and infinite scores included; and where(keep, 2^x, 0) equals
+    where(x == -inf, 0, 2^x) of the select path's x."""
+    g = torch.Generator().manual_seed(seed)
+    M, N = 64, 128
+    for Sq, Sk, n0, row0 in ((2048, 2048, 1920, 1920), (1000, 1003, 896, 960), (5, 300, 256, 0), (300, 40, 0, 256)):
+        rows = row0 + torch.arange(M)[:, None]
+        cols = torch.arange(N)[None, :]
+        two = (cols < Sk - n0) & (cols <= rows + (Sk - Sq) - n0)
+        one = cols <= torch.minimum(rows + (Sk - Sq) - n0, torch.tensor(Sk - n0 - 1))
+        assert torch.equal(one, two)
+    qk = torch.randn(M, N, generator=g) * torch.logspace(-40, 37, M)[:, None]
+    qk[0, :7] = torch.tensor([float("inf"), -float("inf"), 1e-45, -1e-45, 3e38, -3e38, 0.0])
+    rs = torch.rand(M, generator=g) * torch.logspace(-3, 3, M) + 1e-30  # > 0
+    keep = torch.rand(M, N, generator=g) < 0.7
+    keep[1] = False  # a row that sees nothing yet
+    ninf = torch.tensor(float("-inf"))
+    sel = torch.where(keep, qk * rs[:, None], ninf).amax(1)
+    lean = torch.where(keep, qk, ninf).amax(1) * rs
+    assert torch.equal(sel, lean)
+    m_new = torch.where(lean == ninf, torch.tensor(0.0), lean)
+    x_lean = torch.addcmul((8.0 - m_new)[:, None], qk, rs[:, None])
+    x_sel = torch.where(keep, x_lean, ninf)
+    p_sel = torch.where(x_sel == ninf, torch.tensor(0.0), torch.exp2(x_sel))
+    p_lean = torch.where(keep, torch.exp2(x_lean), torch.tensor(0.0))
+    assert torch.equal(p_sel.nan_to_num(-1.0), p_lean.nan_to_num(-1.0))
+
+
 def _sigma(c: int) -> int:
     """Key held by S column / K tile row c under K_PERM (mirror of ``_key_of_column``)."""
     return (c & ~15) | (((c >> 1) & 3) << 2) | (((c >> 3) & 1) << 1) | (c & 1)
