@@ -302,8 +302,8 @@ def main(argv=None) -> int:
                     "scripts/fwd_timeline.py)")
     ap.add_argument("--persistent", action="store_true", help="the persistent kernel (GluonFwdConfig.persistent); "
                     "its variants are the no-ping-pong ones.  With this script's all-i32 signature it spills and its "
-                    "item loop trips the DEPBAR rule; scripts/compile_launched.py fwd-gluon with "
-                    "MXATTN_FWD_PERSISTENT=1 builds what a launch builds (no spills)")
+                    "item loop trips the DEPBAR rule; scripts/compile_launched.py fwd-gluon builds what a launch builds "
+                    "(the persistent kernel, the default since session 19: no spills)")
     ap.add_argument("--exp2-fma", type=int, help="percent of the unmasked tiles' exp2 on the FMA pipe (0, 25, 50; "
                     "default: the launcher's default_config)")
     ap.add_argument("--out-store", choices=("mma", "rows"), help="how the output tile is stored "
