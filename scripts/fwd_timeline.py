@@ -1,7 +1,7 @@
 """Where a Gluon forward CTA spends its time: the timing probe of ``attn_fwd_gluon`` (its ``TIMES`` buffer).
 
     python scripts/fwd_timeline.py [--out FILE] [--causal] [--seqlens 2048,4096,8192] [--head-dim 128]
-        [--out-store mma,rows]
+        [--out-store mma,rows] [--persistent]
 
 Each consumer warpgroup of each CTA records clock64 at its start, after Q's wait, after its KV loop and after its
 output, plus globaltimer at start and end, its SM and its key tiles.  Per shape (B2 H16, FP8 operands) this prints
@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 
-def timeline(B: int, H: int, S: int, D: int, causal: bool, runs: int = 3, out_store: str = "mma") -> dict:
+def timeline(B: int, H: int, S: int, D: int, causal: bool, runs: int = 3, out_store: str = "mma",
+             persistent: bool = False) -> dict:
     from mxattn.kernels import attn_fwd_gluon as g
     from mxattn.kernels.quantize import row_scaled_triton
 
@@ -37,10 +38,10 @@ def timeline(B: int, H: int, S: int, D: int, causal: bool, runs: int = 3, out_st
     for _ in range(runs):  # the last run's records stay (the first compiles)
         g.attn_fwd_gluon(*ops, causal=causal, _times=times,
                          config=dataclasses.replace(g.default_config(D, causal), out_store=out_store,
-                                                    persistent=False))
+                                                    persistent=persistent))
     torch.cuda.synchronize()
     summary = summarize(times.cpu(), torch.cuda.get_device_properties(0).clock_rate)
-    return dict(B=B, H=H, S=S, D=D, causal=causal, out_store=out_store) | summary
+    return dict(B=B, H=H, S=S, D=D, causal=causal, out_store=out_store, persistent=persistent) | summary
 
 
 def summarize(t: torch.Tensor, clock_khz: float) -> dict:
@@ -79,10 +80,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlens", default="2048,4096,8192")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--out-store", default="mma", help="comma list of GluonFwdConfig.out_store values to probe")
+    ap.add_argument("--persistent", action="store_true", help="the persistent kernel: one record per work item, "
+                    "and cta_gap_ns is then the idle time between one item's end and the next item's start on an SM")
     args = ap.parse_args(argv)
     rows = []
     for S, st in ((int(s), st) for s in args.seqlens.split(",") for st in args.out_store.split(",")):
-        r = timeline(2, 16, S, args.head_dim, args.causal, out_store=st)
+        r = timeline(2, 16, S, args.head_dim, args.causal, out_store=st, persistent=args.persistent)
         rows.append(r)
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
     if args.out:

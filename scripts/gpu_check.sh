@@ -167,7 +167,10 @@ for st in $STAGES; do
       # where a Gluon forward CTA spends its time (the TIMES probe, session 18): Q wait, KV loop per tile, output,
       # CTA gaps per SM, at B2 H16 d128 S 2k / 4k / 8k, non-causal then causal, into OUTDIR/fwd_timeline*.json
       run $PY scripts/fwd_timeline.py --out "$OUT/fwd_timeline.json"
-      run $PY scripts/fwd_timeline.py --causal --out "$OUT/fwd_timeline_causal.json" ;;
+      run $PY scripts/fwd_timeline.py --causal --out "$OUT/fwd_timeline_causal.json"
+      # the default kernel (session 19: persistent, row-wise store): one record per work item, gaps between items
+      run $PY scripts/fwd_timeline.py --persistent --out-store rows --out "$OUT/fwd_timeline_persistent.json"
+      run $PY scripts/fwd_timeline.py --persistent --out-store rows --causal --out "$OUT/fwd_timeline_persistent_causal.json" ;;
     outrows)
       # session 19: the Gluon forward's output stored as whole rows (GluonFwdConfig.out_store="rows"): compile
       # check, its GPU tests (bit-identical to the default store, per-block and persistent), the timing probe of

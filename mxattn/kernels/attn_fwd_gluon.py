@@ -30,7 +30,7 @@ V columns past Sk are zero-filled by TMA.  Only the last (and, causal, the diago
 Since session 19 the default is the persistent kernel (``GluonFwdConfig.persistent``: one CTA per SM over the work
 items, ``_attn_fwd_ws_persistent_kernel``) with the output stored as whole rows (``out_store="rows"``); the per-block
 kernel stays (``persistent=False``, ping-pong only there).  Opt-in and measured slower: ``exp2_fma`` (part of the
-exp2 on the FMA pipe).  A timing probe of the per-block kernel (``attn_fwd_gluon(_times=...)``,
+exp2 on the FMA pipe).  A timing probe of either kernel (``attn_fwd_gluon(_times=...)``,
 ``scripts/fwd_timeline.py``) records where each warpgroup's time goes.
 
 Notes, budget and what to measure: docs/perf-notes-attn-fwd-gluon.md.  Compile check without a GPU:
@@ -566,12 +566,13 @@ def _row_block(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready
                WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, K_PERM: gl.constexpr, P_CARRY: gl.constexpr,
                EXP2_FMA: gl.constexpr, PERSISTENT: gl.constexpr, OUT_ROWS: gl.constexpr, LEAN_MASK: gl.constexpr,
-               TIMES=None):
+               TIMES=None, item=0):
     """One warpgroup's 64 query rows of one work item: Q (phase ``q_phase`` of q_bar), the KV loop from ring
     position ``it0``, the output.  PERSISTENT: Q's buffer is handed back (``q_empty``) once the loop is done, so
     the producer loads the next item's Q under this item's output.  TIMES (a timing probe, None in every real
-    launch): int64 [programs, 2 warpgroups, 8] <- clock64 at the start, after Q's wait, after the KV loop, after
-    the output; globaltimer at the start; SM id; key tiles; globaltimer at the end (``scripts/fwd_timeline.py``)."""
+    launch): int64 [programs (PERSISTENT: work items, by ``item``), 2 warpgroups, 8] <- clock64 at the start, after
+    Q's wait, after the KV loop, after the output; globaltimer at the start; SM id; key tiles; globaltimer at the
+    end (``scripts/fwd_timeline.py``)."""
     if TIMES is not None:
         t_start = _clock64(n_tiles)
         g_start = _globaltimer(n_tiles)
@@ -630,7 +631,10 @@ def _row_block(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready
         gl.store(o_ptrs, out, mask=gl.expand_dims(offs_mo < Sq, 1))
     if TIMES is not None:
         t_end = _clock64(n_tiles)
-        rec = TIMES + ((gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)) * 2 + WG).to(gl.int64) * 8
+        if PERSISTENT:  # one record per work item
+            rec = TIMES + (item * 2 + WG).to(gl.int64) * 8
+        else:
+            rec = TIMES + ((gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)) * 2 + WG).to(gl.int64) * 8
         gl.store(rec, t_start)
         gl.store(rec + 1, t_q)
         gl.store(rec + 2, t_loop)
@@ -711,7 +715,7 @@ def _consumer_persistent(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empt
                          stride_qeb, stride_qem, stride_qeh, stride_keb, stride_ket, stride_keh,
                          stride_veb, stride_veh, stride_ved, stride_ob, stride_om, stride_oh, stride_od,
                          stride_lb, stride_lh, stride_lm,
-                         Hq, group_size, Sq, Sk, n_m, BH, n_work, qk_scale,
+                         Hq, group_size, Sq, Sk, n_m, BH, n_work, qk_scale, TIMES,
                          WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                          CAUSAL: gl.constexpr, K_PERM: gl.constexpr, P_CARRY: gl.constexpr,
                          EXP2_FMA: gl.constexpr, OUT_ROWS: gl.constexpr, LEAN_MASK: gl.constexpr):
@@ -726,7 +730,8 @@ def _consumer_persistent(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empt
                    LSE + b64 * stride_lb + h * stride_lh,
                    stride_qem, stride_ket, stride_ved, stride_om, stride_od, stride_lm,
                    start_m + WG * WG_ROWS, Sq, Sk, Sk - Sq, n_tiles, n_full, qk_scale, k & 1, it,
-                   WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, False, K_PERM, P_CARRY, EXP2_FMA, True, OUT_ROWS, LEAN_MASK)
+                   WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, False, K_PERM, P_CARRY, EXP2_FMA, True, OUT_ROWS, LEAN_MASK,
+                   TIMES, w)
         it += n_tiles
         k += 1
 
@@ -763,7 +768,7 @@ def _attn_fwd_ws_persistent_kernel(
     stride_veb, stride_veh, stride_ved,
     stride_ob, stride_om, stride_oh, stride_od,
     stride_lb, stride_lh, stride_lm,
-    Hq, Hkv, Sq, Sk, group_size, qk_scale, n_m, BH, n_work,
+    Hq, Hkv, Sq, Sk, group_size, qk_scale, n_m, BH, n_work, TIMES,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, K_PERM: gl.constexpr,
     P_CARRY: gl.constexpr, EXP2_FMA: gl.constexpr, OUT_ROWS: gl.constexpr, LEAN_MASK: gl.constexpr,
@@ -781,14 +786,14 @@ def _attn_fwd_ws_persistent_kernel(
                                 turn_bars, QE, KE, VE, O, LSE, stride_qeb, stride_qem, stride_qeh, stride_keb,
                                 stride_ket, stride_keh, stride_veb, stride_veh, stride_ved, stride_ob, stride_om,
                                 stride_oh, stride_od, stride_lb, stride_lh, stride_lm,
-                                Hq, group_size, Sq, Sk, n_m, BH, n_work, qk_scale,
+                                Hq, group_size, Sq, Sk, n_m, BH, n_work, qk_scale, TIMES,
                                 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, K_PERM, P_CARRY, EXP2_FMA, OUT_ROWS,
                                 LEAN_MASK)),
         (_consumer_persistent, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
                                 turn_bars, QE, KE, VE, O, LSE, stride_qeb, stride_qem, stride_qeh, stride_keb,
                                 stride_ket, stride_keh, stride_veb, stride_veh, stride_ved, stride_ob, stride_om,
                                 stride_oh, stride_od, stride_lb, stride_lh, stride_lm,
-                                Hq, group_size, Sq, Sk, n_m, BH, n_work, qk_scale,
+                                Hq, group_size, Sq, Sk, n_m, BH, n_work, qk_scale, TIMES,
                                 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, K_PERM, P_CARRY, EXP2_FMA, OUT_ROWS,
                                 LEAN_MASK)),
         (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty,
@@ -971,12 +976,10 @@ def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None
     if cfg.persistent:
         if cfg.pingpong:
             raise ValueError("GluonFwdConfig: persistent does not take pingpong")
-        if _times is not None:
-            raise ValueError("the timing probe (_times) runs on the per-block kernel: pass persistent=False")
         n_m = cdiv(Sq, BLOCK_M.value)
         n_work = n_m * B * Hq
         fn, grid, args = _attn_fwd_ws_persistent_kernel, (min(n_work, _sm_count(out.device)),), (*args, n_m, B * Hq,
-                                                                                                  n_work)
+                                                                                                  n_work, _times)
     else:
         fn, grid, args = _attn_fwd_ws_kernel, (cdiv(Sq, BLOCK_M.value), B * Hq), (*args, _times)
         consts["PINGPONG"] = cfg.pingpong
