@@ -202,7 +202,7 @@ from mxattn.formats import RowScaledFP8
 from mxattn.kernels.attn_bwd import grad_outputs
 from mxattn.kernels.attn_bwd_dq_gluon import (
     OUT_ROWS,
-    _store_rows,
+    _store_tile_rows,
     _hdim_view,
     _is_rs,
     _mma_layout,
@@ -833,12 +833,14 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
     else:
         dk = dk * gl.expand_dims(_pow2(qse) * (grad_scale * _pow2(dk_e)), 0)
     if OUT_ROWS:
-        _store_rows(DK, dk.to(DK.dtype.element_ty), n_sh, key_lim, stride_dkn, stride_dkd, ROWS, HEAD_DIM, WARPS)
+        _store_tile_rows(DK, dk.to(DK.dtype.element_ty), n_sh, n_sh + key_lim, stride_dkn, stride_dkd, ROWS,
+                         HEAD_DIM, WARPS)
         # (loading dO's exponents before dK's arithmetic kept 32 more registers live: the d128 causal build then
         # spilled inside its loop)
         dose = gl.load(DOSE + (h_sh + h_last) * stride_qseh + offs_d * stride_qsed)
         dv = dv * gl.expand_dims(_pow2(dose) * 0.00390625, 0)  # 2^-8: P entered as P * 256
-        _store_rows(DV, dv.to(DV.dtype.element_ty), n_sh, key_lim, stride_dkn, stride_dkd, ROWS, HEAD_DIM, WARPS)
+        _store_tile_rows(DV, dv.to(DV.dtype.element_ty), n_sh, n_sh + key_lim, stride_dkn, stride_dkd, ROWS,
+                         HEAD_DIM, WARPS)
     else:
         offs_n = gl.arange(0, ROWS, layout=row_o)
         key_ok = gl.expand_dims(offs_n < key_lim, 1)

@@ -111,6 +111,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxattn.formats import RowScaledFP8
+from mxattn.kernels.attn_fwd_gluon import _store_tile_rows
 from mxattn.kernels import launch
 from mxattn.kernels.launch import (BoundLaunch, cdiv, fast_launcher, nvmma_fp8_layout, rebased, tensor_sig,
                                    unbased)
@@ -129,7 +130,7 @@ BLOCK_NS = (64, 128)
 KV_EXP_GROUP = gl.constexpr(128)  # keys sharing one exponent in k and v_hdim
 # How dQ (here) and dK / dV (attn_bwd_dkdv_gluon) reach memory, read once at import from MXATTN_BWD_OUT_ROWS:
 # "0" (default) stored from wgmma's accumulator layout (4 bytes a thread, a warp's store over 8 rows); "1" each tile
-# moved to whole rows through shared memory first (16-byte stores, ``_store_rows``), as the forward's
+# moved to whole rows through shared memory first (16-byte stores, ``_store_tile_rows``), as the forward's
 # ``out_store="rows"`` (session 19: the forward's output 3,800-4,500 -> 1,700-1,800 clocks).  The same values are
 # stored.  Opt-in until measured (docs/pending-gpu-checks.md, session 19).
 OUT_ROWS = gl.constexpr(os.environ.get("MXATTN_BWD_OUT_ROWS", "0") == "1")
@@ -416,19 +417,6 @@ def _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_re
 
 
 @gluon.jit
-def _store_rows(ptr, x, row0, row_lim, stride_r, stride_c, ROWS: gl.constexpr, COLS: gl.constexpr,
-                WARPS: gl.constexpr):
-    """Rows row0 .. row0 + ROWS - 1 (those below row_lim) of x (16-bit, [ROWS, COLS], any layout) stored as whole
-    rows: moved through shared memory into 16 bytes a thread, a warp over contiguous rows (``OUT_ROWS``)."""
-    st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (COLS // 8), COLS // 8], [WARPS, 1], [1, 0])
-    x = gl.convert_layout(x, st_layout)
-    offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, st_layout))
-    offs_c = gl.arange(0, COLS, layout=gl.SliceLayout(0, st_layout))
-    ptrs = ptr + gl.expand_dims((row0 + offs_r).to(gl.int64) * stride_r, 1) + gl.expand_dims(offs_c * stride_c, 0)
-    gl.store(ptrs, x, mask=gl.expand_dims(offs_r < row_lim, 1))
-
-
-@gluon.jit
 def _consumer(q_smem, do_smem, k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
               QE, DOE, KE, VE, KSE, LSE, DELTA, DQ,
               stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
@@ -472,8 +460,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empt
     colscale = _pow2(kse) * grad_scale * _pow2(acc_e)
     dq = acc * gl.expand_dims(colscale, 0)
     if OUT_ROWS:  # whole rows through shared memory
-        _store_rows(DQ, dq.to(DQ.dtype.element_ty), start_m, Sq - start_m, stride_dqm, stride_dqd, ROWS, HEAD_DIM,
-                    WARPS)
+        _store_tile_rows(DQ, dq.to(DQ.dtype.element_ty), start_m, Sq, stride_dqm, stride_dqd, ROWS, HEAD_DIM, WARPS)
     else:
         offs_mo = start_m + gl.arange(0, ROWS, layout=row_o)
         ptrs = DQ + gl.expand_dims(offs_mo.to(gl.int64) * stride_dqm, 1) + gl.expand_dims(offs_d * stride_dqd, 0)

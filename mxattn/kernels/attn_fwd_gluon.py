@@ -616,15 +616,8 @@ def _row_block(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready
         ve = gl.load(VE + offs_d * stride_ved)
     inv_l = gl.convert_layout(1.0 / l_safe, row_o)
     out = (acc * gl.expand_dims(inv_l, 1) * gl.expand_dims(gl.exp2(ve.to(gl.float32)), 0)).to(O.dtype.element_ty)
-    if OUT_ROWS:
-        # the same values moved (through shared memory) to whole rows: 16 bytes a thread, a warp's store covers
-        # 512 contiguous bytes (d128), where the accumulator layout stores 4 bytes a thread over 8 rows
-        st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
-        out = gl.convert_layout(out, st_layout)
-        offs_ds = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, st_layout))
-        offs_ms = row0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, st_layout))
-        o_ptrs = O + gl.expand_dims(offs_ms.to(gl.int64) * stride_om, 1) + gl.expand_dims(offs_ds * stride_od, 0)
-        gl.store(o_ptrs, out, mask=gl.expand_dims(offs_ms < Sq, 1))
+    if OUT_ROWS:  # whole rows (a warp's store covers 512 contiguous bytes at d128, not 4 bytes a thread over 8 rows)
+        _store_tile_rows(O, out, row0, Sq, stride_om, stride_od, WG_ROWS, HEAD_DIM, 4)
     else:
         offs_mo = row0 + gl.arange(0, WG_ROWS, layout=row_o)
         o_ptrs = O + gl.expand_dims(offs_mo.to(gl.int64) * stride_om, 1) + gl.expand_dims(offs_d * stride_od, 0)
@@ -643,6 +636,20 @@ def _row_block(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready
         gl.store(rec + 5, _smid(n_tiles).to(gl.int64))
         gl.store(rec + 6, n_tiles.to(gl.int64))
         gl.store(rec + 7, _globaltimer(n_tiles))
+
+
+@gluon.jit
+def _store_tile_rows(ptr, x, row0, row_end, stride_r, stride_c, ROWS: gl.constexpr, COLS: gl.constexpr,
+                     WARPS: gl.constexpr):
+    """Rows row0 .. row0 + ROWS - 1 (those below row_end) of x ([ROWS, COLS], any layout) stored as whole rows:
+    moved through shared memory to 8 elements a thread (16 bytes at 16 bits), a warp over contiguous rows.  The
+    forward's ``out_store="rows"`` and the backward kernels' ``OUT_ROWS`` (attn_bwd_dq_gluon)."""
+    st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (COLS // 8), COLS // 8], [WARPS, 1], [1, 0])
+    x = gl.convert_layout(x, st_layout)
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, st_layout))
+    offs_c = gl.arange(0, COLS, layout=gl.SliceLayout(0, st_layout))
+    ptrs = ptr + gl.expand_dims(rows.to(gl.int64) * stride_r, 1) + gl.expand_dims(offs_c * stride_c, 0)
+    gl.store(ptrs, x, mask=gl.expand_dims(rows < row_end, 1))
 
 
 @gluon.jit
