@@ -189,6 +189,32 @@ def test_launch_plan_block_n(monkeypatch):
     assert len(m._PLANS) == 2
 
 
+def test_key_permuted_boxes(monkeypatch):
+    """Host side of ``GluonDqConfig.k_perm``: where Sk % 16 == 0 the launch takes K_PERM with K and V_hdim through
+    the forward's 5-D key-permuted view (rows by 16-key group, dims (G, a, b, e, channel) with strides
+    (16r, 2r, 4r, r, 1)); with Sk % 16 != 0 or ``k_perm=False`` the 2-D boxes and K_PERM False."""
+    from test_attn_bwd_dkdv_gluon import _recorded_launches
+
+    m = _mod()
+    for Sk, cfg, want_perm in ((208, m.GluonDqConfig(split=True), True),
+                               (208, m.GluonDqConfig(split=True, block_n=128), True),
+                               (208, m.GluonDqConfig(split=True, k_perm=False), False),
+                               (200, m.GluonDqConfig(split=True), False)):
+        m._PLANS.clear()
+        ops = _cpu_operands(B=2, Sk=Sk)
+        (_, args, kw), = _recorded_launches(monkeypatch, lambda: m.attn_bwd_dq_gluon(**ops, config=cfg), n=1)
+        assert kw["K_PERM"] is want_perm
+        k_desc, v_desc = args[2:4]
+        r = 2 * 64  # Hkv * D
+        for d in (k_desc, v_desc):
+            if want_perm:
+                assert list(d.shape) == [2 * Sk // 16, 2, 4, 2, r]
+                assert list(d.strides) == [16 * r, 2 * r, 4 * r, r, 1]
+                assert list(d.block_shape) == [cfg.block_n // 16, 2, 4, 2, 64]
+            else:
+                assert list(d.shape) == [2 * Sk, r] and list(d.block_shape) == [cfg.block_n, 64]
+
+
 def _compile_check(args):
     """``scripts/compile_check_bwd_dq_gluon.py args`` in a subprocess without TRITON_INTERPRET (conftest sets it on
     machines without a GPU, and a Gluon kernel does not compile under it); a skip off triton 3.6.  Returns the
@@ -451,6 +477,29 @@ def test_attn_bwd_dq_gluon_block_n_128_exponent_moves(seed):
     dq = m.attn_bwd_dq_gluon(**ops, grad_dtype=torch.float32, config=cfg)
     want = m._tl_dq(**ops, grad_dtype=torch.float32, tl_config=m.tl_twin_config(cfg))
     _assert_agree(dq, want.float(), "exponent moves, block_n=128")
+
+
+K_PERM_CASES = [
+    # B, Sq, Sk, Hq, Hkv, D, causal (Sk % 16 == 0: the key-permuted boxes)
+    (1, 1023, 1024, 4, 4, 128, True),
+    (3, 129, 256, 2, 1, 128, False),  # MQA; TMA rows into the next batch
+    (1, 300, 3008, 2, 2, 128, True),  # Sq < Sk; a masked last tile of 64 keys (3008 = 47 * 64)
+    (2, 1000, 1008, 16, 2, 64, False),  # GQA 8:1; a masked last tile
+    (1, 3000, 304, 2, 2, 64, True),  # Sq > Sk: rows that see no key
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [dict(split=False), dict(split=True), dict(split=True, block_n=128)], ids=str)
+@pytest.mark.parametrize("case", K_PERM_CASES, ids=_case_id)
+def test_attn_bwd_dq_gluon_k_perm_bit_identical(case, variant, seed):
+    """``k_perm`` (K and V_hdim key-permuted, dS relabelled into the A operand) against the 2-D boxes on the same
+    operands: the same S, dP, dS values and e4m3 bits in the same wgmma positions, so dq is bit-identical."""
+    if variant.get("block_n") == 128 and case[5] != 64:
+        pytest.skip("block_n=128 is a d64 build")
+    m, dq, ops, _, _ = _gluon_case(case, lambda m: m.GluonDqConfig(**variant), seed)
+    want = m.attn_bwd_dq_gluon(**ops, causal=case[6], config=m.GluonDqConfig(**variant, k_perm=False))
+    assert torch.equal(dq.view(torch.int16), want.view(torch.int16)), _case_id(case)
 
 
 @pytest.mark.gpu

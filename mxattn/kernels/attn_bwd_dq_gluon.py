@@ -111,7 +111,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxattn.formats import RowScaledFP8
-from mxattn.kernels.attn_fwd_gluon import _store_tile_rows
+from mxattn.kernels.attn_fwd_gluon import (_k_operand, _k_perm_layout, _key_of_column, _pack_p, _store_tile_rows,
+                                           _unpack_p, k_perm_ok)
 from mxattn.kernels import launch
 from mxattn.kernels.launch import (BoundLaunch, cdiv, fast_launcher, nvmma_fp8_layout, rebased, tensor_sig,
                                    unbased)
@@ -154,6 +155,11 @@ class GluonDqConfig:
     # accumulators are 64 x 128 fp32 per warpgroup (64 registers a thread each, against 32 for dQ at d64), and the
     # kernel takes half the steps (barriers, waits and per-step fixed costs) per score.  Twin: ``tl_twin_config``
     block_n: int = 64
+    # K and V_hdim loaded key-permuted (the forward's ``K_PERM``, session 20) where Sk % 16 == 0 on dense launches:
+    # S's and dP's accumulators then hold dS in the order of dQ's A operand (a relabel of its columns, no quad
+    # shuffles or byte permutes: ~33 of the 400 instructions of a d128 step).  The same values in the same places:
+    # bit-identical to False (the jagged launcher keeps the 2-D boxes)
+    k_perm: bool = True
 
     def __post_init__(self):
         if type(self.block_n) is not int or self.block_n not in BLOCK_NS:
@@ -233,7 +239,7 @@ def _sticky_exp(e_tile, e_prev):
 
 @gluon.jit
 def _ds_tile(s, dp, a_q, ke, ve, b_row, delta, dscale, e_prev, e_hi, offs_m, n0, Sk, causal_off,
-             MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+             MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, K_PERM: gl.constexpr):
     """dS of one (rows x BLOCK_N) tile from the raw S and dP accumulators -> (dS·2^-e in fp32, e).
 
     Same arithmetic as attn_bwd._dq_step: x = S·(a_q·2^ke) + b_row (−inf where masked), P = 2^x, dS = P·(dP·c − δ)
@@ -242,7 +248,10 @@ def _ds_tile(s, dp, a_q, ke, ve, b_row, delta, dscale, e_prev, e_hi, offs_m, n0,
     x = gl.fma(s, a, gl.expand_dims(b_row, 1))
     if MASKED:
         # local key index against scalar bounds (32-bit compares)
-        cols = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout)), 0)
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+        if K_PERM:
+            cols = _key_of_column(cols)  # column c holds key sigma(c)
+        cols = gl.expand_dims(cols, 0)
         keep = cols < Sk - n0
         if CAUSAL:
             keep = keep & (cols <= gl.expand_dims(offs_m + (causal_off - n0), 1))
@@ -256,7 +265,7 @@ def _ds_tile(s, dp, a_q, ke, ve, b_row, delta, dscale, e_prev, e_hi, offs_m, n0,
 
 @gluon.jit
 def _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, e_prev, e_hi, offs_m, n0, masked,
-             Sk, causal_off, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+             Sk, causal_off, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, K_PERM: gl.constexpr):
     """One tile's dS with the masked / unmasked choice made at run time (the branches join fp32 values only).  The
     k / v exponent of keys n0 .. n0 + BLOCK_N − 1: one group of 128 keys (two 64-key steps share it, or one
     128-key step has it alone)."""
@@ -264,11 +273,22 @@ def _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, e
     ve = gl.load(VE + (n0 // KV_EXP_GROUP) * stride_vet)
     if masked:
         ds, e = _ds_tile(s, dp, a_q, ke, ve, b_row, delta, dscale, e_prev, e_hi, offs_m, n0, Sk, causal_off,
-                         True, CAUSAL, BLOCK_N)
+                         True, CAUSAL, BLOCK_N, K_PERM)
     else:
         ds, e = _ds_tile(s, dp, a_q, ke, ve, b_row, delta, dscale, e_prev, e_hi, offs_m, n0, Sk, causal_off,
-                         False, CAUSAL, BLOCK_N)
+                         False, CAUSAL, BLOCK_N, K_PERM)
     return ds, e
+
+
+@gluon.jit
+def _ds_operand(ds, ds_layout: gl.constexpr, K_PERM: gl.constexpr):
+    """dS·2^-e (fp32, S accumulator layout) -> e4m3 in dQ's A operand layout.  K_PERM: relabelled by key (a layout
+    change only) and cast a word of four keys at a time (``attn_fwd_gluon._pack_p`` / ``_unpack_p``: 2 F2FP per word,
+    no byte permutes); otherwise the compiler's conversion (quad shuffles and byte permutes)."""
+    if K_PERM:
+        return _unpack_p(_pack_p(ds, ds_layout, True), ds_layout)
+    else:
+        return gl.convert_layout(ds.to(gl.float8e4nv), ds_layout)
 
 
 @gluon.jit
@@ -326,17 +346,26 @@ def _tile_row(SLOTS):
 # ------------------------------------------------------------------------------------------------- producer
 @gluon.jit
 def _producer_steps(k_desc, v_desc, ks_desc, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
-                    k_row, k_col, ks_row, ks_col, n_tiles, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Per key tile: K and V_hdim (BLOCK_N x D) and K_seq (D x BLOCK_N, from column ks_col: 0 dense, the sequence's
-    first column when jagged) into the STAGES-deep rings."""
+                    k_row, k_col, ks_row, ks_col, n_tiles, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+                    K_PERM: gl.constexpr):
+    """Per key tile: K and V_hdim (BLOCK_N x D; K_PERM: the 5-D key-permuted boxes, by 16-key group index) and
+    K_seq (D x BLOCK_N, from column ks_col: 0 dense, the sequence's first column when jagged) into the STAGES-deep
+    rings."""
     for i in range(n_tiles):
         s = i % STAGES
         # a fresh mbarrier counts as having completed the phase before phase 0: the first pass does not wait
         ph = ((i // STAGES) & 1) ^ 1
         mbarrier.wait(kv_empty.index(s), ph)
         mbarrier.expect(kv_ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [k_row + i * BLOCK_N, k_col], kv_ready.index(s), k_smem.index(s))
-        tma.async_copy_global_to_shared(v_desc, [k_row + i * BLOCK_N, k_col], kv_ready.index(s), v_smem.index(s))
+        if K_PERM:  # k_row = b * Sk, Sk % 16 == 0
+            g = (k_row + i * BLOCK_N) // 16
+            tma.async_copy_global_to_shared(k_desc, [g, 0, 0, 0, k_col], kv_ready.index(s), k_smem.index(s))
+            tma.async_copy_global_to_shared(v_desc, [g, 0, 0, 0, k_col], kv_ready.index(s), v_smem.index(s))
+        else:
+            tma.async_copy_global_to_shared(k_desc, [k_row + i * BLOCK_N, k_col], kv_ready.index(s),
+                                            k_smem.index(s))
+            tma.async_copy_global_to_shared(v_desc, [k_row + i * BLOCK_N, k_col], kv_ready.index(s),
+                                            v_smem.index(s))
         mbarrier.wait(ks_empty.index(s), ph)
         mbarrier.expect(ks_ready.index(s), ks_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(ks_desc, [ks_row, ks_col + i * BLOCK_N], ks_ready.index(s), ks_smem.index(s))
@@ -346,26 +375,26 @@ def _producer_steps(k_desc, v_desc, ks_desc, k_smem, v_smem, ks_smem, kv_ready, 
 def _producer(q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
               q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
               q_row, q_col, k_row, k_col, ks_row, ks_col, n_tiles,
-              STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+              STAGES: gl.constexpr, BLOCK_N: gl.constexpr, K_PERM: gl.constexpr):
     mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
     tma.async_copy_global_to_shared(do_desc, [q_row, q_col], q_bar, do_smem)
     _producer_steps(k_desc, v_desc, ks_desc, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
-                    k_row, k_col, ks_row, ks_col, n_tiles, STAGES, BLOCK_N)
+                    k_row, k_col, ks_row, ks_col, n_tiles, STAGES, BLOCK_N, K_PERM)
 
 
 @gluon.jit
 def _producer_split(q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
                     q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
                     q_row, q_col, k_row, k_col, ks_row, ks_col, n_tiles,
-                    STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+                    STAGES: gl.constexpr, BLOCK_N: gl.constexpr, K_PERM: gl.constexpr):
     """The split kernel's producer: a 64-row Q and dO tile per consumer warpgroup, then the same key tiles."""
     mbarrier.expect(q_bar, 2 * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
     for w in gl.static_range(2):
         tma.async_copy_global_to_shared(q_desc, [q_row + w * WG_ROWS, q_col], q_bar, q_smem.index(w))
         tma.async_copy_global_to_shared(do_desc, [q_row + w * WG_ROWS, q_col], q_bar, do_smem.index(w))
     _producer_steps(k_desc, v_desc, ks_desc, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
-                    k_row, k_col, ks_row, ks_col, n_tiles, STAGES, BLOCK_N)
+                    k_row, k_col, ks_row, ks_col, n_tiles, STAGES, BLOCK_N, K_PERM)
 
 
 # ------------------------------------------------------------------------------------------------- consumer
@@ -373,41 +402,46 @@ def _producer_split(q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k
 def _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
              KE, VE, stride_ket, stride_vet, acc, a_q, b_row, delta, dscale, offs_m, Sk, causal_off, n_tiles, n_full,
              STAGES: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr, ds_layout: gl.constexpr,
-             ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The key loop (n_tiles >= 1).  Returns (acc, its exponent)."""
+             ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, K_PERM: gl.constexpr):
+    """The key loop (n_tiles >= 1).  Returns (acc, its exponent).  K_PERM: S and dP column c holds key sigma(c)
+    (``attn_fwd_gluon._key_of_column``), and dS reaches dQ's A operand by a relabel (``_ds_operand``)."""
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     # issue block 0: S_0 and dP_0 alone
     mbarrier.wait(kv_ready.index(0), 0)
-    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    dp = warpgroup_mma(do_smem, v_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma(q_smem, _k_operand(k_smem.index(0), BLOCK_N, HEAD_DIM, K_PERM), s_zero, use_acc=False,
+                      is_async=True)
+    dp = warpgroup_mma(do_smem, _k_operand(v_smem.index(0), BLOCK_N, HEAD_DIM, K_PERM), s_zero, use_acc=False,
+                       is_async=True)
     s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
     mbarrier.arrive(kv_empty.index(0), count=1)
     acc_e = 0
     e_hi = -1000  # no bound until the accumulator holds something
     ds, e = _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, acc_e, e_hi, offs_m, 0,
-                     n_full == 0, Sk, causal_off, CAUSAL, BLOCK_N)
+                     n_full == 0, Sk, causal_off, CAUSAL, BLOCK_N, K_PERM)
     e_hi = gl.maximum(e_hi, e)
     for j in range(1, n_tiles):
         st = j % STAGES
         sp = (j - 1) % STAGES
-        ds8 = gl.convert_layout(ds.to(gl.float8e4nv), ds_layout)
+        ds8 = _ds_operand(ds, ds_layout, K_PERM)
         acc = _rescale(acc, acc_e, e)
         acc_e = e
         mbarrier.wait(kv_ready.index(st), (j // STAGES) & 1)
         mbarrier.wait(ks_ready.index(sp), ((j - 1) // STAGES) & 1)
-        s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dp = warpgroup_mma(do_smem, v_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_smem, _k_operand(k_smem.index(st), BLOCK_N, HEAD_DIM, K_PERM), s_zero, use_acc=False,
+                          is_async=True)
+        dp = warpgroup_mma(do_smem, _k_operand(v_smem.index(st), BLOCK_N, HEAD_DIM, K_PERM), s_zero,
+                           use_acc=False, is_async=True)
         acc = warpgroup_mma(ds8, ks_smem.index(sp).permute((1, 0)), acc, is_async=True)
         s, dp = warpgroup_mma_wait(num_outstanding=1, deps=(s, dp))  # S_j, dP_j; dS_{j-1} K_seq_{j-1} runs on
         mbarrier.arrive(kv_empty.index(st), count=1)
         ds, e = _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, acc_e, e_hi, offs_m,
-                         j * BLOCK_N, j >= n_full, Sk, causal_off, CAUSAL, BLOCK_N)
+                         j * BLOCK_N, j >= n_full, Sk, causal_off, CAUSAL, BLOCK_N, K_PERM)
         e_hi = gl.maximum(e_hi, e)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(ks_empty.index(sp), count=1)
     # last issue block: acc += dS_{n-1} K_seq_{n-1}
     sp = (n_tiles - 1) % STAGES
-    ds8 = gl.convert_layout(ds.to(gl.float8e4nv), ds_layout)
+    ds8 = _ds_operand(ds, ds_layout, K_PERM)
     acc = _rescale(acc, acc_e, e)
     mbarrier.wait(ks_ready.index(sp), ((n_tiles - 1) // STAGES) & 1)
     acc = warpgroup_mma(ds8, ks_smem.index(sp).permute((1, 0)), acc, is_async=True)
@@ -422,7 +456,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empt
               stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
               start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
-              WARPS: gl.constexpr, BLOCK_N: gl.constexpr):
+              WARPS: gl.constexpr, BLOCK_N: gl.constexpr, K_PERM: gl.constexpr):
     """ROWS query rows start_m .. start_m + ROWS − 1 of one (b, h): 128 on 8 warps (the CTA's rows), or 64 on one
     warpgroup (split); q_smem / do_smem their Q and dO tiles.  Pointers already moved to (b, h) / (b, hk) and, for
     QE / DOE, to the row group of start_m.  The dS exponent is one per (ROWS x BLOCK_N) tile.
@@ -452,7 +486,8 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empt
     if n_tiles > 0:
         acc, acc_e = _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
                               KE, VE, stride_ket, stride_vet, acc, a_q, b_row, delta, dscale, offs_m, Sk,
-                              causal_off, n_tiles, n_full, STAGES, CAUSAL, s_layout, ds_layout, ROWS, BLOCK_N)
+                              causal_off, n_tiles, n_full, STAGES, CAUSAL, s_layout, ds_layout, ROWS, BLOCK_N,
+                              HEAD_DIM, K_PERM)
 
     # ---- epilogue: dq = acc * 2^acc_e * 2^kse[d] * scale * 2^-8
     offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
@@ -484,6 +519,7 @@ def _attn_bwd_dq_ws_kernel(
     SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr, BLOCK_N: gl.constexpr,
     SLOTS=None,  # jagged: the (rows, SLOT_COLS) int32 tile table of kernels/bwd_varlen_tiles.py (None: dense)
     VARLEN: gl.constexpr = False,
+    K_PERM: gl.constexpr = False,  # K and V_hdim through the 5-D key-permuted boxes (dense, Sk % 16 == 0)
 ):
     """Dense: grid (cdiv(Sq, 128), B * Hq).  Jagged (VARLEN): grid (table rows, Hq); CTA (r, h) computes the query
     tile of row r of SLOTS (heaviest first) for query head h, on packed operands: q / dout_hdim (Tq, Hq, D) and k /
@@ -558,15 +594,15 @@ def _attn_bwd_dq_ws_kernel(
                          ks_ready, ks_empty, QE_t, DOE_t, KE_bh, VE_bh, KSE_bh, LSE_bh, DELTA_bh, DQ_bh,
                          stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
                          start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
-                         HEAD_DIM, STAGES, CAUSAL, 64, 4, BLOCK_N)),
+                         HEAD_DIM, STAGES, CAUSAL, 64, 4, BLOCK_N, K_PERM)),
             (_consumer, (q_smem.index(1), do_smem.index(1), k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empty,
                          ks_ready, ks_empty, QE_t, DOE_t, KE_bh, VE_bh, KSE_bh, LSE_bh, DELTA_bh, DQ_bh,
                          stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
                          start_m + WG_ROWS, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
-                         HEAD_DIM, STAGES, CAUSAL, 64, 4, BLOCK_N)),
+                         HEAD_DIM, STAGES, CAUSAL, 64, 4, BLOCK_N, K_PERM)),
             (_producer_split, (q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
                                q_bar, kv_ready, kv_empty, ks_ready, ks_empty, q_row, h * HEAD_DIM,
-                               k_row, hk * HEAD_DIM, ks_row, ks_col, n_tiles, STAGES, BLOCK_N)),
+                               k_row, hk * HEAD_DIM, ks_row, ks_col, n_tiles, STAGES, BLOCK_N, K_PERM)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -574,11 +610,11 @@ def _attn_bwd_dq_ws_kernel(
                          QE_t, DOE_t, KE_bh, VE_bh, KSE_bh, LSE_bh, DELTA_bh, DQ_bh,
                          stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
                          start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
-                         HEAD_DIM, STAGES, CAUSAL, 128, 8, BLOCK_N)),
+                         HEAD_DIM, STAGES, CAUSAL, 128, 8, BLOCK_N, K_PERM)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
                          q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
                          q_row, h * HEAD_DIM, k_row, hk * HEAD_DIM, ks_row, ks_col, n_tiles,
-                         STAGES, BLOCK_N)),
+                         STAGES, BLOCK_N, K_PERM)),
         ], [1], [PRODUCER_REGS])
 
 
@@ -661,7 +697,9 @@ def _check(q, k, v_hdim, k_seq, dout_hdim, lse, delta, grad_dtype):
         raise ValueError(f"all operands must be on one device, got {sorted(map(str, devs))}")
 
 
-def _descriptors(q, k, v_hdim, k_seq, dout_hdim, split: bool = False, block_n: int = 64):
+def _descriptors(q, k, v_hdim, k_seq, dout_hdim, split: bool = False, block_n: int = 64, k_perm: bool = False):
+    """(q, dout_hdim, k, v_hdim, k_seq) TMA descriptors; with ``k_perm`` (the caller checked ``k_perm_ok``) K's and
+    V_hdim's over the 5-D key-permuted view (B*Sk/16, 2, 4, 2, Hkv*D) of the forward's ``_descriptors``."""
     B, Sq, Hq, D = q.data.shape
     Sk, Hkv = k.data.shape[1], k.data.shape[2]
     qd = _hdim_view(q.data, "q")
@@ -675,8 +713,15 @@ def _descriptors(q, k, v_hdim, k_seq, dout_hdim, split: bool = False, block_n: i
     ks_layout = nvmma_fp8_layout(D, bn)
     q_desc = TensorDescriptor(qd, [B * Sq, Hq * D], [Hq * D, 1], [bm, D], row_layout)
     do_desc = TensorDescriptor(dd, [B * Sq, Hq * D], [Hq * D, 1], [bm, D], row_layout)
-    k_desc = TensorDescriptor(kd, [B * Sk, Hkv * D], [Hkv * D, 1], [bn, D], key_layout)
-    v_desc = TensorDescriptor(vd, [B * Sk, Hkv * D], [Hkv * D, 1], [bn, D], key_layout)
+    if k_perm:
+        r = Hkv * D
+        shape, strides = [B * Sk // 16, 2, 4, 2, r], [16 * r, 2 * r, 4 * r, r, 1]
+        box, perm_layout = [bn // 16, 2, 4, 2, D], _k_perm_layout(bn, D)
+        k_desc = TensorDescriptor(kd, shape, strides, box, perm_layout)
+        v_desc = TensorDescriptor(vd, shape, strides, box, perm_layout)
+    else:
+        k_desc = TensorDescriptor(kd, [B * Sk, Hkv * D], [Hkv * D, 1], [bn, D], key_layout)
+        v_desc = TensorDescriptor(vd, [B * Sk, Hkv * D], [Hkv * D, 1], [bn, D], key_layout)
     ks_desc = TensorDescriptor(ksd, [B * Hkv * D, Sk], [ksd.stride(3), 1], [D, bn], ks_layout)
     return q_desc, do_desc, k_desc, v_desc, ks_desc
 
@@ -750,7 +795,8 @@ def attn_bwd_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, k_
     if Sq == 0 or B * Hq == 0 or Sk == 0:
         return torch.zeros(B, Sq, Hq, D, dtype=grad_dtype, device=dev)
     dq = torch.empty(B, Sq, Hq, D, dtype=grad_dtype, device=dev)
-    descs = _descriptors(q, k, v_hdim, k_seq, dout_hdim, cfg.split, cfg.block_n)
+    use_perm = cfg.k_perm and k_perm_ok(Sk, cfg.block_n)
+    descs = _descriptors(q, k, v_hdim, k_seq, dout_hdim, cfg.split, cfg.block_n, use_perm)
     qe, de, ke, ve, kse = q.exp, dout_hdim.exp, k.exp, v_hdim.exp, k_seq.exp
     grid = (cdiv(Sq, BLOCK_M.value), B * Hq)
     scalars = (
@@ -764,7 +810,7 @@ def attn_bwd_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, k_
         softmax_scale * LOG2E, softmax_scale * 2.0**-P_SCALE_LOG2,
     )
     constexprs = dict(HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
-                      SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, BLOCK_N=cfg.block_n,
+                      SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, BLOCK_N=cfg.block_n, K_PERM=use_perm,
                       num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
     args = (*descs, qe, de, ke, ve, kse, lse, delta, dq, *scalars)
     if key is None:
