@@ -931,3 +931,60 @@ def test_launch_plan_keeps_the_query_step(monkeypatch):
     assert torch.equal(args[8], ops["q"].exp.contiguous()) and torch.equal(args[9], ops["dout_hdim"].exp.contiguous())
     seen64 = _recorded_launches(monkeypatch, lambda: m.attn_bwd_dkdv_gluon(**ops, causal=True), n=1)
     assert len(m._PLANS) == 2 and seen64[0][2]["BLOCK_M"] == 64 and seen64[0][1][8].shape[1] == 4
+
+
+def test_query_permuted_boxes(monkeypatch):
+    """Host side of ``GluonDkdvConfig.q_perm``: where Sq % 16 == 0 (dense, not fuse_dq) the launch takes Q_PERM with
+    Q and dO_hdim through the 5-D query-permuted view (rows by 16-query group, strides (16r, 2r, 4r, r, 1)); with
+    Sq % 16 != 0 or ``q_perm=False`` the 2-D boxes and Q_PERM False.  The seq operands' boxes are unchanged."""
+    m = _mod()
+    for Sq, cfg, want_perm in ((208, m.GluonDkdvConfig(split=True), True),
+                               (256, m.GluonDkdvConfig(split=True, block_m=128), True),
+                               (208, m.GluonDkdvConfig(split=True, q_perm=False), False),
+                               (130, m.GluonDkdvConfig(split=True), False)):
+        m._PLANS.clear()
+        ops = _cpu_operands(B=2, Sq=Sq)
+        (_, args, kw), = _recorded_launches(monkeypatch, lambda: m.attn_bwd_dkdv_gluon(**ops, config=cfg), n=1)
+        assert kw["Q_PERM"] is want_perm
+        r, bm = 4 * 64, cfg.block_m  # Hq * D
+        for d in args[:2]:
+            if want_perm:
+                assert list(d.shape) == [2 * Sq // 16, 2, 4, 2, r]
+                assert list(d.strides) == [16 * r, 2 * r, 4 * r, r, 1]
+                assert list(d.block_shape) == [bm // 16, 2, 4, 2, 64]
+            else:
+                assert list(d.shape) == [2 * Sq, r] and list(d.block_shape) == [bm, 64]
+        assert list(args[2].block_shape) == [64, bm]  # q_seq
+
+
+# q_perm against the 2-D boxes (Sq % 16 == 0): causal diagonals, a last query tile past Sq (Sq = 1008, 304: the
+# query-row mask on permuted columns), GQA 8:1, MQA with TMA rows into the next batch, Sq > Sk (rows that see no key)
+Q_PERM_CASES = [
+    (1, 1024, 1024, 4, 4, 128, True),
+    (2, 1008, 1000, 16, 2, 128, True),
+    (2, 1008, 1000, 16, 2, 64, False),
+    (3, 144, 257, 2, 1, 128, False),
+    (1, 304, 3000, 2, 2, 64, True),
+    (1, 3008, 300, 2, 2, 128, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [dict(split=False), dict(split=True), dict(split=True, ds_exp="tile"),
+                                     dict(split=True, block_m=128)], ids=str)
+@pytest.mark.parametrize("case", Q_PERM_CASES, ids=_case_id)
+def test_attn_bwd_dkdv_gluon_q_perm_bit_identical(case, variant, seed):
+    """``q_perm`` (Q and dO_hdim query-permuted; Pᵀ, dSᵀ relabelled into the A operands; lse and δ read in the
+    permuted order) against the 2-D boxes on the same operands: the same values in the same wgmma positions and
+    the same exponents, so dk and dv are bit-identical."""
+    if not _is_hopper():
+        pytest.skip("the Gluon dK/dV kernel needs an sm_90 GPU")
+    if variant.get("block_m") == 128 and case[5] != 64:
+        pytest.skip("block_m=128 is a d64 build")
+    m = _mod()
+    causal = case[6]
+    ops, _ = m.dkdv_operands(*_gpu_inputs(case, seed), causal)
+    dk, dv = m.attn_bwd_dkdv_gluon(**ops, causal=causal, config=m.GluonDkdvConfig(**variant))
+    wk, wv = m.attn_bwd_dkdv_gluon(**ops, causal=causal, config=m.GluonDkdvConfig(**variant, q_perm=False))
+    assert torch.equal(dk.view(torch.int16), wk.view(torch.int16)), _case_id(case) + " dk"
+    assert torch.equal(dv.view(torch.int16), wv.view(torch.int16)), _case_id(case) + " dv"

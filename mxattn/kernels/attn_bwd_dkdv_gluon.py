@@ -200,6 +200,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxattn.formats import RowScaledFP8
 from mxattn.kernels.attn_bwd import grad_outputs
+from mxattn.kernels.attn_fwd_gluon import (_k_operand, _k_perm_layout, _key_of_column, _pack_p, _unpack_p,
+                                           k_perm_ok)
 from mxattn.kernels.attn_bwd_dq_gluon import (
     OUT_ROWS,
     _store_tile_rows,
@@ -276,6 +278,12 @@ class GluonDkdvConfig:
     # fused dQ's product 64 queries at a time (half the accumulator); None: the launcher's rule (causal builds,
     # where the whole 128-query product spilled inside the loop, triton 3.6)
     dq_halves: Optional[bool] = None
+    # Q and dO_hdim loaded query-permuted (session 20; the forward's K_PERM boxes applied to the queries, the N of
+    # Sᵀ = K Qᵀ and dPᵀ = V dOᵀ) on dense launches with Sq % 16 == 0, not with fuse_dq: Sᵀ's and dPᵀ's column c then
+    # holds query sigma(c) (``attn_fwd_gluon._key_of_column``), Pᵀ and dSᵀ reach the A operands of dV and dK by a
+    # relabel (no quad shuffles or byte permutes), lse and δ are read from shared memory in that order
+    # (``_col_vector``).  The same values in the same wgmma positions: bit-identical to False
+    q_perm: bool = True
 
     def __post_init__(self):
         if self.ds_exp not in DS_EXPS:
@@ -347,7 +355,7 @@ if DKDV_PROBE.value not in range(3):
 
 @gluon.jit
 def _p_tile(s, a, b_row, m0, key_lim, diag, MASKED: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
-            BLOCK_M: gl.constexpr):
+            BLOCK_M: gl.constexpr, Q_PERM: gl.constexpr):
     """Pᵀ·256 of one (ROWS keys x BLOCK_M queries) tile from the raw Sᵀ accumulator (attn_bwd._kv_step):
     x = Sᵀ·a + b_row (−inf where masked), P = 2^x.  Local indices against scalar bounds (32-bit compares)."""
     x = gl.fma(s, a, gl.expand_dims(b_row, 0))
@@ -357,8 +365,10 @@ def _p_tile(s, a, b_row, m0, key_lim, diag, MASKED: gl.constexpr, CAUSAL: gl.con
             # key n0 + r <= query m0 + c + Sk - Sq implies n0 + r < Sk for every query row c < Sq; the rows past Sq
             # have P = 0 from lse = -inf.  So the key bound of the tl kernel's mask is implied (one compare, and
             # the registers it saves keep d128 causal free of spills)
-            cols = gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s.type.layout)), 0)
-            keep = rows <= cols + (m0 + diag)
+            cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s.type.layout))
+            if Q_PERM:
+                cols = _key_of_column(cols)  # column c holds query sigma(c)
+            keep = rows <= gl.expand_dims(cols, 0) + (m0 + diag)
         else:
             keep = rows < key_lim
         x = gl.where(keep, x, float("-inf"))
@@ -369,13 +379,41 @@ def _p_tile(s, a, b_row, m0, key_lim, diag, MASKED: gl.constexpr, CAUSAL: gl.con
 
 @gluon.jit
 def _p_step(s, a, b_row, m0, key_lim, diag, masked, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
-            BLOCK_M: gl.constexpr):
+            BLOCK_M: gl.constexpr, Q_PERM: gl.constexpr):
     """The masked / unmasked choice made at run time (the branches join fp32 values only)."""
     if masked:
-        p = _p_tile(s, a, b_row, m0, key_lim, diag, True, CAUSAL, ROWS, BLOCK_M)
+        p = _p_tile(s, a, b_row, m0, key_lim, diag, True, CAUSAL, ROWS, BLOCK_M, Q_PERM)
     else:
-        p = _p_tile(s, a, b_row, m0, key_lim, diag, False, CAUSAL, ROWS, BLOCK_M)
+        p = _p_tile(s, a, b_row, m0, key_lim, diag, False, CAUSAL, ROWS, BLOCK_M, Q_PERM)
     return p
+
+
+@gluon.jit
+def _col_vector(buf, col_s: gl.constexpr, N: gl.constexpr, Q_PERM: gl.constexpr):
+    """A [N] fp32 shared-memory vector in natural query order (lse or δ of a step) as the [N] tensor in ``col_s``
+    (Sᵀ's column layout) whose element c is the value of the query column c holds: sigma(c) with Q_PERM, else c.
+    Q_PERM: loaded in the layout whose relabel by sigma is ``col_s`` (``col_s``'s own positions relabelled the other
+    way), so each thread reads its values straight from shared memory (four consecutive queries per 16-query
+    group) and the relabel afterwards is a change of layout only (asserted)."""
+    if Q_PERM:
+        c = gl.arange(0, N, layout=col_s)
+        inv = gl.reshape(gl.permute(gl.reshape(c, [N // 16, 2, 4, 2]), (0, 2, 1, 3)), [N])
+        v = buf.load(inv.type.layout)  # v[n] = buf[n], where col_s keeps column sigma^-1(n)
+        x = gl.reshape(gl.permute(gl.reshape(v, [N // 16, 4, 2, 2]), (0, 2, 1, 3)), [N])  # x[c] = v[sigma(c)]
+        return gl.convert_layout(x, col_s, assert_trivial=True)
+    else:
+        return buf.load(col_s)
+
+
+@gluon.jit
+def _operand(x, a_layout: gl.constexpr, Q_PERM: gl.constexpr):
+    """Pᵀ·256 or dSᵀ·2^-e (fp32, Sᵀ's accumulator layout) -> e4m3 in the A operand layout of dV's / dK's product.
+    Q_PERM: relabelled by query and cast a word of four queries at a time (``attn_fwd_gluon._pack_p`` /
+    ``_unpack_p``: no byte permutes or shuffles); otherwise the compiler's conversion."""
+    if Q_PERM:
+        return _unpack_p(_pack_p(x, a_layout, True), a_layout)
+    else:
+        return gl.convert_layout(x.to(gl.float8e4nv), a_layout)
 
 
 @gluon.jit
@@ -393,11 +431,17 @@ def _head_rescale(dk, dv, QSE, DOSE, stride_qseh, stride_qsed, hh,
 
 
 @gluon.jit
-def _lse_row(lse_smem, st, row_ok, col_s: gl.constexpr, BLOCK_M: gl.constexpr):
+def _lse_row(lse_smem, st, m0, Sq, col_s: gl.constexpr, BLOCK_M: gl.constexpr, Q_PERM: gl.constexpr):
     """Exponent offsets of one query tile's P·256 = 2^(s·log2e·scale − lse·log2e + 8), from lse in stage st's
     shared memory: −inf for rows that see nothing (lse = −inf) and for rows past Sq (TMA's zero fill there, made
-    −inf as the masked global load had it)."""
-    lse = gl.where(row_ok, lse_smem.index(st).reshape([BLOCK_M]).load(col_s), float("-inf"))
+    −inf as the masked global load had it).  The query-row mask only on the tile that reaches past Sq (a uniform
+    branch: its compares and selects are not paid on the other steps)."""
+    lse = _col_vector(lse_smem.index(st).reshape([BLOCK_M]), col_s, BLOCK_M, Q_PERM)
+    if m0 + BLOCK_M > Sq:
+        offs_m = gl.arange(0, BLOCK_M, layout=col_s)
+        if Q_PERM:
+            offs_m = _key_of_column(offs_m)  # column c holds query sigma(c)
+        lse = gl.where(m0 + offs_m < Sq, lse, float("-inf"))
     return gl.where(lse == float("-inf"), float("-inf"), 8.0 - lse * 1.4426950408889634)
 
 
@@ -467,7 +511,7 @@ def _step_barriers(STAGES: gl.constexpr, SPLIT: gl.constexpr):
 def _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_smem, do_smem, qs_smem, dos_smem,
                     lse_smem, dl_smem, ready, empty, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m,
                     n_steps, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr,
-                    BLOCK_M: gl.constexpr):
+                    BLOCK_M: gl.constexpr, Q_PERM: gl.constexpr):
     """Per query step, into stage i % STAGES of the ring, all on its one ready barrier: Q and dO_hdim (BLOCK_M x D),
     Q_seq and dO_seq (D x BLOCK_M), and the tile's BLOCK_M lse and δ (fp32 rows of the (B*Hq, Sq) views; columns past
     Sq are TMA zero fill).  seq_col / vec_col / dl_col: the first column of the seq operands / lse / δ (0 dense;
@@ -489,8 +533,13 @@ def _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_sme
         mbarrier.expect(bar, nbytes)
         tma.async_copy_global_to_shared(lse_desc, [vec_row + hh, vec_col + m0], bar, lse_smem.index(s))
         tma.async_copy_global_to_shared(dl_desc, [vec_row + hh, dl_col + m0], bar, dl_smem.index(s))
-        tma.async_copy_global_to_shared(q_desc, [q_row + m0, hh * HEAD_DIM], bar, q_smem.index(s))
-        tma.async_copy_global_to_shared(do_desc, [q_row + m0, hh * HEAD_DIM], bar, do_smem.index(s))
+        if Q_PERM:  # the 5-D query-permuted boxes, by 16-query group (q_row = b * Sq, Sq % 16 == 0)
+            g = (q_row + m0) // 16
+            tma.async_copy_global_to_shared(q_desc, [g, 0, 0, 0, hh * HEAD_DIM], bar, q_smem.index(s))
+            tma.async_copy_global_to_shared(do_desc, [g, 0, 0, 0, hh * HEAD_DIM], bar, do_smem.index(s))
+        else:
+            tma.async_copy_global_to_shared(q_desc, [q_row + m0, hh * HEAD_DIM], bar, q_smem.index(s))
+            tma.async_copy_global_to_shared(do_desc, [q_row + m0, hh * HEAD_DIM], bar, do_smem.index(s))
         tma.async_copy_global_to_shared(qs_desc, [seq_row + hh * HEAD_DIM, seq_col + m0], bar, qs_smem.index(s))
         tma.async_copy_global_to_shared(dos_desc, [seq_row + hh * HEAD_DIM, seq_col + m0], bar, dos_smem.index(s))
 
@@ -499,20 +548,22 @@ def _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_sme
 def _producer(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem, do_smem, qs_smem,
               dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
               k_row, k_col, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m, n_steps,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr):
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr,
+              Q_PERM: gl.constexpr):
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [k_row, k_col], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [k_row, k_col], kv_bar, v_smem)
     _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_smem, do_smem, qs_smem, dos_smem,
                     lse_smem, dl_smem, ready, empty, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m,
-                    n_steps, HEAD_DIM, STAGES, VARLEN, BLOCK_M)
+                    n_steps, HEAD_DIM, STAGES, VARLEN, BLOCK_M, Q_PERM)
 
 
 @gluon.jit
 def _producer_split(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem, do_smem,
                     qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
                     k_row, k_col, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m, n_steps,
-                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr):
+                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr,
+                    Q_PERM: gl.constexpr):
     """The split kernel's producer: a 64-key K and V tile per consumer warpgroup, then the same query steps."""
     mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for w in gl.static_range(2):
@@ -520,7 +571,7 @@ def _producer_split(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_des
         tma.async_copy_global_to_shared(v_desc, [k_row + w * BLOCK_N_WG, k_col], kv_bar, v_smem.index(w))
     _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_smem, do_smem, qs_smem, dos_smem,
                     lse_smem, dl_smem, ready, empty, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m,
-                    n_steps, HEAD_DIM, STAGES, VARLEN, BLOCK_M)
+                    n_steps, HEAD_DIM, STAGES, VARLEN, BLOCK_M, Q_PERM)
 
 
 @gluon.jit
@@ -537,7 +588,7 @@ def _producer_split_dq(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_
         tma.async_copy_global_to_shared(ks_desc, [ks_row, ks_col + w * BLOCK_N_WG], kv_bar, ks_smem.index(w))
     _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_smem, do_smem, qs_smem, dos_smem,
                     lse_smem, dl_smem, ready, empty, q_row, seq_row, 0, vec_row, 0, 0, h0, lo, n_m,
-                    n_steps, HEAD_DIM, STAGES, False, BLOCK_M)
+                    n_steps, HEAD_DIM, STAGES, False, BLOCK_M, False)
 
 
 @gluon.jit
@@ -596,7 +647,7 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
               qe_row, de_row, seq_h, key_row,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
               WARPS: gl.constexpr, DEFER_DK: gl.constexpr, DS_KEY_EXP: gl.constexpr, VARLEN: gl.constexpr,
-              BLOCK_M: gl.constexpr, ks_tile=None, dsq_smem=None, DQ_b=None, stride_dqm=0,
+              BLOCK_M: gl.constexpr, Q_PERM: gl.constexpr, ks_tile=None, dsq_smem=None, DQ_b=None, stride_dqm=0,
               stride_dqh=0, FUSE_DQ: gl.constexpr = False, DQ_HALVES: gl.constexpr = False):
     """Keys n0 .. n0 + ROWS − 1 of one (b, hk), ROWS = 128 on 8 warps (the whole CTA's keys) or 64 on one warpgroup
     (split: keys n0 + 64·w ..); k_tile / v_tile their K and V_hdim tiles.  Pointers already moved to b (QE, DOE,
@@ -674,7 +725,7 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
         if DEFER_DK:
             # e4m3 dSᵀ_{j-1} first: its fp32 tile is then dead before the rescales' exponent vectors load and
             # before Sᵀ_j / dPᵀ_j take their accumulators (with both live, d128 spills inside the loop)
-            ds8 = gl.convert_layout(dsc.to(gl.float8e4nv), a_layout)
+            ds8 = _operand(dsc, a_layout, Q_PERM)
             if DS_KEY_EXP:
                 # the head rescale, then the rows to e_{j-1} (64 FMUL a thread at d128, every step).  Here, before
                 # Sᵀ_j's wgmma, ptxas (triton 3.6, sm_90a) issues most of them between Sᵀ_j's first k-steps, under
@@ -697,8 +748,6 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
                                            o_layout, HEAD_DIM)
         # query-side scalars of this tile (before the wait: their latency hides under it)
         if BLOCK_M == 64:
-            offs_m = m0 + gl.arange(0, BLOCK_M, layout=col_s)
-            row_ok = offs_m < Sq
             qe = gl.load(QE + hh * stride_qeh + (qe_0 + m0 // BLOCK_M) * stride_qeg)
             doe = gl.load(DOE + hh * stride_deh + (de_0 + m0 // BLOCK_M) * stride_deg)
             a = qk_scale * _pow2(qe + ke)
@@ -715,9 +764,11 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
 
         mbarrier.wait(ready.index(st), ph)  # Q, dO, Q_seq, dO_seq, lse, δ of tile j
         if BLOCK_M == 64:
-            b_row = _lse_row(lse_smem, st, row_ok, col_s, BLOCK_M)
-        s = warpgroup_mma(k_tile, q_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dp = warpgroup_mma(v_tile, do_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            b_row = _lse_row(lse_smem, st, m0, Sq, col_s, BLOCK_M, Q_PERM)
+        s = warpgroup_mma(k_tile, _k_operand(q_smem.index(st), BLOCK_M, HEAD_DIM, Q_PERM), s_zero, use_acc=False,
+                          is_async=True)
+        dp = warpgroup_mma(v_tile, _k_operand(do_smem.index(st), BLOCK_M, HEAD_DIM, Q_PERM), s_zero, use_acc=False,
+                           is_async=True)
         if DEFER_DK:
             # dK_{j-1} += dSᵀ_{j-1} Q_seq_{j-1} behind them (step 0: zeros on stage 0): it runs under Pᵀ's exp2 and
             # the dSᵀ math and is waited with dV_j at the step's end
@@ -727,22 +778,22 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
         else:
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # Sᵀ_j; dPᵀ_j runs on
         if BLOCK_M > 64:  # (see the top of the step)
-            lse = lse_smem.index(st).reshape([BLOCK_M]).load(col_s)  # −inf past Sq (padded rows)
+            lse = _col_vector(lse_smem.index(st).reshape([BLOCK_M]), col_s, BLOCK_M, Q_PERM)  # −inf past Sq
             b_row = gl.where(lse == float("-inf"), float("-inf"), 8.0 - lse * 1.4426950408889634)
             doe = gl.load(DOE + hh * stride_deh + (de_0 + m0 // BLOCK_M) * stride_deg)
             ve = gl.load(VE)
-        p = _p_step(s, a, b_row, m0, key_lim, diag, m0 < mid, CAUSAL, ROWS, BLOCK_M)
+        p = _p_step(s, a, b_row, m0, key_lim, diag, m0 < mid, CAUSAL, ROWS, BLOCK_M, Q_PERM)
         if BLOCK_M == 64:
-            delta = dl_smem.index(st).reshape([BLOCK_M]).load(col_s)  # 0.0 past Sq (TMA zero fill), as before
+            delta = _col_vector(dl_smem.index(st).reshape([BLOCK_M]), col_s, BLOCK_M, Q_PERM)  # 0.0 past Sq
         if DEFER_DK:
             dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))  # dPᵀ_j; dK_{j-1} runs on
         else:
             dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))  # dPᵀ_j
         if BLOCK_M > 64:
-            delta = dl_smem.index(st).reshape([BLOCK_M]).load(col_s)  # 0.0 past Sq (TMA zero fill)
+            delta = _col_vector(dl_smem.index(st).reshape([BLOCK_M]), col_s, BLOCK_M, Q_PERM)  # (TMA zero fill)
         ds = p * gl.fma(dp, _pow2(doe + ve), -gl.expand_dims(delta, 0))  # 256 * dSᵀ
         # Pᵀ to e4m3 only now (after dSᵀ took its fp32 value): Pᵀ, dPᵀ and the e4m3 Pᵀ are never live together
-        p8 = gl.convert_layout(p.to(gl.float8e4nv), a_layout)
+        p8 = _operand(p, a_layout, Q_PERM)
         dv = warpgroup_mma(p8, dos_smem.index(st).permute((1, 0)), dv, is_async=True)
         # the tile's exponent (a cross-warp max) or the keys' (DS_KEY_EXP: row maxima), its e4m3 dSᵀ and the dK
         # rescale (rare per tile, every step per key), under dV's product
@@ -783,11 +834,11 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
             dk_e = e
         else:
             if DS_KEY_EXP:
-                ds8 = gl.convert_layout((ds * gl.expand_dims(_pow2(-e), 1)).to(gl.float8e4nv), a_layout)
+                ds8 = _operand(ds * gl.expand_dims(_pow2(-e), 1), a_layout, Q_PERM)
                 if DKDV_PROBE != 2:
                     dk = _row_scale(dk, _pow2(dk_e - e), o_layout)
             else:
-                ds8 = gl.convert_layout((ds * _pow2(-e)).to(gl.float8e4nv), a_layout)
+                ds8 = _operand(ds * _pow2(-e), a_layout, Q_PERM)
                 if e != dk_e:  # rare: only when the tile's exponent leaves the hysteresis window
                     dk = dk * _pow2(dk_e - e)
             dk_e = e
@@ -814,7 +865,7 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
     if DEFER_DK:
         if n_steps > 0:  # the last step's deferred dK (n_steps >= 1 whenever Sq >= 1)
             sp = (n_steps - 1) % STAGES
-            ds8 = gl.convert_layout(dsc.to(gl.float8e4nv), a_layout)
+            ds8 = _operand(dsc, a_layout, Q_PERM)
             if DS_KEY_EXP:
                 dk = _dk_pending(dk, dk_hh, 0, QSE, stride_qseh, stride_qsed, o_layout, HEAD_DIM)
                 if DKDV_PROBE != 2:
@@ -876,6 +927,7 @@ def _attn_bwd_dkdv_ws_kernel(
     ks_desc=None, DQ=None, stride_dqb=0, stride_dqm=0, stride_dqh=0,
     FUSE_DQ: gl.constexpr = False,
     DQ_HALVES: gl.constexpr = False,  # fused dQ's product 64 queries at a time (GluonDkdvConfig.dq_halves)
+    Q_PERM: gl.constexpr = False,  # Q and dO_hdim through the 5-D query-permuted boxes (GluonDkdvConfig.q_perm)
 ):
     """Dense: grid (cdiv(Sk, 128), B * Hkv).  Jagged (VARLEN): grid (table rows, Hkv); CTA (r, hk) computes the
     key tile of row r of SLOTS (heaviest first) for kv head hk, on packed operands: k / v_hdim (Tk, Hkv, D) and
@@ -980,6 +1032,7 @@ def _attn_bwd_dkdv_ws_kernel(
     # call so that the other builds get no captured extra arguments (which changed the dense split build before).
     if FUSE_DQ:
         gl.static_assert(SPLIT and not VARLEN and not DEFER_DK, "fused dQ: split, dense, undeferred builds only")
+        gl.static_assert(not Q_PERM, "fused dQ stages dS by natural query order: no query-permuted boxes")
         ks_smem = gl.allocate_shared_memory(ks_desc.dtype, [2] + ks_desc.block_type.shape, ks_desc.layout)
         dsq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N_WG], gl.float8e4nv)
         dsq_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, BLOCK_N_WG], dsq_layout)
@@ -991,7 +1044,7 @@ def _attn_bwd_dkdv_ws_kernel(
                          stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0,
                          h0 + group_size - 1, lo, mid, n_m, n_steps, qk_scale, grad_scale,
                          qe_row, de_row, seq_h, key_row, HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK, DS_KEY_EXP,
-                         VARLEN, BLOCK_M, ks_smem.index(0), dsq_smem.index(0), DQ_b, stride_dqm, stride_dqh,
+                         VARLEN, BLOCK_M, False, ks_smem.index(0), dsq_smem.index(0), DQ_b, stride_dqm, stride_dqh,
                          FUSE_DQ, DQ_HALVES)),
             (_consumer, (q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem.index(1), v_smem.index(1),
                          kv_bar, ready, empty, QE_b, DOE_b, QSE_b, DOSE_b, DK_t + wg_off, DV_t + wg_off,
@@ -999,7 +1052,7 @@ def _attn_bwd_dkdv_ws_kernel(
                          stride_dkd, KE_t, VE_t, Sk - n0 - BLOCK_N_WG,
                          causal_off - n0 - BLOCK_N_WG, Sq, h0, h0 + group_size - 1, lo, mid, n_m, n_steps,
                          qk_scale, grad_scale, qe_row, de_row, seq_h, key_row,
-                         HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK, DS_KEY_EXP, VARLEN, BLOCK_M, ks_smem.index(1),
+                         HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK, DS_KEY_EXP, VARLEN, BLOCK_M, False, ks_smem.index(1),
                          dsq_smem.index(1), DQ_b, stride_dqm, stride_dqh, FUSE_DQ, DQ_HALVES)),
             (_producer_split_dq, (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, ks_desc,
                                   q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, ks_smem,
@@ -1014,18 +1067,18 @@ def _attn_bwd_dkdv_ws_kernel(
                          stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0,
                          h0 + group_size - 1, lo, mid, n_m, n_steps, qk_scale, grad_scale,
                          qe_row, de_row, seq_h, key_row, HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK, DS_KEY_EXP,
-                         VARLEN, BLOCK_M)),
+                         VARLEN, BLOCK_M, Q_PERM)),
             (_consumer, (q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem.index(1), v_smem.index(1),
                          kv_bar, ready, empty, QE_b, DOE_b, QSE_b, DOSE_b, DK_t + wg_off, DV_t + wg_off,
                          stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn,
                          stride_dkd, KE_t, VE_t, Sk - n0 - BLOCK_N_WG,
                          causal_off - n0 - BLOCK_N_WG, Sq, h0, h0 + group_size - 1, lo, mid, n_m, n_steps,
                          qk_scale, grad_scale, qe_row, de_row, seq_h, key_row,
-                         HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK, DS_KEY_EXP, VARLEN, BLOCK_M)),
+                         HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK, DS_KEY_EXP, VARLEN, BLOCK_M, Q_PERM)),
             (_producer_split, (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem,
                                do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
                                k_row, hk * HEAD_DIM, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo,
-                               n_m, n_steps, HEAD_DIM, STAGES, VARLEN, BLOCK_M)),
+                               n_m, n_steps, HEAD_DIM, STAGES, VARLEN, BLOCK_M, Q_PERM)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -1035,11 +1088,11 @@ def _attn_bwd_dkdv_ws_kernel(
                          stride_dkd, KE_t, VE_t, Sk - n0, causal_off - n0, Sq, h0,
                          h0 + group_size - 1, lo, mid, n_m, n_steps, qk_scale, grad_scale,
                          qe_row, de_row, seq_h, key_row, HEAD_DIM, STAGES, CAUSAL, 128, 8, DEFER_DK, DS_KEY_EXP,
-                         VARLEN, BLOCK_M)),
+                         VARLEN, BLOCK_M, Q_PERM)),
             (_producer, (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem, do_smem,
                          qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, ready, empty,
                          k_row, hk * HEAD_DIM, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m,
-                         n_steps, HEAD_DIM, STAGES, VARLEN, BLOCK_M)),
+                         n_steps, HEAD_DIM, STAGES, VARLEN, BLOCK_M, Q_PERM)),
         ], [1], [PRODUCER_REGS])
 
 
@@ -1112,7 +1165,11 @@ def _tile_exps(t: RowScaledFP8, Sq: int, block_m: int = BLOCK_M_DEFAULT) -> torc
     return e.unsqueeze(2).expand(B, G, r, H, one).reshape(B, G * r, H, one)
 
 
-def _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq, split: bool = False, bm: int = BLOCK_M_DEFAULT):
+def _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq, split: bool = False, bm: int = BLOCK_M_DEFAULT,
+                 q_perm: bool = False):
+    """(q, dout_hdim, q_seq, dout_seq, k, v_hdim) TMA descriptors; with ``q_perm`` (the caller checked
+    ``k_perm_ok(Sq, bm)``) Q's and dO_hdim's over the 5-D query-permuted view (B*Sq/16, 2, 4, 2, Hq*D), the
+    forward's K boxes applied to the queries."""
     B, Sq, Hq, D = q.data.shape
     Sk, Hkv = k.data.shape[1], k.data.shape[2]
     qd = _hdim_view(q.data, "q")
@@ -1123,8 +1180,15 @@ def _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq, split: bool = False, 
     row_layout = nvmma_fp8_layout(bm, D)
     key_layout = nvmma_fp8_layout(bn, D)
     seq_layout = nvmma_fp8_layout(D, bm)
-    q_desc = TensorDescriptor(qd, [B * Sq, Hq * D], [Hq * D, 1], [bm, D], row_layout)
-    do_desc = TensorDescriptor(dd, [B * Sq, Hq * D], [Hq * D, 1], [bm, D], row_layout)
+    if q_perm:
+        r = Hq * D
+        shape, strides = [B * Sq // 16, 2, 4, 2, r], [16 * r, 2 * r, 4 * r, r, 1]
+        box, perm_layout = [bm // 16, 2, 4, 2, D], _k_perm_layout(bm, D)
+        q_desc = TensorDescriptor(qd, shape, strides, box, perm_layout)
+        do_desc = TensorDescriptor(dd, shape, strides, box, perm_layout)
+    else:
+        q_desc = TensorDescriptor(qd, [B * Sq, Hq * D], [Hq * D, 1], [bm, D], row_layout)
+        do_desc = TensorDescriptor(dd, [B * Sq, Hq * D], [Hq * D, 1], [bm, D], row_layout)
     qsd, dsd = q_seq.data, dout_seq.data
     qs_desc = TensorDescriptor(qsd, [B * Hq * D, Sq], [qsd.stride(3), 1], [D, bm], seq_layout)
     dos_desc = TensorDescriptor(dsd, [B * Hq * D, Sq], [dsd.stride(3), 1], [D, bm], seq_layout)
@@ -1328,8 +1392,9 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
     dk, dv = grad_outputs(dk_out, dv_out, (B, Sk, Hkv, D), grad_dtype, dev)
     if Sq == 0 or B * Hkv == 0 or Sk == 0:
         return dk.zero_(), dv.zero_()
+    q_perm = cfg.q_perm and not cfg.fuse_dq and k_perm_ok(Sq, bm)
     q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc = _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq,
-                                                                     cfg.split, bm)
+                                                                     cfg.split, bm, q_perm)
     lse_desc, dl_desc = _vector_descriptors(lse, delta, bm)
     grid = (cdiv(Sk, BLOCK_N.value), B * Hkv)
     kernel = _attn_bwd_dkdv_ws_kernel_sq1 if Sq == 1 else _attn_bwd_dkdv_ws_kernel
@@ -1337,7 +1402,7 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
     exps, scalars = _exps_and_scalars(q, k, v_hdim, q_seq, dout_hdim, dout_seq, dk, dv, bm, softmax_scale)
     constexprs = dict(HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
                       SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=cfg.defers_dk, DS_KEY_EXP=cfg.key_exp,
-                      BLOCK_M=bm, num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
+                      BLOCK_M=bm, Q_PERM=q_perm, num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
     args = (*descs, *exps, dk, dv, *scalars)
     if key is None:
         fast_launcher(kernel)[grid](*args, **constexprs)
