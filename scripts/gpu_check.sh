@@ -70,7 +70,9 @@
 #   fwd18      timing of session 18's forward variants (persistent Gluon kernel, exp2_fma; tests/test_attn_fwd_gluon.py
 #              --persistent --exp2-fma) into OUTDIR/fwd18.json
 #   fwdmask    session 19: the Gluon forward's lean masked-tile arithmetic: compile check, GPU tests, bench
-#   bwdrows    session 19: the Gluon backward's row-wise epilogue stores (MXATTN_BWD_OUT_ROWS): builds, tests, timing
+#   bwdrows    session 19: the Gluon backward's row-wise epilogue stores (MXATTN_BWD_OUT_ROWS): builds, tests, timing;
+#              session 20: its tests include the query- / key-permuted boxes' bit-identity tests (q_perm, k_perm, on
+#              by default) and its timing rows the 2-D builds (dkdv_2d_ms, dq_2d_ms)
 #   outrows    session 19: the Gluon forward's row-wise output store: compile check, GPU tests, timing probe, bench
 #   exp2fma    the forward kernels with part of their exp2 on the FMA pipe (exp2_fma of GluonFwdConfig / FwdConfig,
 #              session 18): compile
@@ -520,7 +522,7 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
         MXATTN_BWD_OUT_ROWS=1 MXATTN_TEST_SHARD=$i/3 run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider -k "not bench" \
           tests/test_attn_bwd_dq_gluon.py > "$OUT/bwd_rows_tests.dq.$i.log" 2>&1 &
         MXATTN_BWD_OUT_ROWS=1 MXATTN_TEST_SHARD=$i/3 run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider \
-          -k "matches_tl or key_exp_tiny or configs or unseen" tests/test_attn_bwd_dkdv_gluon.py \
+          -k "matches_tl or key_exp_tiny or configs or unseen or q_perm" tests/test_attn_bwd_dkdv_gluon.py \
           > "$OUT/bwd_rows_tests.dkdv.$i.log" 2>&1 &
       done
       wait
