@@ -912,8 +912,9 @@ def test_launch_plan_repeats_the_checked_launch(monkeypatch):
 
 def test_launch_plan_keeps_the_query_step(monkeypatch):
     """block_m is part of a plan (the config is in its key): the 128-query launch gets its own plan, BLOCK_M = 128,
-    [1, 128] lse / δ boxes (lse rows padded with −inf: Sq = 130) and one q / dO exponent per 128 rows, on the first
-    call and on plan hits alike; the default config's launch keeps BLOCK_M = 64."""
+    [1, 128] boxes of the step rows (``_step_rows``: 256 columns for Sq = 130, b = −inf and −δ = 0 past Sq) and one
+    q / dO exponent per 128 rows, on the first call and on plan hits alike; the default config's launch keeps
+    BLOCK_M = 64."""
     m = _mod()
     m._PLANS.clear()
     ops = _cpu_operands()  # Sq = 130, q and dO grouped by 128 rows, D = 64
@@ -925,8 +926,9 @@ def test_launch_plan_keeps_the_query_step(monkeypatch):
     assert kw["BLOCK_M"] == 128 and not kw["DEFER_DK"] and kw["SPLIT"]
     lse_desc, dl_desc = args[4], args[5]
     assert list(lse_desc.block_shape) == [1, 128] and list(lse_desc.shape) == [4, 256]
-    assert list(dl_desc.block_shape) == [1, 128] and list(dl_desc.shape) == [4, 130]
+    assert list(dl_desc.block_shape) == [1, 128] and list(dl_desc.shape) == [4, 256]
     assert torch.equal(lse_desc.base[..., 130:], torch.full((1, 4, 126), float("-inf")))
+    assert torch.equal(dl_desc.base[..., 130:], torch.zeros(1, 4, 126))
     assert list(args[0].block_shape) == [128, 64] and list(args[2].block_shape) == [64, 128]
     assert torch.equal(args[8], ops["q"].exp.contiguous()) and torch.equal(args[9], ops["dout_hdim"].exp.contiguous())
     seen64 = _recorded_launches(monkeypatch, lambda: m.attn_bwd_dkdv_gluon(**ops, causal=True), n=1)
@@ -988,3 +990,40 @@ def test_attn_bwd_dkdv_gluon_q_perm_bit_identical(case, variant, seed):
     wk, wv = m.attn_bwd_dkdv_gluon(**ops, causal=causal, config=m.GluonDkdvConfig(**variant, q_perm=False))
     assert torch.equal(dk.view(torch.int16), wk.view(torch.int16)), _case_id(case) + " dk"
     assert torch.equal(dv.view(torch.int16), wv.view(torch.int16)), _case_id(case) + " dv"
+
+
+def test_step_rows_values():
+    """``_step_rows`` (what the dense kernel reads per query in place of lse and δ): b = 8 − lse·log2e rounded once
+    (the fma the kernel computed), −inf where lse is −inf and past Sq; −δ, and −0 past Sq; columns a multiple of
+    128; strided inputs read through their strides.  The CUDA path (a Triton kernel) is compared with this one in
+    the GPU test below."""
+    m = _mod()
+    g = torch.Generator().manual_seed(3)
+    lse = torch.randn(2, 3, 200, generator=g) * 30
+    lse[0, 1, 7] = float("-inf")
+    delta = torch.randn(2, 3, 200, generator=g)
+    brow, ndl = m._step_rows(lse.transpose(1, 2).contiguous().transpose(1, 2), delta)
+    assert brow.shape == ndl.shape == (2, 3, 256) and brow.is_contiguous()
+    c = torch.tensor(1.4426950408889634, dtype=torch.float32).double()
+    want = (8.0 - lse.double() * c).float()
+    want[0, 1, 7] = float("-inf")
+    assert torch.equal(brow[..., :200], want) and torch.equal(ndl[..., :200], -delta)
+    assert (brow[..., 200:] == float("-inf")).all() and (ndl[..., 200:] == 0).all()
+
+
+@pytest.mark.gpu
+def test_step_rows_cuda_matches_cpu(seed):
+    """The step rows' Triton kernel against the CPU path, bit for bit (fma against float64 rounded once), with
+    −inf rows, a length that is not a multiple of 128 and strided lse."""
+    if not _is_hopper():
+        pytest.skip("needs an sm_90 GPU")
+    m = _mod()
+    g = torch.Generator().manual_seed(seed)
+    lse = torch.randn(2, 5, 1000, generator=g) * 40
+    lse[1, :, :300] = float("-inf")
+    delta = torch.randn(2, 5, 1000, generator=g)
+    lse_cuda = lse.cuda().transpose(1, 2).contiguous().transpose(1, 2)
+    got = m._step_rows(lse_cuda, delta.cuda())
+    want = m._step_rows(lse, delta)
+    for x, y in zip(got, want):
+        assert torch.equal(x.cpu().view(torch.int32), y.view(torch.int32))

@@ -90,9 +90,11 @@ in the next step.
 TMA views (2-D, 16-byte aligned row strides): Q and dO as (B*Sq, Hq*D), K and V_hdim as (B*Sk, Hkv*D), Q_seq and
 dO_seq as (B*Hq*D, Sq) over the channel-major buffers (row stride S_pad).  Query rows past Sq read the next
 sequence in Q / dO (or TMA zero fill) and are zero-filled in the seq operands: their lse is taken as −inf, so
-P = dS = 0 there.  lse and δ as (B*Hq, Sq) with [1, 64] boxes: columns past Sq are TMA zero fill (δ = 0.0 there,
-as the masked load before had it; lse is replaced by −inf for them).  Their row pitch must be a multiple of 4
-elements: the launcher uses lse and δ in place when it is, else copies them with padded rows (``_vector_rows``).
+P = dS = 0 there.  Per query the dense kernel reads the launcher's step rows (``_step_rows``, session 20; one small
+launch): b = 8 − lse·log2e (−inf where lse is −inf and past Sq) and −δ (−0 past Sq), (B*Hq, Sq rounded up to 128)
+with [1, BLOCK_M] boxes, so a step spends no compares, selects or negations on them.  The jagged kernel reads lse
+and δ themselves (columns past Sq: TMA zero fill, lse replaced by −inf there); their row pitch must be a multiple
+of 4 elements: the launcher uses them in place when it is, else copies them with padded rows (``_vector_rows``).
 Keys past Sk read the next sequence (masked: every step of a partial key block takes the masked path, as in the
 ``tl`` kernel) and are not stored.  Keys that no query sees get dk = dv = 0 (no step, or P = 0).
 
@@ -164,8 +166,8 @@ dO_seq [D, 128], lse / δ [1, 128]; one q / dO exponent per step (the operands' 
 per key (or tile) and 128-query step, so the tl twin runs with block_m = 128 (``tl_twin_config``).  What the
 registers asked for (triton 3.6, sm_90a; the split build at its 240): the step is not deferred (``defers_dk``: the
 fp32 dSᵀ carry would be 64 registers, and the build spilled ~1 KB inside the loop), ke / doe / ve / lse / δ are
-loaded where they are used, and lse's rows are padded with −inf by the launcher (``_lse_rows``) so the consumer needs
-no query-row mask.  The default builds (BLOCK_M = 64) compile to the same SASS as before the constexpr (compared
+loaded where they are used, and the rows past Sq read b = −inf from the step rows (``_step_rows``), so the consumer
+needs no query-row mask.  The default builds (BLOCK_M = 64) compile to the same SASS as before the constexpr (compared
 byte for byte, all dense and jagged builds).  A common step then issues 953-970 SASS instructions for 64 x 128
 scores (15.0 thread-instructions per score, per-key rule) where two 64-query steps issued 2 x 656 (20.5);
 perf-notes-attn-bwd.md, "Session 9: a 128-query step at d64".
@@ -187,6 +189,8 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -764,7 +768,10 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
 
         mbarrier.wait(ready.index(st), ph)  # Q, dO, Q_seq, dO_seq, lse, δ of tile j
         if BLOCK_M == 64:
-            b_row = _lse_row(lse_smem, st, m0, Sq, col_s, BLOCK_M, Q_PERM)
+            if VARLEN:  # raw lse (the δ kernel's padded layout)
+                b_row = _lse_row(lse_smem, st, m0, Sq, col_s, BLOCK_M, Q_PERM)
+            else:  # the launcher's step rows (``_step_rows``): the exponent offsets themselves, −inf past Sq
+                b_row = _col_vector(lse_smem.index(st).reshape([BLOCK_M]), col_s, BLOCK_M, Q_PERM)
         s = warpgroup_mma(k_tile, _k_operand(q_smem.index(st), BLOCK_M, HEAD_DIM, Q_PERM), s_zero, use_acc=False,
                           is_async=True)
         dp = warpgroup_mma(v_tile, _k_operand(do_smem.index(st), BLOCK_M, HEAD_DIM, Q_PERM), s_zero, use_acc=False,
@@ -778,8 +785,7 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
         else:
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # Sᵀ_j; dPᵀ_j runs on
         if BLOCK_M > 64:  # (see the top of the step)
-            lse = _col_vector(lse_smem.index(st).reshape([BLOCK_M]), col_s, BLOCK_M, Q_PERM)  # −inf past Sq
-            b_row = gl.where(lse == float("-inf"), float("-inf"), 8.0 - lse * 1.4426950408889634)
+            b_row = _col_vector(lse_smem.index(st).reshape([BLOCK_M]), col_s, BLOCK_M, Q_PERM)  # (dense only)
             doe = gl.load(DOE + hh * stride_deh + (de_0 + m0 // BLOCK_M) * stride_deg)
             ve = gl.load(VE)
         p = _p_step(s, a, b_row, m0, key_lim, diag, m0 < mid, CAUSAL, ROWS, BLOCK_M, Q_PERM)
@@ -791,7 +797,10 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
             dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))  # dPᵀ_j
         if BLOCK_M > 64:
             delta = _col_vector(dl_smem.index(st).reshape([BLOCK_M]), col_s, BLOCK_M, Q_PERM)  # (TMA zero fill)
-        ds = p * gl.fma(dp, _pow2(doe + ve), -gl.expand_dims(delta, 0))  # 256 * dSᵀ
+        if VARLEN:
+            ds = p * gl.fma(dp, _pow2(doe + ve), -gl.expand_dims(delta, 0))  # 256 * dSᵀ
+        else:  # the step rows hold −δ
+            ds = p * gl.fma(dp, _pow2(doe + ve), gl.expand_dims(delta, 0))
         # Pᵀ to e4m3 only now (after dSᵀ took its fp32 value): Pᵀ, dPᵀ and the e4m3 Pᵀ are never live together
         p8 = _operand(p, a_layout, Q_PERM)
         dv = warpgroup_mma(p8, dos_smem.index(st).permute((1, 0)), dv, is_async=True)
@@ -1276,10 +1285,65 @@ def _lse_rows(lse: torch.Tensor, bm: int) -> tuple[torch.Tensor, int, int]:
     return rows, cols, cols
 
 
+STEP_ROW_ALIGN = 128  # the step rows' columns: Sq rounded up to a multiple of this (both query steps)
+
+
+@triton.jit
+def _step_rows_kernel(LSE, DELTA, BROW, NDL, H, S, cols, s_lb, s_lh, s_ls, s_db, s_dh, s_ds,
+                      BLOCK: tl.constexpr):
+    """Row b*H + h of the step rows (``_step_rows``), columns of block program_id(1)."""
+    r = tl.program_id(0)
+    b = (r // H).to(tl.int64)
+    h = r % H
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < S
+    lse = tl.load(LSE + b * s_lb + h * s_lh + c * s_ls, mask=ok, other=float("-inf"))
+    dl = tl.load(DELTA + b * s_db + h * s_dh + c * s_ds, mask=ok, other=0.0)
+    brow = tl.where(lse == float("-inf"), float("-inf"), tl.fma(lse, -1.4426950408889634, 8.0))
+    out = r.to(tl.int64) * cols + c
+    tl.store(BROW + out, brow, mask=c < cols)
+    tl.store(NDL + out, -dl, mask=c < cols)
+
+
+def _step_rows(lse: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the dense dK/dV kernel reads per query in place of lse and δ (session 20): (b, −δ), two contiguous
+    (B, Hq, cols) fp32 tensors, cols = Sq rounded up to a multiple of ``STEP_ROW_ALIGN`` (a 16-byte row pitch, and
+    whole boxes for both query steps).  b = 8 − lse·log2e (one fma, as the kernel computed it), −inf where lse is
+    −inf and past Sq (P = 0 there: the query-row mask); −δ, and −0 past Sq (the TMA zero fill the kernel negated).
+    Each step then reads the exponent offsets of P·256 and dS's δ term without its 16 compares, selects, fmas
+    and negations a step and thread (d128: 64 of 656 SASS instructions).  One launch of B·Hq·Sq·8 bytes read and
+    16 written (~3 MB at B2 H16 S8k); on CPU tensors (host-side tests) the same values from PyTorch ops in
+    float64."""
+    B, H, S = lse.shape
+    cols = cdiv(max(S, 1), STEP_ROW_ALIGN) * STEP_ROW_ALIGN
+    if not lse.is_cuda:
+        brow = torch.full((B, H, cols), float("-inf"), dtype=torch.float32)
+        ndl = torch.zeros(B, H, cols, dtype=torch.float32)
+        v = (8.0 - lse.double() * float(torch.tensor(1.4426950408889634, dtype=torch.float32))).float()
+        brow[..., :S] = torch.where(lse == float("-inf"), float("-inf"), v)
+        ndl[..., :S] = -delta
+        return brow, ndl
+    brow = torch.empty(B, H, cols, dtype=torch.float32, device=lse.device)
+    ndl = torch.empty(B, H, cols, dtype=torch.float32, device=lse.device)
+    if B * H:
+        block = 1024
+        fast_launcher(_step_rows_kernel)[(B * H, cdiv(cols, block))](
+            lse, delta, brow, ndl, H, S, cols, *lse.stride(), *delta.stride(), BLOCK=block, num_warps=4)
+    return brow, ndl
+
+
+def _step_row_descriptors(brow: torch.Tensor, ndl: torch.Tensor, bm: int = BLOCK_M_DEFAULT):
+    """TMA descriptors of the step rows (``_step_rows``) as (B*Hq, cols) with [1, bm] boxes: the producer loads row
+    b*Hq + h, columns m0 .. m0+bm-1 per query step."""
+    B, H, cols = brow.shape
+    return (TensorDescriptor(brow, [B * H, cols], [cols, 1], [1, bm], _vector_layout()),
+            TensorDescriptor(ndl, [B * H, cols], [cols, 1], [1, bm], _vector_layout()))
+
+
 def _vector_descriptors(lse: torch.Tensor, delta: torch.Tensor, bm: int = BLOCK_M_DEFAULT):
-    """TMA descriptors of lse and δ, (B, Hq, Sq) fp32, as (B*Hq, Sq) with [1, bm] boxes: the producer loads row
-    b*Hq + h, columns m0 .. m0+bm-1 per query step; columns past Sq read as 0.0 (TMA zero fill), except lse's with
-    bm = 128, which read −inf (``_lse_rows``)."""
+    """TMA descriptors of lse and δ themselves, (B, Hq, Sq) fp32, as (B*Hq, Sq) with [1, bm] boxes (the jagged
+    kernel's, which reads raw lse and δ): the producer loads row b*Hq + h, columns m0 .. m0+bm-1 per query step;
+    columns past Sq read as 0.0 (TMA zero fill), except lse's with bm = 128, which read −inf (``_lse_rows``)."""
     B, H, S = delta.shape
     lse_base, lse_pitch, lse_cols = _lse_rows(lse, bm)
     dl_base, dl_pitch = _vector_rows(delta)
@@ -1322,7 +1386,7 @@ def run_plan(plan, q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, dk, dv)
     bound, templates, scalars, bm = plan
     Sq = q.data.shape[1]
     bases = (_hdim_view(q.data, "q"), _hdim_view(dout_hdim.data, "dout_hdim"), q_seq.data, dout_seq.data,
-             _lse_rows(lse, bm)[0], _vector_rows(delta)[0], _hdim_view(k.data, "k"), _hdim_view(v_hdim.data, "v_hdim"))
+             *_step_rows(lse, delta), _hdim_view(k.data, "k"), _hdim_view(v_hdim.data, "v_hdim"))
     bound(*(rebased(t, b) for t, b in zip(templates, bases)), _tile_exps(q, Sq, bm), _tile_exps(dout_hdim, Sq, bm),
           k.exp.contiguous(), v_hdim.exp.contiguous(), q_seq.exp.contiguous(), dout_seq.exp.contiguous(), dk, dv,
           *scalars)
@@ -1395,7 +1459,7 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
     q_perm = cfg.q_perm and not cfg.fuse_dq and k_perm_ok(Sq, bm)
     q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc = _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq,
                                                                      cfg.split, bm, q_perm)
-    lse_desc, dl_desc = _vector_descriptors(lse, delta, bm)
+    lse_desc, dl_desc = _step_row_descriptors(*_step_rows(lse, delta), bm)
     grid = (cdiv(Sk, BLOCK_N.value), B * Hkv)
     kernel = _attn_bwd_dkdv_ws_kernel_sq1 if Sq == 1 else _attn_bwd_dkdv_ws_kernel
     descs = (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc)
@@ -1456,7 +1520,7 @@ def attn_bwd_dkdv_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP
     if Sq == 0 or B * Hkv == 0 or Sk == 0:
         return dq_acc.to(grad_dtype), dk.zero_(), dv.zero_()
     tiles = _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq, True, bm)
-    descs = (*tiles[:4], *_vector_descriptors(lse, delta, bm), *tiles[4:])
+    descs = (*tiles[:4], *_step_row_descriptors(*_step_rows(lse, delta), bm), *tiles[4:])
     ksd = k_seq.data
     ks_desc = TensorDescriptor(ksd, [B * Hkv * D, Sk], [ksd.stride(3), 1], [D, BLOCK_N_WG.value],
                                nvmma_fp8_layout(D, BLOCK_N_WG.value))
