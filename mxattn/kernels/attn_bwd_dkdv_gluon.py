@@ -760,8 +760,8 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
             # the same values, placed where the registers are (each change below took in-loop LDL / STL away,
             # triton 3.6, sm_90a; session 9): ke loaded here every step (an L1 hit under the ready wait; held
             # across the loop, it was the value ptxas spilled and reloaded every step), doe / ve / lse after Sᵀ's
-            # wait, δ after dPᵀ's, and no query-row mask: the launcher pads lse's rows to a multiple of 128 with
-            # −inf (``_lse_rows``), so the rows past Sq read lse = −inf (P = 0) where the mask put it (the 32
+            # wait, δ after dPᵀ's, and no query-row mask: the step rows are −inf past Sq (``_step_rows``; before
+            # session 20 the launcher padded lse's rows the same way), so P = 0 where the mask put it (the 32
             # per-thread column compares of a 128-query tile cost ~120 instructions a step)
             qe = gl.load(QE + hh * stride_qeh + (qe_0 + m0 // BLOCK_M) * stride_qeg)
             a = qk_scale * _pow2(qe + gl.load(KE))
