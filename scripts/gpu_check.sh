@@ -73,6 +73,7 @@
 #   bwdrows    session 19: the Gluon backward's row-wise epilogue stores (MXATTN_BWD_OUT_ROWS): builds, tests, timing;
 #              session 20: its tests include the query- / key-permuted boxes' bit-identity tests (q_perm, k_perm, on
 #              by default) and its timing rows the 2-D builds (dkdv_2d_ms, dq_2d_ms)
+#   bwdbase    session 20: a base tree's backward kernels (BWD_BASE, default _s19base) against this tree's, in turns
 #   outrows    session 19: the Gluon forward's row-wise output store: compile check, GPU tests, timing probe, bench
 #   exp2fma    the forward kernels with part of their exp2 on the FMA pipe (exp2_fma of GluonFwdConfig / FwdConfig,
 #              session 18): compile
@@ -530,6 +531,13 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
       grep -E "passed|failed|^FAILED|^ERROR" "$OUT/bwd_rows_tests.log" | tail -12
       grep -qE "^(FAILED|ERROR)" "$OUT/bwd_rows_tests.log" && status=1
       for v in 0 1 0 1; do MXATTN_BWD_OUT_ROWS=$v run $PY scripts/probe_bwd_gluon.py "$OUT/bwd_rows.jsonl"; done ;;
+    bwdbase)
+      # session 20: the Gluon backward kernels of a base tree (BWD_BASE, default _s19base, made before the call with
+      # `git archive 1bfaccb mxattn | tar -x -C _s19base`; skipped when absent) and of this tree, timed in turns
+      # (base, this, base, this) by scripts/probe_bwd_gluon.py: OUTDIR/bwd_base.jsonl (rows carry "tree")
+      for i in 1 2; do for tree in "${BWD_BASE:-_s19base}" .; do
+        [ -d "$tree/mxattn" ] || { echo "bwdbase: no $tree/mxattn"; continue; }
+        PYTHONPATH=$tree run $PY scripts/probe_bwd_gluon.py "$OUT/bwd_base.jsonl"; done; done ;;
     dqprobe)
       # the fused dQ's cost split (attn_bwd_dkdv_gluon.DQ_PROBE, timing only): the probe builds compiled side by side
       # on tiny shapes, then timed one after the other at B2 H16 S8k d64 (both masks) and B8 H12 S2k d64 causal;
