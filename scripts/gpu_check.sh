@@ -523,7 +523,7 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
         MXATTN_BWD_OUT_ROWS=1 MXATTN_TEST_SHARD=$i/3 run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider -k "not bench" \
           tests/test_attn_bwd_dq_gluon.py > "$OUT/bwd_rows_tests.dq.$i.log" 2>&1 &
         MXATTN_BWD_OUT_ROWS=1 MXATTN_TEST_SHARD=$i/3 run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider \
-          -k "matches_tl or key_exp_tiny or configs or unseen or q_perm" tests/test_attn_bwd_dkdv_gluon.py \
+          -k "matches_tl or key_exp_tiny or configs or unseen or q_perm or step_rows" tests/test_attn_bwd_dkdv_gluon.py \
           > "$OUT/bwd_rows_tests.dkdv.$i.log" 2>&1 &
       done
       wait

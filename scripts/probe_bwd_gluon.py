@@ -49,7 +49,7 @@ def main():
             run()
             torch.cuda.synchronize()
             continue
-        row = {"probe": probe, "tree": os.path.basename(tree), "out_rows": os.environ.get("MXATTN_BWD_OUT_ROWS", "0") == "1",
+        row = {"probe": probe, "tree": os.path.basename(tree), "out_rows": os.environ.get("MXATTN_BWD_OUT_ROWS", "auto"),
                "B": B, "H": H, "S": S,
                "D": D, "causal": causal, "dkdv_ms": _ms(run)}
         flops = 4 * 4 * B * H * S * S * D * (0.5 if causal else 1.0) / 2  # four products of 2 B H S^2 D

@@ -207,7 +207,7 @@ from mxattn.kernels.attn_bwd import grad_outputs
 from mxattn.kernels.attn_fwd_gluon import (_k_operand, _k_perm_layout, _key_of_column, _pack_p, _unpack_p,
                                            k_perm_ok)
 from mxattn.kernels.attn_bwd_dq_gluon import (
-    OUT_ROWS,
+    OUT_ROWS_DKDV,
     _store_tile_rows,
     _hdim_view,
     _is_rs,
@@ -892,7 +892,7 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
         dk = _row_scale(dk, _pow2(dk_e), o_layout) * gl.expand_dims(_pow2(qse) * grad_scale, 0)
     else:
         dk = dk * gl.expand_dims(_pow2(qse) * (grad_scale * _pow2(dk_e)), 0)
-    if OUT_ROWS:
+    if OUT_ROWS_DKDV > 0 and BLOCK_M >= OUT_ROWS_DKDV:  # (MXATTN_BWD_OUT_ROWS, attn_bwd_dq_gluon)
         _store_tile_rows(DK, dk.to(DK.dtype.element_ty), n_sh, n_sh + key_lim, stride_dkn, stride_dkd, ROWS,
                          HEAD_DIM, WARPS)
         # (loading dO's exponents before dK's arithmetic kept 32 more registers live: the d128 causal build then

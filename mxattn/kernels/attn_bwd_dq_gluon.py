@@ -130,11 +130,17 @@ WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup when split
 BLOCK_NS = (64, 128)
 KV_EXP_GROUP = gl.constexpr(128)  # keys sharing one exponent in k and v_hdim
 # How dQ (here) and dK / dV (attn_bwd_dkdv_gluon) reach memory, read once at import from MXATTN_BWD_OUT_ROWS:
-# "0" (default) stored from wgmma's accumulator layout (4 bytes a thread, a warp's store over 8 rows); "1" each tile
-# moved to whole rows through shared memory first (16-byte stores, ``_store_tile_rows``), as the forward's
-# ``out_store="rows"`` (session 19: the forward's output 3,800-4,500 -> 1,700-1,800 clocks).  The same values are
-# stored.  Opt-in until measured (docs/pending-gpu-checks.md, session 19).
-OUT_ROWS = gl.constexpr(os.environ.get("MXATTN_BWD_OUT_ROWS", "0") == "1")
+# from wgmma's accumulator layout (4 bytes a thread, a warp's store over 8 rows), or each tile moved to whole rows
+# through shared memory first (16-byte stores, ``_store_tile_rows``), as the forward's ``out_store="rows"``.  The
+# same values are stored.  "auto" (default, session 20's measurement on an H100, bwd_kernels-…-s20.json): rows for
+# dQ (2-5 % faster) and for the 128-query dK/dV build (d64, 10 %), the accumulator layout for the 64-query dK/dV
+# build (d128: equal non-causal, slower causal, whose build then spills inside its loop); "1" rows everywhere, "0"
+# nowhere.
+_OUT_ROWS_ENV = os.environ.get("MXATTN_BWD_OUT_ROWS", "auto")
+if _OUT_ROWS_ENV not in ("auto", "0", "1"):
+    raise ValueError(f"MXATTN_BWD_OUT_ROWS must be auto, 0 or 1, got {_OUT_ROWS_ENV!r}")
+OUT_ROWS = gl.constexpr(_OUT_ROWS_ENV != "0")  # dQ
+OUT_ROWS_DKDV = gl.constexpr({"auto": 128, "1": 64, "0": 0}[_OUT_ROWS_ENV])  # dK/dV: rows from this query step up
 ROW_GROUP = 128  # q / dout_hdim rows per exponent must be a multiple of this (one scalar per 128-row tile)
 
 
