@@ -100,7 +100,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)  # what the H200's driver reports (capability 9.0, 32 threads per warp)
 CASES = ("dkdv", "dq", "fwd-gluon", "fwd-gluon-fp32", "fwd-tl", "quant-forward", "quant-bench")
 # the kernels each case reports (function names; ``--all``: every captured launch)
-CASE_KERNELS = {"dkdv": ("_attn_bwd_dkdv_ws_kernel",), "dq": ("_attn_bwd_dq_ws_kernel",),
+CASE_KERNELS = {"dkdv": ("_attn_bwd_dkdv_ws_kernel", "_attn_bwd_dkdv_ws_persistent_kernel"), "dq": ("_attn_bwd_dq_ws_kernel",),
                 "fwd-gluon": ("_attn_fwd_ws_kernel", "_attn_fwd_ws_persistent_kernel"),
                 "fwd-gluon-fp32": ("_attn_fwd_ws_kernel", "_attn_fwd_ws_persistent_kernel"), "fwd-tl": ("_attn_fwd_kernel",),
                 "quant-forward": ("_operands_kernel",),

@@ -73,6 +73,7 @@
 #   bwdrows    session 19: the Gluon backward's row-wise epilogue stores (MXATTN_BWD_OUT_ROWS): builds, tests, timing;
 #              session 20: its tests include the query- / key-permuted boxes' bit-identity tests (q_perm, k_perm, on
 #              by default) and its timing rows the 2-D builds (dkdv_2d_ms, dq_2d_ms)
+#   bwdpersistent  session 20: the persistent dK/dV kernel (opt-in): builds, bit-identity tests, timing
 #   bwdbase    session 20: a base tree's backward kernels (BWD_BASE, default _s19base) against this tree's, in turns
 #   outrows    session 19: the Gluon forward's row-wise output store: compile check, GPU tests, timing probe, bench
 #   exp2fma    the forward kernels with part of their exp2 on the FMA pipe (exp2_fma of GluonFwdConfig / FwdConfig,
@@ -531,6 +532,18 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
       grep -E "passed|failed|^FAILED|^ERROR" "$OUT/bwd_rows_tests.log" | tail -12
       grep -qE "^(FAILED|ERROR)" "$OUT/bwd_rows_tests.log" && status=1
       for v in 0 1 0 1; do MXATTN_BWD_OUT_ROWS=$v run $PY scripts/probe_bwd_gluon.py "$OUT/bwd_rows.jsonl"; done ;;
+    bwdpersistent)
+      # session 20: the persistent dK/dV kernel (GluonDkdvConfig.persistent, MXATTN_BWD_PERSISTENT=1; opt-in): its
+      # build report, the bit-identity tests against the per-block kernel (the smallest case first under a short
+      # timeout: a barrier bug shows as a hang), then the probe with the persistent row beside the per-block one, in
+      # two turns: OUTDIR/bwd_persistent.jsonl
+      for a in "" "--causal"; do MXATTN_BWD_PERSISTENT=1 run $PY scripts/compile_launched.py dkdv --shape 2,4096,16,16,128 $a \
+        | grep -E "highest|spill|loop . LDL"; done
+      T=120 run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_bwd_dkdv_gluon.py \
+        -k "persistent_bit_identical and 3x129" 2>&1 | tail -3
+      run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_bwd_dkdv_gluon.py -k "persistent" 2>&1 \
+        | tail -8 || status=1
+      for i in 1 2; do MXATTN_PROBE_PERSISTENT=1 run $PY scripts/probe_bwd_gluon.py "$OUT/bwd_persistent.jsonl"; done ;;
     bwdbase)
       # session 20: the Gluon backward kernels of a base tree (BWD_BASE, default _s19base, made before the call with
       # `git archive 1bfaccb mxattn | tar -x -C _s19base`; skipped when absent) and of this tree, timed in turns

@@ -7,7 +7,8 @@ Probe (attn_bwd_dkdv_gluon.DKDV_PROBE): 0 the real kernel, 1 no exp2 on the unma
 (the keys' exponents stay: no amax, no dK row rescale).  The API's default dK/dV config per head dim (split;
 64-query steps at d128, 128-query steps at d64).  Appends one JSON line per shape with the kernel's ms; probe 0
 also times the dK/dV kernel with 2-D Q / dO_hdim boxes (``q_perm=False``, ``dkdv_2d_ms``), the default dQ
-kernel on the same operands, and the dQ kernel with 2-D K / V_hdim boxes (``k_perm=False``, ``dq_2d_ms``).  MXATTN_BWD_OUT_ROWS=1: the row-wise epilogue stores of
+kernel on the same operands, and the dQ kernel with 2-D K / V_hdim boxes (``k_perm=False``, ``dq_2d_ms``);
+MXATTN_PROBE_PERSISTENT=1 adds the persistent dK/dV kernel (``dkdv_persistent_ms``).  MXATTN_BWD_OUT_ROWS=1: the row-wise epilogue stores of
 both kernels (``attn_bwd_dq_gluon.OUT_ROWS``), recorded as ``out_rows``."""
 import dataclasses
 import json
@@ -58,6 +59,10 @@ def main():
             # the dK/dV kernel with 2-D Q / dO_hdim boxes (q_perm=False: the default before session 20)
             kc2 = _config(GluonDkdvConfig, split=True, block_m=128 if D == 64 else 64, q_perm=False)
             row["dkdv_2d_ms"] = _ms(lambda: attn_bwd_dkdv_gluon(**dkdv, causal=causal, config=kc2))
+        if probe == 0 and os.environ.get("MXATTN_PROBE_PERSISTENT") == "1":
+            # the persistent dK/dV kernel (GluonDkdvConfig.persistent, opt-in since session 20)
+            kcp = _config(GluonDkdvConfig, split=True, block_m=128 if D == 64 else 64, persistent=True)
+            row["dkdv_persistent_ms"] = _ms(lambda: attn_bwd_dkdv_gluon(**dkdv, causal=causal, config=kcp))
         if probe == 0:
             # the default dQ kernel (key-permuted K / V_hdim since session 20), then the 2-D boxes (dq_2d_ms)
             for name, perm in (("dq_ms", True), ("dq_2d_ms", False))[:2 if variants else 1]:

@@ -1027,3 +1027,59 @@ def test_step_rows_cuda_matches_cpu(seed):
     want = m._step_rows(lse, delta)
     for x, y in zip(got, want):
         assert torch.equal(x.cpu().view(torch.int32), y.view(torch.int32))
+
+
+def test_persistent_launch(monkeypatch):
+    """Host side of ``GluonDkdvConfig.persistent``: the persistent kernel on min(SMs, key blocks x B x Hkv) programs
+    (132 for the CPU stand-in) with the key blocks per head and the item count after the per-block kernel's scalars;
+    refused for the whole-tile, fused-dQ and jagged builds; Sq = 1 keeps the per-block kernel."""
+    m = _mod()
+    with pytest.raises(ValueError, match="persistent"):
+        m.GluonDkdvConfig(persistent=True).check_launch(64)
+    with pytest.raises(ValueError, match="persistent"):
+        m.GluonDkdvConfig(split=True, persistent=True).check_launch(64, varlen=True)
+    for B, Sk, want_grid in ((2, 200, (8,)), (4, 4096, (132,))):
+        m._PLANS.clear()
+        ops = _cpu_operands(B=B, Sk=Sk)
+        cfg = m.GluonDkdvConfig(split=True, persistent=True)
+        (grid, args, kw), = _recorded_launches(monkeypatch, lambda: m.attn_bwd_dkdv_gluon(**ops, config=cfg), n=1)
+        n_kb = -(-Sk // 128)
+        assert grid == want_grid and "SPLIT" not in kw and kw["Q_PERM"] is False  # Sq = 130
+        assert list(args[-2:]) == [n_kb, n_kb * B * 2]  # Hkv = 2
+    m._PLANS.clear()
+    ops = _cpu_operands(Sq=1)
+    (grid, _, kw), = _recorded_launches(
+        monkeypatch, lambda: m.attn_bwd_dkdv_gluon(**ops, config=m.GluonDkdvConfig(split=True, persistent=True)), n=1)
+    assert kw["SPLIT"] and len(grid) == 2
+
+
+# persistent against the per-block kernel: items with no query step (causal Sq < Sk: key blocks past every query's
+# reach have steps; Sq > Sk: rows that see no key), many items per program (B2 H16 S2k d128: 512 items), GQA 8:1
+# (the head loop inside an item), d64 128-query steps, a partial last key block
+PERSISTENT_CASES = [
+    (2, 2048, 2048, 16, 16, 128, True),
+    (2, 2048, 2048, 16, 16, 128, False),
+    (2, 1000, 1000, 16, 2, 128, True),
+    (2, 1000, 1000, 16, 2, 64, False),
+    (1, 300, 3000, 2, 2, 128, True),
+    (1, 3000, 300, 2, 2, 64, True),
+    (3, 129, 257, 2, 1, 128, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=_case_id)
+def test_attn_bwd_dkdv_gluon_persistent_bit_identical(case, seed):
+    """``persistent`` against the per-block kernel on the same operands (the API's split config per head dim): each
+    item runs the per-block kernel's code with the ring position carried over, so dk and dv are bit-identical."""
+    if not _is_hopper():
+        pytest.skip("the Gluon dK/dV kernel needs an sm_90 GPU")
+    m = _mod()
+    causal = case[6]
+    ops, _ = m.dkdv_operands(*_gpu_inputs(case, seed), causal)
+    bm = 128 if case[5] == 64 else 64
+    dk, dv = m.attn_bwd_dkdv_gluon(**ops, causal=causal, config=m.GluonDkdvConfig(split=True, block_m=bm,
+                                                                                   persistent=True))
+    wk, wv = m.attn_bwd_dkdv_gluon(**ops, causal=causal, config=m.GluonDkdvConfig(split=True, block_m=bm))
+    assert torch.equal(dk.view(torch.int16), wk.view(torch.int16)), _case_id(case) + " dk"
+    assert torch.equal(dv.view(torch.int16), wv.view(torch.int16)), _case_id(case) + " dv"

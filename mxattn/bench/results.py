@@ -113,7 +113,7 @@ def env_info(device: Union[str, torch.device, None] = None) -> dict:
 _RECORDED_KNOBS = ("MXATTN_EXP2_FMA", "MXATTN_FWD_PERSISTENT", "MXATTN_FWD_MASK", "MXATTN_BWD_OUT_ROWS",
                    "MXATTN_FWD_PROBE",
                    "MXATTN_DKDV_PROBE", "MXATTN_DQ_PROBE",
-                   "MXATTN_BWD_FUSED_DQ", "MXATTN_BWD_KERNEL", "MXATTN_LINEAR_KERNEL")
+                   "MXATTN_BWD_FUSED_DQ", "MXATTN_BWD_PERSISTENT", "MXATTN_BWD_KERNEL", "MXATTN_LINEAR_KERNEL")
 
 
 def gpu_slug(name: str) -> str:

@@ -879,6 +879,15 @@ def gluon_split() -> bool:
     return value == "1"
 
 
+def persistent_dkdv() -> bool:
+    """Whether the Gluon backward's split dK/dV kernel runs persistent (``GluonDkdvConfig.persistent``, session 20:
+    one CTA per SM walking the key blocks): opt-in with MXATTN_BWD_PERSISTENT=1 until measured on a GPU."""
+    value = os.environ.get("MXATTN_BWD_PERSISTENT", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"MXATTN_BWD_PERSISTENT must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def fused_dq() -> bool:
     """Whether the Gluon backward at D = 64 forms dQ inside the dK/dV kernel (``GluonDkdvConfig.fuse_dq``, session 13:
     five products instead of seven, dQ added with atomics) instead of running the dQ kernel: opt-in with
@@ -924,7 +933,8 @@ def _gluon_plan_key(q, k, v_hdim, q_seq, k_seq, out, dout, lse, dout_hdim, dout_
         return None
     dev = torch.cuda.current_device() if q.data.is_cuda else -1
     return (ops, dos, plain, q.data.device, causal, softmax_scale, deterministic, grad_dtype, defer_dq,
-            os.environ.get("MXATTN_BWD_GLUON_SPLIT"), os.environ.get("MXATTN_BWD_FUSED_DQ"), dev)
+            os.environ.get("MXATTN_BWD_GLUON_SPLIT"), os.environ.get("MXATTN_BWD_FUSED_DQ"),
+            os.environ.get("MXATTN_BWD_PERSISTENT"), dev)
 
 
 def _run_gluon_plan(plan, q, k, v_hdim, q_seq, k_seq, out, dout, lse, dout_hdim, dout_seq, defer_dq):
@@ -1044,7 +1054,8 @@ def attn_bwd_hopper(
                                                            causal=causal, softmax_scale=softmax_scale,
                                                            grad_dtype=grad_dtype, dk_out=dk, dv_out=dv)
             return ((lambda: dq) if defer_dq else dq), dk, dv
-        dkdv_cfg = dkdv_gluon.GluonDkdvConfig(split=True, block_m=128 if wide else 64) if split else None
+        dkdv_cfg = (dkdv_gluon.GluonDkdvConfig(split=True, block_m=128 if wide else 64, persistent=persistent_dkdv())
+                    if split else None)
         dq_cfg = dq_gluon.GluonDqConfig(split=True, block_n=128 if wide else 64) if split else None
         dkdv_args = (q, k, v_hdim, q_seq, doh, dos, lse, delta)
         dkdv_kw = dict(causal=causal, softmax_scale=softmax_scale, grad_dtype=grad_dtype, config=dkdv_cfg,

@@ -204,8 +204,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxattn.formats import RowScaledFP8
 from mxattn.kernels.attn_bwd import grad_outputs
-from mxattn.kernels.attn_fwd_gluon import (_k_operand, _k_perm_layout, _key_of_column, _pack_p, _unpack_p,
-                                           k_perm_ok)
+from mxattn.kernels.attn_fwd_gluon import (_k_operand, _k_perm_layout, _key_of_column, _pack_p, _sm_count,
+                                           _unpack_p, k_perm_ok)
 from mxattn.kernels.attn_bwd_dq_gluon import (
     OUT_ROWS_DKDV,
     _store_tile_rows,
@@ -288,6 +288,10 @@ class GluonDkdvConfig:
     # relabel (no quad shuffles or byte permutes), lse and δ are read from shared memory in that order
     # (``_col_vector``).  The same values in the same wgmma positions: bit-identical to False
     q_perm: bool = True
+    # one CTA per SM walking the key blocks (session 20, opt-in until measured on a GPU; split, dense, not with
+    # fuse_dq): a block's K / V and first query stages load under the previous block's epilogue, and no CTA is
+    # launched per key block (``_attn_bwd_dkdv_ws_persistent_kernel``)
+    persistent: bool = False
 
     def __post_init__(self):
         if self.ds_exp not in DS_EXPS:
@@ -303,6 +307,8 @@ class GluonDkdvConfig:
                              "and q / dO exponent rows are per 64 queries; use block_m=64")
         if self.fuse_dq and (varlen or not self.split):
             raise ValueError("fuse_dq needs a dense launch of the split build (split=True)")
+        if self.persistent and (varlen or not self.split or self.fuse_dq):
+            raise ValueError("persistent needs a dense launch of the split build (split=True) without fuse_dq")
         if self.block_m == 128 and head_dim is not None and head_dim != 64:
             raise ValueError(f"block_m=128 needs head dim 64 (got {head_dim}): at d128 the 64 x 128 Sᵀ / dPᵀ tiles "
                              f"and the dK / dV accumulators do not fit the consumers' 240 registers; use block_m=64")
@@ -515,7 +521,7 @@ def _step_barriers(STAGES: gl.constexpr, SPLIT: gl.constexpr):
 def _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_smem, do_smem, qs_smem, dos_smem,
                     lse_smem, dl_smem, ready, empty, q_row, seq_row, seq_col, vec_row, vec_col, dl_col, h0, lo, n_m,
                     n_steps, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr,
-                    BLOCK_M: gl.constexpr, Q_PERM: gl.constexpr):
+                    BLOCK_M: gl.constexpr, Q_PERM: gl.constexpr, it0=0):
     """Per query step, into stage i % STAGES of the ring, all on its one ready barrier: Q and dO_hdim (BLOCK_M x D),
     Q_seq and dO_seq (D x BLOCK_M), and the tile's BLOCK_M lse and δ (fp32 rows of the (B*Hq, Sq) views; columns past
     Sq are TMA zero fill).  seq_col / vec_col / dl_col: the first column of the seq operands / lse / δ (0 dense;
@@ -528,12 +534,12 @@ def _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_sme
     nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + qs_desc.block_type.nbytes
                             + dos_desc.block_type.nbytes + lse_desc.block_type.nbytes + dl_desc.block_type.nbytes)
     for i in range(n_steps):
-        s = i % STAGES
+        s = (it0 + i) % STAGES
         hh = h0 + i // n_m
         m0 = lo + (i % n_m) * BLOCK_M
         bar = ready.index(s)
         # a fresh mbarrier counts as having completed the phase before phase 0: the first pass does not wait
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.wait(empty.index(s), (((it0 + i) // STAGES) & 1) ^ 1)
         mbarrier.expect(bar, nbytes)
         tma.async_copy_global_to_shared(lse_desc, [vec_row + hh, vec_col + m0], bar, lse_smem.index(s))
         tma.async_copy_global_to_shared(dl_desc, [vec_row + hh, dl_col + m0], bar, dl_smem.index(s))
@@ -652,7 +658,8 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
               WARPS: gl.constexpr, DEFER_DK: gl.constexpr, DS_KEY_EXP: gl.constexpr, VARLEN: gl.constexpr,
               BLOCK_M: gl.constexpr, Q_PERM: gl.constexpr, ks_tile=None, dsq_smem=None, DQ_b=None, stride_dqm=0,
-              stride_dqh=0, FUSE_DQ: gl.constexpr = False, DQ_HALVES: gl.constexpr = False):
+              stride_dqh=0, FUSE_DQ: gl.constexpr = False, DQ_HALVES: gl.constexpr = False, it0=0, kv_ph=0,
+              kv_empty=None):
     """Keys n0 .. n0 + ROWS − 1 of one (b, hk), ROWS = 128 on 8 warps (the whole CTA's keys) or 64 on one warpgroup
     (split: keys n0 + 64·w ..); k_tile / v_tile their K and V_hdim tiles.  Pointers already moved to b (QE, DOE,
     QSE, DOSE) and to (b, hk, first key) (DK, DV); lse and δ of each query tile come through the ring
@@ -719,10 +726,10 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
     if BLOCK_M == 64:  # (BLOCK_M = 128: loaded where used, see below)
         ke = gl.load(KE)
         ve = gl.load(VE)
-    mbarrier.wait(kv_bar, 0)
+    mbarrier.wait(kv_bar, kv_ph)
     for j in range(n_steps):
-        st = j % STAGES
-        ph = (j // STAGES) & 1
+        st = (it0 + j) % STAGES
+        ph = ((it0 + j) // STAGES) & 1
         t = j // n_m
         hh = h0 + t
         m0 = lo + (j - t * n_m) * BLOCK_M
@@ -779,7 +786,7 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
         if DEFER_DK:
             # dK_{j-1} += dSᵀ_{j-1} Q_seq_{j-1} behind them (step 0: zeros on stage 0): it runs under Pᵀ's exp2 and
             # the dSᵀ math and is waited with dV_j at the step's end
-            sp = gl.maximum(j - 1, 0) % STAGES
+            sp = (it0 + gl.maximum(j - 1, 0)) % STAGES
             dk = warpgroup_mma(ds8, qs_smem.index(sp).permute((1, 0)), dk, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=2, deps=(s,))  # Sᵀ_j; dPᵀ_j and dK_{j-1} run on
         else:
@@ -873,7 +880,7 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
                 mbarrier.arrive(empty.index(st), count=1)  # stage st free: every read of it is done
     if DEFER_DK:
         if n_steps > 0:  # the last step's deferred dK (n_steps >= 1 whenever Sq >= 1)
-            sp = (n_steps - 1) % STAGES
+            sp = (it0 + n_steps - 1) % STAGES
             ds8 = _operand(dsc, a_layout, Q_PERM)
             if DS_KEY_EXP:
                 dk = _dk_pending(dk, dk_hh, 0, QSE, stride_qseh, stride_qsed, o_layout, HEAD_DIM)
@@ -884,6 +891,8 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
             dk = warpgroup_mma(ds8, qs_smem.index(sp).permute((1, 0)), dk, is_async=True)
             dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
             mbarrier.arrive(empty.index(sp), count=1)
+    if kv_empty is not None:  # persistent: this warpgroup's K / V tiles are free for the next item's (under the epilogue)
+        mbarrier.arrive(kv_empty, count=1)
 
     # ---- epilogue (attn_bwd._bwd_dkdv_kernel): the last head's seq exponents, dK's tile exponent, 2^-8 of P
     offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
@@ -916,6 +925,25 @@ def _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_t
 
 
 # ------------------------------------------------------------------------------------------------- kernel
+@gluon.jit
+def _query_range(n0, Sq, Sk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+    """The query tiles key block n0 visits (attn_bwd._bwd_dkdv_kernel): (lo, mid, tiles per head); lo .. mid masked,
+    mid .. the last tile not."""
+    causal_off = Sk - Sq
+    m_end = gl.cdiv(Sq, BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        lo = (gl.maximum(n0 - causal_off, 0) // BLOCK_M) * BLOCK_M
+        mid = gl.cdiv(gl.maximum(n0 + BLOCK_N - 1 - causal_off, 0), BLOCK_M) * BLOCK_M
+    else:
+        lo = 0
+        mid = 0
+    if n0 + BLOCK_N > Sk:
+        mid = m_end  # a partial key block masks its missing keys everywhere
+    lo = gl.minimum(lo, m_end)
+    mid = gl.minimum(gl.maximum(mid, lo), m_end)
+    return lo, mid, (m_end - lo) // BLOCK_M
+
+
 @gluon.jit
 def _attn_bwd_dkdv_ws_kernel(
     q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, QE, DOE, KE, VE, QSE, DOSE, DK, DV,
@@ -966,20 +994,8 @@ def _attn_bwd_dkdv_ws_kernel(
         hk = pid_bh % Hkv
         n0 = pid_n * BLOCK_N
 
-    # the query tiles this key block visits (attn_bwd._bwd_dkdv_kernel): lo .. mid masked, mid .. m_end not
     causal_off = Sk - Sq
-    m_end = gl.cdiv(Sq, BLOCK_M) * BLOCK_M
-    if CAUSAL:
-        lo = (gl.maximum(n0 - causal_off, 0) // BLOCK_M) * BLOCK_M
-        mid = gl.cdiv(gl.maximum(n0 + BLOCK_N - 1 - causal_off, 0), BLOCK_M) * BLOCK_M
-    else:
-        lo = 0
-        mid = 0
-    if n0 + BLOCK_N > Sk:
-        mid = m_end  # a partial key block masks its missing keys everywhere
-    lo = gl.minimum(lo, m_end)
-    mid = gl.minimum(gl.maximum(mid, lo), m_end)
-    n_m = (m_end - lo) // BLOCK_M
+    lo, mid, n_m = _query_range(n0, Sq, Sk, CAUSAL, BLOCK_M)
     n_steps = group_size * n_m
     h0 = hk * group_size
 
@@ -1110,6 +1126,132 @@ def _attn_bwd_dkdv_ws_kernel(
 # (``PassManager::run failed`` in make_llir; found by scripts/sanitize.sh's gluonbwd case).  Launches with Sq == 1
 # take this twin, the same kernel with Sq never specialized; every other launch keeps the GPU-tested one.
 _attn_bwd_dkdv_ws_kernel_sq1 = gluon.jit(do_not_specialize=["Sq"])(_attn_bwd_dkdv_ws_kernel.fn)
+
+
+# ------------------------------------------------------------------------------------------------- persistent kernel
+# ``GluonDkdvConfig.persistent`` (session 20, opt-in until measured): one CTA per SM walks the key blocks (the
+# per-block grid's order, key blocks fastest within one (b, kv head)), so that a block's prologue (its K / V tiles,
+# the first query stages) loads under the previous block's epilogue (dK / dV arithmetic and stores) and no CTA is
+# launched per block.  A causal key block has half a non-causal one's query steps on average, so its fixed cost
+# weighs twice as much: the causal kernel paid 1.22x the non-causal one per FLOP at S 8k d128 (H100, session 20).
+# Dense split builds without fused dQ only.  The ring runs on across items (a running step count ``it``, as the
+# forward's persistent kernel); K / V are single-buffered with an "empty" barrier both warpgroups arrive at once
+# their last product is in (``_consumer``'s ``kv_empty``), before their epilogue.
+@gluon.jit
+def _dkdv_item(w, n_kb, Hkv, group_size, Sq, Sk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Work item w -> (b, kv head, first key, lo, mid, query tiles per head, steps): the per-block kernel's
+    prologue for its program (w % n_kb, w // n_kb)."""
+    pid_n = w % n_kb
+    bh = w // n_kb
+    n0 = pid_n * BLOCK_N
+    lo, mid, n_m = _query_range(n0, Sq, Sk, CAUSAL, BLOCK_M)
+    return bh // Hkv, bh % Hkv, n0, lo, mid, n_m, group_size * n_m
+
+
+@gluon.jit
+def _producer_persistent(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem, do_smem,
+                         qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, kv_empty, ready, empty,
+                         Hq, Hkv, group_size, Sq, Sk, n_kb, n_work,
+                         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                         Q_PERM: gl.constexpr):
+    it = 0
+    k = 0
+    for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
+        b, hk, n0, lo, mid, n_m, n_steps = _dkdv_item(w, n_kb, Hkv, group_size, Sq, Sk, CAUSAL, BLOCK_M)
+        mbarrier.wait(kv_empty, (k & 1) ^ 1)  # both warpgroups are done with the last item's K / V (fresh: no wait)
+        mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+        for wg in gl.static_range(2):
+            tma.async_copy_global_to_shared(k_desc, [b * Sk + n0 + wg * BLOCK_N_WG, hk * HEAD_DIM], kv_bar,
+                                            k_smem.index(wg))
+            tma.async_copy_global_to_shared(v_desc, [b * Sk + n0 + wg * BLOCK_N_WG, hk * HEAD_DIM], kv_bar,
+                                            v_smem.index(wg))
+        _producer_steps(q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, q_smem, do_smem, qs_smem, dos_smem,
+                        lse_smem, dl_smem, ready, empty, b * Sq, b * Hq * HEAD_DIM, 0, b * Hq, 0, 0,
+                        hk * group_size, lo, n_m, n_steps, HEAD_DIM, STAGES, False, BLOCK_M, Q_PERM, it)
+        it += n_steps
+        k += 1
+
+
+@gluon.jit
+def _consumer_persistent(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_tile, kv_bar, kv_empty,
+                         ready, empty, QE, DOE, KE, VE, QSE, DOSE, DK, DV,
+                         stride_qeb, stride_qeg, stride_qeh, stride_deb, stride_deg, stride_deh,
+                         stride_keb, stride_ket, stride_keh, stride_veb, stride_vet, stride_veh,
+                         stride_qseb, stride_qseh, stride_qsed, stride_dkb, stride_dkn, stride_dkh, stride_dkd,
+                         Hq, Hkv, group_size, Sq, Sk, n_kb, n_work, qk_scale, grad_scale,
+                         WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                         DEFER_DK: gl.constexpr, DS_KEY_EXP: gl.constexpr, BLOCK_M: gl.constexpr,
+                         Q_PERM: gl.constexpr):
+    """Warpgroup WG's keys (n0 + 64 WG ..) of each work item: the split kernel's consumer, its pointers and query
+    range per item as the per-block kernel's dense prologue makes them, the ring from position ``it``."""
+    it = 0
+    k = 0
+    for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
+        b, hk, n0, lo, mid, n_m, n_steps = _dkdv_item(w, n_kb, Hkv, group_size, Sq, Sk, CAUSAL, BLOCK_M)
+        b64 = b.to(gl.int64)
+        pid_n = n0 // BLOCK_N
+        h0 = hk * group_size
+        row0 = (n0 + WG * BLOCK_N_WG).to(gl.int64) * stride_dkn
+        _consumer(q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_tile, v_tile, kv_bar, ready, empty,
+                  QE + b64 * stride_qeb, DOE + b64 * stride_deb, QSE + b64 * stride_qseb, DOSE + b64 * stride_qseb,
+                  DK + b64 * stride_dkb + hk * stride_dkh + row0, DV + b64 * stride_dkb + hk * stride_dkh + row0,
+                  stride_qeg, stride_qeh, stride_deg, stride_deh, stride_qseh, stride_qsed, stride_dkn, stride_dkd,
+                  KE + b64 * stride_keb + hk * stride_keh + pid_n * stride_ket,
+                  VE + b64 * stride_veb + hk * stride_veh + pid_n * stride_vet,
+                  Sk - n0 - WG * BLOCK_N_WG, Sk - Sq - n0 - WG * BLOCK_N_WG, Sq, h0, h0 + group_size - 1, lo, mid,
+                  n_m, n_steps, qk_scale, grad_scale, 0, 0, 0, 0,
+                  HEAD_DIM, STAGES, CAUSAL, 64, 4, DEFER_DK, DS_KEY_EXP, False, BLOCK_M, Q_PERM,
+                  it0=it, kv_ph=k & 1, kv_empty=kv_empty)
+        it += n_steps
+        k += 1
+
+
+@gluon.jit
+def _attn_bwd_dkdv_ws_persistent_kernel(
+    q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, QE, DOE, KE, VE, QSE, DOSE, DK, DV,
+    stride_qeb, stride_qeg, stride_qeh,
+    stride_deb, stride_deg, stride_deh,
+    stride_keb, stride_ket, stride_keh,
+    stride_veb, stride_vet, stride_veh,
+    stride_qseb, stride_qseh, stride_qsed,
+    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
+    Hq, Hkv, Sq, Sk, group_size, qk_scale, grad_scale, n_kb, n_work,
+    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, DEFER_DK: gl.constexpr, DS_KEY_EXP: gl.constexpr, BLOCK_M: gl.constexpr,
+    Q_PERM: gl.constexpr,
+):
+    """Grid (min(SMs, n_work),): program p takes work items p, p + grid, ... of the n_work = n_kb * B * Hkv key
+    blocks (``_dkdv_item``).  The split kernel's shared memory and ring, plus one mbarrier for K / V's release."""
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    qs_smem = gl.allocate_shared_memory(qs_desc.dtype, [STAGES] + qs_desc.block_type.shape, qs_desc.layout)
+    dos_smem = gl.allocate_shared_memory(dos_desc.dtype, [STAGES] + dos_desc.block_type.shape, dos_desc.layout)
+    lse_smem = gl.allocate_shared_memory(lse_desc.dtype, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
+    dl_smem = gl.allocate_shared_memory(dl_desc.dtype, [STAGES] + dl_desc.block_type.shape, dl_desc.layout)
+    k_smem, v_smem = _static_tiles(k_desc, v_desc, True)
+    kv_bar, ready, empty = _step_barriers(STAGES, True)
+    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_empty, count=2)  # one arrival per consumer warpgroup
+    gl.warp_specialize([
+        (_consumer_persistent, (q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem.index(0),
+                                v_smem.index(0), kv_bar, kv_empty, ready, empty, QE, DOE, KE, VE, QSE, DOSE, DK, DV,
+                                stride_qeb, stride_qeg, stride_qeh, stride_deb, stride_deg, stride_deh,
+                                stride_keb, stride_ket, stride_keh, stride_veb, stride_vet, stride_veh,
+                                stride_qseb, stride_qseh, stride_qsed, stride_dkb, stride_dkn, stride_dkh, stride_dkd,
+                                Hq, Hkv, group_size, Sq, Sk, n_kb, n_work, qk_scale, grad_scale,
+                                0, HEAD_DIM, STAGES, CAUSAL, DEFER_DK, DS_KEY_EXP, BLOCK_M, Q_PERM)),
+        (_consumer_persistent, (q_smem, do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem.index(1),
+                                v_smem.index(1), kv_bar, kv_empty, ready, empty, QE, DOE, KE, VE, QSE, DOSE, DK, DV,
+                                stride_qeb, stride_qeg, stride_qeh, stride_deb, stride_deg, stride_deh,
+                                stride_keb, stride_ket, stride_keh, stride_veb, stride_vet, stride_veh,
+                                stride_qseb, stride_qseh, stride_qsed, stride_dkb, stride_dkn, stride_dkh, stride_dkd,
+                                Hq, Hkv, group_size, Sq, Sk, n_kb, n_work, qk_scale, grad_scale,
+                                1, HEAD_DIM, STAGES, CAUSAL, DEFER_DK, DS_KEY_EXP, BLOCK_M, Q_PERM)),
+        (_producer_persistent, (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc, q_smem,
+                                do_smem, qs_smem, dos_smem, lse_smem, dl_smem, k_smem, v_smem, kv_bar, kv_empty,
+                                ready, empty, Hq, Hkv, group_size, Sq, Sk, n_kb, n_work,
+                                HEAD_DIM, STAGES, CAUSAL, BLOCK_M, Q_PERM)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ------------------------------------------------------------------------------------------------- launcher
@@ -1467,6 +1609,12 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
     constexprs = dict(HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
                       SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=cfg.defers_dk, DS_KEY_EXP=cfg.key_exp,
                       BLOCK_M=bm, Q_PERM=q_perm, num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
+    if cfg.persistent and Sq > 1:  # (Sq == 1 keeps the per-block kernel's unspecialized twin)
+        n_work = grid[0] * grid[1]
+        grid = (min(_sm_count(dev), n_work),)
+        kernel = _attn_bwd_dkdv_ws_persistent_kernel
+        scalars = (*scalars, cdiv(Sk, BLOCK_N.value), n_work)
+        del constexprs["SPLIT"]
     args = (*descs, *exps, dk, dv, *scalars)
     if key is None:
         fast_launcher(kernel)[grid](*args, **constexprs)
