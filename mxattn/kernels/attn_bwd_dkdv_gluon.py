@@ -178,6 +178,12 @@ exponent per tile, staged in shared memory, a sixth wgmma against a K_seq tile l
 kernel and its recomputed Sᵀ and dPᵀ are not needed.  Correct on the H200, and 0.66-0.79x the two kernels at d64;
 halving the atomics' operations or bytes did not change that, so the staging and the extra product on each step's
 chain are what to look at next (perf-notes-attn-bwd.md, "Session 13").
+
+Session 20 (perf-notes-attn-bwd.md, "Session 20"): on dense launches with Sq % 16 == 0 the Q and dO_hdim tiles come
+through the forward's 5-D permuted boxes over the queries (``GluonDkdvConfig.q_perm``), so Pᵀ and dSᵀ reach the A
+operands of dV and dK by a relabel; lse and δ are replaced by the step rows (``_step_rows``: b = 8 − lse·log2e and
+−δ, made once per backward); the d128 step went from 672 to 521 SASS instructions, the kernel 1.06-1.18x faster on
+an H100.  Opt-in: the persistent kernel (``GluonDkdvConfig.persistent``, ``_attn_bwd_dkdv_ws_persistent_kernel``).
 """
 
 from __future__ import annotations
