@@ -935,6 +935,14 @@ def test_launch_plan_keeps_the_query_step(monkeypatch):
     assert len(m._PLANS) == 2 and seen64[0][2]["BLOCK_M"] == 64 and seen64[0][1][8].shape[1] == 4
 
 
+def assert_permuted_box(d, rows: int, pitch: int, box_rows: int, D: int):
+    """``d`` is ``attn_fwd_gluon.permuted_rows_descriptor``'s 5-D view of (rows, pitch): 16-row groups, strides
+    (16r, 2r, 4r, r, 1), boxes of box_rows rows."""
+    assert list(d.shape) == [rows // 16, 2, 4, 2, pitch]
+    assert list(d.strides) == [16 * pitch, 2 * pitch, 4 * pitch, pitch, 1]
+    assert list(d.block_shape) == [box_rows // 16, 2, 4, 2, D]
+
+
 def test_query_permuted_boxes(monkeypatch):
     """Host side of ``GluonDkdvConfig.q_perm``: where Sq % 16 == 0 (dense, not fuse_dq) the launch takes Q_PERM with
     Q and dO_hdim through the 5-D query-permuted view (rows by 16-query group, strides (16r, 2r, 4r, r, 1)); with
@@ -951,9 +959,7 @@ def test_query_permuted_boxes(monkeypatch):
         r, bm = 4 * 64, cfg.block_m  # Hq * D
         for d in args[:2]:
             if want_perm:
-                assert list(d.shape) == [2 * Sq // 16, 2, 4, 2, r]
-                assert list(d.strides) == [16 * r, 2 * r, 4 * r, r, 1]
-                assert list(d.block_shape) == [bm // 16, 2, 4, 2, 64]
+                assert_permuted_box(d, 2 * Sq, r, bm, 64)
             else:
                 assert list(d.shape) == [2 * Sq, r] and list(d.block_shape) == [bm, 64]
         assert list(args[2].block_shape) == [64, bm]  # q_seq

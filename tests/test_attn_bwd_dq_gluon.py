@@ -193,7 +193,7 @@ def test_key_permuted_boxes(monkeypatch):
     """Host side of ``GluonDqConfig.k_perm``: where Sk % 16 == 0 the launch takes K_PERM with K and V_hdim through
     the forward's 5-D key-permuted view (rows by 16-key group, dims (G, a, b, e, channel) with strides
     (16r, 2r, 4r, r, 1)); with Sk % 16 != 0 or ``k_perm=False`` the 2-D boxes and K_PERM False."""
-    from test_attn_bwd_dkdv_gluon import _recorded_launches
+    from test_attn_bwd_dkdv_gluon import _recorded_launches, assert_permuted_box
 
     m = _mod()
     for Sk, cfg, want_perm in ((208, m.GluonDqConfig(split=True), True),
@@ -208,9 +208,7 @@ def test_key_permuted_boxes(monkeypatch):
         r = 2 * 64  # Hkv * D
         for d in (k_desc, v_desc):
             if want_perm:
-                assert list(d.shape) == [2 * Sk // 16, 2, 4, 2, r]
-                assert list(d.strides) == [16 * r, 2 * r, 4 * r, r, 1]
-                assert list(d.block_shape) == [cfg.block_n // 16, 2, 4, 2, 64]
+                assert_permuted_box(d, 2 * Sk, r, cfg.block_n, 64)
             else:
                 assert list(d.shape) == [2 * Sk, r] and list(d.block_shape) == [cfg.block_n, 64]
 

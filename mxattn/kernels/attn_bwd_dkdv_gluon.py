@@ -210,8 +210,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxattn.formats import RowScaledFP8
 from mxattn.kernels.attn_bwd import grad_outputs
-from mxattn.kernels.attn_fwd_gluon import (_k_operand, _k_perm_layout, _key_of_column, _pack_p, _sm_count,
-                                           _unpack_p, k_perm_ok)
+from mxattn.kernels.attn_fwd_gluon import (_k_operand, _key_of_column, _pack_p, _sm_count, _unpack_p, k_perm_ok,
+                                           permuted_rows_descriptor)
 from mxattn.kernels.attn_bwd_dq_gluon import (
     OUT_ROWS_DKDV,
     _store_tile_rows,
@@ -1338,11 +1338,8 @@ def _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq, split: bool = False, 
     key_layout = nvmma_fp8_layout(bn, D)
     seq_layout = nvmma_fp8_layout(D, bm)
     if q_perm:
-        r = Hq * D
-        shape, strides = [B * Sq // 16, 2, 4, 2, r], [16 * r, 2 * r, 4 * r, r, 1]
-        box, perm_layout = [bm // 16, 2, 4, 2, D], _k_perm_layout(bm, D)
-        q_desc = TensorDescriptor(qd, shape, strides, box, perm_layout)
-        do_desc = TensorDescriptor(dd, shape, strides, box, perm_layout)
+        q_desc = permuted_rows_descriptor(qd, B * Sq, Hq * D, bm, D)
+        do_desc = permuted_rows_descriptor(dd, B * Sq, Hq * D, bm, D)
     else:
         q_desc = TensorDescriptor(qd, [B * Sq, Hq * D], [Hq * D, 1], [bm, D], row_layout)
         do_desc = TensorDescriptor(dd, [B * Sq, Hq * D], [Hq * D, 1], [bm, D], row_layout)
@@ -1471,8 +1468,8 @@ def _step_rows(lse: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, to
         brow[..., :S] = torch.where(lse == float("-inf"), float("-inf"), v)
         ndl[..., :S] = -delta
         return brow, ndl
-    brow = torch.empty(B, H, cols, dtype=torch.float32, device=lse.device)
-    ndl = torch.empty(B, H, cols, dtype=torch.float32, device=lse.device)
+    # both in one allocation (a 16-byte-aligned second half: cols is a multiple of 128)
+    brow, ndl = torch.empty(2, B, H, cols, dtype=torch.float32, device=lse.device).unbind(0)
     if B * H:
         block = 1024
         fast_launcher(_step_rows_kernel)[(B * H, cdiv(cols, block))](

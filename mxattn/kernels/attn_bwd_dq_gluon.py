@@ -111,8 +111,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxattn.formats import RowScaledFP8
-from mxattn.kernels.attn_fwd_gluon import (_k_operand, _k_perm_layout, _key_of_column, _pack_p, _store_tile_rows,
-                                           _unpack_p, k_perm_ok)
+from mxattn.kernels.attn_fwd_gluon import (_k_operand, _key_of_column, _pack_p, _store_tile_rows, _unpack_p,
+                                           k_perm_ok, permuted_rows_descriptor)
 from mxattn.kernels import launch
 from mxattn.kernels.launch import (BoundLaunch, cdiv, fast_launcher, nvmma_fp8_layout, rebased, tensor_sig,
                                    unbased)
@@ -720,11 +720,8 @@ def _descriptors(q, k, v_hdim, k_seq, dout_hdim, split: bool = False, block_n: i
     q_desc = TensorDescriptor(qd, [B * Sq, Hq * D], [Hq * D, 1], [bm, D], row_layout)
     do_desc = TensorDescriptor(dd, [B * Sq, Hq * D], [Hq * D, 1], [bm, D], row_layout)
     if k_perm:
-        r = Hkv * D
-        shape, strides = [B * Sk // 16, 2, 4, 2, r], [16 * r, 2 * r, 4 * r, r, 1]
-        box, perm_layout = [bn // 16, 2, 4, 2, D], _k_perm_layout(bn, D)
-        k_desc = TensorDescriptor(kd, shape, strides, box, perm_layout)
-        v_desc = TensorDescriptor(vd, shape, strides, box, perm_layout)
+        k_desc = permuted_rows_descriptor(kd, B * Sk, Hkv * D, bn, D)
+        v_desc = permuted_rows_descriptor(vd, B * Sk, Hkv * D, bn, D)
     else:
         k_desc = TensorDescriptor(kd, [B * Sk, Hkv * D], [Hkv * D, 1], [bn, D], key_layout)
         v_desc = TensorDescriptor(vd, [B * Sk, Hkv * D], [Hkv * D, 1], [bn, D], key_layout)

@@ -876,6 +876,15 @@ def _k_perm_layout(block_n: int, head_dim: int):
     return gl.NVMMASharedLayout.get_default_for([block_n // 16, 2, 4, 2, head_dim], gl.float8e4nv)
 
 
+def permuted_rows_descriptor(data: torch.Tensor, rows: int, pitch: int, box_rows: int, head_dim: int):
+    """TMA descriptor of a (rows, pitch) row-major e4m3 view read in boxes of ``box_rows`` rows of ``head_dim``
+    channels, the rows of each 16-row group permuted (``K_PERM``): dims (G, a, b, e, channel) with strides
+    (16, 2, 4, 1) rows, so box row 16 G + 8 a + 2 b + e holds row 16 G + 4 b + 2 a + e (``_key_of_column``).  The
+    forward's K; the backward's Q / dO_hdim (dK/dV kernel) and K / V_hdim (dQ kernel)."""
+    return TensorDescriptor(data, [rows // 16, 2, 4, 2, pitch], [16 * pitch, 2 * pitch, 4 * pitch, pitch, 1],
+                            [box_rows // 16, 2, 4, 2, head_dim], _k_perm_layout(box_rows, head_dim))
+
+
 def k_perm_ok(Sk: int, block_n: int) -> bool:
     """Whether K can be loaded key-permuted: every 16-key group lies inside one sequence (Sk % 16 == 0, so the
     tile start b * Sk + i * block_n is a whole group index; B * Sk % 16 == 0 alone would not do for odd b), and a
@@ -905,8 +914,7 @@ def _descriptors(q, k, v, block_n: int, k_perm: bool = True):
     use_perm = k_perm and k_perm_ok(Sk, block_n)
     if use_perm:
         # dims (group G, a, b, e, channel): row 16 G + 2 a + 4 b + e, stored in the box row-major as 16 G + 8 a + 2 b + e
-        k_desc = TensorDescriptor(kd, [B * Sk // 16, 2, 4, 2, r], [16 * r, 2 * r, 4 * r, r, 1],
-                                  [block_n // 16, 2, 4, 2, D], _k_perm_layout(block_n, D))
+        k_desc = permuted_rows_descriptor(kd, B * Sk, r, block_n, D)
     else:
         k_desc = TensorDescriptor(kd, [B * Sk, r], [r, 1], [block_n, D], nvmma_fp8_layout(block_n, D))
     v_desc = TensorDescriptor(vd, [B * Hkv * D, Sk], [s_pad, 1], [D, block_n], v_layout)
