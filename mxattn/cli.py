@@ -89,8 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "sdpa_bf16, cudnn_fp8 (default: all that run here)")
     p.add_argument("--no-backward", action="store_true", help="forward only")
     p.add_argument("--cuda-graph", action="store_true",
-                   help="forward only, timed as CUDA-graph replays (GPU work without host launch overhead); "
-                        "JSON what=attn_fwd_cuda_graph")
+                   help="time forward and backward as CUDA-graph replays (GPU work without host launch overhead; "
+                        "forward+backward not timed); JSON what=attn_fwd_cuda_graph / attn_bwd_cuda_graph")
     p.add_argument("--quantize", action="store_true", help="also run mxattn.bench.quantize_bench when it exists "
                    "(what=quantize; scripts/gpu_check.sh runs it as its own stage)")
 
@@ -158,13 +158,16 @@ def _cmd_bench(args) -> int:
     if args.cuda_graph:
         if device != "cuda":
             raise SystemExit("mxattn bench: --cuda-graph needs a CUDA device")
-        args.no_backward = True
     fwd, bwd = speed.run_speed(shapes, methods, device, not args.no_backward, args.seed, not args.no_progress,
                                cuda_graph=args.cuda_graph)
     print(speed.format_speed_table(fwd, "forward" + (" (CUDA-graph replays)" if args.cuda_graph else "")))
     files = [write_result("attn_fwd_cuda_graph" if args.cuda_graph else "attn_fwd", fwd, args.out,
                           {"methods": methods, "timing": "cuda_graph_replay" if args.cuda_graph else "eager"})]
-    if not args.no_backward:
+    if not args.no_backward and args.cuda_graph:
+        print(speed.format_speed_table(bwd, "backward (CUDA-graph replays)"))
+        files.append(write_result("attn_bwd_cuda_graph", bwd, args.out,
+                                  {"methods": methods, "timing": "cuda_graph_replay"}))
+    elif not args.no_backward:
         print(speed.format_speed_table(bwd, "backward"))
         print(speed.format_speed_table(bwd, "forward+backward", key="tflops_fwd_bwd"))
         files.append(write_result("attn_bwd", bwd, args.out, {"methods": methods}))

@@ -265,12 +265,34 @@ def test_demo_gpu(tmp_path):
     assert any(p.name.startswith("attn_fwd-") for p in res["files"])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method", ["mxattn", "sdpa_cudnn_bf16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_graphed_backward_replays_the_eager_gradients(method, causal):
+    """``bench --cuda-graph`` times the backward as replays of a captured ``autograd.grad``: each replay must
+    compute what the eager backward computes (not nothing, not stale buffers), on every input copy."""
+    shape = speed.Shape(1, 4, 4, 1000, 1000, 128, causal)
+    x = speed._make_inputs(shape, torch.device("cuda"), int(torch.randint(0, 2**31 - 1, ()).item()))
+    attn = speed.METHODS[method].attn
+    replay = speed.cuda_graphed_backward(attn, x, causal, False, torch.device("cuda"))
+    for i in reversed(range(len(x.q))):
+        leaves = [t.detach().requires_grad_(True) for t in (x.q[i], x.k[i], x.v[i])]
+        want = torch.autograd.grad(attn(*leaves, causal, False), leaves, x.dout[i])
+        got = [g.clone() for g in replay(i)]
+        torch.cuda.synchronize()
+        for g, w in zip(got, want):
+            assert torch.isfinite(g).all()
+            # the same kernels on the same inputs (the dQ atomics' order aside): equal to bf16 rounding
+            torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2 * w.abs().max().item())
+
+
 def test_every_result_kind_written_by_the_code_is_accepted(tmp_path):
     """The ``what`` names the benchmarks write (``bench --cuda-graph``, the qkv chain, the ring) are in WHATS, so a
     GPU run cannot end in a ValueError after its timing is done."""
     from mxattn.bench.results import WHATS, write_result
 
-    for what in ("attn_fwd_cuda_graph", "qkv_chain", "ring_attn", "varlen_bwd"):
+    for what in ("attn_fwd_cuda_graph", "attn_bwd_cuda_graph", "qkv_chain", "ring_attn", "varlen_bwd"):
         assert what in WHATS
         assert write_result(what, [{"x": 1}], tmp_path).exists()
 

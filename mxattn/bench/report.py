@@ -26,10 +26,11 @@ TITLES = {
     "attn_fwd": "Attention forward, TFLOP/s",
     "attn_bwd": "Attention backward, TFLOP/s",
     "attn_fwd_cuda_graph": "Attention forward as CUDA-graph replays (no host launch overhead), TFLOP/s",
+    "attn_bwd_cuda_graph": "Attention backward as CUDA-graph replays (no host launch overhead), TFLOP/s",
     "accuracy": "Accuracy: SQNR (dB) against fp64 attention on the inputs",
     "attn_fwd_tune": "Attention forward tile sweep, TFLOP/s (mxattn_default: kernel on FP8 operands; e2e: from BF16)",
 }
-ORDER = ("attn_fwd", "attn_fwd_cuda_graph", "attn_bwd", "accuracy", "quantize", "rmsnorm_quant", "linear_quant", "varlen_fwd", "varlen_bwd",
+ORDER = ("attn_fwd", "attn_fwd_cuda_graph", "attn_bwd", "attn_bwd_cuda_graph", "accuracy", "quantize", "rmsnorm_quant", "linear_quant", "varlen_fwd", "varlen_bwd",
          "train")
 
 
@@ -131,7 +132,7 @@ def render_results(results_dir: Union[str, Path] = DEFAULT_RESULTS, root: Option
         parts.append("")
         parts.append(_provenance(doc, root))
         parts.append("")
-        if what in ("attn_fwd", "attn_fwd_cuda_graph", "attn_bwd", "varlen_fwd", "varlen_bwd", "attn_fwd_tune") and all("tflops" in r and "Sq" in r for r in doc["rows"]):
+        if what in ("attn_fwd", "attn_fwd_cuda_graph", "attn_bwd", "attn_bwd_cuda_graph", "varlen_fwd", "varlen_bwd", "attn_fwd_tune") and all("tflops" in r and "Sq" in r for r in doc["rows"]):
             parts += _speed_table(doc)
         elif what == "accuracy" and all("sqnr_db" in r for r in doc["rows"]):
             parts += _accuracy_table(doc)

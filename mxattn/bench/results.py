@@ -29,6 +29,7 @@ __all__ = ["WHATS", "env_info", "gpu_slug", "write_result", "load_results", "lat
 WHATS = (
     "attn_fwd",
     "attn_fwd_cuda_graph",
+    "attn_bwd_cuda_graph",
     "attn_bwd",
     "attn_bwd_kernels",
     "attn_bwd_fused_dq",

@@ -534,15 +534,57 @@ def cuda_graphed(fn: Callable[[int], object], n_inputs: int, device: torch.devic
     return replay
 
 
+def cuda_graphed_backward(attn: Attn, x: "_Inputs", causal: bool, gqa: bool,
+                          device: torch.device) -> Callable[[int], object]:
+    """The backward of ``attn`` alone as CUDA-graph replays: per input copy, the forward (with grad) is captured
+    into one graph and ``torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)`` into a second graph that
+    shares its memory pool; the returned callable replays the second.  This is what the eager backward timing
+    measures (a retained graph, the backward kernels only) without the host's Python and launch overhead, as
+    ``torch.cuda.make_graphed_callables`` would run it.
+
+    Warm-up (compilation, allocation) and both captures run on one side stream: autograd runs each backward node
+    on its forward's stream, so the backward's ops are recorded where the forward's were."""
+    n = len(x.q)
+    leaves = [[t.detach().requires_grad_(True) for t in (x.q[i], x.k[i], x.v[i])] for i in range(n)]
+    graph_cls = torch.cuda.CUDAGraph
+    stream = torch.cuda.Stream(device)  # warm-up and both captures
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for i in range(n):
+            for _ in range(2):
+                out = attn(*leaves[i], causal, gqa)
+                torch.autograd.grad(out, leaves[i], x.dout[i])
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    keep, graphs = [], []
+    for i in range(n):
+        gf, gb = graph_cls(), graph_cls()
+        with torch.cuda.graph(gf, stream=stream):
+            out = attn(*leaves[i], causal, gqa)
+        with torch.cuda.graph(gb, pool=gf.pool(), stream=stream):
+            grads = torch.autograd.grad(out, leaves[i], x.dout[i], retain_graph=True)
+        gf.replay()  # the saved tensors the backward graph reads, made once
+        keep.append((gf, out, grads))
+        graphs.append(gb)
+    torch.cuda.synchronize(device)
+
+    def replay(i):
+        graphs[i].replay()
+        return keep[i][2]
+
+    return replay
+
+
 def _time_method(name: str, shape: Shape, x: _Inputs, device: torch.device, with_bwd: bool,
                  cuda_graph: bool = False) -> dict:
     """ms for fwd / bwd / fwd_bwd (None where not run) and the errors met.  ``cuda_graph``: the forward is
-    timed as CUDA-graph replays (``cuda_graphed``; backward is then not timed)."""
+    timed as CUDA-graph replays (``cuda_graphed``) and, with ``with_bwd``, the backward too
+    (``cuda_graphed_backward``); fwd_bwd is not timed then."""
     res: dict = {"fwd": None, "bwd": None, "fwd_bwd": None, "errors": {}, "notes": []}
-    if cuda_graph:
-        with_bwd = False
     method = METHODS[name]
     bwd_reason = None
+    if cuda_graph and with_bwd and method.attn is None:  # the cuDNN frontend's execute() is not captured (below)
+        with_bwd, bwd_reason = False, "not timed: a cuDNN frontend graph's execute() is not captured"
     if name == "mxattn" and with_bwd:
         from mxattn.interface import has_fast_backward
 
@@ -576,13 +618,16 @@ def _time_method(name: str, shape: Shape, x: _Inputs, device: torch.device, with
             _free(device)
     if with_bwd and res["fwd"] is not None:
         try:
-            if method.attn is None:
+            if cuda_graph:
+                bwd, fb = cuda_graphed_backward(method.attn, inputs, shape.causal, native, device), None
+            elif method.attn is None:
                 _, bwd, fb = _cudnn_fp8_runners(shape, inputs, True)
             else:
                 _, bwd, fb = _autograd_runners(method.attn, inputs, shape.causal, native, True)
             res["bwd"] = time_ms(bwd, len(inputs.q), device)
             del bwd
-            res["fwd_bwd"] = time_ms(fb, len(inputs.q), device)
+            if fb is not None:
+                res["fwd_bwd"] = time_ms(fb, len(inputs.q), device)
         except Exception as e:
             res["errors"]["bwd"] = _short(e)
     elif bwd_reason:
@@ -613,7 +658,8 @@ def run_speed(
     Forward row: the shape's fields, ``tflops`` and ``ms`` per method, ``ratio_vs_sdpa_cudnn_bf16`` (mxattn's),
     ``ratios_vs_sdpa_cudnn_bf16`` (every method's), ``errors`` and ``notes`` per method where there were any.
     Backward row: the same for the backward, plus ``tflops_fwd_bwd`` / ``ms_fwd_bwd``.
-    ``cuda_graph`` (CUDA only): forward timed as CUDA-graph replays, no backward (``cuda_graphed``).
+    ``cuda_graph`` (CUDA only): forward and backward timed as CUDA-graph replays (``cuda_graphed``,
+    ``cuda_graphed_backward``), forward+backward not timed.
     """
     from tqdm import tqdm
 
