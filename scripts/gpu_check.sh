@@ -592,6 +592,8 @@ for c in (False, True):
 print(write_result('varlen_bwd', rows, sys.argv[1]))
 " "$OUT" "${VARLEN_BWD_SEEDS:-0 1}" ;;
     graph)
+      # forward and backward as CUDA-graph replays; first the test that replays equal the eager gradients
+      run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_cli.py -k graphed_backward 2>&1 | tail -3
       run $PY -m mxattn bench --cuda-graph --out "$OUT" --no-plot --no-progress ${GRAPH_ARGS:---seqlens 2k,4k --head-dims 128,64} ;;
     ring)
       # every GPU of the machine (RING_NPROC to override), one rank each (NVLink multicast off); the check against
