@@ -45,6 +45,14 @@ def profile_calls(fn, calls: int, top: int) -> None:
     prof.disable()
     torch.cuda.synchronize()
     pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+    # cProfile sees this thread only: autograd runs a CUDA backward on its device thread; torch's profiler sees both
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=70))
 
 
 def triton_dispatch(fn):
@@ -138,6 +146,8 @@ def main(argv=None) -> None:
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--profile", type=int, default=0, help="print the K costliest functions of each layer")
     ap.add_argument("--out", default=None, help="folder for host_timing-<gpu>-<date>.json (rows: layer, us)")
+    ap.add_argument("--only", default=None, help="time only the rows whose name contains one of these "
+                    "(comma-separated)")
     args = ap.parse_args(argv)
     from mxattn import mxfp8_attn_func
     from mxattn.interface import attn_bwd_op, attn_fwd_op
@@ -169,6 +179,24 @@ def main(argv=None) -> None:
         ("mxfp8_attn_func no_grad", lambda: torch.no_grad()(mxfp8_attn_func)(q, k, v)),
         ("mxfp8_attn_func with grad (fwd only)", lambda: mxfp8_attn_func(qg, kg, vg)),
         ("mxfp8_attn_func fwd+bwd", lambda: mxfp8_attn_func(qg, kg, vg).backward(do)),
+    ]
+    # the backward alone as `mxattn bench` times it (autograd.grad of a retained graph), beside SDPA's (session 21:
+    # the fwd+bwd row exceeded the forward and attn_bwd_op together by ~800 us on the H100 host)
+    import torch.nn.functional as F
+
+    kept = mxfp8_attn_func(qg, kg, vg)
+    t = [x.transpose(1, 2) for x in (qg, kg, vg)]
+    kept_sdpa = F.scaled_dot_product_attention(*t)
+    do_t = do.transpose(1, 2)
+    cases += [
+        ("mxfp8_attn_func backward only (autograd.grad, retained graph)",
+         lambda: torch.autograd.grad(kept, (qg, kg, vg), do, retain_graph=True)),
+        ("sdpa (default backend) fwd+bwd", lambda: torch.autograd.grad(
+            F.scaled_dot_product_attention(*t), (qg, kg, vg), do_t)),
+        ("sdpa (default backend) backward only (autograd.grad, retained graph)",
+         lambda: torch.autograd.grad(kept_sdpa, (qg, kg, vg), do_t, retain_graph=True)),
+        ("mxfp8_attn_func fwd+bwd (autograd.grad)",
+         lambda: torch.autograd.grad(mxfp8_attn_func(qg, kg, vg), (qg, kg, vg), do)),
     ]
     try:  # the Gluon forward (d128 from S 2k / 4k on Hopper): its launch plan against its checked path (session 19)
         from mxattn.kernels import attn_fwd_gluon as g
@@ -203,6 +231,8 @@ def main(argv=None) -> None:
             (f"jagged {what}, new lengths every call, Triton's dispatch on a miss (median)",
              lambda bwd=bwd: jagged_new_lengths(args.calls, False, bwd, shift=2 + 2 * bwd)),
         ]
+    if args.only:
+        cases = [(name, fn) for name, fn in cases if any(w in name for w in args.only.split(","))]
     print(f"host us per call, B{B} S{S} H{H} D{D}, {args.calls} calls each")
     rows = []
     for name, fn in cases:
