@@ -188,6 +188,7 @@ def cases():
     def bwd(*a, **kw):
         return lambda: attn_bwd_hopper(qb, kr, vh, qs, ks, out, do, lse, *a, **kw)
 
+    kept = mxfp8_attn_func(qg, kg, vg)  # a retained graph: the backward alone, as `mxattn bench` times it
     return [
         ("row_scaled_triton q (1 launch)", lambda: row_scaled_triton(q, "q")),
         ("attn_fwd_hopper (1 launch)", lambda: attn_fwd_hopper(qr, kr, vr)),
@@ -198,6 +199,8 @@ def cases():
         ("mxfp8_attn_func no_grad", lambda: torch.no_grad()(mxfp8_attn_func)(q, k, v)),
         ("mxfp8_attn_func with grad (fwd only)", lambda: mxfp8_attn_func(qg, kg, vg)),
         ("mxfp8_attn_func fwd+bwd", lambda: mxfp8_attn_func(qg, kg, vg).backward(do)),
+        ("mxfp8_attn_func backward only (autograd.grad)",
+         lambda: torch.autograd.grad(kept, (qg, kg, vg), do, retain_graph=True)),
         ("mxfp8_attn_func fwd+bwd, tl backward", tl(lambda: mxfp8_attn_func(qg, kg, vg).backward(do))),
         ("jagged no_grad fwd", lambda: torch.no_grad()(mxfp8_attn_varlen_func)(jq, jk, jv, cu, cu, S, S)),
         ("jagged fwd+bwd", lambda: mxfp8_attn_varlen_func(jqg, jkg, jvg, cu, cu, S, S).sum().backward()),
