@@ -544,6 +544,13 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
       run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_bwd_dkdv_gluon.py -k "persistent" 2>&1 \
         | tail -8 || status=1
       for i in 1 2; do MXATTN_PROBE_PERSISTENT=1 run $PY scripts/probe_bwd_gluon.py "$OUT/bwd_persistent.jsonl"; done ;;
+    bwdfold)
+      # session 21: δ's launch writes the dense dK/dV kernel's step rows (one launch less a backward): the GPU tests
+      # that reach it (δ's rows against _step_rows bit for bit, the Gluon backward against tl through attn_bwd_hopper
+      # and loss.backward(), a plan hit against the checked path), then the host rows of the backward alone
+      run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_bwd.py tests/test_host_plans.py \
+        -k "step_rows or gluon or plan" 2>&1 | tail -6 || status=1
+      run $PY scripts/host_timing.py --calls 50 --only backward,fwd+bwd --out "$OUT" | tee "$OUT/host_timing.txt" ;;
     bwdbase)
       # session 20: the Gluon backward kernels of a base tree (BWD_BASE, default _s19base, made before the call with
       # `git archive 1bfaccb mxattn | tar -x -C _s19base`; skipped when absent) and of this tree, timed in turns

@@ -655,6 +655,37 @@ def test_attn_bwd_preprocess_delta(seed):
     torch.testing.assert_close(delta.cpu().double(), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_delta_launch_writes_the_step_rows(seed):
+    """With lse, δ's launch also writes the dense Gluon dK/dV kernel's step rows (one launch less per backward):
+    the same δ, and the rows ``attn_bwd_dkdv_gluon._step_rows(lse, δ)`` makes (its Triton kernel on CUDA: bit for
+    bit; its float64 twin on the CPU: −δ exactly, b to one rounding), −inf / −0 in the columns past Sq, strided
+    lse, rows whose lse is −inf."""
+    require_kernels()
+    bwd = _bwd()
+    from mxattn.kernels import attn_bwd_dkdv_gluon as dkdv
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    _, _, _, do = _inputs(2, 200, 1, 3, 1, 64, dev, seed)
+    out = torch.randn(2, 200, 3, 64, device=dev).to(torch.bfloat16)
+    lse = (torch.randn(2, 200, 3, device=dev) * 30).transpose(1, 2)  # (B, Hq, Sq), not contiguous
+    lse[1, 2, :17] = float("-inf")
+    _, _, want_delta = bwd.attn_bwd_preprocess(out, do)
+    _, _, delta, _, rows = bwd._preprocess(out, do, None, None, lse=lse)
+    assert torch.equal(delta, want_delta)
+    brow, ndl = rows
+    assert brow.shape == ndl.shape == (2, 3, 256) and brow.is_contiguous() and ndl.is_contiguous()
+    want_b, want_n = dkdv._step_rows(lse, delta)
+    assert torch.equal(ndl[..., :200], -delta) and (ndl[..., 200:] == 0).all() and ndl[..., 200:].signbit().all()
+    assert torch.equal(torch.isinf(brow), torch.isinf(want_b)) and (brow[..., 200:] == float("-inf")).all()
+    if dev == "cuda":
+        for x, y in ((brow, want_b), (ndl, want_n)):
+            assert torch.equal(x.view(torch.int32), y.view(torch.int32))
+    else:  # the interpreter's fma against float64 rounded once: at most one ulp apart
+        fin = torch.isfinite(want_b)
+        ulp = torch.finfo(torch.float32).eps * want_b[fin].abs()
+        assert (brow[fin] - want_b[fin]).abs().le(ulp).all()
+
+
 def test_attn_bwd_rejects_bad_operands(seed):
     bwd = _bwd()
     q, k, v, do = _inputs(1, 8, 8, 2, 1, 64, "cpu", seed)

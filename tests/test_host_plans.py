@@ -388,4 +388,4 @@ def test_cpu_harness_runs_every_row():
                         "--repeats", "1"], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "failed" not in r.stdout, r.stdout
-    assert r.stdout.count(" launches, ") == 12, r.stdout
+    assert r.stdout.count(" launches, ") == 13, r.stdout

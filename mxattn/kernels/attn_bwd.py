@@ -232,6 +232,10 @@ def _delta_kernel(
     s_lb, s_lh, s_ls,
     Sq, Hq, n_rows,
     CU_Q, CU_DOE,  # varlen: (B + 1) int32 offsets of the q rows and of dO's exponent rows
+    # dense, when the Gluon dK/dV kernel follows: its step rows (``attn_bwd_dkdv_gluon._step_rows``) written here
+    # from the same δ and the forward's lse (None: not written); BROW / NDL are (B, Hq, COLS) fp32, contiguous;
+    # programs from n_main on write their columns past Sq
+    LSE_R, BROW, NDL, s_rlb, s_rlh, s_rls, COLS, n_main,
     HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, DO_GROUP: tl.constexpr, VARLEN: tl.constexpr = False,
     CU_DCOL=None,  # varlen: sequence b's delta at columns CU_DCOL[b] + s (a padded layout) instead of q rows
     LSE=None,  # varlen with CU_DCOL: the packed lse (Hq, Tq) (head stride s_lseh, unit row stride), copied into
@@ -265,6 +269,15 @@ def _delta_kernel(
         DOE += tl.load(CU_DOE + b).to(tl.int64) * s_des
         b = 0
     else:
+        if BROW is not None:
+            if tl.program_id(0) >= n_main:  # the step rows past Sq: b = −inf (P = 0), −δ = −0
+                pad = COLS - Sq
+                i = ((tl.program_id(0) - n_main) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+                at = (i // pad) * COLS + Sq + i % pad
+                keep = i < (n_rows // Sq) * pad  # n_rows // Sq = B * Hq
+                tl.store(BROW + at, tl.full([BLOCK_R], float("-inf"), tl.float32), mask=keep)
+                tl.store(NDL + at, tl.full([BLOCK_R], -0.0, tl.float32), mask=keep)
+                return
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         ok = r < n_rows
         h = r % Hq
@@ -276,6 +289,12 @@ def _delta_kernel(
     e = tl.load(DOE + b * s_deb + (s // DO_GROUP) * s_des + h * s_deh, mask=ok, other=0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1) * _pow2(e)
     tl.store(DELTA + b * s_lb + h * s_lh + s * s_ls, delta, mask=ok)
+    if BROW is not None:  # as ``_step_rows_kernel`` computes them, from the δ just stored
+        lse = tl.load(LSE_R + b * s_rlb + h * s_rlh + s * s_rls, mask=ok, other=0.0)
+        at = (b * Hq + h) * COLS + s
+        tl.store(BROW + at, tl.where(lse == float("-inf"), float("-inf"), tl.fma(lse, -1.4426950408889634, 8.0)),
+                 mask=ok)
+        tl.store(NDL + at, -delta, mask=ok)
     if LSE is not None:
         tl.store(LSE_PAD + h * s_lh + s * s_ls, tl.load(LSE + h * s_lseh + s, mask=ok), mask=ok)
 
@@ -737,28 +756,41 @@ def attn_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, dout_hdim: Option
     (``row_scaled_triton(dout, "k", k_group=128)``; the per-row Q layout works too, slower);
     ``dout_seq``: the V layout (``row_scaled_triton(dout, "v")``, channel-major).  Either may be given (e.g. by a
     fused producer); the missing ones are made from ``dout`` here.  Returns (dout_hdim, dout_seq, delta)."""
-    return _preprocess(out, dout, dout_hdim, dout_seq)[:3]
+    return _preprocess(out, dout, dout_hdim, dout_seq)[:3]  # (no lse: no step rows)
 
 
-def _preprocess(out, dout, dout_hdim, dout_seq, bind: bool = False):
-    """``attn_bwd_preprocess``, and with ``bind`` also the δ launch for a plan: (the kernel's ``BoundLaunch``, its
-    arguments after the four tensors), None for an empty ``out`` (nothing launched)."""
+def _preprocess(out, dout, dout_hdim, dout_seq, bind: bool = False, lse: Optional[torch.Tensor] = None):
+    """``attn_bwd_preprocess``: (dout_hdim, dout_seq, delta, bound, rows).  With ``bind`` also the δ launch for a
+    plan: (the kernel's ``BoundLaunch``, the arguments between the four leading tensors and the three step-row
+    tensors, those after them), None for an empty ``out`` (nothing launched).  With ``lse`` (the forward's, for the
+    dense Gluon dK/dV kernel) the same launch also writes its step rows, ``rows`` = (b, −δ) as
+    ``attn_bwd_dkdv_gluon._step_rows(lse, delta)`` makes them, bit for bit (one launch less); else rows is None."""
     dout_hdim, dout_seq = _dout_operands(dout, dout_hdim, dout_seq)
     g = _row_group(dout_hdim, "dout_hdim")
     B, Sq, Hq, D = out.shape
     delta = torch.empty(B, Hq, Sq, dtype=torch.float32, device=out.device)
-    bound = None
+    bound = rows = None
     if B * Sq * Hq:
         block_r = max(1, min(128, 8192 // D))
+        n_main = cdiv(B * Sq * Hq, block_r)
+        tail, n_pad = (0, 0, 0, 0, n_main), 0
+        if lse is not None:
+            from mxattn.kernels.attn_bwd_dkdv_gluon import step_rows_empty
+
+            rows = step_rows_empty(B, Hq, Sq, out.device)
+            cols = rows[0].shape[2]
+            tail, n_pad = (*lse.stride(), cols, n_main), B * Hq * (cols - Sq)
         dd, de = dout_hdim.data, dout_hdim.exp
-        args = (dd, de, out, delta, *dd.stride(), de.stride(0), de.stride(1), de.stride(2), *out.stride(),
-                *delta.stride(), Sq, Hq, B * Sq * Hq, None, None)
-        grid, kwargs = (cdiv(B * Sq * Hq, block_r),), dict(HEAD_DIM=D, BLOCK_R=block_r, DO_GROUP=g, num_warps=4)
+        mid = (*dd.stride(), de.stride(0), de.stride(1), de.stride(2), *out.stride(), *delta.stride(), Sq, Hq,
+               B * Sq * Hq, None, None)
+        args = (dd, de, out, delta, *mid, lse, *(rows or (None, None)), *tail)
+        grid = (n_main + cdiv(n_pad, block_r),)
+        kwargs = dict(HEAD_DIM=D, BLOCK_R=block_r, DO_GROUP=g, num_warps=4)
         if bind:
-            bound = (BoundLaunch(fast_launcher(_delta_kernel), grid, args, kwargs), args[4:])
+            bound = (BoundLaunch(fast_launcher(_delta_kernel), grid, args, kwargs), mid, tail)
         else:
             fast_launcher(_delta_kernel)[grid](*args, **kwargs)
-    return dout_hdim, dout_seq, delta, bound
+    return dout_hdim, dout_seq, delta, bound, rows
 
 
 def _dout_operands(dout: torch.Tensor, dout_hdim: Optional[RowScaledFP8], dout_seq: Optional[RowScaledFP8]):
@@ -940,16 +972,19 @@ def _gluon_plan_key(q, k, v_hdim, q_seq, k_seq, out, dout, lse, dout_hdim, dout_
 def _run_gluon_plan(plan, q, k, v_hdim, q_seq, k_seq, out, dout, lse, dout_hdim, dout_seq, defer_dq):
     """``attn_bwd_hopper``'s Gluon path on a call of a plan's signature: dO's missing operands, δ, dK/dV and dQ
     launched as the first call of the signature launched them, on this call's tensors."""
-    (delta_launch, delta_scalars), (run_dkdv, dkdv_plan), (run_dq, dq_plan), grad_dtype = plan
+    (delta_launch, mid, tail), (run_dkdv, dkdv_plan), (run_dq, dq_plan), grad_dtype = plan
     doh, dos = _dout_operands(dout, dout_hdim, dout_seq)
     B, Sq, Hq, _ = out.shape
     _, Sk, Hkv, D = k.data.shape
     dev = q.data.device
     delta = torch.empty(B, Hq, Sq, dtype=torch.float32, device=dev)
-    delta_launch(doh.data, doh.exp, out, delta, *delta_scalars)
+    from mxattn.kernels.attn_bwd_dkdv_gluon import step_rows_empty
+
+    rows = step_rows_empty(B, Hq, Sq, dev)  # δ's launch writes the dK/dV kernel's step rows too
+    delta_launch(doh.data, doh.exp, out, delta, *mid, lse, *rows, *tail)
     dk = torch.empty(B, Sk, Hkv, D, dtype=grad_dtype, device=dev)
     dv = torch.empty(B, Sk, Hkv, D, dtype=grad_dtype, device=dev)
-    run_dkdv(dkdv_plan, q, k, v_hdim, q_seq, doh, dos, lse, delta, dk, dv)
+    run_dkdv(dkdv_plan, q, k, v_hdim, q_seq, doh, dos, lse, delta, dk, dv, rows)
 
     def gluon_dq():
         return run_dq(dq_plan, q, k, v_hdim, k_seq, doh, lse, delta, grad_dtype)
@@ -1041,7 +1076,10 @@ def attn_bwd_hopper(
         dv.zero_()
         dq = torch.zeros(B, Sq, Hq, D, dtype=grad_dtype, device=dev)
         return ((lambda: dq) if defer_dq else dq), dk, dv
-    doh, dos, delta, delta_launch = _preprocess(out, dout, dout_hdim, dout_seq, bind=use_gluon and key is not None)
+    dense_rows = use_gluon and not (gluon_split() and fuse)  # the dK/dV launch below reads step rows
+    doh, dos, delta, delta_launch, rows = _preprocess(out, dout, dout_hdim, dout_seq,
+                                                      bind=dense_rows and key is not None,
+                                                      lse=lse if dense_rows else None)
     if use_gluon:
         from mxattn.kernels import attn_bwd_dkdv_gluon as dkdv_gluon
         from mxattn.kernels import attn_bwd_dq_gluon as dq_gluon
@@ -1060,7 +1098,7 @@ def attn_bwd_hopper(
         dkdv_args = (q, k, v_hdim, q_seq, doh, dos, lse, delta)
         dkdv_kw = dict(causal=causal, softmax_scale=softmax_scale, grad_dtype=grad_dtype, config=dkdv_cfg,
                        dk_out=dk, dv_out=dv)
-        dk, dv = dkdv_gluon.attn_bwd_dkdv_gluon(*dkdv_args, **dkdv_kw)
+        dk, dv = dkdv_gluon.attn_bwd_dkdv_gluon(*dkdv_args, **dkdv_kw, step_rows=rows)
         dq_args = (q, k, v_hdim, k_seq, doh, lse, delta)
         dq_kw = dict(causal=causal, softmax_scale=softmax_scale, grad_dtype=grad_dtype, config=dq_cfg)
 
@@ -1208,7 +1246,7 @@ def attn_bwd_preprocess_varlen(out: torch.Tensor, dout: torch.Tensor, cu_seqlens
         fast_launcher(_delta_kernel)[(B * n_c,)](
             dd, de, out, delta, 0, *dd.stride(), 0, de.stride(0), de.stride(1), 0, *out.stride(),
             0, *delta.stride(), max_seqlen_q, Hq, n_c, cu_seqlens_q, dout_hdim.cu_exp,
-            HEAD_DIM=D, BLOCK_R=block_r, DO_GROUP=g, VARLEN=True, num_warps=4,
+            None, None, None, 0, 0, 0, 0, 0, HEAD_DIM=D, BLOCK_R=block_r, DO_GROUP=g, VARLEN=True, num_warps=4,
             CU_DCOL=dout_seq.cu_data if delta_padded else None,
             LSE=lse, LSE_PAD=lse_pad, s_lseh=lse.stride(0) if lse is not None else 0,
         )

@@ -1450,6 +1450,24 @@ def _step_rows_kernel(LSE, DELTA, BROW, NDL, H, S, cols, s_lb, s_lh, s_ls, s_db,
     tl.store(NDL + out, -dl, mask=c < cols)
 
 
+def step_rows_empty(B: int, H: int, S: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialized step rows (b, −δ) for (B, H, S) queries: two contiguous (B, H, cols) fp32 tensors of one
+    allocation (a 16-byte-aligned second half: cols is a multiple of ``STEP_ROW_ALIGN``), for a launch that writes
+    them (``_step_rows_kernel``, or ``attn_bwd``'s δ kernel)."""
+    cols = cdiv(max(S, 1), STEP_ROW_ALIGN) * STEP_ROW_ALIGN
+    brow, ndl = torch.empty(2, B, H, cols, dtype=torch.float32, device=device).unbind(0)
+    return brow, ndl
+
+
+def _check_step_rows(rows, lse: torch.Tensor) -> None:
+    """Step rows given to the launcher must be ``step_rows_empty``'s shape for lse's (B, Hq, Sq)."""
+    B, H, S = lse.shape
+    want = (B, H, cdiv(max(S, 1), STEP_ROW_ALIGN) * STEP_ROW_ALIGN)
+    if len(rows) != 2 or any(not isinstance(t, torch.Tensor) or tuple(t.shape) != want or t.dtype != torch.float32
+                             or not t.is_contiguous() or t.device != lse.device for t in rows):
+        raise ValueError(f"step_rows: two contiguous float32 tensors of shape {want} on {lse.device} expected")
+
+
 def _step_rows(lse: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What the dense dK/dV kernel reads per query in place of lse and δ (session 20): (b, −δ), two contiguous
     (B, Hq, cols) fp32 tensors, cols = Sq rounded up to a multiple of ``STEP_ROW_ALIGN`` (a 16-byte row pitch, and
@@ -1468,8 +1486,7 @@ def _step_rows(lse: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, to
         brow[..., :S] = torch.where(lse == float("-inf"), float("-inf"), v)
         ndl[..., :S] = -delta
         return brow, ndl
-    # both in one allocation (a 16-byte-aligned second half: cols is a multiple of 128)
-    brow, ndl = torch.empty(2, B, H, cols, dtype=torch.float32, device=lse.device).unbind(0)
+    brow, ndl = step_rows_empty(B, H, S, lse.device)
     if B * H:
         block = 1024
         fast_launcher(_step_rows_kernel)[(B * H, cdiv(cols, block))](
@@ -1524,14 +1541,14 @@ def plan_for(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, *, causal=Fal
                                   grad_dtype, config, dk_out, dv_out))
 
 
-def run_plan(plan, q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, dk, dv) -> None:
+def run_plan(plan, q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, dk, dv, step_rows=None) -> None:
     """Launch ``plan`` (``plan_for``) on a call of its signature, writing ``dk`` and ``dv`` (new tensors, or outputs
     of the signature's): the descriptors rebuilt over this call's tensors (``launch.rebased``), the bound kernel.
-    Unchecked: the plan's signature was checked when it was made."""
+    ``step_rows`` as ``attn_bwd_dkdv_gluon``'s.  Unchecked: the plan's signature was checked when it was made."""
     bound, templates, scalars, bm = plan
     Sq = q.data.shape[1]
     bases = (_hdim_view(q.data, "q"), _hdim_view(dout_hdim.data, "dout_hdim"), q_seq.data, dout_seq.data,
-             *_step_rows(lse, delta), _hdim_view(k.data, "k"), _hdim_view(v_hdim.data, "v_hdim"))
+             *(step_rows or _step_rows(lse, delta)), _hdim_view(k.data, "k"), _hdim_view(v_hdim.data, "v_hdim"))
     bound(*(rebased(t, b) for t, b in zip(templates, bases)), _tile_exps(q, Sq, bm), _tile_exps(dout_hdim, Sq, bm),
           k.exp.contiguous(), v_hdim.exp.contiguous(), q_seq.exp.contiguous(), dout_seq.exp.contiguous(), dk, dv,
           *scalars)
@@ -1563,7 +1580,8 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
                         dout_hdim: RowScaledFP8, dout_seq: RowScaledFP8, lse: torch.Tensor, delta: torch.Tensor, *,
                         causal: bool = False, softmax_scale: Optional[float] = None,
                         grad_dtype: torch.dtype = torch.bfloat16, config: Optional[GluonDkdvConfig] = None,
-                        dk_out: Optional[torch.Tensor] = None, dv_out: Optional[torch.Tensor] = None):
+                        dk_out: Optional[torch.Tensor] = None, dv_out: Optional[torch.Tensor] = None,
+                        step_rows: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
     """(dk, dv) of MXFP8 attention with the warp-specialized Gluon kernel: the operands ``attn_bwd.attn_bwd_hopper``
     passes to its dK/dV kernel on the "dQ from a separate kernel" path.
 
@@ -1574,6 +1592,8 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
     dout_hdim, dout_seq, delta: from ``attn_bwd.attn_bwd_preprocess(out, dout)`` (dO grouped like q, dO channel-
                major, (B, Hq, Sq) float32 rowsum(dO_hdim ∘ O)).
     lse:       the forward's (B, Hq, Sq) float32 natural-log sum of exp (−inf for rows that see nothing).
+    step_rows: the step rows of these lse and delta (``_step_rows``), made by the caller (``attn_bwd``'s δ launch
+               writes them, ``step_rows_empty``); None: made here, one launch.
     D is 64 or 128, Hq a multiple of Hkv (dk, dv summed over the query heads of each group); causal masks are
     aligned bottom-right.  Returns dk, dv (B, Sk, Hkv, D) in ``grad_dtype``, contiguous, or ``dk_out`` / ``dv_out``
     written in place (``attn_bwd.grad_outputs``).  Needs an sm_90 GPU and triton 3.6's Gluon.
@@ -1584,9 +1604,11 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
     if plan is not None:  # a signature seen before: checked then
         B, Sk, Hkv, D = k.data.shape
         dk, dv = grad_outputs(dk_out, dv_out, (B, Sk, Hkv, D), grad_dtype, q.data.device)
-        run_plan(plan, q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, dk, dv)
+        run_plan(plan, q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, dk, dv, step_rows)
         return dk, dv
     _check(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, grad_dtype)
+    if step_rows is not None:
+        _check_step_rows(step_rows, lse)
     B, Sq, Hq, D = q.data.shape
     Sk, Hkv = k.data.shape[1], k.data.shape[2]
     cfg = config or default_config(D, causal)
@@ -1604,7 +1626,7 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
     q_perm = cfg.q_perm and not cfg.fuse_dq and k_perm_ok(Sq, bm)
     q_desc, do_desc, qs_desc, dos_desc, k_desc, v_desc = _descriptors(q, k, v_hdim, q_seq, dout_hdim, dout_seq,
                                                                      cfg.split, bm, q_perm)
-    lse_desc, dl_desc = _step_row_descriptors(*_step_rows(lse, delta), bm)
+    lse_desc, dl_desc = _step_row_descriptors(*(step_rows or _step_rows(lse, delta)), bm)
     grid = (cdiv(Sk, BLOCK_N.value), B * Hkv)
     kernel = _attn_bwd_dkdv_ws_kernel_sq1 if Sq == 1 else _attn_bwd_dkdv_ws_kernel
     descs = (q_desc, do_desc, qs_desc, dos_desc, lse_desc, dl_desc, k_desc, v_desc)
