@@ -90,8 +90,8 @@ in the next step.
 TMA views (2-D, 16-byte aligned row strides): Q and dO as (B*Sq, Hq*D), K and V_hdim as (B*Sk, Hkv*D), Q_seq and
 dO_seq as (B*Hq*D, Sq) over the channel-major buffers (row stride S_pad).  Query rows past Sq read the next
 sequence in Q / dO (or TMA zero fill) and are zero-filled in the seq operands: their lse is taken as −inf, so
-P = dS = 0 there.  Per query the dense kernel reads the launcher's step rows (``_step_rows``, session 20; one small
-launch): b = 8 − lse·log2e (−inf where lse is −inf and past Sq) and −δ (−0 past Sq), (B*Hq, Sq rounded up to 128)
+P = dS = 0 there.  Per query the dense kernel reads step rows (``_step_rows``, session 20; one small launch, or,
+through ``attn_bwd.attn_bwd_hopper``, written by δ's launch since session 21): b = 8 − lse·log2e (−inf where lse is −inf and past Sq) and −δ (−0 past Sq), (B*Hq, Sq rounded up to 128)
 with [1, BLOCK_M] boxes, so a step spends no compares, selects or negations on them.  The jagged kernel reads lse
 and δ themselves (columns past Sq: TMA zero fill, lse replaced by −inf there); their row pitch must be a multiple
 of 4 elements: the launcher uses them in place when it is, else copies them with padded rows (``_vector_rows``).
