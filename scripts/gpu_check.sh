@@ -60,7 +60,9 @@
 #              without traffic, exponent only) beside the real one, timing only: OUTDIR/dq_probe.jsonl
 #   varlenbwdtime  varlenbwd's timing rows alone (B16 H16 d128, mean length 2048; VARLEN_BWD_SEEDS, default "0 1"):
 #              per row ms of each path, parts_ms (preprocessing, tile tables, each Gluon launcher) and host_ms
-#   graph      `mxattn bench --cuda-graph`: forward as CUDA-graph replays (no host launch overhead), S 2k/4k
+#   graph      `mxattn bench --cuda-graph`: forward and backward as CUDA-graph replays (no host launch overhead), S 2k/4k
+#              (GRAPH_ARGS), after the test that replays equal the eager gradients
+#   bwdfold    δ's launch writing the dK/dV step rows (session 21): its GPU tests, then the backward's host rows
 #   ring       ring attention over every GPU (torchrun, nccl): check against single-GPU mxattn, then timing
 #   train      examples/train_gpt.py (TRAIN_ATTENTION=sdpa|mxfp8|both, TRAIN_ARGS), into OUTDIR/train
 #   trainpar   both halves of the parity run at once, sdpa on GPU 0 and mxfp8 on GPU 1 (needs 2 GPUs), then parity.json
@@ -549,7 +551,7 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
       # that reach it (δ's rows against _step_rows bit for bit, the Gluon backward against tl through attn_bwd_hopper
       # and loss.backward(), a plan hit against the checked path), then the host rows of the backward alone
       run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_bwd.py tests/test_host_plans.py \
-        -k "step_rows or gluon or plan" 2>&1 | tail -6 || status=1
+        -k "step_rows or gluon or plan" 2>&1 | tail -6 || status=1  # (test_gpu_delta_launch_* bit for bit)
       run $PY scripts/host_timing.py --calls 50 --only backward,fwd+bwd --out "$OUT" | tee "$OUT/host_timing.txt" ;;
     bwdbase)
       # session 20: the Gluon backward kernels of a base tree (BWD_BASE, default _s19base, made before the call with
@@ -600,7 +602,8 @@ print(write_result('varlen_bwd', rows, sys.argv[1]))
 " "$OUT" "${VARLEN_BWD_SEEDS:-0 1}" ;;
     graph)
       # forward and backward as CUDA-graph replays; first the test that replays equal the eager gradients
-      run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_cli.py -k graphed_backward 2>&1 | tail -3
+      run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_cli.py -k graphed_backward 2>&1 | tail -3 \
+        || status=1
       run $PY -m mxattn bench --cuda-graph --out "$OUT" --no-plot --no-progress ${GRAPH_ARGS:---seqlens 2k,4k --head-dims 128,64} ;;
     ring)
       # every GPU of the machine (RING_NPROC to override), one rank each (NVLink multicast off); the check against

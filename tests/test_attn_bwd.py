@@ -661,12 +661,25 @@ def test_delta_launch_writes_the_step_rows(seed):
     bit; its float64 twin on the CPU: −δ exactly, b to one rounding), −inf / −0 in the columns past Sq, strided
     lse, rows whose lse is −inf."""
     require_kernels()
+    _check_delta_step_rows("cuda" if torch.cuda.is_available() else "cpu", seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [128, 64])
+def test_gpu_delta_launch_writes_the_step_rows(D, seed):
+    """``test_delta_launch_writes_the_step_rows`` on the GPU (bit for bit against ``_step_rows``' kernel), in the
+    GPU runs (``-m gpu``)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    _check_delta_step_rows("cuda", seed, D)
+
+
+def _check_delta_step_rows(dev: str, seed: int, D: int = 64) -> None:
     bwd = _bwd()
     from mxattn.kernels import attn_bwd_dkdv_gluon as dkdv
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    _, _, _, do = _inputs(2, 200, 1, 3, 1, 64, dev, seed)
-    out = torch.randn(2, 200, 3, 64, device=dev).to(torch.bfloat16)
+    _, _, _, do = _inputs(2, 200, 1, 3, 1, D, dev, seed)
+    out = torch.randn(2, 200, 3, D, device=dev).to(torch.bfloat16)
     lse = (torch.randn(2, 200, 3, device=dev) * 30).transpose(1, 2)  # (B, Hq, Sq), not contiguous
     lse[1, 2, :17] = float("-inf")
     _, _, want_delta = bwd.attn_bwd_preprocess(out, do)

@@ -102,6 +102,11 @@ def test_plan_hit_launches_what_the_checked_path_launches(gluon_recorded, monkey
     delta_args, dkdv_args = seen[-3][2], seen[-2][2]
     assert delta_args[2] is other["out"]  # δ reads this call's out
     assert dkdv_args[0].base.data_ptr() == other["q"].data.data_ptr()  # the descriptors read this call's tensors
+    # δ's launch writes the step rows (b, −δ) that the dK/dV kernel's lse / δ descriptors read, in that order
+    at = [i for i, t in enumerate(delta_args) if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[2] % 128 == 0]
+    assert len(at) == 2 and at[1] == at[0] + 1 and delta_args[at[0] - 1] is other["lse"]
+    brow, ndl = delta_args[at[0]], delta_args[at[1]]
+    assert (dkdv_args[4].base.data_ptr(), dkdv_args[5].base.data_ptr()) == (brow.data_ptr(), ndl.data_ptr())
     assert len(attn_bwd._GLUON_PLANS) == 1
 
 

@@ -272,9 +272,9 @@ def _delta_kernel(
         if BROW is not None:
             if tl.program_id(0) >= n_main:  # the step rows past Sq: b = −inf (P = 0), −δ = −0
                 pad = COLS - Sq
-                i = ((tl.program_id(0) - n_main) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+                i = (tl.program_id(0) - n_main).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
                 at = (i // pad) * COLS + Sq + i % pad
-                keep = i < (n_rows // Sq) * pad  # n_rows // Sq = B * Hq
+                keep = i < (n_rows // Sq).to(tl.int64) * pad  # n_rows // Sq = B * Hq
                 tl.store(BROW + at, tl.full([BLOCK_R], float("-inf"), tl.float32), mask=keep)
                 tl.store(NDL + at, tl.full([BLOCK_R], -0.0, tl.float32), mask=keep)
                 return
@@ -761,8 +761,8 @@ def attn_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, dout_hdim: Option
 
 def _preprocess(out, dout, dout_hdim, dout_seq, bind: bool = False, lse: Optional[torch.Tensor] = None):
     """``attn_bwd_preprocess``: (dout_hdim, dout_seq, delta, bound, rows).  With ``bind`` also the δ launch for a
-    plan: (the kernel's ``BoundLaunch``, the arguments between the four leading tensors and the three step-row
-    tensors, those after them), None for an empty ``out`` (nothing launched).  With ``lse`` (the forward's, for the
+    plan: (the kernel's ``BoundLaunch``, the arguments between the four leading tensors and lse with the two
+    step-row tensors, those after them), None for an empty ``out`` (nothing launched).  With ``lse`` (the forward's, for the
     dense Gluon dK/dV kernel) the same launch also writes its step rows, ``rows`` = (b, −δ) as
     ``attn_bwd_dkdv_gluon._step_rows(lse, delta)`` makes them, bit for bit (one launch less); else rows is None."""
     dout_hdim, dout_seq = _dout_operands(dout, dout_hdim, dout_seq)

@@ -90,9 +90,10 @@ in the next step.
 TMA views (2-D, 16-byte aligned row strides): Q and dO as (B*Sq, Hq*D), K and V_hdim as (B*Sk, Hkv*D), Q_seq and
 dO_seq as (B*Hq*D, Sq) over the channel-major buffers (row stride S_pad).  Query rows past Sq read the next
 sequence in Q / dO (or TMA zero fill) and are zero-filled in the seq operands: their lse is taken as −inf, so
-P = dS = 0 there.  Per query the dense kernel reads step rows (``_step_rows``, session 20; one small launch, or,
-through ``attn_bwd.attn_bwd_hopper``, written by δ's launch since session 21): b = 8 − lse·log2e (−inf where lse is −inf and past Sq) and −δ (−0 past Sq), (B*Hq, Sq rounded up to 128)
-with [1, BLOCK_M] boxes, so a step spends no compares, selects or negations on them.  The jagged kernel reads lse
+P = dS = 0 there.  Per query the dense kernel reads step rows (``_step_rows``, session 20; one small launch,
+or, through ``attn_bwd.attn_bwd_hopper``, written by δ's launch since session 21): b = 8 − lse·log2e (−inf where
+lse is −inf and past Sq) and −δ (−0 past Sq), (B*Hq, Sq rounded up to 128) with [1, BLOCK_M] boxes, so a step
+spends no compares, selects or negations on them.  The jagged kernel reads lse
 and δ themselves (columns past Sq: TMA zero fill, lse replaced by −inf there); their row pitch must be a multiple
 of 4 elements: the launcher uses them in place when it is, else copies them with padded rows (``_vector_rows``).
 Keys past Sk read the next sequence (masked: every step of a partial key block takes the masked path, as in the
@@ -1601,14 +1602,14 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
     key = _launch_key(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, causal, softmax_scale, grad_dtype,
                       config, dk_out, dv_out)
     plan = _PLANS.get(key)
+    if step_rows is not None:  # (not in the plan key: checked on every call)
+        _check_step_rows(step_rows, lse)
     if plan is not None:  # a signature seen before: checked then
         B, Sk, Hkv, D = k.data.shape
         dk, dv = grad_outputs(dk_out, dv_out, (B, Sk, Hkv, D), grad_dtype, q.data.device)
         run_plan(plan, q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, dk, dv, step_rows)
         return dk, dv
     _check(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, grad_dtype)
-    if step_rows is not None:
-        _check_step_rows(step_rows, lse)
     B, Sq, Hq, D = q.data.shape
     Sk, Hkv = k.data.shape[1], k.data.shape[2]
     cfg = config or default_config(D, causal)
