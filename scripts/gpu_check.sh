@@ -125,15 +125,17 @@ pytest_groups() {
     echo "--- $f"; tail -n 6 "$f"; grep -q "^exit 0$" "$f" || status=1
   done
 }
-# MXATTN_DEADLINE (epoch seconds) caps every command so that the call's last results still get written
+# MXATTN_DEADLINE (epoch seconds) caps every command so that the call's last results still get written.  run returns
+# the command's status as well as setting status=1: inside a pipeline (its own subshell) the assignment is lost, so
+# "run ... | tail || status=1" (pipefail) is what records a failure there
 run() {
-  local t=$T
+  local t=$T rc
   if [ -n "${MXATTN_DEADLINE:-}" ]; then
     local left=$((MXATTN_DEADLINE - $(date +%s)))
     [ "$left" -lt "$t" ] && t=$left
-    [ "$t" -le 5 ] && { echo "!! deadline reached, skipped: $*"; status=1; return; }
+    [ "$t" -le 5 ] && { echo "!! deadline reached, skipped: $*"; status=1; return 1; }
   fi
-  timeout "$t" "$@" || { echo "!! stage command failed or timed out (rc=$?): $*"; status=1; }
+  timeout "$t" "$@" || { rc=$?; echo "!! stage command failed or timed out (rc=$rc): $*"; status=1; return $rc; }
 }
 for st in $STAGES; do
   echo "=== stage $st ($(date +%T))"
