@@ -985,15 +985,21 @@ def test_attn_bwd_dkdv_gluon_q_perm_bit_identical(case, variant, seed):
     """``q_perm`` (Q and dO_hdim query-permuted; Pᵀ, dSᵀ relabelled into the A operands; lse and δ read in the
     permuted order) against the 2-D boxes on the same operands: the same values in the same wgmma positions and
     the same exponents, so dk and dv are bit-identical."""
-    if not _is_hopper():
-        pytest.skip("the Gluon dK/dV kernel needs an sm_90 GPU")
     if variant.get("block_m") == 128 and case[5] != 64:
         pytest.skip("block_m=128 is a d64 build")
+    _assert_configs_bit_identical(case, seed, dict(variant), dict(variant, q_perm=False))
+
+
+def _assert_configs_bit_identical(case, seed, config: dict, reference: dict) -> None:
+    """The dK/dV launcher with ``GluonDkdvConfig(**config)`` and with ``GluonDkdvConfig(**reference)`` on the same
+    operands of ``case``: dk and dv bit for bit (a GPU test's body; skips off sm_90)."""
+    if not _is_hopper():
+        pytest.skip("the Gluon dK/dV kernel needs an sm_90 GPU")
     m = _mod()
     causal = case[6]
     ops, _ = m.dkdv_operands(*_gpu_inputs(case, seed), causal)
-    dk, dv = m.attn_bwd_dkdv_gluon(**ops, causal=causal, config=m.GluonDkdvConfig(**variant))
-    wk, wv = m.attn_bwd_dkdv_gluon(**ops, causal=causal, config=m.GluonDkdvConfig(**variant, q_perm=False))
+    dk, dv = m.attn_bwd_dkdv_gluon(**ops, causal=causal, config=m.GluonDkdvConfig(**config))
+    wk, wv = m.attn_bwd_dkdv_gluon(**ops, causal=causal, config=m.GluonDkdvConfig(**reference))
     assert torch.equal(dk.view(torch.int16), wk.view(torch.int16)), _case_id(case) + " dk"
     assert torch.equal(dv.view(torch.int16), wv.view(torch.int16)), _case_id(case) + " dv"
 
@@ -1078,14 +1084,5 @@ PERSISTENT_CASES = [
 def test_attn_bwd_dkdv_gluon_persistent_bit_identical(case, seed):
     """``persistent`` against the per-block kernel on the same operands (the API's split config per head dim): each
     item runs the per-block kernel's code with the ring position carried over, so dk and dv are bit-identical."""
-    if not _is_hopper():
-        pytest.skip("the Gluon dK/dV kernel needs an sm_90 GPU")
-    m = _mod()
-    causal = case[6]
-    ops, _ = m.dkdv_operands(*_gpu_inputs(case, seed), causal)
-    bm = 128 if case[5] == 64 else 64
-    dk, dv = m.attn_bwd_dkdv_gluon(**ops, causal=causal, config=m.GluonDkdvConfig(split=True, block_m=bm,
-                                                                                   persistent=True))
-    wk, wv = m.attn_bwd_dkdv_gluon(**ops, causal=causal, config=m.GluonDkdvConfig(split=True, block_m=bm))
-    assert torch.equal(dk.view(torch.int16), wk.view(torch.int16)), _case_id(case) + " dk"
-    assert torch.equal(dv.view(torch.int16), wv.view(torch.int16)), _case_id(case) + " dv"
+    api = dict(split=True, block_m=128 if case[5] == 64 else 64)
+    _assert_configs_bit_identical(case, seed, dict(api, persistent=True), api)

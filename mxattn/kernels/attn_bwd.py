@@ -1076,7 +1076,8 @@ def attn_bwd_hopper(
         dv.zero_()
         dq = torch.zeros(B, Sq, Hq, D, dtype=grad_dtype, device=dev)
         return ((lambda: dq) if defer_dq else dq), dk, dv
-    dense_rows = use_gluon and not (gluon_split() and fuse)  # the dK/dV launch below reads step rows
+    split = use_gluon and gluon_split()
+    dense_rows = use_gluon and not (split and fuse)  # the dK/dV launch below reads step rows
     doh, dos, delta, delta_launch, rows = _preprocess(out, dout, dout_hdim, dout_seq,
                                                       bind=dense_rows and key is not None,
                                                       lse=lse if dense_rows else None)
@@ -1086,7 +1087,7 @@ def attn_bwd_hopper(
 
         # split builds (the default); at D = 64 the 128-key dQ step and the 128-query dK/dV step (session 11,
         # S 8k d64: dQ 1.67 / 0.86 ms against 2.24 / 1.17, dK/dV 2.20 / 1.38 against 2.54 / 1.40, non-causal / causal)
-        split, wide = gluon_split(), D == 64
+        wide = D == 64
         if split and fuse:  # dQ inside the dK/dV kernel (opt-in, ``fused_dq``; no plan is made of it)
             dq, dk, dv = dkdv_gluon.attn_bwd_dkdv_dq_gluon(q, k, v_hdim, q_seq, k_seq, doh, dos, lse, delta,
                                                            causal=causal, softmax_scale=softmax_scale,
