@@ -270,13 +270,13 @@ def _delta_kernel(
         b = 0
     else:
         if BROW is not None:
-            if tl.program_id(0) >= n_main:  # the step rows past Sq: b = −inf (P = 0), −δ = −0
+            if tl.program_id(0) >= n_main:  # the step rows past Sq: b = −inf (P = 0), −δ = +0
                 pad = COLS - Sq
                 i = (tl.program_id(0) - n_main).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
                 at = (i // pad) * COLS + Sq + i % pad
                 keep = i < (n_rows // Sq).to(tl.int64) * pad  # n_rows // Sq = B * Hq
                 tl.store(BROW + at, tl.full([BLOCK_R], float("-inf"), tl.float32), mask=keep)
-                tl.store(NDL + at, tl.full([BLOCK_R], -0.0, tl.float32), mask=keep)
+                tl.store(NDL + at, tl.zeros([BLOCK_R], tl.float32), mask=keep)
                 return
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         ok = r < n_rows

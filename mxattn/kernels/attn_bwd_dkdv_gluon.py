@@ -92,7 +92,7 @@ dO_seq as (B*Hq*D, Sq) over the channel-major buffers (row stride S_pad).  Query
 sequence in Q / dO (or TMA zero fill) and are zero-filled in the seq operands: their lse is taken as −inf, so
 P = dS = 0 there.  Per query the dense kernel reads step rows (``_step_rows``, session 20; one small launch,
 or, through ``attn_bwd.attn_bwd_hopper``, written by δ's launch since session 21): b = 8 − lse·log2e (−inf where
-lse is −inf and past Sq) and −δ (−0 past Sq), (B*Hq, Sq rounded up to 128) with [1, BLOCK_M] boxes, so a step
+lse is −inf and past Sq) and −δ (+0 past Sq), (B*Hq, Sq rounded up to 128) with [1, BLOCK_M] boxes, so a step
 spends no compares, selects or negations on them.  The jagged kernel reads lse
 and δ themselves (columns past Sq: TMA zero fill, lse replaced by −inf there); their row pitch must be a multiple
 of 4 elements: the launcher uses them in place when it is, else copies them with padded rows (``_vector_rows``).
@@ -1448,7 +1448,7 @@ def _step_rows_kernel(LSE, DELTA, BROW, NDL, H, S, cols, s_lb, s_lh, s_ls, s_db,
     brow = tl.where(lse == float("-inf"), float("-inf"), tl.fma(lse, -1.4426950408889634, 8.0))
     out = r.to(tl.int64) * cols + c
     tl.store(BROW + out, brow, mask=c < cols)
-    tl.store(NDL + out, -dl, mask=c < cols)
+    tl.store(NDL + out, tl.where(ok, -dl, 0.0), mask=c < cols)  # +0 past S (3.6's -0.0 is 0 - 0 = +0)
 
 
 def step_rows_empty(B: int, H: int, S: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1473,7 +1473,8 @@ def _step_rows(lse: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, to
     """What the dense dK/dV kernel reads per query in place of lse and δ (session 20): (b, −δ), two contiguous
     (B, Hq, cols) fp32 tensors, cols = Sq rounded up to a multiple of ``STEP_ROW_ALIGN`` (a 16-byte row pitch, and
     whole boxes for both query steps).  b = 8 − lse·log2e (one fma, as the kernel computed it), −inf where lse is
-    −inf and past Sq (P = 0 there: the query-row mask); −δ, and −0 past Sq (the TMA zero fill the kernel negated).
+    −inf and past Sq (P = 0 there: the query-row mask); −δ, and +0 past Sq (what the kernel made of the TMA zero fill:
+    triton 3.6 negates as 0 − x; written explicitly, whatever a version's negation of zero).
     Each step then reads the exponent offsets of P·256 and dS's δ term without its 16 compares, selects, fmas
     and negations a step and thread (d128: 64 of 656 SASS instructions).  One launch of B·Hq·Sq·8 bytes read and
     16 written (~3 MB at B2 H16 S8k); on CPU tensors (host-side tests) the same values from PyTorch ops in
