@@ -63,6 +63,8 @@
 #   graph      `mxattn bench --cuda-graph`: forward and backward as CUDA-graph replays (no host launch overhead), S 2k/4k
 #              (GRAPH_ARGS), after the test that replays equal the eager gradients
 #   bwdfold    δ's launch writing the dK/dV step rows (session 21): its GPU tests, then the backward's host rows
+#   steprows   the δ launch's step rows against _step_rows' kernel, bit for bit (session 22)
+#   eagergap   scripts/eager_gap.py: eager against graph at S 2k (host time, a sleep probe for syncs, allocations)
 #   ring       ring attention over every GPU (torchrun, nccl): check against single-GPU mxattn, then timing
 #   train      examples/train_gpt.py (TRAIN_ATTENTION=sdpa|mxfp8|both, TRAIN_ARGS), into OUTDIR/train
 #   trainpar   both halves of the parity run at once, sdpa on GPU 0 and mxfp8 on GPU 1 (needs 2 GPUs), then parity.json
@@ -555,6 +557,14 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
       run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_bwd.py tests/test_host_plans.py \
         -k "step_rows or gluon or plan" 2>&1 | tail -6 || status=1  # (test_gpu_delta_launch_* bit for bit)
       run $PY scripts/host_timing.py --calls 50 --only backward,fwd+bwd --out "$OUT" | tee "$OUT/host_timing.txt" ;;
+    steprows)
+      # session 22: the δ launch's step rows against _step_rows' kernel bit for bit (+0 past Sq since session 22)
+      run $PY -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider tests/test_attn_bwd.py -k "step_rows" 2>&1 \
+        | tail -15 || status=1 ;;
+    eagergap)
+      # session 22: eager against graph at S 2k: host time per call, a sleep probe for hidden synchronizations,
+      # the allocator's device allocations (scripts/eager_gap.py): eager_gap JSON
+      run $PY scripts/eager_gap.py "$OUT" ${EAGER_GAP_ARGS:-} ;;
     bwdbase)
       # session 20: the Gluon backward kernels of a base tree (BWD_BASE, default _s19base, made before the call with
       # `git archive 1bfaccb mxattn | tar -x -C _s19base`; skipped when absent) and of this tree, timed in turns

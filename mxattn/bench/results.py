@@ -49,6 +49,7 @@ WHATS = (
     "ring_attn",
     "blockscaled",
     "cost_probe",
+    "eager_gap",
 )
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
