@@ -1531,7 +1531,7 @@ def _launch_key(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, causal, so
     if None in ops or not isinstance(lse, torch.Tensor) or not isinstance(delta, torch.Tensor) or not launch.PLANS:
         return None  # (bad operands: the checks on the slow path say what is wrong)
     outs = tuple(tensor_sig(t) if isinstance(t, torch.Tensor) else t for t in (dk_out, dv_out))
-    dev = torch.cuda.current_device() if q.data.is_cuda else -1
+    dev = launch.current_device() if q.data.is_cuda else -1
     return (ops, tensor_sig(lse), tensor_sig(delta), causal, softmax_scale, grad_dtype, config, outs, dev)
 
 
@@ -1728,7 +1728,7 @@ def _varlen_launch_key(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, cau
     ops = tuple(varlen_sig(t) for t in (q, k, v_hdim, q_seq, dout_hdim, dout_seq))
     if None in ops or not isinstance(lse, torch.Tensor) or not isinstance(delta, torch.Tensor) or not launch.PLANS:
         return None  # (bad operands: the checks on the slow path say what is wrong)
-    dev = torch.cuda.current_device() if q.data.is_cuda else -1
+    dev = launch.current_device() if q.data.is_cuda else -1
     return (ops, tensor_sig(lse), lse.device, tensor_sig(delta), delta.device, causal, softmax_scale, grad_dtype,
             config, dev)
 

@@ -740,7 +740,7 @@ def _launch_key(q, k, v_hdim, k_seq, dout_hdim, lse, delta, causal, softmax_scal
                 for t in (q, k, v_hdim, k_seq, dout_hdim))
     if None in ops or not isinstance(lse, torch.Tensor) or not isinstance(delta, torch.Tensor) or not launch.PLANS:
         return None  # (bad operands: the checks on the slow path say what is wrong)
-    dev = torch.cuda.current_device() if q.data.is_cuda else -1
+    dev = launch.current_device() if q.data.is_cuda else -1
     return (ops, tensor_sig(lse), tensor_sig(delta), causal, softmax_scale, grad_dtype, config, dev)
 
 
@@ -910,7 +910,7 @@ def _varlen_launch_key(q, k, v_hdim, k_seq, dout_hdim, lse, delta, delta_cols, c
     ops = tuple(varlen_sig(t) for t in (q, k, v_hdim, k_seq, dout_hdim))
     if None in ops or not all(isinstance(t, torch.Tensor) for t in (lse, delta, delta_cols)) or not launch.PLANS:
         return None  # (bad operands: the checks on the slow path say what is wrong)
-    dev = torch.cuda.current_device() if q.data.is_cuda else -1
+    dev = launch.current_device() if q.data.is_cuda else -1
     return (ops, tensor_sig(lse), lse.device, tensor_sig(delta), delta.device, delta_cols.dtype, delta_cols.shape,
             causal, softmax_scale, grad_dtype, config, dev)
 

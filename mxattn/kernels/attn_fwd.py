@@ -386,7 +386,7 @@ def _fwd_bound_key(q, k, v, causal, softmax_scale, out_dtype):
     qd, kd, vd, qe, ke, ve = q.data, k.data, v.data, q.exp, k.exp, v.exp
     if not (qd.is_cuda or INTERPRETER) or not launch_mod.PLANS:  # (interpreter: the bound launch takes the
         return None  # launcher's path, so CPU tests run the plan's arguments)
-    dev = torch.cuda.current_device() if qd.is_cuda else -1
+    dev = launch_mod.current_device() if qd.is_cuda else -1
     return (qd.shape, qd.stride(), kd.shape, kd.stride(), vd.stride(), qe.shape, qe.stride(), ke.shape, ke.stride(),
             ve.shape, ve.stride(), qd.dtype, kd.dtype, vd.dtype, qd.device, dev, causal,
             softmax_scale, out_dtype, qd.data_ptr() & 15, kd.data_ptr() & 15, vd.data_ptr() & 15,

@@ -933,7 +933,7 @@ _MAX_PLANS = 256
 def _plan_key(q, k, v, causal, softmax_scale, out_dtype):
     if not launch_mod.PLANS:
         return None
-    dev = torch.cuda.current_device() if q.data.is_cuda else -1
+    dev = launch_mod.current_device() if q.data.is_cuda else -1
     return (tuple(tensor_sig(t) for t in (q.data, k.data, v.data, q.exp, k.exp, v.exp)), q.data.device, dev, causal,
             softmax_scale, out_dtype, PERSISTENT_DEFAULT, attn_fwd.EXP2_FMA_DEFAULT, MASK_DEFAULT)
 

@@ -51,6 +51,30 @@ PLANS = os.environ.get("MXATTN_LAUNCH_PLANS", "1").lower() not in ("0", "false",
 # MXATTN_FAST_LAUNCH_SPEC=0: no second table (a by-value miss goes through Triton's dispatch); read at each miss
 SPEC_TABLE = [os.environ.get("MXATTN_FAST_LAUNCH_SPEC", "1").lower() not in ("0", "false", "off")]
 _Tensor = torch.Tensor
+try:  # the C functions behind torch.cuda.current_device() / current_stream() (absent from CPU-only builds)
+    from torch._C import _cuda_getCurrentRawStream as _raw_stream
+    from torch._C import _cuda_getDevice as _raw_device
+except ImportError:
+    _raw_device = _raw_stream = None
+
+
+def current_device() -> int:
+    """The current CUDA device's index, as ``torch.cuda.current_device()`` without its Python wrapper: that wrapper
+    took 3.6 us a call on the H200 machine's host (session 22, ``timeit``), where a plan key or a launch asks it on
+    every call.  Only for callers whose tensors are on a CUDA device (so CUDA is initialized); CPU-only builds (and
+    the CPU host harness's stub) take ``torch.cuda.current_device``."""
+    if _raw_device is None:
+        return torch.cuda.current_device()
+    return _raw_device()
+
+
+def _stream_kw() -> dict:
+    """The current stream as a compiled kernel's runner takes it (``stream=``), or {} to let the runner ask: the
+    runner's own lookup goes through ``torch.cuda.current_device()`` on every launch."""
+    if _raw_stream is None:
+        return {}
+    return {"stream": _raw_stream(_raw_device())}
+
 
 try:  # the Gluon host-side TMA descriptor (triton >= 3.5)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDesc
@@ -130,7 +154,7 @@ class FastLauncher:
         if any(isinstance(v, (_Tensor, _GluonDesc)) for _, v in kw):  # never hold a tensor in the cache's keys
             kw = tuple((k, (v.dtype, v.data_ptr() & 15 == 0) if isinstance(v, _Tensor) else
                         (_desc_feature(v) if type(v) is _GluonDesc else v)) for k, v in kw)
-        return (torch.cuda.current_device(), feats, kw)
+        return (current_device(), feats, kw)
 
     def _binder(self, device: int):
         """Triton's argument binder for ``device`` (``JITFunction.device_caches[device][4]`` in triton 3.6-3.9):
@@ -143,7 +167,7 @@ class FastLauncher:
         arguments do not bind or its key is unhashable (this call only: Triton's own path reports a bad call)."""
         if not (self._binder_ok and SPEC_TABLE[0]):
             return None
-        dev = torch.cuda.current_device()
+        dev = current_device()
         try:
             binder = self._binder(dev)
         except Exception:  # noqa: BLE001  (no binder where expected: another Triton's internals)
@@ -197,7 +221,7 @@ class FastLauncher:
                 raise RuntimeError(f"fast launch of {getattr(self.jit_fn, '__name__', self.jit_fn)}: key {key} maps "
                                    "to another kernel than Triton's own dispatch")
         self.hits += 1
-        kernel[g + (1,) * (3 - len(g))](*args, *[kwargs.get(name, default) for name, default in rest])
+        kernel[g + (1,) * (3 - len(g))](*args, *[kwargs.get(name, default) for name, default in rest], **_stream_kw())
 
 
 class BoundLaunch:
@@ -250,7 +274,7 @@ class BoundLaunch:
                 raise RuntimeError(f"bound launch of {getattr(self.launcher.jit_fn, '__name__', '?')}: these "
                                    "arguments key another kernel than the one bound (a plan key misses something)")
         self.launcher.hits += 1
-        self.runner(*args, *self.rest)
+        self.runner(*args, *self.rest, **_stream_kw())
 
 
 def rebased(desc, base):

@@ -1941,7 +1941,7 @@ _Tensor = torch.Tensor
 
 def _current_device(x: torch.Tensor) -> int:
     """The current CUDA device for a CUDA tensor (a bound launch runs on it: part of every plan key), else -1."""
-    return torch.cuda.current_device() if x.is_cuda else -1
+    return _launch.current_device() if x.is_cuda else -1
 
 
 def _plan_key(kind: str, x, scale_mode, seq_dim, k_group):
