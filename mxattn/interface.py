@@ -19,6 +19,7 @@ import functools
 import importlib
 import math
 import os
+import sys
 import weakref
 from typing import Optional, Union
 
@@ -342,21 +343,107 @@ def _hopper_forward_keeping_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     (K in both orientations, V along the head dim: 3 bytes per k / v element pair against bf16's 4) are saved
     instead of k and v.  ``kv`` is None where the block-scaled kernel
     runs (its backward takes the float tensors)."""
-    kernel = forward_kernel_for(q.shape, k.shape, q.device, backend, causal)
-    if kernel == "blockscaled":
-        out, lse = _blockscaled_forward(q, k, v, causal, scale, scale_mode, q.dtype)
-        return out, lse, None
-    from mxattn.kernels.quantize import forward_operands_triton
-
-    qr, kr, vr, kv = forward_operands_triton(q, k, v, scale_mode, k_group=K_EXP_GROUP, keep_kv=True)
-    return (*_hopper_kernel(kernel, qr, kr, vr, causal, scale, q.dtype), kv)
+    return _float_forward_cuda(q, k, v, causal, scale, scale_mode, backend, True)
 
 
 def _fwd_impl(q, k, v, causal: bool, scale: float, scale_mode: str, backend: str = "auto"):
     if q.is_cuda:
-        return _hopper_forward(q, k, v, causal, scale, scale_mode, q.dtype, backend)
+        return _float_forward_cuda(q, k, v, causal, scale, scale_mode, backend, False)[:2]
     out, lse = _reference_forward(q, k, v, causal, scale, scale_mode, q.dtype)
     return out.contiguous(), lse.contiguous()
+
+
+# Call plans of the float CUDA forward (session 22).  On the H200 machine's host a no-grad forward took ~290 us
+# (tl kernel) of host time at B1 S128 (``scripts/host_timing.py``), against ~55 us of SDPA, and its Python ran
+# ~3x slower than on the CPU harness's machine: each layer (the kernel choice, the operands' dispatch, two plan
+# keys) cost what its Python costs.  A call plan is keyed once on everything those layers read (the inputs'
+# shapes, strides, dtypes, devices and 16-byte alignment, the options, the current device and the module knobs and
+# variables that choose a path or a launch) and calls the operands' plan (``quantize.forward_operands_plan``) and
+# the kernel's launch plan (``attn_fwd.bound_plan`` / ``attn_fwd_gluon.plan_for``) directly: the same launches with
+# the same arguments as the call that made it.  Made after the first call of a signature whose layers all made
+# plans (fused operand launches, a plan-able kernel); ``False`` marks a signature that cannot have one.
+_CALL_PLANS: dict = {}
+_MAX_CALL_PLANS = 256
+_KERNEL_MODULES: list = []
+
+
+def _kernel_modules():
+    """(launch, quantize, attn_fwd), imported on the first CUDA call."""
+    if not _KERNEL_MODULES:
+        from mxattn.kernels import attn_fwd, launch, quantize
+
+        _KERNEL_MODULES.extend((launch, quantize, attn_fwd))
+    return _KERNEL_MODULES
+
+
+def _call_key(q, k, v, causal, scale, scale_mode, backend, keep_kv):
+    """The call plan table's key, or None where call plans are off (``MXATTN_LAUNCH_PLANS=0``, quantize tile
+    overrides)."""
+    launch, quantize, attn_fwd = _kernel_modules()
+    if not launch.PLANS or quantize.TILE_OVERRIDES:
+        return None
+    gluon = sys.modules.get("mxattn.kernels.attn_fwd_gluon")
+    env = os.environ
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+            k.device, v.device, launch.current_device() if q.is_cuda else -1, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15,
+            causal, scale, scale_mode, backend, keep_kv, env.get("MXATTN_FWD_KERNEL"),
+            env.get("MXATTN_FUSED_OPERANDS_MAX"), GLUON_MIN_SEQ, GLUON_MIN_SEQ_NONCAUSAL, quantize._knobs(),
+            attn_fwd.EXP2_FMA_DEFAULT, gluon and (gluon.PERSISTENT_DEFAULT, gluon.MASK_DEFAULT))
+
+
+class _ForwardCall:
+    """One signature's float CUDA forward as its first call ran it: the operands' plan, then the kernel's."""
+
+    __slots__ = ("operands", "run", "plan", "out_dtype")
+
+    def __init__(self, operands, run, plan, out_dtype):
+        self.operands, self.run, self.plan, self.out_dtype = operands, run, plan, out_dtype
+
+    def __call__(self, q, k, v):
+        qr, kr, vr, kv = self.operands(q, k, v)
+        out, lse = self.run(self.plan, qr, kr, vr, self.out_dtype)
+        return out, lse, kv
+
+
+def _make_call_plan(q, k, v, operands, kernel: str, causal: bool, scale: float, scale_mode: str, keep_kv: bool):
+    """The ``_ForwardCall`` of the call that just ran (``operands`` its (qr, kr, vr)), or None where one of its
+    layers made no plan (unfused operand passes, an input copied for its strides, a kernel plan not made)."""
+    _, quantize, _ = _kernel_modules()
+    ops = quantize.forward_operands_plan(q, k, v, scale_mode, K_EXP_GROUP, keep_kv)
+    if ops is None:
+        return None
+    if kernel == "gluon":
+        from mxattn.kernels.attn_fwd_gluon import plan_for, run_plan as run
+    else:
+        from mxattn.kernels.attn_fwd import bound_plan as plan_for, run_bound as run
+    plan = plan_for(*operands, causal, scale, q.dtype)
+    return None if plan is None else _ForwardCall(ops, run, plan, q.dtype)
+
+
+def _float_forward_cuda(q, k, v, causal: bool, scale: float, scale_mode: str, backend: str, keep_kv: bool):
+    """The CUDA forward of float inputs: (out, lse, kv), ``kv`` as ``_hopper_forward_keeping_kv`` describes with
+    ``keep_kv`` (else None).  A signature seen before runs its call plan."""
+    key = _call_key(q, k, v, causal, scale, scale_mode, backend, keep_kv)
+    plan = _CALL_PLANS.get(key) if key is not None else None
+    if plan:
+        return plan(q, k, v)
+    kernel = forward_kernel_for(q.shape, k.shape, q.device, backend, causal)
+    if kernel == "blockscaled":
+        out, lse = _blockscaled_forward(q, k, v, causal, scale, scale_mode, q.dtype)
+        return out, lse, None
+    kv = None
+    if keep_kv:
+        from mxattn.kernels.quantize import forward_operands_triton
+
+        qr, kr, vr, kv = forward_operands_triton(q, k, v, scale_mode, k_group=K_EXP_GROUP, keep_kv=True)
+    else:
+        qr, kr, vr = _hopper_forward_operands(q, k, v, scale_mode)
+    out, lse = _hopper_kernel(kernel, qr, kr, vr, causal, scale, q.dtype)
+    if key is not None and plan is None:
+        if len(_CALL_PLANS) >= _MAX_CALL_PLANS:
+            _CALL_PLANS.clear()
+        _CALL_PLANS[key] = _make_call_plan(q, k, v, (qr, kr, vr), kernel, causal, scale, scale_mode, keep_kv) or False
+    return out, lse, kv
 
 
 @torch.library.custom_op("mxattn::attn_fwd", mutates_args=())

@@ -329,6 +329,46 @@ def test_plain_float_inputs():
         interface.mxfp8_attn_func(x, x.half(), x)
 
 
+# ---------------------------------------------------------------------------------------- forward call plans
+@pytest.mark.parametrize("keep_kv", [False, True])
+def test_forward_call_plan_equals_the_checked_path(keep_kv, monkeypatch):
+    """The float forward's call plan (``interface._float_forward_cuda``, made by a signature's first call, used from
+    its second) gives the checked path's out, lse and kept K / V operands bit for bit on fresh inputs, the operand
+    plan's argument templates included; inputs sharing one tensor (self-attention on x) too, and another signature
+    misses it.  CPU: the kernels under the interpreter (the GPU runs these through the API's tests)."""
+    from conftest import require_kernels
+
+    dev = require_kernels()
+    from mxattn.kernels import launch
+
+    def run(q, k, v, plans: bool):
+        monkeypatch.setattr(launch, "PLANS", plans)
+        out, lse, kv = interface._float_forward_cuda(q, k, v, True, 0.125, "rceil", "auto", keep_kv)
+        flat = [out, lse] + ([] if kv is None else [t for r in kv for t in (r.data.view(torch.uint8), r.exp)])
+        return [t.clone() for t in flat]
+
+    def check(q, k, v):
+        want = run(q, k, v, False)
+        got = run(q, k, v, True)
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+    g = torch.Generator().manual_seed(1)
+    mk = lambda S, H: torch.randn(1, S, H, 64, generator=g).to(dev, torch.bfloat16)  # noqa: E731
+    interface._CALL_PLANS.clear()
+    for _ in range(3):  # the first call makes the plan, the next ones run it
+        check(mk(37, 4), mk(70, 2), mk(70, 2))
+    plans = [p for p in interface._CALL_PLANS.values()]
+    assert len(plans) == 1 and isinstance(plans[0], interface._ForwardCall)
+    assert plans[0].operands.templates, "the operand plan made its argument templates"
+    for _ in range(2):  # a plan (and templates) made on distinct tensors, then one tensor as q, k and v
+        check(mk(70, 2), mk(70, 2), mk(70, 2))
+    x = mk(70, 2)
+    check(x, x, x)
+    check(mk(70, 2), mk(70, 2), mk(70, 2))  # and distinct tensors again after it
+    check(mk(38, 4), mk(70, 2), mk(70, 2))  # another signature: its own plan
+    assert len(interface._CALL_PLANS) == 3
+
+
 # ---------------------------------------------------------------------------------------- GPU
 def _hopper_gluon() -> bool:
     return torch.cuda.is_available() and attn_bwd.backward_kernel(torch.device("cuda", 0)) == "gluon"

@@ -393,6 +393,25 @@ def _fwd_bound_key(q, k, v, causal, softmax_scale, out_dtype):
             qe.data_ptr() & 15, ke.data_ptr() & 15, ve.data_ptr() & 15)
 
 
+def bound_plan(q, k, v, causal: bool, softmax_scale, out_dtype):
+    """The bound launch a call of ``attn_fwd_hopper`` with these operands and options (default config) made, for
+    ``run_bound``; None if none was made (a caller that keeps it skips this function's key, ``interface``'s call
+    plans)."""
+    key = _fwd_bound_key(q, k, v, causal, softmax_scale, out_dtype)
+    return _FWD_BOUND.get(key) if key is not None else None
+
+
+def run_bound(bound, q, k, v, out_dtype):
+    """``attn_fwd_hopper`` on operands of the signature ``bound`` (``bound_plan``) was made for: fresh out / lse,
+    one launch, no checks."""
+    launch, out_shape, lse_shape, scalars = bound
+    qd = q.data
+    out = torch.empty(out_shape, dtype=out_dtype, device=qd.device)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=qd.device)
+    launch(qd, k.data, v.data, q.exp, k.exp, v.exp, out, lse, *scalars)
+    return out, lse
+
+
 def attn_fwd_hopper(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                     out_dtype: torch.dtype = torch.bfloat16, config: FwdConfig | None = None):
     """Launch the forward on row-scaled FP8 operands (``formats.RowScaledFP8``).
@@ -403,14 +422,10 @@ def attn_fwd_hopper(q, k, v, *, causal: bool = False, softmax_scale: float | Non
     """
     key = _fwd_bound_key(q, k, v, causal, softmax_scale, out_dtype) if config is None else None
     bound = _FWD_BOUND.get(key) if key is not None else None
+    if bound is not None:
+        return run_bound(bound, q, k, v, out_dtype)
     qd, kd, vd = q.data, k.data, v.data
     qe, ke, ve = q.exp, k.exp, v.exp
-    if bound is not None:
-        launch, out_shape, lse_shape, scalars = bound
-        out = torch.empty(out_shape, dtype=out_dtype, device=qd.device)
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=qd.device)
-        launch(qd, kd, vd, qe, ke, ve, out, lse, *scalars)
-        return out, lse
     B, Sq, Hq, D = qd.shape
     Sk, Hkv = kd.shape[1], kd.shape[2]
     softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale

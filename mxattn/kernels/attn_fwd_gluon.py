@@ -938,6 +938,24 @@ def _plan_key(q, k, v, causal, softmax_scale, out_dtype):
             softmax_scale, out_dtype, PERSISTENT_DEFAULT, attn_fwd.EXP2_FMA_DEFAULT, MASK_DEFAULT)
 
 
+def plan_for(q, k, v, causal: bool, softmax_scale, out_dtype):
+    """The launch plan a call of ``attn_fwd_gluon`` with these operands and options (default config) made, for
+    ``run_plan``; None if none was made (``interface``'s call plans keep it and skip this key)."""
+    key = _plan_key(q, k, v, causal, softmax_scale, out_dtype)
+    return _PLANS.get(key) if key is not None else None
+
+
+def run_plan(plan, q, k, v, out_dtype):
+    """``attn_fwd_gluon`` on operands of the signature ``plan`` (``plan_for``) was made for: the descriptors rebased
+    over this call's tensors, fresh out / lse, one launch, no checks."""
+    bound, templates, out_shape, lse_shape, scalars = plan
+    qd = q.data
+    out = torch.empty(out_shape, dtype=out_dtype, device=qd.device)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=qd.device)
+    bound(*(rebased(t, b) for t, b in zip(templates, (qd, k.data, v.data))), q.exp, k.exp, v.exp, out, lse, *scalars)
+    return out, lse
+
+
 def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                    out_dtype: torch.dtype = torch.bfloat16, config: GluonFwdConfig | None = None,
                    _times: torch.Tensor | None = None):
@@ -952,13 +970,7 @@ def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None
     key = _plan_key(q, k, v, causal, softmax_scale, out_dtype) if config is None and _times is None else None
     plan = _PLANS.get(key) if key is not None else None
     if plan is not None:
-        bound, templates, out_shape, lse_shape, scalars = plan
-        qd = q.data
-        out = torch.empty(out_shape, dtype=out_dtype, device=qd.device)
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=qd.device)
-        bound(*(rebased(t, b) for t, b in zip(templates, (qd, k.data, v.data))), q.exp, k.exp, v.exp, out, lse,
-              *scalars)
-        return out, lse
+        return run_plan(plan, q, k, v, out_dtype)
     B, Sq, Hq, D = q.data.shape
     Sk, Hkv = k.data.shape[1], k.data.shape[2]
     if D not in (64, 128):

@@ -2089,7 +2089,7 @@ def _operands_launch(state: dict, name: str, quant: list, exps: list, D: int, rc
     bound = state.get(name)
     if bound is not None:
         bound(*args)
-        return
+        return args
     qa = list(quant) + [None] * (2 - len(quant))
     ea = list(exps) + [None] * (2 - len(exps))
     present = [j for j in qa + ea if j is not None]
@@ -2105,6 +2105,55 @@ def _operands_launch(state: dict, name: str, quant: list, exps: list, D: int, rc
         c.update({tag: job is not None, f"{tag}_BS": job[1]["BLOCK_S"] if job is not None else 32,
                   f"{tag}_STAGES": job[1]["STAGES"] if job is not None else 1})
     state[name] = BoundLaunch(fast_launcher(_operands_kernel), (sum(n),), tuple(args), c)
+    return args
+
+
+class _ArgTemplate:
+    """A bound launch's positional arguments with the call's tensors as slots (session 22): a plan fills them from the
+    call's sources (inputs and fresh outputs) by position instead of assembling the jobs' arguments again, ~10 us of
+    Python a forward on the CPU harness.  ``of`` finds each tensor argument among ``sources`` (itself, or a
+    ``view`` of one by dtype or by shape, checked by rebuilding it) or among ``constants`` (the plan's own tensors);
+    None if any tensor is neither, or if two sources share an address (a later call's would not)."""
+
+    __slots__ = ("const", "slots")
+
+    def __init__(self, const: list, slots: tuple):
+        self.const, self.slots = const, slots
+
+    @staticmethod
+    def of(args, sources, constants) -> "Optional[_ArgTemplate]":
+        ptrs = [t.data_ptr() for t in sources]
+        if len(set(ptrs)) != len(ptrs):
+            return None
+        const, slots = list(args), []
+        for i, a in enumerate(args):
+            if not isinstance(a, _Tensor) or any(a is c for c in constants):
+                continue
+            for j, src in enumerate(sources):
+                if a is src:
+                    slots.append((i, j, None))
+                    break
+                if a.data_ptr() == ptrs[j] and a.untyped_storage().data_ptr() == src.untyped_storage().data_ptr():
+                    how = a.dtype if a.dtype != src.dtype else tuple(a.shape)
+                    try:
+                        r = src.view(how)
+                    except RuntimeError:
+                        return None
+                    if (r.dtype, r.shape, r.stride()) != (a.dtype, a.shape, a.stride()):
+                        return None
+                    slots.append((i, j, how))
+                    break
+            else:
+                return None
+            const[i] = None
+        return _ArgTemplate(const, tuple(slots))
+
+    def fill(self, sources) -> list:
+        args = self.const.copy()
+        for i, j, how in self.slots:
+            src = sources[j]
+            args[i] = src if how is None else src.view(how)
+        return args
 
 
 class _ForwardOperandsPlan:
@@ -2141,13 +2190,25 @@ class _ForwardOperandsPlan:
         self.v_exp_spec = _v_exponents_spec(v4, None, from_mx=False, rceil=rceil, warps=warps)
         self.dummy = q4.new_empty(4, dtype=torch.uint8)
         self.bound: dict = {}
+        self.templates = None  # the two launches' ``_ArgTemplate``s (``_template``)
+        self.tries = 0
+
+    def _template(self, args, srcs) -> None:
+        """Make the two launches' templates from a call's arguments (``_ArgTemplate.of``); after two calls that
+        could not (inputs sharing an address, an argument it does not know), ``False``: the plan keeps assembling."""
+        if self.templates is None and self.bound.get("first") is not None and self.bound.get("second") is not None:
+            t = [_ArgTemplate.of(a, srcs, (self.dummy,)) for a in args]
+            self.tries += 1
+            if all(t):
+                self.templates = t
+            elif self.tries >= 2:
+                self.templates = False
 
     def __call__(self, q4, k4, v4):
         (B, Sq, Hq, D), (_, Sk, Hkv, _) = self.shapes
         dev, u8, i32, G, dummy = self.dev, torch.uint8, torch.int32, self.group, self.dummy
         qd = torch.empty(B, Sq, Hq, D, dtype=u8, device=dev)
         qe = torch.empty(B, Sq, Hq, 1, dtype=i32, device=dev)
-        q_job = _quant_slot(self.q_spec, q4, qd, qe, None, None, dummy)
         if self.keep_kv:  # V's and K's sentinel-filled exponents: one allocation and one fill for both
             vexp, kexp_s = torch.full((2, B, 1, Hkv, D), _NO_EXP_HOST, dtype=i32, device=dev).unbind(0)
         else:
@@ -2157,23 +2218,37 @@ class _ForwardOperandsPlan:
         vcd = torch.empty(B, Hkv, D, self.s_pad, dtype=u8, device=dev)
         f8 = torch.float8_e4m3fn
         if not self.keep_kv:
-            k_job = _quant_slot(self.k_spec, k4, kd, ke, None, None, dummy)
-            v_job = _quant_slot(self.v_spec, v4, None, None, vcd, vexp, dummy)
-            first, second = ([q_job, k_job], [v_job]) if self.k_first else ([q_job], [v_job, k_job])
-            _operands_launch(self.bound, "first", first, [_exp_slot(self.v_exp_spec, v4, vexp)], D, self.rceil,
-                             self.soft, dummy)
-            _operands_launch(self.bound, "second", second, [], D, self.rceil, self.soft, dummy)
+            srcs = (q4, k4, v4, qd, qe, vexp, kd, ke, vcd)
+            if self.templates:
+                for name, t in zip(("first", "second"), self.templates):
+                    self.bound[name](*t.fill(srcs))
+            else:
+                q_job = _quant_slot(self.q_spec, q4, qd, qe, None, None, dummy)
+                k_job = _quant_slot(self.k_spec, k4, kd, ke, None, None, dummy)
+                v_job = _quant_slot(self.v_spec, v4, None, None, vcd, vexp, dummy)
+                first, second = ([q_job, k_job], [v_job]) if self.k_first else ([q_job], [v_job, k_job])
+                args = (_operands_launch(self.bound, "first", first, [_exp_slot(self.v_exp_spec, v4, vexp)], D,
+                                         self.rceil, self.soft, dummy),
+                        _operands_launch(self.bound, "second", second, [], D, self.rceil, self.soft, dummy))
+                self._template(args, srcs)
             return (_trusted_row_scaled(qd.view(f8), qe, 3), _trusted_row_scaled(kd.view(f8), ke, 3, 1, G),
                     _trusted_row_scaled(_seq_view(vcd, Sk, False), vexp, 1), None)
-        _operands_launch(self.bound, "first", [q_job],
-                         [_exp_slot(self.k_exp_spec, k4, kexp_s), _exp_slot(self.v_exp_spec, v4, vexp)], D,
-                         self.rceil, self.soft, dummy)
         kcd = torch.empty(B, Hkv, D, self.s_pad, dtype=u8, device=dev)
         vd = torch.empty(B, Sk, Hkv, D, dtype=u8, device=dev)
         ve = torch.empty(B, cdiv(Sk, G), Hkv, 1, dtype=i32, device=dev)
-        _operands_launch(self.bound, "second", [_quant_slot(self.k_spec, k4, kd, ke, kcd, kexp_s, dummy),
-                                                _quant_slot(self.v_spec, v4, vd, ve, vcd, vexp, dummy)], [],
-                         D, self.rceil, self.soft, dummy)
+        srcs = (q4, k4, v4, qd, qe, vexp, kexp_s, kd, ke, vcd, kcd, vd, ve)
+        if self.templates:
+            for name, t in zip(("first", "second"), self.templates):
+                self.bound[name](*t.fill(srcs))
+        else:
+            q_job = _quant_slot(self.q_spec, q4, qd, qe, None, None, dummy)
+            args = (_operands_launch(self.bound, "first", [q_job], [_exp_slot(self.k_exp_spec, k4, kexp_s),
+                                                                    _exp_slot(self.v_exp_spec, v4, vexp)], D,
+                                     self.rceil, self.soft, dummy),
+                    _operands_launch(self.bound, "second", [_quant_slot(self.k_spec, k4, kd, ke, kcd, kexp_s, dummy),
+                                                            _quant_slot(self.v_spec, v4, vd, ve, vcd, vexp, dummy)],
+                                     [], D, self.rceil, self.soft, dummy))
+            self._template(args, srcs)
         kr = _trusted_row_scaled(kd.view(f8), ke, 3, 1, G)
         k_seq = _trusted_row_scaled(_seq_view(kcd, Sk, False), kexp_s, 1)
         v_hdim = _trusted_row_scaled(vd.view(f8), ve, 3, 1, G)
@@ -2242,6 +2317,22 @@ def row_scaled_triton_both_pair(x: torch.Tensor, y: torch.Tensor, scale_mode: Un
     return plan(x4, y4)
 
 
+def forward_operands_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale_mode, k_group: int,
+                          keep_kv: bool):
+    """The plan a call of ``forward_operands_triton`` with these arguments made, callable as ``plan(q, k, v)`` on
+    tensors of the same signature; None if none was made, or where the call would copy an input (a head dim that
+    is not contiguous).  For ``interface``'s call plans, which keep it and skip this function's key."""
+    if q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1 or TILE_OVERRIDES or not _launch.PLANS:
+        return None
+    return _PLANS.get(_forward_key(q, k, v, scale_mode, k_group, keep_kv))
+
+
+def _forward_key(q, k, v, scale_mode, k_group, keep_kv) -> tuple:
+    return ("forward", keep_kv, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
+            v.dtype, q.device, k.device, v.device, _current_device(q), scale_mode, k_group, q.data_ptr() & 15,
+            k.data_ptr() & 15, v.data_ptr() & 15, _knobs())
+
+
 def forward_operands_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             scale_mode: Union[str, ScaleMode] = "rceil", k_group: int = 128, keep_kv: bool = False):
     """The attention forward's three Hopper operands from float (B, S, H, D) q, k, v in two launches instead of
@@ -2252,9 +2343,7 @@ def forward_operands_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     key = None
     if type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and type(k_group) is int \
             and not TILE_OVERRIDES and _launch.PLANS:
-        key = ("forward", keep_kv, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
-               v.dtype, q.device, k.device, v.device, _current_device(q), scale_mode, k_group, q.data_ptr() & 15,
-               k.data_ptr() & 15, v.data_ptr() & 15, _knobs())
+        key = _forward_key(q, k, v, scale_mode, k_group, keep_kv)
         plan = _PLANS.get(key)
         if plan is not None:
             return plan(*(x if x.stride(3) == 1 else x.contiguous() for x in (q, k, v)))
