@@ -489,6 +489,12 @@ def _bwd_impl(dout, q, k, v, out, lse, causal: bool, scale: float, scale_mode: s
     if kv is None and q.is_cuda and forward_kernel_for(q.shape, k.shape, q.device, backend) == "blockscaled":
         return _blockscaled_backward(dout, q, k, v, out, lse, causal, scale, scale_mode, grad_dtype)
     if q.is_cuda:
+        key = None
+        if kv is not None:
+            key = _bwd_call_key(dout, q, out, lse, kv, causal, scale, scale_mode, deterministic, backend, grad_dtype)
+            plan = _BWD_CALL_PLANS.get(key) if key is not None else None
+            if plan:
+                return plan(dout, q, out, lse, kv)
         from mxattn.kernels.attn_bwd import DO_EXP_GROUP, Q_EXP_GROUP, attn_bwd_hopper
         from mxattn.kernels.quantize import row_scaled_triton, row_scaled_triton_both, row_scaled_triton_both_pair
 
@@ -505,10 +511,16 @@ def _bwd_impl(dout, q, k, v, out, lse, causal: bool, scale: float, scale_mode: s
             v_hdim = row_scaled_triton(v, "k", scale_mode=scale_mode, k_group=K_EXP_GROUP)
         else:
             kr, k_seq, v_hdim = kv
-        return attn_bwd_hopper(
+        grads = attn_bwd_hopper(
             qr, kr, v_hdim, q_seq, k_seq, out, dout, lse, causal=causal, softmax_scale=scale,
             deterministic=deterministic, grad_dtype=grad_dtype, dout_hdim=doh, dout_seq=dos,
         )
+        if key is not None and plan is None:
+            if len(_BWD_CALL_PLANS) >= _MAX_CALL_PLANS:
+                _BWD_CALL_PLANS.clear()
+            _BWD_CALL_PLANS[key] = _make_bwd_call_plan(q, dout, out, lse, kv, (qr, q_seq, doh, dos), causal, scale,
+                                                       scale_mode, deterministic, grad_dtype) or False
+        return grads
     from mxattn import reference
 
     qm, km, vm = quantize_qkv(q, k, v, scale_mode)
@@ -520,6 +532,65 @@ def _bwd_impl(dout, q, k, v, out, lse, causal: bool, scale: float, scale_mode: s
         v_hdim=formats.quantize_mxfp8(v, dim=3, scale_mode=scale_mode),
     )
     return tuple(g.to(grad_dtype).contiguous() for g in grads)
+
+
+# Call plans of the eager CUDA backward (session 22), as the forward's (``_CALL_PLANS``): keyed once on everything
+# ``_bwd_impl`` and ``attn_bwd_hopper`` read (dO's, q's, out's and lse's signatures, the kept K / V operands' layouts,
+# the options, the current device, the variables that choose the backward's kernels and builds), they call the
+# Q / dO pair's plan (``quantize.both_pair_plan``) and the Gluon backward's plan (``attn_bwd._run_gluon_plan``)
+# directly.  Made where the backward ran the pair and a Gluon plan (the eager path, which keeps K and V).
+_BWD_CALL_PLANS: dict = {}
+
+
+def _bwd_call_key(dout, q, out, lse, kv, causal, scale, scale_mode, deterministic, backend, grad_dtype):
+    launch, quantize, _ = _kernel_modules()
+    if not launch.PLANS or quantize.TILE_OVERRIDES or type(dout) is not torch.Tensor:
+        return None
+    from mxattn.kernels.attn_bwd import _rs_sig
+
+    sig, env = launch.tensor_sig, os.environ
+    return (sig(dout), sig(q), sig(out), sig(lse), dout.device, q.device, out.device, lse.device,
+            tuple(_rs_sig(t) for t in kv), launch.current_device(), causal, scale, scale_mode, deterministic, backend,
+            grad_dtype, env.get("MXATTN_BWD_KERNEL"), env.get("MXATTN_BWD_GLUON_SPLIT"), env.get("MXATTN_BWD_FUSED_DQ"),
+            env.get("MXATTN_BWD_PERSISTENT"), env.get("MXATTN_FWD_KERNEL"), quantize._knobs())
+
+
+class _BackwardCall:
+    """One signature's eager CUDA backward as its first call ran it: the Q / dO pair's plan, then the Gluon
+    backward's."""
+
+    __slots__ = ("pair", "plan")
+
+    def __init__(self, pair, plan):
+        self.pair, self.plan = pair, plan
+
+    def __call__(self, dout, q, out, lse, kv):
+        from mxattn.kernels.attn_bwd import _run_gluon_plan
+
+        dout = dout.contiguous()  # (as ``_bwd_impl``; the key holds the given dO's strides)
+        (qr, q_seq), (doh, dos) = self.pair(q, dout)
+        kr, k_seq, v_hdim = kv
+        return _run_gluon_plan(self.plan, qr, kr, v_hdim, q_seq, k_seq, out, dout, lse, doh, dos, False)
+
+
+def _make_bwd_call_plan(q, dout, out, lse, kv, operands, causal, scale, scale_mode, deterministic, grad_dtype):
+    """The ``_BackwardCall`` of the backward that just ran (``operands``: its qr, q_seq, doh, dos; None where dO
+    took another path than the pair), or None where a layer made no plan (dO or q copied for their strides, the
+    ``tl`` kernels, a config the Gluon plans do not take)."""
+    from mxattn.kernels import attn_bwd
+    from mxattn.kernels.quantize import both_pair_plan
+
+    qr, q_seq, doh, dos = operands
+    if doh is None:
+        return None
+    pair = both_pair_plan(q, dout, scale_mode, attn_bwd.Q_EXP_GROUP)
+    if pair is None or attn_bwd.backward_kernel(q.device) != "gluon":
+        return None
+    kr, k_seq, v_hdim = kv
+    key = attn_bwd._gluon_plan_key(qr, kr, v_hdim, q_seq, k_seq, out, dout, lse, doh, dos, causal, scale,
+                                   deterministic, grad_dtype, False)
+    plan = attn_bwd._GLUON_PLANS.get(key) if key is not None else None
+    return None if plan is None else _BackwardCall(pair, plan)
 
 
 @torch.library.custom_op("mxattn::attn_bwd", mutates_args=())

@@ -401,6 +401,37 @@ def test_gpu_plan_hit_equals_the_checked_path(causal, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_call_plans_equal_the_checked_path(causal, monkeypatch):
+    """On the H200: the forward's and the eager backward's call plans (``interface._CALL_PLANS``,
+    ``_BWD_CALL_PLANS``, session 22) give the checked path's out and gradients bit for bit on fresh inputs of one
+    signature, with and without grad, at d128 (the Gluon forward from S 2k) and d64 (the tl one)."""
+    if not _hopper_gluon():
+        pytest.skip("the Gluon backward runs on a Hopper GPU with a verified Triton")
+    from mxattn.kernels import launch
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for S, D in ((2048, 128), (300, 64)):
+        interface._CALL_PLANS.clear()
+        interface._BWD_CALL_PLANS.clear()
+
+        def run(q, k, v, do, plans: bool):
+            monkeypatch.setattr(launch, "PLANS", plans)
+            with torch.no_grad():
+                plain = interface.mxfp8_attn_func(q, k, v, causal=causal)
+            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+            interface.mxfp8_attn_func(qg, kg, vg, causal=causal).backward(do)
+            return plain, qg.grad, kg.grad, vg.grad
+
+        for _ in range(3):  # the first call makes the plans, the next ones run them
+            x = [torch.randn(1, S, 4, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4)]
+            want, got = run(*x, False), run(*x, True)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert any(isinstance(p, interface._ForwardCall) for p in interface._CALL_PLANS.values())
+        assert any(isinstance(p, interface._BackwardCall) for p in interface._BWD_CALL_PLANS.values())
+
+
+@pytest.mark.gpu
 def test_gpu_cu_seqlens_cache(monkeypatch):
     """On the GPU: a CUDA cu_seqlens is read back once over repeated calls; a CPU one goes over through pinned
     memory; both give the output of a fresh tensor's call."""

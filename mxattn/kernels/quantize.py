@@ -2156,7 +2156,32 @@ class _ArgTemplate:
         return args
 
 
-class _ForwardOperandsPlan:
+class _TemplatedLaunches:
+    """The two ``_operands_kernel`` launches of a plan (``bound["first"]``, ``bound["second"]``), repeated from
+    argument templates (``_ArgTemplate``) once a call has made them."""
+
+    def _init_templates(self) -> None:
+        self.bound: dict = {}
+        self.templates = None  # the two launches' ``_ArgTemplate``s (``_template``)
+        self.tries = 0
+
+    def _template(self, args, srcs) -> None:
+        """Make the two launches' templates from a call's arguments (``_ArgTemplate.of``); after two calls that
+        could not (inputs sharing an address, an argument it does not know), ``False``: the plan keeps assembling."""
+        if self.templates is None and self.bound.get("first") is not None and self.bound.get("second") is not None:
+            t = [_ArgTemplate.of(a, srcs, (self.dummy,)) for a in args]
+            self.tries += 1
+            if all(t):
+                self.templates = t
+            elif self.tries >= 2:
+                self.templates = False
+
+    def _launch_templates(self, srcs) -> None:
+        for name, t in zip(("first", "second"), self.templates):
+            self.bound[name](*t.fill(srcs))
+
+
+class _ForwardOperandsPlan(_TemplatedLaunches):
     """``forward_operands_triton`` for one signature of (q, k, v): specs computed once, two launches per call."""
 
     def __init__(self, q4, k4, v4, rceil: bool, keep_kv: bool, group: int):
@@ -2189,20 +2214,7 @@ class _ForwardOperandsPlan:
                                      group=0, warps=warps)
         self.v_exp_spec = _v_exponents_spec(v4, None, from_mx=False, rceil=rceil, warps=warps)
         self.dummy = q4.new_empty(4, dtype=torch.uint8)
-        self.bound: dict = {}
-        self.templates = None  # the two launches' ``_ArgTemplate``s (``_template``)
-        self.tries = 0
-
-    def _template(self, args, srcs) -> None:
-        """Make the two launches' templates from a call's arguments (``_ArgTemplate.of``); after two calls that
-        could not (inputs sharing an address, an argument it does not know), ``False``: the plan keeps assembling."""
-        if self.templates is None and self.bound.get("first") is not None and self.bound.get("second") is not None:
-            t = [_ArgTemplate.of(a, srcs, (self.dummy,)) for a in args]
-            self.tries += 1
-            if all(t):
-                self.templates = t
-            elif self.tries >= 2:
-                self.templates = False
+        self._init_templates()
 
     def __call__(self, q4, k4, v4):
         (B, Sq, Hq, D), (_, Sk, Hkv, _) = self.shapes
@@ -2220,8 +2232,7 @@ class _ForwardOperandsPlan:
         if not self.keep_kv:
             srcs = (q4, k4, v4, qd, qe, vexp, kd, ke, vcd)
             if self.templates:
-                for name, t in zip(("first", "second"), self.templates):
-                    self.bound[name](*t.fill(srcs))
+                self._launch_templates(srcs)
             else:
                 q_job = _quant_slot(self.q_spec, q4, qd, qe, None, None, dummy)
                 k_job = _quant_slot(self.k_spec, k4, kd, ke, None, None, dummy)
@@ -2238,8 +2249,7 @@ class _ForwardOperandsPlan:
         ve = torch.empty(B, cdiv(Sk, G), Hkv, 1, dtype=i32, device=dev)
         srcs = (q4, k4, v4, qd, qe, vexp, kexp_s, kd, ke, vcd, kcd, vd, ve)
         if self.templates:
-            for name, t in zip(("first", "second"), self.templates):
-                self.bound[name](*t.fill(srcs))
+            self._launch_templates(srcs)
         else:
             q_job = _quant_slot(self.q_spec, q4, qd, qe, None, None, dummy)
             args = (_operands_launch(self.bound, "first", [q_job], [_exp_slot(self.k_exp_spec, k4, kexp_s),
@@ -2256,7 +2266,7 @@ class _ForwardOperandsPlan:
         return _trusted_row_scaled(qd.view(f8), qe, 3), kr, vr, (kr, k_seq, v_hdim)
 
 
-class _BothPairPlan:
+class _BothPairPlan(_TemplatedLaunches):
     """``row_scaled_triton_both_pair`` for one signature: two launches per call."""
 
     def __init__(self, x4, y4, rceil: bool, group: int):
@@ -2269,24 +2279,29 @@ class _BothPairPlan:
         self.specs = [(_v_exponents_spec(t, None, from_mx=False, rceil=rceil), _quantize_spec(t, self.s_pad, **both))
                       for t in (x4, y4)]
         self.dummy = x4.new_empty(4, dtype=torch.uint8)
-        self.bound: dict = {}
+        self._init_templates()
 
     def __call__(self, x4, y4):
         B, S, H, D = self.shape
         dev, G, i32, u8 = self.dev, self.group, torch.int32, torch.uint8
-        exps = torch.full((2, B, 1, H, D), _NO_EXP_HOST, dtype=i32, device=dev).unbind(0)  # one fill for both
-        exp_jobs = [_exp_slot(es, t, e) for (es, _), t, e in zip(self.specs, (x4, y4), exps)]
-        _operands_launch(self.bound, "first", [], exp_jobs, D, self.rceil, self.soft, self.dummy)
-        outs, jobs = [], []
-        for (_, qs), t, e in zip(self.specs, (x4, y4), exps):
-            hd = torch.empty(B, S, H, D, dtype=u8, device=dev)
-            he = torch.empty(B, cdiv(S, G), H, 1, dtype=i32, device=dev)
-            cd = torch.empty(B, H, D, self.s_pad, dtype=u8, device=dev)
-            jobs.append(_quant_slot(qs, t, hd, he, cd, e, self.dummy))
-            outs.append((_trusted_row_scaled(hd.view(torch.float8_e4m3fn), he, 3, 1, G),
-                         _trusted_row_scaled(_seq_view(cd, S, False), e, 1)))
-        _operands_launch(self.bound, "second", jobs, [], D, self.rceil, self.soft, self.dummy)
-        return outs[0], outs[1]
+        ex, ey = torch.full((2, B, 1, H, D), _NO_EXP_HOST, dtype=i32, device=dev).unbind(0)  # one fill for both
+        xd, yd = (torch.empty(B, S, H, D, dtype=u8, device=dev) for _ in range(2))
+        xe, ye = (torch.empty(B, cdiv(S, G), H, 1, dtype=i32, device=dev) for _ in range(2))
+        xc, yc = (torch.empty(B, H, D, self.s_pad, dtype=u8, device=dev) for _ in range(2))
+        srcs = (x4, y4, ex, ey, xd, yd, xe, ye, xc, yc)
+        if self.templates:
+            self._launch_templates(srcs)
+        else:
+            (xs, xq), (ys, yq) = self.specs
+            args = (_operands_launch(self.bound, "first", [], [_exp_slot(xs, x4, ex), _exp_slot(ys, y4, ey)], D,
+                                     self.rceil, self.soft, self.dummy),
+                    _operands_launch(self.bound, "second", [_quant_slot(xq, x4, xd, xe, xc, ex, self.dummy),
+                                                            _quant_slot(yq, y4, yd, ye, yc, ey, self.dummy)], [],
+                                     D, self.rceil, self.soft, self.dummy))
+            self._template(args, srcs)
+        f8 = torch.float8_e4m3fn
+        return ((_trusted_row_scaled(xd.view(f8), xe, 3, 1, G), _trusted_row_scaled(_seq_view(xc, S, False), ex, 1)),
+                (_trusted_row_scaled(yd.view(f8), ye, 3, 1, G), _trusted_row_scaled(_seq_view(yc, S, False), ey, 1)))
 
 
 def row_scaled_triton_both_pair(x: torch.Tensor, y: torch.Tensor, scale_mode: Union[str, ScaleMode] = "rceil",
@@ -2295,8 +2310,7 @@ def row_scaled_triton_both_pair(x: torch.Tensor, y: torch.Tensor, scale_mode: Un
     dtype (the backward's q and dO) in two launches instead of four, bit for bit."""
     key = None
     if type(x) is _Tensor and type(y) is _Tensor and type(k_group) is int and not TILE_OVERRIDES and _launch.PLANS:
-        key = ("pair", x.shape, x.stride(), y.shape, y.stride(), x.dtype, y.dtype, x.device, y.device,
-               _current_device(x), scale_mode, k_group, x.data_ptr() & 15, y.data_ptr() & 15, _knobs())
+        key = _pair_key(x, y, scale_mode, k_group)
         plan = _PLANS.get(key)
         if plan is not None:
             return plan(*(t if t.stride(3) == 1 else t.contiguous() for t in (x, y)))
@@ -2315,6 +2329,19 @@ def row_scaled_triton_both_pair(x: torch.Tensor, y: torch.Tensor, scale_mode: Un
             _PLANS.clear()
         _PLANS[key] = plan
     return plan(x4, y4)
+
+
+def _pair_key(x, y, scale_mode, k_group) -> tuple:
+    return ("pair", x.shape, x.stride(), y.shape, y.stride(), x.dtype, y.dtype, x.device, y.device,
+            _current_device(x), scale_mode, k_group, x.data_ptr() & 15, y.data_ptr() & 15, _knobs())
+
+
+def both_pair_plan(x: torch.Tensor, y: torch.Tensor, scale_mode, k_group: int):
+    """The plan a call of ``row_scaled_triton_both_pair`` with these arguments made, callable as ``plan(x, y)``;
+    None if none was made or where the call would copy an input (for ``interface``'s backward call plans)."""
+    if x.stride(3) != 1 or y.stride(3) != 1 or TILE_OVERRIDES or not _launch.PLANS:
+        return None
+    return _PLANS.get(_pair_key(x, y, scale_mode, k_group))
 
 
 def forward_operands_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale_mode, k_group: int,
