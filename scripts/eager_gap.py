@@ -69,7 +69,7 @@ def measure(shape: speed.Shape, dev: torch.device) -> list[dict]:
             before = _alloc_stats()
             host = _host_us(fn, n)
             after = _alloc_stats()
-            row = dict(shape.as_row(), method=name, what=what, copies=n,
+            row = dict(shape.as_row(), method=name, direction=what, copies=n,
                        event_us=speed.time_ms(fn, n, dev) * 1e3, host_us=host, sync_probe_us=_sync_us(fn, n),
                        **{k: after[k] - before[k] for k in before})
             row["syncs"] = row["sync_probe_us"] > 0.5 * SLEEP_CYCLES / 2e3  # half the sleep, in us at ~2 GHz
