@@ -643,10 +643,9 @@ def _row_group(t: RowScaledFP8, name: str) -> int:
 
 def _hdim_view(data: torch.Tensor, name: str) -> torch.Tensor:
     """(B, S, H, D) data usable as a 2-D (B*S, H*D) TMA view (contiguous copy otherwise)."""
-    B, S, H, D = data.shape
-    if data.stride(3) != 1 or data.stride(2) != D or data.stride(1) != H * D or data.stride(0) != S * H * D:
+    if not data.is_contiguous():  # (one C call: the rows of the 2-D view are H*D apart, what TMA reads)
         data = data.contiguous()
-    if data.data_ptr() % 16 or (H * D) % 16:
+    if data.data_ptr() % 16 or (data.shape[2] * data.shape[3]) % 16:
         raise ValueError(f"{name}: data must be 16-byte aligned for TMA")
     return data
 
