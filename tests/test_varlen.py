@@ -26,6 +26,7 @@ from mxattn.interface import mxfp8_attn_func, mxfp8_attn_varlen_func
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 MARGIN_DB = 0.5
 BF16_FLOOR = 2.0**-8
+SEQ_FLOOR = 2.0**-6  # per-sequence checks (_check_varlen): room for one P rounding flip
 U8 = torch.uint8
 
 
@@ -238,10 +239,10 @@ def _lse_tolerance(q, k, cu_q, cu_k, softmax_scale) -> torch.Tensor:
     return math.log1p(2.0**-4) + 2.0**-12 * scale * tol
 
 
-def _within_bound(out, truth, emul, what, factor=10 ** (MARGIN_DB / 20)):
+def _within_bound(out, truth, emul, what, factor=10 ** (MARGIN_DB / 20), floor=BF16_FLOOR):
     err_k = (out - truth).norm().item()
     err_e = (emul - truth).norm().item()
-    bound = err_e * factor + BF16_FLOOR * truth.norm().item()
+    bound = err_e * factor + floor * truth.norm().item()
     if err_k > bound:
         i = (out - truth).abs().argmax().item()
         raise AssertionError(
@@ -266,10 +267,14 @@ def _check_varlen(q, k, v, cu_q, cu_k, causal, softmax_scale=None, max_q=None, m
     _within_bound(out, truth, emul, "whole batch")
     # every sequence too (a misplaced offset or exponent shows as an O(1) error there), with FlashAttention's 2x rule:
     # a sequence of a few rows has too few rounding errors for the 0.5 dB margin to hold every time (measured worst
-    # ratio to the 0.5 dB bound over 6 seeds: 0.86, for a 1-row sequence)
+    # ratio to the 0.5 dB bound over 6 seeds: 0.86, for a 1-row sequence).  Its floor allows one P element rounded to
+    # the other side of an e4m3 boundary than the emulation's (the kernel's exp2 is approximate; a 2^-3 step on the
+    # dominant weight of a 1-row sequence moved its output by 2^-7.9 of its norm, past 2^-8, in a CI run of session
+    # 22: seed 1555420302, "6seq-h4/2-d64-c", sequence 4); an O(1) error still fails it by far
     for b, s in enumerate(_seq_slices(cu_q)):
         if s.stop > s.start:
-            _within_bound(out[s], truth[s], emul[s], f"sequence {b} (len_q {s.stop - s.start}, len_k {lk[b]})", 2.0)
+            _within_bound(out[s], truth[s], emul[s], f"sequence {b} (len_q {s.stop - s.start}, len_k {lk[b]})", 2.0,
+                          floor=SEQ_FLOOR)
     finite = torch.isfinite(truth_lse)
     assert torch.equal(torch.isinf(lse), ~finite), "lse must be -inf exactly on rows with nothing to attend"
     if finite.any():
