@@ -385,10 +385,10 @@ def _call_key(q, k, v, causal, scale, scale_mode, backend, keep_kv):
     gluon = sys.modules.get("mxattn.kernels.attn_fwd_gluon")
     env = os.environ
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
-            k.device, v.device, launch.current_device() if q.is_cuda else -1, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15,
-            causal, scale, scale_mode, backend, keep_kv, env.get("MXATTN_FWD_KERNEL"),
-            env.get("MXATTN_FUSED_OPERANDS_MAX"), GLUON_MIN_SEQ, GLUON_MIN_SEQ_NONCAUSAL, quantize._knobs(),
-            attn_fwd.EXP2_FMA_DEFAULT, gluon and (gluon.PERSISTENT_DEFAULT, gluon.MASK_DEFAULT))
+            k.device, v.device, launch.current_device() if q.is_cuda else -1, q.data_ptr() & 15,
+            k.data_ptr() & 15, v.data_ptr() & 15, causal, scale, scale_mode, backend, keep_kv,
+            env.get("MXATTN_FWD_KERNEL"), env.get("MXATTN_FUSED_OPERANDS_MAX"), GLUON_MIN_SEQ, GLUON_MIN_SEQ_NONCAUSAL,
+            quantize._knobs(), attn_fwd.EXP2_FMA_DEFAULT, gluon and (gluon.PERSISTENT_DEFAULT, gluon.MASK_DEFAULT))
 
 
 class _ForwardCall:
@@ -559,18 +559,16 @@ class _BackwardCall:
     """One signature's eager CUDA backward as its first call ran it: the Q / dO pair's plan, then the Gluon
     backward's."""
 
-    __slots__ = ("pair", "plan")
+    __slots__ = ("pair", "run", "plan")
 
-    def __init__(self, pair, plan):
-        self.pair, self.plan = pair, plan
+    def __init__(self, pair, run, plan):
+        self.pair, self.run, self.plan = pair, run, plan  # run: ``attn_bwd._run_gluon_plan``
 
     def __call__(self, dout, q, out, lse, kv):
-        from mxattn.kernels.attn_bwd import _run_gluon_plan
-
         dout = dout.contiguous()  # (as ``_bwd_impl``; the key holds the given dO's strides)
         (qr, q_seq), (doh, dos) = self.pair(q, dout)
         kr, k_seq, v_hdim = kv
-        return _run_gluon_plan(self.plan, qr, kr, v_hdim, q_seq, k_seq, out, dout, lse, doh, dos, False)
+        return self.run(self.plan, qr, kr, v_hdim, q_seq, k_seq, out, dout, lse, doh, dos, False)
 
 
 def _make_bwd_call_plan(q, dout, out, lse, kv, operands, causal, scale, scale_mode, deterministic, grad_dtype):
@@ -590,7 +588,7 @@ def _make_bwd_call_plan(q, dout, out, lse, kv, operands, causal, scale, scale_mo
     key = attn_bwd._gluon_plan_key(qr, kr, v_hdim, q_seq, k_seq, out, dout, lse, doh, dos, causal, scale,
                                    deterministic, grad_dtype, False)
     plan = attn_bwd._GLUON_PLANS.get(key) if key is not None else None
-    return None if plan is None else _BackwardCall(pair, plan)
+    return None if plan is None else _BackwardCall(pair, attn_bwd._run_gluon_plan, plan)
 
 
 @torch.library.custom_op("mxattn::attn_bwd", mutates_args=())

@@ -21,7 +21,7 @@ class _FakeKernel:
         self.launches = []
 
     def __getitem__(self, grid):
-        return lambda *args: self.launches.append((grid, args))
+        return lambda *args, stream=None: self.launches.append((grid, args))  # (Triton's runner signature)
 
 
 class _FakeJit:
@@ -324,7 +324,7 @@ def test_spec_table_launches_tritons_kernel_for_random_calls(monkeypatch):
 
     fl = _spec_launcher(monkeypatch)
     log = []  # (kernel, arguments) in launch order, over all kernels
-    monkeypatch.setattr(_FakeKernel, "__getitem__", lambda k, grid: lambda *a: log.append((k, a)))
+    monkeypatch.setattr(_FakeKernel, "__getitem__", lambda k, grid: lambda *a, stream=None: log.append((k, a)))
     rng = random.Random(1234)
     base = torch.zeros(256)
     ints = [1, 2, 15, 16, 17, 31, 32, 48, 1000, 4096, 2**31 - 16, 2**31, 2**33 + 5]

@@ -68,12 +68,10 @@ def current_device() -> int:
     return _raw_device()
 
 
-def _stream_kw() -> dict:
-    """The current stream as a compiled kernel's runner takes it (``stream=``), or {} to let the runner ask: the
-    runner's own lookup goes through ``torch.cuda.current_device()`` on every launch."""
-    if _raw_stream is None:
-        return {}
-    return {"stream": _raw_stream(_raw_device())}
+def current_stream():
+    """The current stream's handle as a compiled kernel's runner takes it (``stream=``), or None (CPU-only builds) to
+    let the runner ask: the runner's own lookup goes through ``torch.cuda.current_device()`` on every launch."""
+    return None if _raw_stream is None else _raw_stream(_raw_device())
 
 
 try:  # the Gluon host-side TMA descriptor (triton >= 3.5)
@@ -221,7 +219,8 @@ class FastLauncher:
                 raise RuntimeError(f"fast launch of {getattr(self.jit_fn, '__name__', self.jit_fn)}: key {key} maps "
                                    "to another kernel than Triton's own dispatch")
         self.hits += 1
-        kernel[g + (1,) * (3 - len(g))](*args, *[kwargs.get(name, default) for name, default in rest], **_stream_kw())
+        kernel[g + (1,) * (3 - len(g))](*args, *[kwargs.get(name, default) for name, default in rest],
+                                         stream=current_stream())
 
 
 class BoundLaunch:
@@ -274,7 +273,7 @@ class BoundLaunch:
                 raise RuntimeError(f"bound launch of {getattr(self.launcher.jit_fn, '__name__', '?')}: these "
                                    "arguments key another kernel than the one bound (a plan key misses something)")
         self.launcher.hits += 1
-        self.runner(*args, *self.rest, **_stream_kw())
+        self.runner(*args, *self.rest, stream=current_stream())
 
 
 def rebased(desc, base):
