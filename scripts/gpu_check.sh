@@ -78,6 +78,7 @@
 #              session 20: its tests include the query- / key-permuted boxes' bit-identity tests (q_perm, k_perm, on
 #              by default) and its timing rows the 2-D builds (dkdv_2d_ms, dq_2d_ms)
 #   bwdpersistent  session 20: the persistent dK/dV kernel (opt-in): builds, bit-identity tests, timing
+#   dqslots    session 23: the dQ kernel with its dS tile maximum through per-warp slots: bit-identity tests, timing
 #   bwdbase    session 20: a base tree's backward kernels (BWD_BASE, default _s19base) against this tree's, in turns
 #   outrows    session 19: the Gluon forward's row-wise output store: compile check, GPU tests, timing probe, bench
 #   exp2fma    the forward kernels with part of their exp2 on the FMA pipe (exp2_fma of GluonFwdConfig / FwdConfig,
@@ -581,6 +582,13 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
       done
       wait
       for p in 0 1 3 4; do MXATTN_DQ_PROBE=$p run $PY scripts/probe_fused_dq.py "$OUT/dq_probe.jsonl"; done ;;
+    dqslots)
+      # session 23: the dQ kernel's dS tile maximum through per-warp slots (GluonDqConfig.amax_slots): its
+      # bit-identity tests (the smallest case first, a barrier bug hangs rather than fails), then off / on in turns
+      T=120 run $PY -m pytest -m gpu -q -x -rfE -p no:cacheprovider tests/test_attn_bwd_dq_gluon.py \
+        -k "amax_slots and 129" 2>&1 | tail -3
+      run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_bwd_dq_gluon.py -k amax_slots 2>&1 | tail -5
+      run $PY scripts/bench_dq_variants.py "$OUT" ;;
     fuseddqbench)  # the fuseddq stage's bench alone (its tests elsewhere in the call)
       run $PY scripts/bench_fused_dq.py "$OUT" ${FUSED_DQ_SHAPES:-} ;;
     varlenbwd|varlenbwdtime)

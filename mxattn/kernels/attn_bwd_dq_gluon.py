@@ -141,6 +141,8 @@ if _OUT_ROWS_ENV not in ("auto", "0", "1"):
     raise ValueError(f"MXATTN_BWD_OUT_ROWS must be auto, 0 or 1, got {_OUT_ROWS_ENV!r}")
 OUT_ROWS = gl.constexpr(_OUT_ROWS_ENV != "0")  # dQ
 OUT_ROWS_DKDV = gl.constexpr({"auto": 128, "1": 64, "0": 0}[_OUT_ROWS_ENV])  # dK/dV: rows from this query step up
+# GluonDqConfig.amax_slots's default, read once at import (MXATTN_DQ_AMAX_SLOTS=0 / 1)
+_AMAX_SLOTS = os.environ.get("MXATTN_DQ_AMAX_SLOTS", "0") == "1"
 ROW_GROUP = 128  # q / dout_hdim rows per exponent must be a multiple of this (one scalar per 128-row tile)
 
 
@@ -166,6 +168,9 @@ class GluonDqConfig:
     # shuffles or byte permutes: ~33 of the 400 instructions of a d128 step).  The same values in the same places:
     # bit-identical to False (the jagged launcher keeps the 2-D boxes)
     k_perm: bool = True
+    # the dS tile's maximum through one shared fp32 slot per warp and one barrier (``_tile_amax``), instead of the
+    # compiler's cross-warp reduction (three barriers a step); the same maximum, so bit-identical to False
+    amax_slots: bool = _AMAX_SLOTS
 
     def __post_init__(self):
         if type(self.block_n) is not int or self.block_n not in BLOCK_NS:
@@ -244,8 +249,9 @@ def _sticky_exp(e_tile, e_prev):
 
 
 @gluon.jit
-def _ds_tile(s, dp, a_q, ke, ve, b_row, delta, dscale, e_prev, e_hi, offs_m, n0, Sk, causal_off,
-             MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, K_PERM: gl.constexpr):
+def _ds_tile(s, dp, a_q, ke, ve, b_row, delta, dscale, e_prev, e_hi, offs_m, n0, Sk, causal_off, slots,
+             MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, K_PERM: gl.constexpr,
+             WARPS: gl.constexpr, AMAX_SLOTS: gl.constexpr):
     """dS of one (rows x BLOCK_N) tile from the raw S and dP accumulators -> (dS·2^-e in fp32, e).
 
     Same arithmetic as attn_bwd._dq_step: x = S·(a_q·2^ke) + b_row (−inf where masked), P = 2^x, dS = P·(dP·c − δ)
@@ -264,25 +270,44 @@ def _ds_tile(s, dp, a_q, ke, ve, b_row, delta, dscale, e_prev, e_hi, offs_m, n0,
         x = gl.where(keep, x, float("-inf"))
     p = gl.exp2(x)  # P * 256, 0 where masked or where the row sees nothing
     ds = p * gl.fma(dp, dscale * _pow2(ve), -gl.expand_dims(delta, 1))  # 256 * dS
-    amax = gl.max(gl.max(gl.abs(ds), 1), 0)
+    amax = _tile_amax(ds, slots, WARPS, AMAX_SLOTS)
     e = gl.maximum(_sticky_exp(_rceil_exp(amax, e_prev), e_prev), e_hi - 64)  # _bounded_exp(_sticky_exp(...))
     return ds * _pow2(-e), e
 
 
 @gluon.jit
+def _tile_amax(ds, slots, WARPS: gl.constexpr, AMAX_SLOTS: gl.constexpr):
+    """max |ds| over the whole tile (all warps of the partition).  AMAX_SLOTS: each warp's maximum (quad shuffles,
+    then the warp's rows: a reshape that keeps the warp dimension) goes to its fp32 slot in ``slots``, one barrier,
+    then every thread reads the WARPS slots; otherwise the compiler's reduction across warps (two barriers through
+    its scratch, and one before its first store).  The same maximum either way."""
+    if AMAX_SLOTS:
+        ROWS: gl.constexpr = ds.shape[0]
+        row_max = gl.max(gl.abs(ds), 1)
+        warp_max = gl.max(gl.reshape(row_max, [WARPS, ROWS // WARPS]), 1)
+        slots.store(warp_max)
+        gl.thread_barrier()
+        amax = gl.max(slots.load(gl.BlockedLayout([WARPS], [32], [WARPS], [0])), 0)
+    else:
+        amax = gl.max(gl.max(gl.abs(ds), 1), 0)
+    return amax
+
+
+@gluon.jit
 def _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, e_prev, e_hi, offs_m, n0, masked,
-             Sk, causal_off, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, K_PERM: gl.constexpr):
+             Sk, causal_off, slots, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, K_PERM: gl.constexpr,
+             WARPS: gl.constexpr, AMAX_SLOTS: gl.constexpr):
     """One tile's dS with the masked / unmasked choice made at run time (the branches join fp32 values only).  The
     k / v exponent of keys n0 .. n0 + BLOCK_N − 1: one group of 128 keys (two 64-key steps share it, or one
     128-key step has it alone)."""
     ke = gl.load(KE + (n0 // KV_EXP_GROUP) * stride_ket)
     ve = gl.load(VE + (n0 // KV_EXP_GROUP) * stride_vet)
     if masked:
-        ds, e = _ds_tile(s, dp, a_q, ke, ve, b_row, delta, dscale, e_prev, e_hi, offs_m, n0, Sk, causal_off,
-                         True, CAUSAL, BLOCK_N, K_PERM)
+        ds, e = _ds_tile(s, dp, a_q, ke, ve, b_row, delta, dscale, e_prev, e_hi, offs_m, n0, Sk, causal_off, slots,
+                         True, CAUSAL, BLOCK_N, K_PERM, WARPS, AMAX_SLOTS)
     else:
-        ds, e = _ds_tile(s, dp, a_q, ke, ve, b_row, delta, dscale, e_prev, e_hi, offs_m, n0, Sk, causal_off,
-                         False, CAUSAL, BLOCK_N, K_PERM)
+        ds, e = _ds_tile(s, dp, a_q, ke, ve, b_row, delta, dscale, e_prev, e_hi, offs_m, n0, Sk, causal_off, slots,
+                         False, CAUSAL, BLOCK_N, K_PERM, WARPS, AMAX_SLOTS)
     return ds, e
 
 
@@ -407,8 +432,9 @@ def _producer_split(q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k
 @gluon.jit
 def _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
              KE, VE, stride_ket, stride_vet, acc, a_q, b_row, delta, dscale, offs_m, Sk, causal_off, n_tiles, n_full,
-             STAGES: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr, ds_layout: gl.constexpr,
-             ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, K_PERM: gl.constexpr):
+             slots, STAGES: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr, ds_layout: gl.constexpr,
+             ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, K_PERM: gl.constexpr,
+             WARPS: gl.constexpr, AMAX_SLOTS: gl.constexpr):
     """The key loop (n_tiles >= 1).  Returns (acc, its exponent).  K_PERM: S and dP column c holds key sigma(c)
     (``attn_fwd_gluon._key_of_column``), and dS reaches dQ's A operand by a relabel (``_ds_operand``)."""
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
@@ -423,7 +449,7 @@ def _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_re
     acc_e = 0
     e_hi = -1000  # no bound until the accumulator holds something
     ds, e = _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, acc_e, e_hi, offs_m, 0,
-                     n_full == 0, Sk, causal_off, CAUSAL, BLOCK_N, K_PERM)
+                     n_full == 0, Sk, causal_off, slots, CAUSAL, BLOCK_N, K_PERM, WARPS, AMAX_SLOTS)
     e_hi = gl.maximum(e_hi, e)
     for j in range(1, n_tiles):
         st = j % STAGES
@@ -441,7 +467,8 @@ def _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_re
         s, dp = warpgroup_mma_wait(num_outstanding=1, deps=(s, dp))  # S_j, dP_j; dS_{j-1} K_seq_{j-1} runs on
         mbarrier.arrive(kv_empty.index(st), count=1)
         ds, e = _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, acc_e, e_hi, offs_m,
-                         j * BLOCK_N, j >= n_full, Sk, causal_off, CAUSAL, BLOCK_N, K_PERM)
+                         j * BLOCK_N, j >= n_full, Sk, causal_off, slots, CAUSAL, BLOCK_N, K_PERM, WARPS,
+                         AMAX_SLOTS)
         e_hi = gl.maximum(e_hi, e)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(ks_empty.index(sp), count=1)
@@ -462,7 +489,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empt
               stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
               start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
-              WARPS: gl.constexpr, BLOCK_N: gl.constexpr, K_PERM: gl.constexpr):
+              WARPS: gl.constexpr, BLOCK_N: gl.constexpr, K_PERM: gl.constexpr, AMAX_SLOTS: gl.constexpr):
     """ROWS query rows start_m .. start_m + ROWS − 1 of one (b, h): 128 on 8 warps (the CTA's rows), or 64 on one
     warpgroup (split); q_smem / do_smem their Q and dO tiles.  Pointers already moved to (b, h) / (b, hk) and, for
     QE / DOE, to the row group of start_m.  The dS exponent is one per (ROWS x BLOCK_N) tile.
@@ -486,14 +513,18 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empt
     a_q = qk_scale * _pow2(gl.load(QE))  # the tile's rows share one exponent group
     dscale = _pow2(gl.load(DOE))
 
+    if AMAX_SLOTS:  # one fp32 per warp: the dS tile's partial maxima (``_tile_amax``)
+        slots = gl.allocate_shared_memory(gl.float32, [WARPS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    else:
+        slots = None
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
     acc_e = 0
     mbarrier.wait(q_bar, 0)
     if n_tiles > 0:
         acc, acc_e = _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
                               KE, VE, stride_ket, stride_vet, acc, a_q, b_row, delta, dscale, offs_m, Sk,
-                              causal_off, n_tiles, n_full, STAGES, CAUSAL, s_layout, ds_layout, ROWS, BLOCK_N,
-                              HEAD_DIM, K_PERM)
+                              causal_off, n_tiles, n_full, slots, STAGES, CAUSAL, s_layout, ds_layout, ROWS,
+                              BLOCK_N, HEAD_DIM, K_PERM, WARPS, AMAX_SLOTS)
 
     # ---- epilogue: dq = acc * 2^acc_e * 2^kse[d] * scale * 2^-8
     offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
@@ -526,6 +557,7 @@ def _attn_bwd_dq_ws_kernel(
     SLOTS=None,  # jagged: the (rows, SLOT_COLS) int32 tile table of kernels/bwd_varlen_tiles.py (None: dense)
     VARLEN: gl.constexpr = False,
     K_PERM: gl.constexpr = False,  # K and V_hdim through the 5-D key-permuted boxes (dense, Sk % 16 == 0)
+    AMAX_SLOTS: gl.constexpr = False,  # the dS tile's maximum through per-warp slots (GluonDqConfig.amax_slots)
 ):
     """Dense: grid (cdiv(Sq, 128), B * Hq).  Jagged (VARLEN): grid (table rows, Hq); CTA (r, h) computes the query
     tile of row r of SLOTS (heaviest first) for query head h, on packed operands: q / dout_hdim (Tq, Hq, D) and k /
@@ -600,12 +632,12 @@ def _attn_bwd_dq_ws_kernel(
                          ks_ready, ks_empty, QE_t, DOE_t, KE_bh, VE_bh, KSE_bh, LSE_bh, DELTA_bh, DQ_bh,
                          stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
                          start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
-                         HEAD_DIM, STAGES, CAUSAL, 64, 4, BLOCK_N, K_PERM)),
+                         HEAD_DIM, STAGES, CAUSAL, 64, 4, BLOCK_N, K_PERM, AMAX_SLOTS)),
             (_consumer, (q_smem.index(1), do_smem.index(1), k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empty,
                          ks_ready, ks_empty, QE_t, DOE_t, KE_bh, VE_bh, KSE_bh, LSE_bh, DELTA_bh, DQ_bh,
                          stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
                          start_m + WG_ROWS, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
-                         HEAD_DIM, STAGES, CAUSAL, 64, 4, BLOCK_N, K_PERM)),
+                         HEAD_DIM, STAGES, CAUSAL, 64, 4, BLOCK_N, K_PERM, AMAX_SLOTS)),
             (_producer_split, (q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
                                q_bar, kv_ready, kv_empty, ks_ready, ks_empty, q_row, h * HEAD_DIM,
                                k_row, hk * HEAD_DIM, ks_row, ks_col, n_tiles, STAGES, BLOCK_N, K_PERM)),
@@ -616,7 +648,7 @@ def _attn_bwd_dq_ws_kernel(
                          QE_t, DOE_t, KE_bh, VE_bh, KSE_bh, LSE_bh, DELTA_bh, DQ_bh,
                          stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
                          start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
-                         HEAD_DIM, STAGES, CAUSAL, 128, 8, BLOCK_N, K_PERM)),
+                         HEAD_DIM, STAGES, CAUSAL, 128, 8, BLOCK_N, K_PERM, AMAX_SLOTS)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
                          q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
                          q_row, h * HEAD_DIM, k_row, hk * HEAD_DIM, ks_row, ks_col, n_tiles,
@@ -813,7 +845,7 @@ def attn_bwd_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, k_
     )
     constexprs = dict(HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
                       SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, BLOCK_N=cfg.block_n, K_PERM=use_perm,
-                      num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
+                      AMAX_SLOTS=cfg.amax_slots, num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
     args = (*descs, qe, de, ke, ve, kse, lse, delta, dq, *scalars)
     if key is None:
         fast_launcher(_attn_bwd_dq_ws_kernel)[grid](*args, **constexprs)
@@ -986,11 +1018,11 @@ def attn_bwd_dq_gluon_varlen(q, k, v_hdim, k_seq, dout_hdim, lse: torch.Tensor, 
     scalars = (*grp(qe), *grp(de), *grp(ke), *grp(ve), *kse.stride(),
                0, *lse.stride(), 0, *delta.stride(), 0, *dq.stride(),
                Hq, Hkv, 0, 0, Hq // Hkv, ROW_GROUP, ROW_GROUP, scale * LOG2E, scale * 2.0**-P_SCALE_LOG2)
-    # HEAD_DIM .. BLOCK_N in signature order, then SLOTS and VARLEN
+    # HEAD_DIM .. BLOCK_N in signature order, then SLOTS, VARLEN, K_PERM (off: 2-D boxes) and AMAX_SLOTS
     consts = (D, cfg.stages, causal, cfg.producer_regs, cfg.split, cfg.consumer_regs, cfg.block_n)
     grid = (tile_rows_bound(Tq, q.batch, q.max_seqlen), Hq)
     options = dict(num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
-    args = (*descs, *tensors, *scalars, *consts, slots, True)
+    args = (*descs, *tensors, *scalars, *consts, slots, True, False, cfg.amax_slots)
     if key is None:
         fast_launcher(_attn_bwd_dq_ws_kernel)[grid](*args, **options)
         return dq
