@@ -2,9 +2,10 @@
 
     PYTHONPATH=. python3 scripts/bench_dq_variants.py OUTDIR [--turns N] [--rep-ms MS]
 
-The API's build (split, 64-key step at d128, 128-key at d64) with ``amax_slots`` off ("base") and on ("slots"),
-per shape: turns alternate base / slots, each turn a ``triton.testing.do_bench`` median; a row keeps every turn's
-ms, the medians over turns, ``speedup`` = base / slots and whether slots was faster in every turn.  Shapes: B2 H16
+The API's build (split, 64-key step at d128, 128-key at d64) as it is ("base") and with session 23's options:
+``amax_slots`` ("slots"), plus ``one_empty`` ("slots_one"), plus a 4-stage ring ("slots_one_st4").  Per shape the
+variants take turns, each turn a ``triton.testing.do_bench`` median; a row keeps every turn's ms, the medians over
+turns, ``speedup`` (base / variant) and whether the variant was faster than base in every turn.  Shapes: B2 H16
 d128 S 4k / 8k and d64 S 8k, both masks.  One JSON (``attn_bwd_kernels-…``) under OUTDIR.
 """
 from __future__ import annotations
@@ -40,9 +41,12 @@ def main() -> None:
         q, k, v, dout = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
         ops, _ = m.dq_operands(q, k, v, dout, causal)
         base = api_config(D)
-        cfgs = {"base": dataclasses.replace(base, amax_slots=False), "slots": dataclasses.replace(base, amax_slots=True)}
+        base = dataclasses.replace(base, amax_slots=False, one_empty=False)
+        cfgs = {"base": base, "slots": dataclasses.replace(base, amax_slots=True),
+                "slots_one": dataclasses.replace(base, amax_slots=True, one_empty=True),
+                "slots_one_st4": dataclasses.replace(base, amax_slots=True, one_empty=True, stages=4)}
         outs = {n: m.attn_bwd_dq_gluon(**ops, causal=causal, config=c) for n, c in cfgs.items()}
-        same = torch.equal(outs["base"].view(torch.int16), outs["slots"].view(torch.int16))
+        same = all(torch.equal(outs["base"].view(torch.int16), o.view(torch.int16)) for o in outs.values())
         ms = {n: [] for n in cfgs}
         for _ in range(args.turns):
             for n, c in cfgs.items():
@@ -52,12 +56,13 @@ def main() -> None:
         flops = 3 * 2 * B * H * S * S * D * (0.5 if causal else 1.0)
         row = {"B": B, "Hq": H, "Hkv": H, "S": S, "D": D, "causal": causal, "kernel": "dq", "bit_identical": same,
                "turns_ms": ms, "ms": med, "tflops": {n: flops / v / 1e9 for n, v in med.items()},
-               "speedup": med["base"] / med["slots"],
-               "slots_faster_every_turn": all(b > s for b, s in zip(ms["base"], ms["slots"]))}
-        print(f"B{B} H{H} S{S} d{D} causal={causal}: base {med['base']:.3f} ms, slots {med['slots']:.3f} ms, "
-              f"{row['speedup']:.3f}x, every turn {row['slots_faster_every_turn']}, bit-identical {same}", flush=True)
+               "speedup": {n: med["base"] / v for n, v in med.items()},
+               "faster_every_turn": {n: all(b > x for b, x in zip(ms["base"], v)) for n, v in ms.items()}}
+        print(f"B{B} H{H} S{S} d{D} causal={causal}: bit-identical {same}; "
+              + ", ".join(f"{n} {med[n]:.3f} ms {row['speedup'][n]:.3f}x{'*' if row['faster_every_turn'][n] else ''}"
+                          for n in cfgs), flush=True)
         rows.append(row)
-    print(write_result("attn_bwd_kernels", rows, args.out, extra={"variants": "dq amax_slots off (base) / on"}))
+    print(write_result("attn_bwd_kernels", rows, args.out, extra={"variants": "dq: base, amax_slots, + one_empty, + stages 4"}))
 
 
 if __name__ == "__main__":

@@ -61,7 +61,8 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None, spli
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs, SPLIT=split,
                   CONSUMER_REGS=cfg.consumer_regs, BLOCK_N=cfg.block_n, VARLEN=varlen,
                   # the jagged launcher keeps the 2-D boxes; a dense one takes the permuted boxes where Sk % 16 == 0
-                  K_PERM=cfg.k_perm and not varlen, AMAX_SLOTS=cfg.amax_slots)
+                  K_PERM=cfg.k_perm and not varlen, AMAX_SLOTS=cfg.amax_slots,
+                  ONE_EMPTY=cfg.one_empty)
     if varlen:
         ptrs["SLOTS"] = "*i32"
     else:

@@ -504,13 +504,17 @@ def test_attn_bwd_dq_gluon_k_perm_bit_identical(case, variant, seed):
 @pytest.mark.parametrize("variant", [dict(split=False), dict(split=True), dict(split=True, block_n=128),
                                      dict(split=True, k_perm=False)], ids=str)
 @pytest.mark.parametrize("case", K_PERM_CASES, ids=_case_id)
-def test_attn_bwd_dq_gluon_amax_slots_bit_identical(case, variant, seed):
+@pytest.mark.parametrize("one_empty", [False, True], ids=["", "one_empty"])
+def test_attn_bwd_dq_gluon_amax_slots_bit_identical(case, variant, one_empty, seed):
     """``amax_slots`` (the dS tile's maximum through one shared slot per warp) against the compiler's reduction
-    across warps: the same maximum, so the same exponents and dq bit for bit."""
+    across warps: the same maximum, so the same exponents and dq bit for bit; with ``one_empty`` (one release per
+    ring stage) as well: the same products on the same tiles."""
     if variant.get("block_n") == 128 and case[5] != 64:
         pytest.skip("block_n=128 is a d64 build")
-    m, dq, ops, _, _ = _gluon_case(case, lambda m: m.GluonDqConfig(**variant, amax_slots=True), seed)
-    want = m.attn_bwd_dq_gluon(**ops, causal=case[6], config=m.GluonDqConfig(**variant, amax_slots=False))
+    m, dq, ops, _, _ = _gluon_case(case, lambda m: m.GluonDqConfig(**variant, amax_slots=True, one_empty=one_empty),
+                                   seed)
+    want = m.attn_bwd_dq_gluon(**ops, causal=case[6],
+                               config=m.GluonDqConfig(**variant, amax_slots=False, one_empty=False))
     assert torch.equal(dq.view(torch.int16), want.view(torch.int16)), _case_id(case)
 
 

@@ -143,6 +143,7 @@ OUT_ROWS = gl.constexpr(_OUT_ROWS_ENV != "0")  # dQ
 OUT_ROWS_DKDV = gl.constexpr({"auto": 128, "1": 64, "0": 0}[_OUT_ROWS_ENV])  # dK/dV: rows from this query step up
 # GluonDqConfig.amax_slots's default, read once at import (MXATTN_DQ_AMAX_SLOTS=0 / 1)
 _AMAX_SLOTS = os.environ.get("MXATTN_DQ_AMAX_SLOTS", "0") == "1"
+_ONE_EMPTY = os.environ.get("MXATTN_DQ_ONE_EMPTY", "0") == "1"  # GluonDqConfig.one_empty's default
 ROW_GROUP = 128  # q / dout_hdim rows per exponent must be a multiple of this (one scalar per 128-row tile)
 
 
@@ -171,6 +172,10 @@ class GluonDqConfig:
     # the dS tile's maximum through one shared fp32 slot per warp and one barrier (``_tile_amax``), instead of the
     # compiler's cross-warp reduction (three barriers a step); the same maximum, so bit-identical to False
     amax_slots: bool = _AMAX_SLOTS
+    # one release per ring stage (``ks_empty``, after the stage's dQ product) for its K, V and K_seq tiles, instead
+    # of K / V's own release after S and dP: one mbarrier arrival (and the barrier before it) less a step; K / V
+    # stages are held one step longer.  Bit-identical to False
+    one_empty: bool = _ONE_EMPTY
 
     def __post_init__(self):
         if type(self.block_n) is not int or self.block_n not in BLOCK_NS:
@@ -378,15 +383,19 @@ def _tile_row(SLOTS):
 @gluon.jit
 def _producer_steps(k_desc, v_desc, ks_desc, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
                     k_row, k_col, ks_row, ks_col, n_tiles, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-                    K_PERM: gl.constexpr):
+                    K_PERM: gl.constexpr, ONE_EMPTY: gl.constexpr):
     """Per key tile: K and V_hdim (BLOCK_N x D; K_PERM: the 5-D key-permuted boxes, by 16-key group index) and
     K_seq (D x BLOCK_N, from column ks_col: 0 dense, the sequence's first column when jagged) into the STAGES-deep
-    rings."""
+    rings.  ONE_EMPTY: the consumers release a stage's three tiles at once (ks_empty, once its dQ product is in),
+    so K and V wait for ks_empty too."""
     for i in range(n_tiles):
         s = i % STAGES
         # a fresh mbarrier counts as having completed the phase before phase 0: the first pass does not wait
         ph = ((i // STAGES) & 1) ^ 1
-        mbarrier.wait(kv_empty.index(s), ph)
+        if ONE_EMPTY:
+            mbarrier.wait(ks_empty.index(s), ph)
+        else:
+            mbarrier.wait(kv_empty.index(s), ph)
         mbarrier.expect(kv_ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         if K_PERM:  # k_row = b * Sk, Sk % 16 == 0
             g = (k_row + i * BLOCK_N) // 16
@@ -397,7 +406,8 @@ def _producer_steps(k_desc, v_desc, ks_desc, k_smem, v_smem, ks_smem, kv_ready, 
                                             k_smem.index(s))
             tma.async_copy_global_to_shared(v_desc, [k_row + i * BLOCK_N, k_col], kv_ready.index(s),
                                             v_smem.index(s))
-        mbarrier.wait(ks_empty.index(s), ph)
+        if not ONE_EMPTY:
+            mbarrier.wait(ks_empty.index(s), ph)
         mbarrier.expect(ks_ready.index(s), ks_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(ks_desc, [ks_row, ks_col + i * BLOCK_N], ks_ready.index(s), ks_smem.index(s))
 
@@ -406,26 +416,26 @@ def _producer_steps(k_desc, v_desc, ks_desc, k_smem, v_smem, ks_smem, kv_ready, 
 def _producer(q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
               q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
               q_row, q_col, k_row, k_col, ks_row, ks_col, n_tiles,
-              STAGES: gl.constexpr, BLOCK_N: gl.constexpr, K_PERM: gl.constexpr):
+              STAGES: gl.constexpr, BLOCK_N: gl.constexpr, K_PERM: gl.constexpr, ONE_EMPTY: gl.constexpr):
     mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
     tma.async_copy_global_to_shared(do_desc, [q_row, q_col], q_bar, do_smem)
     _producer_steps(k_desc, v_desc, ks_desc, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
-                    k_row, k_col, ks_row, ks_col, n_tiles, STAGES, BLOCK_N, K_PERM)
+                    k_row, k_col, ks_row, ks_col, n_tiles, STAGES, BLOCK_N, K_PERM, ONE_EMPTY)
 
 
 @gluon.jit
 def _producer_split(q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
                     q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
                     q_row, q_col, k_row, k_col, ks_row, ks_col, n_tiles,
-                    STAGES: gl.constexpr, BLOCK_N: gl.constexpr, K_PERM: gl.constexpr):
+                    STAGES: gl.constexpr, BLOCK_N: gl.constexpr, K_PERM: gl.constexpr, ONE_EMPTY: gl.constexpr):
     """The split kernel's producer: a 64-row Q and dO tile per consumer warpgroup, then the same key tiles."""
     mbarrier.expect(q_bar, 2 * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
     for w in gl.static_range(2):
         tma.async_copy_global_to_shared(q_desc, [q_row + w * WG_ROWS, q_col], q_bar, q_smem.index(w))
         tma.async_copy_global_to_shared(do_desc, [q_row + w * WG_ROWS, q_col], q_bar, do_smem.index(w))
     _producer_steps(k_desc, v_desc, ks_desc, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
-                    k_row, k_col, ks_row, ks_col, n_tiles, STAGES, BLOCK_N, K_PERM)
+                    k_row, k_col, ks_row, ks_col, n_tiles, STAGES, BLOCK_N, K_PERM, ONE_EMPTY)
 
 
 # ------------------------------------------------------------------------------------------------- consumer
@@ -434,7 +444,7 @@ def _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_re
              KE, VE, stride_ket, stride_vet, acc, a_q, b_row, delta, dscale, offs_m, Sk, causal_off, n_tiles, n_full,
              slots, STAGES: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr, ds_layout: gl.constexpr,
              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, K_PERM: gl.constexpr,
-             WARPS: gl.constexpr, AMAX_SLOTS: gl.constexpr):
+             WARPS: gl.constexpr, AMAX_SLOTS: gl.constexpr, ONE_EMPTY: gl.constexpr):
     """The key loop (n_tiles >= 1).  Returns (acc, its exponent).  K_PERM: S and dP column c holds key sigma(c)
     (``attn_fwd_gluon._key_of_column``), and dS reaches dQ's A operand by a relabel (``_ds_operand``)."""
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
@@ -445,7 +455,8 @@ def _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_re
     dp = warpgroup_mma(do_smem, _k_operand(v_smem.index(0), BLOCK_N, HEAD_DIM, K_PERM), s_zero, use_acc=False,
                        is_async=True)
     s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
-    mbarrier.arrive(kv_empty.index(0), count=1)
+    if not ONE_EMPTY:
+        mbarrier.arrive(kv_empty.index(0), count=1)
     acc_e = 0
     e_hi = -1000  # no bound until the accumulator holds something
     ds, e = _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, acc_e, e_hi, offs_m, 0,
@@ -465,7 +476,8 @@ def _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_re
                            use_acc=False, is_async=True)
         acc = warpgroup_mma(ds8, ks_smem.index(sp).permute((1, 0)), acc, is_async=True)
         s, dp = warpgroup_mma_wait(num_outstanding=1, deps=(s, dp))  # S_j, dP_j; dS_{j-1} K_seq_{j-1} runs on
-        mbarrier.arrive(kv_empty.index(st), count=1)
+        if not ONE_EMPTY:
+            mbarrier.arrive(kv_empty.index(st), count=1)
         ds, e = _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, acc_e, e_hi, offs_m,
                          j * BLOCK_N, j >= n_full, Sk, causal_off, slots, CAUSAL, BLOCK_N, K_PERM, WARPS,
                          AMAX_SLOTS)
@@ -489,7 +501,8 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empt
               stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
               start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
-              WARPS: gl.constexpr, BLOCK_N: gl.constexpr, K_PERM: gl.constexpr, AMAX_SLOTS: gl.constexpr):
+              WARPS: gl.constexpr, BLOCK_N: gl.constexpr, K_PERM: gl.constexpr, AMAX_SLOTS: gl.constexpr,
+              ONE_EMPTY: gl.constexpr):
     """ROWS query rows start_m .. start_m + ROWS − 1 of one (b, h): 128 on 8 warps (the CTA's rows), or 64 on one
     warpgroup (split); q_smem / do_smem their Q and dO tiles.  Pointers already moved to (b, h) / (b, hk) and, for
     QE / DOE, to the row group of start_m.  The dS exponent is one per (ROWS x BLOCK_N) tile.
@@ -524,7 +537,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empt
         acc, acc_e = _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
                               KE, VE, stride_ket, stride_vet, acc, a_q, b_row, delta, dscale, offs_m, Sk,
                               causal_off, n_tiles, n_full, slots, STAGES, CAUSAL, s_layout, ds_layout, ROWS,
-                              BLOCK_N, HEAD_DIM, K_PERM, WARPS, AMAX_SLOTS)
+                              BLOCK_N, HEAD_DIM, K_PERM, WARPS, AMAX_SLOTS, ONE_EMPTY)
 
     # ---- epilogue: dq = acc * 2^acc_e * 2^kse[d] * scale * 2^-8
     offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
@@ -558,6 +571,7 @@ def _attn_bwd_dq_ws_kernel(
     VARLEN: gl.constexpr = False,
     K_PERM: gl.constexpr = False,  # K and V_hdim through the 5-D key-permuted boxes (dense, Sk % 16 == 0)
     AMAX_SLOTS: gl.constexpr = False,  # the dS tile's maximum through per-warp slots (GluonDqConfig.amax_slots)
+    ONE_EMPTY: gl.constexpr = False,  # one release per stage for K, V and K_seq (GluonDqConfig.one_empty)
 ):
     """Dense: grid (cdiv(Sq, 128), B * Hq).  Jagged (VARLEN): grid (table rows, Hq); CTA (r, h) computes the query
     tile of row r of SLOTS (heaviest first) for query head h, on packed operands: q / dout_hdim (Tq, Hq, D) and k /
@@ -632,15 +646,18 @@ def _attn_bwd_dq_ws_kernel(
                          ks_ready, ks_empty, QE_t, DOE_t, KE_bh, VE_bh, KSE_bh, LSE_bh, DELTA_bh, DQ_bh,
                          stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
                          start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
-                         HEAD_DIM, STAGES, CAUSAL, 64, 4, BLOCK_N, K_PERM, AMAX_SLOTS)),
+                         HEAD_DIM, STAGES, CAUSAL, 64, 4, BLOCK_N, K_PERM, AMAX_SLOTS,
+                         ONE_EMPTY)),
             (_consumer, (q_smem.index(1), do_smem.index(1), k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empty,
                          ks_ready, ks_empty, QE_t, DOE_t, KE_bh, VE_bh, KSE_bh, LSE_bh, DELTA_bh, DQ_bh,
                          stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
                          start_m + WG_ROWS, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
-                         HEAD_DIM, STAGES, CAUSAL, 64, 4, BLOCK_N, K_PERM, AMAX_SLOTS)),
+                         HEAD_DIM, STAGES, CAUSAL, 64, 4, BLOCK_N, K_PERM, AMAX_SLOTS,
+                         ONE_EMPTY)),
             (_producer_split, (q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
                                q_bar, kv_ready, kv_empty, ks_ready, ks_empty, q_row, h * HEAD_DIM,
-                               k_row, hk * HEAD_DIM, ks_row, ks_col, n_tiles, STAGES, BLOCK_N, K_PERM)),
+                               k_row, hk * HEAD_DIM, ks_row, ks_col, n_tiles, STAGES, BLOCK_N, K_PERM,
+                               ONE_EMPTY)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -648,11 +665,12 @@ def _attn_bwd_dq_ws_kernel(
                          QE_t, DOE_t, KE_bh, VE_bh, KSE_bh, LSE_bh, DELTA_bh, DQ_bh,
                          stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
                          start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
-                         HEAD_DIM, STAGES, CAUSAL, 128, 8, BLOCK_N, K_PERM, AMAX_SLOTS)),
+                         HEAD_DIM, STAGES, CAUSAL, 128, 8, BLOCK_N, K_PERM, AMAX_SLOTS,
+                         ONE_EMPTY)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
                          q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
                          q_row, h * HEAD_DIM, k_row, hk * HEAD_DIM, ks_row, ks_col, n_tiles,
-                         STAGES, BLOCK_N, K_PERM)),
+                         STAGES, BLOCK_N, K_PERM, ONE_EMPTY)),
         ], [1], [PRODUCER_REGS])
 
 
@@ -845,7 +863,7 @@ def attn_bwd_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, k_
     )
     constexprs = dict(HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
                       SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, BLOCK_N=cfg.block_n, K_PERM=use_perm,
-                      AMAX_SLOTS=cfg.amax_slots, num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
+                      AMAX_SLOTS=cfg.amax_slots, ONE_EMPTY=cfg.one_empty, num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
     args = (*descs, qe, de, ke, ve, kse, lse, delta, dq, *scalars)
     if key is None:
         fast_launcher(_attn_bwd_dq_ws_kernel)[grid](*args, **constexprs)
@@ -1018,11 +1036,11 @@ def attn_bwd_dq_gluon_varlen(q, k, v_hdim, k_seq, dout_hdim, lse: torch.Tensor, 
     scalars = (*grp(qe), *grp(de), *grp(ke), *grp(ve), *kse.stride(),
                0, *lse.stride(), 0, *delta.stride(), 0, *dq.stride(),
                Hq, Hkv, 0, 0, Hq // Hkv, ROW_GROUP, ROW_GROUP, scale * LOG2E, scale * 2.0**-P_SCALE_LOG2)
-    # HEAD_DIM .. BLOCK_N in signature order, then SLOTS, VARLEN, K_PERM (off: 2-D boxes) and AMAX_SLOTS
+    # HEAD_DIM .. BLOCK_N in signature order, then SLOTS, VARLEN, K_PERM (off: 2-D boxes), AMAX_SLOTS, ONE_EMPTY
     consts = (D, cfg.stages, causal, cfg.producer_regs, cfg.split, cfg.consumer_regs, cfg.block_n)
     grid = (tile_rows_bound(Tq, q.batch, q.max_seqlen), Hq)
     options = dict(num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
-    args = (*descs, *tensors, *scalars, *consts, slots, True, False, cfg.amax_slots)
+    args = (*descs, *tensors, *scalars, *consts, slots, True, False, cfg.amax_slots, cfg.one_empty)
     if key is None:
         fast_launcher(_attn_bwd_dq_ws_kernel)[grid](*args, **options)
         return dq
