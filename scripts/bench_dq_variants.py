@@ -62,7 +62,8 @@ def main() -> None:
               + ", ".join(f"{n} {med[n]:.3f} ms {row['speedup'][n]:.3f}x{'*' if row['faster_every_turn'][n] else ''}"
                           for n in cfgs), flush=True)
         rows.append(row)
-    print(write_result("attn_bwd_kernels", rows, args.out, extra={"variants": "dq: base, amax_slots, + one_empty, + stages 4"}))
+    extra = {"variants": "dq: base, amax_slots, + one_empty, + stages 4"}
+    print(write_result("attn_bwd_kernels", rows, args.out, extra=extra))
 
 
 if __name__ == "__main__":

@@ -172,9 +172,11 @@ class GluonDqConfig:
     # the dS tile's maximum through one shared fp32 slot per warp and one barrier (``_tile_amax``), instead of the
     # compiler's cross-warp reduction (three barriers a step); the same maximum, so bit-identical to False
     amax_slots: bool = _AMAX_SLOTS
-    # one release per ring stage (``ks_empty``, after the stage's dQ product) for its K, V and K_seq tiles, instead
-    # of K / V's own release after S and dP: one mbarrier arrival (and the barrier before it) less a step; K / V
-    # stages are held one step longer.  Bit-identical to False
+    # one release per ring stage for its K, V and K_seq tiles (``ks_empty``), made in step j + 2 right after S and
+    # dP's wait, instead of K / V's release there in step j and K_seq's at the end of step j + 1.  With
+    # ``amax_slots`` a step then writes shared memory twice with no read between (the arrival, the slots' store),
+    # so the compiler's barriers before writes and before the reads after them come down to two a step.  A stage
+    # is held ~1.5 steps longer: use 4 stages.  Bit-identical to False
     one_empty: bool = _ONE_EMPTY
 
     def __post_init__(self):
@@ -256,7 +258,8 @@ def _sticky_exp(e_tile, e_prev):
 @gluon.jit
 def _ds_tile(s, dp, a_q, ke, ve, b_row, delta, dscale, e_prev, e_hi, offs_m, n0, Sk, causal_off, slots,
              MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, K_PERM: gl.constexpr,
-             WARPS: gl.constexpr, AMAX_SLOTS: gl.constexpr):
+             WARPS: gl.constexpr, AMAX_SLOTS: gl.constexpr, release, release_pred,
+             ONE_EMPTY: gl.constexpr):
     """dS of one (rows x BLOCK_N) tile from the raw S and dP accumulators -> (dS·2^-e in fp32, e).
 
     Same arithmetic as attn_bwd._dq_step: x = S·(a_q·2^ke) + b_row (−inf where masked), P = 2^x, dS = P·(dP·c − δ)
@@ -275,25 +278,35 @@ def _ds_tile(s, dp, a_q, ke, ve, b_row, delta, dscale, e_prev, e_hi, offs_m, n0,
         x = gl.where(keep, x, float("-inf"))
     p = gl.exp2(x)  # P * 256, 0 where masked or where the row sees nothing
     ds = p * gl.fma(dp, dscale * _pow2(ve), -gl.expand_dims(delta, 1))  # 256 * dS
-    amax = _tile_amax(ds, slots, WARPS, AMAX_SLOTS)
+    amax = _tile_amax(ds, slots, WARPS, AMAX_SLOTS, release, release_pred, ONE_EMPTY)
     e = gl.maximum(_sticky_exp(_rceil_exp(amax, e_prev), e_prev), e_hi - 64)  # _bounded_exp(_sticky_exp(...))
     return ds * _pow2(-e), e
 
 
 @gluon.jit
-def _tile_amax(ds, slots, WARPS: gl.constexpr, AMAX_SLOTS: gl.constexpr):
+def _tile_amax(ds, slots, WARPS: gl.constexpr, AMAX_SLOTS: gl.constexpr, release, release_pred,
+               ONE_EMPTY: gl.constexpr):
     """max |ds| over the whole tile (all warps of the partition).  AMAX_SLOTS: each warp's maximum (quad shuffles,
     then the warp's rows: a reshape that keeps the warp dimension) goes to its fp32 slot in ``slots``, one barrier,
     then every thread reads the WARPS slots; otherwise the compiler's reduction across warps (two barriers through
-    its scratch, and one before its first store).  The same maximum either way."""
+    its scratch, and one before its first store).  The same maximum either way.
+
+    ``release`` / ``release_pred`` (ONE_EMPTY): a ring stage's arrival made right before the slots' store.  Triton
+    puts a barrier before each write to shared memory that follows a read or a write, and before each read that
+    follows a write (an mbarrier arrival counts as a write); here the arrival's barrier and the store's come back to
+    back, and the next step's waits (reads after the load) need none."""
     if AMAX_SLOTS:
         ROWS: gl.constexpr = ds.shape[0]
         row_max = gl.max(gl.abs(ds), 1)
         warp_max = gl.max(gl.reshape(row_max, [WARPS, ROWS // WARPS]), 1)
+        if ONE_EMPTY:
+            mbarrier.arrive(release, count=1, pred=release_pred)
         slots.store(warp_max)
         gl.thread_barrier()
         amax = gl.max(slots.load(gl.BlockedLayout([WARPS], [32], [WARPS], [0])), 0)
     else:
+        if ONE_EMPTY:
+            mbarrier.arrive(release, count=1, pred=release_pred)
         amax = gl.max(gl.max(gl.abs(ds), 1), 0)
     return amax
 
@@ -301,7 +314,8 @@ def _tile_amax(ds, slots, WARPS: gl.constexpr, AMAX_SLOTS: gl.constexpr):
 @gluon.jit
 def _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, e_prev, e_hi, offs_m, n0, masked,
              Sk, causal_off, slots, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, K_PERM: gl.constexpr,
-             WARPS: gl.constexpr, AMAX_SLOTS: gl.constexpr):
+             WARPS: gl.constexpr, AMAX_SLOTS: gl.constexpr, release, release_pred,
+             ONE_EMPTY: gl.constexpr):
     """One tile's dS with the masked / unmasked choice made at run time (the branches join fp32 values only).  The
     k / v exponent of keys n0 .. n0 + BLOCK_N − 1: one group of 128 keys (two 64-key steps share it, or one
     128-key step has it alone)."""
@@ -309,10 +323,10 @@ def _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, e
     ve = gl.load(VE + (n0 // KV_EXP_GROUP) * stride_vet)
     if masked:
         ds, e = _ds_tile(s, dp, a_q, ke, ve, b_row, delta, dscale, e_prev, e_hi, offs_m, n0, Sk, causal_off, slots,
-                         True, CAUSAL, BLOCK_N, K_PERM, WARPS, AMAX_SLOTS)
+                         True, CAUSAL, BLOCK_N, K_PERM, WARPS, AMAX_SLOTS, release, release_pred, ONE_EMPTY)
     else:
         ds, e = _ds_tile(s, dp, a_q, ke, ve, b_row, delta, dscale, e_prev, e_hi, offs_m, n0, Sk, causal_off, slots,
-                         False, CAUSAL, BLOCK_N, K_PERM, WARPS, AMAX_SLOTS)
+                         False, CAUSAL, BLOCK_N, K_PERM, WARPS, AMAX_SLOTS, release, release_pred, ONE_EMPTY)
     return ds, e
 
 
@@ -386,8 +400,8 @@ def _producer_steps(k_desc, v_desc, ks_desc, k_smem, v_smem, ks_smem, kv_ready, 
                     K_PERM: gl.constexpr, ONE_EMPTY: gl.constexpr):
     """Per key tile: K and V_hdim (BLOCK_N x D; K_PERM: the 5-D key-permuted boxes, by 16-key group index) and
     K_seq (D x BLOCK_N, from column ks_col: 0 dense, the sequence's first column when jagged) into the STAGES-deep
-    rings.  ONE_EMPTY: the consumers release a stage's three tiles at once (ks_empty, once its dQ product is in),
-    so K and V wait for ks_empty too."""
+    rings.  ONE_EMPTY: the consumers release a stage's three tiles at once (ks_empty, in the step after the one
+    that waited for the stage's dQ product), so K and V wait for ks_empty too."""
     for i in range(n_tiles):
         s = i % STAGES
         # a fresh mbarrier counts as having completed the phase before phase 0: the first pass does not wait
@@ -460,7 +474,8 @@ def _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_re
     acc_e = 0
     e_hi = -1000  # no bound until the accumulator holds something
     ds, e = _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, acc_e, e_hi, offs_m, 0,
-                     n_full == 0, Sk, causal_off, slots, CAUSAL, BLOCK_N, K_PERM, WARPS, AMAX_SLOTS)
+                     n_full == 0, Sk, causal_off, slots, CAUSAL, BLOCK_N, K_PERM, WARPS, AMAX_SLOTS, ks_empty.index(0),
+                     False, ONE_EMPTY)
     e_hi = gl.maximum(e_hi, e)
     for j in range(1, n_tiles):
         st = j % STAGES
@@ -478,12 +493,15 @@ def _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_re
         s, dp = warpgroup_mma_wait(num_outstanding=1, deps=(s, dp))  # S_j, dP_j; dS_{j-1} K_seq_{j-1} runs on
         if not ONE_EMPTY:
             mbarrier.arrive(kv_empty.index(st), count=1)
+        # ONE_EMPTY: stage j - 2's release (its dQ product was waited at the end of step j - 1) is made by
+        # ``_tile_amax`` right before the slots' store
         ds, e = _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, acc_e, e_hi, offs_m,
                          j * BLOCK_N, j >= n_full, Sk, causal_off, slots, CAUSAL, BLOCK_N, K_PERM, WARPS,
-                         AMAX_SLOTS)
+                         AMAX_SLOTS, ks_empty.index((j + STAGES - 2) % STAGES), j >= 2, ONE_EMPTY)
         e_hi = gl.maximum(e_hi, e)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(ks_empty.index(sp), count=1)
+        if not ONE_EMPTY:
+            mbarrier.arrive(ks_empty.index(sp), count=1)
     # last issue block: acc += dS_{n-1} K_seq_{n-1}
     sp = (n_tiles - 1) % STAGES
     ds8 = _ds_operand(ds, ds_layout, K_PERM)
@@ -491,7 +509,8 @@ def _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_re
     mbarrier.wait(ks_ready.index(sp), ((n_tiles - 1) // STAGES) & 1)
     acc = warpgroup_mma(ds8, ks_smem.index(sp).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(ks_empty.index(sp), count=1)
+    if not ONE_EMPTY:  # (ONE_EMPTY: the last two stages are never waited for again)
+        mbarrier.arrive(ks_empty.index(sp), count=1)
     return acc, e
 
 
