@@ -101,6 +101,15 @@ def test_launcher_rejects_bad_operands():
         m.attn_bwd_dq_gluon(**ok, grad_dtype=torch.int8)
 
 
+def test_one_empty_needs_three_stages():
+    """``GluonDqConfig.one_empty`` releases a ring stage two steps after its use, so with 2 stages step j would wait
+    for a tile whose stage only it releases: a ValueError at construction, never a hung launch."""
+    m = _mod()
+    assert m.GluonDqConfig(one_empty=True, stages=3).one_empty
+    with pytest.raises(ValueError, match="stages >= 3"):
+        m.GluonDqConfig(one_empty=True, stages=2)
+
+
 def test_block_n_validation():
     """``GluonDqConfig.block_n`` (session 9): 64 always, 128 only at D = 64 on dense launches; anything else is a
     ValueError before a launch (the jagged launcher's own call is checked in ``test_varlen_rejects_block_n_128``)."""

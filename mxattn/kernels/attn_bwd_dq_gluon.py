@@ -180,6 +180,10 @@ class GluonDqConfig:
     one_empty: bool = _ONE_EMPTY
 
     def __post_init__(self):
+        if self.one_empty and self.stages < 3:
+            # step j releases stage j - 2 after its own tile has arrived: with 2 stages that is tile j's stage
+            raise ValueError(f"one_empty needs stages >= 3 (a stage is released two steps after its use), got "
+                             f"{self.stages}")
         if type(self.block_n) is not int or self.block_n not in BLOCK_NS:
             raise ValueError(f"block_n must be one of {BLOCK_NS}, got {self.block_n!r}")
 
