@@ -1,0 +1,109 @@
+"""Time a kernel under two settings of an import-time environment variable, in turns (GPU).
+
+    PYTHONPATH=. python3 scripts/bench_env_turns.py OUTDIR --var MXATTN_FWD_ONE_EMPTY [--values 0 1]
+        [--kernel fwd-gluon | dq] [--turns 3]
+
+Some kernel options are module constants read once at import (``attn_fwd_gluon.ONE_EMPTY``, ``FWD_PROBE``), so a
+process can time only one setting.  Each turn runs one child process per value (this file with ``--child``), in
+the same order every turn; a child times every shape with ``triton.testing.do_bench`` (median) and prints one JSON
+line.  Rows: per shape, each value's ms over the turns, the median, ``speedup`` against the first value and
+whether it was faster in every turn.  Kernels: ``fwd-gluon`` (the Gluon forward on FP8 operands, the API's
+default config) at B2 H16 d128 S 4k / 8k / 16k, both masks; ``dq`` (the Gluon dQ kernel, the API's build) at
+d128 S 4k / 8k and d64 S 8k, both masks.  One JSON (``attn_fwd_gluon_vs_tl`` or ``attn_bwd_kernels``) under OUTDIR.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+SHAPES = {"fwd-gluon": [(2, 16, S, 128, c) for S in (4096, 8192, 16384) for c in (False, True)],
+          "dq": [(2, 16, S, D, c) for S, D in ((4096, 128), (8192, 128), (8192, 64)) for c in (False, True)]}
+
+
+def child(kernel: str, rep_ms: int) -> None:
+    import torch
+    import triton
+
+    rows = []
+    for B, H, S, D, causal in SHAPES[kernel]:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = [torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4)]
+        if kernel == "fwd-gluon":
+            from mxattn.kernels import attn_fwd_gluon as m
+            from mxattn.kernels.quantize import row_scaled_triton
+            ops = (row_scaled_triton(x[0], "q"), row_scaled_triton(x[1], "k"), row_scaled_triton(x[2], "v"))
+            cfg = m.default_config(D, causal)
+            fn = lambda: m.attn_fwd_gluon(*ops, causal=causal, config=cfg)  # noqa: E731
+            products = 2
+        else:
+            from mxattn.kernels import attn_bwd_dq_gluon as m
+            ops, _ = m.dq_operands(*x, causal)
+            cfg = m.GluonDqConfig(split=True, block_n=128 if D == 64 else 64)
+            fn = lambda: m.attn_bwd_dq_gluon(**ops, causal=causal, config=cfg)  # noqa: E731
+            products = 3
+        out = fn()
+        out = out[0] if isinstance(out, tuple) else out
+        digest = int(out.view(torch.int16).to(torch.int64).sum())  # bit changes between settings show here
+        ms = triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
+        flops = products * 2 * B * H * S * S * D * (0.5 if causal else 1.0)
+        rows.append({"B": B, "Hq": H, "Hkv": H, "S": S, "D": D, "causal": causal, "ms": ms,
+                     "tflops": flops / ms / 1e9, "digest": digest})
+    print("ROWS " + json.dumps(rows), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", nargs="?")
+    ap.add_argument("--var", required=False)
+    ap.add_argument("--values", nargs="+", default=["0", "1"])
+    ap.add_argument("--kernel", choices=sorted(SHAPES), default="fwd-gluon")
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--rep-ms", type=int, default=150)
+    ap.add_argument("--child", action="store_true")
+    args = ap.parse_args()
+    if args.child:
+        child(args.kernel, args.rep_ms)
+        return
+    runs = {v: [] for v in args.values}
+    for t in range(args.turns):
+        for v in args.values:
+            env = dict(os.environ, **{args.var: v})
+            r = subprocess.run([sys.executable, __file__, "--child", "--kernel", args.kernel, "--rep-ms",
+                                str(args.rep_ms)], env=env, capture_output=True, text=True)
+            line = [ln for ln in r.stdout.splitlines() if ln.startswith("ROWS ")]
+            if r.returncode or not line:
+                print(f"turn {t} {args.var}={v}: failed (rc {r.returncode})\n{r.stderr[-3000:]}", flush=True)
+                continue
+            runs[v].append(json.loads(line[0][5:]))
+            print(f"turn {t} {args.var}={v}: " + ", ".join(f"{x['ms']:.3f}" for x in runs[v][-1]), flush=True)
+    base = args.values[0]
+    rows = []
+    for i, (B, H, S, D, causal) in enumerate(SHAPES[args.kernel]):
+        ms = {v: [run[i]["ms"] for run in runs[v]] for v in args.values if runs[v]}
+        if base not in ms:
+            break
+        med = {v: statistics.median(x) for v, x in ms.items()}
+        digests = {v: sorted({run[i]["digest"] for run in runs[v]}) for v in ms}
+        row = {"B": B, "Hq": H, "Hkv": H, "S": S, "D": D, "causal": causal, "kernel": args.kernel,
+               "variable": args.var, "turns_ms": ms, "ms": med, "tflops": {v: run_tf for v, run_tf in (
+                   (v, statistics.median([run[i]["tflops"] for run in runs[v]])) for v in ms)},
+               "speedup": {v: med[base] / x for v, x in med.items()},
+               "faster_every_turn": {v: all(b > x for b, x in zip(ms[base], ms[v])) for v in ms},
+               "same_output": len({d for x in digests.values() for d in x}) == 1}
+        print(f"B{B} H{H} S{S} d{D} causal={causal}: " + ", ".join(
+            f"{args.var}={v} {med[v]:.3f} ms {row['speedup'][v]:.3f}x{'*' if row['faster_every_turn'][v] else ''}"
+            for v in ms) + f", same output {row['same_output']}", flush=True)
+        rows.append(row)
+    if args.out and rows:
+        from mxattn.bench.results import write_result
+        what = "attn_fwd_gluon_vs_tl" if args.kernel == "fwd-gluon" else "attn_bwd_kernels"
+        print(write_result(what, rows, args.out, extra={"variable": args.var, "values": args.values,
+                                                         "turns": args.turns}))
+
+
+if __name__ == "__main__":
+    main()
