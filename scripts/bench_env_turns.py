@@ -9,7 +9,7 @@ the same order every turn; a child times every shape with ``triton.testing.do_be
 line.  Rows: per shape, each value's ms over the turns, the median, ``speedup`` against the first value and
 whether it was faster in every turn.  Kernels: ``fwd-gluon`` (the Gluon forward on FP8 operands, the API's
 default config) at B2 H16 d128 S 4k / 8k / 16k, both masks; ``dq`` (the Gluon dQ kernel, the API's build) at
-d128 S 4k / 8k and d64 S 8k, both masks.  One JSON (``attn_fwd_gluon_vs_tl`` or ``attn_bwd_kernels``) under OUTDIR.
+d128 S 4k / 8k and d64 S 8k, both masks.  One JSON (``cost_probe`` or ``attn_bwd_kernels``) under OUTDIR.
 """
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def main() -> None:
         rows.append(row)
     if args.out and rows:
         from mxattn.bench.results import write_result
-        what = "attn_fwd_gluon_vs_tl" if args.kernel == "fwd-gluon" else "attn_bwd_kernels"
+        what = "cost_probe" if args.kernel == "fwd-gluon" else "attn_bwd_kernels"
         print(write_result(what, rows, args.out, extra={"variable": args.var, "values": args.values,
                                                          "turns": args.turns}))
 
