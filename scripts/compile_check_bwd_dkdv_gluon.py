@@ -57,6 +57,11 @@ SPILL_ALLOWANCE: dict[str, int] = {}
 # split variants (rule: LDL / STL inside the query-step loops, see ``check``): none since session 7 (before: 11 per
 # step at d128 causal, both warpgroups together, with triton 3.6).
 SPLIT_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {}
+# ... until session 20's query-permuted boxes (q_perm, the dense default): the d128 causal split build then keeps
+# a few values spilled inside its loops (measured faster all the same, docs/perf-notes-attn-bwd.md "Session 20"):
+# 6 LDL / STL both warpgroups together with ds_exp="key", 16 with "tile" (triton 3.6; counted in session 23, when
+# this check started compiling the launch's Q_PERM rather than a runtime value)
+SPLIT_QPERM_LOOP_LOCAL_ALLOWANCE: dict[str, dict[str, int]] = {"key": {"d128_causal": 6}, "tile": {"d128_causal": 16}}
 # the jagged split builds (--varlen --split, session 8): the per-sequence scalars (Sq, the key bounds, lo / mid /
 # n_m / n_steps, the offsets) come from the tile table, so they sit in per-thread registers where the dense build
 # keeps kernel arguments in uniform registers; at d128 under 240 registers ptxas then reloads loop-invariant
@@ -65,6 +70,13 @@ SPLIT_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {}
 # causal, 1 each undeferred.  The whole-tile jagged builds and d64 have none.  Measure before trimming further
 # (docs/perf-notes-varlen.md, session 8).
 VARLEN_SPLIT_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {"d128": 2, "d128_causal": 5}
+# the same with ds_exp="tile" (not the default) compiled with the launch's Q_PERM constexpr (session 23): 3 and 7
+VARLEN_SPLIT_TILE_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {"d128": 3, "d128_causal": 7}
+# the jagged whole-tile builds (--varlen without --split: MXATTN_BWD_GLUON_SPLIT=0 only, not a default): d128 causal
+# spills 64 B with 8 LDL / STL inside its loop (triton 3.6), measured since session 23 with the launch's own
+# constexprs (Q_PERM named False; before, the check compiled Q_PERM as a runtime value and read 8 B)
+VARLEN_WHOLE_SPILL_ALLOWANCE: dict[str, int] = {"d128_causal": 64}
+VARLEN_WHOLE_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {"d128_causal": 8}
 # the 128-query step (--block-m 128, session 9) with ds_exp="tile" at d64 causal: ptxas keeps the shared-memory
 # address of the tile-wide amax's cross-warp scratch (loop-invariant) spilled and reloads it once per step: 1 LDL per
 # step (whole-tile, 8 bytes spilled), 1 per warpgroup (split, 2 in both loops together).  Tried: 2 and 3 stages,
@@ -72,7 +84,14 @@ VARLEN_SPLIT_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {"d128": 2, "d128_causal": 5
 # 168: 240 + 240 + 24 when split, and a worker at 248 leaves the default partition 232).  The per-key rule (the
 # default) and every other 128-query build have none.
 BM128_TILE_SPILL_ALLOWANCE: dict[str, int] = {"d64_causal": 8}
-BM128_TILE_SPLIT_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {"d64_causal": 2}
+BM128_TILE_SPLIT_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {"d64_causal": 8}  # 2 before the launch's Q_PERM (s23)
+# the per-key rule's 128-query split build at d64 causal, as this script builds it (every int argument a plain i32,
+# no launch-time specialization) with the launch's Q_PERM: 4 LDL / STL in its loops (session 23).  The launched
+# build (scripts/compile_launched.py dkdv --shape 2,8192,16,16,64 --causal: ints specialized as a launch does) has
+# none, 706 instructions a step
+BM128_KEY_SPLIT_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {"d64_causal": 4}
+# and its whole-tile build (MXATTN_BWD_GLUON_SPLIT=0 only): 16 B, 4 LDL / STL in the loop (session 23)
+BM128_KEY_WHOLE_SPILL: dict[str, tuple[int, int]] = {"d64_causal": (16, 4)}
 # fused dQ (--fuse-dq, session 13, d64 128-query steps): dS staged in shared memory for the sixth wgmma costs named
 # barriers around the store (Triton's shared-memory hazards: the previous step's wgmma read before it, the
 # wgmma after it) on top of the ring's two; the causal build runs the dQ product in two 64-query halves (its
@@ -80,7 +99,7 @@ BM128_TILE_SPLIT_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {"d64_causal": 2}
 # ptxas keeps one value spilled: 4 LDL / STL per step, both warpgroups together (triton 3.6)
 STEP_BAR_FUSED_DQ = 6
 FUSED_DQ_MAX_DEPBAR = 4
-FUSED_DQ_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {"d64_causal": 4}
+FUSED_DQ_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {"d64_causal": 4, "d64": 5}  # d64: counted in session 23
 
 
 def compile_variant(head_dim: int, causal: bool, stages: int | None = None, split: bool = False,
@@ -102,7 +121,11 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None, spli
     stages = stages or cfg.stages
     lay = lambda shape: gl.NVMMASharedLayout.get_default_for(shape, gl.float8e4nv)  # noqa: E731
     bm, bn = cfg.block_m, (m.BLOCK_N_WG if split else m.BLOCK_N).value
-    row, key, seq = fp8_desc([bm, head_dim], lay), fp8_desc([bn, head_dim], lay), fp8_desc([head_dim, bm], lay)
+    # dense launches take the query-permuted Q / dO boxes (Sq % 16 == 0, the usual case; not with fused dQ); the
+    # jagged launcher the 2-D ones
+    q_perm = cfg.q_perm and not varlen and not fuse_dq
+    row = fp8_desc([bm // 16, 2, 4, 2, head_dim] if q_perm else [bm, head_dim], lay)
+    key, seq = fp8_desc([bn, head_dim], lay), fp8_desc([head_dim, bm], lay)
     vec = ([1, bm], m._vector_layout(), "fp32")  # lse and delta rows, as ``_vector_descriptors`` makes them
     descs = {"q_desc": row, "do_desc": row, "qs_desc": seq, "dos_desc": seq, "k_desc": key, "v_desc": key,
              "lse_desc": vec, "dl_desc": vec}
@@ -116,7 +139,10 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None, spli
     key_exp = (ds_exp or cfg.ds_exp) == "key"  # as GluonDkdvConfig.key_exp
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs, SPLIT=split,
                   CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=defer, DS_KEY_EXP=key_exp, VARLEN=varlen, BLOCK_M=bm,
-                  FUSE_DQ=fuse_dq, DQ_HALVES=fuse_dq and (causal if cfg.dq_halves is None else cfg.dq_halves))
+                  FUSE_DQ=fuse_dq, DQ_HALVES=fuse_dq and (causal if cfg.dq_halves is None else cfg.dq_halves),
+                  # every constexpr is named: one left out compiles as a runtime i32 with both of its branches (the
+                  # jagged whole-tile d128 causal build read 8 B of spills that way, 64 B as launched; session 23)
+                  Q_PERM=q_perm)
     if not fuse_dq:  # the other builds leave the fused-dQ arguments at their defaults
         consts |= {"ks_desc": None, "DQ": None}
     if varlen:
@@ -147,13 +173,24 @@ def check(k, name: str, dump: str | None, max_depbar: int = MAX_DEPBAR, spill_al
     bm128_tile = block_m == 128 and not key_exp
     allowed = ((BM128_TILE_SPILL_ALLOWANCE if bm128_tile else SPILL_ALLOWANCE).get(name, 0) if spill_allowance is None
                else spill_allowance)
-    loop_local = (VARLEN_SPLIT_LOOP_LOCAL_ALLOWANCE if varlen else BM128_TILE_SPLIT_LOOP_LOCAL_ALLOWANCE if bm128_tile
+    varlen_split = VARLEN_SPLIT_LOOP_LOCAL_ALLOWANCE if key_exp else VARLEN_SPLIT_TILE_LOOP_LOCAL_ALLOWANCE
+    loop_local = (varlen_split if varlen else BM128_TILE_SPLIT_LOOP_LOCAL_ALLOWANCE if bm128_tile
                   else SPLIT_LOOP_LOCAL_ALLOWANCE).get(name, 0)
+    if split and not varlen and not fuse_dq and block_m == 64:
+        loop_local = max(loop_local, SPLIT_QPERM_LOOP_LOCAL_ALLOWANCE["key" if key_exp else "tile"].get(name, 0))
+    if split and not varlen and not fuse_dq and block_m == 128 and key_exp:
+        loop_local = max(loop_local, BM128_KEY_SPLIT_LOOP_LOCAL_ALLOWANCE.get(name, 0))
     if fuse_dq:
         loop_local = FUSED_DQ_LOOP_LOCAL_ALLOWANCE.get(name, 0)
         max_depbar = FUSED_DQ_MAX_DEPBAR
+    whole_loop_local = 0
+    if not varlen and not split and not fuse_dq and block_m == 128 and key_exp and spill_allowance is None:
+        allowed, whole_loop_local = BM128_KEY_WHOLE_SPILL.get(name, (allowed, 0))
+    if varlen and not split and spill_allowance is None:
+        allowed = VARLEN_WHOLE_SPILL_ALLOWANCE.get(name, allowed)
+        whole_loop_local = VARLEN_WHOLE_LOOP_LOCAL_ALLOWANCE.get(name, 0)
     ok = gluon_check(k, name, dump, max_depbar=max_depbar, allowed_spill_bytes=None if split else allowed,
-                     allowed_loop_local=loop_local if split else 0,
+                     allowed_loop_local=loop_local if split else whole_loop_local,
                      max_step_bar=STEP_BAR_FUSED_DQ if fuse_dq else STEP_BAR_KEY if key_exp else STEP_BAR_TILE)
     for st, score in per_score(k, block_m):
         print(f"      per score: {score:.1f} thread-instr (common step path {st} x 128 threads / (64 keys x {block_m} "

@@ -54,15 +54,17 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None, spli
     stages = stages or cfg.stages
     lay = lambda shape: gl.NVMMASharedLayout.get_default_for(shape, gl.float8e4nv)  # noqa: E731
     bm, bn = (m.WG_ROWS if split else m.BLOCK_M).value, cfg.block_n
-    row, key = fp8_desc([bm, head_dim], lay), fp8_desc([bn, head_dim], lay)
+    # dense launches take the key-permuted K / V boxes (Sk % 16 == 0, the usual case); the jagged launcher the 2-D
+    # ones.  Every constexpr is named below: one left out would compile as a runtime i32 with both its branches
+    k_perm = cfg.k_perm and not varlen
+    row = fp8_desc([bm, head_dim], lay)
+    key = fp8_desc([bn // 16, 2, 4, 2, head_dim] if k_perm else [bn, head_dim], lay)
     descs = {"q_desc": row, "do_desc": row, "k_desc": key, "v_desc": key, "ks_desc": fp8_desc([head_dim, bn], lay)}
     ptrs = {"QE": "*i32", "DOE": "*i32", "KE": "*i32", "VE": "*i32", "KSE": "*i32", "LSE": "*fp32",
             "DELTA": "*fp32", "DQ": "*bf16"}
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs, SPLIT=split,
                   CONSUMER_REGS=cfg.consumer_regs, BLOCK_N=cfg.block_n, VARLEN=varlen,
-                  # the jagged launcher keeps the 2-D boxes; a dense one takes the permuted boxes where Sk % 16 == 0
-                  K_PERM=cfg.k_perm and not varlen, AMAX_SLOTS=cfg.amax_slots,
-                  ONE_EMPTY=cfg.one_empty)
+                  K_PERM=k_perm, AMAX_SLOTS=cfg.amax_slots, ONE_EMPTY=cfg.one_empty)
     if varlen:
         ptrs["SLOTS"] = "*i32"
     else:

@@ -369,16 +369,17 @@ def _compile_check(args):
 def test_compiles_for_sm90_without_gpu_block_m128():
     """Where triton 3.6 is installed, the 128-query builds (``GluonDkdvConfig(block_m=128)``, d64, undeferred)
     compile for sm_90a with the checks of ``scripts/compile_check_bwd_dkdv_gluon.py --block-m 128``: the per-key rule
-    split and whole-tile, causal and not, with no spill inside a loop; the tile rule split (its d64 causal build's one
-    loop-invariant reload per step is the documented allowance); m64n128k32 Sᵀ / dPᵀ wgmma.  A d128 build is refused
-    (compile error, exit status 1), as the launcher refuses it.  Subprocesses without TRITON_INTERPRET, as above."""
+    split and whole-tile, causal and not, the tile rule split, each within the script's documented in-loop
+    allowances (that script writes every int argument as a plain i32; since session 23 it compiles the launch's
+    Q_PERM, and its d64 causal builds keep a few reloads in their loops where the launched build, with its
+    specialized ints, has none: ``scripts/compile_launched.py dkdv --shape 2,8192,16,16,64 --causal``);
+    m64n128k32 Sᵀ / dPᵀ wgmma.  A d128 build is refused (compile error, exit status 1), as the launcher refuses it.
+    Subprocesses without TRITON_INTERPRET, as above."""
     for args in (["--split", "--block-m", "128", "--ds-exp=key"], ["--block-m", "128", "--ds-exp=key"],
                  ["--split", "--block-m", "128", "--ds-exp=tile"]):
         r = _compile_check(args)
         assert r.returncode == 0 and "all variants OK" in r.stdout, (args, r.stdout[-4000:], r.stderr[-2000:])
         assert r.stdout.count("== d64") == 2 and "m64n128k32.f32.e4m3.e4m3" in r.stdout, (args, r.stdout[-4000:])
-        if "key" in args[-1]:
-            assert "inside the consumer loops: 0;" in r.stdout and "inside the consumer loops: 1" not in r.stdout
     r = _compile_check(["--block-m", "128", "--only", "d128"])
     assert r.returncode == 1 and "head dim 64" in r.stdout, (r.stdout[-2000:], r.stderr[-2000:])
 
