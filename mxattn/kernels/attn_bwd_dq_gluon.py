@@ -1059,11 +1059,14 @@ def attn_bwd_dq_gluon_varlen(q, k, v_hdim, k_seq, dout_hdim, lse: torch.Tensor, 
     scalars = (*grp(qe), *grp(de), *grp(ke), *grp(ve), *kse.stride(),
                0, *lse.stride(), 0, *delta.stride(), 0, *dq.stride(),
                Hq, Hkv, 0, 0, Hq // Hkv, ROW_GROUP, ROW_GROUP, scale * LOG2E, scale * 2.0**-P_SCALE_LOG2)
-    # HEAD_DIM .. BLOCK_N in signature order, then SLOTS, VARLEN, K_PERM (off: 2-D boxes), AMAX_SLOTS, ONE_EMPTY
+    # HEAD_DIM .. BLOCK_N in signature order, then SLOTS, VARLEN (and, where asked, K_PERM off: the 2-D boxes,
+    # AMAX_SLOTS, ONE_EMPTY)
     consts = (D, cfg.stages, causal, cfg.producer_regs, cfg.split, cfg.consumer_regs, cfg.block_n)
     grid = (tile_rows_bound(Tq, q.batch, q.max_seqlen), Hq)
     options = dict(num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
-    args = (*descs, *tensors, *scalars, *consts, slots, True, False, cfg.amax_slots, cfg.one_empty)
+    args = (*descs, *tensors, *scalars, *consts, slots, True)
+    if cfg.amax_slots or cfg.one_empty:  # (the defaults' launch keeps the signature's defaults)
+        args += (False, cfg.amax_slots, cfg.one_empty)
     if key is None:
         fast_launcher(_attn_bwd_dq_ws_kernel)[grid](*args, **options)
         return dq
