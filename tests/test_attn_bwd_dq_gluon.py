@@ -104,14 +104,12 @@ def test_launcher_rejects_bad_operands():
 def test_one_empty_needs_three_stages():
     """``GluonDqConfig.one_empty`` releases a ring stage two steps after its use, so with 2 stages step j would wait
     for a tile whose stage only it releases: a ValueError at construction, never a hung launch.  ``pipe`` takes
-    64-key steps only and not with ``one_empty``."""
+    64-key steps only."""
     m = _mod()
     assert m.GluonDqConfig(one_empty=True, stages=3).one_empty
     with pytest.raises(ValueError, match="stages >= 3"):
         m.GluonDqConfig(one_empty=True, stages=2)
-    assert m.GluonDqConfig(pipe=True).pipe
-    with pytest.raises(ValueError, match="cannot be combined"):
-        m.GluonDqConfig(pipe=True, one_empty=True)
+    assert m.GluonDqConfig(pipe=True).pipe and m.GluonDqConfig(pipe=True, one_empty=True, stages=4).one_empty
     with pytest.raises(ValueError, match="block_n=64"):
         m.GluonDqConfig(pipe=True, block_n=128)
 
@@ -298,12 +296,15 @@ def _protocol_model(n_tiles: int, stages: int, rng: random.Random, mutant: str =
         smem.start_read(("kv", 0), 0)
         yield ("step",)
         smem.done_read(("kv", 0))
-        bars["kv_empty"][0].arrive()
+        if not one_empty:
+            bars["kv_empty"][0].arrive()
         for j in range(1, n_tiles):
             st, sp = j % S, (j - 1) % S
             yield ("wait", bars["kv_ready"][st], (j // S) & 1)
             smem.start_read(("kv", st), j)  # S_j, dP_j issued
             yield ("step",)  # dS_{j-1} under them
+            if one_empty and j >= 2:  # stage j - 2 (dQ_{j-2} was waited in step j - 1), before the slots' store
+                bars["ks_empty"][(sp if mutant == "release_j_minus_1" else (j - 2) % S)].arrive()
             yield ("wait", bars["ks_ready"][sp], ((j if mutant == "ks_parity" else j - 1) // S) & 1)
             smem.start_read(("ks", sp), j - 1)  # dQ_{j-1} issued
             if mutant == "pipe_early_release":  # K_seq's stage released before dQ_{j-1} is waited
@@ -311,15 +312,17 @@ def _protocol_model(n_tiles: int, stages: int, rng: random.Random, mutant: str =
             yield ("step",)  # wait(0): all three
             smem.done_read(("kv", st))
             smem.done_read(("ks", sp))
-            bars["kv_empty"][st].arrive()
-            if mutant != "pipe_early_release":
-                bars["ks_empty"][sp].arrive()
+            if not one_empty:
+                bars["kv_empty"][st].arrive()
+                if mutant != "pipe_early_release":
+                    bars["ks_empty"][sp].arrive()
         sp = (n_tiles - 1) % S
         yield ("wait", bars["ks_ready"][sp], ((n_tiles - 1) // S) & 1)
         smem.start_read(("ks", sp), n_tiles - 1)
         yield ("step",)
         smem.done_read(("ks", sp))
-        bars["ks_empty"][sp].arrive()
+        if not one_empty:
+            bars["ks_empty"][sp].arrive()
 
     def consumer():
         if pipe:
@@ -364,7 +367,7 @@ def _protocol_model(n_tiles: int, stages: int, rng: random.Random, mutant: str =
 @pytest.mark.parametrize("stages,one_empty,pipe", [(1, False, False), (2, False, False), (3, False, False),
                                                    (4, False, False), (3, True, False), (4, True, False),
                                                    (5, True, False), (1, False, True), (2, False, True),
-                                                   (3, False, True)])
+                                                   (3, False, True), (3, True, True), (4, True, True)])
 def test_barrier_protocol_model(stages, one_empty, pipe, consumers, seed):
     rng = random.Random(seed)
     for n_tiles in (1, 2, 3, stages, stages + 1, 2 * stages + 3, 17):
@@ -377,9 +380,10 @@ def test_barrier_protocol_model(stages, one_empty, pipe, consumers, seed):
 def test_one_empty_with_two_stages_deadlocks(seed):
     """Why ``GluonDqConfig(one_empty=True)`` refuses stages < 3: step j releases stage j - 2, which with two stages
     is tile j's own stage, so the producer cannot load tile j before step j releases it.  The model deadlocks."""
-    with pytest.raises(AssertionError, match="deadlock"):
-        for _ in range(50):
-            _protocol_model(5, 2, random.Random(seed), one_empty=True)
+    for pipe in (False, True):
+        with pytest.raises(AssertionError, match="deadlock"):
+            for _ in range(50):
+                _protocol_model(5, 2, random.Random(seed), one_empty=True, pipe=pipe)
 
 
 @pytest.mark.parametrize("mutant,consumers,one_empty,pipe", [
@@ -387,7 +391,8 @@ def test_one_empty_with_two_stages_deadlocks(seed):
     ("split_empty_count_1", 2, False, False), ("no_kv_empty_wait", 1, True, False),
     ("release_j_minus_1", 1, True, False), ("release_j_minus_1", 2, True, False),
     ("split_empty_count_1", 2, True, False), ("no_kv_empty_wait", 1, False, True), ("ks_parity", 2, False, True),
-    ("pipe_early_release", 1, False, True), ("pipe_early_release", 2, False, True)])
+    ("pipe_early_release", 1, False, True), ("pipe_early_release", 2, False, True),
+    ("release_j_minus_1", 1, True, True), ("release_j_minus_1", 2, True, True), ("no_kv_empty_wait", 2, True, True)])
 def test_barrier_protocol_model_catches_mutants(mutant, consumers, one_empty, pipe, seed):
     """The model is not vacuous: a producer that does not wait for the K/V release, a consumer waiting K_seq with
     the wrong parity, (split) empty barriers counting one arrival for two warpgroups, with ``one_empty`` a
@@ -582,8 +587,8 @@ def test_attn_bwd_dq_gluon_k_perm_bit_identical(case, variant, seed):
 @pytest.mark.parametrize("variant", [dict(split=False), dict(split=True), dict(split=True, block_n=128),
                                      dict(split=True, k_perm=False)], ids=str)
 @pytest.mark.parametrize("case", K_PERM_CASES, ids=_case_id)
-@pytest.mark.parametrize("one_empty,pipe", [(False, False), (True, False), (False, True)],
-                         ids=["", "one_empty", "pipe"])
+@pytest.mark.parametrize("one_empty,pipe", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["", "one_empty", "pipe", "pipe_one_empty"])
 def test_attn_bwd_dq_gluon_amax_slots_bit_identical(case, variant, one_empty, pipe, seed):
     """``amax_slots`` (the dS tile's maximum through one shared slot per warp) against the compiler's reduction
     across warps: the same maximum, so the same exponents and dq bit for bit; with ``one_empty`` (one release per

@@ -180,8 +180,7 @@ class GluonDqConfig:
     # is held ~1.5 steps longer: use 4 stages.  Bit-identical to False
     one_empty: bool = _ONE_EMPTY
     # S and dP issued one tile ahead (``_dq_loop_pipe``): dS_{j-1} is computed under S_j and dP_j, at the cost of a
-    # second S / dP accumulator pair (d128 split: R237 of 240, no spill; 64-key steps only).  Bit-identical; not
-    # with ``one_empty``
+    # second S / dP accumulator pair (d128 split: R237 of 240, no spill; 64-key steps only).  Bit-identical
     pipe: bool = _PIPE
 
     def __post_init__(self):
@@ -189,8 +188,6 @@ class GluonDqConfig:
             # two S / dP pairs of 64 x 128 fp32 a warpgroup: the d64 build spilled 11 KB (triton 3.6, session 23)
             raise ValueError(f"pipe needs block_n=64 (the second S / dP pair does not fit 128-key steps), got "
                              f"{self.block_n}")
-        if self.pipe and self.one_empty:
-            raise ValueError("pipe and one_empty cannot be combined (the pipelined loop releases its stages itself)")
         if self.one_empty and self.stages < 3:
             # step j releases stage j - 2 after its own tile has arrived: with 2 stages that is tile j's stage
             raise ValueError(f"one_empty needs stages >= 3 (a stage is released two steps after its use), got "
@@ -534,9 +531,10 @@ def _pipe_step(s, dp, j, q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_
                KE, VE, stride_ket, stride_vet, acc, acc_e, e_hi, a_q, b_row, delta, dscale, offs_m, Sk, causal_off,
                n_full, slots, s_zero, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ds_layout: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, K_PERM: gl.constexpr, WARPS: gl.constexpr,
-               AMAX_SLOTS: gl.constexpr):
+               AMAX_SLOTS: gl.constexpr, ONE_EMPTY: gl.constexpr):
     """Step j (>= 1) of ``_dq_loop_pipe``: issue S_j, dP_j; dS_{j-1} from (s, dp) under them; issue dQ_{j-1}; wait
-    for all three; release K / V's stage j and K_seq's stage j - 1.  Returns (S_j, dP_j, acc, acc_e, e_hi, e)."""
+    for all three; release K / V's stage j and K_seq's stage j - 1 (ONE_EMPTY: stage j - 2's K, V and K_seq in
+    one arrival before the slots' store, as ``_dq_loop``'s).  Returns (S_j, dP_j, acc, acc_e, e_hi, e)."""
     st = j % STAGES
     sp = (j - 1) % STAGES
     mbarrier.wait(kv_ready.index(st), (j // STAGES) & 1)
@@ -546,15 +544,16 @@ def _pipe_step(s, dp, j, q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_
                          is_async=True)
     ds, e = _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, acc_e, e_hi, offs_m,
                      (j - 1) * BLOCK_N, j - 1 >= n_full, Sk, causal_off, slots, CAUSAL, BLOCK_N, K_PERM, WARPS,
-                     AMAX_SLOTS, ks_empty.index(0), False, False)
+                     AMAX_SLOTS, ks_empty.index((j + STAGES - 2) % STAGES), j >= 2, ONE_EMPTY)
     e_hi = gl.maximum(e_hi, e)
     ds8 = _ds_operand(ds, ds_layout, K_PERM)
     acc = _rescale(acc, acc_e, e)
     mbarrier.wait(ks_ready.index(sp), ((j - 1) // STAGES) & 1)
     acc = warpgroup_mma(ds8, ks_smem.index(sp).permute((1, 0)), acc, is_async=True)  # dQ_{j-1}
     s_n, dp_n, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_n, dp_n, acc))
-    mbarrier.arrive(kv_empty.index(st), count=1)
-    mbarrier.arrive(ks_empty.index(sp), count=1)
+    if not ONE_EMPTY:
+        mbarrier.arrive(kv_empty.index(st), count=1)
+        mbarrier.arrive(ks_empty.index(sp), count=1)
     return s_n, dp_n, acc, e, e_hi, e
 
 
@@ -563,7 +562,7 @@ def _dq_loop_pipe(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, 
                   KE, VE, stride_ket, stride_vet, acc, a_q, b_row, delta, dscale, offs_m, Sk, causal_off, n_tiles,
                   n_full, slots, STAGES: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr,
                   ds_layout: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  K_PERM: gl.constexpr, WARPS: gl.constexpr, AMAX_SLOTS: gl.constexpr):
+                  K_PERM: gl.constexpr, WARPS: gl.constexpr, AMAX_SLOTS: gl.constexpr, ONE_EMPTY: gl.constexpr):
     """``_dq_loop`` with S and dP issued one tile ahead (``GluonDqConfig.pipe``): step j issues S_j and dP_j, computes
     dS_{j-1} under them, issues dQ_{j-1} and waits for all three (``_pipe_step``).  ``_dq_loop`` computes dS_j under
     dQ_{j-1} only and waits for S_j / dP_j first, so this one leaves one product on the warpgroup's chain where that
@@ -578,7 +577,8 @@ def _dq_loop_pipe(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, 
     dp = warpgroup_mma(do_smem, _k_operand(v_smem.index(0), BLOCK_N, HEAD_DIM, K_PERM), s_zero, use_acc=False,
                        is_async=True)
     s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
-    mbarrier.arrive(kv_empty.index(0), count=1)
+    if not ONE_EMPTY:
+        mbarrier.arrive(kv_empty.index(0), count=1)
     acc_e = 0
     e = 0
     e_hi = -1000  # no bound until the accumulator holds something
@@ -587,16 +587,16 @@ def _dq_loop_pipe(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, 
         s2, dp2, acc, acc_e, e_hi, e = _pipe_step(
             s, dp, j, q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty, KE, VE,
             stride_ket, stride_vet, acc, acc_e, e_hi, a_q, b_row, delta, dscale, offs_m, Sk, causal_off, n_full,
-            slots, s_zero, STAGES, CAUSAL, ds_layout, BLOCK_N, HEAD_DIM, K_PERM, WARPS, AMAX_SLOTS)
+            slots, s_zero, STAGES, CAUSAL, ds_layout, BLOCK_N, HEAD_DIM, K_PERM, WARPS, AMAX_SLOTS, ONE_EMPTY)
         s, dp, acc, acc_e, e_hi, e = _pipe_step(
             s2, dp2, j + 1, q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty, KE, VE,
             stride_ket, stride_vet, acc, acc_e, e_hi, a_q, b_row, delta, dscale, offs_m, Sk, causal_off, n_full,
-            slots, s_zero, STAGES, CAUSAL, ds_layout, BLOCK_N, HEAD_DIM, K_PERM, WARPS, AMAX_SLOTS)
+            slots, s_zero, STAGES, CAUSAL, ds_layout, BLOCK_N, HEAD_DIM, K_PERM, WARPS, AMAX_SLOTS, ONE_EMPTY)
     if (n_tiles - 1) % 2 == 1:
         s, dp, acc, acc_e, e_hi, e = _pipe_step(
             s, dp, n_tiles - 1, q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty, KE,
             VE, stride_ket, stride_vet, acc, acc_e, e_hi, a_q, b_row, delta, dscale, offs_m, Sk, causal_off, n_full,
-            slots, s_zero, STAGES, CAUSAL, ds_layout, BLOCK_N, HEAD_DIM, K_PERM, WARPS, AMAX_SLOTS)
+            slots, s_zero, STAGES, CAUSAL, ds_layout, BLOCK_N, HEAD_DIM, K_PERM, WARPS, AMAX_SLOTS, ONE_EMPTY)
     # the last tile: dS_{n-1}, then dQ_{n-1}
     sp = (n_tiles - 1) % STAGES
     ds, e = _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, acc_e, e_hi, offs_m,
@@ -607,7 +607,8 @@ def _dq_loop_pipe(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, 
     mbarrier.wait(ks_ready.index(sp), ((n_tiles - 1) // STAGES) & 1)
     acc = warpgroup_mma(ds8, ks_smem.index(sp).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(ks_empty.index(sp), count=1)
+    if not ONE_EMPTY:
+        mbarrier.arrive(ks_empty.index(sp), count=1)
     return acc, e
 
 
@@ -654,7 +655,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empt
             acc, acc_e = _dq_loop_pipe(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready,
                                        ks_empty, KE, VE, stride_ket, stride_vet, acc, a_q, b_row, delta, dscale,
                                        offs_m, Sk, causal_off, n_tiles, n_full, slots, STAGES, CAUSAL, s_layout,
-                                       ds_layout, ROWS, BLOCK_N, HEAD_DIM, K_PERM, WARPS, AMAX_SLOTS)
+                                       ds_layout, ROWS, BLOCK_N, HEAD_DIM, K_PERM, WARPS, AMAX_SLOTS, ONE_EMPTY)
         else:
             acc, acc_e = _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
                                   KE, VE, stride_ket, stride_vet, acc, a_q, b_row, delta, dscale, offs_m, Sk,
