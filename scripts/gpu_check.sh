@@ -588,10 +588,12 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
       # bit-identity tests (the smallest case first under a short timeout: a barrier bug hangs rather than fails),
       # then base / slots / slots + one_empty / + 4 stages in turns (bench_dq_variants.py, each row checks its
       # outputs bit for bit against base too)
+      # (the split builds only by default, the API's: DQSLOTS_K widens it; each mode is its own build per case)
       T=120 run $PY -m pytest -m gpu -q -x -rfE -p no:cacheprovider tests/test_attn_bwd_dq_gluon.py \
-        -k "amax_slots and 129" 2>&1 | tail -3
-      run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_bwd_dq_gluon.py -k amax_slots 2>&1 | tail -5
-      run $PY scripts/bench_dq_variants.py "$OUT" ${DQSLOTS_ARGS:-} ;;
+        -k "amax_slots and 129 and split" 2>&1 | tail -3
+      run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_bwd_dq_gluon.py \
+        -k "${DQSLOTS_K:-amax_slots and split}" 2>&1 | tail -5
+      run $PY scripts/bench_dq_variants.py "$OUT" ${DQSLOTS_ARGS:---variants slots pipe_slots pipe_slots_one_st4} ;;
     fwdoneempty)
       # session 23: the Gluon forward with K and V released together (MXATTN_FWD_ONE_EMPTY=1, import time): its GPU
       # tests under the variable (the smallest first), then the kernel on FP8 operands, 0 / 1 in turns, one process

@@ -585,7 +585,7 @@ def test_attn_bwd_dq_gluon_k_perm_bit_identical(case, variant, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [dict(split=False), dict(split=True), dict(split=True, block_n=128),
-                                     dict(split=True, k_perm=False)], ids=str)
+                                     dict(split=True, k_perm=False)], ids=["whole", "split", "split-bn128", "split-k2d"])
 @pytest.mark.parametrize("case", K_PERM_CASES, ids=_case_id)
 @pytest.mark.parametrize("one_empty,pipe", [(False, False), (True, False), (False, True), (True, True)],
                          ids=["", "one_empty", "pipe", "pipe_one_empty"])
