@@ -291,13 +291,25 @@ def _protocol_model(n_tiles: int, stages: int, rng: random.Random, mutant: str =
             bars["ks_ready"][s].expect_arrive(1)
             smem.tma(("ks", s), i, bars["ks_ready"][s])
 
-    def consumer_pipe():
+    def first_tile():  # S_0, dP_0 alone (``_first_tile``)
         yield ("wait", bars["kv_ready"][0], 0)
         smem.start_read(("kv", 0), 0)
         yield ("step",)
         smem.done_read(("kv", 0))
         if not one_empty:
             bars["kv_empty"][0].arrive()
+
+    def last_dq():  # dQ_{n-1} (``_last_dq``)
+        sp = (n_tiles - 1) % S
+        yield ("wait", bars["ks_ready"][sp], ((n_tiles - 1) // S) & 1)
+        smem.start_read(("ks", sp), n_tiles - 1)
+        yield ("step",)
+        smem.done_read(("ks", sp))
+        if not one_empty:
+            bars["ks_empty"][sp].arrive()
+
+    def consumer_pipe():
+        yield from first_tile()
         for j in range(1, n_tiles):
             st, sp = j % S, (j - 1) % S
             yield ("wait", bars["kv_ready"][st], (j // S) & 1)
@@ -316,24 +328,13 @@ def _protocol_model(n_tiles: int, stages: int, rng: random.Random, mutant: str =
                 bars["kv_empty"][st].arrive()
                 if mutant != "pipe_early_release":
                     bars["ks_empty"][sp].arrive()
-        sp = (n_tiles - 1) % S
-        yield ("wait", bars["ks_ready"][sp], ((n_tiles - 1) // S) & 1)
-        smem.start_read(("ks", sp), n_tiles - 1)
-        yield ("step",)
-        smem.done_read(("ks", sp))
-        if not one_empty:
-            bars["ks_empty"][sp].arrive()
+        yield from last_dq()
 
     def consumer():
         if pipe:
             yield from consumer_pipe()
             return
-        yield ("wait", bars["kv_ready"][0], 0)
-        smem.start_read(("kv", 0), 0)
-        yield ("step",)
-        smem.done_read(("kv", 0))
-        if not one_empty:
-            bars["kv_empty"][0].arrive()
+        yield from first_tile()
         for j in range(1, n_tiles):
             st, sp = j % S, (j - 1) % S
             yield ("wait", bars["kv_ready"][st], (j // S) & 1)
@@ -352,13 +353,7 @@ def _protocol_model(n_tiles: int, stages: int, rng: random.Random, mutant: str =
             smem.done_read(("ks", sp))
             if not one_empty:
                 bars["ks_empty"][sp].arrive()
-        sp = (n_tiles - 1) % S
-        yield ("wait", bars["ks_ready"][sp], ((n_tiles - 1) // S) & 1)
-        smem.start_read(("ks", sp), n_tiles - 1)
-        yield ("step",)
-        smem.done_read(("ks", sp))
-        if not one_empty:
-            bars["ks_empty"][sp].arrive()
+        yield from last_dq()
 
     return smem.run({"producer": producer(), **{f"consumer{c}": consumer() for c in range(consumers)}}, rng)
 

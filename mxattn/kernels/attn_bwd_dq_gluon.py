@@ -464,6 +464,37 @@ def _producer_split(q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k
                     k_row, k_col, ks_row, ks_col, n_tiles, STAGES, BLOCK_N, K_PERM, ONE_EMPTY)
 
 
+@gluon.jit
+def _first_tile(q_smem, do_smem, k_smem, v_smem, kv_ready, kv_empty, s_zero, BLOCK_N: gl.constexpr,
+                HEAD_DIM: gl.constexpr, K_PERM: gl.constexpr, ONE_EMPTY: gl.constexpr):
+    """Issue block 0 of both key loops: S_0 and dP_0 alone, waited; K / V's stage 0 released (ONE_EMPTY: later)."""
+    mbarrier.wait(kv_ready.index(0), 0)
+    s = warpgroup_mma(q_smem, _k_operand(k_smem.index(0), BLOCK_N, HEAD_DIM, K_PERM), s_zero, use_acc=False,
+                      is_async=True)
+    dp = warpgroup_mma(do_smem, _k_operand(v_smem.index(0), BLOCK_N, HEAD_DIM, K_PERM), s_zero, use_acc=False,
+                       is_async=True)
+    s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+    if not ONE_EMPTY:
+        mbarrier.arrive(kv_empty.index(0), count=1)
+    return s, dp
+
+
+@gluon.jit
+def _last_dq(ds, e, acc, acc_e, ks_smem, ks_ready, ks_empty, n_tiles, ds_layout: gl.constexpr, STAGES: gl.constexpr,
+             K_PERM: gl.constexpr, ONE_EMPTY: gl.constexpr):
+    """The last issue block of both key loops: acc += dS_{n-1} K_seq_{n-1} (acc moved to e first), waited; K_seq's
+    stage released (ONE_EMPTY: the last two stages are never waited for again)."""
+    sp = (n_tiles - 1) % STAGES
+    ds8 = _ds_operand(ds, ds_layout, K_PERM)
+    acc = _rescale(acc, acc_e, e)
+    mbarrier.wait(ks_ready.index(sp), ((n_tiles - 1) // STAGES) & 1)
+    acc = warpgroup_mma(ds8, ks_smem.index(sp).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    if not ONE_EMPTY:
+        mbarrier.arrive(ks_empty.index(sp), count=1)
+    return acc
+
+
 # ------------------------------------------------------------------------------------------------- consumer
 @gluon.jit
 def _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
@@ -474,15 +505,8 @@ def _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_re
     """The key loop (n_tiles >= 1).  Returns (acc, its exponent).  K_PERM: S and dP column c holds key sigma(c)
     (``attn_fwd_gluon._key_of_column``), and dS reaches dQ's A operand by a relabel (``_ds_operand``)."""
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-    # issue block 0: S_0 and dP_0 alone
-    mbarrier.wait(kv_ready.index(0), 0)
-    s = warpgroup_mma(q_smem, _k_operand(k_smem.index(0), BLOCK_N, HEAD_DIM, K_PERM), s_zero, use_acc=False,
-                      is_async=True)
-    dp = warpgroup_mma(do_smem, _k_operand(v_smem.index(0), BLOCK_N, HEAD_DIM, K_PERM), s_zero, use_acc=False,
-                       is_async=True)
-    s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
-    if not ONE_EMPTY:
-        mbarrier.arrive(kv_empty.index(0), count=1)
+    s, dp = _first_tile(q_smem, do_smem, k_smem, v_smem, kv_ready, kv_empty, s_zero, BLOCK_N, HEAD_DIM, K_PERM,
+                        ONE_EMPTY)
     acc_e = 0
     e_hi = -1000  # no bound until the accumulator holds something
     ds, e = _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, acc_e, e_hi, offs_m, 0,
@@ -515,14 +539,7 @@ def _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_re
         if not ONE_EMPTY:
             mbarrier.arrive(ks_empty.index(sp), count=1)
     # last issue block: acc += dS_{n-1} K_seq_{n-1}
-    sp = (n_tiles - 1) % STAGES
-    ds8 = _ds_operand(ds, ds_layout, K_PERM)
-    acc = _rescale(acc, acc_e, e)
-    mbarrier.wait(ks_ready.index(sp), ((n_tiles - 1) // STAGES) & 1)
-    acc = warpgroup_mma(ds8, ks_smem.index(sp).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    if not ONE_EMPTY:  # (ONE_EMPTY: the last two stages are never waited for again)
-        mbarrier.arrive(ks_empty.index(sp), count=1)
+    acc = _last_dq(ds, e, acc, acc_e, ks_smem, ks_ready, ks_empty, n_tiles, ds_layout, STAGES, K_PERM, ONE_EMPTY)
     return acc, e
 
 
@@ -571,14 +588,8 @@ def _dq_loop_pipe(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, 
     pair alternating between two sets of registers: one step an iteration carried S_j into the next step's S with
     ~64 register moves a step.  The same dS values and exponents in the same order: bit-identical to ``_dq_loop``."""
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-    mbarrier.wait(kv_ready.index(0), 0)
-    s = warpgroup_mma(q_smem, _k_operand(k_smem.index(0), BLOCK_N, HEAD_DIM, K_PERM), s_zero, use_acc=False,
-                      is_async=True)
-    dp = warpgroup_mma(do_smem, _k_operand(v_smem.index(0), BLOCK_N, HEAD_DIM, K_PERM), s_zero, use_acc=False,
-                       is_async=True)
-    s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
-    if not ONE_EMPTY:
-        mbarrier.arrive(kv_empty.index(0), count=1)
+    s, dp = _first_tile(q_smem, do_smem, k_smem, v_smem, kv_ready, kv_empty, s_zero, BLOCK_N, HEAD_DIM, K_PERM,
+                        ONE_EMPTY)
     acc_e = 0
     e = 0
     e_hi = -1000  # no bound until the accumulator holds something
@@ -598,17 +609,10 @@ def _dq_loop_pipe(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, 
             VE, stride_ket, stride_vet, acc, acc_e, e_hi, a_q, b_row, delta, dscale, offs_m, Sk, causal_off, n_full,
             slots, s_zero, STAGES, CAUSAL, ds_layout, BLOCK_N, HEAD_DIM, K_PERM, WARPS, AMAX_SLOTS, ONE_EMPTY)
     # the last tile: dS_{n-1}, then dQ_{n-1}
-    sp = (n_tiles - 1) % STAGES
     ds, e = _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, acc_e, e_hi, offs_m,
                      (n_tiles - 1) * BLOCK_N, n_tiles - 1 >= n_full, Sk, causal_off, slots, CAUSAL, BLOCK_N, K_PERM,
                      WARPS, AMAX_SLOTS, ks_empty.index(0), False, False)
-    ds8 = _ds_operand(ds, ds_layout, K_PERM)
-    acc = _rescale(acc, acc_e, e)
-    mbarrier.wait(ks_ready.index(sp), ((n_tiles - 1) // STAGES) & 1)
-    acc = warpgroup_mma(ds8, ks_smem.index(sp).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    if not ONE_EMPTY:
-        mbarrier.arrive(ks_empty.index(sp), count=1)
+    acc = _last_dq(ds, e, acc, acc_e, ks_smem, ks_ready, ks_empty, n_tiles, ds_layout, STAGES, K_PERM, ONE_EMPTY)
     return acc, e
 
 
