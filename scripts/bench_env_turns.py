@@ -9,7 +9,8 @@ the same order every turn; a child times every shape with ``triton.testing.do_be
 line.  Rows: per shape, each value's ms over the turns, the median, ``speedup`` against the first value and
 whether it was faster in every turn.  Kernels: ``fwd-gluon`` (the Gluon forward on FP8 operands, the API's
 default config) at B2 H16 d128 S 4k / 8k / 16k, both masks; ``dq`` (the Gluon dQ kernel, the API's build) at
-d128 S 4k / 8k and d64 S 8k, both masks.  One JSON (``cost_probe`` or ``attn_bwd_kernels``) under OUTDIR.
+d128 S 4k / 8k and d64 S 8k, both masks; ``bwd`` (the public backward from BF16, ``autograd.grad``, with SDPA
+cuDNN BF16's timed in the same child: rows keep the ratio) at the ``dq`` shapes.  One JSON (``cost_probe`` or ``attn_bwd_kernels``) under OUTDIR.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import subprocess
 import sys
 
 SHAPES = {"fwd-gluon": [(2, 16, S, 128, c) for S in (4096, 8192, 16384) for c in (False, True)],
-          "dq": [(2, 16, S, D, c) for S, D in ((4096, 128), (8192, 128), (8192, 64)) for c in (False, True)]}
+          "dq": [(2, 16, S, D, c) for S, D in ((4096, 128), (8192, 128), (8192, 64)) for c in (False, True)],
+          "bwd": [(2, 16, S, D, c) for S, D in ((4096, 128), (8192, 128), (8192, 64)) for c in (False, True)]}
 
 
 def child(kernel: str, rep_ms: int) -> None:
@@ -32,6 +34,27 @@ def child(kernel: str, rep_ms: int) -> None:
     for B, H, S, D, causal in SHAPES[kernel]:
         g = torch.Generator(device="cuda").manual_seed(0)
         x = [torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4)]
+        if kernel == "bwd":  # the public backward (autograd.grad of mxfp8_attn_func) from bf16, beside SDPA cuDNN's
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            from mxattn import mxfp8_attn_func
+            leaves = [t.detach().requires_grad_() for t in x[:3]]
+            out_m = mxfp8_attn_func(*leaves, causal=causal)
+            fn = lambda: torch.autograd.grad(out_m, leaves, x[3], retain_graph=True)  # noqa: E731
+            lt = [t.transpose(1, 2).detach().requires_grad_() for t in x[:3]]
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                out_c = torch.nn.functional.scaled_dot_product_attention(*lt, is_causal=causal)
+            sdpa = lambda: torch.autograd.grad(out_c, lt, x[3].transpose(1, 2), retain_graph=True)  # noqa: E731
+            products = 5
+            out = fn()[0]
+            digest = int(out.view(torch.int16).to(torch.int64).sum())
+            ms = triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
+            ms_c = triton.testing.do_bench(sdpa, warmup=10, rep=rep_ms, return_mode="median")
+            flops = products * 2 * B * H * S * S * D * (0.5 if causal else 1.0)
+            rows.append({"B": B, "Hq": H, "Hkv": H, "S": S, "D": D, "causal": causal, "ms": ms,
+                         "tflops": flops / ms / 1e9, "digest": digest, "sdpa_cudnn_ms": ms_c,
+                         "ratio_vs_sdpa_cudnn_bf16": ms_c / ms})
+            continue
         if kernel == "fwd-gluon":
             from mxattn.kernels import attn_fwd_gluon as m
             from mxattn.kernels.quantize import row_scaled_triton
@@ -94,13 +117,16 @@ def main() -> None:
                "speedup": {v: med[base] / x for v, x in med.items()},
                "faster_every_turn": {v: all(b > x for b, x in zip(ms[base], ms[v])) for v in ms},
                "same_output": len({d for x in digests.values() for d in x}) == 1}
+        if args.kernel == "bwd":
+            row["ratio_vs_sdpa_cudnn_bf16"] = {v: statistics.median([run[i]["ratio_vs_sdpa_cudnn_bf16"]
+                                                                     for run in runs[v]]) for v in ms}
         print(f"B{B} H{H} S{S} d{D} causal={causal}: " + ", ".join(
             f"{args.var}={v} {med[v]:.3f} ms {row['speedup'][v]:.3f}x{'*' if row['faster_every_turn'][v] else ''}"
             for v in ms) + f", same output {row['same_output']}", flush=True)
         rows.append(row)
     if args.out and rows:
         from mxattn.bench.results import write_result
-        what = "cost_probe" if args.kernel == "fwd-gluon" else "attn_bwd_kernels"
+        what = {"fwd-gluon": "cost_probe", "dq": "attn_bwd_kernels", "bwd": "attn_bwd"}[args.kernel]
         print(write_result(what, rows, args.out, extra={"variable": args.var, "values": args.values,
                                                          "turns": args.turns}))
 

@@ -142,7 +142,7 @@ if _OUT_ROWS_ENV not in ("auto", "0", "1"):
 OUT_ROWS = gl.constexpr(_OUT_ROWS_ENV != "0")  # dQ
 OUT_ROWS_DKDV = gl.constexpr({"auto": 128, "1": 64, "0": 0}[_OUT_ROWS_ENV])  # dK/dV: rows from this query step up
 # GluonDqConfig.amax_slots's default, read once at import (MXATTN_DQ_AMAX_SLOTS=0 / 1)
-_AMAX_SLOTS = os.environ.get("MXATTN_DQ_AMAX_SLOTS", "0") == "1"
+_AMAX_SLOTS = os.environ.get("MXATTN_DQ_AMAX_SLOTS", "1") == "1"
 _ONE_EMPTY = os.environ.get("MXATTN_DQ_ONE_EMPTY", "0") == "1"  # GluonDqConfig.one_empty's default
 _PIPE = os.environ.get("MXATTN_DQ_PIPE", "0") == "1"  # GluonDqConfig.pipe's default
 ROW_GROUP = 128  # q / dout_hdim rows per exponent must be a multiple of this (one scalar per 128-row tile)
@@ -1164,14 +1164,13 @@ def attn_bwd_dq_gluon_varlen(q, k, v_hdim, k_seq, dout_hdim, lse: torch.Tensor, 
     scalars = (*grp(qe), *grp(de), *grp(ke), *grp(ve), *kse.stride(),
                0, *lse.stride(), 0, *delta.stride(), 0, *dq.stride(),
                Hq, Hkv, 0, 0, Hq // Hkv, ROW_GROUP, ROW_GROUP, scale * LOG2E, scale * 2.0**-P_SCALE_LOG2)
-    # HEAD_DIM .. BLOCK_N in signature order, then SLOTS, VARLEN (and, where asked, K_PERM off: the 2-D boxes,
-    # AMAX_SLOTS, ONE_EMPTY)
+    # HEAD_DIM .. BLOCK_N in signature order, then SLOTS and VARLEN
     consts = (D, cfg.stages, causal, cfg.producer_regs, cfg.split, cfg.consumer_regs, cfg.block_n)
     grid = (tile_rows_bound(Tq, q.batch, q.max_seqlen), Hq)
-    options = dict(num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
+    # the step's options as keywords (a bound launch fixes its keywords; the 2-D boxes: K_PERM's default)
+    options = dict(num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg, AMAX_SLOTS=cfg.amax_slots,
+                   ONE_EMPTY=cfg.one_empty, PIPE=cfg.pipe)
     args = (*descs, *tensors, *scalars, *consts, slots, True)
-    if cfg.amax_slots or cfg.one_empty or cfg.pipe:  # (the defaults' launch keeps the signature's defaults)
-        args += (False, cfg.amax_slots, cfg.one_empty, cfg.pipe)
     if key is None:
         fast_launcher(_attn_bwd_dq_ws_kernel)[grid](*args, **options)
         return dq
