@@ -171,7 +171,9 @@ class GluonDqConfig:
     # bit-identical to False (the jagged launcher keeps the 2-D boxes)
     k_perm: bool = True
     # the dS tile's maximum through one shared fp32 slot per warp and one barrier (``_tile_amax``), instead of the
-    # compiler's cross-warp reduction (three barriers a step); the same maximum, so bit-identical to False
+    # compiler's cross-warp reduction (three barriers a step); the same maximum, so bit-identical to False.  The
+    # default since session 23 (H100: the dQ kernel 1.049-1.064x at d128 S 4k / 8k, 1.025-1.043x at d64 S 8k,
+    # `attn_bwd_kernels-…-s23-dqslots.json`); MXATTN_DQ_AMAX_SLOTS=0 turns it off
     amax_slots: bool = _AMAX_SLOTS
     # one release per ring stage for its K, V and K_seq tiles (``ks_empty``), made in step j + 2 right after S and
     # dP's wait, instead of K / V's release there in step j and K_seq's at the end of step j + 1.  With
@@ -180,7 +182,8 @@ class GluonDqConfig:
     # is held ~1.5 steps longer: use 4 stages.  Bit-identical to False
     one_empty: bool = _ONE_EMPTY
     # S and dP issued one tile ahead (``_dq_loop_pipe``): dS_{j-1} is computed under S_j and dP_j, at the cost of a
-    # second S / dP accumulator pair (d128 split: R237 of 240, no spill; 64-key steps only).  Bit-identical
+    # second S / dP accumulator pair (d128 split: R237 of 240, no spill; 64-key steps only).  Bit-identical.
+    # Measured slower than slots alone (session 23, H100: the other warpgroup already hides the S / dP wait)
     pipe: bool = _PIPE
 
     def __post_init__(self):
