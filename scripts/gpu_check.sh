@@ -593,7 +593,7 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
         -k "amax_slots and 129 and split" 2>&1 | tail -3
       run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_bwd_dq_gluon.py \
         -k "${DQSLOTS_K:-amax_slots and split}" 2>&1 | tail -5
-      run $PY scripts/bench_dq_variants.py "$OUT" ${DQSLOTS_ARGS:---variants slots pipe_slots pipe_slots_one_st4} ;;
+      run $PY scripts/bench_dq_variants.py "$OUT" ${DQSLOTS_ARGS:---variants slots slots_one slots_one_st4} ;;
     fwdoneempty)
       # session 23: the Gluon forward with K and V released together (MXATTN_FWD_ONE_EMPTY=1, import time): its GPU
       # tests under the variable (the smallest first), then the kernel on FP8 operands, 0 / 1 in turns, one process
