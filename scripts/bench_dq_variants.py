@@ -3,8 +3,9 @@
     PYTHONPATH=. python3 scripts/bench_dq_variants.py OUTDIR [--turns N] [--rep-ms MS]
 
 The API's build (split, 64-key step at d128, 128-key at d64) as it is ("base") and with session 23's options:
-``amax_slots`` ("slots"), plus ``one_empty`` ("slots_one"), plus a 4-stage ring ("slots_one_st4"); at d128 also
-``pipe`` ("pipe", "pipe_slots", "pipe_slots_one_st4": S and dP issued one tile ahead).  Per shape the
+``amax_slots`` ("slots"), plus ``one_empty`` ("slots_one"), plus a 4-stage ring ("slots_one_st4").  (Session
+23's "pipe" variants, S and dP issued one tile ahead, measured slower and were removed; they are in the history at
+commit a73fb2c.)  Per shape the
 variants take turns, each turn a ``triton.testing.do_bench`` median; a row keeps every turn's ms, the medians over
 turns, ``speedup`` (base / variant) and whether the variant was faster than base in every turn.  Shapes: B2 H16
 d128 S 4k / 8k and d64 S 8k, both masks.  One JSON (``attn_bwd_kernels-…``) under OUTDIR.
@@ -36,10 +37,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--rep-ms", type=int, default=150)
     ap.add_argument("--variants", nargs="+",
-                    default=["base", "slots", "slots_one", "slots_one_st4", "pipe", "pipe_slots",
-                             "pipe_slots_one_st4"],
-                    help="names among base, slots, slots_one, slots_one_st4, pipe, pipe_slots, pipe_slots_one_st4 "
-                         "(base is always timed; pipe only at d128)")
+                    default=["base", "slots", "slots_one", "slots_one_st4"],
+                    help="names among base, slots, slots_one, slots_one_st4 (base is always timed)")
     args = ap.parse_args()
     rows = []
     for B, H, S, D, causal in SHAPES:
@@ -51,11 +50,6 @@ def main() -> None:
         cfgs = {"base": base, "slots": dataclasses.replace(base, amax_slots=True),
                 "slots_one": dataclasses.replace(base, amax_slots=True, one_empty=True),
                 "slots_one_st4": dataclasses.replace(base, amax_slots=True, one_empty=True, stages=4)}
-        if base.block_n == 64:  # (pipe: 64-key steps only)
-            cfgs["pipe"] = dataclasses.replace(base, pipe=True)
-            cfgs["pipe_slots"] = dataclasses.replace(base, pipe=True, amax_slots=True)
-            cfgs["pipe_slots_one_st4"] = dataclasses.replace(base, pipe=True, amax_slots=True, one_empty=True,
-                                                             stages=4)
         cfgs = {n: c for n, c in cfgs.items() if n == "base" or n in args.variants}
         outs = {n: m.attn_bwd_dq_gluon(**ops, causal=causal, config=c) for n, c in cfgs.items()}
         same = all(torch.equal(outs["base"].view(torch.int16), o.view(torch.int16)) for o in outs.values())

@@ -91,6 +91,8 @@ def main() -> None:
     if args.child:
         child(args.kernel, args.rep_ms)
         return
+    if not args.var:
+        ap.error("--var is required (the import-time variable whose values take turns)")
     runs = {v: [] for v in args.values}
     for t in range(args.turns):
         for v in args.values:

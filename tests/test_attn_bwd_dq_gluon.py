@@ -103,15 +103,11 @@ def test_launcher_rejects_bad_operands():
 
 def test_one_empty_needs_three_stages():
     """``GluonDqConfig.one_empty`` releases a ring stage two steps after its use, so with 2 stages step j would wait
-    for a tile whose stage only it releases: a ValueError at construction, never a hung launch.  ``pipe`` takes
-    64-key steps only."""
+    for a tile whose stage only it releases: a ValueError at construction, never a hung launch."""
     m = _mod()
     assert m.GluonDqConfig(one_empty=True, stages=3).one_empty
     with pytest.raises(ValueError, match="stages >= 3"):
         m.GluonDqConfig(one_empty=True, stages=2)
-    assert m.GluonDqConfig(pipe=True).pipe and m.GluonDqConfig(pipe=True, one_empty=True, stages=4).one_empty
-    with pytest.raises(ValueError, match="block_n=64"):
-        m.GluonDqConfig(pipe=True, block_n=128)
 
 
 def test_block_n_validation():
@@ -263,14 +259,12 @@ def test_compiles_block_n_128_for_sm90_without_gpu(args):
 
 
 def _protocol_model(n_tiles: int, stages: int, rng: random.Random, mutant: str = "", consumers: int = 1,
-                    one_empty: bool = False, pipe: bool = False):
+                    one_empty: bool = False):
     """Run the kernel's protocol (``_producer`` and ``_dq_loop``; ``consumers=2``: the split kernel, two warpgroup
     partitions on one ring, empty barriers counting two arrivals) under a random interleaving
     (``conftest.SharedTilesModel``); returns the log of reads.  ``one_empty`` (``GluonDqConfig.one_empty``): the
     producer waits for ``ks_empty`` before K / V too; step j releases stage j - 2 (its K, V and K_seq) after S_j
-    and dP_j's wait, at the slots' store; no other release.  ``pipe`` (``GluonDqConfig.pipe``, ``_pipe_step``): step j
-    issues S_j / dP_j, computes dS_{j-1}, issues dQ_{j-1}, waits for all three, then releases K / V's stage j and
-    K_seq's stage j - 1."""
+    and dP_j's wait, at the slots' store; no other release."""
     S = stages
     empty_count = 1 if mutant == "split_empty_count_1" else consumers
     bars = {name: [MBarrierModel(empty_count if name.endswith("empty") else 1) for _ in range(S)]
@@ -291,50 +285,13 @@ def _protocol_model(n_tiles: int, stages: int, rng: random.Random, mutant: str =
             bars["ks_ready"][s].expect_arrive(1)
             smem.tma(("ks", s), i, bars["ks_ready"][s])
 
-    def first_tile():  # S_0, dP_0 alone (``_first_tile``)
+    def consumer():
         yield ("wait", bars["kv_ready"][0], 0)
         smem.start_read(("kv", 0), 0)
         yield ("step",)
         smem.done_read(("kv", 0))
         if not one_empty:
             bars["kv_empty"][0].arrive()
-
-    def last_dq():  # dQ_{n-1} (``_last_dq``)
-        sp = (n_tiles - 1) % S
-        yield ("wait", bars["ks_ready"][sp], ((n_tiles - 1) // S) & 1)
-        smem.start_read(("ks", sp), n_tiles - 1)
-        yield ("step",)
-        smem.done_read(("ks", sp))
-        if not one_empty:
-            bars["ks_empty"][sp].arrive()
-
-    def consumer_pipe():
-        yield from first_tile()
-        for j in range(1, n_tiles):
-            st, sp = j % S, (j - 1) % S
-            yield ("wait", bars["kv_ready"][st], (j // S) & 1)
-            smem.start_read(("kv", st), j)  # S_j, dP_j issued
-            yield ("step",)  # dS_{j-1} under them
-            if one_empty and j >= 2:  # stage j - 2 (dQ_{j-2} was waited in step j - 1), before the slots' store
-                bars["ks_empty"][(sp if mutant == "release_j_minus_1" else (j - 2) % S)].arrive()
-            yield ("wait", bars["ks_ready"][sp], ((j if mutant == "ks_parity" else j - 1) // S) & 1)
-            smem.start_read(("ks", sp), j - 1)  # dQ_{j-1} issued
-            if mutant == "pipe_early_release":  # K_seq's stage released before dQ_{j-1} is waited
-                bars["ks_empty"][sp].arrive()
-            yield ("step",)  # wait(0): all three
-            smem.done_read(("kv", st))
-            smem.done_read(("ks", sp))
-            if not one_empty:
-                bars["kv_empty"][st].arrive()
-                if mutant != "pipe_early_release":
-                    bars["ks_empty"][sp].arrive()
-        yield from last_dq()
-
-    def consumer():
-        if pipe:
-            yield from consumer_pipe()
-            return
-        yield from first_tile()
         for j in range(1, n_tiles):
             st, sp = j % S, (j - 1) % S
             yield ("wait", bars["kv_ready"][st], (j // S) & 1)
@@ -353,21 +310,25 @@ def _protocol_model(n_tiles: int, stages: int, rng: random.Random, mutant: str =
             smem.done_read(("ks", sp))
             if not one_empty:
                 bars["ks_empty"][sp].arrive()
-        yield from last_dq()
+        sp = (n_tiles - 1) % S
+        yield ("wait", bars["ks_ready"][sp], ((n_tiles - 1) // S) & 1)
+        smem.start_read(("ks", sp), n_tiles - 1)
+        yield ("step",)
+        smem.done_read(("ks", sp))
+        if not one_empty:
+            bars["ks_empty"][sp].arrive()
 
     return smem.run({"producer": producer(), **{f"consumer{c}": consumer() for c in range(consumers)}}, rng)
 
 
 @pytest.mark.parametrize("consumers", [1, 2], ids=["whole", "split"])
-@pytest.mark.parametrize("stages,one_empty,pipe", [(1, False, False), (2, False, False), (3, False, False),
-                                                   (4, False, False), (3, True, False), (4, True, False),
-                                                   (5, True, False), (1, False, True), (2, False, True),
-                                                   (3, False, True), (3, True, True), (4, True, True)])
-def test_barrier_protocol_model(stages, one_empty, pipe, consumers, seed):
+@pytest.mark.parametrize("stages,one_empty", [(1, False), (2, False), (3, False), (4, False), (3, True), (4, True),
+                                              (5, True)])
+def test_barrier_protocol_model(stages, one_empty, consumers, seed):
     rng = random.Random(seed)
     for n_tiles in (1, 2, 3, stages, stages + 1, 2 * stages + 3, 17):
         for _ in range(30):
-            log = _protocol_model(n_tiles, stages, rng, consumers=consumers, one_empty=one_empty, pipe=pipe)
+            log = _protocol_model(n_tiles, stages, rng, consumers=consumers, one_empty=one_empty)
             for ring in ("kv", "ks"):
                 assert sorted(t for kind, buf, t in log if buf[0] == ring) == sorted(list(range(n_tiles)) * consumers)
 
@@ -375,30 +336,24 @@ def test_barrier_protocol_model(stages, one_empty, pipe, consumers, seed):
 def test_one_empty_with_two_stages_deadlocks(seed):
     """Why ``GluonDqConfig(one_empty=True)`` refuses stages < 3: step j releases stage j - 2, which with two stages
     is tile j's own stage, so the producer cannot load tile j before step j releases it.  The model deadlocks."""
-    for pipe in (False, True):
-        with pytest.raises(AssertionError, match="deadlock"):
-            for _ in range(50):
-                _protocol_model(5, 2, random.Random(seed), one_empty=True, pipe=pipe)
+    with pytest.raises(AssertionError, match="deadlock"):
+        for _ in range(50):
+            _protocol_model(5, 2, random.Random(seed), one_empty=True)
 
 
-@pytest.mark.parametrize("mutant,consumers,one_empty,pipe", [
-    ("no_kv_empty_wait", 1, False, False), ("ks_parity", 1, False, False), ("no_kv_empty_wait", 2, False, False),
-    ("split_empty_count_1", 2, False, False), ("no_kv_empty_wait", 1, True, False),
-    ("release_j_minus_1", 1, True, False), ("release_j_minus_1", 2, True, False),
-    ("split_empty_count_1", 2, True, False), ("no_kv_empty_wait", 1, False, True), ("ks_parity", 2, False, True),
-    ("pipe_early_release", 1, False, True), ("pipe_early_release", 2, False, True),
-    ("release_j_minus_1", 1, True, True), ("release_j_minus_1", 2, True, True), ("no_kv_empty_wait", 2, True, True)])
-def test_barrier_protocol_model_catches_mutants(mutant, consumers, one_empty, pipe, seed):
+@pytest.mark.parametrize("mutant,consumers,one_empty", [
+    ("no_kv_empty_wait", 1, False), ("ks_parity", 1, False), ("no_kv_empty_wait", 2, False),
+    ("split_empty_count_1", 2, False), ("no_kv_empty_wait", 1, True), ("release_j_minus_1", 1, True),
+    ("release_j_minus_1", 2, True), ("split_empty_count_1", 2, True)])
+def test_barrier_protocol_model_catches_mutants(mutant, consumers, one_empty, seed):
     """The model is not vacuous: a producer that does not wait for the K/V release, a consumer waiting K_seq with
-    the wrong parity, (split) empty barriers counting one arrival for two warpgroups, with ``one_empty`` a
-    release of stage j - 1 in step j (dQ_{j-1} still reads its K_seq), or with ``pipe`` K_seq's release before
-    dQ_{j-1}'s wait, is caught (deadlock, a TMA into a buffer
+    the wrong parity, (split) empty barriers counting one arrival for two warpgroups, or with ``one_empty`` a
+    release of stage j - 1 in step j (dQ_{j-1} still reads its K_seq), is caught (deadlock, a TMA into a buffer
     being read, a wgmma reading the wrong tile, or too many arrivals)."""
     rng = random.Random(seed)
     with pytest.raises(AssertionError):
         for _ in range(200):
-            _protocol_model(9, 3 if one_empty else 2, rng, mutant, consumers=consumers, one_empty=one_empty,
-                            pipe=pipe)
+            _protocol_model(9, 3 if one_empty else 2, rng, mutant, consumers=consumers, one_empty=one_empty)
 
 
 # ---------------------------------------------------------------------------------------------------- GPU
@@ -582,16 +537,15 @@ def test_attn_bwd_dq_gluon_k_perm_bit_identical(case, variant, seed):
 @pytest.mark.parametrize("variant", [dict(split=False), dict(split=True), dict(split=True, block_n=128),
                                      dict(split=True, k_perm=False)], ids=["whole", "split", "split-bn128", "split-k2d"])
 @pytest.mark.parametrize("case", K_PERM_CASES, ids=_case_id)
-@pytest.mark.parametrize("one_empty,pipe", [(False, False), (True, False), (False, True), (True, True)],
-                         ids=["", "one_empty", "pipe", "pipe_one_empty"])
-def test_attn_bwd_dq_gluon_amax_slots_bit_identical(case, variant, one_empty, pipe, seed):
+@pytest.mark.parametrize("one_empty", [False, True], ids=["", "one_empty"])
+def test_attn_bwd_dq_gluon_amax_slots_bit_identical(case, variant, one_empty, seed):
     """``amax_slots`` (the dS tile's maximum through one shared slot per warp) against the compiler's reduction
     across warps: the same maximum, so the same exponents and dq bit for bit; with ``one_empty`` (one release per
-    ring stage) or ``pipe`` (S and dP one tile ahead) as well: the same products on the same tiles."""
+    ring stage) as well: the same products on the same tiles."""
     if variant.get("block_n") == 128 and case[5] != 64:
         pytest.skip("block_n=128 is a d64 build")
-    m, dq, ops, _, _ = _gluon_case(case, lambda m: m.GluonDqConfig(**variant, amax_slots=True, one_empty=one_empty,
-                                                                   pipe=pipe), seed)
+    m, dq, ops, _, _ = _gluon_case(case, lambda m: m.GluonDqConfig(**variant, amax_slots=True, one_empty=one_empty),
+                                   seed)
     want = m.attn_bwd_dq_gluon(**ops, causal=case[6],
                                config=m.GluonDqConfig(**variant, amax_slots=False, one_empty=False))
     assert torch.equal(dq.view(torch.int16), want.view(torch.int16)), _case_id(case)

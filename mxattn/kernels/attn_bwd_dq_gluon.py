@@ -144,7 +144,6 @@ OUT_ROWS_DKDV = gl.constexpr({"auto": 128, "1": 64, "0": 0}[_OUT_ROWS_ENV])  # d
 # GluonDqConfig.amax_slots's default, read once at import (MXATTN_DQ_AMAX_SLOTS=0 / 1)
 _AMAX_SLOTS = os.environ.get("MXATTN_DQ_AMAX_SLOTS", "1") == "1"
 _ONE_EMPTY = os.environ.get("MXATTN_DQ_ONE_EMPTY", "0") == "1"  # GluonDqConfig.one_empty's default
-_PIPE = os.environ.get("MXATTN_DQ_PIPE", "0") == "1"  # GluonDqConfig.pipe's default
 ROW_GROUP = 128  # q / dout_hdim rows per exponent must be a multiple of this (one scalar per 128-row tile)
 
 
@@ -181,16 +180,8 @@ class GluonDqConfig:
     # so the compiler's barriers before writes and before the reads after them come down to two a step.  A stage
     # is held ~1.5 steps longer: use 4 stages.  Bit-identical to False
     one_empty: bool = _ONE_EMPTY
-    # S and dP issued one tile ahead (``_dq_loop_pipe``): dS_{j-1} is computed under S_j and dP_j, at the cost of a
-    # second S / dP accumulator pair (d128 split: R237 of 240, no spill; 64-key steps only).  Bit-identical.
-    # Measured slower than slots alone (session 23, H100: the other warpgroup already hides the S / dP wait)
-    pipe: bool = _PIPE
 
     def __post_init__(self):
-        if self.pipe and self.block_n != 64:
-            # two S / dP pairs of 64 x 128 fp32 a warpgroup: the d64 build spilled 11 KB (triton 3.6, session 23)
-            raise ValueError(f"pipe needs block_n=64 (the second S / dP pair does not fit 128-key steps), got "
-                             f"{self.block_n}")
         if self.one_empty and self.stages < 3:
             # step j releases stage j - 2 after its own tile has arrived: with 2 stages that is tile j's stage
             raise ValueError(f"one_empty needs stages >= 3 (a stage is released two steps after its use), got "
@@ -467,37 +458,6 @@ def _producer_split(q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k
                     k_row, k_col, ks_row, ks_col, n_tiles, STAGES, BLOCK_N, K_PERM, ONE_EMPTY)
 
 
-@gluon.jit
-def _first_tile(q_smem, do_smem, k_smem, v_smem, kv_ready, kv_empty, s_zero, BLOCK_N: gl.constexpr,
-                HEAD_DIM: gl.constexpr, K_PERM: gl.constexpr, ONE_EMPTY: gl.constexpr):
-    """Issue block 0 of both key loops: S_0 and dP_0 alone, waited; K / V's stage 0 released (ONE_EMPTY: later)."""
-    mbarrier.wait(kv_ready.index(0), 0)
-    s = warpgroup_mma(q_smem, _k_operand(k_smem.index(0), BLOCK_N, HEAD_DIM, K_PERM), s_zero, use_acc=False,
-                      is_async=True)
-    dp = warpgroup_mma(do_smem, _k_operand(v_smem.index(0), BLOCK_N, HEAD_DIM, K_PERM), s_zero, use_acc=False,
-                       is_async=True)
-    s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
-    if not ONE_EMPTY:
-        mbarrier.arrive(kv_empty.index(0), count=1)
-    return s, dp
-
-
-@gluon.jit
-def _last_dq(ds, e, acc, acc_e, ks_smem, ks_ready, ks_empty, n_tiles, ds_layout: gl.constexpr, STAGES: gl.constexpr,
-             K_PERM: gl.constexpr, ONE_EMPTY: gl.constexpr):
-    """The last issue block of both key loops: acc += dS_{n-1} K_seq_{n-1} (acc moved to e first), waited; K_seq's
-    stage released (ONE_EMPTY: the last two stages are never waited for again)."""
-    sp = (n_tiles - 1) % STAGES
-    ds8 = _ds_operand(ds, ds_layout, K_PERM)
-    acc = _rescale(acc, acc_e, e)
-    mbarrier.wait(ks_ready.index(sp), ((n_tiles - 1) // STAGES) & 1)
-    acc = warpgroup_mma(ds8, ks_smem.index(sp).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    if not ONE_EMPTY:
-        mbarrier.arrive(ks_empty.index(sp), count=1)
-    return acc
-
-
 # ------------------------------------------------------------------------------------------------- consumer
 @gluon.jit
 def _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
@@ -508,8 +468,15 @@ def _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_re
     """The key loop (n_tiles >= 1).  Returns (acc, its exponent).  K_PERM: S and dP column c holds key sigma(c)
     (``attn_fwd_gluon._key_of_column``), and dS reaches dQ's A operand by a relabel (``_ds_operand``)."""
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-    s, dp = _first_tile(q_smem, do_smem, k_smem, v_smem, kv_ready, kv_empty, s_zero, BLOCK_N, HEAD_DIM, K_PERM,
-                        ONE_EMPTY)
+    # issue block 0: S_0 and dP_0 alone
+    mbarrier.wait(kv_ready.index(0), 0)
+    s = warpgroup_mma(q_smem, _k_operand(k_smem.index(0), BLOCK_N, HEAD_DIM, K_PERM), s_zero, use_acc=False,
+                      is_async=True)
+    dp = warpgroup_mma(do_smem, _k_operand(v_smem.index(0), BLOCK_N, HEAD_DIM, K_PERM), s_zero, use_acc=False,
+                       is_async=True)
+    s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+    if not ONE_EMPTY:
+        mbarrier.arrive(kv_empty.index(0), count=1)
     acc_e = 0
     e_hi = -1000  # no bound until the accumulator holds something
     ds, e = _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, acc_e, e_hi, offs_m, 0,
@@ -542,80 +509,14 @@ def _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_re
         if not ONE_EMPTY:
             mbarrier.arrive(ks_empty.index(sp), count=1)
     # last issue block: acc += dS_{n-1} K_seq_{n-1}
-    acc = _last_dq(ds, e, acc, acc_e, ks_smem, ks_ready, ks_empty, n_tiles, ds_layout, STAGES, K_PERM, ONE_EMPTY)
-    return acc, e
-
-
-@gluon.jit
-def _pipe_step(s, dp, j, q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
-               KE, VE, stride_ket, stride_vet, acc, acc_e, e_hi, a_q, b_row, delta, dscale, offs_m, Sk, causal_off,
-               n_full, slots, s_zero, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ds_layout: gl.constexpr,
-               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, K_PERM: gl.constexpr, WARPS: gl.constexpr,
-               AMAX_SLOTS: gl.constexpr, ONE_EMPTY: gl.constexpr):
-    """Step j (>= 1) of ``_dq_loop_pipe``: issue S_j, dP_j; dS_{j-1} from (s, dp) under them; issue dQ_{j-1}; wait
-    for all three; release K / V's stage j and K_seq's stage j - 1 (ONE_EMPTY: stage j - 2's K, V and K_seq in
-    one arrival before the slots' store, as ``_dq_loop``'s).  Returns (S_j, dP_j, acc, acc_e, e_hi, e)."""
-    st = j % STAGES
-    sp = (j - 1) % STAGES
-    mbarrier.wait(kv_ready.index(st), (j // STAGES) & 1)
-    s_n = warpgroup_mma(q_smem, _k_operand(k_smem.index(st), BLOCK_N, HEAD_DIM, K_PERM), s_zero, use_acc=False,
-                        is_async=True)
-    dp_n = warpgroup_mma(do_smem, _k_operand(v_smem.index(st), BLOCK_N, HEAD_DIM, K_PERM), s_zero, use_acc=False,
-                         is_async=True)
-    ds, e = _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, acc_e, e_hi, offs_m,
-                     (j - 1) * BLOCK_N, j - 1 >= n_full, Sk, causal_off, slots, CAUSAL, BLOCK_N, K_PERM, WARPS,
-                     AMAX_SLOTS, ks_empty.index((j + STAGES - 2) % STAGES), j >= 2, ONE_EMPTY)
-    e_hi = gl.maximum(e_hi, e)
+    sp = (n_tiles - 1) % STAGES
     ds8 = _ds_operand(ds, ds_layout, K_PERM)
     acc = _rescale(acc, acc_e, e)
-    mbarrier.wait(ks_ready.index(sp), ((j - 1) // STAGES) & 1)
-    acc = warpgroup_mma(ds8, ks_smem.index(sp).permute((1, 0)), acc, is_async=True)  # dQ_{j-1}
-    s_n, dp_n, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_n, dp_n, acc))
-    if not ONE_EMPTY:
-        mbarrier.arrive(kv_empty.index(st), count=1)
+    mbarrier.wait(ks_ready.index(sp), ((n_tiles - 1) // STAGES) & 1)
+    acc = warpgroup_mma(ds8, ks_smem.index(sp).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    if not ONE_EMPTY:  # (ONE_EMPTY: the last two stages are never waited for again)
         mbarrier.arrive(ks_empty.index(sp), count=1)
-    return s_n, dp_n, acc, e, e_hi, e
-
-
-@gluon.jit
-def _dq_loop_pipe(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
-                  KE, VE, stride_ket, stride_vet, acc, a_q, b_row, delta, dscale, offs_m, Sk, causal_off, n_tiles,
-                  n_full, slots, STAGES: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr,
-                  ds_layout: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  K_PERM: gl.constexpr, WARPS: gl.constexpr, AMAX_SLOTS: gl.constexpr, ONE_EMPTY: gl.constexpr):
-    """``_dq_loop`` with S and dP issued one tile ahead (``GluonDqConfig.pipe``): step j issues S_j and dP_j, computes
-    dS_{j-1} under them, issues dQ_{j-1} and waits for all three (``_pipe_step``).  ``_dq_loop`` computes dS_j under
-    dQ_{j-1} only and waits for S_j / dP_j first, so this one leaves one product on the warpgroup's chain where that
-    one leaves two.  Every wgmma is waited in the step that issued it (an accumulator in flight across the loop
-    edge made ptxas serialize every wgmma in the forward: C7514).  The loop runs two steps an iteration, the S / dP
-    pair alternating between two sets of registers: one step an iteration carried S_j into the next step's S with
-    ~64 register moves a step.  The same dS values and exponents in the same order: bit-identical to ``_dq_loop``."""
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-    s, dp = _first_tile(q_smem, do_smem, k_smem, v_smem, kv_ready, kv_empty, s_zero, BLOCK_N, HEAD_DIM, K_PERM,
-                        ONE_EMPTY)
-    acc_e = 0
-    e = 0
-    e_hi = -1000  # no bound until the accumulator holds something
-    for jj in range(0, (n_tiles - 1) // 2):
-        j = 1 + 2 * jj
-        s2, dp2, acc, acc_e, e_hi, e = _pipe_step(
-            s, dp, j, q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty, KE, VE,
-            stride_ket, stride_vet, acc, acc_e, e_hi, a_q, b_row, delta, dscale, offs_m, Sk, causal_off, n_full,
-            slots, s_zero, STAGES, CAUSAL, ds_layout, BLOCK_N, HEAD_DIM, K_PERM, WARPS, AMAX_SLOTS, ONE_EMPTY)
-        s, dp, acc, acc_e, e_hi, e = _pipe_step(
-            s2, dp2, j + 1, q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty, KE, VE,
-            stride_ket, stride_vet, acc, acc_e, e_hi, a_q, b_row, delta, dscale, offs_m, Sk, causal_off, n_full,
-            slots, s_zero, STAGES, CAUSAL, ds_layout, BLOCK_N, HEAD_DIM, K_PERM, WARPS, AMAX_SLOTS, ONE_EMPTY)
-    if (n_tiles - 1) % 2 == 1:
-        s, dp, acc, acc_e, e_hi, e = _pipe_step(
-            s, dp, n_tiles - 1, q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty, KE,
-            VE, stride_ket, stride_vet, acc, acc_e, e_hi, a_q, b_row, delta, dscale, offs_m, Sk, causal_off, n_full,
-            slots, s_zero, STAGES, CAUSAL, ds_layout, BLOCK_N, HEAD_DIM, K_PERM, WARPS, AMAX_SLOTS, ONE_EMPTY)
-    # the last tile: dS_{n-1}, then dQ_{n-1}
-    ds, e = _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, acc_e, e_hi, offs_m,
-                     (n_tiles - 1) * BLOCK_N, n_tiles - 1 >= n_full, Sk, causal_off, slots, CAUSAL, BLOCK_N, K_PERM,
-                     WARPS, AMAX_SLOTS, ks_empty.index(0), False, False)
-    acc = _last_dq(ds, e, acc, acc_e, ks_smem, ks_ready, ks_empty, n_tiles, ds_layout, STAGES, K_PERM, ONE_EMPTY)
     return acc, e
 
 
@@ -626,7 +527,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empt
               start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
               WARPS: gl.constexpr, BLOCK_N: gl.constexpr, K_PERM: gl.constexpr, AMAX_SLOTS: gl.constexpr,
-              ONE_EMPTY: gl.constexpr, PIPE: gl.constexpr):
+              ONE_EMPTY: gl.constexpr):
     """ROWS query rows start_m .. start_m + ROWS − 1 of one (b, h): 128 on 8 warps (the CTA's rows), or 64 on one
     warpgroup (split); q_smem / do_smem their Q and dO tiles.  Pointers already moved to (b, h) / (b, hk) and, for
     QE / DOE, to the row group of start_m.  The dS exponent is one per (ROWS x BLOCK_N) tile.
@@ -658,16 +559,10 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empt
     acc_e = 0
     mbarrier.wait(q_bar, 0)
     if n_tiles > 0:
-        if PIPE:
-            acc, acc_e = _dq_loop_pipe(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready,
-                                       ks_empty, KE, VE, stride_ket, stride_vet, acc, a_q, b_row, delta, dscale,
-                                       offs_m, Sk, causal_off, n_tiles, n_full, slots, STAGES, CAUSAL, s_layout,
-                                       ds_layout, ROWS, BLOCK_N, HEAD_DIM, K_PERM, WARPS, AMAX_SLOTS, ONE_EMPTY)
-        else:
-            acc, acc_e = _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
-                                  KE, VE, stride_ket, stride_vet, acc, a_q, b_row, delta, dscale, offs_m, Sk,
-                                  causal_off, n_tiles, n_full, slots, STAGES, CAUSAL, s_layout, ds_layout, ROWS,
-                                  BLOCK_N, HEAD_DIM, K_PERM, WARPS, AMAX_SLOTS, ONE_EMPTY)
+        acc, acc_e = _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
+                              KE, VE, stride_ket, stride_vet, acc, a_q, b_row, delta, dscale, offs_m, Sk,
+                              causal_off, n_tiles, n_full, slots, STAGES, CAUSAL, s_layout, ds_layout, ROWS,
+                              BLOCK_N, HEAD_DIM, K_PERM, WARPS, AMAX_SLOTS, ONE_EMPTY)
 
     # ---- epilogue: dq = acc * 2^acc_e * 2^kse[d] * scale * 2^-8
     offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
@@ -702,7 +597,6 @@ def _attn_bwd_dq_ws_kernel(
     K_PERM: gl.constexpr = False,  # K and V_hdim through the 5-D key-permuted boxes (dense, Sk % 16 == 0)
     AMAX_SLOTS: gl.constexpr = False,  # the dS tile's maximum through per-warp slots (GluonDqConfig.amax_slots)
     ONE_EMPTY: gl.constexpr = False,  # one release per stage for K, V and K_seq (GluonDqConfig.one_empty)
-    PIPE: gl.constexpr = False,  # S and dP issued one tile ahead (GluonDqConfig.pipe)
 ):
     """Dense: grid (cdiv(Sq, 128), B * Hq).  Jagged (VARLEN): grid (table rows, Hq); CTA (r, h) computes the query
     tile of row r of SLOTS (heaviest first) for query head h, on packed operands: q / dout_hdim (Tq, Hq, D) and k /
@@ -778,13 +672,13 @@ def _attn_bwd_dq_ws_kernel(
                          stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
                          start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
                          HEAD_DIM, STAGES, CAUSAL, 64, 4, BLOCK_N, K_PERM, AMAX_SLOTS,
-                         ONE_EMPTY, PIPE)),
+                         ONE_EMPTY)),
             (_consumer, (q_smem.index(1), do_smem.index(1), k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empty,
                          ks_ready, ks_empty, QE_t, DOE_t, KE_bh, VE_bh, KSE_bh, LSE_bh, DELTA_bh, DQ_bh,
                          stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
                          start_m + WG_ROWS, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
                          HEAD_DIM, STAGES, CAUSAL, 64, 4, BLOCK_N, K_PERM, AMAX_SLOTS,
-                         ONE_EMPTY, PIPE)),
+                         ONE_EMPTY)),
             (_producer_split, (q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
                                q_bar, kv_ready, kv_empty, ks_ready, ks_empty, q_row, h * HEAD_DIM,
                                k_row, hk * HEAD_DIM, ks_row, ks_col, n_tiles, STAGES, BLOCK_N, K_PERM,
@@ -797,7 +691,7 @@ def _attn_bwd_dq_ws_kernel(
                          stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
                          start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
                          HEAD_DIM, STAGES, CAUSAL, 128, 8, BLOCK_N, K_PERM, AMAX_SLOTS,
-                         ONE_EMPTY, PIPE)),
+                         ONE_EMPTY)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
                          q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
                          q_row, h * HEAD_DIM, k_row, hk * HEAD_DIM, ks_row, ks_col, n_tiles,
@@ -994,7 +888,7 @@ def attn_bwd_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, k_
     )
     constexprs = dict(HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
                       SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, BLOCK_N=cfg.block_n, K_PERM=use_perm,
-                      AMAX_SLOTS=cfg.amax_slots, ONE_EMPTY=cfg.one_empty, PIPE=cfg.pipe, num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
+                      AMAX_SLOTS=cfg.amax_slots, ONE_EMPTY=cfg.one_empty, num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
     args = (*descs, qe, de, ke, ve, kse, lse, delta, dq, *scalars)
     if key is None:
         fast_launcher(_attn_bwd_dq_ws_kernel)[grid](*args, **constexprs)
@@ -1172,7 +1066,7 @@ def attn_bwd_dq_gluon_varlen(q, k, v_hdim, k_seq, dout_hdim, lse: torch.Tensor, 
     grid = (tile_rows_bound(Tq, q.batch, q.max_seqlen), Hq)
     # the step's options as keywords (a bound launch fixes its keywords; the 2-D boxes: K_PERM's default)
     options = dict(num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg, AMAX_SLOTS=cfg.amax_slots,
-                   ONE_EMPTY=cfg.one_empty, PIPE=cfg.pipe)
+                   ONE_EMPTY=cfg.one_empty)
     args = (*descs, *tensors, *scalars, *consts, slots, True)
     if key is None:
         fast_launcher(_attn_bwd_dq_ws_kernel)[grid](*args, **options)
