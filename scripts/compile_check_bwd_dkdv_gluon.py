@@ -17,7 +17,7 @@ score: the common step's path times the warpgroup's 128 threads over its 64 keys
 Needs triton 3.6 (the GPU machine's version).  Same approach as ``scripts/compile_check_bwd_dq_gluon.py``:
 ``triton.compile(GluonASTSource(...), target=GPUTarget("cuda", 90, 32))`` with TMA descriptor signatures, then the
 ``ptxas`` / ``cuobjdump`` of the triton wheel (helpers of ``scripts/compile_check_gluon.py``).  Fails on spills
-(beyond the per-variant ``SPILL_ALLOWANCE``, explained there),
+(beyond the per-build ``ALLOWANCE``, explained there),
 local memory, wgmma other than m64nNk32 e4m3, ptxas wgmma serialization (C7514 / C7512), and more than
 ``MAX_DEPBAR`` = 3 ``WARPGROUP.DEPBAR`` per query-step iteration: the dK/dV step waits three times (Sᵀ; dPᵀ while
 dV's product runs; everything), where the forward and dQ kernels wait twice, so the forward's rule of two would
@@ -50,56 +50,50 @@ DS_EXP_FLAGS = ("key", "tile")  # --ds-exp=MODE: GluonDkdvConfig(ds_exp=MODE); d
 # threads, so a barrier more means the reduction crossed warps again
 STEP_BAR_KEY = 2
 STEP_BAR_TILE = 4
-# spill bytes (ptxas -v, stores + loads) accepted per variant, each explained; anything above fails.  None since
-# session 7 (lse / δ through TMA freed the registers of the per-thread load addresses): until then d128 causal had
-# 16 bytes (1 STL + 2 LDL per query step on the masked diagonal path at 240 registers).
-SPILL_ALLOWANCE: dict[str, int] = {}
-# split variants (rule: LDL / STL inside the query-step loops, see ``check``): none since session 7 (before: 11 per
-# step at d128 causal, both warpgroups together, with triton 3.6).
-SPLIT_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {}
-# ... until session 20's query-permuted boxes (q_perm, the dense default): the d128 causal split build then keeps
-# a few values spilled inside its loops (measured faster all the same, docs/perf-notes-attn-bwd.md "Session 20"):
-# 6 LDL / STL both warpgroups together with ds_exp="key", 16 with "tile" (triton 3.6; counted in session 23, when
-# this check started compiling the launch's Q_PERM rather than a runtime value)
-SPLIT_QPERM_LOOP_LOCAL_ALLOWANCE: dict[str, dict[str, int]] = {"key": {"d128_causal": 6}, "tile": {"d128_causal": 16}}
-# the jagged split builds (--varlen --split, session 8): the per-sequence scalars (Sq, the key bounds, lo / mid /
-# n_m / n_steps, the offsets) come from the tile table, so they sit in per-thread registers where the dense build
-# keeps kernel arguments in uniform registers; at d128 under 240 registers ptxas then reloads loop-invariant
-# values inside the query-step loop: 2 LDL per step (d128), 4 LDL + 1 predicated STL (d128 causal), both warpgroups
-# together, with ds_exp="tile"; with "key" (the default; the two branches merged in session 9) 2 at d128 and at d128
-# causal, 1 each undeferred.  The whole-tile jagged builds and d64 have none.  Measure before trimming further
-# (docs/perf-notes-varlen.md, session 8).
-VARLEN_SPLIT_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {"d128": 2, "d128_causal": 5}
-# the same with ds_exp="tile" (not the default) compiled with the launch's Q_PERM constexpr (session 23): 3 and 7
-VARLEN_SPLIT_TILE_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {"d128": 3, "d128_causal": 7}
-# the jagged whole-tile builds (--varlen without --split: MXATTN_BWD_GLUON_SPLIT=0 only, not a default): d128 causal
-# spills 64 B with 8 LDL / STL inside its loop (triton 3.6), measured since session 23 with the launch's own
-# constexprs (Q_PERM named False; before, the check compiled Q_PERM as a runtime value and read 8 B)
-VARLEN_WHOLE_SPILL_ALLOWANCE: dict[str, int] = {"d128_causal": 64}
-VARLEN_WHOLE_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {"d128_causal": 8}
-# the 128-query step (--block-m 128, session 9) with ds_exp="tile" at d64 causal: ptxas keeps the shared-memory
-# address of the tile-wide amax's cross-warp scratch (loop-invariant) spilled and reloads it once per step: 1 LDL per
-# step (whole-tile, 8 bytes spilled), 1 per warpgroup (split, 2 in both loops together).  Tried: 2 and 3 stages,
-# lse / δ / doe / ke placement (kept: what removed the rest); the register split cannot move (12 warps at maxnreg
-# 168: 240 + 240 + 24 when split, and a worker at 248 leaves the default partition 232).  The per-key rule (the
-# default) and every other 128-query build have none.
-BM128_TILE_SPILL_ALLOWANCE: dict[str, int] = {"d64_causal": 8}
-BM128_TILE_SPLIT_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {"d64_causal": 8}  # 2 before the launch's Q_PERM (s23)
-# the per-key rule's 128-query split build at d64 causal, as this script builds it (every int argument a plain i32,
-# no launch-time specialization) with the launch's Q_PERM: 4 LDL / STL in its loops (session 23).  The launched
-# build (scripts/compile_launched.py dkdv --shape 2,8192,16,16,64 --causal: ints specialized as a launch does) has
-# none, 706 instructions a step
-BM128_KEY_SPLIT_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {"d64_causal": 4}
-# and its whole-tile build (MXATTN_BWD_GLUON_SPLIT=0 only): 16 B, 4 LDL / STL in the loop (session 23)
-BM128_KEY_WHOLE_SPILL: dict[str, tuple[int, int]] = {"d64_causal": (16, 4)}
+# What each build may spill, each number explained; anything above fails.  One table, keyed by the build:
+# (layout: "dense", "jagged" (--varlen) or "fused" (--fuse-dq), split, query step, dS exponent rule) -> {variant:
+# n}.  n counts spill bytes (ptxas -v, stores + loads) for a whole-tile build, and LDL / STL inside the query-step
+# loops for a split one (ptxas spills a few loop-invariant values of each warpgroup outside them: the epilogue's
+# pointers, stored before the loop and reloaded after it, 40 B at d128 causal with triton 3.6 since session 7).
+# Absent: 0.  Counted with triton 3.6; since session 23 this script compiles the launch's Q_PERM (a constexpr left
+# out compiled as a runtime i32 with both of its branches), which moved several counts.
+#
+# - dense whole-tile, 64-query step: none since session 7 (lse / δ through TMA freed the registers of the per-thread
+#   load addresses; until then d128 causal had 16 B).
+# - dense split, 64-query step: none from session 7 until session 20's query-permuted boxes (q_perm, the dense
+#   default); the d128 causal build then keeps a few values spilled inside its loops, measured faster all the same
+#   (docs/perf-notes-attn-bwd.md "Session 20"): 6 with ds_exp="key", 16 with "tile", both warpgroups together.
+# - jagged split (--varlen --split, session 8): the per-sequence scalars (Sq, the key bounds, lo / mid / n_m /
+#   n_steps, the offsets) come from the tile table, so they sit in per-thread registers where the dense build keeps
+#   kernel arguments in uniform registers; at d128 under 240 registers ptxas reloads loop-invariant values inside
+#   the loop: 2 (d128) and 5 (d128 causal) with "key", 3 and 7 with "tile" (docs/perf-notes-varlen.md, session 8).
+# - jagged whole-tile (MXATTN_BWD_GLUON_SPLIT=0 only, not a default): d128 causal spills 64 B.
+# - 128-query step (--block-m 128, session 9), d64 causal: with "tile" ptxas keeps the shared-memory address of
+#   the tile-wide amax's cross-warp scratch spilled and reloads it every step (whole-tile 8 B; split 8 LDL / STL,
+#   2 before the launch's Q_PERM); with "key" (the default) this script's build keeps 4 reloads in its split loops
+#   and 16 B whole-tile, where the launched build (scripts/compile_launched.py dkdv --shape 2,8192,16,16,64
+#   --causal: ints specialized as a launch does) has none, 706 instructions a step.
+ALLOWANCE: dict[tuple, dict[str, int]] = {
+    ("dense", True, 64, "key"): {"d128_causal": 6},
+    ("dense", True, 64, "tile"): {"d128_causal": 16},
+    ("jagged", True, 64, "key"): {"d128": 2, "d128_causal": 5},
+    ("jagged", True, 64, "tile"): {"d128": 3, "d128_causal": 7},
+    ("jagged", False, 64, "key"): {"d128_causal": 64},
+    ("jagged", False, 64, "tile"): {"d128_causal": 64},
+    ("dense", False, 128, "tile"): {"d64_causal": 8},
+    ("dense", True, 128, "tile"): {"d64_causal": 8},
+    ("dense", False, 128, "key"): {"d64_causal": 16},
+    ("dense", True, 128, "key"): {"d64_causal": 4},
+    # fused dQ: see below (4 at d64 causal since session 13; 5 at d64, counted in session 23)
+    ("fused", True, 128, "key"): {"d64_causal": 4, "d64": 5},
+}
 # fused dQ (--fuse-dq, session 13, d64 128-query steps): dS staged in shared memory for the sixth wgmma costs named
 # barriers around the store (Triton's shared-memory hazards: the previous step's wgmma read before it, the
 # wgmma after it) on top of the ring's two; the causal build runs the dQ product in two 64-query halves (its
 # whole 128-query product spilled ~770 B with 132 LDL / STL per step) and then waits four times per step, and
-# ptxas keeps one value spilled: 4 LDL / STL per step, both warpgroups together (triton 3.6)
+# ptxas keeps one value spilled: 4 LDL / STL per step, both warpgroups together (triton 3.6; ``ALLOWANCE``)
 STEP_BAR_FUSED_DQ = 6
 FUSED_DQ_MAX_DEPBAR = 4
-FUSED_DQ_LOOP_LOCAL_ALLOWANCE: dict[str, int] = {"d64_causal": 4, "d64": 5}  # d64: counted in session 23
 
 
 def compile_variant(head_dim: int, causal: bool, stages: int | None = None, split: bool = False,
@@ -159,38 +153,23 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None, spli
 def check(k, name: str, dump: str | None, max_depbar: int = MAX_DEPBAR, spill_allowance: int | None = None,
           split: bool = False, key_exp: bool | None = None, varlen: bool = False, block_m: int = 64,
           fuse_dq: bool = False) -> bool:
-    """``compile_check_gluon.check`` with ``max_depbar`` DEPBARs per loop iteration and the variant's documented
-    spill allowance (``SPILL_ALLOWANCE``); prints the report.  Split variants: ptxas spills a few loop-invariant
-    values of each warpgroup (the epilogue's pointers: stored before the query-step loop, reloaded after it; 40 B
-    at d128 causal with triton 3.6 since session 7, 72 B at d128 and 184 B at d128 causal before), so the rule there
-    is no LDL / STL inside the loops.  ``key_exp`` (the build's DS_KEY_EXP; the default config's when None): a common
-    step may hold at most ``STEP_BAR_KEY`` BAR.SYNC, else ``STEP_BAR_TILE``.  ``block_m``: the build's query step,
+    """``compile_check_gluon.check`` with ``max_depbar`` DEPBARs per loop iteration and the build's documented
+    allowance (``ALLOWANCE``: spill bytes whole-tile, LDL / STL inside the loops split); prints the report.
+    ``key_exp`` (the build's DS_KEY_EXP; the default config's when None): a common step may hold at most
+    ``STEP_BAR_KEY`` BAR.SYNC, else ``STEP_BAR_TILE``.  ``block_m``: the build's query step,
     for the per-score line (``per_score``)."""
     if key_exp is None:
         from mxattn.kernels.attn_bwd_dkdv_gluon import default_config
 
         key_exp = default_config(128, False).key_exp
-    bm128_tile = block_m == 128 and not key_exp
-    allowed = ((BM128_TILE_SPILL_ALLOWANCE if bm128_tile else SPILL_ALLOWANCE).get(name, 0) if spill_allowance is None
-               else spill_allowance)
-    varlen_split = VARLEN_SPLIT_LOOP_LOCAL_ALLOWANCE if key_exp else VARLEN_SPLIT_TILE_LOOP_LOCAL_ALLOWANCE
-    loop_local = (varlen_split if varlen else BM128_TILE_SPLIT_LOOP_LOCAL_ALLOWANCE if bm128_tile
-                  else SPLIT_LOOP_LOCAL_ALLOWANCE).get(name, 0)
-    if split and not varlen and not fuse_dq and block_m == 64:
-        loop_local = max(loop_local, SPLIT_QPERM_LOOP_LOCAL_ALLOWANCE["key" if key_exp else "tile"].get(name, 0))
-    if split and not varlen and not fuse_dq and block_m == 128 and key_exp:
-        loop_local = max(loop_local, BM128_KEY_SPLIT_LOOP_LOCAL_ALLOWANCE.get(name, 0))
+    layout = "fused" if fuse_dq else "jagged" if varlen else "dense"
+    allowed = ALLOWANCE.get((layout, split, block_m, "key" if key_exp else "tile"), {}).get(name, 0)
+    if spill_allowance is not None:
+        allowed = spill_allowance
     if fuse_dq:
-        loop_local = FUSED_DQ_LOOP_LOCAL_ALLOWANCE.get(name, 0)
         max_depbar = FUSED_DQ_MAX_DEPBAR
-    whole_loop_local = 0
-    if not varlen and not split and not fuse_dq and block_m == 128 and key_exp and spill_allowance is None:
-        allowed, whole_loop_local = BM128_KEY_WHOLE_SPILL.get(name, (allowed, 0))
-    if varlen and not split and spill_allowance is None:
-        allowed = VARLEN_WHOLE_SPILL_ALLOWANCE.get(name, allowed)
-        whole_loop_local = VARLEN_WHOLE_LOOP_LOCAL_ALLOWANCE.get(name, 0)
     ok = gluon_check(k, name, dump, max_depbar=max_depbar, allowed_spill_bytes=None if split else allowed,
-                     allowed_loop_local=loop_local if split else whole_loop_local,
+                     allowed_loop_local=allowed if split else 0,
                      max_step_bar=STEP_BAR_FUSED_DQ if fuse_dq else STEP_BAR_KEY if key_exp else STEP_BAR_TILE)
     for st, score in per_score(k, block_m):
         print(f"      per score: {score:.1f} thread-instr (common step path {st} x 128 threads / (64 keys x {block_m} "
