@@ -1,15 +1,15 @@
 """Time a kernel under two settings of an import-time environment variable, in turns (GPU).
 
     PYTHONPATH=. python3 scripts/bench_env_turns.py OUTDIR --var MXATTN_FWD_ONE_EMPTY [--values 0 1]
-        [--kernel fwd-gluon | dq] [--turns 3]
+        [--kernel fwd-gluon | dq | dkdv | bwd] [--turns 3]
 
 Some kernel options are module constants read once at import (``attn_fwd_gluon.ONE_EMPTY``, ``FWD_PROBE``), so a
 process can time only one setting.  Each turn runs one child process per value (this file with ``--child``), in
 the same order every turn; a child times every shape with ``triton.testing.do_bench`` (median) and prints one JSON
 line.  Rows: per shape, each value's ms over the turns, the median, ``speedup`` against the first value and
 whether it was faster in every turn.  Kernels: ``fwd-gluon`` (the Gluon forward on FP8 operands, the API's
-default config) at B2 H16 d128 S 4k / 8k / 16k, both masks; ``dq`` (the Gluon dQ kernel, the API's build) at
-d128 S 4k / 8k and d64 S 8k, both masks; ``bwd`` (the public backward from BF16, ``autograd.grad``, with SDPA
+default config) at B2 H16 d128 S 4k / 8k / 16k, both masks; ``dq`` / ``dkdv`` (the Gluon dQ / dK-dV kernel, the
+API's build) at d128 S 4k / 8k and d64 S 8k, both masks; ``bwd`` (the public backward from BF16, ``autograd.grad``, with SDPA
 cuDNN BF16's timed in the same child: rows keep the ratio) at the ``dq`` shapes.  One JSON (``cost_probe`` or ``attn_bwd_kernels``) under OUTDIR.
 """
 from __future__ import annotations
@@ -23,7 +23,8 @@ import sys
 
 SHAPES = {"fwd-gluon": [(2, 16, S, 128, c) for S in (4096, 8192, 16384) for c in (False, True)],
           "dq": [(2, 16, S, D, c) for S, D in ((4096, 128), (8192, 128), (8192, 64)) for c in (False, True)],
-          "bwd": [(2, 16, S, D, c) for S, D in ((4096, 128), (8192, 128), (8192, 64)) for c in (False, True)]}
+          "bwd": [(2, 16, S, D, c) for S, D in ((4096, 128), (8192, 128), (8192, 64)) for c in (False, True)],
+          "dkdv": [(2, 16, S, D, c) for S, D in ((4096, 128), (8192, 128), (8192, 64)) for c in (False, True)]}
 
 
 def child(kernel: str, rep_ms: int) -> None:
@@ -62,6 +63,12 @@ def child(kernel: str, rep_ms: int) -> None:
             cfg = m.default_config(D, causal)
             fn = lambda: m.attn_fwd_gluon(*ops, causal=causal, config=cfg)  # noqa: E731
             products = 2
+        elif kernel == "dkdv":
+            from mxattn.kernels import attn_bwd_dkdv_gluon as m
+            ops, _ = m.dkdv_operands(*x, causal)
+            cfg = m.GluonDkdvConfig(split=True, block_m=128 if D == 64 else 64)
+            fn = lambda: m.attn_bwd_dkdv_gluon(**ops, causal=causal, config=cfg)  # noqa: E731
+            products = 4
         else:
             from mxattn.kernels import attn_bwd_dq_gluon as m
             ops, _ = m.dq_operands(*x, causal)
@@ -128,7 +135,8 @@ def main() -> None:
         rows.append(row)
     if args.out and rows:
         from mxattn.bench.results import write_result
-        what = {"fwd-gluon": "cost_probe", "dq": "attn_bwd_kernels", "bwd": "attn_bwd"}[args.kernel]
+        what = {"fwd-gluon": "cost_probe", "dq": "attn_bwd_kernels", "dkdv": "attn_bwd_kernels",
+                "bwd": "attn_bwd"}[args.kernel]
         print(write_result(what, rows, args.out, extra={"variable": args.var, "values": args.values,
                                                          "turns": args.turns}))
 

@@ -583,3 +583,67 @@ def test_launch_plan_repeats_the_checked_launch(monkeypatch):
     seen2 = _recorded_launches(monkeypatch, lambda: m.attn_bwd_dq_gluon(**other, causal=True), n=1)
     _same_launch(seen[0], seen2[0])
     assert seen2[0][1][0].base.data_ptr() == other["q"].data.data_ptr()
+
+
+# ------------------------------------------------------------------------------------------------- causal CTA order
+LPT_CASES = [
+    # B, Sq, Sk, Hq, Hkv, D, causal
+    (2, 4224, 4224, 3, 3, 128, True),  # 33 query blocks, 6 heads: with the H100's 132 SMs sections of 4 and 2
+    (3, 2560, 2560, 4, 2, 64, True),  # GQA: 20 blocks, 12 heads, sections of 7 and 5
+    (1, 3000, 4096, 6, 3, 128, True),  # Sq < Sk (bottom-right): 24 blocks
+    (1, 1000, 1000, 2, 2, 128, False),  # non-causal: the order is not changed
+]
+
+
+@pytest.mark.parametrize("heavy_last", [False, True])
+@pytest.mark.parametrize("n_blocks,n_bh,wave", [(33, 6, 132), (20, 12, 132), (1, 5, 132), (7, 3, 0), (16, 64, 132),
+                                                (5, 9, 4)])
+def test_causal_cta_order_is_a_permutation(n_blocks, n_bh, wave, heavy_last):
+    """``causal_cta_order`` (the host twin of the kernels' ``_causal_cta``): every (block, head) exactly once;
+    wave 0 keeps head-by-head order; otherwise sections of cdiv(wave, blocks) heads, each section's heaviest
+    block of every head before any lighter one."""
+    from mxattn.kernels.attn_fwd_gluon import causal_cta_order
+
+    order = causal_cta_order(n_blocks, n_bh, wave, heavy_last)
+    assert sorted(order) == [(b, h) for b in range(n_blocks) for h in range(n_bh)]
+    weight = [(n_blocks - 1 - b if not heavy_last else b) for b, _ in order]  # larger = heavier
+    if wave == 0:
+        assert [h for _, h in order] == [h for h in range(n_bh) for _ in range(n_blocks)]
+        return
+    g = -(-wave // n_blocks)
+    for start in range(0, n_blocks * n_bh, g * n_blocks):
+        sec = order[start:start + g * n_blocks]
+        assert {h for _, h in sec} == set(range(start // n_blocks, min(start // n_blocks + g, n_bh)))
+        w = weight[start:start + g * n_blocks]
+        assert w == sorted(w, reverse=True)  # heaviest first within the section
+
+
+def test_causal_lpt_launch_constexpr(monkeypatch):
+    """``GluonDqConfig.causal_lpt`` reaches the kernel as LPT_WAVE = the SM count on causal launches only (132 for
+    the CPU stand-in), and is part of the plan key (a config field)."""
+    from test_attn_bwd_dkdv_gluon import _recorded_launches
+
+    m = _mod()
+    m._PLANS.clear()
+    ops = _cpu_operands()
+    for causal, lpt, want in ((True, True, 132), (True, False, 0), (False, True, 0)):
+        cfg = m.GluonDqConfig(split=True, causal_lpt=lpt)
+        (grid, _, kw), = _recorded_launches(monkeypatch, lambda: m.attn_bwd_dq_gluon(**ops, causal=causal,
+                                                                                      config=cfg), n=1)
+        assert kw["LPT_WAVE"] == want and grid == (2, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wave", [None, 8], ids=["sms", "wave8"])
+@pytest.mark.parametrize("case", LPT_CASES, ids=_case_id)
+def test_attn_bwd_dq_gluon_causal_lpt_bit_identical(case, wave, seed, monkeypatch):
+    """``causal_lpt`` (CTAs over sections of heads, heaviest query block first) against head-by-head order: the
+    same CTAs on the same tiles, so dq bit for bit; wave 8 (sections of one or two heads) stands in for a long
+    sequence's many small sections.  A CTA order that skipped or repeated a tile leaves rows unwritten."""
+    m = _mod()
+    if wave is not None:
+        monkeypatch.setattr(m, "_sm_count", lambda dev: wave)
+    monkeypatch.setattr(m, "_PLANS", {})  # (no plan made here outlives the test)
+    _, dq, ops, _, _ = _gluon_case(case, lambda m: m.GluonDqConfig(split=True, causal_lpt=True), seed)
+    want = m.attn_bwd_dq_gluon(**ops, causal=case[6], config=m.GluonDqConfig(split=True, causal_lpt=False))
+    assert torch.equal(dq.view(torch.int16), want.view(torch.int16)), _case_id(case)

@@ -111,8 +111,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxattn.formats import RowScaledFP8
-from mxattn.kernels.attn_fwd_gluon import (_k_operand, _key_of_column, _pack_p, _store_tile_rows, _unpack_p,
-                                           k_perm_ok, permuted_rows_descriptor)
+from mxattn.kernels.attn_fwd_gluon import (_causal_cta, _k_operand, _key_of_column, _pack_p, _sm_count,
+                                           _store_tile_rows, _unpack_p, k_perm_ok, permuted_rows_descriptor)
 from mxattn.kernels import launch
 from mxattn.kernels.launch import (BoundLaunch, cdiv, fast_launcher, nvmma_fp8_layout, rebased, tensor_sig,
                                    unbased)
@@ -180,6 +180,10 @@ class GluonDqConfig:
     # so the compiler's barriers before writes and before the reads after them come down to two a step.  A stage
     # is held ~1.5 steps longer: use 4 stages.  Bit-identical to False
     one_empty: bool = _ONE_EMPTY
+    # causal launches: CTAs heaviest query block first over sections of about one wave of heads (``_causal_cta``)
+    # instead of head by head, which leaves heavy blocks of the last heads for the grid's tail.  The same CTAs
+    # computing the same tiles: bit-identical.  MXATTN_CAUSAL_LPT (import time) sets the default
+    causal_lpt: bool = launch.CAUSAL_LPT
 
     def __post_init__(self):
         if self.one_empty and self.stages < 3:
@@ -597,6 +601,7 @@ def _attn_bwd_dq_ws_kernel(
     K_PERM: gl.constexpr = False,  # K and V_hdim through the 5-D key-permuted boxes (dense, Sk % 16 == 0)
     AMAX_SLOTS: gl.constexpr = False,  # the dS tile's maximum through per-warp slots (GluonDqConfig.amax_slots)
     ONE_EMPTY: gl.constexpr = False,  # one release per stage for K, V and K_seq (GluonDqConfig.one_empty)
+    LPT_WAVE: gl.constexpr = 0,  # causal CTA order over sections of heads (GluonDqConfig.causal_lpt; _causal_cta)
 ):
     """Dense: grid (cdiv(Sq, 128), B * Hq).  Jagged (VARLEN): grid (table rows, Hq); CTA (r, h) computes the query
     tile of row r of SLOTS (heaviest first) for query head h, on packed operands: q / dout_hdim (Tq, Hq, D) and k /
@@ -614,9 +619,8 @@ def _attn_bwd_dq_ws_kernel(
         h = gl.program_id(1)
         hk = h // group_size
     else:
-        # heaviest causal query blocks (the last ones) first, as the tl kernel
-        pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
-        pid_bh = gl.program_id(1)
+        # heaviest causal query blocks (the last ones) first: per head as the tl kernel, or per section of heads
+        pid_m, pid_bh = _causal_cta(LPT_WAVE, CAUSAL)
         b = pid_bh // Hq
         h = pid_bh % Hq
         hk = h // group_size
@@ -888,7 +892,9 @@ def attn_bwd_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, k_
     )
     constexprs = dict(HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
                       SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, BLOCK_N=cfg.block_n, K_PERM=use_perm,
-                      AMAX_SLOTS=cfg.amax_slots, ONE_EMPTY=cfg.one_empty, num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
+                      AMAX_SLOTS=cfg.amax_slots, ONE_EMPTY=cfg.one_empty,
+                      LPT_WAVE=_sm_count(dev) if causal and cfg.causal_lpt else 0,
+                      num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
     args = (*descs, qe, de, ke, ve, kse, lse, delta, dq, *scalars)
     if key is None:
         fast_launcher(_attn_bwd_dq_ws_kernel)[grid](*args, **constexprs)

@@ -696,6 +696,53 @@ def _key_tiles(start_m, Sq, Sk, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
+def _causal_cta(LPT_WAVE: gl.constexpr, HEAVY_LAST: gl.constexpr):
+    """(block, batch * head) this CTA of a grid (blocks, B * H) computes.  LPT_WAVE = 0: (program_id(0),
+    program_id(1)), head by head.  LPT_WAVE > 0 (causal launches, the device's SM count): the CTAs in launch order
+    walk sections of g = cdiv(LPT_WAVE, blocks) heads (about one wave of CTAs), and within a section rank by rank
+    (rank 0, the heaviest block, of every head of the section first), so each wave's last CTAs are the light ones and
+    the heads in flight are about as few as head by head (their operands shared through L2).  HEAVY_LAST: the
+    heaviest block is the last (causal query blocks) rather than the first (causal key blocks).  A permutation of
+    the grid: every (block, head) once (``causal_cta_order`` is its host twin)."""
+    nb = gl.num_programs(0)
+    if LPT_WAVE > 0:
+        n_bh = gl.num_programs(1)
+        g = (LPT_WAVE + nb - 1) // nb
+        lin = gl.program_id(1) * nb + gl.program_id(0)
+        sec = lin // (g * nb)
+        first = sec * g
+        width = gl.minimum(n_bh - first, g)  # the last section may hold fewer heads
+        within = lin - sec * (g * nb)
+        rank = within // width
+        bh = first + (within - rank * width)
+    else:
+        rank = gl.program_id(0)
+        bh = gl.program_id(1)
+    if HEAVY_LAST:
+        blk = nb - 1 - rank
+    else:
+        blk = rank
+    return blk, bh
+
+
+def causal_cta_order(n_blocks: int, n_bh: int, lpt_wave: int, heavy_last: bool) -> list[tuple[int, int]]:
+    """Host twin of ``_causal_cta``: the (block, batch * head) of each CTA in launch order (program_id(1) * blocks +
+    program_id(0)), for tests and the scheduling model in docs/perf-notes-attn-bwd.md."""
+    order = []
+    for lin in range(n_blocks * n_bh):
+        if lpt_wave > 0:
+            g = -(-lpt_wave // n_blocks)
+            sec, within = divmod(lin, g * n_blocks)
+            width = min(n_bh - sec * g, g)
+            rank, off = divmod(within, width)
+            bh = sec * g + off
+        else:
+            bh, rank = divmod(lin, n_blocks)
+        order.append((n_blocks - 1 - rank if heavy_last else rank, bh))
+    return order
+
+
+@gluon.jit
 def _work_item(w, n_m, BH, Hq, group_size, Sq, Sk, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
     """Work item w of the persistent kernel -> (b, h, kv head, first query row, key tiles, unmasked tiles).
     Items run head-major as the per-block kernel's grid does (w = (b * Hq + h) * n_m + rank; causal: rank 0 the

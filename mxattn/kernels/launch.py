@@ -48,6 +48,10 @@ _BYPASS = [False]  # set by ``triton_dispatch()``: every launcher takes Triton's
 # MXATTN_LAUNCH_PLANS=0: no launch plans anywhere (quantize wrappers, the tl and Gluon forwards, the Gluon backward
 # launchers): every call takes its checked path, for telling a plan's fault from a kernel's
 PLANS = os.environ.get("MXATTN_LAUNCH_PLANS", "1").lower() not in ("0", "false", "off")
+# MXATTN_CAUSAL_LPT=1: the Gluon backward kernels' configs default to ``causal_lpt`` (``attn_fwd_gluon._causal_cta``):
+# a causal grid's CTAs run heaviest block first over sections of heads one wave wide, not head by head.  Read once
+# at import (the configs' default); opt-in until measured on a GPU (docs/perf-notes-attn-bwd.md, session 24)
+CAUSAL_LPT = os.environ.get("MXATTN_CAUSAL_LPT", "0") == "1"
 # MXATTN_FAST_LAUNCH_SPEC=0: no second table (a by-value miss goes through Triton's dispatch); read at each miss
 SPEC_TABLE = [os.environ.get("MXATTN_FAST_LAUNCH_SPEC", "1").lower() not in ("0", "false", "off")]
 _Tensor = torch.Tensor
