@@ -1091,7 +1091,7 @@ def test_attn_bwd_dkdv_gluon_persistent_bit_identical(case, seed):
 
 LPT_CASES = [
     # B, Sq, Sk, Hq, Hkv, D, causal
-    (2, 4224, 4224, 3, 3, 128, True),  # 33 key blocks, 6 kv heads: with 132 SMs sections of 4 and 2
+    (2, 4224, 4224, 3, 3, 128, True),  # 33 key blocks, 6 kv heads
     (3, 2560, 2560, 8, 2, 64, True),  # GQA 4:1: 20 blocks, 6 kv heads
     (1, 4096, 3000, 4, 4, 128, True),  # Sq > Sk (bottom-right)
     (1, 1000, 1000, 2, 2, 128, False),  # non-causal: the order is not changed
@@ -1099,25 +1099,26 @@ LPT_CASES = [
 
 
 def test_causal_lpt_launch_constexpr(monkeypatch):
-    """``GluonDkdvConfig.causal_lpt`` reaches the kernel as LPT_WAVE = the SM count (132 for the CPU stand-in) on
-    causal launches of the per-block kernel only."""
+    """``GluonDkdvConfig.causal_lpt`` reaches the kernel as LPT_SECTION = two waves (2 x the SM count; 132 SMs for
+    the CPU stand-in) on causal launches of the per-block kernel only."""
     m = _mod()
     m._PLANS.clear()
     ops = _cpu_operands()
-    for causal, lpt, want in ((True, True, 132), (True, False, 0), (False, True, 0)):
+    for causal, lpt, want in ((True, True, 264), (True, False, 0), (False, True, 0)):
         cfg = m.GluonDkdvConfig(split=True, causal_lpt=lpt)
         (grid, _, kw), = _recorded_launches(monkeypatch, lambda: m.attn_bwd_dkdv_gluon(**ops, causal=causal,
                                                                                         config=cfg), n=1)
-        assert kw.get("LPT_WAVE", 0) == want and grid == (2, 2)
+        assert kw.get("LPT_SECTION", 0) == want and grid == (2, 2)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("wave", [None, 8], ids=["sms", "wave8"])
+@pytest.mark.parametrize("sms", [None, 4, 45], ids=["sms", "sms4", "sms45"])
 @pytest.mark.parametrize("case", LPT_CASES, ids=_case_id)
-def test_attn_bwd_dkdv_gluon_causal_lpt_bit_identical(case, wave, seed, monkeypatch):
+def test_attn_bwd_dkdv_gluon_causal_lpt_bit_identical(case, sms, seed, monkeypatch):
     """``causal_lpt`` (CTAs over sections of kv heads, heaviest key block first) against head-by-head order: the
-    same CTAs on the same tiles, so dk and dv bit for bit (wave 8: many small sections)."""
-    if wave is not None:
-        monkeypatch.setattr(_mod(), "_sm_count", lambda dev: wave)
+    same CTAs on the same tiles, so dk and dv bit for bit (a stand-in SM count of 4 or 45: small sections with a
+    remainder)."""
+    if sms is not None:
+        monkeypatch.setattr(_mod(), "_sm_count", lambda dev: sms)
     monkeypatch.setattr(_mod(), "_PLANS", {})  # (no plan made here outlives the test)
     _assert_configs_bit_identical(case, seed, dict(split=True, causal_lpt=True), dict(split=True, causal_lpt=False))

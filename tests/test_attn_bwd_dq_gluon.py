@@ -588,61 +588,67 @@ def test_launch_plan_repeats_the_checked_launch(monkeypatch):
 # ------------------------------------------------------------------------------------------------- causal CTA order
 LPT_CASES = [
     # B, Sq, Sk, Hq, Hkv, D, causal
-    (2, 4224, 4224, 3, 3, 128, True),  # 33 query blocks, 6 heads: with the H100's 132 SMs sections of 4 and 2
-    (3, 2560, 2560, 4, 2, 64, True),  # GQA: 20 blocks, 12 heads, sections of 7 and 5
+    (2, 4224, 4224, 3, 3, 128, True),  # 33 query blocks, 6 heads: one section of all (g = 8 at 132 SMs)
+    (3, 2560, 2560, 4, 2, 64, True),  # GQA: 20 blocks, 12 heads, one section (g = 14)
     (1, 3000, 4096, 6, 3, 128, True),  # Sq < Sk (bottom-right): 24 blocks
     (1, 1000, 1000, 2, 2, 128, False),  # non-causal: the order is not changed
 ]
 
 
 @pytest.mark.parametrize("heavy_last", [False, True])
-@pytest.mark.parametrize("n_blocks,n_bh,wave", [(33, 6, 132), (20, 12, 132), (1, 5, 132), (7, 3, 0), (16, 64, 132),
-                                                (5, 9, 4)])
-def test_causal_cta_order_is_a_permutation(n_blocks, n_bh, wave, heavy_last):
+@pytest.mark.parametrize("n_blocks,n_bh,section", [(33, 6, 264), (20, 12, 264), (1, 5, 264), (7, 3, 0), (16, 64, 264),
+                                                   (5, 9, 8), (32, 32, 264), (8, 3, 17)])
+def test_causal_cta_order_is_a_permutation(n_blocks, n_bh, section, heavy_last):
     """``causal_cta_order`` (the host twin of the kernels' ``_causal_cta``): every (block, head) exactly once;
-    wave 0 keeps head-by-head order; otherwise sections of cdiv(wave, blocks) heads, each section's heaviest
-    block of every head before any lighter one."""
+    section 0 keeps head-by-head order; otherwise sections of g = cdiv(section, blocks) heads, the remainder heads
+    in the last one, each section's heaviest block of every head before any lighter one."""
     from mxattn.kernels.attn_fwd_gluon import causal_cta_order
 
-    order = causal_cta_order(n_blocks, n_bh, wave, heavy_last)
+    order = causal_cta_order(n_blocks, n_bh, section, heavy_last)
     assert sorted(order) == [(b, h) for b in range(n_blocks) for h in range(n_bh)]
-    weight = [(n_blocks - 1 - b if not heavy_last else b) for b, _ in order]  # larger = heavier
-    if wave == 0:
+    weight = [(b if heavy_last else n_blocks - 1 - b) for b, _ in order]  # larger = heavier
+    if section == 0:
         assert [h for _, h in order] == [h for h in range(n_bh) for _ in range(n_blocks)]
         return
-    g = -(-wave // n_blocks)
-    for start in range(0, n_blocks * n_bh, g * n_blocks):
-        sec = order[start:start + g * n_blocks]
-        assert {h for _, h in sec} == set(range(start // n_blocks, min(start // n_blocks + g, n_bh)))
-        w = weight[start:start + g * n_blocks]
+    g = -(-section // n_blocks)
+    heads = [list(range(s, s + g)) for s in range(0, n_bh - n_bh % g if n_bh >= g else 0, g)] or [[]]
+    heads[-1] += list(range(len(heads) * g if n_bh >= g else 0, n_bh))  # the remainder joins the last section
+    start = 0
+    for hs in heads:
+        sec = order[start:start + len(hs) * n_blocks]
+        assert {h for _, h in sec} == set(hs)
+        w = weight[start:start + len(hs) * n_blocks]
         assert w == sorted(w, reverse=True)  # heaviest first within the section
+        start += len(hs) * n_blocks
+    assert start == len(order)
 
 
 def test_causal_lpt_launch_constexpr(monkeypatch):
-    """``GluonDqConfig.causal_lpt`` reaches the kernel as LPT_WAVE = the SM count on causal launches only (132 for
-    the CPU stand-in), and is part of the plan key (a config field)."""
+    """``GluonDqConfig.causal_lpt`` reaches the kernel as LPT_SECTION = two waves (2 x the SM count; 132 SMs for the
+    CPU stand-in) on causal launches only."""
     from test_attn_bwd_dkdv_gluon import _recorded_launches
 
     m = _mod()
     m._PLANS.clear()
     ops = _cpu_operands()
-    for causal, lpt, want in ((True, True, 132), (True, False, 0), (False, True, 0)):
+    for causal, lpt, want in ((True, True, 264), (True, False, 0), (False, True, 0)):
         cfg = m.GluonDqConfig(split=True, causal_lpt=lpt)
         (grid, _, kw), = _recorded_launches(monkeypatch, lambda: m.attn_bwd_dq_gluon(**ops, causal=causal,
                                                                                       config=cfg), n=1)
-        assert kw["LPT_WAVE"] == want and grid == (2, 4)
+        assert kw["LPT_SECTION"] == want and grid == (2, 4)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("wave", [None, 8], ids=["sms", "wave8"])
+@pytest.mark.parametrize("sms", [None, 4, 45], ids=["sms", "sms4", "sms45"])
 @pytest.mark.parametrize("case", LPT_CASES, ids=_case_id)
-def test_attn_bwd_dq_gluon_causal_lpt_bit_identical(case, wave, seed, monkeypatch):
+def test_attn_bwd_dq_gluon_causal_lpt_bit_identical(case, sms, seed, monkeypatch):
     """``causal_lpt`` (CTAs over sections of heads, heaviest query block first) against head-by-head order: the
-    same CTAs on the same tiles, so dq bit for bit; wave 8 (sections of one or two heads) stands in for a long
-    sequence's many small sections.  A CTA order that skipped or repeated a tile leaves rows unwritten."""
+    same CTAs on the same tiles, so dq bit for bit.  A stand-in SM count of 4 or 45 makes sections of one to five
+    heads with a remainder, as long sequences have.  A CTA order that skipped or repeated a tile leaves rows
+    unwritten."""
     m = _mod()
-    if wave is not None:
-        monkeypatch.setattr(m, "_sm_count", lambda dev: wave)
+    if sms is not None:
+        monkeypatch.setattr(m, "_sm_count", lambda dev: sms)
     monkeypatch.setattr(m, "_PLANS", {})  # (no plan made here outlives the test)
     _, dq, ops, _, _ = _gluon_case(case, lambda m: m.GluonDqConfig(split=True, causal_lpt=True), seed)
     want = m.attn_bwd_dq_gluon(**ops, causal=case[6], config=m.GluonDqConfig(split=True, causal_lpt=False))

@@ -299,7 +299,7 @@ class GluonDkdvConfig:
     # fuse_dq): a block's K / V and first query stages load under the previous block's epilogue, and no CTA is
     # launched per key block (``_attn_bwd_dkdv_ws_persistent_kernel``)
     persistent: bool = False
-    # causal launches: CTAs heaviest key block first over sections of about one wave of kv heads (``_causal_cta``)
+    # causal launches: CTAs heaviest key block first over sections of about two waves of kv heads (``_causal_cta``)
     # instead of head by head, which leaves heavy blocks of the last heads for the grid's tail.  The same CTAs
     # computing the same tiles: bit-identical.  MXATTN_CAUSAL_LPT (import time) sets the default; not with
     # ``persistent`` (its own order)
@@ -977,7 +977,7 @@ def _attn_bwd_dkdv_ws_kernel(
     FUSE_DQ: gl.constexpr = False,
     DQ_HALVES: gl.constexpr = False,  # fused dQ's product 64 queries at a time (GluonDkdvConfig.dq_halves)
     Q_PERM: gl.constexpr = False,  # Q and dO_hdim through the 5-D query-permuted boxes (GluonDkdvConfig.q_perm)
-    LPT_WAVE: gl.constexpr = 0,  # causal CTA order over sections of heads (GluonDkdvConfig.causal_lpt; _causal_cta)
+    LPT_SECTION: gl.constexpr = 0,  # causal CTA order by sections of heads (GluonDkdvConfig.causal_lpt)
 ):
     """Dense: grid (cdiv(Sk, 128), B * Hkv).  Jagged (VARLEN): grid (table rows, Hkv); CTA (r, hk) computes the
     key tile of row r of SLOTS (heaviest first) for kv head hk, on packed operands: k / v_hdim (Tk, Hkv, D) and
@@ -1000,9 +1000,9 @@ def _attn_bwd_dkdv_ws_kernel(
         pid_n = n0 // BLOCK_N
     else:
         # key blocks fastest within one (b, kv head), as the tl kernel: the heaviest causal blocks (first keys)
-        # start first and neighbouring CTAs stream the same query-side tiles through L2; LPT_WAVE: heaviest first
+        # start first and neighbouring CTAs stream the same query-side tiles through L2; LPT_SECTION: heaviest first
         # over sections of kv heads (``_causal_cta``)
-        pid_n, pid_bh = _causal_cta(LPT_WAVE, False)
+        pid_n, pid_bh = _causal_cta(LPT_SECTION, False)
         b = pid_bh // Hkv
         hk = pid_bh % Hkv
         n0 = pid_n * BLOCK_N
@@ -1643,7 +1643,7 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
                       SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=cfg.defers_dk, DS_KEY_EXP=cfg.key_exp,
                       BLOCK_M=bm, Q_PERM=q_perm, num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
     if causal and cfg.causal_lpt and not (cfg.persistent and Sq > 1):
-        constexprs["LPT_WAVE"] = _sm_count(dev)
+        constexprs["LPT_SECTION"] = 2 * _sm_count(dev)
     if cfg.persistent and Sq > 1:  # (Sq == 1 keeps the per-block kernel's unspecialized twin)
         n_work = grid[0] * grid[1]
         grid = (min(_sm_count(dev), n_work),)

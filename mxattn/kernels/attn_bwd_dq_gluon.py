@@ -180,7 +180,7 @@ class GluonDqConfig:
     # so the compiler's barriers before writes and before the reads after them come down to two a step.  A stage
     # is held ~1.5 steps longer: use 4 stages.  Bit-identical to False
     one_empty: bool = _ONE_EMPTY
-    # causal launches: CTAs heaviest query block first over sections of about one wave of heads (``_causal_cta``)
+    # causal launches: CTAs heaviest query block first over sections of about two waves of heads (``_causal_cta``)
     # instead of head by head, which leaves heavy blocks of the last heads for the grid's tail.  The same CTAs
     # computing the same tiles: bit-identical.  MXATTN_CAUSAL_LPT (import time) sets the default
     causal_lpt: bool = launch.CAUSAL_LPT
@@ -601,7 +601,7 @@ def _attn_bwd_dq_ws_kernel(
     K_PERM: gl.constexpr = False,  # K and V_hdim through the 5-D key-permuted boxes (dense, Sk % 16 == 0)
     AMAX_SLOTS: gl.constexpr = False,  # the dS tile's maximum through per-warp slots (GluonDqConfig.amax_slots)
     ONE_EMPTY: gl.constexpr = False,  # one release per stage for K, V and K_seq (GluonDqConfig.one_empty)
-    LPT_WAVE: gl.constexpr = 0,  # causal CTA order over sections of heads (GluonDqConfig.causal_lpt; _causal_cta)
+    LPT_SECTION: gl.constexpr = 0,  # causal CTA order by sections of heads (GluonDqConfig.causal_lpt)
 ):
     """Dense: grid (cdiv(Sq, 128), B * Hq).  Jagged (VARLEN): grid (table rows, Hq); CTA (r, h) computes the query
     tile of row r of SLOTS (heaviest first) for query head h, on packed operands: q / dout_hdim (Tq, Hq, D) and k /
@@ -620,7 +620,7 @@ def _attn_bwd_dq_ws_kernel(
         hk = h // group_size
     else:
         # heaviest causal query blocks (the last ones) first: per head as the tl kernel, or per section of heads
-        pid_m, pid_bh = _causal_cta(LPT_WAVE, CAUSAL)
+        pid_m, pid_bh = _causal_cta(LPT_SECTION, CAUSAL)
         b = pid_bh // Hq
         h = pid_bh % Hq
         hk = h // group_size
@@ -893,7 +893,7 @@ def attn_bwd_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, k_
     constexprs = dict(HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
                       SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, BLOCK_N=cfg.block_n, K_PERM=use_perm,
                       AMAX_SLOTS=cfg.amax_slots, ONE_EMPTY=cfg.one_empty,
-                      LPT_WAVE=_sm_count(dev) if causal and cfg.causal_lpt else 0,
+                      LPT_SECTION=2 * _sm_count(dev) if causal and cfg.causal_lpt else 0,
                       num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
     args = (*descs, qe, de, ke, ve, kse, lse, delta, dq, *scalars)
     if key is None:

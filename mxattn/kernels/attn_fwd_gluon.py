@@ -696,23 +696,25 @@ def _key_tiles(start_m, Sq, Sk, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _causal_cta(LPT_WAVE: gl.constexpr, HEAVY_LAST: gl.constexpr):
-    """(block, batch * head) this CTA of a grid (blocks, B * H) computes.  LPT_WAVE = 0: (program_id(0),
-    program_id(1)), head by head.  LPT_WAVE > 0 (causal launches, the device's SM count): the CTAs in launch order
-    walk sections of g = cdiv(LPT_WAVE, blocks) heads (about one wave of CTAs), and within a section rank by rank
-    (rank 0, the heaviest block, of every head of the section first), so each wave's last CTAs are the light ones and
-    the heads in flight are about as few as head by head (their operands shared through L2).  HEAVY_LAST: the
-    heaviest block is the last (causal query blocks) rather than the first (causal key blocks).  A permutation of
-    the grid: every (block, head) once (``causal_cta_order`` is its host twin)."""
+def _causal_cta(LPT_SECTION: gl.constexpr, HEAVY_LAST: gl.constexpr):
+    """(block, batch * head) this CTA of a grid (blocks, B * H) computes.  LPT_SECTION = 0: (program_id(0),
+    program_id(1)), head by head.  LPT_SECTION > 0 (causal launches; the launchers pass two waves, 2 x the SM
+    count): the CTAs in launch order walk sections of g = cdiv(LPT_SECTION, blocks) heads, the remainder heads in
+    the last section, and within a section rank by rank (rank 0, the heaviest block, of every head of the section
+    first).  Heavy blocks then never wait for the grid's tail, while the heads in flight stay few (their operands
+    shared through L2).  HEAVY_LAST: the heaviest block is the last one (causal query blocks) rather than the first
+    (causal key blocks).  A permutation of the grid: every (block, head) once (``causal_cta_order``, the host
+    twin; the scheduling model in docs/perf-notes-attn-bwd.md, session 24)."""
     nb = gl.num_programs(0)
-    if LPT_WAVE > 0:
+    if LPT_SECTION > 0:
         n_bh = gl.num_programs(1)
-        g = (LPT_WAVE + nb - 1) // nb
+        g = (LPT_SECTION + nb - 1) // nb
+        last = gl.maximum(n_bh // g, 1) - 1  # the last section, which takes the remainder heads
         lin = gl.program_id(1) * nb + gl.program_id(0)
-        sec = lin // (g * nb)
+        sec = gl.minimum(lin // (g * nb), last)
         first = sec * g
-        width = gl.minimum(n_bh - first, g)  # the last section may hold fewer heads
-        within = lin - sec * (g * nb)
+        width = g + (sec == last).to(gl.int32) * (n_bh - first - g)
+        within = lin - first * nb
         rank = within // width
         bh = first + (within - rank * width)
     else:
@@ -725,16 +727,17 @@ def _causal_cta(LPT_WAVE: gl.constexpr, HEAVY_LAST: gl.constexpr):
     return blk, bh
 
 
-def causal_cta_order(n_blocks: int, n_bh: int, lpt_wave: int, heavy_last: bool) -> list[tuple[int, int]]:
+def causal_cta_order(n_blocks: int, n_bh: int, lpt_section: int, heavy_last: bool) -> list[tuple[int, int]]:
     """Host twin of ``_causal_cta``: the (block, batch * head) of each CTA in launch order (program_id(1) * blocks +
-    program_id(0)), for tests and the scheduling model in docs/perf-notes-attn-bwd.md."""
+    program_id(0)), for tests and the scheduling model."""
     order = []
     for lin in range(n_blocks * n_bh):
-        if lpt_wave > 0:
-            g = -(-lpt_wave // n_blocks)
-            sec, within = divmod(lin, g * n_blocks)
-            width = min(n_bh - sec * g, g)
-            rank, off = divmod(within, width)
+        if lpt_section > 0:
+            g = -(-lpt_section // n_blocks)
+            last = max(n_bh // g, 1) - 1
+            sec = min(lin // (g * n_blocks), last)
+            width = n_bh - sec * g if sec == last else g
+            rank, off = divmod(lin - sec * g * n_blocks, width)
             bh = sec * g + off
         else:
             bh, rank = divmod(lin, n_blocks)
