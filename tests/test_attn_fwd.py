@@ -284,3 +284,63 @@ def test_exp2_mixed(percent, seed):
     low = torch.cat([y[0::4], y[1::4], y[2::4]])
     assert (low >= 0).all() and (low <= 2.0**-126).all()  # 2^-126.75 is a subnormal where MUFU / numpy keep it
     assert torch.equal(low[:, fma_cols], torch.zeros_like(low[:, fma_cols]))  # the polynomial flushes it
+
+
+@pytest.mark.parametrize("sms", [1, 3, None], ids=["sms1", "sms3", "sms"])
+def test_attn_fwd_causal_lpt_bit_identical(sms, seed, monkeypatch):
+    """``FwdConfig.causal_lpt`` (CTAs over sections of heads, heaviest query block first: ``attn_fwd._causal_cta``)
+    against head-by-head order: the same CTAs on the same tiles, so out and lse bit for bit.  A stand-in SM count
+    of 1 or 3 makes sections of one or a few heads with a remainder.  Interpreter on the CPU (16-row blocks: 5
+    blocks, 6 heads), odd shapes on the GPU."""
+    from conftest import require_kernels
+
+    from mxattn.kernels import attn_fwd
+    from mxattn.kernels.attn_fwd import FwdConfig, attn_fwd_hopper
+
+    dev = require_kernels()
+    if sms is not None:
+        monkeypatch.setattr(attn_fwd, "sm_count", lambda d: sms)
+    shapes = [(2, 70, 70, 3, 3, 64)] if dev == "cpu" else [(2, 4224, 4224, 3, 3, 128), (3, 1000, 2000, 8, 2, 64)]
+    tile = (16, 32, 4, 1) if dev == "cpu" else (64, 128, 4, 3)
+    for B, Sq, Sk, Hq, Hkv, D in shapes:
+        q, k, v = _inputs(B, Sq, Sk, Hq, Hkv, D, dev, seed + Sk)
+        qr, kr, vr = interface.hopper_operands(*interface.quantize_qkv(q, k, v))
+        got = attn_fwd_hopper(qr, kr, vr, causal=True, config=FwdConfig(*tile, causal_lpt=True))
+        want = attn_fwd_hopper(qr, kr, vr, causal=True, config=FwdConfig(*tile, causal_lpt=False))
+        assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
+        assert torch.equal(got[1], want[1])
+
+
+def test_causal_cta_tl_matches_its_host_twin():
+    """``attn_fwd._causal_cta`` (tl, under the interpreter on the CPU) gives each CTA of a (blocks, heads) grid the
+    (block, head) ``attn_fwd_gluon.causal_cta_order`` lists for its launch position, for both heavy ends."""
+    from conftest import require_kernels
+
+    from mxattn.kernels.attn_fwd_gluon import causal_cta_order
+
+    dev = require_kernels()
+    _probe = _causal_cta_probe()
+    for nb, n_bh, section in ((5, 7, 12), (3, 4, 0), (4, 9, 1), (6, 5, 100)):
+        for heavy_last in (False, True):
+            out = torch.full((nb * n_bh, 2), -1, dtype=torch.int32, device=dev)
+            _probe[(nb, n_bh)](out, section, heavy_last)
+            assert out.cpu().tolist() == [list(t) for t in causal_cta_order(nb, n_bh, section, heavy_last)]
+
+
+def _causal_cta_probe():
+    """A kernel writing each CTA's ``attn_fwd._causal_cta`` at its launch position (built on first use: the
+    module imports without triton)."""
+    import triton
+    import triton.language as tl
+
+    from mxattn.kernels.attn_fwd import _causal_cta
+
+    @triton.jit
+    def probe(OUT, LPT_SECTION: tl.constexpr, HEAVY_LAST: tl.constexpr):
+        blk, bh = cta(LPT_SECTION, HEAVY_LAST)
+        lin = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        tl.store(OUT + 2 * lin, blk)
+        tl.store(OUT + 2 * lin + 1, bh)
+
+    probe.fn.__globals__["cta"] = _causal_cta  # (a jit function resolves callees among its globals)
+    return probe

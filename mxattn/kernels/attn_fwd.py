@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from mxattn.kernels import launch as launch_mod
-from mxattn.kernels.launch import BoundLaunch, cdiv, fast_launcher
+from mxattn.kernels.launch import BoundLaunch, cdiv, fast_launcher, sm_count
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -52,6 +52,9 @@ class FwdConfig:
     # percent (0, 25, 50) of an unmasked tile's exp2 computed on the FMA pipe instead of MUFU (``_exp2_mixed``);
     # measured 4-17 % slower on an H100 (docs/perf-notes-attn-fwd-gluon.md, session 18), so 0
     exp2_fma: int = 0
+    # causal launches: CTAs heaviest query block first over sections of heads (``_causal_cta``, as the Gluon
+    # kernels' ``causal_lpt``) instead of head by head.  Bit-identical.  MXATTN_CAUSAL_LPT (import time)
+    causal_lpt: bool = launch_mod.CAUSAL_LPT
 
 
 def _exp2_fma_default() -> int:
@@ -200,6 +203,34 @@ def _attn_tile(
 
 
 @triton.jit
+def _causal_cta(LPT_SECTION: tl.constexpr, HEAVY_LAST: tl.constexpr):
+    """(block, batch * head) of this CTA of a grid (blocks, B * H): head by head when LPT_SECTION is 0, else over
+    sections of cdiv(LPT_SECTION, blocks) heads (the remainder in the last one), heaviest block of every head of
+    a section first.  The Gluon kernels' ``attn_fwd_gluon._causal_cta`` in ``tl`` (host twin:
+    ``attn_fwd_gluon.causal_cta_order``); HEAVY_LAST: the heaviest block is the last one."""
+    nb = tl.num_programs(0)
+    if LPT_SECTION > 0:
+        n_bh = tl.num_programs(1)
+        g = (LPT_SECTION + nb - 1) // nb
+        last = tl.maximum(n_bh // g, 1) - 1
+        lin = tl.program_id(1) * nb + tl.program_id(0)
+        sec = tl.minimum(lin // (g * nb), last)
+        first = sec * g
+        width = g + (sec == last).to(tl.int32) * (n_bh - first - g)
+        within = lin - first * nb
+        rank = within // width
+        bh = first + (within - rank * width)
+    else:
+        rank = tl.program_id(0)
+        bh = tl.program_id(1)
+    if HEAVY_LAST:
+        blk = nb - 1 - rank
+    else:
+        blk = rank
+    return blk, bh
+
+
+@triton.jit
 def _attn_fwd_kernel(
     Q, K, V, QE, KE, VE, O, LSE,
     stride_qb, stride_qm, stride_qh, stride_qd,
@@ -216,6 +247,7 @@ def _attn_fwd_kernel(
     EXPLICIT_ROUND: tl.constexpr, VARLEN: tl.constexpr = False,
     V_BLOCKS: tl.constexpr = False,  # varlen V as one (Hkv, D, round16(len)) block per sequence (kernels/varlen.py)
     EXP2_FMA: tl.constexpr = 0,  # FwdConfig.exp2_fma
+    LPT_SECTION: tl.constexpr = 0,  # FwdConfig.causal_lpt: CTAs per section of heads (``_causal_cta``)
 ):
     # heaviest query blocks first when causal (they see the most keys): shorter tail at the end of the grid
     if VARLEN:
@@ -225,8 +257,7 @@ def _attn_fwd_kernel(
         pid_m = n_m - 1 - tl.program_id(0) % n_m if CAUSAL else tl.program_id(0) % n_m
         pid_bh = tl.program_id(0) // n_m
     else:
-        pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
-        pid_bh = tl.program_id(1)
+        pid_m, pid_bh = _causal_cta(LPT_SECTION, CAUSAL)
     b = pid_bh // Hq
     h = pid_bh % Hq
     hk = h // group_size
@@ -447,6 +478,9 @@ def attn_fwd_hopper(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         raise ValueError(f"exp2_fma must be 0, 25 or 50 (percent), got {cfg.exp2_fma}")
     constexprs = dict(HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
                       EXPLICIT_ROUND=INTERPRETER, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if causal and cfg.causal_lpt:  # (only then: the default build's specialization stays the measured one)
+        # sections of about two waves at two CTAs an SM (the tl builds run 1-3)
+        constexprs["LPT_SECTION"] = 4 * sm_count(qd.device)
     if cfg.exp2_fma:  # only then: the default build's specialization stays the measured one
         constexprs["EXP2_FMA"] = cfg.exp2_fma
         if cfg.num_warps == 4 and D <= 64 and not INTERPRETER:

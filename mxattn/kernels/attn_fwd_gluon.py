@@ -78,6 +78,12 @@ FWD_PROBE = gl.constexpr(int(os.environ.get("MXATTN_FWD_PROBE", "0")))
 # each shared-memory write (an mbarrier arrival counts) that follows a read or a write, and before each read after
 # a write: one arrival a step instead of two takes one of the step's three barriers away.  Bit-identical.
 ONE_EMPTY = gl.constexpr(os.environ.get("MXATTN_FWD_ONE_EMPTY", "0") == "1")
+# Causal persistent launches deal the work items out boustrophedon (session 24; MXATTN_CAUSAL_LPT=1, read once at
+# import through launch.CAUSAL_LPT, opt-in until measured): round r of the static round robin gives item
+# r * CTAs + p to CTA p when r is even and to CTA CTAs - 1 - p when r is odd (full rounds only), so the CTA that took
+# a round's heaviest item takes the next round's lightest.  The scheduling model (docs/perf-notes-attn-bwd.md,
+# session 24) puts the longest CTA of B2 H16 S 4k at 1.03x the mean, against 1.12x dealt in order.  Bit-identical.
+SNAKE = gl.constexpr(launch_mod.CAUSAL_LPT)
 if FWD_PROBE.value not in range(5):
     raise ValueError(f"MXATTN_FWD_PROBE must be 0..4, got {FWD_PROBE.value}")
 
@@ -746,12 +752,19 @@ def causal_cta_order(n_blocks: int, n_bh: int, lpt_section: int, heavy_last: boo
 
 
 @gluon.jit
-def _work_item(w, n_m, BH, Hq, group_size, Sq, Sk, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+def _work_item(u, n_m, BH, n_work, Hq, group_size, Sq, Sk, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
     """Work item w of the persistent kernel -> (b, h, kv head, first query row, key tiles, unmasked tiles).
     Items run head-major as the per-block kernel's grid does (w = (b * Hq + h) * n_m + rank; causal: rank 0 the
     heaviest block): the ~132 items in flight at a time share a few heads' K / V in L2.  (Rank-major order, heavy
     causal blocks first everywhere, measured 11 % slower at S 8k on an H100: the items in flight then span every
-    head, 64 MB of K / V at B2 H16 S 8k, more than L2.)"""
+    head, 64 MB of K / V at B2 H16 S 8k, more than L2.)  u: the CTA's position in the round robin (program_id(0)
+    + r * CTAs); causal with SNAKE, odd full rounds are dealt in reverse."""
+    w = u
+    if CAUSAL and SNAKE:
+        nprog = gl.num_programs(0)
+        r = u // nprog
+        flip = ((r % 2) == 1) & ((r + 1) * nprog <= n_work)
+        w = u + flip.to(gl.int32) * (nprog - 1 - 2 * gl.program_id(0))
     rank = w % n_m
     bh = w // n_m
     pid_m = n_m - 1 - rank if CAUSAL else rank
@@ -769,7 +782,7 @@ def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, 
     it = 0
     k = 0
     for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
-        b, h, hk, start_m, n_tiles, n_full = _work_item(w, n_m, BH, Hq, group_size, Sq, Sk, CAUSAL, BLOCK_N)
+        b, h, hk, start_m, n_tiles, n_full = _work_item(w, n_m, BH, n_work, Hq, group_size, Sq, Sk, CAUSAL, BLOCK_N)
         mbarrier.wait(q_empty, (k & 1) ^ 1)  # both consumers are done with the last item's Q (fresh: no wait)
         _load_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                    b * Sq + start_m, h * HEAD_DIM, b * Sk, hk * HEAD_DIM, (b * Hkv + hk) * HEAD_DIM, n_tiles, it,
@@ -791,7 +804,7 @@ def _consumer_persistent(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empt
     it = 0
     k = 0
     for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
-        b, h, hk, start_m, n_tiles, n_full = _work_item(w, n_m, BH, Hq, group_size, Sq, Sk, CAUSAL, BLOCK_N)
+        b, h, hk, start_m, n_tiles, n_full = _work_item(w, n_m, BH, n_work, Hq, group_size, Sq, Sk, CAUSAL, BLOCK_N)
         b64 = b.to(gl.int64)
         _row_block(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn_bars,
                    QE + b64 * stride_qeb + h * stride_qeh, KE + b64 * stride_keb + hk * stride_keh,
@@ -923,12 +936,7 @@ def _attn_fwd_ws_kernel(
 
 
 # ------------------------------------------------------------------------------------------------- launcher
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    """SMs of the device (132 for a CPU stand-in: an H100 / H200 SXM, as scripts/compile_launched.py builds)."""
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
+_sm_count = launch_mod.sm_count  # (a module attribute: tests stand another count in)
 
 
 @functools.lru_cache(maxsize=None)

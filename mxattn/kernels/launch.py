@@ -85,6 +85,14 @@ except ImportError:  # pragma: no cover - older triton
         pass
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """SMs of the device (132 for a CPU stand-in: an H100 / H200 SXM, as scripts/compile_launched.py builds)."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def cdiv(a: int, b: int) -> int:
     """``triton.cdiv`` for host code: that one is a ``constexpr_function`` whose call unwraps its arguments and
     re-imports on every call (~6-12 us of host time each on the GPU machine; the wrappers made dozens per call)."""
