@@ -1,6 +1,7 @@
 """Time a kernel under two settings of an import-time environment variable, in turns (GPU).
 
     PYTHONPATH=. python3 scripts/bench_env_turns.py OUTDIR --var MXATTN_FWD_ONE_EMPTY [--values 0 1]
+    PYTHONPATH=. python3 scripts/bench_env_turns.py OUTDIR --values A=0,B=1 A=1,B=0   (each value its own settings)
         [--kernel fwd-gluon | dq | dkdv | bwd] [--turns 3]
 
 Some kernel options are module constants read once at import (``attn_fwd_gluon.ONE_EMPTY``, ``FWD_PROBE``), so a
@@ -85,6 +86,14 @@ def child(kernel: str, rep_ms: int) -> None:
     print("ROWS " + json.dumps(rows), flush=True)
 
 
+def settings(var, value: str) -> dict:
+    """The environment one value stands for: ``var=value``, or, where the value holds "=", its own comma-separated
+    assignments (``MXATTN_FWD_PERSISTENT=0,MXATTN_CAUSAL_LPT=1``)."""
+    if "=" not in value:
+        return {var: value}
+    return dict(kv.split("=", 1) for kv in value.split(","))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", nargs="?")
@@ -98,20 +107,22 @@ def main() -> None:
     if args.child:
         child(args.kernel, args.rep_ms)
         return
-    if not args.var:
-        ap.error("--var is required (the import-time variable whose values take turns)")
+    if not args.var and not all("=" in v for v in args.values):
+        ap.error("--var is required (the import-time variable whose values take turns), unless every value is a "
+                 "setting of its own (VAR=x[,VAR2=y])")
     runs = {v: [] for v in args.values}
+    label = lambda v: v if "=" in v else f"{args.var}={v}"  # noqa: E731
     for t in range(args.turns):
         for v in args.values:
-            env = dict(os.environ, **{args.var: v})
+            env = dict(os.environ, **settings(args.var, v))
             r = subprocess.run([sys.executable, __file__, "--child", "--kernel", args.kernel, "--rep-ms",
                                 str(args.rep_ms)], env=env, capture_output=True, text=True)
             line = [ln for ln in r.stdout.splitlines() if ln.startswith("ROWS ")]
             if r.returncode or not line:
-                print(f"turn {t} {args.var}={v}: failed (rc {r.returncode})\n{r.stderr[-3000:]}", flush=True)
+                print(f"turn {t} {label(v)}: failed (rc {r.returncode})\n{r.stderr[-3000:]}", flush=True)
                 continue
             runs[v].append(json.loads(line[0][5:]))
-            print(f"turn {t} {args.var}={v}: " + ", ".join(f"{x['ms']:.3f}" for x in runs[v][-1]), flush=True)
+            print(f"turn {t} {label(v)}: " + ", ".join(f"{x['ms']:.3f}" for x in runs[v][-1]), flush=True)
     base = args.values[0]
     rows = []
     for i, (B, H, S, D, causal) in enumerate(SHAPES[args.kernel]):
@@ -130,13 +141,13 @@ def main() -> None:
             row["ratio_vs_sdpa_cudnn_bf16"] = {v: statistics.median([run[i]["ratio_vs_sdpa_cudnn_bf16"]
                                                                      for run in runs[v]]) for v in ms}
         print(f"B{B} H{H} S{S} d{D} causal={causal}: " + ", ".join(
-            f"{args.var}={v} {med[v]:.3f} ms {row['speedup'][v]:.3f}x{'*' if row['faster_every_turn'][v] else ''}"
+            f"{label(v)} {med[v]:.3f} ms {row['speedup'][v]:.3f}x{'*' if row['faster_every_turn'][v] else ''}"
             for v in ms) + f", same output {row['same_output']}", flush=True)
         rows.append(row)
     if args.out and rows:
         from mxattn.bench.results import write_result
         what = {"fwd-gluon": "cost_probe", "dq": "attn_bwd_kernels", "dkdv": "attn_bwd_kernels",
-                "bwd": "attn_bwd"}[args.kernel]
+                "bwd": "attn_bwd_env_turns"}[args.kernel]  # (not "attn_bwd": the README grid's table)
         print(write_result(what, rows, args.out, extra={"variable": args.var, "values": args.values,
                                                          "turns": args.turns}))
 

@@ -612,8 +612,11 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
       run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_bwd_dq_gluon.py \
         tests/test_attn_bwd_dkdv_gluon.py tests/test_attn_fwd.py -k "causal_lpt or causal_cta" 2>&1 | tail -5 \
         || status=1
-      # the persistent Gluon forward's boustrophedon deal (import time) against the per-block kernel, bit for bit
-      MXATTN_CAUSAL_LPT=1 run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_fwd_gluon.py \
+      # the Gluon forward's variants bit for bit: the per-block kernel's causal_lpt; with MXATTN_FWD_SNAKE=1 (import
+      # time) the persistent kernel's boustrophedon deal
+      run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_fwd_gluon.py \
+        -k "variant_bit_identical and True and causal_lpt" 2>&1 | tail -3 || status=1
+      MXATTN_FWD_SNAKE=1 run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_fwd_gluon.py \
         -k "variant_bit_identical and True and persistent" 2>&1 | tail -3 || status=1
       for kern in ${LPT_KERNELS:-dkdv dq fwd-gluon bwd}; do
         mkdir -p "$OUT/lpt-$kern"

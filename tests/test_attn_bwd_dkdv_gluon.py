@@ -1122,3 +1122,19 @@ def test_attn_bwd_dkdv_gluon_causal_lpt_bit_identical(case, sms, seed, monkeypat
         monkeypatch.setattr(_mod(), "_sm_count", lambda dev: sms)
     monkeypatch.setattr(_mod(), "_PLANS", {})  # (no plan made here outlives the test)
     _assert_configs_bit_identical(case, seed, dict(split=True, causal_lpt=True), dict(split=True, causal_lpt=False))
+
+
+def test_causal_lpt_auto_rule(monkeypatch):
+    """``causal_lpt=None`` follows MXATTN_CAUSAL_LPT (``launch.CAUSAL_LPT``): "auto" turns the order on for the
+    64-query build and off for the 128-query one (measured slower), "1" / "0" everywhere / nowhere."""
+    from mxattn.kernels import launch
+
+    m = _mod()
+    ops = _cpu_operands(D=64)
+    for mode, bm, want in (("auto", 64, 264), ("auto", 128, 0), ("1", 128, 264), ("0", 64, 0)):
+        monkeypatch.setattr(launch, "CAUSAL_LPT", mode)
+        monkeypatch.setattr(m, "_PLANS", {})
+        cfg = m.GluonDkdvConfig(split=True, block_m=bm)
+        (_, _, kw), = _recorded_launches(monkeypatch, lambda: m.attn_bwd_dkdv_gluon(**ops, causal=True, config=cfg),
+                                         n=1)
+        assert kw.get("LPT_SECTION", 0) == want, (mode, bm)

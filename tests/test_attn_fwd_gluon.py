@@ -610,12 +610,14 @@ def test_attn_fwd_gluon_exp2_fma_close(causal, exp2_fma, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [dict(persistent=True), dict(out_store="rows"),
                                      dict(persistent=True, out_store="rows"), dict(mask="lean"),
-                                     dict(persistent=True, out_store="rows", mask="lean")], ids=str)
+                                     dict(persistent=True, out_store="rows", mask="lean"), dict(causal_lpt=True)],
+                         ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 def test_attn_fwd_gluon_variant_bit_identical(causal, variant, seed):
     """The persistent kernel (``GluonFwdConfig.persistent``) computes each work item as the one-CTA-per-block
     kernel does, the row-wise output store (``out_store="rows"``) writes the same values and the lean masked-tile
-    arithmetic (``mask="lean"``) computes them: out and lse
+    arithmetic (``mask="lean"``) computes them, and the per-block kernel's causal CTA order (``causal_lpt``) runs
+    the same CTAs: out and lse
     bit-identical, over more work items than SMs (CTAs loop, the ring runs on across items), GQA, odd lengths,
     Sq > Sk causal (items with no key tile), d64, the 2-D K path (Sk % 16 != 0)."""
     if not _is_hopper():

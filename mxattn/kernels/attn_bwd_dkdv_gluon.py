@@ -301,9 +301,11 @@ class GluonDkdvConfig:
     persistent: bool = False
     # causal launches: CTAs heaviest key block first over sections of about two waves of kv heads (``_causal_cta``)
     # instead of head by head, which leaves heavy blocks of the last heads for the grid's tail.  The same CTAs
-    # computing the same tiles: bit-identical.  MXATTN_CAUSAL_LPT (import time) sets the default; not with
+    # computing the same tiles: bit-identical.  None: MXATTN_CAUSAL_LPT's choice (``launch.causal_lpt``), by
+    # default on for the 64-query build and off for the 128-query one (session 24, H100, kernel alone: d128 S 4k /
+    # 8k 1.115x / 1.066x; d64 S 8k, block_m 128, 0.957x; `attn_bwd_kernels-…-s24-lpt-dkdv.json`).  Not with
     # ``persistent`` (its own order)
-    causal_lpt: bool = launch.CAUSAL_LPT
+    causal_lpt: Optional[bool] = None
 
     def __post_init__(self):
         if self.ds_exp not in DS_EXPS:
@@ -1642,7 +1644,7 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
     constexprs = dict(HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
                       SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=cfg.defers_dk, DS_KEY_EXP=cfg.key_exp,
                       BLOCK_M=bm, Q_PERM=q_perm, num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
-    if causal and cfg.causal_lpt and not (cfg.persistent and Sq > 1):
+    if causal and launch.causal_lpt(cfg.causal_lpt, bm == 64) and not (cfg.persistent and Sq > 1):
         constexprs["LPT_SECTION"] = 2 * _sm_count(dev)
     if cfg.persistent and Sq > 1:  # (Sq == 1 keeps the per-block kernel's unspecialized twin)
         n_work = grid[0] * grid[1]

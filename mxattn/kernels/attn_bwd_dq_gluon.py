@@ -182,8 +182,10 @@ class GluonDqConfig:
     one_empty: bool = _ONE_EMPTY
     # causal launches: CTAs heaviest query block first over sections of about two waves of heads (``_causal_cta``)
     # instead of head by head, which leaves heavy blocks of the last heads for the grid's tail.  The same CTAs
-    # computing the same tiles: bit-identical.  MXATTN_CAUSAL_LPT (import time) sets the default
-    causal_lpt: bool = launch.CAUSAL_LPT
+    # computing the same tiles: bit-identical.  None: MXATTN_CAUSAL_LPT's choice (``launch.causal_lpt``), on by
+    # default (session 24, H100, kernel alone: d128 S 4k / 8k 1.066x / 1.009x, d64 S 8k 1.032x;
+    # `attn_bwd_kernels-…-s24-lpt-dq.json`)
+    causal_lpt: Optional[bool] = None
 
     def __post_init__(self):
         if self.one_empty and self.stages < 3:
@@ -893,7 +895,7 @@ def attn_bwd_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, k_
     constexprs = dict(HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
                       SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, BLOCK_N=cfg.block_n, K_PERM=use_perm,
                       AMAX_SLOTS=cfg.amax_slots, ONE_EMPTY=cfg.one_empty,
-                      LPT_SECTION=2 * _sm_count(dev) if causal and cfg.causal_lpt else 0,
+                      LPT_SECTION=2 * _sm_count(dev) if causal and launch.causal_lpt(cfg.causal_lpt, True) else 0,
                       num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
     args = (*descs, qe, de, ke, ve, kse, lse, delta, dq, *scalars)
     if key is None:

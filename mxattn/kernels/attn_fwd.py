@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -53,8 +54,9 @@ class FwdConfig:
     # measured 4-17 % slower on an H100 (docs/perf-notes-attn-fwd-gluon.md, session 18), so 0
     exp2_fma: int = 0
     # causal launches: CTAs heaviest query block first over sections of heads (``_causal_cta``, as the Gluon
-    # kernels' ``causal_lpt``) instead of head by head.  Bit-identical.  MXATTN_CAUSAL_LPT (import time)
-    causal_lpt: bool = launch_mod.CAUSAL_LPT
+    # kernels' ``causal_lpt``) instead of head by head.  Bit-identical.  None: MXATTN_CAUSAL_LPT's choice
+    # (``launch.causal_lpt``), off by default (not measured yet)
+    causal_lpt: Optional[bool] = None
 
 
 def _exp2_fma_default() -> int:
@@ -478,7 +480,7 @@ def attn_fwd_hopper(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         raise ValueError(f"exp2_fma must be 0, 25 or 50 (percent), got {cfg.exp2_fma}")
     constexprs = dict(HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
                       EXPLICIT_ROUND=INTERPRETER, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if causal and cfg.causal_lpt:  # (only then: the default build's specialization stays the measured one)
+    if causal and launch_mod.causal_lpt(cfg.causal_lpt, False):  # (else the measured build's specialization)
         # sections of about two waves at two CTAs an SM (the tl builds run 1-3)
         constexprs["LPT_SECTION"] = 4 * sm_count(qd.device)
     if cfg.exp2_fma:  # only then: the default build's specialization stays the measured one

@@ -43,6 +43,7 @@ import functools
 import math
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from triton.experimental import gluon
@@ -78,12 +79,13 @@ FWD_PROBE = gl.constexpr(int(os.environ.get("MXATTN_FWD_PROBE", "0")))
 # each shared-memory write (an mbarrier arrival counts) that follows a read or a write, and before each read after
 # a write: one arrival a step instead of two takes one of the step's three barriers away.  Bit-identical.
 ONE_EMPTY = gl.constexpr(os.environ.get("MXATTN_FWD_ONE_EMPTY", "0") == "1")
-# Causal persistent launches deal the work items out boustrophedon (session 24; MXATTN_CAUSAL_LPT=1, read once at
-# import through launch.CAUSAL_LPT, opt-in until measured): round r of the static round robin gives item
-# r * CTAs + p to CTA p when r is even and to CTA CTAs - 1 - p when r is odd (full rounds only), so the CTA that took
-# a round's heaviest item takes the next round's lightest.  The scheduling model (docs/perf-notes-attn-bwd.md,
-# session 24) puts the longest CTA of B2 H16 S 4k at 1.03x the mean, against 1.12x dealt in order.  Bit-identical.
-SNAKE = gl.constexpr(launch_mod.CAUSAL_LPT)
+# Causal persistent launches deal the work items out boustrophedon (session 24; MXATTN_FWD_SNAKE=1, read once at
+# import; opt-in): round r of the static round robin gives item r * CTAs + p to CTA p when r is even and to CTA
+# CTAs - 1 - p when r is odd (full rounds only), so the CTA that took a round's heaviest item takes the next
+# round's lightest.  The scheduling model (docs/perf-notes-attn-bwd.md, session 24) put the longest CTA of B2 H16
+# S 4k at 1.03x the mean against 1.12x dealt in order, but it measured 0.92x / 0.96x / 1.04x at S 4k / 8k / 16k
+# causal (H100, `cost_probe-…-s24-lpt-fwd.json`).  Bit-identical.
+SNAKE = gl.constexpr(os.environ.get("MXATTN_FWD_SNAKE", "0") == "1")
 if FWD_PROBE.value not in range(5):
     raise ValueError(f"MXATTN_FWD_PROBE must be 0..4, got {FWD_PROBE.value}")
 
@@ -138,6 +140,10 @@ class GluonFwdConfig:
     # ~990 -> ~570; the unmasked step unchanged, 477), R234 -> R201.  The probe had a causal diagonal tile costing
     # ~2x an unmasked one.  Opt-in until measured (docs/pending-gpu-checks.md, session 19)
     mask: str = "select"
+    # the per-block kernel's causal launches (not the persistent one's: ``SNAKE``): CTAs heaviest query block first
+    # over sections of about two waves of heads (``_causal_cta``).  Bit-identical.  None: MXATTN_CAUSAL_LPT's choice
+    # (``launch.causal_lpt``), off by default (not measured yet)
+    causal_lpt: Optional[bool] = None
 
 
 # MXATTN_FWD_PERSISTENT=0 (read at import): the per-block kernel by default (the persistent one is since session 19)
@@ -896,10 +902,10 @@ def _attn_fwd_ws_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, K_PERM: gl.constexpr,
     P_CARRY: gl.constexpr, EXP2_FMA: gl.constexpr, OUT_ROWS: gl.constexpr, LEAN_MASK: gl.constexpr,
+    LPT_SECTION: gl.constexpr = 0,  # GluonFwdConfig.causal_lpt: CTAs per section of heads (``_causal_cta``)
 ):
     # heaviest query blocks first when causal (they see the most keys): shorter tail at the end of the grid
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
-    pid_bh = gl.program_id(1)
+    pid_m, pid_bh = _causal_cta(LPT_SECTION, CAUSAL)
     b = pid_bh // Hq
     h = pid_bh % Hq
     hk = h // group_size
@@ -1080,6 +1086,8 @@ def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None
     else:
         fn, grid, args = _attn_fwd_ws_kernel, (cdiv(Sq, BLOCK_M.value), B * Hq), (*args, _times)
         consts["PINGPONG"] = cfg.pingpong
+        if causal and launch_mod.causal_lpt(cfg.causal_lpt, False):
+            consts["LPT_SECTION"] = 2 * _sm_count(out.device)
     copied = q_desc.base is not q.data or k_desc.base is not k.data
     if key is None or copied:
         fast_launcher(fn)[grid](*args, **consts)

@@ -35,7 +35,7 @@ import dataclasses
 import functools
 import inspect
 import os
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -48,10 +48,13 @@ _BYPASS = [False]  # set by ``triton_dispatch()``: every launcher takes Triton's
 # MXATTN_LAUNCH_PLANS=0: no launch plans anywhere (quantize wrappers, the tl and Gluon forwards, the Gluon backward
 # launchers): every call takes its checked path, for telling a plan's fault from a kernel's
 PLANS = os.environ.get("MXATTN_LAUNCH_PLANS", "1").lower() not in ("0", "false", "off")
-# MXATTN_CAUSAL_LPT=1: the Gluon backward kernels' configs default to ``causal_lpt`` (``attn_fwd_gluon._causal_cta``):
-# a causal grid's CTAs run heaviest block first over sections of heads one wave wide, not head by head.  Read once
-# at import (the configs' default); opt-in until measured on a GPU (docs/perf-notes-attn-bwd.md, session 24)
-CAUSAL_LPT = os.environ.get("MXATTN_CAUSAL_LPT", "0") == "1"
+# MXATTN_CAUSAL_LPT (read once at import): how the kernels' ``causal_lpt = None`` resolves (``causal_lpt``).
+# Causal grids then run their CTAs heaviest block first over sections of heads (``attn_fwd_gluon._causal_cta``)
+# instead of head by head.  "auto" (default): where it measured faster (docs/perf-notes-attn-bwd.md, session 24);
+# "1" / "0": everywhere / nowhere
+CAUSAL_LPT = os.environ.get("MXATTN_CAUSAL_LPT", "auto").lower()
+if CAUSAL_LPT not in ("auto", "0", "1"):
+    raise ValueError(f"MXATTN_CAUSAL_LPT must be auto, 0 or 1, got {CAUSAL_LPT!r}")
 # MXATTN_FAST_LAUNCH_SPEC=0: no second table (a by-value miss goes through Triton's dispatch); read at each miss
 SPEC_TABLE = [os.environ.get("MXATTN_FAST_LAUNCH_SPEC", "1").lower() not in ("0", "false", "off")]
 _Tensor = torch.Tensor
@@ -91,6 +94,14 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def causal_lpt(value: Optional[bool], measured_faster: bool) -> bool:
+    """A config's ``causal_lpt`` resolved: its own True / False, else (None) MXATTN_CAUSAL_LPT's "1" / "0", else
+    ("auto") ``measured_faster``, the kernel's measured rule."""
+    if value is not None:
+        return bool(value)
+    return measured_faster if CAUSAL_LPT == "auto" else CAUSAL_LPT == "1"
 
 
 def cdiv(a: int, b: int) -> int:
