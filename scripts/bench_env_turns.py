@@ -1,17 +1,20 @@
 """Time a kernel under two settings of an import-time environment variable, in turns (GPU).
 
     PYTHONPATH=. python3 scripts/bench_env_turns.py OUTDIR --var MXATTN_FWD_ONE_EMPTY [--values 0 1]
+        [--kernel fwd-gluon | fwd-tl | dq | dkdv | bwd] [--turns 3]
     PYTHONPATH=. python3 scripts/bench_env_turns.py OUTDIR --values A=0,B=1 A=1,B=0   (each value its own settings)
-        [--kernel fwd-gluon | dq | dkdv | bwd] [--turns 3]
 
 Some kernel options are module constants read once at import (``attn_fwd_gluon.ONE_EMPTY``, ``FWD_PROBE``), so a
 process can time only one setting.  Each turn runs one child process per value (this file with ``--child``), in
 the same order every turn; a child times every shape with ``triton.testing.do_bench`` (median) and prints one JSON
 line.  Rows: per shape, each value's ms over the turns, the median, ``speedup`` against the first value and
-whether it was faster in every turn.  Kernels: ``fwd-gluon`` (the Gluon forward on FP8 operands, the API's
-default config) at B2 H16 d128 S 4k / 8k / 16k, both masks; ``dq`` / ``dkdv`` (the Gluon dQ / dK-dV kernel, the
-API's build) at d128 S 4k / 8k and d64 S 8k, both masks; ``bwd`` (the public backward from BF16, ``autograd.grad``, with SDPA
-cuDNN BF16's timed in the same child: rows keep the ratio) at the ``dq`` shapes.  One JSON (``cost_probe`` or ``attn_bwd_kernels``) under OUTDIR.
+whether it was faster in every turn.  Kernels:
+- ``fwd-gluon``: the Gluon forward on FP8 operands, the API's default config, B2 H16 d128 S 4k / 8k / 16k;
+- ``fwd-tl``: the tl forward, its default config, on the same operands at d128 S 2k and d64 S 4k / 8k;
+- ``dq`` / ``dkdv``: the Gluon dQ / dK-dV kernel, the API's build, at d128 S 4k / 8k and d64 S 8k;
+- ``bwd``: the public backward from BF16 (``autograd.grad``) at the ``dq`` shapes, with SDPA cuDNN BF16's timed in
+  the same child (rows keep the ratio).
+Every shape both masks.  One JSON under OUTDIR (``cost_probe``, ``attn_bwd_kernels`` or ``attn_bwd_env_turns``).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import subprocess
 import sys
 
 SHAPES = {"fwd-gluon": [(2, 16, S, 128, c) for S in (4096, 8192, 16384) for c in (False, True)],
+          "fwd-tl": [(2, 16, S, D, c) for S, D in ((2048, 128), (4096, 64), (8192, 64)) for c in (False, True)],
           "dq": [(2, 16, S, D, c) for S, D in ((4096, 128), (8192, 128), (8192, 64)) for c in (False, True)],
           "bwd": [(2, 16, S, D, c) for S, D in ((4096, 128), (8192, 128), (8192, 64)) for c in (False, True)],
           "dkdv": [(2, 16, S, D, c) for S, D in ((4096, 128), (8192, 128), (8192, 64)) for c in (False, True)]}
@@ -57,12 +61,17 @@ def child(kernel: str, rep_ms: int) -> None:
                          "tflops": flops / ms / 1e9, "digest": digest, "sdpa_cudnn_ms": ms_c,
                          "ratio_vs_sdpa_cudnn_bf16": ms_c / ms})
             continue
-        if kernel == "fwd-gluon":
-            from mxattn.kernels import attn_fwd_gluon as m
+        if kernel in ("fwd-gluon", "fwd-tl"):
             from mxattn.kernels.quantize import row_scaled_triton
             ops = (row_scaled_triton(x[0], "q"), row_scaled_triton(x[1], "k"), row_scaled_triton(x[2], "v"))
-            cfg = m.default_config(D, causal)
-            fn = lambda: m.attn_fwd_gluon(*ops, causal=causal, config=cfg)  # noqa: E731
+            if kernel == "fwd-gluon":
+                from mxattn.kernels import attn_fwd_gluon as m
+                cfg = m.default_config(D, causal)
+                fn = lambda: m.attn_fwd_gluon(*ops, causal=causal, config=cfg)  # noqa: E731
+            else:
+                from mxattn.kernels import attn_fwd as m
+                cfg = m.default_config(D, causal)
+                fn = lambda: m.attn_fwd_hopper(*ops, causal=causal, config=cfg)  # noqa: E731
             products = 2
         elif kernel == "dkdv":
             from mxattn.kernels import attn_bwd_dkdv_gluon as m
@@ -146,7 +155,7 @@ def main() -> None:
         rows.append(row)
     if args.out and rows:
         from mxattn.bench.results import write_result
-        what = {"fwd-gluon": "cost_probe", "dq": "attn_bwd_kernels", "dkdv": "attn_bwd_kernels",
+        what = {"fwd-gluon": "cost_probe", "fwd-tl": "cost_probe", "dq": "attn_bwd_kernels", "dkdv": "attn_bwd_kernels",
                 "bwd": "attn_bwd_env_turns"}[args.kernel]  # (not "attn_bwd": the README grid's table)
         print(write_result(what, rows, args.out, extra={"variable": args.var, "values": args.values,
                                                          "turns": args.turns}))

@@ -59,6 +59,8 @@
 #   lpt        causal CTA order (MXATTN_CAUSAL_LPT): the bit-identity tests (dQ, dK/dV, tl forward, the persistent Gluon
 #              forward's deal), then dkdv, dq, fwd-gluon and the public backward with the variable 0 / 1 in turns
 #              (bench_env_turns.py; LPT_KERNELS, LPT_ARGS)
+#   lptfwd     the forwards' causal CTA order: bit-identity tests, then the Gluon forward persistent against
+#              per-block + causal_lpt, and the tl forward with MXATTN_CAUSAL_LPT 0 / 1 (bench_env_turns.py)
 #   dqprobe    the fused dQ's cost split: scripts/probe_fused_dq.py per MXATTN_DQ_PROBE build (no dS store, adds
 #              without traffic, exponent only) beside the real one, timing only: OUTDIR/dq_probe.jsonl
 #   varlenbwdtime  varlenbwd's timing rows alone (B16 H16 d128, mean length 2048; VARLEN_BWD_SEEDS, default "0 1"):
@@ -622,6 +624,18 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
         mkdir -p "$OUT/lpt-$kern"
         run $PY scripts/bench_env_turns.py "$OUT/lpt-$kern" --var MXATTN_CAUSAL_LPT --kernel "$kern" ${LPT_ARGS:-}
       done ;;
+    lptfwd)
+      # session 24: the forwards' causal CTA order.  Bit-identity tests (tl kernel; the per-block Gluon kernel), then
+      # the Gluon forward persistent (the default) against per-block with causal_lpt, and the tl forward with
+      # MXATTN_CAUSAL_LPT 0 / 1, in turns (bench_env_turns.py; LPT_ARGS adds options)
+      run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_fwd.py tests/test_attn_fwd_gluon.py \
+        -k "causal_lpt or causal_cta" 2>&1 | tail -4 || status=1
+      mkdir -p "$OUT/lpt-fwd-gluon-perblock" "$OUT/lpt-fwd-tl"
+      run $PY scripts/bench_env_turns.py "$OUT/lpt-fwd-gluon-perblock" --kernel fwd-gluon --values \
+        MXATTN_FWD_PERSISTENT=1 MXATTN_FWD_PERSISTENT=0,MXATTN_CAUSAL_LPT=1 MXATTN_FWD_PERSISTENT=0,MXATTN_CAUSAL_LPT=0 \
+        ${LPT_ARGS:-}
+      run $PY scripts/bench_env_turns.py "$OUT/lpt-fwd-tl" --kernel fwd-tl --var MXATTN_CAUSAL_LPT --values 0 1 \
+        ${LPT_ARGS:-} ;;
     fuseddqbench)  # the fuseddq stage's bench alone (its tests elsewhere in the call)
       run $PY scripts/bench_fused_dq.py "$OUT" ${FUSED_DQ_SHAPES:-} ;;
     varlenbwd|varlenbwdtime)

@@ -28,3 +28,29 @@ def test_probe_is_off_by_default_and_checked(var, module, attr, bad):
     assert ok.returncode == 0 and ok.stdout.strip() == "0", ok.stderr[-500:]
     refused = _import(module, attr, {var: bad})
     assert refused.returncode != 0 and f"{var} must be" in refused.stderr
+
+
+def test_import_time_switches_default_and_checked():
+    """MXATTN_FWD_SNAKE is off unless asked for; MXATTN_CAUSAL_LPT defaults to "auto" and refuses other values."""
+    pytest.importorskip("triton.experimental.gluon")
+    clean = {k: v for k, v in os.environ.items() if k not in ("MXATTN_FWD_SNAKE", "MXATTN_CAUSAL_LPT")}
+    code = "import mxattn.kernels.attn_fwd_gluon as m, mxattn.kernels.launch as L; print(m.SNAKE.value, L.CAUSAL_LPT)"
+    run = lambda env: subprocess.run([sys.executable, "-c", code], env=clean | env, capture_output=True,  # noqa: E731
+                                     text=True, timeout=300)
+    assert run({}).stdout.split() == ["False", "auto"]
+    assert run({"MXATTN_FWD_SNAKE": "1", "MXATTN_CAUSAL_LPT": "1"}).stdout.split() == ["True", "1"]
+    bad = run({"MXATTN_CAUSAL_LPT": "yes"})
+    assert bad.returncode != 0 and "MXATTN_CAUSAL_LPT must be" in bad.stderr
+
+
+def test_bench_env_turns_settings():
+    """A value of scripts/bench_env_turns.py is the variable's value, or its own comma-separated settings."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_env_turns.py"
+    spec = importlib.util.spec_from_file_location("bench_env_turns", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.settings("V", "1") == {"V": "1"}
+    assert mod.settings(None, "A=0,B=x=y") == {"A": "0", "B": "x=y"}
