@@ -612,8 +612,8 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
       # public backward with the variable 0 / 1 in turns (bench_env_turns.py, one process each; LPT_KERNELS
       # narrows, LPT_ARGS adds options)
       run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_bwd_dq_gluon.py \
-        tests/test_attn_bwd_dkdv_gluon.py tests/test_attn_fwd.py -k "causal_lpt or causal_cta" 2>&1 | tail -5 \
-        || status=1
+        tests/test_attn_bwd_dkdv_gluon.py tests/test_attn_fwd.py tests/test_cta_order.py \
+        -k "causal_lpt or cta_order" 2>&1 | tail -5 || status=1
       # the Gluon forward's variants bit for bit: the per-block kernel's causal_lpt; with MXATTN_FWD_SNAKE=1 (import
       # time) the persistent kernel's boustrophedon deal
       run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_fwd_gluon.py \
@@ -629,7 +629,7 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
       # the Gluon forward persistent (the default) against per-block with causal_lpt, and the tl forward with
       # MXATTN_CAUSAL_LPT 0 / 1, in turns (bench_env_turns.py; LPT_ARGS adds options)
       run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_fwd.py tests/test_attn_fwd_gluon.py \
-        -k "causal_lpt or causal_cta" 2>&1 | tail -4 || status=1
+        tests/test_cta_order.py -k "causal_lpt or cta_order" 2>&1 | tail -4 || status=1
       mkdir -p "$OUT/lpt-fwd-gluon-perblock" "$OUT/lpt-fwd-tl"
       run $PY scripts/bench_env_turns.py "$OUT/lpt-fwd-gluon-perblock" --kernel fwd-gluon --values \
         MXATTN_FWD_PERSISTENT=1 MXATTN_FWD_PERSISTENT=0,MXATTN_CAUSAL_LPT=1 MXATTN_FWD_PERSISTENT=0,MXATTN_CAUSAL_LPT=0 \

@@ -1098,19 +1098,6 @@ LPT_CASES = [
 ]
 
 
-def test_causal_lpt_launch_constexpr(monkeypatch):
-    """``GluonDkdvConfig.causal_lpt`` reaches the kernel as LPT_SECTION = two waves (2 x the SM count; 132 SMs for
-    the CPU stand-in) on causal launches of the per-block kernel only."""
-    m = _mod()
-    m._PLANS.clear()
-    ops = _cpu_operands()
-    for causal, lpt, want in ((True, True, 264), (True, False, 0), (False, True, 0)):
-        cfg = m.GluonDkdvConfig(split=True, causal_lpt=lpt)
-        (grid, _, kw), = _recorded_launches(monkeypatch, lambda: m.attn_bwd_dkdv_gluon(**ops, causal=causal,
-                                                                                        config=cfg), n=1)
-        assert kw.get("LPT_SECTION", 0) == want and grid == (2, 2)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("sms", [None, 4, 45], ids=["sms", "sms4", "sms45"])
 @pytest.mark.parametrize("case", LPT_CASES, ids=_case_id)

@@ -595,49 +595,6 @@ LPT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("heavy_last", [False, True])
-@pytest.mark.parametrize("n_blocks,n_bh,section", [(33, 6, 264), (20, 12, 264), (1, 5, 264), (7, 3, 0), (16, 64, 264),
-                                                   (5, 9, 8), (32, 32, 264), (8, 3, 17)])
-def test_causal_cta_order_is_a_permutation(n_blocks, n_bh, section, heavy_last):
-    """``causal_cta_order`` (the host twin of the kernels' ``_causal_cta``): every (block, head) exactly once;
-    section 0 keeps head-by-head order; otherwise sections of g = cdiv(section, blocks) heads, the remainder heads
-    in the last one, each section's heaviest block of every head before any lighter one."""
-    from mxattn.kernels.attn_fwd_gluon import causal_cta_order
-
-    order = causal_cta_order(n_blocks, n_bh, section, heavy_last)
-    assert sorted(order) == [(b, h) for b in range(n_blocks) for h in range(n_bh)]
-    weight = [(b if heavy_last else n_blocks - 1 - b) for b, _ in order]  # larger = heavier
-    if section == 0:
-        assert [h for _, h in order] == [h for h in range(n_bh) for _ in range(n_blocks)]
-        return
-    g = -(-section // n_blocks)
-    heads = [list(range(s, s + g)) for s in range(0, n_bh - n_bh % g if n_bh >= g else 0, g)] or [[]]
-    heads[-1] += list(range(len(heads) * g if n_bh >= g else 0, n_bh))  # the remainder joins the last section
-    start = 0
-    for hs in heads:
-        sec = order[start:start + len(hs) * n_blocks]
-        assert {h for _, h in sec} == set(hs)
-        w = weight[start:start + len(hs) * n_blocks]
-        assert w == sorted(w, reverse=True)  # heaviest first within the section
-        start += len(hs) * n_blocks
-    assert start == len(order)
-
-
-def test_causal_lpt_launch_constexpr(monkeypatch):
-    """``GluonDqConfig.causal_lpt`` reaches the kernel as LPT_SECTION = two waves (2 x the SM count; 132 SMs for the
-    CPU stand-in) on causal launches only."""
-    from test_attn_bwd_dkdv_gluon import _recorded_launches
-
-    m = _mod()
-    m._PLANS.clear()
-    ops = _cpu_operands()
-    for causal, lpt, want in ((True, True, 264), (True, False, 0), (False, True, 0)):
-        cfg = m.GluonDqConfig(split=True, causal_lpt=lpt)
-        (grid, _, kw), = _recorded_launches(monkeypatch, lambda: m.attn_bwd_dq_gluon(**ops, causal=causal,
-                                                                                      config=cfg), n=1)
-        assert kw["LPT_SECTION"] == want and grid == (2, 4)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("sms", [None, 4, 45], ids=["sms", "sms4", "sms45"])
 @pytest.mark.parametrize("case", LPT_CASES, ids=_case_id)

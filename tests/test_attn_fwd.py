@@ -288,7 +288,7 @@ def test_exp2_mixed(percent, seed):
 
 @pytest.mark.parametrize("sms", [1, 3, None], ids=["sms1", "sms3", "sms"])
 def test_attn_fwd_causal_lpt_bit_identical(sms, seed, monkeypatch):
-    """``FwdConfig.causal_lpt`` (CTAs over sections of heads, heaviest query block first: ``attn_fwd._causal_cta``)
+    """``FwdConfig.causal_lpt`` (CTAs over sections of heads, heaviest query block first: kernels/cta_order.py)
     against head-by-head order: the same CTAs on the same tiles, so out and lse bit for bit.  A stand-in SM count
     of 1 or 3 makes sections of one or a few heads with a remainder.  Interpreter on the CPU (16-row blocks: 5
     blocks, 6 heads), odd shapes on the GPU."""
@@ -310,37 +310,3 @@ def test_attn_fwd_causal_lpt_bit_identical(sms, seed, monkeypatch):
         assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
         assert torch.equal(got[1], want[1])
 
-
-def test_causal_cta_tl_matches_its_host_twin():
-    """``attn_fwd._causal_cta`` (tl, under the interpreter on the CPU) gives each CTA of a (blocks, heads) grid the
-    (block, head) ``attn_fwd_gluon.causal_cta_order`` lists for its launch position, for both heavy ends."""
-    from conftest import require_kernels
-
-    from mxattn.kernels.attn_fwd_gluon import causal_cta_order
-
-    dev = require_kernels()
-    _probe = _causal_cta_probe()
-    for nb, n_bh, section in ((5, 7, 12), (3, 4, 0), (4, 9, 1), (6, 5, 100)):
-        for heavy_last in (False, True):
-            out = torch.full((nb * n_bh, 2), -1, dtype=torch.int32, device=dev)
-            _probe[(nb, n_bh)](out, section, heavy_last)
-            assert out.cpu().tolist() == [list(t) for t in causal_cta_order(nb, n_bh, section, heavy_last)]
-
-
-def _causal_cta_probe():
-    """A kernel writing each CTA's ``attn_fwd._causal_cta`` at its launch position (built on first use: the
-    module imports without triton)."""
-    import triton
-    import triton.language as tl
-
-    from mxattn.kernels.attn_fwd import _causal_cta
-
-    @triton.jit
-    def probe(OUT, LPT_SECTION: tl.constexpr, HEAVY_LAST: tl.constexpr):
-        blk, bh = cta(LPT_SECTION, HEAVY_LAST)
-        lin = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        tl.store(OUT + 2 * lin, blk)
-        tl.store(OUT + 2 * lin + 1, bh)
-
-    probe.fn.__globals__["cta"] = _causal_cta  # (a jit function resolves callees among its globals)
-    return probe

@@ -211,7 +211,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxattn.formats import RowScaledFP8
 from mxattn.kernels.attn_bwd import grad_outputs
-from mxattn.kernels.attn_fwd_gluon import (_causal_cta, _k_operand, _key_of_column, _pack_p, _sm_count, _unpack_p,
+from mxattn.kernels.attn_fwd_gluon import (_cta_order, _k_operand, _key_of_column, _pack_p, _sm_count, _unpack_p,
                                            k_perm_ok, permuted_rows_descriptor)
 from mxattn.kernels.attn_bwd_dq_gluon import (
     OUT_ROWS_DKDV,
@@ -299,7 +299,7 @@ class GluonDkdvConfig:
     # fuse_dq): a block's K / V and first query stages load under the previous block's epilogue, and no CTA is
     # launched per key block (``_attn_bwd_dkdv_ws_persistent_kernel``)
     persistent: bool = False
-    # causal launches: CTAs heaviest key block first over sections of about two waves of kv heads (``_causal_cta``)
+    # causal launches: CTAs heaviest key block first over sections of about two waves of kv heads (kernels/cta_order.py)
     # instead of head by head, which leaves heavy blocks of the last heads for the grid's tail.  The same CTAs
     # computing the same tiles: bit-identical.  None: MXATTN_CAUSAL_LPT's choice (``launch.causal_lpt``), by
     # default on for the 64-query build and off for the 128-query one (session 24, H100, kernel alone: d128 S 4k /
@@ -1003,8 +1003,9 @@ def _attn_bwd_dkdv_ws_kernel(
     else:
         # key blocks fastest within one (b, kv head), as the tl kernel: the heaviest causal blocks (first keys)
         # start first and neighbouring CTAs stream the same query-side tiles through L2; LPT_SECTION: heaviest first
-        # over sections of kv heads (``_causal_cta``)
-        pid_n, pid_bh = _causal_cta(LPT_SECTION, False)
+        # over sections of kv heads (kernels/cta_order.py)
+        pid_n, pid_bh = _cta_order(gl.program_id(0), gl.program_id(1), gl.num_programs(0), gl.num_programs(1),
+                                   LPT_SECTION, False)
         b = pid_bh // Hkv
         hk = pid_bh % Hkv
         n0 = pid_n * BLOCK_N

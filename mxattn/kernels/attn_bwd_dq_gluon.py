@@ -111,7 +111,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxattn.formats import RowScaledFP8
-from mxattn.kernels.attn_fwd_gluon import (_causal_cta, _k_operand, _key_of_column, _pack_p, _sm_count,
+from mxattn.kernels.attn_fwd_gluon import (_cta_order, _k_operand, _key_of_column, _pack_p, _sm_count,
                                            _store_tile_rows, _unpack_p, k_perm_ok, permuted_rows_descriptor)
 from mxattn.kernels import launch
 from mxattn.kernels.launch import (BoundLaunch, cdiv, fast_launcher, nvmma_fp8_layout, rebased, tensor_sig,
@@ -180,7 +180,7 @@ class GluonDqConfig:
     # so the compiler's barriers before writes and before the reads after them come down to two a step.  A stage
     # is held ~1.5 steps longer: use 4 stages.  Bit-identical to False
     one_empty: bool = _ONE_EMPTY
-    # causal launches: CTAs heaviest query block first over sections of about two waves of heads (``_causal_cta``)
+    # causal launches: CTAs heaviest query block first over sections of about two waves of heads (kernels/cta_order.py)
     # instead of head by head, which leaves heavy blocks of the last heads for the grid's tail.  The same CTAs
     # computing the same tiles: bit-identical.  None: MXATTN_CAUSAL_LPT's choice (``launch.causal_lpt``), on by
     # default (session 24, H100, kernel alone: d128 S 4k / 8k 1.066x / 1.009x, d64 S 8k 1.032x;
@@ -622,7 +622,8 @@ def _attn_bwd_dq_ws_kernel(
         hk = h // group_size
     else:
         # heaviest causal query blocks (the last ones) first: per head as the tl kernel, or per section of heads
-        pid_m, pid_bh = _causal_cta(LPT_SECTION, CAUSAL)
+        pid_m, pid_bh = _cta_order(gl.program_id(0), gl.program_id(1), gl.num_programs(0), gl.num_programs(1),
+                                   LPT_SECTION, CAUSAL)
         b = pid_bh // Hq
         h = pid_bh % Hq
         hk = h // group_size

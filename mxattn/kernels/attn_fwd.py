@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from mxattn.kernels import launch as launch_mod
+from mxattn.kernels.cta_order import cta_order_tl
 from mxattn.kernels.launch import BoundLaunch, cdiv, fast_launcher, sm_count
 
 LOG2E = 1.4426950408889634
@@ -53,7 +54,7 @@ class FwdConfig:
     # percent (0, 25, 50) of an unmasked tile's exp2 computed on the FMA pipe instead of MUFU (``_exp2_mixed``);
     # measured 4-17 % slower on an H100 (docs/perf-notes-attn-fwd-gluon.md, session 18), so 0
     exp2_fma: int = 0
-    # causal launches: CTAs heaviest query block first over sections of heads (``_causal_cta``, as the Gluon
+    # causal launches: CTAs heaviest query block first over sections of heads (kernels/cta_order.py, as the Gluon
     # kernels' ``causal_lpt``) instead of head by head.  Bit-identical.  None: MXATTN_CAUSAL_LPT's choice
     # (``launch.causal_lpt``), off by default (not measured yet)
     causal_lpt: Optional[bool] = None
@@ -205,34 +206,6 @@ def _attn_tile(
 
 
 @triton.jit
-def _causal_cta(LPT_SECTION: tl.constexpr, HEAVY_LAST: tl.constexpr):
-    """(block, batch * head) of this CTA of a grid (blocks, B * H): head by head when LPT_SECTION is 0, else over
-    sections of cdiv(LPT_SECTION, blocks) heads (the remainder in the last one), heaviest block of every head of
-    a section first.  The Gluon kernels' ``attn_fwd_gluon._causal_cta`` in ``tl`` (host twin:
-    ``attn_fwd_gluon.causal_cta_order``); HEAVY_LAST: the heaviest block is the last one."""
-    nb = tl.num_programs(0)
-    if LPT_SECTION > 0:
-        n_bh = tl.num_programs(1)
-        g = (LPT_SECTION + nb - 1) // nb
-        last = tl.maximum(n_bh // g, 1) - 1
-        lin = tl.program_id(1) * nb + tl.program_id(0)
-        sec = tl.minimum(lin // (g * nb), last)
-        first = sec * g
-        width = g + (sec == last).to(tl.int32) * (n_bh - first - g)
-        within = lin - first * nb
-        rank = within // width
-        bh = first + (within - rank * width)
-    else:
-        rank = tl.program_id(0)
-        bh = tl.program_id(1)
-    if HEAVY_LAST:
-        blk = nb - 1 - rank
-    else:
-        blk = rank
-    return blk, bh
-
-
-@triton.jit
 def _attn_fwd_kernel(
     Q, K, V, QE, KE, VE, O, LSE,
     stride_qb, stride_qm, stride_qh, stride_qd,
@@ -249,7 +222,7 @@ def _attn_fwd_kernel(
     EXPLICIT_ROUND: tl.constexpr, VARLEN: tl.constexpr = False,
     V_BLOCKS: tl.constexpr = False,  # varlen V as one (Hkv, D, round16(len)) block per sequence (kernels/varlen.py)
     EXP2_FMA: tl.constexpr = 0,  # FwdConfig.exp2_fma
-    LPT_SECTION: tl.constexpr = 0,  # FwdConfig.causal_lpt: CTAs per section of heads (``_causal_cta``)
+    LPT_SECTION: tl.constexpr = 0,  # FwdConfig.causal_lpt: CTAs per section of heads (kernels/cta_order.py)
 ):
     # heaviest query blocks first when causal (they see the most keys): shorter tail at the end of the grid
     if VARLEN:
@@ -259,7 +232,8 @@ def _attn_fwd_kernel(
         pid_m = n_m - 1 - tl.program_id(0) % n_m if CAUSAL else tl.program_id(0) % n_m
         pid_bh = tl.program_id(0) // n_m
     else:
-        pid_m, pid_bh = _causal_cta(LPT_SECTION, CAUSAL)
+        pid_m, pid_bh = cta_order_tl(tl.program_id(0), tl.program_id(1), tl.num_programs(0), tl.num_programs(1),
+                                     LPT_SECTION, CAUSAL)
     b = pid_bh // Hq
     h = pid_bh % Hq
     hk = h // group_size

@@ -58,6 +58,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxattn.kernels import attn_fwd
 from mxattn.kernels.attn_fwd import alloc_fwd_outputs
+from mxattn.kernels.cta_order import cta_order
 from mxattn.kernels import launch as launch_mod
 from mxattn.kernels.launch import (BoundLaunch, cdiv, fast_launcher, nvmma_fp8_layout, rebased, tensor_sig,
                                    unbased)
@@ -141,7 +142,7 @@ class GluonFwdConfig:
     # ~2x an unmasked one.  Opt-in until measured (docs/pending-gpu-checks.md, session 19)
     mask: str = "select"
     # the per-block kernel's causal launches (not the persistent one's: ``SNAKE``): CTAs heaviest query block first
-    # over sections of about two waves of heads (``_causal_cta``).  Bit-identical.  None: MXATTN_CAUSAL_LPT's choice
+    # over sections of about two waves of heads (kernels/cta_order.py).  Bit-identical.  None: MXATTN_CAUSAL_LPT's choice
     # (``launch.causal_lpt``), off by default (not measured yet)
     causal_lpt: Optional[bool] = None
 
@@ -707,54 +708,8 @@ def _key_tiles(start_m, Sq, Sk, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
     return gl.cdiv(hi, BLOCK_N), full_end // BLOCK_N
 
 
-@gluon.jit
-def _causal_cta(LPT_SECTION: gl.constexpr, HEAVY_LAST: gl.constexpr):
-    """(block, batch * head) this CTA of a grid (blocks, B * H) computes.  LPT_SECTION = 0: (program_id(0),
-    program_id(1)), head by head.  LPT_SECTION > 0 (causal launches; the launchers pass two waves, 2 x the SM
-    count): the CTAs in launch order walk sections of g = cdiv(LPT_SECTION, blocks) heads, the remainder heads in
-    the last section, and within a section rank by rank (rank 0, the heaviest block, of every head of the section
-    first).  Heavy blocks then never wait for the grid's tail, while the heads in flight stay few (their operands
-    shared through L2).  HEAVY_LAST: the heaviest block is the last one (causal query blocks) rather than the first
-    (causal key blocks).  A permutation of the grid: every (block, head) once (``causal_cta_order``, the host
-    twin; the scheduling model in docs/perf-notes-attn-bwd.md, session 24)."""
-    nb = gl.num_programs(0)
-    if LPT_SECTION > 0:
-        n_bh = gl.num_programs(1)
-        g = (LPT_SECTION + nb - 1) // nb
-        last = gl.maximum(n_bh // g, 1) - 1  # the last section, which takes the remainder heads
-        lin = gl.program_id(1) * nb + gl.program_id(0)
-        sec = gl.minimum(lin // (g * nb), last)
-        first = sec * g
-        width = g + (sec == last).to(gl.int32) * (n_bh - first - g)
-        within = lin - first * nb
-        rank = within // width
-        bh = first + (within - rank * width)
-    else:
-        rank = gl.program_id(0)
-        bh = gl.program_id(1)
-    if HEAVY_LAST:
-        blk = nb - 1 - rank
-    else:
-        blk = rank
-    return blk, bh
-
-
-def causal_cta_order(n_blocks: int, n_bh: int, lpt_section: int, heavy_last: bool) -> list[tuple[int, int]]:
-    """Host twin of ``_causal_cta``: the (block, batch * head) of each CTA in launch order (program_id(1) * blocks +
-    program_id(0)), for tests and the scheduling model."""
-    order = []
-    for lin in range(n_blocks * n_bh):
-        if lpt_section > 0:
-            g = -(-lpt_section // n_blocks)
-            last = max(n_bh // g, 1) - 1
-            sec = min(lin // (g * n_blocks), last)
-            width = n_bh - sec * g if sec == last else g
-            rank, off = divmod(lin - sec * g * n_blocks, width)
-            bh = sec * g + off
-        else:
-            bh, rank = divmod(lin, n_blocks)
-        order.append((n_blocks - 1 - rank if heavy_last else rank, bh))
-    return order
+# (block, batch * head) of a CTA of a causal grid, by sections of heads (kernels/cta_order.py)
+_cta_order = gluon.jit(cta_order)
 
 
 @gluon.jit
@@ -902,10 +857,11 @@ def _attn_fwd_ws_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, K_PERM: gl.constexpr,
     P_CARRY: gl.constexpr, EXP2_FMA: gl.constexpr, OUT_ROWS: gl.constexpr, LEAN_MASK: gl.constexpr,
-    LPT_SECTION: gl.constexpr = 0,  # GluonFwdConfig.causal_lpt: CTAs per section of heads (``_causal_cta``)
+    LPT_SECTION: gl.constexpr = 0,  # GluonFwdConfig.causal_lpt: CTAs per section of heads (kernels/cta_order.py)
 ):
     # heaviest query blocks first when causal (they see the most keys): shorter tail at the end of the grid
-    pid_m, pid_bh = _causal_cta(LPT_SECTION, CAUSAL)
+    pid_m, pid_bh = _cta_order(gl.program_id(0), gl.program_id(1), gl.num_programs(0), gl.num_programs(1),
+                               LPT_SECTION, CAUSAL)
     b = pid_bh // Hq
     h = pid_bh % Hq
     hk = h // group_size

@@ -49,7 +49,7 @@ _BYPASS = [False]  # set by ``triton_dispatch()``: every launcher takes Triton's
 # launchers): every call takes its checked path, for telling a plan's fault from a kernel's
 PLANS = os.environ.get("MXATTN_LAUNCH_PLANS", "1").lower() not in ("0", "false", "off")
 # MXATTN_CAUSAL_LPT (read once at import): how the kernels' ``causal_lpt = None`` resolves (``causal_lpt``).
-# Causal grids then run their CTAs heaviest block first over sections of heads (``attn_fwd_gluon._causal_cta``)
+# Causal grids then run their CTAs heaviest block first over sections of heads (kernels/cta_order.py)
 # instead of head by head.  "auto" (default): where it measured faster (docs/perf-notes-attn-bwd.md, session 24);
 # "1" / "0": everywhere / nowhere
 CAUSAL_LPT = os.environ.get("MXATTN_CAUSAL_LPT", "auto").lower()
