@@ -56,9 +56,9 @@
 #              rescale, no row max, no softmax) beside the real one, timing only: OUTDIR/fwd_probe.jsonl
 #   bwdprobe   the Gluon dK/dV step's cost split: scripts/probe_bwd_gluon.py per MXATTN_DKDV_PROBE build (no exp2, no
 #              dS exponent) beside the real one, timing only: OUTDIR/bwd_probe.jsonl
-#   lpt        causal CTA order (MXATTN_CAUSAL_LPT): the bit-identity tests (dQ, dK/dV, tl forward, the persistent Gluon
-#              forward's deal), then dkdv, dq, fwd-gluon and the public backward with the variable 0 / 1 in turns
-#              (bench_env_turns.py; LPT_KERNELS, LPT_ARGS)
+#   lpt        causal CTA order (MXATTN_CAUSAL_LPT): the bit-identity tests (dQ, dK/dV, the tl and Gluon forwards), then
+#              dkdv, dq, fwd-gluon and the public backward with the variable 0 / 1 in turns (bench_env_turns.py;
+#              LPT_KERNELS, LPT_ARGS)
 #   lptfwd     the forwards' causal CTA order: bit-identity tests, then the Gluon forward persistent against
 #              per-block + causal_lpt, and the tl forward with MXATTN_CAUSAL_LPT 0 / 1 (bench_env_turns.py)
 #   dqprobe    the fused dQ's cost split: scripts/probe_fused_dq.py per MXATTN_DQ_PROBE build (no dS store, adds
@@ -607,19 +607,15 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
         tests/test_attn_fwd_gluon.py -k "k_perm_matches_2d" 2>&1 | tail -3
       run $PY scripts/bench_env_turns.py "$OUT" --var MXATTN_FWD_ONE_EMPTY --kernel fwd-gluon ${FWDONE_ARGS:-} ;;
     lpt)
-      # session 24: causal CTA order over sections of heads (MXATTN_CAUSAL_LPT, the configs' causal_lpt; the
-      # persistent Gluon forward deals its items boustrophedon): the bit-identity tests, then each kernel and the
-      # public backward with the variable 0 / 1 in turns (bench_env_turns.py, one process each; LPT_KERNELS
-      # narrows, LPT_ARGS adds options)
+      # session 24: causal CTA order over sections of heads (MXATTN_CAUSAL_LPT, the configs' causal_lpt): the
+      # bit-identity tests, then each kernel and the public backward with the variable 0 / 1 in turns
+      # (bench_env_turns.py, one process each; LPT_KERNELS narrows, LPT_ARGS adds options)
       run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_bwd_dq_gluon.py \
         tests/test_attn_bwd_dkdv_gluon.py tests/test_attn_fwd.py tests/test_cta_order.py \
         -k "causal_lpt or cta_order" 2>&1 | tail -5 || status=1
-      # the Gluon forward's variants bit for bit: the per-block kernel's causal_lpt; with MXATTN_FWD_SNAKE=1 (import
-      # time) the persistent kernel's boustrophedon deal
+      # the Gluon forward's per-block kernel with causal_lpt against the other builds, bit for bit
       run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_fwd_gluon.py \
         -k "variant_bit_identical and True and causal_lpt" 2>&1 | tail -3 || status=1
-      MXATTN_FWD_SNAKE=1 run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_fwd_gluon.py \
-        -k "variant_bit_identical and True and persistent" 2>&1 | tail -3 || status=1
       for kern in ${LPT_KERNELS:-dkdv dq fwd-gluon bwd}; do
         mkdir -p "$OUT/lpt-$kern"
         run $PY scripts/bench_env_turns.py "$OUT/lpt-$kern" --var MXATTN_CAUSAL_LPT --kernel "$kern" ${LPT_ARGS:-}

@@ -631,7 +631,8 @@ def test_attn_fwd_gluon_variant_bit_identical(causal, variant, seed):
                                   (3, 700, 1200, 8, 2, 64), (1, 129, 48, 2, 2, 128)):
         q, k, v = _inputs(B, Sq, Sk, Hq, Hkv, D, "cuda", seed + Sk)
         ops = row_scaled_triton(q, "q"), row_scaled_triton(k, "k"), row_scaled_triton(v, "v")
-        cfg = dataclasses.replace(m.default_config(D, causal), persistent=False, out_store="mma", mask="select")
+        cfg = dataclasses.replace(m.default_config(D, causal), persistent=False, out_store="mma", mask="select",
+                                  causal_lpt=False)
         out_0, lse_0 = m.attn_fwd_gluon(*ops, causal=causal, config=cfg)
         out_p, lse_p = m.attn_fwd_gluon(*ops, causal=causal, config=dataclasses.replace(cfg, **variant))
         assert torch.equal(out_p, out_0), f"out {B, Sq, Sk, Hq, Hkv, D}"
@@ -641,9 +642,10 @@ def test_attn_fwd_gluon_variant_bit_identical(causal, variant, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_attn_fwd_gluon_fp32_out_bit_identical(causal, seed):
-    """fp32 output (the context-parallel ring's call, ``mxattn.distributed``): the default build (persistent,
-    row-wise store through shared memory, 32-bit elements) writes what the per-block kernel's accumulator-layout store
-    writes, bit for bit (its launched build: ``scripts/compile_launched.py fwd-gluon-fp32``)."""
+    """fp32 output (the context-parallel ring's call, ``mxattn.distributed``): the default build (persistent, or
+    per-block with causal_lpt when causal; row-wise store through shared memory, 32-bit elements) writes what the
+    per-block kernel's accumulator-layout store writes, bit for bit (its launched build:
+    ``scripts/compile_launched.py fwd-gluon-fp32``)."""
     if not _is_hopper():
         pytest.skip("the Gluon forward needs an sm_90 GPU")
     import dataclasses

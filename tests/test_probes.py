@@ -30,15 +30,14 @@ def test_probe_is_off_by_default_and_checked(var, module, attr, bad):
     assert refused.returncode != 0 and f"{var} must be" in refused.stderr
 
 
-def test_import_time_switches_default_and_checked():
-    """MXATTN_FWD_SNAKE is off unless asked for; MXATTN_CAUSAL_LPT defaults to "auto" and refuses other values."""
-    pytest.importorskip("triton.experimental.gluon")
-    clean = {k: v for k, v in os.environ.items() if k not in ("MXATTN_FWD_SNAKE", "MXATTN_CAUSAL_LPT")}
-    code = "import mxattn.kernels.attn_fwd_gluon as m, mxattn.kernels.launch as L; print(m.SNAKE.value, L.CAUSAL_LPT)"
+def test_causal_lpt_switch_default_and_checked():
+    """MXATTN_CAUSAL_LPT defaults to "auto", takes "1" / "0" and refuses other values at import."""
+    clean = {k: v for k, v in os.environ.items() if k != "MXATTN_CAUSAL_LPT"}
+    code = "import mxattn.kernels.launch as L; print(L.CAUSAL_LPT)"
     run = lambda env: subprocess.run([sys.executable, "-c", code], env=clean | env, capture_output=True,  # noqa: E731
                                      text=True, timeout=300)
-    assert run({}).stdout.split() == ["False", "auto"]
-    assert run({"MXATTN_FWD_SNAKE": "1", "MXATTN_CAUSAL_LPT": "1"}).stdout.split() == ["True", "1"]
+    assert run({}).stdout.split() == ["auto"]
+    assert run({"MXATTN_CAUSAL_LPT": "1"}).stdout.split() == ["1"]
     bad = run({"MXATTN_CAUSAL_LPT": "yes"})
     assert bad.returncode != 0 and "MXATTN_CAUSAL_LPT must be" in bad.stderr
 

@@ -80,13 +80,6 @@ FWD_PROBE = gl.constexpr(int(os.environ.get("MXATTN_FWD_PROBE", "0")))
 # each shared-memory write (an mbarrier arrival counts) that follows a read or a write, and before each read after
 # a write: one arrival a step instead of two takes one of the step's three barriers away.  Bit-identical.
 ONE_EMPTY = gl.constexpr(os.environ.get("MXATTN_FWD_ONE_EMPTY", "0") == "1")
-# Causal persistent launches deal the work items out boustrophedon (session 24; MXATTN_FWD_SNAKE=1, read once at
-# import; opt-in): round r of the static round robin gives item r * CTAs + p to CTA p when r is even and to CTA
-# CTAs - 1 - p when r is odd (full rounds only), so the CTA that took a round's heaviest item takes the next
-# round's lightest.  The scheduling model (docs/perf-notes-attn-bwd.md, session 24) put the longest CTA of B2 H16
-# S 4k at 1.03x the mean against 1.12x dealt in order, but it measured 0.92x / 0.96x / 1.04x at S 4k / 8k / 16k
-# causal (H100, `cost_probe-…-s24-lpt-fwd.json`).  Bit-identical.
-SNAKE = gl.constexpr(os.environ.get("MXATTN_FWD_SNAKE", "0") == "1")
 if FWD_PROBE.value not in range(5):
     raise ValueError(f"MXATTN_FWD_PROBE must be 0..4, got {FWD_PROBE.value}")
 
@@ -125,7 +118,8 @@ class GluonFwdConfig:
     # fresh CTA would start from nothing.  Bit-identical to the per-block kernel.  Session 18 (H100): 0.98-1.06x
     # of it with the "mma" output store; session 19 (H100, with "rows"): d128 S 4k 806 against 716 TFLOP/s
     # (causal 631 / 598), S 8k 823 / 831 (734 / 732), so the default (docs/perf-notes-attn-fwd-gluon.md).  Not
-    # with ``pingpong``; MXATTN_FWD_PERSISTENT=0 turns it off.
+    # with ``pingpong``; MXATTN_FWD_PERSISTENT=0 turns it off.  Since session 24 ``default_config`` gives causal
+    # launches the per-block kernel with ``causal_lpt`` instead (faster)
     persistent: bool = True
     # how the output tile reaches global memory: "rows" (V's exponents loaded first, the bf16 tile moved to whole
     # rows through shared memory, 16-byte stores) or "mma" (stored from wgmma's accumulator layout: 4 bytes a
@@ -141,9 +135,9 @@ class GluonFwdConfig:
     # ~990 -> ~570; the unmasked step unchanged, 477), R234 -> R201.  The probe had a causal diagonal tile costing
     # ~2x an unmasked one.  Opt-in until measured (docs/pending-gpu-checks.md, session 19)
     mask: str = "select"
-    # the per-block kernel's causal launches (not the persistent one's: ``SNAKE``): CTAs heaviest query block first
-    # over sections of about two waves of heads (kernels/cta_order.py).  Bit-identical.  None: MXATTN_CAUSAL_LPT's choice
-    # (``launch.causal_lpt``), off by default (not measured yet)
+    # the per-block kernel's causal launches (the persistent kernel deals its items in order): CTAs heaviest query
+    # block first over sections of about two waves of heads (kernels/cta_order.py).  Bit-identical.  None: MXATTN_CAUSAL_LPT's
+    # choice (``launch.causal_lpt``), on by default (``default_config`` takes this kernel for causal launches)
     causal_lpt: Optional[bool] = None
 
 
@@ -156,8 +150,12 @@ MASK_DEFAULT = os.environ.get("MXATTN_FWD_MASK", "select")
 def default_config(head_dim: int, causal: bool) -> GluonFwdConfig:
     # d=128: 16 KB Q + 3 x (16 + 16) KB K/V stages = 112 KB shared memory (one CTA per SM anyway: the 12 warps
     # take the whole register file).  Not tuned on the GPU yet (docs/perf-notes-attn-fwd-gluon.md: sweep to run).
-    return GluonFwdConfig(stages=3, pingpong=False, exp2_fma=attn_fwd.EXP2_FMA_DEFAULT, persistent=PERSISTENT_DEFAULT,
-                          mask=MASK_DEFAULT)
+    # Causal launches take the per-block kernel with the causal CTA order where MXATTN_CAUSAL_LPT allows (session
+    # 24, H100: 1.019x / 1.020x / 1.065x the persistent kernel at S 4k / 8k / 16k, `cost_probe-…-s24-fwd-order.json`;
+    # non-causal, the persistent kernel stays 1.3-2.8 % ahead)
+    per_block = causal and launch_mod.causal_lpt(None, True)
+    return GluonFwdConfig(stages=3, pingpong=False, exp2_fma=attn_fwd.EXP2_FMA_DEFAULT,
+                          persistent=PERSISTENT_DEFAULT and not per_block, mask=MASK_DEFAULT)
 
 
 # ------------------------------------------------------------------------------------------------- layouts
@@ -713,19 +711,13 @@ _cta_order = gluon.jit(cta_order)
 
 
 @gluon.jit
-def _work_item(u, n_m, BH, n_work, Hq, group_size, Sq, Sk, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+def _work_item(w, n_m, BH, Hq, group_size, Sq, Sk, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
     """Work item w of the persistent kernel -> (b, h, kv head, first query row, key tiles, unmasked tiles).
     Items run head-major as the per-block kernel's grid does (w = (b * Hq + h) * n_m + rank; causal: rank 0 the
     heaviest block): the ~132 items in flight at a time share a few heads' K / V in L2.  (Rank-major order, heavy
     causal blocks first everywhere, measured 11 % slower at S 8k on an H100: the items in flight then span every
-    head, 64 MB of K / V at B2 H16 S 8k, more than L2.)  u: the CTA's position in the round robin (program_id(0)
-    + r * CTAs); causal with SNAKE, odd full rounds are dealt in reverse."""
-    w = u
-    if CAUSAL and SNAKE:
-        nprog = gl.num_programs(0)
-        r = u // nprog
-        flip = ((r % 2) == 1) & ((r + 1) * nprog <= n_work)
-        w = u + flip.to(gl.int32) * (nprog - 1 - 2 * gl.program_id(0))
+    head, 64 MB of K / V at B2 H16 S 8k, more than L2.  Dealing odd rounds in reverse measured 0.92x / 0.96x at
+    causal S 4k / 8k in session 24; causal launches take the per-block kernel by default since.)"""
     rank = w % n_m
     bh = w // n_m
     pid_m = n_m - 1 - rank if CAUSAL else rank
@@ -743,7 +735,7 @@ def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, 
     it = 0
     k = 0
     for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
-        b, h, hk, start_m, n_tiles, n_full = _work_item(w, n_m, BH, n_work, Hq, group_size, Sq, Sk, CAUSAL, BLOCK_N)
+        b, h, hk, start_m, n_tiles, n_full = _work_item(w, n_m, BH, Hq, group_size, Sq, Sk, CAUSAL, BLOCK_N)
         mbarrier.wait(q_empty, (k & 1) ^ 1)  # both consumers are done with the last item's Q (fresh: no wait)
         _load_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                    b * Sq + start_m, h * HEAD_DIM, b * Sk, hk * HEAD_DIM, (b * Hkv + hk) * HEAD_DIM, n_tiles, it,
@@ -765,7 +757,7 @@ def _consumer_persistent(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empt
     it = 0
     k = 0
     for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
-        b, h, hk, start_m, n_tiles, n_full = _work_item(w, n_m, BH, n_work, Hq, group_size, Sq, Sk, CAUSAL, BLOCK_N)
+        b, h, hk, start_m, n_tiles, n_full = _work_item(w, n_m, BH, Hq, group_size, Sq, Sk, CAUSAL, BLOCK_N)
         b64 = b.to(gl.int64)
         _row_block(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn_bars,
                    QE + b64 * stride_qeb + h * stride_qeh, KE + b64 * stride_keb + hk * stride_keh,
@@ -1042,7 +1034,7 @@ def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None
     else:
         fn, grid, args = _attn_fwd_ws_kernel, (cdiv(Sq, BLOCK_M.value), B * Hq), (*args, _times)
         consts["PINGPONG"] = cfg.pingpong
-        if causal and launch_mod.causal_lpt(cfg.causal_lpt, False):
+        if causal and launch_mod.causal_lpt(cfg.causal_lpt, True):
             consts["LPT_SECTION"] = 2 * _sm_count(out.device)
     copied = q_desc.base is not q.data or k_desc.base is not k.data
     if key is None or copied:
