@@ -2,13 +2,14 @@
 
     PYTHONPATH=. python3 scripts/bench_dq_variants.py OUTDIR [--turns N] [--rep-ms MS]
 
-The API's build (split, 64-key step at d128, 128-key at d64) as it is ("base") and with session 23's options:
-``amax_slots`` ("slots"), plus ``one_empty`` ("slots_one"), plus a 4-stage ring ("slots_one_st4").  (Session
-23's "pipe" variants, S and dP issued one tile ahead, measured slower and were removed; they are in the history at
-commit a73fb2c.)  Per shape the
-variants take turns, each turn a ``triton.testing.do_bench`` median; a row keeps every turn's ms, the medians over
-turns, ``speedup`` (base / variant) and whether the variant was faster than base in every turn.  Shapes: B2 H16
-d128 S 4k / 8k and d64 S 8k, both masks.  One JSON (``attn_bwd_kernels-…``) under OUTDIR.
+The API's build (split, 64-key step at d128, 128-key at d64) without ``amax_slots`` ("base") and with it ("slots",
+the API's default since session 23).  (Session 23's "pipe" variants, S and dP issued one tile ahead, measured
+slower and were removed; they are in the history at commit a73fb2c.  So was the option of one release per ring
+stage for K, V and K_seq, "slots_one" (and "slots_one_st4" with a 4-stage ring): 0.77-0.92x of "slots" on an H100
+in session 24, ``attn_bwd_kernels-…-s24-dq-one-empty.json``; its code is in the history at commit 7639a3a.)  Per
+shape the variants take turns, each turn a ``triton.testing.do_bench`` median; a row keeps every turn's ms, the
+medians over turns, ``speedup`` (base / variant) and whether the variant was faster than base in every turn.
+Shapes: B2 H16 d128 S 4k / 8k and d64 S 8k, both masks.  One JSON (``attn_bwd_kernels-…``) under OUTDIR.
 """
 from __future__ import annotations
 
@@ -36,9 +37,8 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--rep-ms", type=int, default=150)
-    ap.add_argument("--variants", nargs="+",
-                    default=["base", "slots", "slots_one", "slots_one_st4"],
-                    help="names among base, slots, slots_one, slots_one_st4 (base is always timed)")
+    ap.add_argument("--variants", nargs="+", choices=["base", "slots"], default=["base", "slots"],
+                    help="base is always timed")
     args = ap.parse_args()
     rows = []
     for B, H, S, D, causal in SHAPES:
@@ -46,10 +46,8 @@ def main() -> None:
         q, k, v, dout = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
         ops, _ = m.dq_operands(q, k, v, dout, causal)
         base = api_config(D)
-        base = dataclasses.replace(base, amax_slots=False, one_empty=False)
-        cfgs = {"base": base, "slots": dataclasses.replace(base, amax_slots=True),
-                "slots_one": dataclasses.replace(base, amax_slots=True, one_empty=True),
-                "slots_one_st4": dataclasses.replace(base, amax_slots=True, one_empty=True, stages=4)}
+        base = dataclasses.replace(base, amax_slots=False)
+        cfgs = {"base": base, "slots": dataclasses.replace(base, amax_slots=True)}
         cfgs = {n: c for n, c in cfgs.items() if n == "base" or n in args.variants}
         outs = {n: m.attn_bwd_dq_gluon(**ops, causal=causal, config=c) for n, c in cfgs.items()}
         same = all(torch.equal(outs["base"].view(torch.int16), o.view(torch.int16)) for o in outs.values())
@@ -68,7 +66,7 @@ def main() -> None:
               + ", ".join(f"{n} {med[n]:.3f} ms {row['speedup'][n]:.3f}x{'*' if row['faster_every_turn'][n] else ''}"
                           for n in cfgs), flush=True)
         rows.append(row)
-    extra = {"variants": "dq: base, amax_slots, + one_empty, + stages 4"}
+    extra = {"variants": "dq: base, amax_slots"}
     print(write_result("attn_bwd_kernels", rows, args.out, extra=extra))
 
 

@@ -1,10 +1,10 @@
 """Time a kernel under two settings of an import-time environment variable, in turns (GPU).
 
-    PYTHONPATH=. python3 scripts/bench_env_turns.py OUTDIR --var MXATTN_FWD_ONE_EMPTY [--values 0 1]
+    PYTHONPATH=. python3 scripts/bench_env_turns.py OUTDIR --var MXATTN_CAUSAL_LPT [--values 0 1]
         [--kernel fwd-gluon | fwd-tl | dq | dkdv | bwd] [--turns 3]
     PYTHONPATH=. python3 scripts/bench_env_turns.py OUTDIR --values A=0,B=1 A=1,B=0   (each value its own settings)
 
-Some kernel options are module constants read once at import (``attn_fwd_gluon.ONE_EMPTY``, ``FWD_PROBE``), so a
+Some kernel options are module constants read once at import (``launch.CAUSAL_LPT``, ``attn_fwd_gluon.FWD_PROBE``), so a
 process can time only one setting.  Each turn runs one child process per value (this file with ``--child``), in
 the same order every turn; a child times every shape with ``triton.testing.do_bench`` (median) and prints one JSON
 line.  Rows: per shape, each value's ms over the turns, the median, ``speedup`` against the first value and

@@ -64,7 +64,7 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None, spli
             "DELTA": "*fp32", "DQ": "*bf16"}
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs, SPLIT=split,
                   CONSUMER_REGS=cfg.consumer_regs, BLOCK_N=cfg.block_n, VARLEN=varlen,
-                  K_PERM=k_perm, AMAX_SLOTS=cfg.amax_slots, ONE_EMPTY=cfg.one_empty)
+                  K_PERM=k_perm, AMAX_SLOTS=cfg.amax_slots)
     if varlen:
         ptrs["SLOTS"] = "*i32"
     else:

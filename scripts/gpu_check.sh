@@ -83,8 +83,7 @@
 #              session 20: its tests include the query- / key-permuted boxes' bit-identity tests (q_perm, k_perm, on
 #              by default) and its timing rows the 2-D builds (dkdv_2d_ms, dq_2d_ms)
 #   bwdpersistent  session 20: the persistent dK/dV kernel (opt-in): builds, bit-identity tests, timing
-#   dqslots    session 23: the dQ step with fewer barriers (amax_slots, one_empty): bit-identity tests, timing
-#   fwdoneempty session 23: the Gluon forward with K / V released together (MXATTN_FWD_ONE_EMPTY): tests, timing
+#   dqslots    session 23: the dQ step with fewer barriers (amax_slots): bit-identity tests, timing
 #   bwdbase    session 20: a base tree's backward kernels (BWD_BASE, default _s19base) against this tree's, in turns
 #   outrows    session 19: the Gluon forward's row-wise output store: compile check, GPU tests, timing probe, bench
 #   exp2fma    the forward kernels with part of their exp2 on the FMA pipe (exp2_fma of GluonFwdConfig / FwdConfig,
@@ -589,23 +588,15 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
       wait
       for p in 0 1 3 4; do MXATTN_DQ_PROBE=$p run $PY scripts/probe_fused_dq.py "$OUT/dq_probe.jsonl"; done ;;
     dqslots)
-      # session 23: the dQ step's barriers (GluonDqConfig.amax_slots, one_empty; docs/perf-notes-attn-bwd.md): the
+      # session 23: the dQ step's barriers (GluonDqConfig.amax_slots; docs/perf-notes-attn-bwd.md): the
       # bit-identity tests (the smallest case first under a short timeout: a barrier bug hangs rather than fails),
-      # then base / slots / slots + one_empty / + 4 stages in turns (bench_dq_variants.py, each row checks its
-      # outputs bit for bit against base too)
+      # then base / slots in turns (bench_dq_variants.py, each row checks its outputs bit for bit against base too)
       # (the split builds only by default, the API's: DQSLOTS_K widens it; each mode is its own build per case)
       T=120 run $PY -m pytest -m gpu -q -x -rfE -p no:cacheprovider tests/test_attn_bwd_dq_gluon.py \
         -k "amax_slots and 129 and split" 2>&1 | tail -3
       run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_bwd_dq_gluon.py \
         -k "${DQSLOTS_K:-amax_slots and split}" 2>&1 | tail -5
-      run $PY scripts/bench_dq_variants.py "$OUT" ${DQSLOTS_ARGS:---variants slots slots_one slots_one_st4} ;;
-    fwdoneempty)
-      # session 23: the Gluon forward with K and V released together (MXATTN_FWD_ONE_EMPTY=1, import time): its GPU
-      # tests under the variable (the smallest first), then the kernel on FP8 operands, 0 / 1 in turns, one process
-      # each (bench_env_turns.py; rows say whether the outputs matched)
-      MXATTN_FWD_ONE_EMPTY=1 T=120 run $PY -m pytest -m gpu -q -x -rfE -p no:cacheprovider \
-        tests/test_attn_fwd_gluon.py -k "k_perm_matches_2d" 2>&1 | tail -3
-      run $PY scripts/bench_env_turns.py "$OUT" --var MXATTN_FWD_ONE_EMPTY --kernel fwd-gluon ${FWDONE_ARGS:-} ;;
+      run $PY scripts/bench_dq_variants.py "$OUT" ${DQSLOTS_ARGS:---variants slots} ;;
     lpt)
       # session 24: causal CTA order over sections of heads (MXATTN_CAUSAL_LPT, the configs' causal_lpt): the
       # bit-identity tests, then each kernel and the public backward with the variable 0 / 1 in turns

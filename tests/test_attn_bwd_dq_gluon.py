@@ -101,15 +101,6 @@ def test_launcher_rejects_bad_operands():
         m.attn_bwd_dq_gluon(**ok, grad_dtype=torch.int8)
 
 
-def test_one_empty_needs_three_stages():
-    """``GluonDqConfig.one_empty`` releases a ring stage two steps after its use, so with 2 stages step j would wait
-    for a tile whose stage only it releases: a ValueError at construction, never a hung launch."""
-    m = _mod()
-    assert m.GluonDqConfig(one_empty=True, stages=3).one_empty
-    with pytest.raises(ValueError, match="stages >= 3"):
-        m.GluonDqConfig(one_empty=True, stages=2)
-
-
 def test_block_n_validation():
     """``GluonDqConfig.block_n`` (session 9): 64 always, 128 only at D = 64 on dense launches; anything else is a
     ValueError before a launch (the jagged launcher's own call is checked in ``test_varlen_rejects_block_n_128``)."""
@@ -258,13 +249,10 @@ def test_compiles_block_n_128_for_sm90_without_gpu(args):
     assert "m64n128k32.f32.e4m3.e4m3" in r.stdout
 
 
-def _protocol_model(n_tiles: int, stages: int, rng: random.Random, mutant: str = "", consumers: int = 1,
-                    one_empty: bool = False):
+def _protocol_model(n_tiles: int, stages: int, rng: random.Random, mutant: str = "", consumers: int = 1):
     """Run the kernel's protocol (``_producer`` and ``_dq_loop``; ``consumers=2``: the split kernel, two warpgroup
     partitions on one ring, empty barriers counting two arrivals) under a random interleaving
-    (``conftest.SharedTilesModel``); returns the log of reads.  ``one_empty`` (``GluonDqConfig.one_empty``): the
-    producer waits for ``ks_empty`` before K / V too; step j releases stage j - 2 (its K, V and K_seq) after S_j
-    and dP_j's wait, at the slots' store; no other release."""
+    (``conftest.SharedTilesModel``); returns the log of reads."""
     S = stages
     empty_count = 1 if mutant == "split_empty_count_1" else consumers
     bars = {name: [MBarrierModel(empty_count if name.endswith("empty") else 1) for _ in range(S)]
@@ -276,12 +264,11 @@ def _protocol_model(n_tiles: int, stages: int, rng: random.Random, mutant: str =
             s = i % S
             ph = ((i // S) & 1) ^ 1
             if mutant != "no_kv_empty_wait":
-                yield ("wait", bars["ks_empty" if one_empty else "kv_empty"][s], ph)
+                yield ("wait", bars["kv_empty"][s], ph)
             bars["kv_ready"][s].expect_arrive(2)  # K and V_hdim
             smem.tma(("kv", s), i, bars["kv_ready"][s])
             smem.tma(("kv", s), i, bars["kv_ready"][s])
-            if not one_empty:
-                yield ("wait", bars["ks_empty"][s], ph)
+            yield ("wait", bars["ks_empty"][s], ph)
             bars["ks_ready"][s].expect_arrive(1)
             smem.tma(("ks", s), i, bars["ks_ready"][s])
 
@@ -290,8 +277,7 @@ def _protocol_model(n_tiles: int, stages: int, rng: random.Random, mutant: str =
         smem.start_read(("kv", 0), 0)
         yield ("step",)
         smem.done_read(("kv", 0))
-        if not one_empty:
-            bars["kv_empty"][0].arrive()
+        bars["kv_empty"][0].arrive()
         for j in range(1, n_tiles):
             st, sp = j % S, (j - 1) % S
             yield ("wait", bars["kv_ready"][st], (j // S) & 1)
@@ -300,60 +286,41 @@ def _protocol_model(n_tiles: int, stages: int, rng: random.Random, mutant: str =
             smem.start_read(("ks", sp), j - 1)
             yield ("step",)  # wait(1): S_j, dP_j done
             smem.done_read(("kv", st))
-            if not one_empty:
-                bars["kv_empty"][st].arrive()
-            elif mutant == "release_j_minus_1" and j >= 1:
-                bars["ks_empty"][sp].arrive()  # stage j - 1, whose K_seq dQ_{j-1} still reads
-            elif j >= 2:
-                bars["ks_empty"][(j - 2) % S].arrive()  # (``_tile_amax``, before the slots' store)
+            bars["kv_empty"][st].arrive()
             yield ("step",)  # wait(0): dQ_{j-1} done
             smem.done_read(("ks", sp))
-            if not one_empty:
-                bars["ks_empty"][sp].arrive()
+            bars["ks_empty"][sp].arrive()
         sp = (n_tiles - 1) % S
         yield ("wait", bars["ks_ready"][sp], ((n_tiles - 1) // S) & 1)
         smem.start_read(("ks", sp), n_tiles - 1)
         yield ("step",)
         smem.done_read(("ks", sp))
-        if not one_empty:
-            bars["ks_empty"][sp].arrive()
+        bars["ks_empty"][sp].arrive()
 
     return smem.run({"producer": producer(), **{f"consumer{c}": consumer() for c in range(consumers)}}, rng)
 
 
 @pytest.mark.parametrize("consumers", [1, 2], ids=["whole", "split"])
-@pytest.mark.parametrize("stages,one_empty", [(1, False), (2, False), (3, False), (4, False), (3, True), (4, True),
-                                              (5, True)])
-def test_barrier_protocol_model(stages, one_empty, consumers, seed):
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_barrier_protocol_model(stages, consumers, seed):
     rng = random.Random(seed)
     for n_tiles in (1, 2, 3, stages, stages + 1, 2 * stages + 3, 17):
         for _ in range(30):
-            log = _protocol_model(n_tiles, stages, rng, consumers=consumers, one_empty=one_empty)
+            log = _protocol_model(n_tiles, stages, rng, consumers=consumers)
             for ring in ("kv", "ks"):
                 assert sorted(t for kind, buf, t in log if buf[0] == ring) == sorted(list(range(n_tiles)) * consumers)
 
 
-def test_one_empty_with_two_stages_deadlocks(seed):
-    """Why ``GluonDqConfig(one_empty=True)`` refuses stages < 3: step j releases stage j - 2, which with two stages
-    is tile j's own stage, so the producer cannot load tile j before step j releases it.  The model deadlocks."""
-    with pytest.raises(AssertionError, match="deadlock"):
-        for _ in range(50):
-            _protocol_model(5, 2, random.Random(seed), one_empty=True)
-
-
-@pytest.mark.parametrize("mutant,consumers,one_empty", [
-    ("no_kv_empty_wait", 1, False), ("ks_parity", 1, False), ("no_kv_empty_wait", 2, False),
-    ("split_empty_count_1", 2, False), ("no_kv_empty_wait", 1, True), ("release_j_minus_1", 1, True),
-    ("release_j_minus_1", 2, True), ("split_empty_count_1", 2, True)])
-def test_barrier_protocol_model_catches_mutants(mutant, consumers, one_empty, seed):
+@pytest.mark.parametrize("mutant,consumers", [("no_kv_empty_wait", 1), ("ks_parity", 1), ("no_kv_empty_wait", 2),
+                                              ("split_empty_count_1", 2)])
+def test_barrier_protocol_model_catches_mutants(mutant, consumers, seed):
     """The model is not vacuous: a producer that does not wait for the K/V release, a consumer waiting K_seq with
-    the wrong parity, (split) empty barriers counting one arrival for two warpgroups, or with ``one_empty`` a
-    release of stage j - 1 in step j (dQ_{j-1} still reads its K_seq), is caught (deadlock, a TMA into a buffer
-    being read, a wgmma reading the wrong tile, or too many arrivals)."""
+    the wrong parity, or (split) empty barriers counting one arrival for two warpgroups is caught (deadlock, a TMA
+    into a buffer being read, a wgmma reading the wrong tile, or too many arrivals)."""
     rng = random.Random(seed)
     with pytest.raises(AssertionError):
         for _ in range(200):
-            _protocol_model(9, 3 if one_empty else 2, rng, mutant, consumers=consumers, one_empty=one_empty)
+            _protocol_model(9, 2, rng, mutant, consumers=consumers)
 
 
 # ---------------------------------------------------------------------------------------------------- GPU
@@ -537,17 +504,13 @@ def test_attn_bwd_dq_gluon_k_perm_bit_identical(case, variant, seed):
 @pytest.mark.parametrize("variant", [dict(split=False), dict(split=True), dict(split=True, block_n=128),
                                      dict(split=True, k_perm=False)], ids=["whole", "split", "split-bn128", "split-k2d"])
 @pytest.mark.parametrize("case", K_PERM_CASES, ids=_case_id)
-@pytest.mark.parametrize("one_empty", [False, True], ids=["", "one_empty"])
-def test_attn_bwd_dq_gluon_amax_slots_bit_identical(case, variant, one_empty, seed):
+def test_attn_bwd_dq_gluon_amax_slots_bit_identical(case, variant, seed):
     """``amax_slots`` (the dS tile's maximum through one shared slot per warp) against the compiler's reduction
-    across warps: the same maximum, so the same exponents and dq bit for bit; with ``one_empty`` (one release per
-    ring stage) as well: the same products on the same tiles."""
+    across warps: the same maximum, so the same exponents and dq bit for bit."""
     if variant.get("block_n") == 128 and case[5] != 64:
         pytest.skip("block_n=128 is a d64 build")
-    m, dq, ops, _, _ = _gluon_case(case, lambda m: m.GluonDqConfig(**variant, amax_slots=True, one_empty=one_empty),
-                                   seed)
-    want = m.attn_bwd_dq_gluon(**ops, causal=case[6],
-                               config=m.GluonDqConfig(**variant, amax_slots=False, one_empty=False))
+    m, dq, ops, _, _ = _gluon_case(case, lambda m: m.GluonDqConfig(**variant, amax_slots=True), seed)
+    want = m.attn_bwd_dq_gluon(**ops, causal=case[6], config=m.GluonDqConfig(**variant, amax_slots=False))
     assert torch.equal(dq.view(torch.int16), want.view(torch.int16)), _case_id(case)
 
 

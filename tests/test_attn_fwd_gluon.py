@@ -234,13 +234,13 @@ def test_k_descriptor_paths(B, Sk, Hkv, D, k_heads_alloc, block_n, k_perm, expec
 
 
 def _protocol_model(n_tiles: int, stages: int, pingpong: bool, rng: random.Random, items=None,
-                    one_empty: bool = False, mutant: str = "") -> list:
+                    mutant: str = "") -> list:
     """Run producer + consumers 0/1 as generators under a random scheduler; TMA loads land at random later
     times.  Mirrors ``_producer``, ``_attend`` and ``_turn_wait`` / ``_turn_pass``; with ``items`` (key tiles per
     work item) the persistent kernel's ``_producer_persistent`` / ``_consumer_persistent``: the ring position runs
     on across items, Q's buffer is refilled after both consumers arrive on ``q_empty``.  Returns the issue order
-    ((wg, j) for one item, (wg, item, j) for several).  ``one_empty`` (``attn_fwd_gluon.ONE_EMPTY``): no K release;
-    V's release frees the stage's K and V, and the producer waits for it before loading K."""
+    ((wg, j) for one item, (wg, item, j) for several).  ``mutant="no_k_wait"``: the producer loads K without waiting
+    for the stage's K release."""
     S = stages
     persistent = items is not None
     items = [n_tiles] if items is None else items
@@ -278,11 +278,10 @@ def _protocol_model(n_tiles: int, stages: int, pingpong: bool, rng: random.Rando
                 g = it + i
                 s, ph = g % S, ((g // S) & 1) ^ 1
                 if mutant != "no_k_wait":
-                    yield lambda: (v_empty if one_empty else k_empty)[s].ready(ph)
+                    yield lambda: k_empty[s].ready(ph)
                 k_ready[s].expect_arrive(1)
                 tma(k_ready[s], "k", s, (w, i))
-                if not one_empty:
-                    yield lambda: v_empty[s].ready(ph)
+                yield lambda: v_empty[s].ready(ph)
                 v_ready[s].expect_arrive(1)
                 tma(v_ready[s], "v", s, (w, i))
             it += n
@@ -329,7 +328,7 @@ def _protocol_model(n_tiles: int, stages: int, pingpong: bool, rng: random.Rando
         issued(wg, w, 0)
         turn_pass(wg)
         yield lambda: True  # wgmma wait
-        release(None if one_empty else k_empty[s0], "k", s0, wg)
+        release(k_empty[s0], "k", s0, wg)
         for j in range(1, n):
             g = it + j
             s, sv = g % S, (g - 1) % S
@@ -341,7 +340,7 @@ def _protocol_model(n_tiles: int, stages: int, pingpong: bool, rng: random.Rando
             issued(wg, w, j)
             turn_pass(wg)
             yield lambda: True  # softmax under the P V product
-            release(None if one_empty else k_empty[s], "k", s, wg)
+            release(k_empty[s], "k", s, wg)
             yield lambda: True
             release(v_empty[sv], "v", sv, wg)
         g = it + n - 1
@@ -375,45 +374,41 @@ def _protocol_model(n_tiles: int, stages: int, pingpong: bool, rng: random.Rando
     raise AssertionError("model did not finish")
 
 
-@pytest.mark.parametrize("one_empty", [False, True], ids=["", "one_empty"])
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("pingpong", [True, False])
-def test_barrier_protocol_model(stages, pingpong, one_empty, seed):
+def test_barrier_protocol_model(stages, pingpong, seed):
     rng = random.Random(seed)
     for n_tiles in [0, 1, 2, 3, 4, 7, 17]:
         for _ in range(20):
-            issues = _protocol_model(n_tiles, stages, pingpong, rng, one_empty=one_empty)
+            issues = _protocol_model(n_tiles, stages, pingpong, rng)
             blocks = n_tiles + 1 if n_tiles else 0
             assert sorted(issues) == sorted((wg, k) for wg in (0, 1) for k in range(blocks))
             if pingpong:  # issue blocks strictly alternate, WG0 first
                 assert issues == [(wg, k) for k in range(blocks) for wg in (0, 1)]
 
 
-@pytest.mark.parametrize("one_empty", [False, True], ids=["", "one_empty"])
 @pytest.mark.parametrize("stages", [2, 3])
-def test_barrier_protocol_model_persistent(stages, one_empty, seed):
+def test_barrier_protocol_model_persistent(stages, seed):
     """The persistent kernel's protocol (``GluonFwdConfig.persistent``): work items of any number of key tiles,
     0 included (causal rows that see nothing), one after another through the same ring and Q buffer: no deadlock,
     no TMA into a buffer a wgmma may still read (Q included), every read sees its own item's tile."""
     rng = random.Random(seed)
     for _ in range(60):
         items = [rng.choice([0, 1, 2, 3, 5, 16]) for _ in range(rng.randint(1, 6))]
-        issues = _protocol_model(0, stages, False, rng, items=items, one_empty=one_empty)
+        issues = _protocol_model(0, stages, False, rng, items=items)
         want = [(wg, w, k) for w, n in enumerate(items) for wg in (0, 1) for k in range(n + 1 if n else 0)]
         assert sorted(issues) == sorted(want)
         for wg in (0, 1):  # each consumer walks the items in order
             assert [i for i in issues if i[0] == wg] == [i for i in want if i[0] == wg]
 
 
-@pytest.mark.parametrize("one_empty", [False, True], ids=["", "one_empty"])
-def test_barrier_protocol_model_catches_a_missing_k_wait(one_empty, seed):
-    """The model is not vacuous: a producer that loads K without waiting for the stage's release (K's own, or
-    with ``one_empty`` V's) is caught (a TMA into a buffer a wgmma still reads, a read of the wrong tile, or an
-    mbarrier phase overrun)."""
+def test_barrier_protocol_model_catches_a_missing_k_wait(seed):
+    """The model is not vacuous: a producer that loads K without waiting for the stage's K release is caught (a TMA
+    into a buffer a wgmma still reads, a read of the wrong tile, or an mbarrier phase overrun)."""
     rng = random.Random(seed)
     with pytest.raises(AssertionError):
         for _ in range(300):
-            _protocol_model(9, 2, False, rng, one_empty=one_empty, mutant="no_k_wait")
+            _protocol_model(9, 2, False, rng, mutant="no_k_wait")
 
 
 # ---------------------------------------------------------------------------------------------------- GPU

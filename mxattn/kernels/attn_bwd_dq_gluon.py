@@ -143,7 +143,6 @@ OUT_ROWS = gl.constexpr(_OUT_ROWS_ENV != "0")  # dQ
 OUT_ROWS_DKDV = gl.constexpr({"auto": 128, "1": 64, "0": 0}[_OUT_ROWS_ENV])  # dK/dV: rows from this query step up
 # GluonDqConfig.amax_slots's default, read once at import (MXATTN_DQ_AMAX_SLOTS=0 / 1)
 _AMAX_SLOTS = os.environ.get("MXATTN_DQ_AMAX_SLOTS", "1") == "1"
-_ONE_EMPTY = os.environ.get("MXATTN_DQ_ONE_EMPTY", "0") == "1"  # GluonDqConfig.one_empty's default
 ROW_GROUP = 128  # q / dout_hdim rows per exponent must be a multiple of this (one scalar per 128-row tile)
 
 
@@ -174,12 +173,6 @@ class GluonDqConfig:
     # default since session 23 (H100: the dQ kernel 1.049-1.064x at d128 S 4k / 8k, 1.025-1.043x at d64 S 8k,
     # `attn_bwd_kernels-…-s23-dqslots.json`); MXATTN_DQ_AMAX_SLOTS=0 turns it off
     amax_slots: bool = _AMAX_SLOTS
-    # one release per ring stage for its K, V and K_seq tiles (``ks_empty``), made in step j + 2 right after S and
-    # dP's wait, instead of K / V's release there in step j and K_seq's at the end of step j + 1.  With
-    # ``amax_slots`` a step then writes shared memory twice with no read between (the arrival, the slots' store),
-    # so the compiler's barriers before writes and before the reads after them come down to two a step.  A stage
-    # is held ~1.5 steps longer: use 4 stages.  Bit-identical to False
-    one_empty: bool = _ONE_EMPTY
     # causal launches: CTAs heaviest query block first over sections of about two waves of heads (kernels/cta_order.py)
     # instead of head by head, which leaves heavy blocks of the last heads for the grid's tail.  The same CTAs
     # computing the same tiles: bit-identical.  None: MXATTN_CAUSAL_LPT's choice (``launch.causal_lpt``), on by
@@ -188,10 +181,6 @@ class GluonDqConfig:
     causal_lpt: Optional[bool] = None
 
     def __post_init__(self):
-        if self.one_empty and self.stages < 3:
-            # step j releases stage j - 2 after its own tile has arrived: with 2 stages that is tile j's stage
-            raise ValueError(f"one_empty needs stages >= 3 (a stage is released two steps after its use), got "
-                             f"{self.stages}")
         if type(self.block_n) is not int or self.block_n not in BLOCK_NS:
             raise ValueError(f"block_n must be one of {BLOCK_NS}, got {self.block_n!r}")
 
@@ -270,8 +259,7 @@ def _sticky_exp(e_tile, e_prev):
 @gluon.jit
 def _ds_tile(s, dp, a_q, ke, ve, b_row, delta, dscale, e_prev, e_hi, offs_m, n0, Sk, causal_off, slots,
              MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, K_PERM: gl.constexpr,
-             WARPS: gl.constexpr, AMAX_SLOTS: gl.constexpr, release, release_pred,
-             ONE_EMPTY: gl.constexpr):
+             WARPS: gl.constexpr, AMAX_SLOTS: gl.constexpr):
     """dS of one (rows x BLOCK_N) tile from the raw S and dP accumulators -> (dS·2^-e in fp32, e).
 
     Same arithmetic as attn_bwd._dq_step: x = S·(a_q·2^ke) + b_row (−inf where masked), P = 2^x, dS = P·(dP·c − δ)
@@ -290,35 +278,25 @@ def _ds_tile(s, dp, a_q, ke, ve, b_row, delta, dscale, e_prev, e_hi, offs_m, n0,
         x = gl.where(keep, x, float("-inf"))
     p = gl.exp2(x)  # P * 256, 0 where masked or where the row sees nothing
     ds = p * gl.fma(dp, dscale * _pow2(ve), -gl.expand_dims(delta, 1))  # 256 * dS
-    amax = _tile_amax(ds, slots, WARPS, AMAX_SLOTS, release, release_pred, ONE_EMPTY)
+    amax = _tile_amax(ds, slots, WARPS, AMAX_SLOTS)
     e = gl.maximum(_sticky_exp(_rceil_exp(amax, e_prev), e_prev), e_hi - 64)  # _bounded_exp(_sticky_exp(...))
     return ds * _pow2(-e), e
 
 
 @gluon.jit
-def _tile_amax(ds, slots, WARPS: gl.constexpr, AMAX_SLOTS: gl.constexpr, release, release_pred,
-               ONE_EMPTY: gl.constexpr):
+def _tile_amax(ds, slots, WARPS: gl.constexpr, AMAX_SLOTS: gl.constexpr):
     """max |ds| over the whole tile (all warps of the partition).  AMAX_SLOTS: each warp's maximum (quad shuffles,
     then the warp's rows: a reshape that keeps the warp dimension) goes to its fp32 slot in ``slots``, one barrier,
     then every thread reads the WARPS slots; otherwise the compiler's reduction across warps (two barriers through
-    its scratch, and one before its first store).  The same maximum either way.
-
-    ``release`` / ``release_pred`` (ONE_EMPTY): a ring stage's arrival made right before the slots' store.  Triton
-    puts a barrier before each write to shared memory that follows a read or a write, and before each read that
-    follows a write (an mbarrier arrival counts as a write); here the arrival's barrier and the store's come back to
-    back, and the next step's waits (reads after the load) need none."""
+    its scratch, and one before its first store).  The same maximum either way."""
     if AMAX_SLOTS:
         ROWS: gl.constexpr = ds.shape[0]
         row_max = gl.max(gl.abs(ds), 1)
         warp_max = gl.max(gl.reshape(row_max, [WARPS, ROWS // WARPS]), 1)
-        if ONE_EMPTY:
-            mbarrier.arrive(release, count=1, pred=release_pred)
         slots.store(warp_max)
         gl.thread_barrier()
         amax = gl.max(slots.load(gl.BlockedLayout([WARPS], [32], [WARPS], [0])), 0)
     else:
-        if ONE_EMPTY:
-            mbarrier.arrive(release, count=1, pred=release_pred)
         amax = gl.max(gl.max(gl.abs(ds), 1), 0)
     return amax
 
@@ -326,8 +304,7 @@ def _tile_amax(ds, slots, WARPS: gl.constexpr, AMAX_SLOTS: gl.constexpr, release
 @gluon.jit
 def _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, e_prev, e_hi, offs_m, n0, masked,
              Sk, causal_off, slots, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, K_PERM: gl.constexpr,
-             WARPS: gl.constexpr, AMAX_SLOTS: gl.constexpr, release, release_pred,
-             ONE_EMPTY: gl.constexpr):
+             WARPS: gl.constexpr, AMAX_SLOTS: gl.constexpr):
     """One tile's dS with the masked / unmasked choice made at run time (the branches join fp32 values only).  The
     k / v exponent of keys n0 .. n0 + BLOCK_N − 1: one group of 128 keys (two 64-key steps share it, or one
     128-key step has it alone)."""
@@ -335,10 +312,10 @@ def _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, e
     ve = gl.load(VE + (n0 // KV_EXP_GROUP) * stride_vet)
     if masked:
         ds, e = _ds_tile(s, dp, a_q, ke, ve, b_row, delta, dscale, e_prev, e_hi, offs_m, n0, Sk, causal_off, slots,
-                         True, CAUSAL, BLOCK_N, K_PERM, WARPS, AMAX_SLOTS, release, release_pred, ONE_EMPTY)
+                         True, CAUSAL, BLOCK_N, K_PERM, WARPS, AMAX_SLOTS)
     else:
         ds, e = _ds_tile(s, dp, a_q, ke, ve, b_row, delta, dscale, e_prev, e_hi, offs_m, n0, Sk, causal_off, slots,
-                         False, CAUSAL, BLOCK_N, K_PERM, WARPS, AMAX_SLOTS, release, release_pred, ONE_EMPTY)
+                         False, CAUSAL, BLOCK_N, K_PERM, WARPS, AMAX_SLOTS)
     return ds, e
 
 
@@ -409,19 +386,15 @@ def _tile_row(SLOTS):
 @gluon.jit
 def _producer_steps(k_desc, v_desc, ks_desc, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
                     k_row, k_col, ks_row, ks_col, n_tiles, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-                    K_PERM: gl.constexpr, ONE_EMPTY: gl.constexpr):
+                    K_PERM: gl.constexpr):
     """Per key tile: K and V_hdim (BLOCK_N x D; K_PERM: the 5-D key-permuted boxes, by 16-key group index) and
     K_seq (D x BLOCK_N, from column ks_col: 0 dense, the sequence's first column when jagged) into the STAGES-deep
-    rings.  ONE_EMPTY: the consumers release a stage's three tiles at once (ks_empty, in the step after the one
-    that waited for the stage's dQ product), so K and V wait for ks_empty too."""
+    rings."""
     for i in range(n_tiles):
         s = i % STAGES
         # a fresh mbarrier counts as having completed the phase before phase 0: the first pass does not wait
         ph = ((i // STAGES) & 1) ^ 1
-        if ONE_EMPTY:
-            mbarrier.wait(ks_empty.index(s), ph)
-        else:
-            mbarrier.wait(kv_empty.index(s), ph)
+        mbarrier.wait(kv_empty.index(s), ph)
         mbarrier.expect(kv_ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         if K_PERM:  # k_row = b * Sk, Sk % 16 == 0
             g = (k_row + i * BLOCK_N) // 16
@@ -432,8 +405,7 @@ def _producer_steps(k_desc, v_desc, ks_desc, k_smem, v_smem, ks_smem, kv_ready, 
                                             k_smem.index(s))
             tma.async_copy_global_to_shared(v_desc, [k_row + i * BLOCK_N, k_col], kv_ready.index(s),
                                             v_smem.index(s))
-        if not ONE_EMPTY:
-            mbarrier.wait(ks_empty.index(s), ph)
+        mbarrier.wait(ks_empty.index(s), ph)
         mbarrier.expect(ks_ready.index(s), ks_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(ks_desc, [ks_row, ks_col + i * BLOCK_N], ks_ready.index(s), ks_smem.index(s))
 
@@ -442,26 +414,26 @@ def _producer_steps(k_desc, v_desc, ks_desc, k_smem, v_smem, ks_smem, kv_ready, 
 def _producer(q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
               q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
               q_row, q_col, k_row, k_col, ks_row, ks_col, n_tiles,
-              STAGES: gl.constexpr, BLOCK_N: gl.constexpr, K_PERM: gl.constexpr, ONE_EMPTY: gl.constexpr):
+              STAGES: gl.constexpr, BLOCK_N: gl.constexpr, K_PERM: gl.constexpr):
     mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
     tma.async_copy_global_to_shared(do_desc, [q_row, q_col], q_bar, do_smem)
     _producer_steps(k_desc, v_desc, ks_desc, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
-                    k_row, k_col, ks_row, ks_col, n_tiles, STAGES, BLOCK_N, K_PERM, ONE_EMPTY)
+                    k_row, k_col, ks_row, ks_col, n_tiles, STAGES, BLOCK_N, K_PERM)
 
 
 @gluon.jit
 def _producer_split(q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
                     q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
                     q_row, q_col, k_row, k_col, ks_row, ks_col, n_tiles,
-                    STAGES: gl.constexpr, BLOCK_N: gl.constexpr, K_PERM: gl.constexpr, ONE_EMPTY: gl.constexpr):
+                    STAGES: gl.constexpr, BLOCK_N: gl.constexpr, K_PERM: gl.constexpr):
     """The split kernel's producer: a 64-row Q and dO tile per consumer warpgroup, then the same key tiles."""
     mbarrier.expect(q_bar, 2 * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
     for w in gl.static_range(2):
         tma.async_copy_global_to_shared(q_desc, [q_row + w * WG_ROWS, q_col], q_bar, q_smem.index(w))
         tma.async_copy_global_to_shared(do_desc, [q_row + w * WG_ROWS, q_col], q_bar, do_smem.index(w))
     _producer_steps(k_desc, v_desc, ks_desc, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
-                    k_row, k_col, ks_row, ks_col, n_tiles, STAGES, BLOCK_N, K_PERM, ONE_EMPTY)
+                    k_row, k_col, ks_row, ks_col, n_tiles, STAGES, BLOCK_N, K_PERM)
 
 
 # ------------------------------------------------------------------------------------------------- consumer
@@ -470,7 +442,7 @@ def _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_re
              KE, VE, stride_ket, stride_vet, acc, a_q, b_row, delta, dscale, offs_m, Sk, causal_off, n_tiles, n_full,
              slots, STAGES: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr, ds_layout: gl.constexpr,
              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, K_PERM: gl.constexpr,
-             WARPS: gl.constexpr, AMAX_SLOTS: gl.constexpr, ONE_EMPTY: gl.constexpr):
+             WARPS: gl.constexpr, AMAX_SLOTS: gl.constexpr):
     """The key loop (n_tiles >= 1).  Returns (acc, its exponent).  K_PERM: S and dP column c holds key sigma(c)
     (``attn_fwd_gluon._key_of_column``), and dS reaches dQ's A operand by a relabel (``_ds_operand``)."""
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
@@ -481,13 +453,11 @@ def _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_re
     dp = warpgroup_mma(do_smem, _k_operand(v_smem.index(0), BLOCK_N, HEAD_DIM, K_PERM), s_zero, use_acc=False,
                        is_async=True)
     s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
-    if not ONE_EMPTY:
-        mbarrier.arrive(kv_empty.index(0), count=1)
+    mbarrier.arrive(kv_empty.index(0), count=1)
     acc_e = 0
     e_hi = -1000  # no bound until the accumulator holds something
     ds, e = _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, acc_e, e_hi, offs_m, 0,
-                     n_full == 0, Sk, causal_off, slots, CAUSAL, BLOCK_N, K_PERM, WARPS, AMAX_SLOTS, ks_empty.index(0),
-                     False, ONE_EMPTY)
+                     n_full == 0, Sk, causal_off, slots, CAUSAL, BLOCK_N, K_PERM, WARPS, AMAX_SLOTS)
     e_hi = gl.maximum(e_hi, e)
     for j in range(1, n_tiles):
         st = j % STAGES
@@ -503,17 +473,12 @@ def _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_re
                            use_acc=False, is_async=True)
         acc = warpgroup_mma(ds8, ks_smem.index(sp).permute((1, 0)), acc, is_async=True)
         s, dp = warpgroup_mma_wait(num_outstanding=1, deps=(s, dp))  # S_j, dP_j; dS_{j-1} K_seq_{j-1} runs on
-        if not ONE_EMPTY:
-            mbarrier.arrive(kv_empty.index(st), count=1)
-        # ONE_EMPTY: stage j - 2's release (its dQ product was waited at the end of step j - 1) is made by
-        # ``_tile_amax`` right before the slots' store
+        mbarrier.arrive(kv_empty.index(st), count=1)
         ds, e = _ds_step(s, dp, a_q, KE, VE, stride_ket, stride_vet, b_row, delta, dscale, acc_e, e_hi, offs_m,
-                         j * BLOCK_N, j >= n_full, Sk, causal_off, slots, CAUSAL, BLOCK_N, K_PERM, WARPS,
-                         AMAX_SLOTS, ks_empty.index((j + STAGES - 2) % STAGES), j >= 2, ONE_EMPTY)
+                         j * BLOCK_N, j >= n_full, Sk, causal_off, slots, CAUSAL, BLOCK_N, K_PERM, WARPS, AMAX_SLOTS)
         e_hi = gl.maximum(e_hi, e)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        if not ONE_EMPTY:
-            mbarrier.arrive(ks_empty.index(sp), count=1)
+        mbarrier.arrive(ks_empty.index(sp), count=1)
     # last issue block: acc += dS_{n-1} K_seq_{n-1}
     sp = (n_tiles - 1) % STAGES
     ds8 = _ds_operand(ds, ds_layout, K_PERM)
@@ -521,8 +486,7 @@ def _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_re
     mbarrier.wait(ks_ready.index(sp), ((n_tiles - 1) // STAGES) & 1)
     acc = warpgroup_mma(ds8, ks_smem.index(sp).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    if not ONE_EMPTY:  # (ONE_EMPTY: the last two stages are never waited for again)
-        mbarrier.arrive(ks_empty.index(sp), count=1)
+    mbarrier.arrive(ks_empty.index(sp), count=1)
     return acc, e
 
 
@@ -532,8 +496,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empt
               stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
               start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr,
-              WARPS: gl.constexpr, BLOCK_N: gl.constexpr, K_PERM: gl.constexpr, AMAX_SLOTS: gl.constexpr,
-              ONE_EMPTY: gl.constexpr):
+              WARPS: gl.constexpr, BLOCK_N: gl.constexpr, K_PERM: gl.constexpr, AMAX_SLOTS: gl.constexpr):
     """ROWS query rows start_m .. start_m + ROWS − 1 of one (b, h): 128 on 8 warps (the CTA's rows), or 64 on one
     warpgroup (split); q_smem / do_smem their Q and dO tiles.  Pointers already moved to (b, h) / (b, hk) and, for
     QE / DOE, to the row group of start_m.  The dS exponent is one per (ROWS x BLOCK_N) tile.
@@ -568,7 +531,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empt
         acc, acc_e = _dq_loop(q_smem, do_smem, k_smem, v_smem, ks_smem, kv_ready, kv_empty, ks_ready, ks_empty,
                               KE, VE, stride_ket, stride_vet, acc, a_q, b_row, delta, dscale, offs_m, Sk,
                               causal_off, n_tiles, n_full, slots, STAGES, CAUSAL, s_layout, ds_layout, ROWS,
-                              BLOCK_N, HEAD_DIM, K_PERM, WARPS, AMAX_SLOTS, ONE_EMPTY)
+                              BLOCK_N, HEAD_DIM, K_PERM, WARPS, AMAX_SLOTS)
 
     # ---- epilogue: dq = acc * 2^acc_e * 2^kse[d] * scale * 2^-8
     offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
@@ -602,7 +565,6 @@ def _attn_bwd_dq_ws_kernel(
     VARLEN: gl.constexpr = False,
     K_PERM: gl.constexpr = False,  # K and V_hdim through the 5-D key-permuted boxes (dense, Sk % 16 == 0)
     AMAX_SLOTS: gl.constexpr = False,  # the dS tile's maximum through per-warp slots (GluonDqConfig.amax_slots)
-    ONE_EMPTY: gl.constexpr = False,  # one release per stage for K, V and K_seq (GluonDqConfig.one_empty)
     LPT_SECTION: gl.constexpr = 0,  # causal CTA order by sections of heads (GluonDqConfig.causal_lpt)
 ):
     """Dense: grid (cdiv(Sq, 128), B * Hq).  Jagged (VARLEN): grid (table rows, Hq); CTA (r, h) computes the query
@@ -678,18 +640,15 @@ def _attn_bwd_dq_ws_kernel(
                          ks_ready, ks_empty, QE_t, DOE_t, KE_bh, VE_bh, KSE_bh, LSE_bh, DELTA_bh, DQ_bh,
                          stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
                          start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
-                         HEAD_DIM, STAGES, CAUSAL, 64, 4, BLOCK_N, K_PERM, AMAX_SLOTS,
-                         ONE_EMPTY)),
+                         HEAD_DIM, STAGES, CAUSAL, 64, 4, BLOCK_N, K_PERM, AMAX_SLOTS)),
             (_consumer, (q_smem.index(1), do_smem.index(1), k_smem, v_smem, ks_smem, q_bar, kv_ready, kv_empty,
                          ks_ready, ks_empty, QE_t, DOE_t, KE_bh, VE_bh, KSE_bh, LSE_bh, DELTA_bh, DQ_bh,
                          stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
                          start_m + WG_ROWS, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
-                         HEAD_DIM, STAGES, CAUSAL, 64, 4, BLOCK_N, K_PERM, AMAX_SLOTS,
-                         ONE_EMPTY)),
+                         HEAD_DIM, STAGES, CAUSAL, 64, 4, BLOCK_N, K_PERM, AMAX_SLOTS)),
             (_producer_split, (q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
                                q_bar, kv_ready, kv_empty, ks_ready, ks_empty, q_row, h * HEAD_DIM,
-                               k_row, hk * HEAD_DIM, ks_row, ks_col, n_tiles, STAGES, BLOCK_N, K_PERM,
-                               ONE_EMPTY)),
+                               k_row, hk * HEAD_DIM, ks_row, ks_col, n_tiles, STAGES, BLOCK_N, K_PERM)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -697,12 +656,11 @@ def _attn_bwd_dq_ws_kernel(
                          QE_t, DOE_t, KE_bh, VE_bh, KSE_bh, LSE_bh, DELTA_bh, DQ_bh,
                          stride_ket, stride_vet, stride_ksed, stride_lm, stride_dlm, stride_dqm, stride_dqd,
                          start_m, Sq, Sk, causal_off, n_tiles, n_full, qk_scale, grad_scale,
-                         HEAD_DIM, STAGES, CAUSAL, 128, 8, BLOCK_N, K_PERM, AMAX_SLOTS,
-                         ONE_EMPTY)),
+                         HEAD_DIM, STAGES, CAUSAL, 128, 8, BLOCK_N, K_PERM, AMAX_SLOTS)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, ks_desc, q_smem, do_smem, k_smem, v_smem, ks_smem,
                          q_bar, kv_ready, kv_empty, ks_ready, ks_empty,
                          q_row, h * HEAD_DIM, k_row, hk * HEAD_DIM, ks_row, ks_col, n_tiles,
-                         STAGES, BLOCK_N, K_PERM, ONE_EMPTY)),
+                         STAGES, BLOCK_N, K_PERM)),
         ], [1], [PRODUCER_REGS])
 
 
@@ -895,7 +853,7 @@ def attn_bwd_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, k_
     )
     constexprs = dict(HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
                       SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, BLOCK_N=cfg.block_n, K_PERM=use_perm,
-                      AMAX_SLOTS=cfg.amax_slots, ONE_EMPTY=cfg.one_empty,
+                      AMAX_SLOTS=cfg.amax_slots,
                       LPT_SECTION=2 * _sm_count(dev) if causal and launch.causal_lpt(cfg.causal_lpt, True) else 0,
                       num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
     args = (*descs, qe, de, ke, ve, kse, lse, delta, dq, *scalars)
@@ -1074,8 +1032,7 @@ def attn_bwd_dq_gluon_varlen(q, k, v_hdim, k_seq, dout_hdim, lse: torch.Tensor, 
     consts = (D, cfg.stages, causal, cfg.producer_regs, cfg.split, cfg.consumer_regs, cfg.block_n)
     grid = (tile_rows_bound(Tq, q.batch, q.max_seqlen), Hq)
     # the step's options as keywords (a bound launch fixes its keywords; the 2-D boxes: K_PERM's default)
-    options = dict(num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg, AMAX_SLOTS=cfg.amax_slots,
-                   ONE_EMPTY=cfg.one_empty)
+    options = dict(num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg, AMAX_SLOTS=cfg.amax_slots)
     args = (*descs, *tensors, *scalars, *consts, slots, True)
     if key is None:
         fast_launcher(_attn_bwd_dq_ws_kernel)[grid](*args, **options)

@@ -74,12 +74,6 @@ BLOCK_M = gl.constexpr(128)  # query rows per CTA: two consumer warpgroups
 # the conversion and the ring).  Unmasked tiles only: the masked branch (partial and diagonal tiles) is the real
 # one in every build.  (A build without the P V product serialized the wgmma pipeline, C7514: not offered.)
 FWD_PROBE = gl.constexpr(int(os.environ.get("MXATTN_FWD_PROBE", "0")))
-# One release per ring stage for its K and V tiles (session 23; read once at import from MXATTN_FWD_ONE_EMPTY=1,
-# opt-in until measured): the consumers arrive at v_empty only, after P V has read the stage (K_j's stage is then
-# held one step longer), and the producer waits for v_empty before loading K too.  Triton puts a barrier before
-# each shared-memory write (an mbarrier arrival counts) that follows a read or a write, and before each read after
-# a write: one arrival a step instead of two takes one of the step's three barriers away.  Bit-identical.
-ONE_EMPTY = gl.constexpr(os.environ.get("MXATTN_FWD_ONE_EMPTY", "0") == "1")
 if FWD_PROBE.value not in range(5):
     raise ValueError(f"MXATTN_FWD_PROBE must be 0..4, got {FWD_PROBE.value}")
 
@@ -208,10 +202,7 @@ def _load_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k
         s = (it0 + i) % STAGES
         # a fresh mbarrier counts as having completed the phase before phase 0: the first pass does not wait
         ph = (((it0 + i) // STAGES) & 1) ^ 1
-        if ONE_EMPTY:  # the stage's K and V are released together, by v_empty
-            mbarrier.wait(v_empty.index(s), ph)
-        else:
-            mbarrier.wait(k_empty.index(s), ph)
+        mbarrier.wait(k_empty.index(s), ph)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
         if K_PERM:  # 16-key group index (k_row is b * Sk, Sk % 16 == 0)
             tma.async_copy_global_to_shared(k_desc, [(k_row + i * BLOCK_N) // 16, 0, 0, 0, k_col], k_ready.index(s),
@@ -219,8 +210,7 @@ def _load_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k
         else:
             tma.async_copy_global_to_shared(k_desc, [k_row + i * BLOCK_N, k_col], k_ready.index(s),
                                             k_smem.index(s))
-        if not ONE_EMPTY:
-            mbarrier.wait(v_empty.index(s), ph)
+        mbarrier.wait(v_empty.index(s), ph)
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [v_row, i * BLOCK_N], v_ready.index(s), v_smem.index(s))
 
@@ -501,8 +491,7 @@ def _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bar
                        is_async=True)
     _turn_pass(turn_bars, WG, PINGPONG)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-    if not ONE_EMPTY:
-        mbarrier.arrive(k_empty.index(s0), count=1)
+    mbarrier.arrive(k_empty.index(s0), count=1)
     rs = qscale * gl.exp2(gl.load(KE).to(gl.float32))
     p, m_i, alpha, l_i = _softmax_tile(qk, m_i, l_i, rs, offs_m, 0, n_full == 0, Sk, causal_off, BLOCK_N, CAUSAL,
                                        K_PERM, EXP2_FMA, LEAN_MASK)
@@ -526,8 +515,7 @@ def _attend(q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn_bar
         n0 = j * BLOCK_N
         rs = qscale * gl.exp2(gl.load(KE + (n0 // K_EXP_GROUP) * stride_ket).to(gl.float32))
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))  # S_j; P_{j-1} V_{j-1} runs on
-        if not ONE_EMPTY:
-            mbarrier.arrive(k_empty.index(s), count=1)
+        mbarrier.arrive(k_empty.index(s), count=1)
         if P_CARRY == "i32br":
             pc_new, m_new, alpha, l_i = _softmax_tile_packed(qk, m_i, l_i, rs, offs_m, n0, j >= n_full, Sk,
                                                              causal_off, p_layout, BLOCK_N, CAUSAL, K_PERM,
