@@ -242,7 +242,9 @@ def has_fast_backward(device) -> bool:
 # the persistent kernel with the row-wise output store, `attn_fwd_gluon_vs_tl-…-s19-*.json`): causal S 4k 631 against
 # the `tl` kernel's 558 TFLOP/s, so causal calls take it from S 4k too; without a mask from S 2k (CUDA-graph replays
 # 709 against 618, eager 697 against 607; causal S 2k stays on `tl`: eager 359 against 415, the Gluon launcher's
-# host time shows in a 55 us kernel).  Blackwell
+# host time shows in a 55 us kernel).  Session 24: the causal CTA order (kernels/cta_order.py) made both kernels
+# faster on causal grids (tl 1.11x at d128 S 2k; causal Gluon launches now the per-block kernel with the order,
+# 1.02x the persistent one at S 4k); the causal S 2k choice is not re-measured with both ordered.  Blackwell
 # (compute capability 10.x) runs the block-scaled forward (kernels/attn_fwd_blockscaled.py: tl.dot_scaled on the
 # MX operands, docs/blackwell.md).
 # MXATTN_FWD_KERNEL=tl|gluon|blockscaled|auto overrides the automatic choice; the ``backend`` argument of
@@ -388,7 +390,8 @@ def _call_key(q, k, v, causal, scale, scale_mode, backend, keep_kv):
             k.device, v.device, launch.current_device() if q.is_cuda else -1, q.data_ptr() & 15,
             k.data_ptr() & 15, v.data_ptr() & 15, causal, scale, scale_mode, backend, keep_kv,
             env.get("MXATTN_FWD_KERNEL"), env.get("MXATTN_FUSED_OPERANDS_MAX"), GLUON_MIN_SEQ, GLUON_MIN_SEQ_NONCAUSAL,
-            quantize._knobs(), attn_fwd.EXP2_FMA_DEFAULT, gluon and (gluon.PERSISTENT_DEFAULT, gluon.MASK_DEFAULT))
+            quantize._knobs(), attn_fwd.EXP2_FMA_DEFAULT, launch.CAUSAL_LPT,
+            gluon and (gluon.PERSISTENT_DEFAULT, gluon.MASK_DEFAULT))
 
 
 class _ForwardCall:

@@ -63,6 +63,8 @@ STEP_BAR_TILE = 4
 # - dense split, 64-query step: none from session 7 until session 20's query-permuted boxes (q_perm, the dense
 #   default); the d128 causal build then keeps a few values spilled inside its loops, measured faster all the same
 #   (docs/perf-notes-attn-bwd.md "Session 20"): 6 with ds_exp="key", 16 with "tile", both warpgroups together.
+#   With session 24's causal CTA order (LPT_SECTION) this script's "key" build keeps 8 (the launched build still 6,
+#   as before the order: scripts/compile_launched.py dkdv --causal --shape 2,4096,16,16,128).
 # - jagged split (--varlen --split, session 8): the per-sequence scalars (Sq, the key bounds, lo / mid / n_m /
 #   n_steps, the offsets) come from the tile table, so they sit in per-thread registers where the dense build keeps
 #   kernel arguments in uniform registers; at d128 under 240 registers ptxas reloads loop-invariant values inside
@@ -74,7 +76,7 @@ STEP_BAR_TILE = 4
 #   and 16 B whole-tile, where the launched build (scripts/compile_launched.py dkdv --shape 2,8192,16,16,64
 #   --causal: ints specialized as a launch does) has none, 706 instructions a step.
 ALLOWANCE: dict[tuple, dict[str, int]] = {
-    ("dense", True, 64, "key"): {"d128_causal": 6},
+    ("dense", True, 64, "key"): {"d128_causal": 8},
     ("dense", True, 64, "tile"): {"d128_causal": 16},
     ("jagged", True, 64, "key"): {"d128": 2, "d128_causal": 5},
     ("jagged", True, 64, "tile"): {"d128": 3, "d128_causal": 7},
@@ -108,6 +110,7 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None, spli
     from triton.experimental.gluon import language as gl
 
     from mxattn.kernels import attn_bwd_dkdv_gluon as m
+    from mxattn.kernels import launch
 
     cfg = m.default_config(head_dim, causal)
     cfg = replace(cfg, **(regs or {}), block_m=block_m or cfg.block_m, split=split, fuse_dq=fuse_dq)
@@ -136,7 +139,10 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None, spli
                   FUSE_DQ=fuse_dq, DQ_HALVES=fuse_dq and (causal if cfg.dq_halves is None else cfg.dq_halves),
                   # every constexpr is named: one left out compiles as a runtime i32 with both of its branches (the
                   # jagged whole-tile d128 causal build read 8 B of spills that way, 64 B as launched; session 23)
-                  Q_PERM=q_perm)
+                  Q_PERM=q_perm,
+                  # the causal CTA order of dense per-block launches (two waves of 132 SMs; the launcher's rule)
+                  LPT_SECTION=264 if causal and not (varlen or fuse_dq) and launch.causal_lpt(cfg.causal_lpt, bm == 64)
+                  else 0)
     if not fuse_dq:  # the other builds leave the fused-dQ arguments at their defaults
         consts |= {"ks_desc": None, "DQ": None}
     if varlen:

@@ -600,8 +600,10 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
     lpt)
       # session 24: causal CTA order over sections of heads (MXATTN_CAUSAL_LPT, the configs' causal_lpt): the
       # bit-identity tests, then each kernel and the public backward with the variable 0 / 1 in turns
-      # (bench_env_turns.py, one process each; LPT_KERNELS narrows, LPT_ARGS adds options)
-      run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_bwd_dq_gluon.py \
+      # (bench_env_turns.py, one process each; LPT_KERNELS narrows, LPT_ARGS adds options).  fwd-gluon's 0 / 1 is
+      # the persistent kernel against the per-block kernel with the order (default_config's causal rule)
+      # (not -m gpu: the tl order's tests run on the CPU's interpreter and on the GPU alike, unmarked)
+      run $PY -m pytest -q -rfE -p no:cacheprovider tests/test_attn_bwd_dq_gluon.py \
         tests/test_attn_bwd_dkdv_gluon.py tests/test_attn_fwd.py tests/test_cta_order.py \
         -k "causal_lpt or cta_order" 2>&1 | tail -5 || status=1
       # the Gluon forward's per-block kernel with causal_lpt against the other builds, bit for bit
@@ -615,12 +617,13 @@ print(write_result('varlen_fwd', rows, sys.argv[1]))
       # session 24: the forwards' causal CTA order.  Bit-identity tests (tl kernel; the per-block Gluon kernel), then
       # the Gluon forward persistent (the default) against per-block with causal_lpt, and the tl forward with
       # MXATTN_CAUSAL_LPT 0 / 1, in turns (bench_env_turns.py; LPT_ARGS adds options)
-      run $PY -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_attn_fwd.py tests/test_attn_fwd_gluon.py \
+      run $PY -m pytest -q -rfE -p no:cacheprovider tests/test_attn_fwd.py tests/test_attn_fwd_gluon.py \
         tests/test_cta_order.py -k "causal_lpt or cta_order" 2>&1 | tail -4 || status=1
       mkdir -p "$OUT/lpt-fwd-gluon-perblock" "$OUT/lpt-fwd-tl"
+      # (MXATTN_CAUSAL_LPT=0 also keeps causal launches on the persistent kernel: default_config's rule)
       run $PY scripts/bench_env_turns.py "$OUT/lpt-fwd-gluon-perblock" --kernel fwd-gluon --values \
-        MXATTN_FWD_PERSISTENT=1 MXATTN_FWD_PERSISTENT=0,MXATTN_CAUSAL_LPT=1 MXATTN_FWD_PERSISTENT=0,MXATTN_CAUSAL_LPT=0 \
-        ${LPT_ARGS:-}
+        MXATTN_FWD_PERSISTENT=1,MXATTN_CAUSAL_LPT=0 MXATTN_FWD_PERSISTENT=0,MXATTN_CAUSAL_LPT=1 \
+        MXATTN_FWD_PERSISTENT=0,MXATTN_CAUSAL_LPT=0 ${LPT_ARGS:-}
       run $PY scripts/bench_env_turns.py "$OUT/lpt-fwd-tl" --kernel fwd-tl --var MXATTN_CAUSAL_LPT --values 0 1 \
         ${LPT_ARGS:-} ;;
     fuseddqbench)  # the fuseddq stage's bench alone (its tests elsewhere in the call)

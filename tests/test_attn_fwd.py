@@ -286,12 +286,13 @@ def test_exp2_mixed(percent, seed):
     assert torch.equal(low[:, fma_cols], torch.zeros_like(low[:, fma_cols]))  # the polynomial flushes it
 
 
-@pytest.mark.parametrize("sms", [1, 3, None], ids=["sms1", "sms3", "sms"])
+@pytest.mark.parametrize("sms", [1, 3, 13, None], ids=["sms1", "sms3", "sms13", "sms"])
 def test_attn_fwd_causal_lpt_bit_identical(sms, seed, monkeypatch):
     """``FwdConfig.causal_lpt`` (CTAs over sections of heads, heaviest query block first: kernels/cta_order.py)
-    against head-by-head order: the same CTAs on the same tiles, so out and lse bit for bit.  A stand-in SM count
-    of 1 or 3 makes sections of one or a few heads with a remainder.  Interpreter on the CPU (16-row blocks: 5
-    blocks, 6 heads), odd shapes on the GPU."""
+    against head-by-head order: the same CTAs on the same tiles, so out and lse bit for bit.  Stand-in SM counts
+    make sections of one head, or of a few with the remainder heads in the last one (CPU, interpreter, 16-row
+    blocks: 5 blocks of 7 heads, sms 3 gives sections of 3 and 4; GPU: 32 blocks of 7 heads, sms 13 gives 2, 2
+    and 3).  Not marked ``gpu``: scripts/gpu_check.sh's lpt stages run it on the GPU by name."""
     from conftest import require_kernels
 
     from mxattn.kernels import attn_fwd
@@ -300,7 +301,8 @@ def test_attn_fwd_causal_lpt_bit_identical(sms, seed, monkeypatch):
     dev = require_kernels()
     if sms is not None:
         monkeypatch.setattr(attn_fwd, "sm_count", lambda d: sms)
-    shapes = [(2, 70, 70, 3, 3, 64)] if dev == "cpu" else [(2, 4224, 4224, 3, 3, 128), (3, 1000, 2000, 8, 2, 64)]
+    shapes = ([(1, 70, 70, 7, 7, 64)] if dev == "cpu"
+              else [(1, 2048, 2048, 7, 7, 64), (2, 4224, 4224, 3, 3, 128), (3, 1000, 2000, 8, 2, 64)])
     tile = (16, 32, 4, 1) if dev == "cpu" else (64, 128, 4, 3)
     for B, Sq, Sk, Hq, Hkv, D in shapes:
         q, k, v = _inputs(B, Sq, Sk, Hq, Hkv, D, dev, seed + Sk)
@@ -309,4 +311,3 @@ def test_attn_fwd_causal_lpt_bit_identical(sms, seed, monkeypatch):
         want = attn_fwd_hopper(qr, kr, vr, causal=True, config=FwdConfig(*tile, causal_lpt=False))
         assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
         assert torch.equal(got[1], want[1])
-

@@ -60,9 +60,34 @@ def test_causal_lpt_launch_constexpr(kernel, monkeypatch):
         assert grid == ((2, 4) if kernel == "dq" else (2, 2))  # (blocks, B * heads) as before
 
 
+def test_causal_lpt_defaults(monkeypatch):
+    """The measured rules (``launch.causal_lpt``): under MXATTN_CAUSAL_LPT=auto the Gluon forward's causal default
+    config is the per-block kernel (which takes the order), non-causal the persistent one; "0" keeps the persistent
+    kernel for both.  The persistent dK/dV kernel (its own order) never gets LPT_SECTION."""
+    import test_attn_bwd_dkdv_gluon as dkdv_tests
+
+    pytest.importorskip("triton.experimental.gluon")
+    from mxattn.kernels import attn_fwd_gluon as fwd
+    from mxattn.kernels import launch
+
+    for mode, causal, persistent in (("auto", True, False), ("auto", False, True), ("0", True, True),
+                                     ("1", False, True)):
+        monkeypatch.setattr(launch, "CAUSAL_LPT", mode)
+        assert fwd.default_config(128, causal).persistent is (persistent and fwd.PERSISTENT_DEFAULT), (mode, causal)
+    monkeypatch.setattr(launch, "CAUSAL_LPT", "1")
+    m = dkdv_tests._mod()
+    monkeypatch.setattr(m, "_PLANS", {})
+    ops = dkdv_tests._cpu_operands()
+    cfg = m.GluonDkdvConfig(split=True, persistent=True)
+    (_, _, kw), = dkdv_tests._recorded_launches(monkeypatch, lambda: m.attn_bwd_dkdv_gluon(**ops, causal=True,
+                                                                                            config=cfg), n=1)
+    assert "LPT_SECTION" not in kw
+
+
 def test_cta_order_tl_matches_the_host():
     """``cta_order_tl`` in a kernel gives each CTA of a (blocks, heads) grid the (block, head) ``causal_cta_order``
-    lists for its launch position, for both heavy ends."""
+    lists for its launch position, for both heavy ends (interpreter on the CPU; not marked ``gpu``:
+    scripts/gpu_check.sh's lpt stages run it on the GPU by name)."""
     from conftest import require_kernels
 
     dev = require_kernels()

@@ -966,7 +966,7 @@ def _gluon_plan_key(q, k, v_hdim, q_seq, k_seq, out, dout, lse, dout_hdim, dout_
     dev = launch.current_device() if q.data.is_cuda else -1
     return (ops, dos, plain, q.data.device, causal, softmax_scale, deterministic, grad_dtype, defer_dq,
             os.environ.get("MXATTN_BWD_GLUON_SPLIT"), os.environ.get("MXATTN_BWD_FUSED_DQ"),
-            os.environ.get("MXATTN_BWD_PERSISTENT"), dev)
+            os.environ.get("MXATTN_BWD_PERSISTENT"), launch.CAUSAL_LPT, dev)
 
 
 def _run_gluon_plan(plan, q, k, v_hdim, q_seq, k_seq, out, dout, lse, dout_hdim, dout_seq, defer_dq):

@@ -1541,7 +1541,8 @@ def _launch_key(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, causal, so
         return None  # (bad operands: the checks on the slow path say what is wrong)
     outs = tuple(tensor_sig(t) if isinstance(t, torch.Tensor) else t for t in (dk_out, dv_out))
     dev = launch.current_device() if q.data.is_cuda else -1
-    return (ops, tensor_sig(lse), tensor_sig(delta), causal, softmax_scale, grad_dtype, config, outs, dev)
+    return (ops, tensor_sig(lse), tensor_sig(delta), causal, softmax_scale, grad_dtype, config, outs, dev,
+            launch.CAUSAL_LPT)
 
 
 def plan_for(q, k, v_hdim, q_seq, dout_hdim, dout_seq, lse, delta, *, causal=False, softmax_scale=None,

@@ -780,7 +780,7 @@ def _launch_key(q, k, v_hdim, k_seq, dout_hdim, lse, delta, causal, softmax_scal
     if None in ops or not isinstance(lse, torch.Tensor) or not isinstance(delta, torch.Tensor) or not launch.PLANS:
         return None  # (bad operands: the checks on the slow path say what is wrong)
     dev = launch.current_device() if q.data.is_cuda else -1
-    return (ops, tensor_sig(lse), tensor_sig(delta), causal, softmax_scale, grad_dtype, config, dev)
+    return (ops, tensor_sig(lse), tensor_sig(delta), causal, softmax_scale, grad_dtype, config, dev, launch.CAUSAL_LPT)
 
 
 def plan_for(q, k, v_hdim, k_seq, dout_hdim, lse, delta, *, causal=False, softmax_scale=None,

@@ -398,7 +398,7 @@ def _fwd_bound_key(q, k, v, causal, softmax_scale, out_dtype):
     return (qd.shape, qd.stride(), kd.shape, kd.stride(), vd.stride(), qe.shape, qe.stride(), ke.shape, ke.stride(),
             ve.shape, ve.stride(), qd.dtype, kd.dtype, vd.dtype, qd.device, dev, causal,
             softmax_scale, out_dtype, qd.data_ptr() & 15, kd.data_ptr() & 15, vd.data_ptr() & 15,
-            qe.data_ptr() & 15, ke.data_ptr() & 15, ve.data_ptr() & 15)
+            qe.data_ptr() & 15, ke.data_ptr() & 15, ve.data_ptr() & 15, launch_mod.CAUSAL_LPT)
 
 
 def bound_plan(q, k, v, causal: bool, softmax_scale, out_dtype):

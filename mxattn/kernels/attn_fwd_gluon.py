@@ -28,8 +28,9 @@ then hold P in the order of P V's A operand: P needs no shuffles, only a relabel
 V columns past Sk are zero-filled by TMA.  Only the last (and, causal, the diagonal) tiles are masked.
 
 Since session 19 the default is the persistent kernel (``GluonFwdConfig.persistent``: one CTA per SM over the work
-items, ``_attn_fwd_ws_persistent_kernel``) with the output stored as whole rows (``out_store="rows"``); the per-block
-kernel stays (``persistent=False``, ping-pong only there).  Opt-in and measured slower: ``exp2_fma`` (part of the
+items, ``_attn_fwd_ws_persistent_kernel``) with the output stored as whole rows (``out_store="rows"``); since session
+24 causal launches take the per-block kernel (``persistent=False``; ping-pong only there) with the causal CTA order
+(``causal_lpt``, kernels/cta_order.py), which measured faster there.  Opt-in and measured slower: ``exp2_fma`` (part of the
 exp2 on the FMA pipe).  A timing probe of either kernel (``attn_fwd_gluon(_times=...)``,
 ``scripts/fwd_timeline.py``) records where each warpgroup's time goes.
 
@@ -130,12 +131,14 @@ class GluonFwdConfig:
     # ~2x an unmasked one.  Opt-in until measured (docs/pending-gpu-checks.md, session 19)
     mask: str = "select"
     # the per-block kernel's causal launches (the persistent kernel deals its items in order): CTAs heaviest query
-    # block first over sections of about two waves of heads (kernels/cta_order.py).  Bit-identical.  None: MXATTN_CAUSAL_LPT's
-    # choice (``launch.causal_lpt``), on by default (``default_config`` takes this kernel for causal launches)
+    # block first over sections of about two waves of heads (kernels/cta_order.py).  Bit-identical.  None:
+    # MXATTN_CAUSAL_LPT's choice (``launch.causal_lpt``), on by default (``default_config`` takes this kernel for
+    # causal launches)
     causal_lpt: Optional[bool] = None
 
 
-# MXATTN_FWD_PERSISTENT=0 (read at import): the per-block kernel by default (the persistent one is since session 19)
+# MXATTN_FWD_PERSISTENT=0 (read at import): the per-block kernel by default (the persistent one is since session 19;
+# causal launches take the per-block kernel anyway where the causal CTA order is on, ``default_config``)
 PERSISTENT_DEFAULT = os.environ.get("MXATTN_FWD_PERSISTENT", "1") != "0"
 # MXATTN_FWD_MASK=lean (read at import): GluonFwdConfig.mask's default (opt-in until measured)
 MASK_DEFAULT = os.environ.get("MXATTN_FWD_MASK", "select")
@@ -146,7 +149,7 @@ def default_config(head_dim: int, causal: bool) -> GluonFwdConfig:
     # take the whole register file).  Not tuned on the GPU yet (docs/perf-notes-attn-fwd-gluon.md: sweep to run).
     # Causal launches take the per-block kernel with the causal CTA order where MXATTN_CAUSAL_LPT allows (session
     # 24, H100: 1.019x / 1.020x / 1.065x the persistent kernel at S 4k / 8k / 16k, `cost_probe-…-s24-fwd-order.json`;
-    # non-causal, the persistent kernel stays 1.3-2.8 % ahead)
+    # non-causal, the per-block kernel measured 1.3-2.8 % slower, so those keep the persistent one)
     per_block = causal and launch_mod.causal_lpt(None, True)
     return GluonFwdConfig(stages=3, pingpong=False, exp2_fma=attn_fwd.EXP2_FMA_DEFAULT,
                           persistent=PERSISTENT_DEFAULT and not per_block, mask=MASK_DEFAULT)
@@ -947,7 +950,7 @@ def _plan_key(q, k, v, causal, softmax_scale, out_dtype):
         return None
     dev = launch_mod.current_device() if q.data.is_cuda else -1
     return (tuple(tensor_sig(t) for t in (q.data, k.data, v.data, q.exp, k.exp, v.exp)), q.data.device, dev, causal,
-            softmax_scale, out_dtype, PERSISTENT_DEFAULT, attn_fwd.EXP2_FMA_DEFAULT, MASK_DEFAULT)
+            softmax_scale, out_dtype, PERSISTENT_DEFAULT, attn_fwd.EXP2_FMA_DEFAULT, MASK_DEFAULT, launch_mod.CAUSAL_LPT)
 
 
 def plan_for(q, k, v, causal: bool, softmax_scale, out_dtype):

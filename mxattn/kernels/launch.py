@@ -51,7 +51,8 @@ PLANS = os.environ.get("MXATTN_LAUNCH_PLANS", "1").lower() not in ("0", "false",
 # MXATTN_CAUSAL_LPT (read once at import): how the kernels' ``causal_lpt = None`` resolves (``causal_lpt``).
 # Causal grids then run their CTAs heaviest block first over sections of heads (kernels/cta_order.py)
 # instead of head by head.  "auto" (default): where it measured faster (docs/perf-notes-attn-bwd.md, session 24);
-# "1" / "0": everywhere / nowhere
+# "1" / "0": everywhere / nowhere.  It also picks the Gluon forward's causal kernel: the per-block one where the order
+# is on (``attn_fwd_gluon.default_config``), the persistent one with "0"
 CAUSAL_LPT = os.environ.get("MXATTN_CAUSAL_LPT", "auto").lower()
 if CAUSAL_LPT not in ("auto", "0", "1"):
     raise ValueError(f"MXATTN_CAUSAL_LPT must be auto, 0 or 1, got {CAUSAL_LPT!r}")
