@@ -110,6 +110,8 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None, spli
     from triton.experimental.gluon import language as gl
 
     from mxattn.kernels import attn_bwd_dkdv_gluon as m
+    import torch
+
     from mxattn.kernels import launch
 
     cfg = m.default_config(head_dim, causal)
@@ -140,9 +142,9 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None, spli
                   # every constexpr is named: one left out compiles as a runtime i32 with both of its branches (the
                   # jagged whole-tile d128 causal build read 8 B of spills that way, 64 B as launched; session 23)
                   Q_PERM=q_perm,
-                  # the causal CTA order of dense per-block launches (two waves of 132 SMs; the launcher's rule)
-                  LPT_SECTION=264 if causal and not (varlen or fuse_dq) and launch.causal_lpt(cfg.causal_lpt, bm == 64)
-                  else 0)
+                  # the causal CTA order of dense per-block launches (132 SMs, the CPU stand-in's; the launcher's rule)
+                  LPT_SECTION=0 if varlen or fuse_dq else launch.lpt_section(causal, cfg.causal_lpt, bm == 64,
+                                                                             launch.sm_count(torch.device("cpu"))))
     if not fuse_dq:  # the other builds leave the fused-dQ arguments at their defaults
         consts |= {"ks_desc": None, "DQ": None}
     if varlen:

@@ -45,6 +45,8 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None, spli
     from triton.experimental.gluon import language as gl
 
     from mxattn.kernels import attn_bwd_dq_gluon as m
+    import torch
+
     from mxattn.kernels import launch
 
     cfg = m.default_config(head_dim, causal)
@@ -66,8 +68,9 @@ def compile_variant(head_dim: int, causal: bool, stages: int | None = None, spli
     consts = dict(HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs, SPLIT=split,
                   CONSUMER_REGS=cfg.consumer_regs, BLOCK_N=cfg.block_n, VARLEN=varlen,
                   K_PERM=k_perm, AMAX_SLOTS=cfg.amax_slots,
-                  # the causal CTA order of dense launches (two waves of an H100 / H200's 132 SMs)
-                  LPT_SECTION=264 if causal and not varlen and launch.causal_lpt(cfg.causal_lpt, True) else 0)
+                  # the causal CTA order of dense launches (an H100 / H200's 132 SMs, the CPU stand-in's count)
+                  LPT_SECTION=0 if varlen else launch.lpt_section(causal, cfg.causal_lpt, True,
+                                                                  launch.sm_count(torch.device("cpu"))))
     if varlen:
         ptrs["SLOTS"] = "*i32"
     else:

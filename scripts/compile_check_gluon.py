@@ -72,6 +72,8 @@ def compile_variant(head_dim: int, causal: bool, pingpong: bool, block_n: int = 
     (``K_PERM``, the launcher's path when Sk % 16 == 0), else the 2-D one (its fallback)."""
     from triton.experimental.gluon import language as gl
 
+    import torch
+
     from mxattn.kernels import launch
 
     if module is None:
@@ -95,8 +97,8 @@ def compile_variant(head_dim: int, causal: bool, pingpong: bool, block_n: int = 
         consts["OUT_ROWS"] = (out_store or cfg.out_store) == "rows"
     if "LEAN_MASK" in m._attn_fwd_ws_kernel.arg_names:
         consts["LEAN_MASK"] = (mask or cfg.mask) == "lean"
-    if "LPT_SECTION" in m._attn_fwd_ws_kernel.arg_names:  # the causal CTA order (two waves of 132 SMs)
-        consts["LPT_SECTION"] = 264 if causal and launch.causal_lpt(cfg.causal_lpt, True) else 0
+    if "LPT_SECTION" in m._attn_fwd_ws_kernel.arg_names:  # the causal CTA order (132 SMs, the CPU stand-in's)
+        consts["LPT_SECTION"] = launch.lpt_section(causal, cfg.causal_lpt, True, launch.sm_count(torch.device("cpu")))
     if "TIMES" in m._attn_fwd_ws_kernel.arg_names:
         if timeline:  # the timing probe's build (scripts/fwd_timeline.py)
             ptrs["TIMES"] = "*i64"

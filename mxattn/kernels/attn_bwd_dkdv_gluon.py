@@ -299,12 +299,12 @@ class GluonDkdvConfig:
     # fuse_dq): a block's K / V and first query stages load under the previous block's epilogue, and no CTA is
     # launched per key block (``_attn_bwd_dkdv_ws_persistent_kernel``)
     persistent: bool = False
-    # causal launches: CTAs heaviest key block first over sections of about two waves of kv heads (kernels/cta_order.py)
-    # instead of head by head, which leaves heavy blocks of the last heads for the grid's tail.  The same CTAs
-    # computing the same tiles: bit-identical.  None: MXATTN_CAUSAL_LPT's choice (``launch.causal_lpt``), by
-    # default on for the 64-query build and off for the 128-query one (session 24, H100, kernel alone: d128 S 4k /
-    # 8k 1.115x / 1.066x; d64 S 8k, block_m 128, 0.957x; `attn_bwd_kernels-…-s24-lpt-dkdv.json`).  Not with
-    # ``persistent`` (its own order)
+    # causal launches: CTAs heaviest key block first over sections of about two waves of kv heads
+    # (kernels/cta_order.py) instead of head by head, which leaves heavy blocks of the last heads for the grid's
+    # tail.  The same CTAs computing the same tiles: bit-identical.  None: MXATTN_CAUSAL_LPT's choice
+    # (``launch.causal_lpt``), by default on for the 64-query build and off for the 128-query one (session 24,
+    # H100, kernel alone: d128 S 4k / 8k 1.115x / 1.066x; d64 S 8k, block_m 128, 0.957x;
+    # `attn_bwd_kernels-…-s24-lpt-dkdv.json`).  Not with ``persistent`` (its own order)
     causal_lpt: Optional[bool] = None
 
     def __post_init__(self):
@@ -1646,8 +1646,9 @@ def attn_bwd_dkdv_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, 
     constexprs = dict(HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
                       SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, DEFER_DK=cfg.defers_dk, DS_KEY_EXP=cfg.key_exp,
                       BLOCK_M=bm, Q_PERM=q_perm, num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
-    if causal and launch.causal_lpt(cfg.causal_lpt, bm == 64) and not (cfg.persistent and Sq > 1):
-        constexprs["LPT_SECTION"] = 2 * _sm_count(dev)
+    section = launch.lpt_section(causal, cfg.causal_lpt, bm == 64, _sm_count(dev))
+    if section and not (cfg.persistent and Sq > 1):  # (the persistent kernel has its own order)
+        constexprs["LPT_SECTION"] = section
     if cfg.persistent and Sq > 1:  # (Sq == 1 keeps the per-block kernel's unspecialized twin)
         n_work = grid[0] * grid[1]
         grid = (min(_sm_count(dev), n_work),)

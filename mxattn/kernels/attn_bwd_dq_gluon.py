@@ -173,11 +173,11 @@ class GluonDqConfig:
     # default since session 23 (H100: the dQ kernel 1.049-1.064x at d128 S 4k / 8k, 1.025-1.043x at d64 S 8k,
     # `attn_bwd_kernels-…-s23-dqslots.json`); MXATTN_DQ_AMAX_SLOTS=0 turns it off
     amax_slots: bool = _AMAX_SLOTS
-    # causal launches: CTAs heaviest query block first over sections of about two waves of heads (kernels/cta_order.py)
-    # instead of head by head, which leaves heavy blocks of the last heads for the grid's tail.  The same CTAs
-    # computing the same tiles: bit-identical.  None: MXATTN_CAUSAL_LPT's choice (``launch.causal_lpt``), on by
-    # default (session 24, H100, kernel alone: d128 S 4k / 8k 1.066x / 1.009x, d64 S 8k 1.032x;
-    # `attn_bwd_kernels-…-s24-lpt-dq.json`)
+    # causal launches: CTAs heaviest query block first over sections of about two waves of heads
+    # (kernels/cta_order.py) instead of head by head, which leaves heavy blocks of the last heads for the grid's
+    # tail.  The same CTAs computing the same tiles: bit-identical.  None: MXATTN_CAUSAL_LPT's choice
+    # (``launch.causal_lpt``), on by default (session 24, H100, kernel alone: d128 S 4k / 8k 1.066x / 1.009x, d64
+    # S 8k 1.032x; `attn_bwd_kernels-…-s24-lpt-dq.json`)
     causal_lpt: Optional[bool] = None
 
     def __post_init__(self):
@@ -854,7 +854,7 @@ def attn_bwd_dq_gluon(q: RowScaledFP8, k: RowScaledFP8, v_hdim: RowScaledFP8, k_
     constexprs = dict(HEAD_DIM=D, STAGES=cfg.stages, CAUSAL=causal, PRODUCER_REGS=cfg.producer_regs,
                       SPLIT=cfg.split, CONSUMER_REGS=cfg.consumer_regs, BLOCK_N=cfg.block_n, K_PERM=use_perm,
                       AMAX_SLOTS=cfg.amax_slots,
-                      LPT_SECTION=2 * _sm_count(dev) if causal and launch.causal_lpt(cfg.causal_lpt, True) else 0,
+                      LPT_SECTION=launch.lpt_section(causal, cfg.causal_lpt, True, _sm_count(dev)),
                       num_warps=4 if cfg.split else 8, maxnreg=cfg.maxnreg)
     args = (*descs, qe, de, ke, ve, kse, lse, delta, dq, *scalars)
     if key is None:

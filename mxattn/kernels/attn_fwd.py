@@ -455,9 +455,11 @@ def attn_fwd_hopper(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         raise ValueError(f"exp2_fma must be 0, 25 or 50 (percent), got {cfg.exp2_fma}")
     constexprs = dict(HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
                       EXPLICIT_ROUND=INTERPRETER, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if causal and launch_mod.causal_lpt(cfg.causal_lpt, True):  # (only then: non-causal builds unchanged)
-        # sections of about two waves at two CTAs an SM (the tl builds run 1-3)
-        constexprs["LPT_SECTION"] = 4 * sm_count(qd.device)
+    # sections of about two waves at two CTAs an SM (the tl builds run 1-3); only where on, so that the other
+    # builds keep their specialization
+    section = launch_mod.lpt_section(causal, cfg.causal_lpt, True, sm_count(qd.device), ctas_per_sm=2)
+    if section:
+        constexprs["LPT_SECTION"] = section
     if cfg.exp2_fma:  # only then: the default build's specialization stays the measured one
         constexprs["EXP2_FMA"] = cfg.exp2_fma
         if cfg.num_warps == 4 and D <= 64 and not INTERPRETER:

@@ -30,8 +30,8 @@ V columns past Sk are zero-filled by TMA.  Only the last (and, causal, the diago
 Since session 19 the default is the persistent kernel (``GluonFwdConfig.persistent``: one CTA per SM over the work
 items, ``_attn_fwd_ws_persistent_kernel``) with the output stored as whole rows (``out_store="rows"``); since session
 24 causal launches take the per-block kernel (``persistent=False``; ping-pong only there) with the causal CTA order
-(``causal_lpt``, kernels/cta_order.py), which measured faster there.  Opt-in and measured slower: ``exp2_fma`` (part of the
-exp2 on the FMA pipe).  A timing probe of either kernel (``attn_fwd_gluon(_times=...)``,
+(``causal_lpt``, kernels/cta_order.py), which measured faster there.  Opt-in and measured slower: ``exp2_fma``
+(part of the exp2 on the FMA pipe).  A timing probe of either kernel (``attn_fwd_gluon(_times=...)``,
 ``scripts/fwd_timeline.py``) records where each warpgroup's time goes.
 
 Notes, budget and what to measure: docs/perf-notes-attn-fwd-gluon.md.  Compile check without a GPU:
@@ -950,7 +950,8 @@ def _plan_key(q, k, v, causal, softmax_scale, out_dtype):
         return None
     dev = launch_mod.current_device() if q.data.is_cuda else -1
     return (tuple(tensor_sig(t) for t in (q.data, k.data, v.data, q.exp, k.exp, v.exp)), q.data.device, dev, causal,
-            softmax_scale, out_dtype, PERSISTENT_DEFAULT, attn_fwd.EXP2_FMA_DEFAULT, MASK_DEFAULT, launch_mod.CAUSAL_LPT)
+            softmax_scale, out_dtype, PERSISTENT_DEFAULT, attn_fwd.EXP2_FMA_DEFAULT, MASK_DEFAULT,
+            launch_mod.CAUSAL_LPT)
 
 
 def plan_for(q, k, v, causal: bool, softmax_scale, out_dtype):
@@ -1025,8 +1026,9 @@ def attn_fwd_gluon(q, k, v, *, causal: bool = False, softmax_scale: float | None
     else:
         fn, grid, args = _attn_fwd_ws_kernel, (cdiv(Sq, BLOCK_M.value), B * Hq), (*args, _times)
         consts["PINGPONG"] = cfg.pingpong
-        if causal and launch_mod.causal_lpt(cfg.causal_lpt, True):
-            consts["LPT_SECTION"] = 2 * _sm_count(out.device)
+        section = launch_mod.lpt_section(causal, cfg.causal_lpt, True, _sm_count(out.device))
+        if section:  # (only then: the other builds keep their specialization)
+            consts["LPT_SECTION"] = section
     copied = q_desc.base is not q.data or k_desc.base is not k.data
     if key is None or copied:
         fast_launcher(fn)[grid](*args, **consts)

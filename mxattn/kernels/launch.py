@@ -105,6 +105,12 @@ def causal_lpt(value: Optional[bool], measured_faster: bool) -> bool:
     return measured_faster if CAUSAL_LPT == "auto" else CAUSAL_LPT == "1"
 
 
+def lpt_section(causal: bool, value: Optional[bool], measured_faster: bool, sms: int, ctas_per_sm: int = 1) -> int:
+    """A causal launch's LPT_SECTION (kernels/cta_order.py): two waves of CTAs (2 x ctas_per_sm x sms) where the
+    order is on (``causal_lpt``), else 0 (head by head, the kernel's default)."""
+    return 2 * ctas_per_sm * sms if causal and causal_lpt(value, measured_faster) else 0
+
+
 def cdiv(a: int, b: int) -> int:
     """``triton.cdiv`` for host code: that one is a ``constexpr_function`` whose call unwraps its arguments and
     re-imports on every call (~6-12 us of host time each on the GPU machine; the wrappers made dozens per call)."""
